@@ -1,0 +1,43 @@
+"""Packaging for localai-tw: brokerless distributed inference on Twisted."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="localai-tw",
+    version="0.1.0",
+    description=(
+        "Brokerless distributed inference in the style of LocalAI's distributed "
+        "mode, on Twisted: yamux tunnels over WebSocket, PostgreSQL cluster state."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["localai_tw", "localai_tw.*"]) + ["twisted.plugins"],
+    package_data={
+        "localai_tw.db": ["migrations/*.sql"],
+    },
+    include_package_data=True,
+    install_requires=[
+        "twisted[tls]>=24.11,<27",
+        "autobahn[twisted]>=24.4,<27",
+        "txpostgres>=1.7,<2",
+        "psycopg2-binary>=2.9.9,<3",
+        "pgserver>=0.1.4,<0.2",
+        "grpcio>=1.66,<2",
+        "protobuf>=5.27,<8",
+        "zope.interface>=6,<9",
+        "treq>=24.9,<27",
+        "PyYAML>=6,<7",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8,<10",
+            "pytest-twisted>=1.14,<2",
+            "hypothesis>=6.100,<7",
+        ],
+    },
+    classifiers=[
+        "Framework :: Twisted",
+        "Programming Language :: Python :: 3",
+    ],
+)
