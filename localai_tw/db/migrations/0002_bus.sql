@@ -1,0 +1,2 @@
+-- bus: bus_messages (spill), work_claims (claim queue)
+SELECT 1;

@@ -1,0 +1,276 @@
+"""Non-blocking PostgreSQL access through txpostgres.
+
+``Database`` is a small fixed-size pool of asynchronous psycopg2 connections driven by the
+reactor.  It offers the three operations the rest of the code needs (a query, a statement, a
+transaction), a pinned connection for LISTEN, and a session-level advisory lock held on a pinned
+connection.
+
+It must never block the reactor and never read the replica's clock: every time comparison
+belongs in SQL with ``now()``.  A connection that dies (server restart, ``pg_terminate_backend``)
+fails the call that found it dead with ``DatabaseUnavailable`` and is replaced in the background;
+the pool does not retry statements itself, because only the caller knows whether a statement is
+safe to repeat.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import Any, Callable
+
+import psycopg2
+import psycopg2.extensions
+from twisted.internet import defer
+from twisted.logger import Logger
+from txpostgres import txpostgres
+
+log = Logger()
+
+_pool_ids = itertools.count(1)
+
+
+class DatabaseError(Exception):
+    """Base of errors raised by this module."""
+
+
+class DatabaseUnavailable(DatabaseError):
+    """The connection to PostgreSQL failed or died.  Says nothing about any row."""
+
+
+class PoolClosed(DatabaseError):
+    """The pool was closed; this process is shutting down."""
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN with any password removed, for logs.  Secrets are never logged."""
+    try:
+        params = psycopg2.extensions.parse_dsn(dsn)
+    except psycopg2.ProgrammingError:
+        return "<unparsable dsn>"
+    params.pop("password", None)
+    return " ".join(f"{k}={v}" for k, v in sorted(params.items()))
+
+
+def dsn_with(dsn: str, **overrides: Any) -> str:
+    """``dsn`` (URL or key=value form) with some parameters replaced, as key=value text."""
+    return psycopg2.extensions.make_dsn(dsn, **overrides)
+
+
+def _is_dead(conn: txpostgres.Connection) -> bool:
+    raw = getattr(conn, "_connection", None)
+    return raw is None or bool(raw.closed)
+
+
+class Database:
+    """A fixed-size txpostgres pool.
+
+    :param dsn: libpq connection string or URL.
+    :param size: number of pooled connections; callers beyond it wait in FIFO order.
+    :param application_name: shown in ``pg_stat_activity``; the pool appends a suffix.
+    """
+
+    def __init__(self, dsn: str, size: int = 4, reactor=None,
+                 application_name: str = "localai_tw"):
+        if size < 1:
+            raise ValueError("pool size must be at least 1")
+        if reactor is None:
+            from twisted.internet import reactor as _reactor
+            reactor = _reactor
+        self.dsn = dsn
+        self.size = size
+        self._reactor = reactor
+        self._app = f"{application_name}_{next(_pool_ids)}"
+        self._free: deque[txpostgres.Connection] = deque()
+        self._waiters: deque[defer.Deferred] = deque()
+        self._all: set[txpostgres.Connection] = set()
+        self._closed = False
+        self._started = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open every pooled connection; fails if PostgreSQL cannot be reached."""
+        if self._started:
+            return
+        conns = await defer.gatherResults(
+            [defer.ensureDeferred(self._connect(f"{self._app}_{i}")) for i in range(self.size)],
+            consumeErrors=True,
+        ).addErrback(lambda f: f.value.subFailure)
+        for c in conns:
+            self._all.add(c)
+            self._release(c)
+        self._started = True
+        log.info("database pool of {size} connections to {dsn}", size=self.size,
+                 dsn=redact_dsn(self.dsn))
+
+    async def _connect(self, name: str) -> txpostgres.Connection:
+        conn = txpostgres.Connection(reactor=self._reactor)
+        try:
+            await conn.connect(dsn_with(self.dsn, application_name=name))
+        except psycopg2.Error as e:
+            raise DatabaseUnavailable(
+                f"cannot connect to PostgreSQL at {redact_dsn(self.dsn)}: {str(e).strip()}"
+            ) from e
+        return conn
+
+    def close(self) -> None:
+        """Close every connection and fail every waiter with ``PoolClosed``."""
+        if self._closed:
+            return
+        self._closed = True
+        while self._waiters:
+            self._waiters.popleft().errback(PoolClosed("database pool closed"))
+        for c in list(self._all):
+            try:
+                c.close()
+            except Exception:  # already broken: nothing left to release
+                pass
+        self._all.clear()
+        self._free.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- connection checkout ------------------------------------------------------------
+
+    def _acquire(self) -> defer.Deferred:
+        if self._closed:
+            return defer.fail(PoolClosed("database pool closed"))
+        if self._free:
+            return defer.succeed(self._free.popleft())
+        d = defer.Deferred(lambda d: self._waiters.remove(d) if d in self._waiters else None)
+        self._waiters.append(d)
+        return d
+
+    def _release(self, conn: txpostgres.Connection) -> None:
+        if self._closed:
+            conn.close()
+            return
+        if self._waiters:
+            self._waiters.popleft().callback(conn)
+        else:
+            self._free.append(conn)
+
+    def _replace(self, conn: txpostgres.Connection) -> None:
+        """Drop a dead connection and put a fresh one in its place, retrying with backoff."""
+        self._all.discard(conn)
+        try:
+            conn.close()
+        except Exception:
+            pass
+
+        async def reconnect() -> None:
+            delay = 0.1
+            while not self._closed:
+                try:
+                    fresh = await self._connect(f"{self._app}_r")
+                except DatabaseUnavailable as e:
+                    log.warn("database reconnect failed, retrying in {delay}s: {err}",
+                             delay=delay, err=e)
+                    await _sleep(self._reactor, delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                if self._closed:
+                    fresh.close()
+                    return
+                self._all.add(fresh)
+                self._release(fresh)
+                return
+
+        defer.ensureDeferred(reconnect())
+
+    async def _with_connection(self, fn: Callable[[txpostgres.Connection], defer.Deferred]):
+        conn = await self._acquire()
+        try:
+            result = await fn(conn)
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+            if _is_dead(conn):
+                self._replace(conn)
+                raise DatabaseUnavailable(f"database connection lost: {str(e).strip()}") from e
+            self._release(conn)
+            raise
+        except txpostgres.RollbackFailed as e:
+            self._replace(conn)
+            raise DatabaseUnavailable("database connection lost during a transaction") from e
+        except BaseException:
+            self._release(conn)
+            raise
+        self._release(conn)
+        return result
+
+    # -- operations ---------------------------------------------------------------------
+
+    def runQuery(self, sql: str, params: Any = None) -> defer.Deferred:
+        """Run one statement and fire with its rows (a list of tuples)."""
+        return defer.ensureDeferred(self._with_connection(lambda c: c.runQuery(sql, params)))
+
+    def runOperation(self, sql: str, params: Any = None) -> defer.Deferred:
+        """Run one statement whose rows are not wanted."""
+        return defer.ensureDeferred(self._with_connection(lambda c: c.runOperation(sql, params)))
+
+    def runInteraction(self, interaction: Callable[..., Any], *args, **kwargs) -> defer.Deferred:
+        """Run ``interaction(cursor, *args, **kwargs)`` inside one transaction.
+
+        The interaction uses ``cursor.execute(sql, params)`` (a Deferred) and
+        ``cursor.fetchall()``; it may be an ``async def``.  An exception rolls back.
+        """
+        def run(conn):
+            def wrapped(cursor):
+                return defer.maybeDeferred(_call_maybe_coroutine, interaction, cursor,
+                                           *args, **kwargs)
+            return conn.runInteraction(wrapped)
+        return defer.ensureDeferred(self._with_connection(run))
+
+    async def connectPinned(self, purpose: str) -> txpostgres.Connection:
+        """A dedicated connection outside the pool (for LISTEN).  The caller closes it."""
+        return await self._connect(f"{self._app}_{purpose}")
+
+    async def tryWithAdvisoryLock(self, key: int, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run ``fn()`` while holding session advisory lock ``key``, if it is free.
+
+        Non-blocking and non-sticky: returns ``(False, None)`` at once when another session
+        holds the lock; otherwise ``(True, result)``, unlocking afterwards.  The lock lives on a
+        pinned pool connection, so if that connection dies the lock is released by PostgreSQL.
+        ``fn`` uses the pool as usual (other connections).
+        """
+        conn = await self._acquire()
+        try:
+            rows = await conn.runQuery("SELECT pg_try_advisory_lock(%s)", (key,))
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+            self._replace(conn)
+            raise DatabaseUnavailable(f"database connection lost: {str(e).strip()}") from e
+        except BaseException:
+            self._release(conn)
+            raise
+        if not rows[0][0]:
+            self._release(conn)
+            return False, None
+        try:
+            result = await defer.maybeDeferred(_call_maybe_coroutine, fn)
+        finally:
+            try:
+                await conn.runQuery("SELECT pg_advisory_unlock(%s)", (key,))
+            except (psycopg2.OperationalError, psycopg2.InterfaceError):
+                self._replace(conn)
+            else:
+                self._release(conn)
+        return True, result
+
+
+def _call_maybe_coroutine(fn, *args, **kwargs):
+    result = fn(*args, **kwargs)
+    if hasattr(result, "__await__") and not isinstance(result, defer.Deferred):
+        return defer.ensureDeferred(result)
+    return result
+
+
+def _sleep(reactor, seconds: float) -> defer.Deferred:
+    from twisted.internet import task
+    return task.deferLater(reactor, seconds, lambda: None)
+
+
+# Advisory lock keys, one place.  The numbers follow the Go original where it has them.
+LOCK_HEALTH_CHECK = 104
+LOCK_SCHEMA_MIGRATE = 105
+LOCK_MODEL_LOAD = 108

@@ -1,0 +1,121 @@
+"""The pool and the migration runner against a real PostgreSQL."""
+
+import psycopg2
+import pytest
+import pytest_twisted
+from twisted.internet import defer
+
+from localai_tw.db.migrate import Migration, SchemaTooNew, load_migrations, migrate
+from localai_tw.db.pool import Database, DatabaseUnavailable, PoolClosed
+
+
+@pytest_twisted.ensureDeferred
+async def test_query_operation_and_transaction(db):
+    await db.runOperation("CREATE TABLE t (k int PRIMARY KEY, v text)")
+    await db.runOperation("INSERT INTO t VALUES (%s, %s)", (1, "one"))
+
+    async def move(cursor):
+        await cursor.execute("UPDATE t SET v = %s WHERE k = 1", ("uno",))
+        raise RuntimeError("roll it back")
+
+    with pytest.raises(RuntimeError):
+        await db.runInteraction(move)
+    assert await db.runQuery("SELECT v FROM t WHERE k = 1") == [("one",)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_more_callers_than_connections_all_complete(db):
+    results = await defer.gatherResults(
+        [db.runQuery("SELECT %s::int, pg_sleep(0.01)", (i,)) for i in range(20)]
+    )
+    assert sorted(r[0][0] for r in results) == list(range(20))
+
+
+@pytest_twisted.ensureDeferred
+async def test_killed_backend_fails_one_call_then_pool_recovers(pg_dsn):
+    database = Database(pg_dsn, size=1)
+    await database.start()
+    try:
+        (pid,) = (await database.runQuery("SELECT pg_backend_pid()"))[0]
+        admin = psycopg2.connect(pg_dsn)
+        admin.autocommit = True
+        admin.cursor().execute("SELECT pg_terminate_backend(%s)", (pid,))
+        admin.close()
+        with pytest.raises(DatabaseUnavailable):
+            await database.runQuery("SELECT 1")
+        # The replacement connection arrives in the background.
+        assert await database.runQuery("SELECT 1") == [(1,)]
+    finally:
+        database.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_closed_pool_refuses(pg_dsn):
+    database = Database(pg_dsn, size=1)
+    await database.start()
+    database.close()
+    with pytest.raises(PoolClosed):
+        await database.runQuery("SELECT 1")
+
+
+@pytest_twisted.ensureDeferred
+async def test_unreachable_server_is_named_without_password():
+    database = Database("host=127.0.0.1 port=1 user=u password=hunter2 dbname=x", size=1)
+    with pytest.raises(DatabaseUnavailable) as info:
+        await database.start()
+    assert "hunter2" not in str(info.value)
+    assert "port=1" in str(info.value)
+
+
+@pytest_twisted.ensureDeferred
+async def test_advisory_lock_is_exclusive_and_released(db):
+    entered = defer.Deferred()
+    release = defer.Deferred()
+
+    async def hold():
+        entered.callback(None)
+        await release
+
+    first = defer.ensureDeferred(db.tryWithAdvisoryLock(4242, hold))
+    await entered
+    assert await db.tryWithAdvisoryLock(4242, lambda: "never") == (False, None)
+    release.callback(None)
+    assert (await first)[0] is True
+    assert await db.tryWithAdvisoryLock(4242, lambda: "again") == (True, "again")
+
+
+@pytest_twisted.ensureDeferred
+async def test_migrations_apply_once_and_record_versions(db):
+    known = load_migrations()
+    assert await migrate(db) == known[-1].version
+    rows = await db.runQuery("SELECT version FROM schema_migrations ORDER BY version")
+    assert [r[0] for r in rows] == [m.version for m in known]
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrent_migrations_both_succeed(pg_dsn):
+    extra = load_migrations() + [
+        Migration(len(load_migrations()) + 1, "probe",
+                  "CREATE TABLE probe_once (x int); INSERT INTO probe_once VALUES (1)")
+    ]
+    a, b = Database(pg_dsn, size=1), Database(pg_dsn, size=1)
+    await a.start()
+    await b.start()
+    try:
+        versions = await defer.gatherResults(
+            [defer.ensureDeferred(migrate(a, extra)), defer.ensureDeferred(migrate(b, extra))]
+        )
+        assert versions == [extra[-1].version] * 2
+        assert await a.runQuery("SELECT count(*) FROM probe_once") == [(1,)]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_schema_newer_than_code_is_refused(db):
+    await db.runOperation(
+        "INSERT INTO schema_migrations (version, name) VALUES (9999, 'from_the_future')")
+    with pytest.raises(SchemaTooNew) as info:
+        await migrate(db)
+    assert "9999" in str(info.value)
