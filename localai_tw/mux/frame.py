@@ -1,0 +1,162 @@
+"""The yamux frame codec: the 12-byte header, the four frame types and an incremental decoder.
+
+This module is pure: it turns bytes into ``Frame`` values and back.  It never does I/O, never
+keeps state about streams, and never reads a payload after a frame that has none (window
+update, ping and go-away frames are header only; their length field is a number).  The decoder
+bounds what it buffers: at most one header plus one Data payload of ``max_payload`` bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from localai_tw.mux.errors import FrameError
+
+HEADER = struct.Struct(">BBHII")
+HEADER_SIZE = HEADER.size  # 12
+
+VERSION = 0
+
+TYPE_DATA = 0
+TYPE_WINDOW_UPDATE = 1
+TYPE_PING = 2
+TYPE_GO_AWAY = 3
+TYPE_NAMES = {
+    TYPE_DATA: "data",
+    TYPE_WINDOW_UPDATE: "window-update",
+    TYPE_PING: "ping",
+    TYPE_GO_AWAY: "go-away",
+}
+
+FLAG_SYN = 0x1
+FLAG_ACK = 0x2
+FLAG_FIN = 0x4
+FLAG_RST = 0x8
+
+GOAWAY_NORMAL = 0
+GOAWAY_PROTOCOL_ERROR = 1
+GOAWAY_INTERNAL_ERROR = 2
+
+# Both windows of every stream start here, without any handshake.
+INITIAL_WINDOW = 256 * 1024
+
+MAX_UINT16 = 0xFFFF
+MAX_UINT32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One yamux frame.
+
+    ``length`` is the payload size for Data frames and a plain number for the others (window
+    increment, ping opaque value, go-away code).  Only Data frames carry ``payload``.
+    """
+
+    type: int
+    flags: int
+    stream_id: int
+    length: int
+    payload: bytes = b""
+
+    # -- constructors: they keep ``length`` and ``payload`` consistent ----------------------
+
+    @classmethod
+    def data(cls, stream_id: int, payload: bytes = b"", flags: int = 0) -> "Frame":
+        return cls(TYPE_DATA, flags, stream_id, len(payload), bytes(payload))
+
+    @classmethod
+    def window_update(cls, stream_id: int, delta: int = 0, flags: int = 0) -> "Frame":
+        return cls(TYPE_WINDOW_UPDATE, flags, stream_id, delta)
+
+    @classmethod
+    def ping(cls, opaque: int, ack: bool = False) -> "Frame":
+        return cls(TYPE_PING, FLAG_ACK if ack else FLAG_SYN, 0, opaque)
+
+    @classmethod
+    def go_away(cls, code: int = GOAWAY_NORMAL) -> "Frame":
+        return cls(TYPE_GO_AWAY, 0, 0, code)
+
+    def has(self, flag: int) -> bool:
+        return bool(self.flags & flag)
+
+    def __repr__(self) -> str:
+        names = [n for f, n in ((FLAG_SYN, "SYN"), (FLAG_ACK, "ACK"), (FLAG_FIN, "FIN"),
+                                (FLAG_RST, "RST")) if self.flags & f]
+        kind = TYPE_NAMES.get(self.type, f"type{self.type}")
+        return (f"<Frame {kind} id={self.stream_id} flags={'|'.join(names) or '-'} "
+                f"length={self.length}>")
+
+
+def encode(frame: Frame) -> bytes:
+    """Serialise ``frame``; refuses frames the decoder (or a Go peer) would reject."""
+    if frame.type not in TYPE_NAMES:
+        raise ValueError(f"unknown frame type {frame.type}")
+    if not 0 <= frame.flags <= MAX_UINT16:
+        raise ValueError(f"flags out of range: {frame.flags}")
+    if not 0 <= frame.stream_id <= MAX_UINT32:
+        raise ValueError(f"stream id out of range: {frame.stream_id}")
+    if not 0 <= frame.length <= MAX_UINT32:
+        raise ValueError(f"length out of range: {frame.length}")
+    if frame.type == TYPE_DATA:
+        if frame.length != len(frame.payload):
+            raise ValueError("a Data frame's length must equal its payload size")
+    elif frame.payload:
+        raise ValueError("only Data frames carry a payload")
+    header = HEADER.pack(VERSION, frame.type, frame.flags, frame.stream_id, frame.length)
+    return header + frame.payload if frame.payload else header
+
+
+class FrameDecoder:
+    """Incremental decoder: feed it bytes cut anywhere, get whole frames back.
+
+    A Data frame whose length exceeds ``max_payload`` is refused as soon as its header is seen,
+    so a hostile length never makes us buffer.  After a ``FrameError`` the byte stream has no
+    trustworthy frame boundary left, so the decoder refuses all further input.
+    """
+
+    def __init__(self, max_payload: int = INITIAL_WINDOW):
+        if max_payload < 0:
+            raise ValueError("max_payload must not be negative")
+        self.max_payload = max_payload
+        self._buffer = bytearray()
+        self._failed: FrameError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held waiting for the rest of a frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[Frame]:
+        if self._failed is not None:
+            raise self._failed
+        buf = self._buffer
+        buf += data
+        frames: list[Frame] = []
+        pos = 0
+        end = len(buf)
+        try:
+            while end - pos >= HEADER_SIZE:
+                version, ftype, flags, stream_id, length = HEADER.unpack_from(buf, pos)
+                if version != VERSION:
+                    raise FrameError(f"unsupported yamux version {version}")
+                if ftype not in TYPE_NAMES:
+                    raise FrameError(f"unknown frame type {ftype}")
+                if ftype != TYPE_DATA:
+                    frames.append(Frame(ftype, flags, stream_id, length))
+                    pos += HEADER_SIZE
+                    continue
+                if length > self.max_payload:
+                    raise FrameError(
+                        f"data frame of {length} bytes exceeds the limit of {self.max_payload}")
+                if end - pos - HEADER_SIZE < length:
+                    break  # wait for the rest of the payload
+                start = pos + HEADER_SIZE
+                frames.append(Frame(ftype, flags, stream_id, length, bytes(buf[start:start + length])))
+                pos = start + length
+        except FrameError as e:
+            self._failed = e
+            self._buffer = bytearray()
+            raise
+        del buf[:pos]
+        return frames
