@@ -1,0 +1,542 @@
+"""A yamux session: a Twisted ``Protocol`` that multiplexes streams over one transport.
+
+The session owns the stream table, id allocation, accepting and refusing inbound streams,
+keepalive pings, go-away, and the translation of every way the carrier can end into the
+ending each stream's protocol sees.  It speaks hashicorp/yamux on the wire (see
+``docs/protocol.md``) and runs over any transport: TCP, or the WebSocket adapter.
+
+It must never raise out of ``dataReceived`` (bad input from the peer ends the session with
+go-away(protocol error) and a clean teardown of every stream), never let one stream's protocol
+take the session down, never reuse a stream id, and never buffer more than the peers' windows
+allow: the session itself holds no stream data, it only writes frames while the transport is
+not paused.  Control frames (pings, window updates, go-away) are written at once, never queued
+behind stream data.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from twisted.internet import defer
+from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from localai_tw.mux.errors import (
+    FrameError,
+    KeepaliveTimeout,
+    ProtocolError,
+    SessionEnded,
+    SessionFailed,
+    SessionNotOpen,
+    StreamsExhausted,
+    TooManyStreams,
+)
+from localai_tw.mux.frame import (
+    FLAG_RST,
+    FLAG_SYN,
+    GOAWAY_INTERNAL_ERROR,
+    GOAWAY_NORMAL,
+    GOAWAY_PROTOCOL_ERROR,
+    INITIAL_WINDOW,
+    MAX_UINT32,
+    TYPE_DATA,
+    TYPE_GO_AWAY,
+    TYPE_PING,
+    Frame,
+    FrameDecoder,
+    encode,
+)
+from localai_tw.mux.stream import Stream, StreamState
+
+log = Logger()
+
+GOAWAY_NAMES = {
+    GOAWAY_NORMAL: "normal",
+    GOAWAY_PROTOCOL_ERROR: "protocol error",
+    GOAWAY_INTERNAL_ERROR: "internal error",
+}
+
+# Go allocates ids strictly below 2**32 - 2, then reports "streams exhausted".
+_LAST_STREAM_ID = MAX_UINT32 - 2
+
+
+@dataclass
+class SessionConfig:
+    """Tunables of one session.  Both ends must agree on ``max_window`` only in the sense that
+    each advertises its own; the initial window is fixed by the protocol."""
+
+    accept_backlog: int = 256            # inbound streams waiting for accept(); beyond -> RST
+    max_streams: int = 1000              # concurrent streams, both directions (libp2p's default)
+    keepalive_interval: float | None = 30.0   # None or 0 disables keepalive pings
+    keepalive_timeout: float = 10.0      # no ping reply within this -> KeepaliveTimeout
+    initial_window: int = INITIAL_WINDOW  # fixed by yamux (no handshake); kept for the contract
+    max_window: int = INITIAL_WINDOW     # receive window we advertise per stream (>= 256 KiB)
+    accept_streams: bool = True          # False: every inbound SYN is answered with RST
+    # 64 KiB: small enough that streams interleave on the carrier and a ping reply never waits
+    # behind a huge frame (one frame is one WebSocket message), large enough that the 12-byte
+    # header costs 0.02 %.  Go accepts any size up to the window.
+    max_frame_size: int = 64 * 1024
+    # After loseConnection our FIN went out; if the peer never answers with FIN the id is
+    # reset after this long, so a silent peer cannot pin stream slots (newer Go does the same).
+    linger_timeout: float | None = 300.0
+
+    def __post_init__(self):
+        if self.initial_window != INITIAL_WINDOW:
+            raise ValueError("yamux's initial window is fixed at 256 KiB")
+        if self.max_window < INITIAL_WINDOW or self.max_window > MAX_UINT32:
+            raise ValueError("max_window must be between 256 KiB and 2**32 - 1")
+        if self.max_frame_size < 1:
+            raise ValueError("max_frame_size must be positive")
+        if self.accept_backlog < 0 or self.max_streams < 0:
+            raise ValueError("limits must not be negative")
+
+
+class SessionState(enum.Enum):
+    CONNECTING = "connecting"  # not yet given a transport
+    OPEN = "open"
+    ENDED = "ended"
+
+
+@implementer(IPushProducer)
+class Session(Protocol):
+    """One yamux session.  ``client=True`` opens odd ids (from 1), ``False`` even ids (from 2).
+
+    ``acceptor(stream) -> IProtocol | None`` is called for each inbound stream; the returned
+    protocol is connected and the stream acknowledged; ``None`` or an exception refuses it with
+    RST.  Without an acceptor inbound streams wait (at most ``accept_backlog``) for ``accept()``.
+    """
+
+    def __init__(self, client: bool, config: SessionConfig | None = None,
+                 acceptor: Callable[[Stream], object] | None = None, reactor=None):
+        self.client = client
+        self.config = config if config is not None else SessionConfig()
+        self._acceptor = acceptor
+        if reactor is None:
+            from twisted.internet import reactor
+        self._reactor = reactor
+        self.state = SessionState.CONNECTING
+        self.localGoAway = False    # we sent go-away(0): new inbound streams are refused
+        self.remoteGoAway = False   # the peer sent go-away(0): we open no new streams
+        self._ending: Exception | None = None
+        self._decoder = FrameDecoder(self.config.max_window)
+        self._streams: dict[int, Stream] = {}
+        self._rotation: deque[Stream] = deque()   # fair order for serving streams on resume
+        self._next_id = 1 if client else 2
+        self._backlog: deque[Stream] = deque()
+        self._accept_waiters: deque[defer.Deferred] = deque()
+        self._closed_waiters: list[defer.Deferred] = []
+        self._paused = False
+        self._pings: dict[int, tuple[defer.Deferred, float]] = {}
+        self._ping_counter = 0
+        self._keepalive_loop: LoopingCall | None = None
+        self._keepalive_opaque: int | None = None
+        self._keepalive_timer = None
+        self._lingering: dict[int, object] = {}
+
+    # -- public API -----------------------------------------------------------------------
+
+    @property
+    def isOpen(self) -> bool:
+        return self.state is SessionState.OPEN
+
+    @property
+    def streamCount(self) -> int:
+        """Streams whose ids are live (including those waiting in the accept backlog)."""
+        return len(self._streams)
+
+    @property
+    def ending(self) -> Exception | None:
+        """Why the session ended (SessionEnded / SessionFailed / KeepaliveTimeout), or None."""
+        return self._ending
+
+    def openStream(self, protocol=None, data: bytes = b"") -> Stream:
+        """Open a stream, connect ``protocol`` to it and return it.  ``data`` goes first (the
+        SYN rides on it when the window is the default).  Raises ``SessionNotOpen``,
+        ``TooManyStreams`` or ``StreamsExhausted``."""
+        if self.state is not SessionState.OPEN:
+            raise SessionNotOpen("the session is not open")
+        if self.remoteGoAway:
+            raise SessionNotOpen("the peer sent go-away")
+        if len(self._streams) >= self.config.max_streams:
+            raise TooManyStreams(f"{len(self._streams)} streams are open")
+        stream_id = self._next_id
+        if stream_id > _LAST_STREAM_ID:
+            raise StreamsExhausted("no stream id left in this session")
+        self._next_id += 2
+        stream = self._addStream(stream_id, StreamState.SYN_SENT)
+        stream._open(data)
+        if protocol is not None and stream.protocol is None:
+            stream.connectProtocol(protocol)
+        return stream
+
+    def accept(self) -> defer.Deferred:
+        """A Deferred firing with the next inbound stream (already acknowledged).  Attach a
+        protocol with ``stream.connectProtocol(p)``; until then its bytes wait, within its
+        window."""
+        if self._backlog:
+            stream = self._backlog.popleft()
+            stream._sendAck()
+            return defer.succeed(stream)
+        if self.state is SessionState.ENDED:
+            return defer.fail(self._ending)
+        d = defer.Deferred(lambda d: self._accept_waiters.remove(d))
+        self._accept_waiters.append(d)
+        return d
+
+    def ping(self) -> defer.Deferred:
+        """Round-trip a ping; fires with the seconds it took, or fails when the session ends."""
+        if self.state is not SessionState.OPEN:
+            return defer.fail(SessionNotOpen("the session is not open"))
+        d = defer.Deferred()
+        opaque = self._nextOpaque()
+        self._pings[opaque] = (d, self._reactor.seconds())
+        self._sendFrame(Frame.ping(opaque))
+        return d
+
+    def goAway(self, code: int = GOAWAY_NORMAL) -> None:
+        """Send go-away.  ``0``: refuse new inbound streams, keep the existing ones.  Any other
+        code ends the session (``SessionFailed``)."""
+        if self.state is not SessionState.OPEN:
+            return
+        if code == GOAWAY_NORMAL:
+            if not self.localGoAway:
+                self.localGoAway = True
+                self._sendFrame(Frame.go_away(GOAWAY_NORMAL))
+            return
+        self._sendFrame(Frame.go_away(code))
+        self._end(SessionFailed(f"local go-away ({_goAwayName(code)})"))
+        self._closeTransport(abort=False)
+
+    def loseConnection(self) -> None:
+        """Normal local close: go-away(0), every stream ends with ``SessionEnded``, then the
+        transport is closed (what was already written is flushed by it)."""
+        if self.state is not SessionState.OPEN:
+            return
+        self.goAway(GOAWAY_NORMAL)
+        self._end(SessionEnded(string="closed by the local side"))
+        self._closeTransport(abort=False)
+
+    def abort(self, reason=None) -> None:
+        """End the session at once with ``SessionFailed`` (or ``reason`` if it already is a
+        session ending) and abort the transport."""
+        if self.state is SessionState.ENDED:
+            return
+        if not isinstance(reason, (SessionEnded, SessionFailed)):
+            reason = SessionFailed(f"aborted: {reason}" if reason else "aborted")
+        self._end(reason)
+        self._closeTransport(abort=True)
+
+    def whenClosed(self) -> defer.Deferred:
+        """Fires (callback) with the ending exception once the session ended."""
+        if self.state is SessionState.ENDED:
+            return defer.succeed(self._ending)
+        d = defer.Deferred()
+        self._closed_waiters.append(d)
+        return d
+
+    # -- Protocol -------------------------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        self.state = SessionState.OPEN
+        register = getattr(self.transport, "registerProducer", None)
+        if register is not None:
+            register(self, True)
+        interval = self.config.keepalive_interval
+        if interval:
+            self._keepalive_loop = LoopingCall(self._sendKeepalive)
+            self._keepalive_loop.clock = self._reactor
+            self._keepalive_loop.start(interval, now=False)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.state is not SessionState.OPEN:
+            return
+        try:
+            frames = self._decoder.feed(data)
+        except FrameError as e:
+            self._protocolError(str(e))
+            return
+        for frame in frames:
+            if self.state is not SessionState.OPEN:
+                return
+            try:
+                self._handleFrame(frame)
+            except ProtocolError as e:
+                self._protocolError(str(e))
+                return
+            except Exception:
+                log.failure("yamux session failed handling {frame!r}", frame=frame)
+                self._internalError()
+                return
+
+    def connectionLost(self, reason: Failure = None) -> None:
+        if self.state is SessionState.ENDED:
+            return
+        if reason is None or reason.check(ConnectionDone):
+            ending = SessionEnded(string="the carrier closed")
+        else:
+            ending = SessionFailed(f"transport lost: {reason.getErrorMessage()}")
+        self._end(ending)
+
+    # -- IPushProducer: the transport's backpressure on us ---------------------------------
+
+    def pauseProducing(self) -> None:
+        """The transport's buffer is full: every stream's producer is paused."""
+        if self._paused or self.state is not SessionState.OPEN:
+            return
+        self._paused = True
+        for stream in list(self._streams.values()):
+            stream._sessionPaused()
+
+    def resumeProducing(self) -> None:
+        """Serve streams in rotation, stopping as soon as the transport pauses us again; the
+        stream served last goes to the back, so the next resume starts with the next one."""
+        if not self._paused:
+            return
+        self._paused = False
+        for _ in range(len(self._rotation)):
+            if self._paused or self.state is not SessionState.OPEN or not self._rotation:
+                break
+            stream = self._rotation[0]
+            self._rotation.rotate(-1)
+            stream._sessionResumed()
+
+    def stopProducing(self) -> None:
+        """The transport is going away; its connectionLost tells us how."""
+
+    # -- frames in ------------------------------------------------------------------------
+
+    def _handleFrame(self, frame: Frame) -> None:
+        if frame.type == TYPE_PING:
+            self._handlePing(frame)
+        elif frame.type == TYPE_GO_AWAY:
+            self._handleGoAway(frame)
+        else:
+            self._handleStreamFrame(frame)
+
+    def _handlePing(self, frame: Frame) -> None:
+        if frame.stream_id != 0:
+            raise ProtocolError(f"ping on stream {frame.stream_id}")
+        if frame.has(FLAG_SYN):
+            # Answer at once, straight to the transport: never behind queued stream data.
+            self._sendFrame(Frame.ping(frame.length, ack=True))
+            return
+        opaque = frame.length
+        if opaque == self._keepalive_opaque:
+            self._keepalive_opaque = None
+            if self._keepalive_timer is not None and self._keepalive_timer.active():
+                self._keepalive_timer.cancel()
+            self._keepalive_timer = None
+        waiting = self._pings.pop(opaque, None)
+        if waiting is not None:
+            d, sent = waiting
+            d.callback(self._reactor.seconds() - sent)
+
+    def _handleGoAway(self, frame: Frame) -> None:
+        if frame.stream_id != 0:
+            raise ProtocolError(f"go-away on stream {frame.stream_id}")
+        code = frame.length
+        if code == GOAWAY_NORMAL:
+            self.remoteGoAway = True
+            return
+        self._end(SessionFailed(f"peer sent go-away ({_goAwayName(code)})"))
+        self._closeTransport(abort=False)
+
+    def _handleStreamFrame(self, frame: Frame) -> None:
+        sid = frame.stream_id
+        if sid == 0:
+            raise ProtocolError(f"{'data' if frame.type == TYPE_DATA else 'window update'} "
+                                "frame on stream 0")
+        stream = self._streams.get(sid)
+        offered = False
+        if frame.has(FLAG_SYN):
+            if stream is not None:
+                raise ProtocolError(f"SYN for live stream {sid}")
+            if (sid % 2 == 1) == self.client:
+                raise ProtocolError(f"peer opened stream {sid} with our id parity")
+            if frame.has(FLAG_RST):
+                return  # opened and aborted in one frame: nothing to do
+            stream = self._incomingStream(sid)
+            if stream is None:
+                return  # refused with RST; any payload is dropped
+            offered = True
+        elif stream is None:
+            return  # unknown or finished id: dropped quietly, as Go does
+
+        if frame.has(FLAG_RST):
+            stream._receiveReset()  # the length is opaque here (libp2p puts an error code)
+            return
+        if frame.has(FLAG_ACK):
+            stream._receiveAck()
+        if frame.type == TYPE_DATA:
+            stream._receiveData(frame.payload)
+        elif frame.length:
+            stream._receiveWindow(frame.length)
+        if frame.has(FLAG_FIN) and self._live(stream):
+            stream._receiveFin()
+        if offered and self._live(stream):
+            self._offerStream(stream)
+
+    def _live(self, stream: Stream) -> bool:
+        return self.state is SessionState.OPEN and self._streams.get(stream.id) is stream
+
+    def _incomingStream(self, sid: int) -> Stream | None:
+        """Register an inbound stream, or refuse it with RST when we cannot take it."""
+        refuse = None
+        if self.localGoAway:
+            refuse = "after go-away"
+        elif not self.config.accept_streams:
+            refuse = "inbound streams not accepted"
+        elif len(self._streams) >= self.config.max_streams:
+            refuse = "too many streams"
+        elif self._acceptor is None and len(self._backlog) >= self.config.accept_backlog:
+            refuse = "accept backlog full"
+        if refuse is not None:
+            log.debug("refusing stream {sid}: {why}", sid=sid, why=refuse)
+            self._sendFrame(Frame.window_update(sid, 0, FLAG_RST))
+            return None
+        return self._addStream(sid, StreamState.SYN_RECEIVED)
+
+    def _offerStream(self, stream: Stream) -> None:
+        """Hand an inbound stream to the acceptor, to a waiting accept(), or to the backlog."""
+        if self._acceptor is None:
+            if self._accept_waiters:
+                d = self._accept_waiters.popleft()
+                stream._sendAck()
+                d.callback(stream)
+            else:
+                self._backlog.append(stream)
+            return
+        try:
+            protocol = self._acceptor(stream)
+        except Exception:
+            log.failure("acceptor raised for {stream!r}; refusing it", stream=stream)
+            protocol = None
+        if not self._live(stream):
+            return
+        if protocol is None:
+            stream._reset(remote=False, detail="refused")
+            return
+        stream._sendAck()
+        stream.connectProtocol(protocol)
+
+    # -- frames out and stream bookkeeping (used by Stream) --------------------------------
+
+    def _writable(self) -> bool:
+        """May stream data be written now?  Not while the transport has paused us."""
+        return self.state is SessionState.OPEN and not self._paused
+
+    def _sendFrame(self, frame: Frame) -> None:
+        if self.state is not SessionState.OPEN or self.transport is None:
+            return
+        self.transport.write(encode(frame))
+
+    def _addStream(self, sid: int, state: StreamState) -> Stream:
+        stream = Stream(self, sid, state)
+        self._streams[sid] = stream
+        self._rotation.append(stream)
+        return stream
+
+    def _forgetStream(self, stream: Stream) -> None:
+        """The id is finished on the wire; later frames for it are dropped quietly."""
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+            self._rotation.remove(stream)
+            if stream in self._backlog:
+                self._backlog.remove(stream)
+        timer = self._lingering.pop(stream.id, None)
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _lingerStream(self, stream: Stream) -> None:
+        """Our side closed; give the peer ``linger_timeout`` to send its FIN, then reset."""
+        timeout = self.config.linger_timeout
+        if not timeout or stream.id in self._lingering or not self._live(stream):
+            return
+        self._lingering[stream.id] = self._reactor.callLater(
+            timeout, stream._reset, False, "no FIN from the peer")
+
+    # -- keepalive ------------------------------------------------------------------------
+
+    def _nextOpaque(self) -> int:
+        opaque = self._ping_counter
+        self._ping_counter = (self._ping_counter + 1) & MAX_UINT32
+        return opaque
+
+    def _sendKeepalive(self) -> None:
+        if self.state is not SessionState.OPEN or self._keepalive_opaque is not None:
+            return  # the previous keepalive ping is still running its own timeout
+        self._keepalive_opaque = self._nextOpaque()
+        self._keepalive_timer = self._reactor.callLater(
+            self.config.keepalive_timeout, self._keepaliveExpired)
+        self._sendFrame(Frame.ping(self._keepalive_opaque))
+
+    def _keepaliveExpired(self) -> None:
+        self._keepalive_timer = None
+        log.warn("yamux keepalive: no ping reply within {t}s", t=self.config.keepalive_timeout)
+        self._end(KeepaliveTimeout(self.config.keepalive_timeout))
+        self._closeTransport(abort=True)
+
+    # -- endings --------------------------------------------------------------------------
+
+    def _protocolError(self, detail: str) -> None:
+        log.warn("yamux protocol error from peer: {detail}", detail=detail)
+        self._sendFrame(Frame.go_away(GOAWAY_PROTOCOL_ERROR))
+        self._end(SessionFailed(f"protocol error: {detail}"))
+        self._closeTransport(abort=False)
+
+    def _internalError(self) -> None:
+        self._sendFrame(Frame.go_away(GOAWAY_INTERNAL_ERROR))
+        self._end(SessionFailed("internal error"))
+        self._closeTransport(abort=False)
+
+    def _closeTransport(self, abort: bool) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        if abort and hasattr(transport, "abortConnection"):
+            transport.abortConnection()
+        else:
+            transport.loseConnection()
+
+    def _end(self, reason: Exception) -> None:
+        """Tear everything down once: timers, streams (each protocol told ``reason``), pending
+        pings and accepts, then whoever waits in ``whenClosed``."""
+        if self.state is SessionState.ENDED:
+            return
+        self.state = SessionState.ENDED
+        self._ending = reason
+        if self._keepalive_loop is not None and self._keepalive_loop.running:
+            self._keepalive_loop.stop()
+        if self._keepalive_timer is not None and self._keepalive_timer.active():
+            self._keepalive_timer.cancel()
+        for timer in self._lingering.values():
+            if timer.active():
+                timer.cancel()
+        self._lingering.clear()
+        streams = list(self._streams.values())
+        self._streams.clear()
+        self._rotation.clear()
+        self._backlog.clear()
+        for stream in streams:
+            stream._sessionEnded(reason)
+        pings, self._pings = self._pings, {}
+        for d, _ in pings.values():
+            d.errback(Failure(reason))
+        waiters, self._accept_waiters = self._accept_waiters, deque()
+        for d in waiters:
+            d.errback(Failure(reason))
+        closed, self._closed_waiters = self._closed_waiters, []
+        for d in closed:
+            d.callback(reason)
+
+
+def _goAwayName(code: int) -> str:
+    return GOAWAY_NAMES.get(code, f"unknown code {code}")
