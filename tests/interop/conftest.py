@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import pytest_twisted
+from twisted.internet import defer, reactor
 
 from tests.interop.support import LIVE_PIDS, GoPeer
 
@@ -174,3 +175,85 @@ async def gopeer(gopeer_binary):
         yield launcher
     finally:
         await launcher.stop_all()
+
+
+class Pair:
+    """A Python yamux ``Session`` connected to one Go peer."""
+
+    def __init__(self, session, go, listening=None):
+        self.session = session
+        self.go = go
+        self.listening = listening
+
+
+class PairMaker:
+    """Connects a Python ``Session`` to a freshly started Go peer, over TCP or WebSocket.
+
+    ``py_client=True``: Python is the yamux client (odd ids) and dials; Go is the yamux server
+    and listens.  ``py_client=False``: Python is the yamux server and listens; Go dials.
+    """
+
+    def __init__(self, launcher: GoPeerLauncher):
+        self.launcher = launcher
+        self.pairs: list[Pair] = []
+        self.cleanups: list = []
+
+    async def open(self, py_client: bool = True, transport: str = "tcp", go_args=(),
+                   config=None, acceptor=None, token: str | None = None) -> Pair:
+        from localai_tw.mux.session import Session
+
+        from tests.interop.support import connect_tcp, listen_tcp
+
+        go_role = "server" if py_client else "client"
+        args = ["-role", go_role, "-transport", transport, *go_args]
+        if token is not None:
+            args += ["-token", token]
+
+        def make_session():
+            return Session(client=py_client, config=config, acceptor=acceptor)
+
+        if transport == "tcp":
+            if py_client:
+                go = await self.launcher.start(*args)
+                session = await connect_tcp(go.port, make_session())
+                pair = Pair(session, go)
+            else:
+                port, factory = listen_tcp(make_session)
+                self.cleanups.append(port.stopListening)
+                go = await self.launcher.start(*args, "-dial", f"127.0.0.1:{port.getHost().port}")
+                session = await factory.session.addTimeout(10, reactor)
+                pair = Pair(session, go, port)
+        elif transport == "ws":
+            from tests.interop import ws_support
+
+            pair = await ws_support.open_ws_pair(self, py_client, args, make_session, token)
+        else:
+            raise ValueError(transport)
+        self.pairs.append(pair)
+        await pair.go.wait_event("session_started")
+        return pair
+
+    async def close_all(self) -> None:
+        for pair in self.pairs:
+            transport = getattr(pair.session, "transport", None)
+            if transport is not None and getattr(pair.session, "isOpen", False):
+                try:
+                    transport.abortConnection()
+                except Exception:
+                    pass
+        for cleanup in self.cleanups:
+            try:
+                await defer.maybeDeferred(cleanup)
+            except Exception:
+                pass
+        await self.launcher.stop_all()
+
+
+@pytest_twisted.async_yield_fixture
+async def yamux_pair(gopeer):
+    """``await yamux_pair.open(...)`` -> ``Pair(session, go)``; everything torn down after."""
+    maker = PairMaker(gopeer)
+    try:
+        yield maker
+    finally:
+        await maker.close_all()

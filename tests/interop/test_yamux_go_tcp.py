@@ -1,0 +1,347 @@
+"""localai_tw.mux against Go's hashicorp/yamux (Debian df201c7) over real TCP on 127.0.0.1.
+
+Every test starts its own Go peer (``gopeer/main.go``); see ``support.py`` for the echo
+conventions (Go echoes only after our FIN; we echo Go's streams as bytes arrive).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import pytest
+import pytest_twisted
+
+from localai_tw.mux.errors import (
+    KeepaliveTimeout,
+    SessionEnded,
+    SessionFailed,
+    SessionNotOpen,
+    StreamClosed,
+    StreamReset,
+)
+from localai_tw.mux.session import SessionConfig
+from tests.interop.support import (
+    KiB,
+    MiB,
+    EchoClient,
+    EchoVerifier,
+    PausedSink,
+    sleep,
+    within,
+)
+
+pytestmark = pytest.mark.interop
+
+ROLES = [pytest.param(True, id="py-client-go-server"),
+         pytest.param(False, id="py-server-go-client")]
+
+
+def echo_acceptor(registry):
+    return lambda stream: EchoVerifier(registry)
+
+
+async def python_echo_round(pair, payloads, timeout=30.0):
+    """Python opens one stream per payload to Go's echo; checks every echo and Go's report."""
+    clients = [EchoClient(p) for p in payloads]
+    streams = [pair.session.openStream(c) for c in clients]
+    ids = [s.id for s in streams]
+    assert len(set(ids)) == len(ids)
+    parity = 1 if pair.session.client else 0
+    assert all(i % 2 == parity for i in ids), ids
+    for c in clients:
+        await within(c.done, timeout, f"echo of {len(c.payload)} bytes")
+    for c, sid in zip(clients, ids):
+        assert c.echo_ok(), (sid, c.received, len(c.payload), c.reason)
+        assert c.reason.check(StreamClosed), (sid, c.reason)
+        ev = await pair.go.wait_event("echoed", id=sid)
+        assert "err" not in ev, ev
+        assert ev["bytes"] == len(c.payload)
+        assert ev["sha256"] == hashlib.sha256(c.payload).hexdigest()  # Go's checksum of our bytes
+    return clients
+
+
+async def go_echo_round(pair, registry, n, size, tag, timeout=30.0):
+    """Go opens ``n`` streams carrying ``size`` bytes each; Python echoes and checks sha256."""
+    mark = len(pair.go.events)
+    before = len(registry)
+    pair.go.send("open", n=n, size=size, tag=tag)
+    done = await pair.go.wait_event("open_done", tag=tag, after=mark, timeout=timeout)
+    results = pair.go.find("open_result", after=mark, tag=tag)
+    bad = [r for r in results if not r["ok"]]
+    assert done["ok"] == n and not bad, (done, bad[:3], pair.go.describe())
+    mine = registry[before:]
+    assert len(mine) == n
+    for v in mine:
+        await within(v.done, 10, "Python echo side to finish")
+        assert v.checksum_ok, (v.length, v.received)
+        assert v.reason.check(StreamClosed), v.reason
+    go_parity = 0 if pair.session.client else 1
+    assert all(r["id"] % 2 == go_parity for r in results), [r["id"] for r in results]
+    return results
+
+
+# -- streams from both sides ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("py_client", ROLES)
+@pytest_twisted.ensureDeferred
+async def test_streams_opened_from_both_sides(yamux_pair, py_client):
+    registry = []
+    pair = await yamux_pair.open(py_client=py_client, acceptor=echo_acceptor(registry))
+    sizes = [0, 1, 3, 4096, 65536, 256 * KiB, 256 * KiB + 1, 700 * KiB]
+    payloads = [os.urandom(s) for s in sizes]
+    await python_echo_round(pair, payloads)
+    await go_echo_round(pair, registry, n=8, size=300 * KiB, tag="both")
+    # both directions at the same time
+    d_go = go_echo_round(pair, registry, n=5, size=200 * KiB, tag="mixed")
+    await python_echo_round(pair, [os.urandom(200 * KiB) for _ in range(5)])
+    await d_go
+    assert pair.session.isOpen
+    stats = await pair.go.stats()
+    assert not stats["closed"] and stats["num_streams"] == 0, stats
+    assert stats["frames_in"].get("rst", 0) == 0 and stats["frames_out"].get("rst", 0) == 0
+
+
+@pytest.mark.parametrize("py_client", ROLES)
+@pytest_twisted.ensureDeferred
+async def test_hundred_concurrent_1mib_streams_each_way(yamux_pair, py_client):
+    """100 Python-opened and 100 Go-opened streams of 1 MiB, all at once, sha256 checked by
+    both ends."""
+    registry = []
+    pair = await yamux_pair.open(py_client=py_client, acceptor=echo_acceptor(registry))
+    base = os.urandom(MiB)
+    payloads = [i.to_bytes(4, "big") + base[4:] for i in range(100)]
+    d_go = go_echo_round(pair, registry, n=100, size=MiB, tag="hundred", timeout=90)
+    await python_echo_round(pair, payloads, timeout=90)
+    results = await d_go
+    assert len({r["sha256"] for r in results}) == 100
+    assert pair.session.isOpen and pair.session.streamCount == 0
+
+
+# -- half close ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("py_client", ROLES)
+@pytest_twisted.ensureDeferred
+async def test_half_close_then_read_echo(yamux_pair, py_client):
+    pair = await yamux_pair.open(py_client=py_client)
+    payload = os.urandom(600 * KiB)   # more than one window each way
+    client = EchoClient(payload, half_close=False, keep=True)
+    stream = pair.session.openStream(client)
+    stream.write(payload)
+    await sleep(0.2)
+    assert client.received == 0       # Go echoes only after our FIN
+    stream.loseWriteConnection()
+    await within(client.eof, 15, "Go's echo and FIN after our half-close")
+    assert client.write_lost, "writeConnectionLost was not delivered after loseWriteConnection"
+    assert client.read_eof, "readConnectionLost was not delivered for Go's FIN"
+    assert bytes(client.data) == payload
+    await within(client.done, 5, "connectionLost after FIN both ways")
+    assert client.reason.check(StreamClosed), client.reason
+    ev = await pair.go.wait_event("echoed", id=stream.id)
+    assert ev["bytes"] == len(payload) and "err" not in ev
+    stats = await pair.go.stats()
+    assert stats["num_streams"] == 0, stats   # Go forgot the stream: FIN went both ways
+
+
+# -- go-away ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("py_client", ROLES)
+@pytest_twisted.ensureDeferred
+async def test_go_goaway_stops_python_opens_existing_stream_finishes(yamux_pair, py_client):
+    pair = await yamux_pair.open(py_client=py_client)
+    payload = os.urandom(400 * KiB)
+    client = EchoClient(b"", half_close=False)
+    client.payload = payload
+    stream = pair.session.openStream(client)
+    stream.write(payload[:100 * KiB])
+    await pair.go.wait_event("accepted", id=stream.id)
+
+    pair.go.send("goaway")
+    ev = await pair.go.wait_event("goaway_sent")
+    assert ev["err"] is None
+    # Go queued go-away before it could see our ping: the pong comes after it on the wire.
+    await within(pair.session.ping(), 5, "pong after go-away")
+    assert pair.session.remoteGoAway
+    with pytest.raises(SessionNotOpen):
+        pair.session.openStream(EchoClient(b"x"))
+
+    stream.write(payload[100 * KiB:])
+    stream.loseWriteConnection()
+    await within(client.done, 15, "the existing stream to finish after go-away")
+    assert client.echo_ok() and client.reason.check(StreamClosed), client.reason
+    assert pair.session.isOpen
+    stats = await pair.go.stats()
+    assert stats["frames_in"].get("syn", 0) == 1, stats   # no SYN after go-away reached Go
+    assert not stats["closed"]
+
+
+@pytest.mark.parametrize("py_client", ROLES)
+@pytest_twisted.ensureDeferred
+async def test_python_goaway_then_close_is_clean_end_for_go(yamux_pair, py_client):
+    registry = []
+    pair = await yamux_pair.open(py_client=py_client, acceptor=echo_acceptor(registry))
+    client = EchoClient(b"", half_close=False)
+    client.payload = os.urandom(300 * KiB)
+    stream = pair.session.openStream(client)
+    stream.write(client.payload[:1000])
+
+    pair.session.goAway()
+    await within(pair.session.ping(), 5, "pong after our go-away")   # Go has read it
+    pair.go.send("open", n=1, size=10, tag="after-goaway")
+    failed = await pair.go.wait_event("open_failed", tag="after-goaway")
+    assert "not accepting" in failed["err"], failed         # Go's ErrRemoteGoAway
+    assert registry == []
+
+    stream.write(client.payload[1000:])                       # existing stream goes on
+    stream.loseWriteConnection()
+    await within(client.done, 15, "existing stream after our go-away")
+    assert client.echo_ok()
+
+    closed = pair.session.whenClosed()
+    pair.session.loseConnection()
+    ending = await within(closed, 5, "our session to end")
+    assert isinstance(ending, SessionEnded), ending
+    ev = await pair.go.wait_event("session_closed")
+    assert ev["frames_in"]["goaway_codes"] == [0], ev        # exactly one go-away(0)
+    assert ev["read_eof"] is True, ev                          # a clean EOF, not a reset
+    assert not pair.go.find("yamux_log", pred=lambda e: "[ERR]" in e["msg"]), pair.go.describe()
+    await within(pair.go.ended, 5, "Go peer to exit")
+    assert pair.go.exit_code == 0
+
+
+@pytest.mark.parametrize("py_client", ROLES)
+@pytest_twisted.ensureDeferred
+async def test_go_close_without_goaway_is_clean_end_for_python(yamux_pair, py_client):
+    pair = await yamux_pair.open(py_client=py_client)
+    closed = pair.session.whenClosed()
+    pair.go.send("close")
+    ending = await within(closed, 5, "session end after Go's Close()")
+    assert isinstance(ending, SessionEnded), ending
+    with pytest.raises(SessionNotOpen):
+        pair.session.openStream(EchoClient(b"x"))
+
+
+# -- keepalive -------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_keepalive_pings_answered_both_ways(yamux_pair):
+    config = SessionConfig(keepalive_interval=0.1, keepalive_timeout=0.5)
+    pair = await yamux_pair.open(py_client=True, config=config,
+                                 go_args=["-keepalive", "100ms", "-write-timeout", "500ms"])
+    await sleep(1.5)
+    stats = await pair.go.stats()
+    fin, fout = stats["frames_in"], stats["frames_out"]
+    assert not stats["closed"] and pair.session.isOpen, pair.go.describe()
+    # Go's keepalive pings, answered by Python
+    assert fout.get("ping_req", 0) >= 8 and fin.get("ping_ack", 0) >= fout["ping_req"] - 1, stats
+    # Python's keepalive pings, answered by Go
+    assert fin.get("ping_req", 0) >= 8 and fout.get("ping_ack", 0) >= fin["ping_req"] - 1, stats
+    rtt = await within(pair.session.ping(), 2, "explicit ping")
+    assert 0 <= rtt < 1
+    mark = len(pair.go.events)
+    pair.go.send("ping")
+    await pair.go.wait_event("pong", after=mark, timeout=2)
+
+
+@pytest_twisted.ensureDeferred
+async def test_keepalive_timeout_when_go_is_stopped(yamux_pair):
+    config = SessionConfig(keepalive_interval=0.2, keepalive_timeout=0.5)
+    pair = await yamux_pair.open(py_client=True, config=config)
+    client = EchoClient(b"", half_close=False)
+    stream = pair.session.openStream(client)
+    stream.write(b"hello")
+    await pair.go.wait_event("accepted", id=stream.id)
+    closed = pair.session.whenClosed()
+    pair.go.signal(signal.SIGSTOP)
+    try:
+        ending = await within(closed, 5, "KeepaliveTimeout while Go is stopped")
+    finally:
+        pair.go.signal(signal.SIGCONT)
+    assert isinstance(ending, KeepaliveTimeout), ending
+    assert ending.timeout == pytest.approx(0.5)
+    await within(client.done, 2, "the open stream to learn about the session end")
+    assert client.reason.check(SessionFailed) and isinstance(client.reason.value, KeepaliveTimeout)
+    await pair.go.wait_event("session_closed", timeout=5)
+
+
+@pytest_twisted.ensureDeferred
+async def test_go_keepalive_ends_session_when_python_stops_reading(yamux_pair):
+    pair = await yamux_pair.open(py_client=True,
+                                 go_args=["-keepalive", "100ms", "-write-timeout", "300ms"])
+    await sleep(0.3)
+    pair.session.transport.pauseProducing()   # we read nothing: Go's pings go unanswered
+    ev = await pair.go.wait_event("session_closed", timeout=5)
+    assert pair.go.find("yamux_log", pred=lambda e: "keepalive" in e["msg"]), pair.go.describe()
+    closed = pair.session.whenClosed()
+    pair.session.transport.resumeProducing()
+    ending = await within(closed, 5, "our session to notice Go's close")
+    assert isinstance(ending, (SessionEnded, SessionFailed)), ending
+    assert ev["closed"]
+
+
+# -- flow control -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_window", [256 * KiB, MiB], ids=["window-256k", "window-1m"])
+@pytest_twisted.ensureDeferred
+async def test_paused_python_stream_stops_go_writer_at_window(yamux_pair, max_window):
+    sinks = []
+
+    def acceptor(stream):
+        sink = PausedSink()
+        sinks.append(sink)
+        return sink
+
+    pair = await yamux_pair.open(py_client=True, acceptor=acceptor,
+                                 config=SessionConfig(max_window=max_window))
+    size = max_window + MiB
+    pair.go.send("write", size=size, chunk=4096, tag="w")
+    stalled = await pair.go.wait_event("write_stalled", tag="w", timeout=10)
+    assert stalled["written"] == max_window, stalled
+    assert len(sinks) == 1 and sinks[0].received == 0
+    await sleep(0.5)
+    stats = await pair.go.stats()
+    assert stats["writers"]["w"] == max_window, stats        # still exactly the window
+    assert pair.session.isOpen
+
+    sinks[0].transport.resumeProducing()
+    done = await pair.go.wait_event("write_done", tag="w", timeout=15)
+    assert done["written"] == size and "err" not in done, done
+    await within(sinks[0].done, 10, "Go's FIN after the 1 MiB")
+    assert sinks[0].received == size
+    assert sinks[0].sha256 == done["sha256"]
+    assert sinks[0].reason.check(StreamClosed), sinks[0].reason
+
+
+# -- refusal ----------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_python_refusal_is_a_reset_for_go(yamux_pair):
+    pair = await yamux_pair.open(py_client=True, acceptor=lambda stream: None)
+    pair.go.send("open", n=1, size=1000, tag="refused")
+    res = await pair.go.wait_event("open_result", tag="refused")
+    assert not res["ok"] and "reset" in res.get("err", ""), res
+    assert pair.go.find("frame_in", type="rst"), pair.go.describe()
+    assert pair.session.isOpen
+    await python_echo_round(pair, [b"still fine"])
+
+
+@pytest_twisted.ensureDeferred
+async def test_go_refuses_after_its_goaway_python_stream_reset(yamux_pair):
+    """A SYN racing Go's go-away is answered with RST: the stream ends StreamReset(remote)."""
+    pair = await yamux_pair.open(py_client=True)
+    pair.session.transport.pauseProducing()     # we do not read Go's go-away yet
+    pair.go.send("goaway")
+    await pair.go.wait_event("goaway_sent")
+    client = EchoClient(b"raced")
+    pair.session.openStream(client)             # the SYN crosses Go's go-away
+    pair.session.transport.resumeProducing()
+    await within(client.done, 5, "RST from Go for a SYN after its go-away")
+    assert client.reason.check(StreamReset) and client.reason.value.remote, client.reason
+    assert pair.session.remoteGoAway and pair.session.isOpen
