@@ -40,6 +40,8 @@ from localai_tw.mux.errors import (
     TooManyStreams,
 )
 from localai_tw.mux.frame import (
+    FLAG_ACK,
+    FLAG_FIN,
     FLAG_RST,
     FLAG_SYN,
     GOAWAY_INTERNAL_ERROR,
@@ -221,7 +223,7 @@ class Session(Protocol):
         if self.state is not SessionState.OPEN:
             return
         self.goAway(GOAWAY_NORMAL)
-        self._end(SessionEnded(string="closed by the local side"))
+        self._end(SessionEnded("closed by the local side"))
         self._closeTransport(abort=False)
 
     def abort(self, reason=None) -> None:
@@ -280,7 +282,7 @@ class Session(Protocol):
         if self.state is SessionState.ENDED:
             return
         if reason is None or reason.check(ConnectionDone):
-            ending = SessionEnded(string="the carrier closed")
+            ending = SessionEnded("the carrier closed")
         else:
             ending = SessionFailed(f"transport lost: {reason.getErrorMessage()}")
         self._end(ending)
