@@ -321,7 +321,8 @@ class Stream:
         self._pulling = True
         try:
             while (self._producer is not None and not self._streaming and not self._out
-                   and self.session._writable() and self._canWrite()):
+                   and self._send_window > 0 and self.session._writable()
+                   and self._canWrite()):
                 before = self._out_size, self._send_window
                 self._callProducer(self._producer.resumeProducing)
                 if (self._out_size, self._send_window) == before:

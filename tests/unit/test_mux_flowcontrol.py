@@ -1,0 +1,335 @@
+"""Flow control and backpressure: per-stream windows, producers, and the carrier's pause."""
+
+from twisted.internet import task
+from twisted.internet.testing import StringTransport
+
+from localai_tw.mux import Session, SessionConfig, SessionFailed
+from localai_tw.mux.frame import (
+    FLAG_ACK,
+    FLAG_SYN,
+    HEADER_SIZE,
+    TYPE_DATA,
+    TYPE_WINDOW_UPDATE,
+    Frame,
+    encode,
+)
+from localai_tw.mux.testing import (
+    FrameTransport,
+    HalfCloseRecorder,
+    Recorder,
+    StreamingProducer,
+    connectedSessions,
+)
+
+KIB = 1024
+WINDOW = 256 * KIB
+
+
+def raw(client=True, acceptor=None, transport=None, **config):
+    clock = task.Clock()
+    session = Session(client, SessionConfig(**config), acceptor, reactor=clock)
+    transport = transport if transport is not None else FrameTransport()
+    session.makeConnection(transport)
+    return session, transport
+
+
+def payload_bytes(frames, stream_id=None):
+    return sum(f.length for f in frames
+               if f.type == TYPE_DATA and (stream_id is None or f.stream_id == stream_id))
+
+
+class PausingRecorder(Recorder):
+    """Pauses its stream as soon as it is connected: a consumer that reads nothing."""
+
+    def connectionMade(self):
+        super().connectionMade()
+        self.transport.pauseProducing()
+
+
+# -- sending: the peer's window ----------------------------------------------------------------
+
+
+def test_writes_are_cut_at_the_window_and_at_64k_frames():
+    session, transport = raw()
+    stream = session.openStream(Recorder())
+    transport.frames()
+    stream.write(b"a" * (WINDOW + 100))
+    frames = transport.frames()
+    assert [f.length for f in frames] == [64 * KIB] * 4
+    assert stream._out_size == 100
+
+
+def test_window_exhaustion_pauses_the_producer_and_an_update_resumes_it():
+    session, transport = raw()
+    stream = session.openStream(Recorder())
+    producer = StreamingProducer()
+    stream.registerProducer(producer, True)
+    stream.write(b"a" * WINDOW)
+    assert not producer.paused                  # exactly filling the window blocks nothing yet
+    stream.write(b"b")
+    assert producer.paused and producer.calls == ["pause"]
+    transport.frames()
+    session.dataReceived(encode(Frame.window_update(stream.id, 10)))
+    assert transport.frames() == [Frame.data(stream.id, b"b")]
+    assert producer.calls == ["pause", "resume"]
+
+
+def test_one_full_window_does_not_pause_other_streams():
+    session, transport = raw()
+    first, second = session.openStream(Recorder()), session.openStream(Recorder())
+    p1, p2 = StreamingProducer(), StreamingProducer()
+    first.registerProducer(p1, True)
+    second.registerProducer(p2, True)
+    transport.frames()
+    first.write(b"x" * (WINDOW + 1))
+    second.write(b"y" * 10)
+    assert p1.paused and not p2.paused
+    assert payload_bytes(transport.frames(), second.id) == 10
+
+
+def test_pull_producer_is_asked_for_more_only_while_there_is_room():
+    class Pull:
+        def __init__(self, stream, total):
+            self.stream, self.left, self.calls = stream, total, 0
+
+        def resumeProducing(self):
+            self.calls += 1
+            if self.left:
+                chunk = min(self.left, 16 * KIB)
+                self.left -= chunk
+                self.stream.write(b"p" * chunk)
+
+        def stopProducing(self):
+            pass
+    session, transport = raw()
+    stream = session.openStream(Recorder())
+    transport.frames()
+    producer = Pull(stream, 1024 * KIB)
+    stream.registerProducer(producer, False)
+    assert payload_bytes(transport.frames()) == WINDOW
+    assert producer.calls == 16                     # exactly the chunks that fit
+    session.dataReceived(encode(Frame.window_update(stream.id, 64 * KIB)))
+    assert payload_bytes(transport.frames()) == 64 * KIB
+    assert producer.calls == 20
+
+
+def test_window_updates_are_increments_and_may_exceed_what_was_consumed():
+    session, transport = raw()
+    stream = session.openStream(Recorder())
+    session.dataReceived(encode(Frame.window_update(stream.id, 1000)) +
+                         encode(Frame.window_update(stream.id, 1000)))
+    transport.frames()
+    stream.write(b"z" * (WINDOW + 3000))
+    assert payload_bytes(transport.frames()) == WINDOW + 2000
+
+
+# -- receiving: our window ---------------------------------------------------------------------
+
+
+def test_update_is_sent_once_half_the_window_has_been_delivered():
+    session, transport = raw(client=False, acceptor=lambda s: Recorder())
+    session.dataReceived(encode(Frame.data(1, b"a" * (128 * KIB - 1), FLAG_SYN)))
+    assert transport.frames() == [Frame.window_update(1, 0, FLAG_ACK)]
+    session.dataReceived(encode(Frame.data(1, b"a")))
+    assert transport.frames() == [Frame.window_update(1, 128 * KIB)]
+
+
+def test_update_threshold_follows_the_configured_max_window():
+    session, transport = raw(client=False, acceptor=lambda s: Recorder(), max_window=1024 * KIB)
+    session.dataReceived(encode(Frame.window_update(1, 0, FLAG_SYN)))
+    assert transport.frames() == [Frame.window_update(1, 768 * KIB, FLAG_ACK)]
+    session.dataReceived(encode(Frame.data(1, b"a" * (512 * KIB - 1))))
+    assert transport.frames() == []
+    session.dataReceived(encode(Frame.data(1, b"a")))
+    assert transport.frames() == [Frame.window_update(1, 512 * KIB)]
+
+
+def test_data_exactly_filling_the_window_is_fine_one_byte_more_is_a_protocol_error():
+    protos = []
+    session, transport = raw(client=False, acceptor=lambda s: protos.append(PausingRecorder()) or protos[-1])
+    session.dataReceived(encode(Frame.data(1, b"a" * WINDOW, FLAG_SYN)))
+    assert session.isOpen
+    session.dataReceived(encode(Frame.data(1, b"a")))
+    assert not session.isOpen
+    assert "window" in session.ending.cause
+    assert transport.frames()[-1] == Frame.go_away(1)
+    assert protos[0].reason.check(SessionFailed)
+
+
+def test_nothing_is_handed_over_while_paused_not_even_syn_data():
+    protos = []
+    session, transport = raw(client=False, acceptor=lambda s: protos.append(PausingRecorder()) or protos[-1])
+    session.dataReceived(encode(Frame.data(1, b"first", FLAG_SYN)) + encode(Frame.data(1, b"second")))
+    assert protos[0].chunks == []
+    protos[0].transport.resumeProducing()
+    assert protos[0].received == b"firstsecond"
+
+
+def test_pausing_inside_data_received_stops_delivery_at_once():
+    class PauseAfterOne(Recorder):
+        def dataReceived(self, data):
+            super().dataReceived(data)
+            self.transport.pauseProducing()
+    client, server, pump, clock = connectedSessions(server_acceptor=lambda s: Recorder())
+    proto = PauseAfterOne()
+    stream = client.openStream(proto)
+    pump.flush()
+    stream.pauseProducing()
+    server._streams[stream.id].write(b"1")
+    pump.flush()
+    server._streams[stream.id].write(b"2")
+    pump.flush()
+    stream.resumeProducing()
+    assert proto.chunks == [b"1"]
+    stream.resumeProducing()
+    assert proto.chunks == [b"1", b"2"]
+
+
+def test_paused_reader_parks_the_remote_writer_after_exactly_one_window():
+    protos = []
+    client, server, pump, clock = connectedSessions(
+        server_acceptor=lambda s: protos.append(PausingRecorder()) or protos[-1])
+    stream = client.openStream(Recorder())
+    producer = StreamingProducer()
+    stream.registerProducer(producer, True)
+    stream.write(b"m" * (1024 * KIB))
+    pump.flush()
+    remote = protos[0].transport
+    assert remote._in_size == WINDOW                # buffered at the receiver: exactly 256 KiB
+    assert protos[0].chunks == []
+    assert stream._out_size == 768 * KIB            # the rest waits at the writer ...
+    assert producer.paused                          # ... whose producer is paused
+    assert server._decoder.buffered == 0
+    # The reader resumes: the bytes flow and the writer's producer is resumed at the end.
+    remote.resumeProducing()
+    pump.flush()
+    assert len(protos[0].received) == 1024 * KIB
+    assert not producer.paused
+    assert stream._out_size == 0
+
+
+def test_larger_max_window_lets_the_peer_send_that_much_before_an_update():
+    config = SessionConfig(max_window=1024 * KIB)
+    protos = []
+    client, server, pump, clock = connectedSessions(
+        server_acceptor=lambda s: protos.append(PausingRecorder()) or protos[-1],
+        client_config=config, server_config=config)
+    stream = client.openStream(Recorder())
+    stream.write(b"w" * (2048 * KIB))
+    pump.flush()
+    assert protos[0].transport._in_size == 1024 * KIB
+    protos[0].transport.resumeProducing()
+    pump.flush()
+    assert len(protos[0].received) == 2048 * KIB
+
+
+def test_end_to_end_transfer_through_window_updates():
+    protos = []
+    client, server, pump, clock = connectedSessions(
+        server_acceptor=lambda s: protos.append(HalfCloseRecorder()) or protos[-1])
+    stream = client.openStream(HalfCloseRecorder())
+    data = bytes(range(256)) * (12 * KIB)   # 3 MiB
+    stream.write(data)
+    stream.loseWriteConnection()
+    pump.flush()
+    assert protos[0].received == data and protos[0].read_lost
+
+
+# -- the carrier's backpressure ----------------------------------------------------------------
+
+
+class CarrierTransport(StringTransport):
+    """Pauses its producer (the session) once ``limit`` bytes are waiting, like a TCP transport
+    whose buffer is full; ``drain`` empties it and resumes the session."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+        self.carrier_paused = False
+
+    def write(self, data):
+        super().write(data)
+        if len(self.value()) >= self.limit and not self.carrier_paused and self.producer:
+            self.carrier_paused = True
+            self.producer.pauseProducing()
+
+    def drain(self):
+        data = self.value()
+        self.clear()
+        self.carrier_paused = False
+        self.producer.resumeProducing()
+        return data
+
+
+class ChunkPerResume(StreamingProducer):
+    """Writes one chunk to its stream each time it is resumed."""
+
+    def __init__(self, name, stream, log, size=10 * KIB):
+        super().__init__()
+        self.name, self.stream, self.log, self.size = name, stream, log, size
+
+    def resumeProducing(self):
+        super().resumeProducing()
+        self.log.append(self.name)
+        self.stream.write(self.name.encode() * self.size)
+
+
+def test_carrier_pause_pauses_every_stream_and_resume_rotates_fairly():
+    session, transport = raw(transport=CarrierTransport(limit=8 * KIB))
+    order = []
+    streams = [session.openStream(Recorder()) for _ in range(3)]
+    producers = [ChunkPerResume(n, s, order) for n, s in zip("abc", streams)]
+    for s, p in zip(streams, producers):
+        s.registerProducer(p, True)
+    session.pauseProducing()
+    assert all(p.paused for p in producers)
+    for _ in range(6):
+        transport.drain()
+    # Each resume serves the next stream first; the one that refilled the carrier goes last.
+    assert order == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_duplicate_pause_and_resume_are_ignored():
+    session, transport = raw()
+    stream = session.openStream(Recorder())
+    producer = StreamingProducer()
+    stream.registerProducer(producer, True)
+    session.pauseProducing()
+    session.pauseProducing()
+    session.resumeProducing()
+    session.resumeProducing()
+    assert producer.calls == ["pause", "resume"]
+
+
+def test_producer_ignoring_pause_does_not_reach_the_carrier_while_paused():
+    session, transport = raw()
+    stream = session.openStream(Recorder())
+    transport.frames()
+    session.pauseProducing()
+    stream.write(b"ignored the pause" * 100_000)
+    assert transport.frames() == []
+    session.resumeProducing()
+    assert payload_bytes(transport.frames()) == WINDOW
+
+
+def test_control_frames_still_flow_while_paused():
+    session, transport = raw(client=False, acceptor=lambda s: Recorder())
+    session.pauseProducing()
+    session.dataReceived(encode(Frame.data(1, b"a" * (128 * KIB), FLAG_SYN)) +
+                         encode(Frame.ping(9)))
+    frames = transport.frames()
+    assert Frame.window_update(1, 0, FLAG_ACK) in frames
+    assert Frame.window_update(1, 128 * KIB) in frames
+    assert Frame.ping(9, ack=True) in frames
+
+
+def test_session_buffering_is_bounded_by_the_sum_of_windows():
+    session, transport = raw()
+    for _ in range(3):
+        stream = session.openStream(Recorder())
+        stream.write(b"q" * (1024 * KIB))
+    frames = transport.frames()
+    assert payload_bytes(frames) == 3 * WINDOW
+    wire = sum(HEADER_SIZE + (f.length if f.type == TYPE_DATA else 0) for f in frames)
+    assert wire <= 3 * WINDOW + HEADER_SIZE * len(frames)
+    assert all(f.type in (TYPE_DATA, TYPE_WINDOW_UPDATE) for f in frames)
