@@ -1,0 +1,240 @@
+"""``twistd localai-frontend``: the frontend replica's options and service tree.
+
+``Options`` declares every flag with its ``LOCALAI_*`` environment variable (see
+``localai_tw.config``); ``makeService(options)`` builds the replica as a ``MultiService`` whose
+children start in order and stop in reverse:
+
+1. ``configuration-report``: logs the effective configuration (secrets masked);
+2. ``database``: ``DatabaseService`` (``--database-url``, else embedded PostgreSQL in
+   ``--data-dir``), which must become ready or the process exits with status 1;
+3. ``http``: the listener on ``--listen`` serving the resource tree from ``build_http_root``.
+
+Later parts of the replica (membership, tunnels, the APIs) are added as further children in
+``makeService`` and as further resources in ``build_http_root``.  This module only parses options
+and composes services; it must not grow protocol logic of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from typing import Any
+
+from twisted.application import strports
+from twisted.application.service import MultiService
+from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.python import usage
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Site
+
+from localai_tw import config
+from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
+
+log = Logger()
+
+PROGRAM = "localai-frontend"
+
+SETTINGS = (
+    config.value("listen", "LOCALAI_LISTEN",
+                 "Twisted server endpoint for HTTP (e.g. tcp:8080:interface=0.0.0.0, "
+                 "ssl:8443:privateKey=key.pem:certKey=cert.pem).",
+                 default="tcp:8080", parse=config.parse_server_endpoint),
+    config.value("database-url", "LOCALAI_DATABASE_URL",
+                 "PostgreSQL DSN (postgresql://user@host:5432/db or key=value). Without it an "
+                 "embedded PostgreSQL runs in <data-dir>/postgres.",
+                 parse=config.parse_database_url, secret=True,
+                 default_doc="embedded PostgreSQL"),
+    config.value("data-dir", "LOCALAI_DATA_DIR",
+                 "Directory for this replica's state (the embedded PostgreSQL lives in "
+                 "<data-dir>/postgres).",
+                 default=config.default_data_dir(), parse=config.parse_path),
+    config.value("instance-id", "LOCALAI_INSTANCE_ID",
+                 "This replica's id in the cluster (at most 36 characters). Keep it stable "
+                 "across restarts.",
+                 parse=config.parse_identifier, default_doc="a random UUID at each start"),
+    config.value("advertise-address", "LOCALAI_ADVERTISE_ADDRESS",
+                 "host:port other replicas dial to reach this one.",
+                 parse=config.parse_host_port, default_doc="discovered from the route to the "
+                 "database"),
+    config.flag("single-host", "LOCALAI_SINGLE_HOST",
+                "All replicas run on this machine: allow a loopback --advertise-address."),
+    config.value("registration-token", "LOCALAI_REGISTRATION_TOKEN",
+                 "Shared secret workers present to register.",
+                 parse=config.parse_secret, secret=True),
+    config.repeatable("api-key", "LOCALAI_API_KEY",
+                      "API key accepted on the OpenAI API; the variable takes a comma-separated list.",
+                      parse=config.parse_secret, secret=True),
+    config.value("reconnect-grace", "LOCALAI_RECONNECT_GRACE",
+                 "How long a disconnected worker counts as reconnecting before it is gone "
+                 "(90s, 1m30s, or seconds).",
+                 default="90s", parse=config.parse_duration),
+    config.flag("require-approval", "LOCALAI_REQUIRE_APPROVAL",
+                "New workers wait for an administrator's approval before they serve."),
+    config.value("nats-url", "LOCALAI_NATS_URL",
+                 "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
+)
+
+
+class Options(config.EnvOptions):
+    """Options of ``twistd localai-frontend``; each has a ``LOCALAI_*`` environment variable."""
+
+    synopsis = "[options]"
+    longdesc = ("Run a localai-tw frontend replica: the OpenAI-compatible API and the endpoint "
+                "workers connect to, with cluster state in PostgreSQL.  Every option can also "
+                "be set by the environment variable shown beside it.")
+    settings = SETTINGS
+
+    def validate(self) -> None:
+        advertised = self["advertise-address"]
+        if advertised is not None and config.is_loopback_host(advertised[0]) \
+                and not self["single-host"]:
+            raise usage.UsageError(
+                f"--advertise-address: {advertised[0]} is a loopback or unspecified address, "
+                "which other replicas cannot reach; pass --single-host (env "
+                "LOCALAI_SINGLE_HOST=true) if every replica runs on this machine")
+        if self["instance-id"] is None:
+            self["instance-id"] = str(uuid.uuid4())
+            self.sources["instance-id"] = "generated"
+
+
+# -- the HTTP tree ------------------------------------------------------------------------
+
+
+class LivenessResource(Resource):
+    """``/healthz``: 200 ``ok`` while the process serves HTTP at all."""
+
+    isLeaf = True
+
+    def render_GET(self, request) -> bytes:
+        request.setHeader(b"content-type", b"text/plain; charset=utf-8")
+        request.setHeader(b"cache-control", b"no-store")
+        return b"ok"
+
+
+class ReadinessResource(Resource):
+    """``/readyz``: 200 when the database is ready and answers ``SELECT 1``; else 503.
+
+    The body is JSON: ``{"ready": true}`` or ``{"ready": false, "reason": "..."}``.  The probe
+    query is bounded by ``probe_timeout`` so a hung pool shows as not ready instead of hanging
+    the load balancer's check.
+    """
+
+    isLeaf = True
+
+    def __init__(self, database_service: DatabaseService, reactor: Any = None,
+                 probe_timeout: float = 2.0):
+        super().__init__()
+        if reactor is None:
+            from twisted.internet import reactor as _reactor
+            reactor = _reactor
+        self._database_service = database_service
+        self._reactor = reactor
+        self._probe_timeout = probe_timeout
+
+    def render_GET(self, request):
+        request.setHeader(b"content-type", b"application/json")
+        request.setHeader(b"cache-control", b"no-store")
+        ready, reason = self._database_service.readiness()
+        database = self._database_service.database
+        if not ready or database is None:
+            return self._answer(request, False, reason)
+
+        client_gone: list[bool] = []
+        probe = database.runQuery("SELECT 1")
+        probe.addTimeout(self._probe_timeout, self._reactor)
+        probe.addCallbacks(
+            lambda _: self._finish(request, client_gone, True, "ready"),
+            lambda f: self._finish(request, client_gone, False,
+                                   f"database query failed: {f.getErrorMessage()}"),
+        )
+
+        def gone(_):
+            client_gone.append(True)
+            probe.cancel()
+
+        request.notifyFinish().addErrback(gone)
+        return NOT_DONE_YET
+
+    @staticmethod
+    def _answer(request, ready: bool, reason: str) -> bytes:
+        request.setResponseCode(200 if ready else 503)
+        body = {"ready": True} if ready else {"ready": False, "reason": reason}
+        return json.dumps(body).encode()
+
+    def _finish(self, request, client_gone: list[bool], ready: bool, reason: str) -> None:
+        if client_gone:
+            return
+        request.write(self._answer(request, ready, reason))
+        request.finish()
+
+
+def build_http_root(database_service: DatabaseService) -> Resource:
+    """The replica's HTTP resource tree.  Later APIs are added here as children."""
+    root = Resource()
+    root.putChild(b"healthz", LivenessResource())
+    root.putChild(b"readyz", ReadinessResource(database_service))
+    return root
+
+
+# -- the service tree ---------------------------------------------------------------------
+
+
+def build_database_service(options: Options) -> DatabaseService:
+    return DatabaseService(options["database-url"], options["data-dir"],
+                           application_name="localai_frontend")
+
+
+def exit_on_startup_failure(database_service: DatabaseService, reactor: Any = None) -> None:
+    """End the process with status 1 if the database never becomes ready.
+
+    twistd has no way for a service to fail startup asynchronously, so this logs the reason,
+    stops the reactor (services stop in order, the embedded server with them), and once twistd
+    has finished its own shutdown, exits with status 1 so a supervisor sees the failure.
+    """
+    if reactor is None:
+        from twisted.internet import reactor as _reactor
+        reactor = _reactor
+
+    def failed(failure):
+        if failure.check(DatabaseServiceStopped, defer.CancelledError):
+            return None
+        log.critical("{program} cannot start: {reason}", program=PROGRAM,
+                     reason=" ".join(failure.getErrorMessage().split()))
+        _exit_status_at_interpreter_exit(1)
+        if reactor.running:
+            reactor.stop()
+        return None
+
+    database_service.whenReady().addErrback(failed)
+
+
+def _exit_status_at_interpreter_exit(status: int) -> None:
+    import atexit
+
+    def exit_now():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(status)
+
+    atexit.register(exit_now)
+
+
+def makeService(options: Options) -> MultiService:
+    """The frontend replica: configuration report, database, HTTP listener."""
+    replica = MultiService()
+    config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(replica)
+
+    database_service = build_database_service(options)
+    database_service.setServiceParent(replica)
+    exit_on_startup_failure(database_service)
+
+    http = strports.service(options["listen"], Site(build_http_root(database_service)))
+    http.setName("http")
+    http.setServiceParent(replica)
+    return replica

@@ -1,0 +1,119 @@
+"""``twistd localai-worker``: the worker's options and service tree.
+
+``Options`` declares every flag with its ``LOCALAI_*`` environment variable (see
+``localai_tw.config``).  For now ``makeService(options)`` returns a ``MultiService`` that only
+logs the configuration (secrets masked) and warns when the backend port range overlaps the
+kernel's ephemeral port range; registration, the tunnel dial loop and the backend supervisor
+join this tree as further children.  This module only parses options and composes services.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from twisted.application.service import MultiService, Service
+from twisted.logger import Logger
+from twisted.python import usage
+
+from localai_tw import config
+
+log = Logger()
+
+PROGRAM = "localai-worker"
+
+EPHEMERAL_PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+# Linux hands out ephemeral (outgoing) ports from 32768-60999 by default.  Backend gRPC servers
+# bind fixed loopback ports; a range inside the ephemeral one races every outgoing connection
+# on the machine for the same numbers, so the default sits below it.
+DEFAULT_BACKEND_PORT_RANGE = "30000-30999"
+
+SETTINGS = (
+    config.value("register-to", "LOCALAI_REGISTER_TO",
+                 "URL of the frontend (or its load balancer) to register with and dial "
+                 "(http, https, ws or wss). Required.",
+                 parse=config.parse_url),
+    config.value("registration-token", "LOCALAI_REGISTRATION_TOKEN",
+                 "Shared secret presented when registering.",
+                 parse=config.parse_secret, secret=True),
+    config.value("node-name", "LOCALAI_NODE_NAME",
+                 "This worker's name in the cluster; must be unique.",
+                 default=socket.gethostname(),
+                 parse=lambda raw, option: config.parse_identifier(raw, option, max_length=255)),
+    config.value("node-type", "LOCALAI_NODE_TYPE",
+                 "backend (runs models) or agent (runs queued jobs).",
+                 default="backend", parse=config.choice_parser("backend", "agent")),
+    config.value("backend-port-range", "LOCALAI_BACKEND_PORT_RANGE",
+                 "Loopback ports for backend gRPC servers, FIRST-LAST; keep it outside the "
+                 "kernel's ephemeral range (" + EPHEMERAL_PORT_RANGE_FILE + ").",
+                 default=DEFAULT_BACKEND_PORT_RANGE, parse=config.parse_port_range),
+    config.value("data-dir", "LOCALAI_DATA_DIR",
+                 "Directory for this worker's state (models, backends).",
+                 default=config.default_data_dir(), parse=config.parse_path),
+    config.repeatable("label", "LOCALAI_NODE_LABELS",
+                      "Scheduling label key=value; the variable is comma-separated "
+                      "(k=v,k=v).",
+                      parse=config.parse_label),
+    config.value("nats-url", "LOCALAI_NATS_URL",
+                 "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
+)
+
+
+class Options(config.EnvOptions):
+    """Options of ``twistd localai-worker``; each has a ``LOCALAI_*`` environment variable."""
+
+    synopsis = "[options]"
+    longdesc = ("Run a localai-tw worker: it registers with a frontend, holds one outbound "
+                "tunnel to it and runs backends on loopback only.  Every option can also be "
+                "set by the environment variable shown beside it.")
+    settings = SETTINGS
+
+    def validate(self) -> None:
+        if self["register-to"] is None:
+            raise usage.UsageError(
+                "--register-to is required (env LOCALAI_REGISTER_TO): the URL of the frontend "
+                "to register with, e.g. https://frontend.example:8080")
+        labels: dict[str, str] = {}
+        for key, val in self["label"]:
+            if key in labels:
+                raise usage.UsageError(f"--label: key {key!r} is given twice")
+            labels[key] = val
+        self["labels"] = labels
+
+
+def ephemeral_port_overlap(port_range: config.PortRange,
+                           path: str = EPHEMERAL_PORT_RANGE_FILE) -> tuple[int, int] | None:
+    """The kernel's ephemeral range if ``port_range`` overlaps it, else None (or unreadable)."""
+    try:
+        with open(path) as f:
+            first, last = (int(p) for p in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return (first, last) if port_range.overlaps(first, last) else None
+
+
+class PortRangeCheck(Service):
+    """Warns at start when the backend port range overlaps the kernel's ephemeral ports."""
+
+    name = "port-range-check"
+
+    def __init__(self, port_range: config.PortRange, path: str = EPHEMERAL_PORT_RANGE_FILE):
+        self.port_range = port_range
+        self.path = path
+
+    def startService(self) -> None:
+        super().startService()
+        overlap = ephemeral_port_overlap(self.port_range, self.path)
+        if overlap is not None:
+            log.warn("--backend-port-range {ours} overlaps the kernel's ephemeral port range "
+                     "{first}-{last} ({path}): outgoing connections may take a backend's port; "
+                     "choose a range outside it", ours=str(self.port_range), first=overlap[0],
+                     last=overlap[1], path=self.path)
+
+
+def makeService(options: Options) -> MultiService:
+    """The worker: for now, its configuration report and port range check."""
+    worker = MultiService()
+    config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(worker)
+    PortRangeCheck(options["backend-port-range"]).setServiceParent(worker)
+    return worker
