@@ -143,6 +143,15 @@ class ReadinessResource(Resource):
             return self._answer(request, False, reason)
 
         client_gone: list[bool] = []
+        probe: defer.Deferred | None = None
+
+        def gone(_):
+            client_gone.append(True)
+            if probe is not None:
+                probe.cancel()
+
+        # Registered before the probe, which may answer (and finish the request) at once.
+        request.notifyFinish().addErrback(gone)
         probe = database.runQuery("SELECT 1")
         probe.addTimeout(self._probe_timeout, self._reactor)
         probe.addCallbacks(
@@ -150,12 +159,6 @@ class ReadinessResource(Resource):
             lambda f: self._finish(request, client_gone, False,
                                    f"database query failed: {f.getErrorMessage()}"),
         )
-
-        def gone(_):
-            client_gone.append(True)
-            probe.cancel()
-
-        request.notifyFinish().addErrback(gone)
         return NOT_DONE_YET
 
     @staticmethod

@@ -1,0 +1,392 @@
+"""Options from flags and LOCALAI_* variables: precedence, validation messages, help text.
+
+Also the frontend's /healthz and /readyz resources, driven with a stub database service, since
+they are part of what ``makeService`` builds from these options.  No I/O.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from twisted.internet import defer
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python import usage
+from twisted.web.server import NOT_DONE_YET
+from twisted.web.test.requesthelper import DummyRequest
+
+from localai_tw import config
+from localai_tw.frontend import tap as frontend_tap
+from localai_tw.worker import tap as worker_tap
+
+
+def parse(options_class, args, environ=None):
+    options = options_class(environ=environ or {})
+    options.parseOptions(args)
+    return options
+
+
+def flat(text: str) -> str:
+    """Help text with wrapping undone (the wrapper may break lines after a hyphen)."""
+    return " ".join(text.split()).replace("- ", "-")
+
+
+# -- the generic machinery ----------------------------------------------------------------
+
+
+class Sample(config.EnvOptions):
+    settings = (
+        config.value("grace", "LOCALAI_TEST_GRACE", "Grace.", default="90s",
+                     parse=config.parse_duration),
+        config.value("token", "LOCALAI_TEST_TOKEN", "Token.", parse=config.parse_secret,
+                     secret=True),
+        config.flag("single", "LOCALAI_TEST_SINGLE", "Single."),
+        config.repeatable("label", "LOCALAI_TEST_LABELS", "Label.", parse=config.parse_label),
+        config.repeatable("key", "LOCALAI_TEST_KEYS", "Key.", parse=config.parse_secret,
+                          secret=True),
+    )
+
+
+def test_flag_beats_environment_beats_default():
+    assert parse(Sample, [])["grace"] == 90.0
+    assert parse(Sample, []).sources["grace"] == "default"
+    from_env = parse(Sample, [], {"LOCALAI_TEST_GRACE": "2m"})
+    assert from_env["grace"] == 120.0 and from_env.sources["grace"] == "env"
+    from_flag = parse(Sample, ["--grace", "5s"], {"LOCALAI_TEST_GRACE": "2m"})
+    assert from_flag["grace"] == 5.0 and from_flag.sources["grace"] == "flag"
+
+
+def test_empty_environment_variable_counts_as_unset():
+    options = parse(Sample, [], {"LOCALAI_TEST_GRACE": "", "LOCALAI_TEST_TOKEN": ""})
+    assert options["grace"] == 90.0
+    assert options["token"] is None
+
+
+def test_flags_from_environment_take_boolean_words():
+    assert parse(Sample, [])["single"] is False
+    assert parse(Sample, ["--single"])["single"] is True
+    for word in ("1", "true", "YES", "on"):
+        assert parse(Sample, [], {"LOCALAI_TEST_SINGLE": word})["single"] is True
+    for word in ("0", "false", "no", "Off"):
+        assert parse(Sample, [], {"LOCALAI_TEST_SINGLE": word})["single"] is False
+    with pytest.raises(usage.UsageError, match=r"--single \(from LOCALAI_TEST_SINGLE\)"):
+        parse(Sample, [], {"LOCALAI_TEST_SINGLE": "maybe"})
+
+
+def test_repeatable_options_replace_the_comma_separated_variable():
+    env = {"LOCALAI_TEST_LABELS": "gpu=a100, zone=eu ,", "LOCALAI_TEST_KEYS": "k1,k2"}
+    options = parse(Sample, [], env)
+    assert options["label"] == [("gpu", "a100"), ("zone", "eu")]
+    assert options["key"] == ["k1", "k2"]
+    options = parse(Sample, ["--label", "a=1", "--label", "b=2"], env)
+    assert options["label"] == [("a", "1"), ("b", "2")]
+    assert options["key"] == ["k1", "k2"]
+
+
+def test_describe_masks_secrets_and_names_sources():
+    options = parse(Sample, ["--token", "s3cret", "--key", "abc", "--key", "def"],
+                    {"LOCALAI_TEST_LABELS": "gpu=a100"})
+    described = {name: (shown, source) for name, shown, source in options.describe()}
+    assert described["--token"] == ("<set>", "flag")
+    assert described["--key"] == ("<2 set>", "flag")
+    assert described["--label"] == ("gpu=a100", "env")
+    assert described["--grace"] == ("90s", "default")
+    assert "s3cret" not in repr(options.describe())
+
+
+def test_help_lists_environment_variable_and_default():
+    text = flat(str(Sample(environ={})))
+    assert "--grace= Grace. [env: LOCALAI_TEST_GRACE, default: 90s]" in text
+    assert "[env: LOCALAI_TEST_SINGLE, default: off]" in text
+    assert "Label. Repeatable. [env: LOCALAI_TEST_LABELS, default: none]" in text
+
+
+# -- validators ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, seconds", [
+    ("90", 90.0), ("90s", 90.0), ("1m", 60.0), ("1m30s", 90.0), ("1.5m", 90.0),
+    ("500ms", 0.5), ("2h", 7200.0), (" 10S ", 10.0), ("0", 0.0),
+])
+def test_duration_forms(raw, seconds):
+    assert config.parse_duration(raw, "--x") == seconds
+
+
+@pytest.mark.parametrize("raw", ["", "s", "-5s", "5x", "1m 30s", "m1", "90s5"])
+def test_bad_durations_name_the_option(raw):
+    with pytest.raises(usage.UsageError, match=r"^--reconnect-grace: .*duration"):
+        config.parse_duration(raw, "--reconnect-grace")
+
+
+def test_ports_and_port_ranges():
+    assert config.parse_port("8080", "--p") == 8080
+    for bad in ("0", "65536", "http", "-1"):
+        with pytest.raises(usage.UsageError, match=r"^--p: "):
+            config.parse_port(bad, "--p")
+    assert config.parse_port_range("30000-30999", "--r") == config.PortRange(30000, 30999)
+    assert 30500 in config.PortRange(30000, 30999)
+    for bad in ("30999-30000", "30000", "a-b", "1-70000"):
+        with pytest.raises(usage.UsageError, match=r"^--r: "):
+            config.parse_port_range(bad, "--r")
+
+
+def test_host_port():
+    assert config.parse_host_port("10.0.0.5:8080", "--a") == ("10.0.0.5", 8080)
+    assert config.parse_host_port("node.example:443", "--a") == ("node.example", 443)
+    assert config.parse_host_port("[fd00::1]:8080", "--a") == ("fd00::1", 8080)
+    for bad in ("10.0.0.5", "host:", ":80", "fd00::1:80", "[nothex]:80", "h:99999"):
+        with pytest.raises(usage.UsageError, match=r"^--a: "):
+            config.parse_host_port(bad, "--a")
+
+
+def test_loopback_hosts():
+    for host in ("127.0.0.1", "127.9.9.9", "::1", "localhost", "0.0.0.0", "::"):
+        assert config.is_loopback_host(host)
+    for host in ("10.0.0.1", "fd00::1", "node.example"):
+        assert not config.is_loopback_host(host)
+
+
+def test_urls_need_a_known_scheme_and_a_host():
+    for good in ("http://f:8080", "https://f.example/base", "ws://10.0.0.1:80", "wss://f"):
+        assert config.parse_url(good, "--register-to") == good
+    for bad in ("f:8080", "ftp://f", "http://", "http://f:notaport", "//f:80"):
+        with pytest.raises(usage.UsageError, match=r"^--register-to: "):
+            config.parse_url(bad, "--register-to")
+
+
+def test_labels():
+    assert config.parse_label("gpu=a100", "--label") == ("gpu", "a100")
+    assert config.parse_label("topology.kubernetes.io/zone=eu", "--label")[0] == \
+        "topology.kubernetes.io/zone"
+    assert config.parse_label("empty=", "--label") == ("empty", "")
+    for bad in ("novalue", "=v", "sp ace=v"):
+        with pytest.raises(usage.UsageError, match=r"^--label: "):
+            config.parse_label(bad, "--label")
+
+
+def test_secrets_are_never_quoted_in_errors():
+    with pytest.raises(usage.UsageError) as info:
+        config.parse_database_url("http://user:hunter2@db/x", "--database-url")
+    assert "hunter2" not in str(info.value)
+    assert str(info.value).startswith("--database-url: ")
+    with pytest.raises(usage.UsageError) as info:
+        config.parse_database_url("host='unterminated password=hunter2", "--database-url")
+    assert "hunter2" not in str(info.value)
+    assert config.parse_database_url("postgresql://u:p@db:5432/x", "--d")
+    assert config.parse_database_url("host=/tmp port=5432 dbname=x", "--d")
+
+
+def test_server_endpoint_descriptions():
+    assert config.parse_server_endpoint("tcp:8080:interface=127.0.0.1", "--listen")
+    for bad in ("nonsense:8080", "tcp:notaport"):
+        with pytest.raises(usage.UsageError, match=r"^--listen: "):
+            config.parse_server_endpoint(bad, "--listen")
+
+
+# -- the frontend's options ---------------------------------------------------------------
+
+
+def test_frontend_defaults():
+    options = parse(frontend_tap.Options, [])
+    assert options["listen"] == "tcp:8080"
+    assert options["database-url"] is None
+    assert options["reconnect-grace"] == 90.0
+    assert options["api-key"] == []
+    assert options["single-host"] is False and options["require-approval"] is False
+    assert len(options["instance-id"]) == 36  # a generated UUID
+    assert options["data-dir"] == config.default_data_dir()
+
+
+def test_frontend_environment():
+    env = {
+        "LOCALAI_DATABASE_URL": "postgresql://u@db/x",
+        "LOCALAI_DATA_DIR": "/srv/ltw",
+        "LOCALAI_API_KEY": "k1,k2",
+        "LOCALAI_REGISTRATION_TOKEN": "tok",
+        "LOCALAI_INSTANCE_ID": "replica-a",
+        "LOCALAI_RECONNECT_GRACE": "2m",
+        "LOCALAI_REQUIRE_APPROVAL": "true",
+        "LOCALAI_NATS_URL": "nats://ignored:4222",
+        "LOCALAI_LISTEN": "tcp:9090",
+    }
+    options = parse(frontend_tap.Options, [], env)
+    assert options["database-url"] == "postgresql://u@db/x"
+    assert options["data-dir"] == "/srv/ltw"
+    assert options["api-key"] == ["k1", "k2"]
+    assert options["registration-token"] == "tok"
+    assert options["instance-id"] == "replica-a"
+    assert options["reconnect-grace"] == 120.0
+    assert options["require-approval"] is True
+    assert options["nats-url"] == "nats://ignored:4222"
+    assert options["listen"] == "tcp:9090"
+
+
+def test_frontend_loopback_advertise_address_needs_single_host():
+    with pytest.raises(usage.UsageError, match=r"^--advertise-address: .*--single-host"):
+        parse(frontend_tap.Options, ["--advertise-address", "127.0.0.1:8080"])
+    options = parse(frontend_tap.Options, ["--advertise-address", "127.0.0.1:8080",
+                                           "--single-host"])
+    assert options["advertise-address"] == ("127.0.0.1", 8080)
+    options = parse(frontend_tap.Options, [], {"LOCALAI_ADVERTISE_ADDRESS": "localhost:8080",
+                                              "LOCALAI_SINGLE_HOST": "1"})
+    assert options["advertise-address"] == ("localhost", 8080)
+
+
+@pytest.mark.parametrize("args, env, named", [
+    (["--listen", "bogus:1"], {}, "--listen"),
+    (["--reconnect-grace", "soon"], {}, "--reconnect-grace"),
+    ([], {"LOCALAI_RECONNECT_GRACE": "soon"}, "--reconnect-grace (from LOCALAI_RECONNECT_GRACE)"),
+    (["--database-url", "mysql://x"], {}, "--database-url"),
+    (["--instance-id", "has space"], {}, "--instance-id"),
+    (["--instance-id", "x" * 37], {}, "--instance-id"),
+    (["--advertise-address", "nohost"], {}, "--advertise-address"),
+    (["--registration-token", " "], {}, "--registration-token"),
+])
+def test_frontend_errors_name_the_option(args, env, named):
+    with pytest.raises(usage.UsageError) as info:
+        parse(frontend_tap.Options, args, env)
+    assert str(info.value).startswith(named + ":")
+
+
+def test_frontend_help_shows_every_option_with_its_variable():
+    text = flat(str(frontend_tap.Options(environ={})))
+    for setting in frontend_tap.SETTINGS:
+        assert f"--{setting.name}" in text
+        assert f"[env: {setting.env}, default: " in text
+    assert "[env: LOCALAI_LISTEN, default: tcp:8080]" in text
+    assert "[env: LOCALAI_RECONNECT_GRACE, default: 90s]" in text
+    assert "[env: LOCALAI_DATABASE_URL, default: embedded PostgreSQL]" in text
+
+
+# -- the worker's options -----------------------------------------------------------------
+
+
+def test_worker_requires_register_to():
+    with pytest.raises(usage.UsageError, match=r"^--register-to is required.*LOCALAI_REGISTER_TO"):
+        parse(worker_tap.Options, [])
+
+
+def test_worker_defaults_and_environment():
+    import socket
+
+    options = parse(worker_tap.Options, ["--register-to", "https://f.example"])
+    assert options["node-name"] == socket.gethostname()
+    assert options["node-type"] == "backend"
+    assert options["backend-port-range"] == config.PortRange(30000, 30999)
+    assert options["labels"] == {}
+    options = parse(worker_tap.Options, [], {
+        "LOCALAI_REGISTER_TO": "wss://lb.example",
+        "LOCALAI_NODE_NAME": "gpu-7",
+        "LOCALAI_NODE_TYPE": "agent",
+        "LOCALAI_NODE_LABELS": "gpu=a100,zone=eu",
+        "LOCALAI_BACKEND_PORT_RANGE": "20000-20099",
+    })
+    assert options["register-to"] == "wss://lb.example"
+    assert options["node-name"] == "gpu-7"
+    assert options["node-type"] == "agent"
+    assert options["labels"] == {"gpu": "a100", "zone": "eu"}
+    assert options["backend-port-range"] == config.PortRange(20000, 20099)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--register-to", "tcp://f"], "--register-to"),
+    (["--node-type", "gpu"], "--node-type"),
+    (["--backend-port-range", "9-1"], "--backend-port-range"),
+    (["--label", "nokey"], "--label"),
+    (["--label", "a=1", "--label", "a=2"], "--label"),
+])
+def test_worker_errors_name_the_option(args, named):
+    with pytest.raises(usage.UsageError) as info:
+        parse(worker_tap.Options, ["--register-to", "http://f"] + args
+              if args[0] != "--register-to" else args)
+    assert str(info.value).startswith(named + ":")
+
+
+def test_default_backend_port_range_is_outside_linux_ephemeral_default():
+    default = config.parse_port_range(worker_tap.DEFAULT_BACKEND_PORT_RANGE, "--x")
+    assert not default.overlaps(32768, 60999)
+
+
+def test_ephemeral_overlap_reads_the_kernel_range(tmp_path):
+    proc = tmp_path / "ip_local_port_range"
+    proc.write_text("32768\t60999\n")
+    assert worker_tap.ephemeral_port_overlap(config.PortRange(40000, 40999), str(proc)) == \
+        (32768, 60999)
+    assert worker_tap.ephemeral_port_overlap(config.PortRange(30000, 30999), str(proc)) is None
+    assert worker_tap.ephemeral_port_overlap(config.PortRange(1, 2), str(tmp_path / "no")) is None
+
+
+def test_worker_service_tree_holds_no_secret(tmp_path):
+    options = parse(worker_tap.Options, ["--register-to", "http://f", "--registration-token",
+                                         "tok-123"])
+    tree = worker_tap.makeService(options)
+    names = {svc.name for svc in tree}
+    assert names == {"configuration-report", "port-range-check"}
+    assert "tok-123" not in repr(options.describe())
+
+
+# -- /healthz and /readyz -----------------------------------------------------------------
+
+
+class StubDatabaseService:
+    def __init__(self, ready, reason="starting the embedded PostgreSQL", answer=None):
+        self._ready, self._reason = ready, reason
+        self.database = None if answer is None else StubDatabase(answer)
+
+    def readiness(self):
+        return self._ready, self._reason
+
+
+class StubDatabase:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def runQuery(self, sql):
+        return self.answer
+
+
+def render(resource, request):
+    result = resource.render(request)
+    if result is not NOT_DONE_YET:
+        request.write(result)
+        request.finish()
+    return request
+
+
+def body(request):
+    return b"".join(request.written)
+
+
+def test_healthz_is_ok():
+    request = render(frontend_tap.LivenessResource(), DummyRequest([b""]))
+    assert request.responseCode in (None, 200)
+    assert body(request) == b"ok"
+
+
+def test_readyz_not_ready_says_why():
+    resource = frontend_tap.ReadinessResource(StubDatabaseService(False), MemoryReactorClock())
+    request = render(resource, DummyRequest([b""]))
+    assert request.responseCode == 503
+    assert json.loads(body(request)) == {"ready": False,
+                                         "reason": "starting the embedded PostgreSQL"}
+
+
+def test_readyz_ready_when_the_database_answers():
+    service = StubDatabaseService(True, "ready", answer=defer.succeed([(1,)]))
+    resource = frontend_tap.ReadinessResource(service, MemoryReactorClock())
+    request = render(resource, DummyRequest([b""]))
+    assert request.finished
+    assert request.responseCode in (None, 200)
+    assert json.loads(body(request)) == {"ready": True}
+
+
+def test_readyz_times_out_a_hung_database():
+    clock = MemoryReactorClock()
+    service = StubDatabaseService(True, "ready", answer=defer.Deferred())
+    resource = frontend_tap.ReadinessResource(service, clock, probe_timeout=2.0)
+    request = render(resource, DummyRequest([b""]))
+    assert not request.finished
+    clock.advance(2.0)
+    assert request.finished
+    assert request.responseCode == 503
+    assert json.loads(body(request))["reason"].startswith("database query failed")
