@@ -124,6 +124,7 @@ class EmbeddedPostgres:
         self._server: Any = None
         self._lock_fd: int | None = None
         self._start_attempt: defer.Deferred | None = None
+        self._start_finished = False
 
     def _in_thread(self, fn, *args) -> defer.Deferred:
         return threads.deferToThreadPool(self._reactor, self._reactor.getThreadPool(), fn, *args)
@@ -139,10 +140,14 @@ class EmbeddedPostgres:
         result: defer.Deferred = defer.Deferred()
 
         def deliver(outcome):
+            # Set first: whoever result's callbacks run may call stop() right here, while
+            # this attempt is still running its own callbacks and cannot be awaited.
+            self._start_finished = True
             if not result.called:  # else the caller cancelled; stop() cleans up
                 result.callback(outcome)
             return None
 
+        self._start_finished = False
         attempt = self._in_thread(self._start_blocking)
         attempt.addCallback(self._started)
         attempt.addBoth(deliver)
@@ -158,7 +163,7 @@ class EmbeddedPostgres:
     def stop(self) -> defer.Deferred:
         """Stop the server this object started or adopted, then release the data directory."""
         async def stop() -> None:
-            if self._start_attempt is not None:
+            if self._start_attempt is not None and not self._start_finished:
                 await self._start_attempt  # never fails: deliver() consumed the outcome
             self._start_attempt = None
             await self._in_thread(self._stop_blocking)
