@@ -1,0 +1,766 @@
+"""File staging: a frontend puts model and data files on a worker over its ``http`` stream.
+
+Server side (mounted in the worker's site next to the control plane):
+
+- ``PUT /v1/files/{key}`` streams the body straight into a temporary file next to the target,
+  hashing as it goes; ``X-Content-SHA256`` and ``Content-Length`` are required.  When the body
+  is complete and the digest matches, the file is fsynced and renamed onto the final name (so
+  the final name never shows a partial file), then a ``<file>.sha256`` sidecar caches the
+  digest.  A mismatch answers 400 and removes the temporary file.  A target already present
+  with the same digest is answered ``200 {"skipped": true}`` before the body is read.
+- ``HEAD /v1/files/{key}`` reports ``X-File-Size`` and ``X-Content-SHA256`` (from the sidecar
+  when it still matches the file's size and mtime, else hashed in a thread) so the frontend can
+  skip uploads that are already present.
+- ``GET /v1/files-progress/{key}`` reports an upload in progress: bytes received and total.
+
+Keys map to roots: ``models/<rest>`` under the models directory, ``data/<rest>`` under the data
+directory, anything else under the staging directory.
+
+Client side: :func:`upload_file` hashes a local file off the reactor thread, HEADs to skip,
+and streams the file with ``FileBodyProducer``.
+
+What this module must never do:
+
+- hold an upload in memory: body chunks go to disk as they arrive (one chunk at a time);
+- write outside the allowed roots: a key is validated (no ``..``, no absolute keys, no NUL,
+  bounded length) and its target resolved with symlinks on both sides before anything is
+  created; a symlink leading out of a root is refused;
+- leave a partial or unverified file under the final name, or a temporary file behind after a
+  mismatch, a disconnect or a refusal;
+- accept a body from an unauthorized caller, or of unannounced or excessive length: those are
+  refused when the headers end, before one body byte is written;
+- hash a large file on the reactor thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import tempfile
+from typing import Any, Callable
+from urllib.parse import quote, unquote_to_bytes
+
+import attr
+import treq
+from treq.client import HTTPClient
+from twisted.internet import defer, threads
+from twisted.internet.interfaces import IReactorThreads, IReactorTime
+from twisted.logger import Logger
+from twisted.web import resource, server
+from twisted.web.client import FileBodyProducer
+from twisted.web.iweb import IAgent
+from zope.interface import implementer
+
+from localai_tw import errors
+from localai_tw.worker.control import ControlAuth, write_json, write_problem
+from localai_tw.worker.httpserve import (
+    AnswerBeforeBody,
+    BoundedMemoryBody,
+    IRequestBodyPolicy,
+    IRequestBodySink,
+    failure_summary,
+)
+
+log = Logger()
+
+FILES_PREFIX = b"/v1/files/"
+PROGRESS_PREFIX = b"/v1/files-progress/"
+#: Longest key accepted, in bytes of UTF-8.
+MAX_KEY_BYTES = 1024
+#: Longest path segment of a key: leaves room for the temporary name under NAME_MAX (255).
+MAX_KEY_SEGMENT_BYTES = 200
+#: Default cap of one upload.  Configurable per worker.
+DEFAULT_MAX_UPLOAD_BYTES = 256 * 1024**3
+#: Chunk size of hashing and of the client's reads.
+CHUNK_BYTES = 64 * 1024
+
+SIDECAR_SUFFIX = ".sha256"
+PARTIAL_SUFFIX = ".partial"
+_HEX_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+OUTSIDE_ALLOWED = "outside allowed directory"
+
+
+class BadStagingKey(ValueError):
+    """A key that cannot name a staged file; the message says why (answered 400)."""
+
+
+# -- keys and roots ------------------------------------------------------------------------------
+
+
+def parse_key(raw: bytes) -> str:
+    """Decode and validate a key taken from a URL path (still percent-encoded)."""
+    if len(raw) > 3 * MAX_KEY_BYTES:
+        raise BadStagingKey(f"key longer than {MAX_KEY_BYTES} bytes")
+    decoded = unquote_to_bytes(raw)
+    if len(decoded) > MAX_KEY_BYTES:
+        raise BadStagingKey(f"key longer than {MAX_KEY_BYTES} bytes")
+    if not decoded:
+        raise BadStagingKey("empty key")
+    if b"\x00" in decoded:
+        raise BadStagingKey("key contains a NUL byte")
+    try:
+        key = decoded.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadStagingKey("key is not UTF-8") from None
+    if key.startswith("/"):
+        raise BadStagingKey(f"absolute key: {OUTSIDE_ALLOWED}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key) or "\\" in key:
+        raise BadStagingKey("key contains a control character or a backslash")
+    segments = key.split("/")
+    for segment in segments:
+        if segment in ("", ".", ".."):
+            raise BadStagingKey(
+                f"key segment {segment!r} is not allowed: {OUTSIDE_ALLOWED}"
+                if segment == ".."
+                else f"key has an empty or '.' segment"
+            )
+        if len(segment.encode("utf-8")) > MAX_KEY_SEGMENT_BYTES:
+            raise BadStagingKey(f"key segment longer than {MAX_KEY_SEGMENT_BYTES} bytes")
+    if segments[-1].endswith((SIDECAR_SUFFIX, PARTIAL_SUFFIX)):
+        raise BadStagingKey("key names a staging sidecar or temporary file")
+    return key
+
+
+@attr.s(frozen=True, auto_attribs=True)
+class StagingTarget:
+    key: str
+    real_root: str
+    real_path: str
+
+    @property
+    def sidecar_path(self) -> str:
+        return self.real_path + SIDECAR_SUFFIX
+
+
+def _contained(real_path: str, real_root: str) -> bool:
+    return real_path == real_root or real_path.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def real_path_of(path: str) -> str:
+    """``path`` with every symlink resolved, including a path that does not exist yet: the
+    first existing ancestor is resolved and the missing remainder re-appended.  A dangling
+    symlink is followed to where it points (``os.path.realpath`` does both), so a link whose
+    target does not exist yet cannot smuggle a file outside a root."""
+    return os.path.realpath(path)
+
+
+@attr.s(frozen=True, auto_attribs=True)
+class StagingRoots:
+    """The three directories keys map onto.  Each may itself be a symlink (allowed)."""
+
+    models_dir: str
+    data_dir: str
+    staging_dir: str
+
+    def root_and_rest(self, key: str) -> tuple[str, str]:
+        first, _, rest = key.partition("/")
+        if first == "models":
+            return self.models_dir, rest
+        if first == "data":
+            return self.data_dir, rest
+        return self.staging_dir, key
+
+    def resolve(self, key: str) -> StagingTarget:
+        """Where ``key`` (already validated by :func:`parse_key`) lives, symlinks resolved on
+        both sides; raises :class:`BadStagingKey` if that is outside the key's root."""
+        root, rest = self.root_and_rest(key)
+        if not rest:
+            raise BadStagingKey("key names a root directory, not a file")
+        real_root = real_path_of(root)
+        real_path = real_path_of(os.path.join(real_root, rest))
+        if real_path == real_root or not _contained(real_path, real_root):
+            raise BadStagingKey(OUTSIDE_ALLOWED)
+        return StagingTarget(key, real_root, real_path)
+
+
+# -- digests and sidecars -------------------------------------------------------------------------
+
+
+def sha256_of_file(path: str) -> tuple[int, str]:
+    """Size and hex SHA-256 of ``path``, read in chunks.  Blocking: call it in a thread."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1024 * 1024)
+            if not chunk:
+                break
+            size += len(chunk)
+            digest.update(chunk)
+    return size, digest.hexdigest()
+
+
+def read_sidecar(target: StagingTarget) -> str | None:
+    """The cached digest of the target when the sidecar still describes the file (same size and
+    mtime), else ``None``.  A few hundred bytes: fine on the reactor."""
+    try:
+        st = os.stat(target.real_path)
+        with open(target.sidecar_path, "rb") as f:
+            text = f.read(512).decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = text.split()
+    if len(fields) != 3 or not _HEX_SHA256.match(fields[0]):
+        return None
+    if fields[1] != str(st.st_size) or fields[2] != str(st.st_mtime_ns):
+        return None
+    return fields[0]
+
+
+def write_sidecar(target: StagingTarget, digest: str) -> None:
+    """Record ``digest`` for the file as it is now (atomically, by rename).  Blocking."""
+    st = os.stat(target.real_path)
+    directory = os.path.dirname(target.real_path)
+    fd, tmp = tempfile.mkstemp(
+        dir=directory, prefix="." + os.path.basename(target.sidecar_path) + ".",
+        suffix=PARTIAL_SUFFIX,
+    )
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(f"{digest} {st.st_size} {st.st_mtime_ns}\n")
+        os.replace(tmp, target.sidecar_path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- uploads in progress --------------------------------------------------------------------------
+
+
+@attr.s(auto_attribs=True)
+class UploadProgress:
+    key: str
+    total: int
+    received: int = 0
+
+    def as_json(self) -> dict:
+        return {"key": self.key, "received": self.received, "total": self.total}
+
+
+class DigestMismatch(Exception):
+    def __init__(self, expected: str, actual: str):
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"sha256 mismatch: expected {expected}, got {actual}")
+
+
+@attr.s(frozen=True, auto_attribs=True)
+class StoredFile:
+    key: str
+    size: int
+    sha256: str
+    local_path: str
+
+    def as_json(self, skipped: bool) -> dict:
+        return {"key": self.key, "size": self.size, "sha256": self.sha256,
+                "local_path": self.local_path, "skipped": skipped}
+
+
+@implementer(IRequestBodySink)
+class FileUploadSink:
+    """One upload's body: each chunk is written to a temporary file beside the target and fed
+    to the running hash, then dropped.  Also the request's ``content``.
+
+    States: ``receiving`` (the reactor owns the file) -> ``finalizing`` (a thread verifies,
+    fsyncs and renames) -> ``committed`` or ``discarded``.  :meth:`close` discards only while
+    receiving, so a disconnect during finalizing cannot race the rename.
+    """
+
+    def __init__(
+        self,
+        staging: "FileStaging",
+        request,
+        target: StagingTarget,
+        expected_sha256: str,
+        expected_size: int,
+    ):
+        self.staging = staging
+        self.request = request
+        self.target = target
+        self.expected_sha256 = expected_sha256
+        self.expected_size = expected_size
+        self.progress = UploadProgress(target.key, expected_size)
+        self.largest_chunk = 0
+        self._hash = hashlib.sha256()
+        directory = os.path.dirname(target.real_path)
+        os.makedirs(directory, exist_ok=True)
+        self.fd, self.temp_path = tempfile.mkstemp(
+            dir=directory, prefix="." + os.path.basename(target.real_path) + ".",
+            suffix=PARTIAL_SUFFIX,
+        )
+        self.state = "receiving"
+        staging.uploads[target.real_path] = self.progress
+
+    # IRequestBodySink
+    def write(self, data: bytes) -> None:
+        if self.state != "receiving":
+            return
+        self.largest_chunk = max(self.largest_chunk, len(data))
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.write(self.fd, view)
+                view = view[written:]
+        except OSError as e:
+            self.close()
+            code = 507 if e.errno in (errno.ENOSPC, errno.EDQUOT) else 500
+            raise AnswerBeforeBody(code, {"problem": f"writing the upload failed: {e.strerror}"})
+        self._hash.update(data)
+        self.progress.received += len(data)
+
+    def tell(self) -> int:
+        return self.progress.received
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return 0
+
+    def read(self, size: int = -1) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        if self.state != "receiving":
+            return
+        self.state = "discarded"
+        self._forget()
+        try:
+            os.close(self.fd)
+        finally:
+            _unlink_quietly(self.temp_path)
+
+    def _forget(self):
+        if self.staging.uploads.get(self.target.real_path) is self.progress:
+            del self.staging.uploads[self.target.real_path]
+
+    def commit(self) -> defer.Deferred:
+        """Verify the digest and, if it matches, make the file visible under its final name.
+        Fires with a :class:`StoredFile`, or fails with :class:`DigestMismatch` (the temporary
+        file removed) or an ``OSError``."""
+        if self.state != "receiving":
+            return defer.fail(RuntimeError(f"upload is {self.state}"))
+        if self.progress.received != self.expected_size:
+            self.close()
+            return defer.fail(ValueError("the body ended before its announced length"))
+        self.state = "finalizing"
+        actual = self._hash.hexdigest()
+        d = threads.deferToThreadPool(
+            self.staging.reactor, self.staging.reactor.getThreadPool(),
+            self._finalize_blocking, actual,
+        )
+
+        def done(result):
+            self._forget()
+            return result
+
+        return d.addBoth(done)
+
+    def _finalize_blocking(self, actual: str) -> StoredFile:
+        try:
+            if actual != self.expected_sha256:
+                raise DigestMismatch(self.expected_sha256, actual)
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.temp_path, self.target.real_path)
+            _fsync_directory(os.path.dirname(self.target.real_path))
+        except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            _unlink_quietly(self.temp_path)
+            self.state = "discarded"
+            raise
+        self.state = "committed"
+        try:
+            write_sidecar(self.target, actual)
+        except OSError as e:  # the file is good; HEAD will hash it again
+            log.warn("staging {key}: could not write the sha256 sidecar: {e}",
+                     key=self.target.key, e=e)
+        return StoredFile(self.target.key, self.expected_size, actual, self.target.real_path)
+
+
+# -- the server side ------------------------------------------------------------------------------
+
+
+class FileStaging:
+    """The file staging service of one worker: roots, limits, auth and uploads in progress.
+
+    Mount it with ``build_worker_site(..., v1_children=staging.v1_children(),
+    body_policies=staging.body_policies())``.
+    """
+
+    def __init__(
+        self,
+        roots: StagingRoots,
+        auth: ControlAuth,
+        reactor: IReactorThreads,
+        max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+    ):
+        self.roots = roots
+        self.auth = auth
+        self.reactor = reactor
+        self.max_upload_bytes = max_upload_bytes
+        #: Uploads in progress, by real target path.
+        self.uploads: dict[str, UploadProgress] = {}
+
+    def v1_children(self) -> dict[bytes, resource.Resource]:
+        return {b"files": FilesResource(self), b"files-progress": UploadProgressResource(self)}
+
+    def body_policies(self) -> list[IRequestBodyPolicy]:
+        return [UploadBodyPolicy(self)]
+
+    def target_of(self, path: bytes, prefix: bytes) -> StagingTarget:
+        if not path.startswith(prefix):
+            raise BadStagingKey("not a staging path")
+        return self.roots.resolve(parse_key(path[len(prefix):]))
+
+
+def _expected_sha256(request) -> str | None:
+    value = request.requestHeaders.getRawHeaders(b"x-content-sha256")
+    if not value or len(value) != 1:
+        return None
+    text = value[0].decode("ascii", "replace").strip().lower()
+    return text if _HEX_SHA256.match(text) else None
+
+
+@implementer(IRequestBodyPolicy)
+class UploadBodyPolicy:
+    """Decides, when a request's headers end, where a ``/v1/files/`` body goes."""
+
+    prefix = FILES_PREFIX
+
+    def __init__(self, staging: FileStaging):
+        self.staging = staging
+
+    def sink_for(self, request, method, path, length):
+        if method != b"PUT":
+            if length is not None and length > 0:
+                raise AnswerBeforeBody(400, {"problem": "only PUT takes a body here"})
+            return BoundedMemoryBody(0)
+        refusal = self.staging.auth.refusal_for(request)
+        if refusal is not None:
+            raise refusal.as_answer()
+        try:
+            target = self.staging.target_of(path, FILES_PREFIX)
+        except BadStagingKey as e:
+            raise AnswerBeforeBody(400, {"problem": str(e)})
+        if length is None:
+            raise AnswerBeforeBody(411, {"problem": "Content-Length is required"})
+        if length > self.staging.max_upload_bytes:
+            raise AnswerBeforeBody(
+                413, {"problem": f"upload larger than the limit of "
+                                 f"{self.staging.max_upload_bytes} bytes"})
+        expected = _expected_sha256(request)
+        if expected is None:
+            raise AnswerBeforeBody(
+                400, {"problem": "X-Content-SHA256 (64 hex digits) is required"})
+        if os.path.isdir(target.real_path):
+            raise AnswerBeforeBody(400, {"problem": "key names a directory"})
+        if target.real_path in self.staging.uploads:
+            raise AnswerBeforeBody(409, {"problem": "an upload of this key is in progress"})
+        if read_sidecar(target) == expected and os.path.getsize(target.real_path) == length:
+            stored = StoredFile(target.key, length, expected, target.real_path)
+            # Answer now and drop the body as it arrives: the peer may finish sending.
+            raise AnswerBeforeBody(200, stored.as_json(skipped=True), stop_reading=False)
+        try:
+            return FileUploadSink(self.staging, request, target, expected, length)
+        except OSError as e:
+            code = 400 if e.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR) else (
+                507 if e.errno in (errno.ENOSPC, errno.EDQUOT) else 500)
+            raise AnswerBeforeBody(code, {"problem": f"cannot create the upload: {e.strerror}"})
+
+
+def _file_headers(request, size: int, digest: str, target: StagingTarget):
+    request.setHeader(b"x-file-size", b"%d" % size)
+    request.setHeader(b"x-content-sha256", digest.encode("ascii"))
+    request.setHeader(b"x-local-path", os.fsencode(target.real_path))
+
+
+class FilesResource(resource.Resource):
+    """``/v1/files/{key}``: HEAD to learn what is present, PUT to upload."""
+
+    isLeaf = True
+
+    def __init__(self, staging: FileStaging):
+        super().__init__()
+        self.staging = staging
+
+    def render(self, request):
+        refusal = self.staging.auth.refusal_for(request)
+        if refusal is not None:
+            write_problem(request, refusal.code, refusal.problem, refusal.headers)
+            return server.NOT_DONE_YET
+        if request.method == b"HEAD":
+            self._head(request)
+        elif request.method == b"PUT":
+            self._put(request)
+        else:
+            write_problem(request, 405, "use HEAD or PUT", ((b"allow", b"HEAD, PUT"),))
+        return server.NOT_DONE_YET
+
+    def _target(self, request) -> StagingTarget | None:
+        try:
+            return self.staging.target_of(request.path, FILES_PREFIX)
+        except BadStagingKey as e:
+            write_problem(request, 400, str(e))
+            return None
+
+    def _head(self, request):
+        target = self._target(request)
+        if target is None:
+            return
+        if not os.path.isfile(target.real_path):
+            write_problem(request, 404, "no such file")
+            return
+        cached = read_sidecar(target)
+        if cached is not None:
+            self._describe(request, target, os.path.getsize(target.real_path), cached)
+            return
+
+        def hash_and_record():
+            size, digest = sha256_of_file(target.real_path)
+            try:
+                write_sidecar(target, digest)
+            except OSError:
+                pass
+            return size, digest
+
+        reactor = self.staging.reactor
+        d = threads.deferToThreadPool(reactor, reactor.getThreadPool(), hash_and_record)
+        d.addCallbacks(
+            lambda result: self._describe(request, target, *result),
+            lambda f: write_problem(request, 500, f"hashing failed: {failure_summary(f)}"),
+        )
+
+    def _describe(self, request, target, size, digest):
+        if request.finished or getattr(request, "_disconnected", False):
+            return
+        _file_headers(request, size, digest, target)
+        write_json(request, 200, {})
+
+    def _put(self, request):
+        sink = request.content
+        if not isinstance(sink, FileUploadSink) or sink.request is not request:
+            write_problem(request, 400, "the upload body was not staged (use /v1/files/ unencoded)")
+            return
+
+        def stored(stored_file: StoredFile):
+            log.info("staged {key} ({size} bytes)", key=stored_file.key, size=stored_file.size)
+            write_json(request, 200, stored_file.as_json(skipped=False))
+
+        def failed(failure):
+            if failure.check(DigestMismatch):
+                write_problem(request, 400, str(failure.value))
+            elif failure.check(ValueError):
+                write_problem(request, 400, str(failure.value))
+            else:
+                log.failure("staging {key} failed", failure, key=sink.target.key)
+                write_problem(request, 500, f"storing the upload failed: "
+                                            f"{failure_summary(failure)}")
+
+        sink.commit().addCallbacks(stored, failed)
+
+
+class UploadProgressResource(resource.Resource):
+    """``GET /v1/files-progress/{key}``: ``{"key", "received", "total"}`` of an upload in
+    progress, 404 when none is."""
+
+    isLeaf = True
+
+    def __init__(self, staging: FileStaging):
+        super().__init__()
+        self.staging = staging
+
+    def render(self, request):
+        refusal = self.staging.auth.refusal_for(request)
+        if refusal is not None:
+            write_problem(request, refusal.code, refusal.problem, refusal.headers)
+            return server.NOT_DONE_YET
+        if request.method not in (b"GET", b"HEAD"):
+            write_problem(request, 405, "use GET", ((b"allow", b"GET, HEAD"),))
+            return server.NOT_DONE_YET
+        try:
+            target = self.staging.target_of(request.path, PROGRESS_PREFIX)
+        except BadStagingKey as e:
+            write_problem(request, 400, str(e))
+            return server.NOT_DONE_YET
+        progress = self.staging.uploads.get(target.real_path)
+        if progress is None:
+            write_problem(request, 404, "no upload of this key is in progress")
+        else:
+            write_json(request, 200, progress.as_json())
+        return server.NOT_DONE_YET
+
+
+# -- the client side ------------------------------------------------------------------------------
+
+#: Largest error body the client reads from a worker.
+MAX_ANSWER_BYTES = 64 * 1024
+
+
+@attr.s(frozen=True, auto_attribs=True)
+class StagedFile:
+    """What :func:`upload_file` did: ``skipped`` when the worker already had the file."""
+
+    key: str
+    size: int
+    sha256: str
+    skipped: bool
+    local_path: str | None
+
+
+class _CountingFile:
+    """A file whose reads report progress; offers what ``FileBodyProducer`` uses."""
+
+    def __init__(self, f, total: int, progress_cb: Callable[[int, int], Any] | None):
+        self._f = f
+        self.total = total
+        self.sent = 0
+        self._progress_cb = progress_cb
+
+    def read(self, size: int) -> bytes:
+        data = self._f.read(size)
+        self.sent += len(data)
+        if data and self._progress_cb is not None:
+            self._progress_cb(self.sent, self.total)
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+async def _bounded_body(response) -> bytes:
+    parts: list[bytes] = []
+    held = 0
+
+    def collect(data: bytes):
+        nonlocal held
+        held += len(data)
+        if held > MAX_ANSWER_BYTES:
+            raise ValueError("worker answer body too large")
+        parts.append(data)
+
+    try:
+        await treq.collect(response, collect)
+    except ValueError:
+        pass
+    return b"".join(parts)[:MAX_ANSWER_BYTES]
+
+
+async def _answer_error(node_id: str, what: str, response) -> errors.WorkerAnswer:
+    raw = await _bounded_body(response)
+    try:
+        decoded = json.loads(raw)
+        detail = decoded.get("problem") or decoded.get("busy") or decoded.get("error")
+    except (ValueError, AttributeError):
+        detail = None
+    detail = str(detail) if detail else raw[:512].decode("utf-8", "replace")
+    if response.code == 503:
+        return errors.WorkerBusy(node_id, detail or "the worker is busy")
+    return errors.WorkerAnswer(node_id, f"{what} answered {response.code}: {detail}")
+
+
+def _header(response, name: bytes) -> str | None:
+    values = response.headers.getRawHeaders(name)
+    return values[-1].decode("ascii", "replace") if values else None
+
+
+def upload_file(
+    client: HTTPClient | IAgent,
+    base_url: str,
+    key: str,
+    path: str,
+    progress_cb: Callable[[int, int], Any] | None = None,
+    *,
+    node_id: str = "?",
+    token: str | None = None,
+    reactor: IReactorThreads | None = None,
+) -> "defer.Deferred[StagedFile]":
+    """Stage the local file ``path`` on a worker under ``key``.
+
+    Hashes the file in a thread, HEADs ``{base_url}/v1/files/{key}`` and skips when the worker
+    already holds the same size and digest, else PUTs the file streamed from disk with
+    ``FileBodyProducer`` (``progress_cb(sent, total)`` per chunk read).  A worker's refusal
+    (400, 401, 403, 404, 409, 411, 413, 5xx) raises :class:`~localai_tw.errors.WorkerAnswer`,
+    503 :class:`~localai_tw.errors.WorkerBusy`; transport failures (no route, broken stream)
+    propagate unchanged.  ``client`` is a treq ``HTTPClient`` or an ``IAgent`` (for a tunnel,
+    an agent whose endpoint opens an ``http`` stream).  Cancelling the Deferred cancels the
+    request in flight.
+    """
+    return defer.Deferred.fromCoroutine(
+        _upload_file(client, base_url, key, path, progress_cb, node_id, token, reactor)
+    )
+
+
+async def _upload_file(client, base_url, key, path, progress_cb, node_id, token, reactor):
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        reactor = global_reactor
+    if IAgent.providedBy(client):
+        client = HTTPClient(client)
+    parse_key(quote(key, safe="/").encode("ascii"))  # refuse locally what the worker would
+    url = base_url.rstrip("/") + "/v1/files/" + quote(key, safe="/")
+    headers = {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+
+    size, digest = await threads.deferToThreadPool(
+        reactor, reactor.getThreadPool(), sha256_of_file, path
+    )
+
+    head = await client.head(url, headers=headers)
+    if head.code == 200:
+        await _bounded_body(head)
+        if _header(head, b"x-content-sha256") == digest and _header(head, b"x-file-size") == str(
+            size
+        ):
+            if progress_cb is not None:
+                progress_cb(size, size)
+            return StagedFile(key, size, digest, True, _header(head, b"x-local-path"))
+    elif head.code == 404:
+        await _bounded_body(head)
+    else:
+        raise await _answer_error(node_id, f"HEAD {key}", head)
+
+    put_headers = dict(headers)
+    put_headers["X-Content-SHA256"] = digest
+    with open(path, "rb") as f:
+        body = FileBodyProducer(_CountingFile(f, size, progress_cb), readSize=CHUNK_BYTES)
+        if body.length != size:
+            raise ValueError(f"{path} changed while it was being staged")
+        put = await client.put(url, data=body, headers=put_headers)
+        if put.code != 200:
+            raise await _answer_error(node_id, f"PUT {key}", put)
+        raw = await _bounded_body(put)
+    try:
+        reply = json.loads(raw)
+    except ValueError:
+        raise errors.WorkerAnswer(node_id, f"PUT {key} answered 200 with a non-JSON body")
+    return StagedFile(
+        key, size, digest, bool(reply.get("skipped")), reply.get("local_path")
+    )
