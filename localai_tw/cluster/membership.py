@@ -468,6 +468,10 @@ class MembershipService(Service):
     def instance_id(self) -> str:
         return self.identity.instance_id
 
+    def live_instances(self) -> defer.Deferred:
+        """Every live replica (for ``GET /api/cluster/instances``), on the database clock."""
+        return defer.ensureDeferred(live_instances(self._db, self._liveness))
+
     def set_reconnect_grace(self, grace: float | None) -> None:
         self._grace = effective_grace(grace)
 

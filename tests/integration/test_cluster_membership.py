@@ -160,6 +160,8 @@ async def test_service_registers_ticks_and_deregisters(db):
     svc = MembershipService(db, InstanceIdentity("svc", "1", "10.0.0.9:8080"), reactor=clock)
     svc.startService()
     assert await svc.whenRegistered() == "svc"
+    assert [(i.id, i.advertised_addr) for i in await svc.live_instances()] == [
+        ("svc", "10.0.0.9:8080")]
     await register_instance(db, InstanceIdentity("dead", "1"))
     await _age(db, "dead")
     clock.advance(5)  # one tick: heartbeat + sweep + purge
