@@ -230,6 +230,8 @@ class WorkerRequest(server.Request):
 
     #: The early answer already written for this request, if any.
     answered_before_body: AnswerBeforeBody | None = None
+    #: Whether the connection was already closed because of that answer.
+    _closed_after_answer = False
 
     def __init__(self, channel, *args, **kwargs):
         kwargs["parsePOSTFormSubmission"] = False
@@ -266,13 +268,17 @@ class WorkerRequest(server.Request):
         if self.answered_before_body is not None:
             # Already answered; the body (if any) was dropped.  Nothing may be processed.
             channel = self.channel
-            if channel is not None:
+            if channel is not None and not self._closed_after_answer:
+                self._closed_after_answer = True
                 channel.loseConnection()
             return
         super().requestReceived(command, path, version)
 
     def _answer_before_body(self, answer: AnswerBeforeBody) -> None:
         self.answered_before_body = answer
+        # The channel sends "100 Continue" right after gotLength when the client asked for it;
+        # after a final answer that would be a second, bogus response.
+        self.requestHeaders.removeHeader(b"expect")
         channel = self.channel
         if channel is None:
             return
@@ -298,6 +304,7 @@ class WorkerRequest(server.Request):
                     producer.pauseProducing()
                 except Exception:  # a transport that cannot pause is still closed below
                     pass
+            self._closed_after_answer = True
             channel.loseConnection()
 
 

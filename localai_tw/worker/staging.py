@@ -47,7 +47,7 @@ import attr
 import treq
 from treq.client import HTTPClient
 from twisted.internet import defer, threads
-from twisted.internet.interfaces import IReactorThreads, IReactorTime
+from twisted.internet.interfaces import IReactorThreads
 from twisted.logger import Logger
 from twisted.web import resource, server
 from twisted.web.client import FileBodyProducer
@@ -462,7 +462,8 @@ class UploadBodyPolicy:
             target = self.staging.target_of(path, FILES_PREFIX)
         except BadStagingKey as e:
             raise AnswerBeforeBody(400, {"problem": str(e)})
-        if length is None:
+        # twisted.web reports a missing Content-Length as 0, so ask the headers themselves.
+        if length is None or not request.requestHeaders.hasHeader(b"content-length"):
             raise AnswerBeforeBody(411, {"problem": "Content-Length is required"})
         if length > self.staging.max_upload_bytes:
             raise AnswerBeforeBody(

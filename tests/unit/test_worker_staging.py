@@ -27,7 +27,6 @@ from localai_tw.worker.staging import (
     parse_key,
 )
 from tests.unit.test_worker_control import (
-    LOOPBACK,
     REMOTE,
     connect,
     exchange,
@@ -241,6 +240,8 @@ def test_an_existing_file_is_replaced_only_when_the_new_one_is_complete(roots):
         (b"PUT /v1/files/a.bin HTTP/1.1\r\nHost: w\r\nTransfer-Encoding: chunked\r\n"
          b"X-Content-SHA256: " + b"0" * 64 + b"\r\n\r\n", 411, "Content-Length"),
         (put_head("a.bin", 1001, "0" * 64), 413, "limit of 1000"),
+        (b"PUT /v1/files/a.bin HTTP/1.1\r\nHost: w\r\nX-Content-SHA256: " + b"0" * 64
+         + b"\r\n\r\n", 411, "Content-Length"),
         (put_head("../a.bin", 10, "0" * 64), 400, "outside allowed directory"),
         (put_head("%2Fetc%2Fpasswd", 10, "0" * 64), 400, "absolute"),
     ],
@@ -256,6 +257,19 @@ def test_uploads_are_refused_when_the_headers_end(roots, head, code, words):
     assert transport.disconnecting  # the body is not read
     for root in (roots.models_dir, roots.data_dir, roots.staging_dir):
         assert leftovers(root) == []
+
+
+def test_expect_100_continue_is_not_sent_after_an_early_answer(roots):
+    site, _ = make_staging(roots, max_upload=1000)
+    transport, protocol = connect(site)
+    protocol.dataReceived(put_head("a.bin", 1001, "0" * 64, [("Expect", "100-continue")]))
+    assert transport.value().startswith(b"HTTP/1.1 413 ")
+    assert b"100 Continue" not in transport.value()
+    transport, protocol = connect(site)
+    protocol.dataReceived(put_head("a.bin", 3, sha(b"abc"), [("Expect", "100-continue")]))
+    assert transport.value() == b"HTTP/1.1 100 Continue\r\n\r\n"
+    protocol.dataReceived(b"abc")
+    assert b"HTTP/1.1 200 OK" in transport.value()
 
 
 def test_unauthorized_upload_writes_nothing(roots):
