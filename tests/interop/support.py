@@ -136,10 +136,20 @@ class GoPeer(protocol.ProcessProtocol):
         """Fires with the ``count``-th matching event (from index ``after``), or fails with the
         peer's recent output after ``timeout`` seconds or when the process exits."""
         what = f"{count}x event {name!r} {fields or ''}"
+        state = {"pos": after, "found": 0}
 
-        def match():
-            found = self.find(name, after, pred, **fields)
-            return found[count - 1] if len(found) >= count else None
+        def match():  # incremental: each event is looked at once per waiter
+            events = self.events
+            while state["pos"] < len(events):
+                ev = events[state["pos"]]
+                state["pos"] += 1
+                if (ev.get("event") == name
+                        and all(ev.get(k) == v for k, v in fields.items())
+                        and (pred is None or pred(ev))):
+                    state["found"] += 1
+                    if state["found"] == count:
+                        return ev
+            return None
 
         d = defer.Deferred()
         ev = match()
@@ -214,10 +224,13 @@ class EchoClient(protocol.Protocol):
     """Opened by Python against Go's echo: writes ``payload``, half-closes, reads the echo.
 
     ``done`` fires with ``self`` on ``connectionLost``; ``eof`` fires on ``readConnectionLost``.
+    With ``autostart=False`` nothing is written on connect: the test writes ``payload``.
     """
 
-    def __init__(self, payload: bytes, half_close: bool = True, keep: bool = False):
+    def __init__(self, payload: bytes, half_close: bool = True, keep: bool = False,
+                 autostart: bool = True):
         self.payload = payload
+        self.autostart = autostart
         self.half_close = half_close
         self.keep = keep
         self.received = 0
@@ -230,6 +243,8 @@ class EchoClient(protocol.Protocol):
         self.eof = defer.Deferred()
 
     def connectionMade(self):
+        if not self.autostart:
+            return  # the test writes ``payload`` itself
         if self.payload:
             self.transport.write(self.payload)
         if self.half_close:

@@ -65,6 +65,9 @@ import (
 
 var outMu sync.Mutex
 
+// traceFrames (-trace) reports every frame header seen in either direction.
+var traceFrames bool
+
 func report(event string, kv map[string]interface{}) {
 	if kv == nil {
 		kv = map[string]interface{}{}
@@ -111,10 +114,13 @@ type frameParser struct {
 	mu      sync.Mutex
 	counts  map[string]int
 	goaways []uint32
+	recent  map[uint32][]string // last frames per stream, for failure reports
 }
 
+const recentPerStream = 48
+
 func newParser(dir string) *frameParser {
-	return &frameParser{dir: dir, counts: map[string]int{}}
+	return &frameParser{dir: dir, counts: map[string]int{}, recent: map[uint32][]string{}}
 }
 
 func (p *frameParser) feed(b []byte) {
@@ -141,9 +147,24 @@ func (p *frameParser) feed(b []byte) {
 		flags := binary.BigEndian.Uint16(p.hdr[2:4])
 		id := binary.BigEndian.Uint32(p.hdr[4:8])
 		length := binary.BigEndian.Uint32(p.hdr[8:12])
+		if id != 0 {
+			r := append(p.recent[id], fmt.Sprintf("%s t=%d f=%d len=%d", p.dir, typ, flags, length))
+			if len(r) > recentPerStream {
+				r = r[len(r)-recentPerStream:]
+			}
+			p.recent[id] = r
+		}
+		if traceFrames {
+			report("trace", map[string]interface{}{"dir": p.dir, "type": typ, "flags": flags, "id": id, "length": length})
+		}
 		switch typ {
 		case 0:
 			p.counts["data"]++
+			if flags&4 != 0 && length > 0 {
+				// FIN riding on a frame with payload: df201c7 processes the FIN before
+				// buffering the payload, so a blocked Read can return EOF and lose it.
+				p.counts["data_fin_with_payload"]++
+			}
 			p.skip = length
 		case 1:
 			p.counts["window_update"]++
@@ -179,6 +200,12 @@ func (p *frameParser) feed(b []byte) {
 			}
 		}
 	}
+}
+
+func (p *frameParser) framesOf(id uint32) []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.recent[id]...)
 }
 
 func (p *frameParser) snapshot() map[string]interface{} {
@@ -417,6 +444,10 @@ func (p *peer) openOne(tag string, i, size int) bool {
 	}
 	st.Close() // only after reading everything (7.14)
 	res["ok"] = okv
+	if !okv {
+		res["frames_in"] = p.tap.in.framesOf(st.StreamID())
+		res["frames_out"] = p.tap.out.framesOf(st.StreamID())
+	}
 	report("open_result", res)
 	return okv
 }
@@ -565,6 +596,7 @@ func main() {
 	keepalive := flag.Duration("keepalive", 0, "keepalive interval (0 = keepalive disabled)")
 	writeTimeout := flag.Duration("write-timeout", 10*time.Second, "ConnectionWriteTimeout (also the ping timeout)")
 	window := flag.Uint("window", 256*1024, "MaxStreamWindowSize")
+	flag.BoolVar(&traceFrames, "trace", false, "report every frame header (event trace)")
 	flag.Parse()
 
 	cfg := yamux.DefaultConfig()

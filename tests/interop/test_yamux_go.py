@@ -1,7 +1,9 @@
-"""localai_tw.mux against Go's hashicorp/yamux (Debian df201c7) over real TCP on 127.0.0.1.
+"""localai_tw.mux against Go's hashicorp/yamux (Debian df201c7) on real sockets on 127.0.0.1.
 
-Every test starts its own Go peer (``gopeer/main.go``); see ``support.py`` for the echo
-conventions (Go echoes only after our FIN; we echo Go's streams as bytes arrive).
+Each test runs over plain TCP and over WebSocket (our Autobahn carrier on the Python side,
+gorilla/websocket on the Go side, binary messages, bearer token), and starts its own Go peer
+(``gopeer/main.go``); see ``support.py`` for the echo conventions (Go echoes only after our FIN;
+we echo Go's streams as bytes arrive).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from tests.interop.support import (
 )
 
 pytestmark = pytest.mark.interop
+
+@pytest.fixture(params=["tcp", "ws"])
+def transport(request):
+    return request.param
+
 
 ROLES = [pytest.param(True, id="py-client-go-server"),
          pytest.param(False, id="py-server-go-client")]
@@ -87,9 +94,10 @@ async def go_echo_round(pair, registry, n, size, tag, timeout=30.0):
 
 @pytest.mark.parametrize("py_client", ROLES)
 @pytest_twisted.ensureDeferred
-async def test_streams_opened_from_both_sides(yamux_pair, py_client):
+async def test_streams_opened_from_both_sides(yamux_pair, transport, py_client):
     registry = []
-    pair = await yamux_pair.open(py_client=py_client, acceptor=echo_acceptor(registry))
+    pair = await yamux_pair.open(transport=transport, py_client=py_client,
+                                 acceptor=echo_acceptor(registry))
     sizes = [0, 1, 3, 4096, 65536, 256 * KiB, 256 * KiB + 1, 700 * KiB]
     payloads = [os.urandom(s) for s in sizes]
     await python_echo_round(pair, payloads)
@@ -106,11 +114,12 @@ async def test_streams_opened_from_both_sides(yamux_pair, py_client):
 
 @pytest.mark.parametrize("py_client", ROLES)
 @pytest_twisted.ensureDeferred
-async def test_hundred_concurrent_1mib_streams_each_way(yamux_pair, py_client):
+async def test_hundred_concurrent_1mib_streams_each_way(yamux_pair, transport, py_client):
     """100 Python-opened and 100 Go-opened streams of 1 MiB, all at once, sha256 checked by
     both ends."""
     registry = []
-    pair = await yamux_pair.open(py_client=py_client, acceptor=echo_acceptor(registry))
+    pair = await yamux_pair.open(transport=transport, py_client=py_client,
+                                 acceptor=echo_acceptor(registry))
     base = os.urandom(MiB)
     payloads = [i.to_bytes(4, "big") + base[4:] for i in range(100)]
     d_go = go_echo_round(pair, registry, n=100, size=MiB, tag="hundred", timeout=90)
@@ -125,10 +134,10 @@ async def test_hundred_concurrent_1mib_streams_each_way(yamux_pair, py_client):
 
 @pytest.mark.parametrize("py_client", ROLES)
 @pytest_twisted.ensureDeferred
-async def test_half_close_then_read_echo(yamux_pair, py_client):
-    pair = await yamux_pair.open(py_client=py_client)
+async def test_half_close_then_read_echo(yamux_pair, transport, py_client):
+    pair = await yamux_pair.open(transport=transport, py_client=py_client)
     payload = os.urandom(600 * KiB)   # more than one window each way
-    client = EchoClient(payload, half_close=False, keep=True)
+    client = EchoClient(payload, autostart=False, keep=True)
     stream = pair.session.openStream(client)
     stream.write(payload)
     await sleep(0.2)
@@ -151,11 +160,11 @@ async def test_half_close_then_read_echo(yamux_pair, py_client):
 
 @pytest.mark.parametrize("py_client", ROLES)
 @pytest_twisted.ensureDeferred
-async def test_go_goaway_stops_python_opens_existing_stream_finishes(yamux_pair, py_client):
-    pair = await yamux_pair.open(py_client=py_client)
+async def test_go_goaway_stops_python_opens_existing_stream_finishes(yamux_pair, transport,
+                                                                    py_client):
+    pair = await yamux_pair.open(transport=transport, py_client=py_client)
     payload = os.urandom(400 * KiB)
-    client = EchoClient(b"", half_close=False)
-    client.payload = payload
+    client = EchoClient(payload, autostart=False)
     stream = pair.session.openStream(client)
     stream.write(payload[:100 * KiB])
     await pair.go.wait_event("accepted", id=stream.id)
@@ -172,7 +181,8 @@ async def test_go_goaway_stops_python_opens_existing_stream_finishes(yamux_pair,
     stream.write(payload[100 * KiB:])
     stream.loseWriteConnection()
     await within(client.done, 15, "the existing stream to finish after go-away")
-    assert client.echo_ok() and client.reason.check(StreamClosed), client.reason
+    assert client.reason.check(StreamClosed), client.reason
+    assert client.echo_ok(), (client.received, len(payload), pair.go.find("echoed"))
     assert pair.session.isOpen
     stats = await pair.go.stats()
     assert stats["frames_in"].get("syn", 0) == 1, stats   # no SYN after go-away reached Go
@@ -181,11 +191,11 @@ async def test_go_goaway_stops_python_opens_existing_stream_finishes(yamux_pair,
 
 @pytest.mark.parametrize("py_client", ROLES)
 @pytest_twisted.ensureDeferred
-async def test_python_goaway_then_close_is_clean_end_for_go(yamux_pair, py_client):
+async def test_python_goaway_then_close_is_clean_end_for_go(yamux_pair, transport, py_client):
     registry = []
-    pair = await yamux_pair.open(py_client=py_client, acceptor=echo_acceptor(registry))
-    client = EchoClient(b"", half_close=False)
-    client.payload = os.urandom(300 * KiB)
+    pair = await yamux_pair.open(transport=transport, py_client=py_client,
+                                 acceptor=echo_acceptor(registry))
+    client = EchoClient(os.urandom(300 * KiB), autostart=False)
     stream = pair.session.openStream(client)
     stream.write(client.payload[:1000])
 
@@ -215,8 +225,8 @@ async def test_python_goaway_then_close_is_clean_end_for_go(yamux_pair, py_clien
 
 @pytest.mark.parametrize("py_client", ROLES)
 @pytest_twisted.ensureDeferred
-async def test_go_close_without_goaway_is_clean_end_for_python(yamux_pair, py_client):
-    pair = await yamux_pair.open(py_client=py_client)
+async def test_go_close_without_goaway_is_clean_end_for_python(yamux_pair, transport, py_client):
+    pair = await yamux_pair.open(transport=transport, py_client=py_client)
     closed = pair.session.whenClosed()
     pair.go.send("close")
     ending = await within(closed, 5, "session end after Go's Close()")
@@ -229,9 +239,9 @@ async def test_go_close_without_goaway_is_clean_end_for_python(yamux_pair, py_cl
 
 
 @pytest_twisted.ensureDeferred
-async def test_keepalive_pings_answered_both_ways(yamux_pair):
+async def test_keepalive_pings_answered_both_ways(yamux_pair, transport):
     config = SessionConfig(keepalive_interval=0.1, keepalive_timeout=0.5)
-    pair = await yamux_pair.open(py_client=True, config=config,
+    pair = await yamux_pair.open(transport=transport, py_client=True, config=config,
                                  go_args=["-keepalive", "100ms", "-write-timeout", "500ms"])
     await sleep(1.5)
     stats = await pair.go.stats()
@@ -249,12 +259,11 @@ async def test_keepalive_pings_answered_both_ways(yamux_pair):
 
 
 @pytest_twisted.ensureDeferred
-async def test_keepalive_timeout_when_go_is_stopped(yamux_pair):
+async def test_keepalive_timeout_when_go_is_stopped(yamux_pair, transport):
     config = SessionConfig(keepalive_interval=0.2, keepalive_timeout=0.5)
-    pair = await yamux_pair.open(py_client=True, config=config)
-    client = EchoClient(b"", half_close=False)
+    pair = await yamux_pair.open(transport=transport, py_client=True, config=config)
+    client = EchoClient(b"hello", half_close=False)
     stream = pair.session.openStream(client)
-    stream.write(b"hello")
     await pair.go.wait_event("accepted", id=stream.id)
     closed = pair.session.whenClosed()
     pair.go.signal(signal.SIGSTOP)
@@ -270,8 +279,8 @@ async def test_keepalive_timeout_when_go_is_stopped(yamux_pair):
 
 
 @pytest_twisted.ensureDeferred
-async def test_go_keepalive_ends_session_when_python_stops_reading(yamux_pair):
-    pair = await yamux_pair.open(py_client=True,
+async def test_go_keepalive_ends_session_when_python_stops_reading(yamux_pair, transport):
+    pair = await yamux_pair.open(transport=transport, py_client=True,
                                  go_args=["-keepalive", "100ms", "-write-timeout", "300ms"])
     await sleep(0.3)
     pair.session.transport.pauseProducing()   # we read nothing: Go's pings go unanswered
@@ -289,7 +298,7 @@ async def test_go_keepalive_ends_session_when_python_stops_reading(yamux_pair):
 
 @pytest.mark.parametrize("max_window", [256 * KiB, MiB], ids=["window-256k", "window-1m"])
 @pytest_twisted.ensureDeferred
-async def test_paused_python_stream_stops_go_writer_at_window(yamux_pair, max_window):
+async def test_paused_python_stream_stops_go_writer_at_window(yamux_pair, transport, max_window):
     sinks = []
 
     def acceptor(stream):
@@ -297,7 +306,7 @@ async def test_paused_python_stream_stops_go_writer_at_window(yamux_pair, max_wi
         sinks.append(sink)
         return sink
 
-    pair = await yamux_pair.open(py_client=True, acceptor=acceptor,
+    pair = await yamux_pair.open(transport=transport, py_client=True, acceptor=acceptor,
                                  config=SessionConfig(max_window=max_window))
     size = max_window + MiB
     pair.go.send("write", size=size, chunk=4096, tag="w")
@@ -322,8 +331,9 @@ async def test_paused_python_stream_stops_go_writer_at_window(yamux_pair, max_wi
 
 
 @pytest_twisted.ensureDeferred
-async def test_python_refusal_is_a_reset_for_go(yamux_pair):
-    pair = await yamux_pair.open(py_client=True, acceptor=lambda stream: None)
+async def test_python_refusal_is_a_reset_for_go(yamux_pair, transport):
+    pair = await yamux_pair.open(transport=transport, py_client=True,
+                                 acceptor=lambda stream: None)
     pair.go.send("open", n=1, size=1000, tag="refused")
     res = await pair.go.wait_event("open_result", tag="refused")
     assert not res["ok"] and "reset" in res.get("err", ""), res
@@ -333,9 +343,9 @@ async def test_python_refusal_is_a_reset_for_go(yamux_pair):
 
 
 @pytest_twisted.ensureDeferred
-async def test_go_refuses_after_its_goaway_python_stream_reset(yamux_pair):
+async def test_go_refuses_after_its_goaway_python_stream_reset(yamux_pair, transport):
     """A SYN racing Go's go-away is answered with RST: the stream ends StreamReset(remote)."""
-    pair = await yamux_pair.open(py_client=True)
+    pair = await yamux_pair.open(transport=transport, py_client=True)
     pair.session.transport.pauseProducing()     # we do not read Go's go-away yet
     pair.go.send("goaway")
     await pair.go.wait_event("goaway_sent")
