@@ -160,6 +160,9 @@ func (p *frameParser) feed(b []byte) {
 		switch typ {
 		case 0:
 			p.counts["data"]++
+			if length == 0 && flags == 0 {
+				p.counts["data_empty_noflags"]++ // carries nothing at all
+			}
 			if flags&4 != 0 && length > 0 {
 				// FIN riding on a frame with payload: df201c7 processes the FIN before
 				// buffering the payload, so a blocked Read can return EOF and lose it.
