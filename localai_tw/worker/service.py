@@ -1,0 +1,361 @@
+"""The worker's service tree: registration, heartbeat, the tunnel dial loop and the control
+plane, composed from the ``twistd localai-worker`` options.
+
+At start the worker registers with ``--register-to`` (retrying 2 s, 4 s, ... up to 30 s between
+attempts for as long as it takes: a frontend that is down is never a start failure), heartbeats
+every 10 s whatever the tunnel is doing (a 404 means the frontend forgot the node: register
+again), and holds one outbound tunnel (``tunnel/dialer.py``) whose streams are served by
+``worker/streams.py``: ``http`` streams reach the control plane site (``node.status``,
+``/healthz``, ``/readyz`` reporting the tunnel), ``grpc`` streams reach loopback backends in the
+backend port range.
+
+What this service must never do:
+
+- listen: the control plane is a ``Site`` fed only by tunnel streams, and nothing here opens a
+  listening socket of any kind (the frontend reaches the worker only through its own tunnel);
+- advertise an address: the registration body carries no address at all;
+- fail to start because the frontend is down, or stop heartbeating while the tunnel is away
+  (withholding heartbeats would turn "reconnecting" into "stale" on the one path with no grace);
+- log the registration token or the tunnel credential: logs name the node and its id only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+from twisted.application.service import MultiService, Service
+from twisted.internet import defer
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from localai_tw.config import PortRange
+from localai_tw.tunnel.dialer import TunnelDialer
+from localai_tw.worker.control import (
+    ControlAuth,
+    ControlVerbs,
+    build_worker_site,
+    register_node_status,
+)
+from localai_tw.worker.registration import (
+    CapacityProvider,
+    NodeUnknown,
+    Registration,
+    RegistrationClient,
+    RegistrationError,
+)
+from localai_tw.worker.staging import FileStaging, StagingRoots
+from localai_tw.worker.streams import StreamRouter
+
+log = Logger()
+
+#: Seconds between heartbeats (ref §6.2).
+HEARTBEAT_INTERVAL_SECONDS = 10.0
+#: Registration retry: first wait, doubled per failure, up to the cap (ref §7).
+REGISTER_RETRY_FIRST_SECONDS = 2.0
+REGISTER_RETRY_CAP_SECONDS = 30.0
+
+
+def registration_retry_delay(failures: int, first: float = REGISTER_RETRY_FIRST_SECONDS,
+                             cap: float = REGISTER_RETRY_CAP_SECONDS) -> float:
+    """The wait after ``failures`` (>= 1) failed registration attempts: 2, 4, 8, 16, 30, 30 ..."""
+    exponent = min(max(failures - 1, 0), 32)
+    return min(cap, first * 2.0 ** exponent)
+
+
+class NodeRegistrar(Service):
+    """Keeps this worker registered and heartbeating.
+
+    Registration starts with the service and is retried until it succeeds; heartbeats run every
+    ``heartbeat_interval`` from the first successful registration on, independent of the
+    tunnel.  :meth:`register_once` is the single-flight re-registration used by the dial loop
+    on a 401/403 (one attempt; concurrent callers share it).  ``on_registered(registration)``
+    is called after every successful registration.
+    """
+
+    name = "node-registrar"
+
+    def __init__(
+        self,
+        reactor,
+        client: RegistrationClient,
+        *,
+        on_registered: Callable[[Registration], None] | None = None,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL_SECONDS,
+        retry_first: float = REGISTER_RETRY_FIRST_SECONDS,
+        retry_cap: float = REGISTER_RETRY_CAP_SECONDS,
+    ):
+        self._reactor = reactor
+        self.client = client
+        self._on_registered = on_registered
+        self.heartbeat_interval = heartbeat_interval
+        self._retry_first = retry_first
+        self._retry_cap = retry_cap
+        self.registration: Registration | None = None
+        self.last_heartbeat_status: str | None = None
+        self.heartbeat_failures = 0
+        self._attempt: defer.Deferred | None = None
+        self._attempt_running = False
+        self._attempt_waiters: list[defer.Deferred] = []
+        self._retry_call = None
+        self._retry_failures = 0
+        self._retrying = False
+        self._heartbeat = LoopingCall(self._beat)
+        self._heartbeat.clock = reactor
+        self._beating: defer.Deferred | None = None
+        self._last_heartbeat_problem: str | None = None
+
+    @property
+    def node_name(self) -> str:
+        return self.client.node_name
+
+    def credentials(self) -> tuple[str, str] | None:
+        """``(node_id, tunnel credential)`` of the current registration, or None."""
+        registration = self.registration
+        if registration is None or not registration.tunnel_token:
+            return None
+        return registration.node_id, registration.tunnel_token
+
+    # -- Service ----------------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._registerUntilDone()
+
+    def stopService(self):
+        super().stopService()
+        self._retrying = False
+        if self._retry_call is not None and self._retry_call.active():
+            self._retry_call.cancel()
+        self._retry_call = None
+        if self._heartbeat.running:
+            self._heartbeat.stop()
+        pending = [d for d in (self._attempt, self._beating) if d is not None]
+        for d in pending:
+            d.cancel()
+        return self.client.close()
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_once(self) -> defer.Deferred:
+        """One registration attempt (shared with any attempt already running).  Fires with the
+        :class:`Registration` or fails with a :class:`RegistrationError`."""
+        if not self.running:
+            return defer.fail(RegistrationError(None, "the worker is stopping"))
+        waiter: defer.Deferred = defer.Deferred()
+        self._attempt_waiters.append(waiter)  # before starting: the attempt may fire at once
+        if not self._attempt_running:
+            self._attempt_running = True
+            attempt = self.client.register()
+            self._attempt = attempt
+            attempt.addBoth(self._attemptDone)
+        return waiter
+
+    def _attemptDone(self, result) -> None:
+        self._attempt_running = False
+        self._attempt = None
+        if not isinstance(result, Failure):
+            self._installRegistration(result)
+        waiters, self._attempt_waiters = self._attempt_waiters, []
+        for waiter in waiters:
+            if isinstance(result, Failure):
+                waiter.errback(result)
+            else:
+                waiter.callback(result)
+
+    def _installRegistration(self, registration: Registration) -> None:
+        previous = self.registration
+        self.registration = registration
+        replaced = previous is not None and previous.node_id != registration.node_id
+        log.info("registered: node {name} ({node_id}), status {status}{replaced}",
+                 name=self.node_name, node_id=registration.node_id, status=registration.status,
+                 replaced=f" (was {previous.node_id})" if replaced else "")
+        if registration.status == "pending":
+            log.warn("node {name} ({node_id}) is pending approval: the frontend refuses its "
+                     "tunnel until an administrator approves it", name=self.node_name,
+                     node_id=registration.node_id)
+        if not registration.tunnel_token:
+            log.warn("node {name} ({node_id}): the frontend issued no tunnel credential; "
+                     "the tunnel is not dialled", name=self.node_name,
+                     node_id=registration.node_id)
+        if self.running and not self._heartbeat.running:
+            self._heartbeat.start(self.heartbeat_interval, now=False)
+        if self._on_registered is not None:
+            try:
+                self._on_registered(registration)
+            except Exception:
+                log.failure("reacting to the registration of node {name} failed",
+                            name=self.node_name)
+
+    def _registerUntilDone(self) -> None:
+        """Register, retrying 2 s doubling to 30 s, until it works or the service stops."""
+        if self._retrying or not self.running:
+            return
+        self._retrying = True
+        self._retry_failures = 0
+        self._tryRegister()
+
+    def _tryRegister(self) -> None:
+        self._retry_call = None
+        if not self.running or not self._retrying:
+            return
+        self.register_once().addCallbacks(self._registeredInLoop, self._registerFailedInLoop)
+
+    def _registeredInLoop(self, registration: Registration) -> None:
+        self._retrying = False
+        self._retry_failures = 0
+
+    def _registerFailedInLoop(self, failure: Failure) -> None:
+        if not self.running or not self._retrying:
+            return
+        if failure.check(defer.CancelledError):
+            return
+        self._retry_failures += 1
+        delay = registration_retry_delay(self._retry_failures, self._retry_first,
+                                         self._retry_cap)
+        error = failure.value
+        text = str(error) if isinstance(error, RegistrationError) else failure.getErrorMessage()
+        log.warn("registration of node {name} failed: {error}; retrying in {delay:g}s",
+                 name=self.node_name, error=text, delay=delay)
+        self._retry_call = self._reactor.callLater(delay, self._tryRegister)
+
+    # -- heartbeat ---------------------------------------------------------------------------
+
+    def _beat(self):
+        """One heartbeat.  Never fails the LoopingCall: the loop must never stop."""
+        registration = self.registration
+        if registration is None or self._beating is not None:
+            return None
+        beating = self.client.heartbeat(registration.node_id)
+        self._beating = beating
+        beating.addCallbacks(self._beatAnswered, self._beatFailed,
+                             errbackArgs=(registration,))
+        beating.addErrback(lambda f: log.failure("heartbeat handling failed", f))
+        return None
+
+    def _beatAnswered(self, status: str) -> None:
+        self._beating = None
+        self.heartbeat_failures = 0
+        if self._last_heartbeat_problem is not None:
+            log.info("heartbeat of node {name} works again", name=self.node_name)
+            self._last_heartbeat_problem = None
+        if status and status != self.last_heartbeat_status:
+            log.info("node {name} status is now {status}", name=self.node_name, status=status)
+        self.last_heartbeat_status = status or self.last_heartbeat_status
+
+    def _beatFailed(self, failure: Failure, registration: Registration) -> None:
+        self._beating = None
+        if failure.check(defer.CancelledError) or not self.running:
+            return
+        self.heartbeat_failures += 1
+        problem = str(failure.value) if isinstance(failure.value, RegistrationError) else \
+            failure.getErrorMessage()
+        if failure.check(NodeUnknown):
+            log.warn("heartbeat: the frontend no longer knows node {name} ({node_id}); "
+                     "registering again", name=self.node_name, node_id=registration.node_id)
+            self._registerUntilDone()
+            return
+        # Log when the problem changes, not every 10 s while the frontend is down.
+        if problem != self._last_heartbeat_problem:
+            log.warn("heartbeat of node {name} ({node_id}) failed: {problem}",
+                     name=self.node_name, node_id=registration.node_id, problem=problem)
+            self._last_heartbeat_problem = problem
+
+
+class WorkerService(MultiService):
+    """The worker: :class:`NodeRegistrar`, :class:`~localai_tw.tunnel.dialer.TunnelDialer` and
+    the listener-less control plane site, built from the worker's options.
+
+    ``options`` is the ``twistd localai-worker`` option dict: ``register-to``,
+    ``registration-token``, ``node-name``, ``node-type``, ``backend-port-range``
+    (a :class:`~localai_tw.config.PortRange`), ``data-dir``, and ``labels`` (a dict) or
+    ``label`` (``(key, value)`` pairs).  ``verbs`` lets later code add control verbs;
+    ``running_backends()`` feeds ``node.status``.  The ``*_options`` mappings pass keyword
+    arguments to the registrar, the dialer and the stream router (timings, test doubles).
+    """
+
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        reactor=None,
+        *,
+        verbs: ControlVerbs | None = None,
+        running_backends: Callable[[], Any] = lambda: [],
+        capacity_provider: CapacityProvider | None = None,
+        registration_client: RegistrationClient | None = None,
+        dialer_options: Mapping[str, Any] | None = None,
+        registrar_options: Mapping[str, Any] | None = None,
+        stream_options: Mapping[str, Any] | None = None,
+    ):
+        super().__init__()
+        if reactor is None:
+            from twisted.internet import reactor
+        self.reactor = reactor
+        self.node_name: str = options["node-name"]
+        self.node_type: str = options.get("node-type") or "backend"
+        register_to: str = options["register-to"]
+        token: str | None = options.get("registration-token") or None
+        self.backend_ports: PortRange = options["backend-port-range"]
+        labels = options.get("labels")
+        if labels is None:
+            labels = dict(options.get("label") or ())
+        self.data_dir: str | None = options.get("data-dir")
+
+        self.client = registration_client or RegistrationClient(
+            reactor, register_to, token, self.node_name, self.node_type, labels,
+            capacity_provider)
+        self.registrar = NodeRegistrar(reactor, self.client, on_registered=self._registered,
+                                       **dict(registrar_options or {}))
+        self.registrar.setServiceParent(self)
+
+        self.verbs = verbs if verbs is not None else ControlVerbs()
+        if self.verbs.lookup("node.status") is None:
+            register_node_status(self.verbs, self.node_name, self.node_type, running_backends,
+                                 reactor)
+        self.control_auth = ControlAuth(token)
+        self.staging = None
+        v1_children, body_policies = {}, []
+        if self.data_dir:
+            self.staging = FileStaging(
+                StagingRoots(os.path.join(self.data_dir, "models"),
+                             os.path.join(self.data_dir, "data"),
+                             os.path.join(self.data_dir, "staging")),
+                self.control_auth, reactor)
+            v1_children, body_policies = self.staging.v1_children(), \
+                self.staging.body_policies()
+        self.site = build_worker_site(self.verbs, self.control_auth, self.readiness,
+                                      v1_children=v1_children, body_policies=body_policies)
+        self.router = StreamRouter(self.site, self.backend_ports, reactor,
+                                   **dict(stream_options or {}))
+
+        self.dialer = TunnelDialer(
+            reactor, register_to, self.registrar.credentials, lambda: self.router.acceptor,
+            reauthorize=self.registrar.register_once, node_name=self.node_name,
+            **dict(dialer_options or {}))
+        self.dialer.setServiceParent(self)
+
+    def startService(self) -> None:
+        if self.staging is not None:
+            # Small, once, at start: the staging roots must exist before an upload resolves.
+            for root in (self.staging.roots.models_dir, self.staging.roots.data_dir,
+                         self.staging.roots.staging_dir):
+                os.makedirs(root, exist_ok=True)
+        log.info("worker {name} starting: registering with {url}; listening on nothing",
+                 name=self.node_name, url=self.client.base_url)
+        super().startService()
+
+    def _registered(self, registration: Registration) -> None:
+        self.dialer.credentialsChanged()
+
+    def readiness(self) -> str | None:
+        """``/readyz``: ready when registered and holding a tunnel session."""
+        if self.registrar.registration is None:
+            return "not registered with the frontend yet"
+        return self.dialer.readiness()
+
+
+def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
+    """The worker's service tree for ``twistd localai-worker`` (``tap.makeService`` adds its
+    configuration report and port range check next to it)."""
+    return WorkerService(options, reactor)
