@@ -7,8 +7,11 @@ Every service a test starts is stopped in a finalizer, so no embedded server out
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import psycopg2
 import pytest
@@ -22,8 +25,39 @@ from localai_tw.db.service import (DatabaseService, DatabaseServiceStopped,
 
 
 @pytest.fixture
-def services():
-    """Starts DatabaseServices and stops every one still running when the test ends."""
+def data_dir():
+    """A fresh directory for an embedded server, deliberately NOT under pytest's tmp_path.
+
+    As root, pgserver runs PostgreSQL as the user ``pgserver`` and opens the parents of the data
+    directory to it; but every pytest that starts (another suite on this machine, say) resets
+    ``/tmp/pytest-of-root`` to mode 0700, which locks ``pgserver`` out of a server running under
+    it ("could not open pg_control: Permission denied").  ``/tmp`` itself is never tightened.
+    """
+    path = Path(tempfile.mkdtemp(prefix="ltw-embedded-"))
+    yield path
+    leaked = kill_servers_in(path)
+    shutil.rmtree(path, ignore_errors=True)
+    assert not leaked, f"embedded PostgreSQL left running in {path}: pids {leaked}"
+
+
+def kill_servers_in(path: Path) -> list[int]:
+    """Kill any postmaster still running on a data directory under ``path``; their pids."""
+    import psutil
+
+    leaked = []
+    for proc in psutil.process_iter(attrs=["name", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if (proc.info["name"] or "").startswith("postgres") and "-D" in cmdline \
+                and any(arg.startswith(str(path)) for arg in cmdline):
+            leaked.append(proc.pid)
+            proc.kill()
+    return leaked
+
+
+@pytest.fixture
+def services(data_dir):
+    """Starts DatabaseServices and stops every one still running when the test ends (before
+    ``data_dir`` is checked and removed, hence the dependency)."""
     started: list[DatabaseService] = []
 
     def start(*args, **kwargs) -> DatabaseService:
@@ -43,8 +77,7 @@ def postmaster_running(pgdata) -> bool:
 
 
 @pytest_twisted.ensureDeferred
-async def test_embedded_data_persists_across_restarts(services, tmp_path):
-    data_dir = tmp_path / "data"
+async def test_embedded_data_persists_across_restarts(services, data_dir):
     first = services(None, data_dir)
     assert first.readiness() == (False, "starting the embedded PostgreSQL")
     db = await first.whenReady()
@@ -70,12 +103,12 @@ async def test_embedded_data_persists_across_restarts(services, tmp_path):
 
 
 @pytest_twisted.ensureDeferred
-async def test_second_owner_is_refused_and_shares_through_the_dsn(services, tmp_path):
-    owner = services(None, tmp_path)
+async def test_second_owner_is_refused_and_shares_through_the_dsn(services, data_dir):
+    owner = services(None, data_dir)
     await owner.whenReady()
     dsn = owner.embedded.dsn
 
-    intruder = services(None, tmp_path)
+    intruder = services(None, data_dir)
     with pytest.raises(DatabaseStartupError) as info:
         await intruder.whenReady()
     message = str(info.value)
@@ -93,8 +126,8 @@ async def test_second_owner_is_refused_and_shares_through_the_dsn(services, tmp_
 
 
 @pytest_twisted.ensureDeferred
-async def test_stale_pid_file_of_a_dead_process_is_cleared(services, tmp_path):
-    first = services(None, tmp_path)
+async def test_stale_pid_file_of_a_dead_process_is_cleared(services, data_dir):
+    first = services(None, data_dir)
     await first.whenReady()
     pgdata = first.embedded.pgdata
     await first.stopService()
@@ -103,21 +136,21 @@ async def test_stale_pid_file_of_a_dead_process_is_cleared(services, tmp_path):
     dead.wait()
     (pgdata / "postmaster.pid").write_text(f"{dead.pid}\n{pgdata}\n")
 
-    second = services(None, tmp_path)
+    second = services(None, data_dir)
     db = await second.whenReady()
     assert await db.runQuery("SELECT 1") == [(1,)]
 
 
 @pytest_twisted.ensureDeferred
-async def test_pid_file_naming_another_program_is_a_clear_error(services, tmp_path):
-    first = services(None, tmp_path)
+async def test_pid_file_naming_another_program_is_a_clear_error(services, data_dir):
+    first = services(None, data_dir)
     await first.whenReady()
     pgdata = first.embedded.pgdata
     await first.stopService()
     # The pid was reused by some other program after a reboot: this test process.
     (pgdata / "postmaster.pid").write_text(f"{os.getpid()}\n{pgdata}\n")
 
-    second = services(None, tmp_path)
+    second = services(None, data_dir)
     with pytest.raises(DatabaseStartupError) as info:
         await second.whenReady()
     assert "not a PostgreSQL server" in str(info.value)
@@ -126,28 +159,28 @@ async def test_pid_file_naming_another_program_is_a_clear_error(services, tmp_pa
 
 
 @pytest_twisted.ensureDeferred
-async def test_foreign_directory_is_refused(services, tmp_path):
-    (tmp_path / "postgres").mkdir()
-    (tmp_path / "postgres" / "notes.txt").write_text("mine")
-    service = services(None, tmp_path)
+async def test_foreign_directory_is_refused(services, data_dir):
+    (data_dir / "postgres").mkdir()
+    (data_dir / "postgres" / "notes.txt").write_text("mine")
+    service = services(None, data_dir)
     with pytest.raises(DatabaseStartupError, match="not a PostgreSQL data directory"):
         await service.whenReady()
-    assert (tmp_path / "postgres" / "notes.txt").read_text() == "mine"
+    assert (data_dir / "postgres" / "notes.txt").read_text() == "mine"
 
 
 @pytest_twisted.ensureDeferred
-async def test_stop_during_embedded_startup_leaves_no_server(services, tmp_path):
-    service = services(None, tmp_path)
+async def test_stop_during_embedded_startup_leaves_no_server(services, data_dir):
+    service = services(None, data_dir)
     ready = service.whenReady()
     await service.stopService()  # while initdb / pg_ctl is still running in a thread
     with pytest.raises(DatabaseServiceStopped):
         await ready
-    assert not postmaster_running(tmp_path.resolve() / "postgres")
+    assert not postmaster_running(data_dir.resolve() / "postgres")
 
 
 @pytest_twisted.ensureDeferred
-async def test_embedded_server_directly(tmp_path):
-    embedded = EmbeddedPostgres(tmp_path)
+async def test_embedded_server_directly(data_dir):
+    embedded = EmbeddedPostgres(data_dir)
     try:
         dsn = await embedded.start()
         conn = psycopg2.connect(dsn)

@@ -1,0 +1,231 @@
+"""The real ``twistd`` finds and runs ``localai-frontend`` and ``localai-worker``.
+
+Each test starts twistd as a subprocess with PYTHONPATH set to this checkout, so Twisted's plugin
+discovery (``twisted.plugins.__path__`` gains every ``<sys.path entry>/twisted/plugins`` directory
+without an ``__init__.py``) finds ``twisted/plugins/localai_*.py`` here.  It runs in a temporary
+working directory so nothing (logs, pid files) lands in the repository.  Every process started is
+terminated, waited for and, if need be, killed in a finalizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split()).replace("- ", "-")
+
+
+@pytest.fixture
+def twistd(tmp_path):
+    """``run(args, env=None, wait=True)``: run twistd here; with ``wait=False`` a Popen whose
+    output goes to ``<tmp>/twistd-N.log`` and which is always reaped at the end."""
+    processes: list[subprocess.Popen] = []
+
+    def environment(extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALAI_")}
+        env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(extra or {})
+        return env
+
+    def run(args, env=None, wait=True, timeout=60):
+        if wait:
+            return subprocess.run(TWISTD + args, cwd=tmp_path, env=environment(env),
+                                  capture_output=True, text=True, timeout=timeout)
+        log_path = tmp_path / f"twistd-{len(processes)}.log"
+        log_file = open(log_path, "w")
+        proc = subprocess.Popen(TWISTD + args, cwd=tmp_path, env=environment(env),
+                                stdout=log_file, stderr=subprocess.STDOUT)
+        log_file.close()
+        proc.log_path = log_path
+        processes.append(proc)
+        return proc
+
+    yield run
+    for proc in processes:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def data_dir():
+    """A data directory outside pytest's tmp_path: as root, pgserver runs PostgreSQL as the
+    user ``pgserver``, and any pytest starting on this machine resets ``/tmp/pytest-of-root``
+    to 0700, which would lock that user out of a server running below it."""
+    path = Path(tempfile.mkdtemp(prefix="ltw-e2e-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def wait_until_ready(proc, port: int, timeout: float = 60.0) -> list[tuple[int, bytes]]:
+    """Poll /readyz until 200; returns every answer seen.  Fails if the process exits."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"twistd exited with {proc.returncode}:\n{proc.log_path.read_text()}")
+        try:
+            status, body = get(f"http://127.0.0.1:{port}/readyz")
+        except OSError:
+            time.sleep(0.2)
+            continue
+        seen.append((status, body))
+        if status == 200:
+            return seen
+        time.sleep(0.2)
+    pytest.fail(f"not ready after {timeout}s; answers {seen[-3:]}\n{proc.log_path.read_text()}")
+
+
+def stop(proc, timeout: float = 30.0) -> None:
+    """SIGTERM, then expect a clean shutdown.  twistd ends a run stopped by a signal by
+    re-raising that signal on itself, so a clean stop exits "killed by SIGTERM"."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=timeout) in (0, -signal.SIGTERM)
+    log = proc.log_path.read_text()
+    assert "Server Shut Down" in log
+    assert "Traceback" not in log and "Unhandled" not in log, log
+
+
+def test_twistd_lists_both_plugins(twistd):
+    result = twistd(["--help"])
+    assert result.returncode == 0, result.stderr
+    assert "localai-frontend" in result.stdout
+    assert "localai-worker" in result.stdout
+
+
+def test_frontend_help_shows_variables_and_defaults(twistd):
+    result = twistd(["-n", "localai-frontend", "--help"])
+    assert result.returncode == 0, result.stderr
+    text = flat(result.stdout)
+    for expected in ("--listen=", "[env: LOCALAI_LISTEN, default: tcp:8080]",
+                     "--database-url=", "[env: LOCALAI_DATABASE_URL, default: embedded",
+                     "--data-dir=", "LOCALAI_DATA_DIR",
+                     "--reconnect-grace=", "[env: LOCALAI_RECONNECT_GRACE, default: 90s]",
+                     "--api-key=", "LOCALAI_API_KEY", "--registration-token=",
+                     "--single-host", "--require-approval", "--instance-id=",
+                     "--advertise-address=", "--nats-url=", "LOCALAI_NATS_URL"):
+        assert expected in text
+
+
+def test_worker_help_shows_variables_and_defaults(twistd):
+    result = twistd(["-n", "localai-worker", "--help"])
+    assert result.returncode == 0, result.stderr
+    text = flat(result.stdout)
+    for expected in ("--register-to=", "LOCALAI_REGISTER_TO", "--node-type=",
+                     "[env: LOCALAI_NODE_TYPE, default: backend]",
+                     "[env: LOCALAI_BACKEND_PORT_RANGE, default: 30000-30999]",
+                     "--label=", "LOCALAI_NODE_LABELS", "--node-name="):
+        assert expected in text
+
+
+@pytest.mark.parametrize("args, env, named", [
+    (["localai-frontend", "--reconnect-grace", "soon"], {}, "--reconnect-grace:"),
+    (["localai-frontend"], {"LOCALAI_LISTEN": "tcp:notaport"},
+     "--listen (from LOCALAI_LISTEN):"),
+    (["localai-worker", "--register-to", "ftp://x"], {}, "--register-to:"),
+    (["localai-worker"], {}, "--register-to is required"),
+])
+def test_bad_option_fails_naming_it(twistd, args, env, named):
+    result = twistd(["-n", "--pidfile="] + args, env=env)
+    assert result.returncode != 0
+    assert named in result.stdout + result.stderr
+
+
+def test_frontend_with_configured_database_serves_and_stops(twistd, pg_dsn):
+    port = free_port()
+    proc = twistd(["-n", "--pidfile=", "localai-frontend",
+                   "--listen", f"tcp:{port}:interface=127.0.0.1",
+                   "--database-url", pg_dsn, "--api-key", "sk-e2e-secret",
+                   "--nats-url", "nats://127.0.0.1:1"], wait=False)
+    wait_until_ready(proc, port)
+    assert get(f"http://127.0.0.1:{port}/healthz") == (200, b"ok")
+    status, body = get(f"http://127.0.0.1:{port}/readyz")
+    assert (status, json.loads(body)) == (200, {"ready": True})
+    stop(proc)
+    log = proc.log_path.read_text()
+    assert "Server Shut Down" in log
+    assert "sk-e2e-secret" not in log
+    assert "--nats-url is accepted for compatibility and ignored" in log
+
+
+def test_frontend_embedded_database_end_to_end(twistd, data_dir):
+    port = free_port()
+    proc = twistd(["-n", "--pidfile=", "localai-frontend",
+                   "--listen", f"tcp:{port}:interface=127.0.0.1"],
+                  env={"LOCALAI_DATA_DIR": str(data_dir)}, wait=False)
+    answers = wait_until_ready(proc, port)
+    for status, body in answers[:-1]:  # while PostgreSQL was starting
+        assert status == 503 and json.loads(body)["ready"] is False
+    pgdata = data_dir / "postgres"
+    assert (pgdata / "postmaster.pid").exists()
+    stop(proc)
+    log = proc.log_path.read_text()
+    assert f"embedded PostgreSQL is running in {pgdata}" in log
+    assert f'--database-url "host={pgdata}' in log
+    assert "embedded PostgreSQL in" in log and "stopped" in log
+    assert not (pgdata / "postmaster.pid").exists(), "the embedded server outlived twistd"
+
+
+def test_frontend_exits_with_failure_when_the_database_is_unreachable(twistd):
+    port = free_port()
+    result = twistd(["-n", "--pidfile=", "localai-frontend",
+                     "--listen", f"tcp:{port}:interface=127.0.0.1",
+                     "--database-url", "postgresql://postgres:hunter2@127.0.0.1:1/x"])
+    assert result.returncode == 1
+    assert "cannot start" in result.stdout and "--database-url" in result.stdout
+    assert "hunter2" not in result.stdout + result.stderr
+
+
+def test_worker_starts_logs_its_configuration_and_stops(twistd):
+    proc = twistd(["-n", "--pidfile=", "localai-worker", "--register-to", "http://127.0.0.1:1",
+                   "--registration-token", "tok-e2e-secret", "--label", "gpu=none",
+                   "--backend-port-range", "40000-40099"], wait=False)
+    deadline = time.monotonic() + 30
+    while "--label = gpu=none" not in proc.log_path.read_text():
+        assert proc.poll() is None, proc.log_path.read_text()
+        assert time.monotonic() < deadline, proc.log_path.read_text()
+        time.sleep(0.2)
+    stop(proc)
+    log = proc.log_path.read_text()
+    assert "tok-e2e-secret" not in log
+    assert "--registration-token = <set>" in log
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if ephemeral.exists():
+        first, last = (int(p) for p in ephemeral.read_text().split())
+        if first <= 40099 and 40000 <= last:
+            assert "overlaps the kernel's ephemeral port range" in log
