@@ -28,6 +28,8 @@ setup(
         "zope.interface>=6,<9",
         "treq>=24.9,<27",
         "PyYAML>=6,<7",
+        "platformdirs>=4,<5",
+        "psutil>=5.9,<8",
     ],
     extras_require={
         "test": [

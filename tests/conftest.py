@@ -8,6 +8,8 @@ Each test that asks for a database gets its own ``CREATE DATABASE``, dropped aft
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 
 import psycopg2
@@ -18,7 +20,7 @@ from localai_tw.db.pool import Database, dsn_with
 
 
 @pytest.fixture(scope="session")
-def pg_admin_dsn(tmp_path_factory):
+def pg_admin_dsn():
     """DSN of a maintenance database on a server where tests may create databases."""
     dsn = os.environ.get("LOCALAI_TEST_DSN")
     if dsn:
@@ -26,12 +28,15 @@ def pg_admin_dsn(tmp_path_factory):
         return
     import pgserver
 
-    datadir = tmp_path_factory.mktemp("embedded-pg")
-    server = pgserver.get_server(str(datadir), cleanup_mode="stop")
+    # Not under pytest's tmp_path: as root, pgserver runs PostgreSQL as a separate user, and
+    # every pytest start resets /tmp/pytest-of-root to 0700, which would lock that user out.
+    datadir = tempfile.mkdtemp(prefix="ltw-test-pg-")
+    server = pgserver.get_server(datadir, cleanup_mode="stop")
     try:
         yield server.get_uri()
     finally:
         server.cleanup()
+        shutil.rmtree(datadir, ignore_errors=True)
 
 
 def _admin_exec(admin_dsn: str, sql: str) -> None:
