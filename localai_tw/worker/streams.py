@@ -47,6 +47,7 @@ from localai_tw import errors
 from localai_tw.config import PortRange
 from localai_tw.splice import HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
+from localai_tw.worker.httpserve import serve_http_on_transport
 
 log = Logger()
 
@@ -169,8 +170,6 @@ class _SiteOnStream:
         self._http = None
 
     def makeConnection(self, transport) -> None:
-        from localai_tw.worker.httpserve import serve_http_on_transport
-
         self._http = serve_http_on_transport(self._site, transport)
 
     def dataReceived(self, data: bytes) -> None:
