@@ -275,6 +275,8 @@ class WorkerService(MultiService):
     arguments to the registrar, the dialer and the stream router (timings, test doubles).
     """
 
+    name = "worker"
+
     def __init__(
         self,
         options: Mapping[str, Any],

@@ -112,8 +112,12 @@ class PortRangeCheck(Service):
 
 
 def makeService(options: Options) -> MultiService:
-    """The worker: for now, its configuration report and port range check."""
+    """The worker: configuration report, port range check, then registration, heartbeats, the
+    tunnel dial loop and the control plane fed by tunnel streams (``worker/service.py``)."""
+    from localai_tw.worker.service import makeWorkerService
+
     worker = MultiService()
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(worker)
     PortRangeCheck(options["backend-port-range"]).setServiceParent(worker)
+    makeWorkerService(options).setServiceParent(worker)
     return worker
