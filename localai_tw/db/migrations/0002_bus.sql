@@ -34,7 +34,9 @@ CREATE TABLE work_claims (
 CREATE INDEX work_claims_kind_idx ON work_claims (kind);
 CREATE INDEX work_claims_claimed_by_idx ON work_claims (claimed_by);
 CREATE INDEX work_claims_not_before_idx ON work_claims (not_before);
--- The claim scan: unclaimed rows of some kinds in (created_at, id) order.
-CREATE INDEX work_claims_ready_idx ON work_claims (kind, created_at, id) WHERE claimed_at IS NULL;
+-- The claim scan walks unclaimed rows in (created_at, id) order and filters the kinds on the
+-- way.  Leading with kind would not serve "kind = ANY(...)" in order: PostgreSQL would read
+-- every ready row and sort it on each claim (17 ms at 4000 rows instead of 0.4 ms).
+CREATE INDEX work_claims_ready_idx ON work_claims (created_at, id) WHERE claimed_at IS NULL;
 -- The reap scan: held rows only (usually few).
 CREATE INDEX work_claims_held_idx ON work_claims (claimed_by) WHERE claimed_at IS NOT NULL;
