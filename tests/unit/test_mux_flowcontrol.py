@@ -67,10 +67,11 @@ def test_window_exhaustion_pauses_the_producer_and_an_update_resumes_it():
     stream.write(b"a" * WINDOW)
     assert not producer.paused                  # exactly filling the window blocks nothing yet
     stream.write(b"b")
+    stream.write(b"c")                          # a producer that ignores pause is paused once
     assert producer.paused and producer.calls == ["pause"]
     transport.frames()
     session.dataReceived(encode(Frame.window_update(stream.id, 10)))
-    assert transport.frames() == [Frame.data(stream.id, b"b")]
+    assert transport.frames() == [Frame.data(stream.id, b"bc")]
     assert producer.calls == ["pause", "resume"]
 
 

@@ -456,3 +456,18 @@ def test_both_sides_can_open_and_exchange_data_and_close():
     pump.flush()
     assert a.reason.check(StreamClosed) and b.reason.check(StreamClosed)
     assert client.streamCount == 0 and server.streamCount == 0
+
+
+def test_a_bug_in_frame_handling_ends_the_session_with_internal_error(monkeypatch):
+    session, transport, _ = raw_session(client=True)
+    proto = Recorder()
+    session.openStream(proto)
+    transport.frames()
+
+    def broken(frame):
+        raise KeyError("bug")
+    monkeypatch.setattr(session, "_handlePing", broken)
+    session.dataReceived(encode(Frame.ping(1)))     # must not raise
+    assert transport.frames() == [Frame.go_away(2)]
+    assert session.ending.cause == "internal error"
+    assert proto.reason.check(SessionFailed)

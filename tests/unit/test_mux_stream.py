@@ -166,6 +166,35 @@ def test_lose_connection_ends_our_protocol_once_fin_is_out_and_drops_inbound():
     accepted[0].transport.loseWriteConnection()
     pump.flush()
     assert client.streamCount == 0 and server.streamCount == 0
+    assert local.lost_calls == 1
+
+
+def test_protocol_resetting_its_stream_on_the_last_data_frame_keeps_the_session():
+    class AbortOnData(Recorder):
+        def dataReceived(self, data):
+            super().dataReceived(data)
+            self.transport.abortConnection()
+    session, transport, _ = raw_client()
+    proto = AbortOnData()
+    session.openStream(proto)
+    transport.frames()
+    session.dataReceived(encode(Frame.data(1, b"last", FLAG_ACK | FLAG_FIN)))
+    assert proto.reason.check(StreamReset)
+    assert transport.frames() == [Frame.window_update(1, 0, FLAG_RST)]
+    assert session.isOpen
+
+
+def test_finished_streams_leave_no_trace_in_the_session():
+    client, server, pump, clock, accepted = pair(Recorder)   # closes on the peer's FIN
+    for _ in range(5):
+        client.openStream(Recorder(), b"x").loseConnection()
+    stream = client.openStream(Recorder())
+    pump.flush()
+    stream.abortConnection()
+    pump.flush()
+    for session in (client, server):
+        assert session.streamCount == 0
+        assert not session._rotation and not session._lingering
 
 
 def test_lingering_stream_is_reset_when_the_peer_never_sends_fin():
