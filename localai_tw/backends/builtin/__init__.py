@@ -1,0 +1,149 @@
+"""The backends shipped with localai-tw, as :class:`~localai_tw.backends.interfaces.IBackendFactory`
+providers (exposed to ``twisted.plugin`` by ``localai_tw/plugins/localai_builtin_backends.py``).
+
+- ``external``: any LocalAI-compatible backend program, started as
+  ``<command...> --addr 127.0.0.1:<port>`` (the flag last, as LocalAI does).  Options:
+  ``command`` (a list, or a string split like a shell would), ``cwd``, ``env`` (a dict).
+- ``echo``: the deterministic test backend (``builtin/echo.py``), no dependencies.
+- ``sentence-transformers`` / ``transformers``: ``builtin/huggingface.py``; they need the
+  ``embeddings`` / ``transformers`` extras (torch and the Hugging Face libraries) in the
+  interpreter that runs them.  Option ``python`` names another interpreter (a venv with those
+  libraries); then the worker does not check the libraries itself.
+
+Python programs are started with the worker's own interpreter unless ``python`` says
+otherwise, with ``PYTHONPATH`` led by the directory that holds ``localai_tw``, so they import
+this package whether or not it is installed.
+
+What this module must never do: import torch, transformers or sentence-transformers (it only
+asks ``importlib`` whether they could be imported), or put anything but ``--addr <address>``
+after an operator's command line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import shutil
+import sys
+from typing import Mapping, Sequence
+
+from zope.interface import implementer
+
+from localai_tw.backends.interfaces import IBackendFactory
+
+#: The directory that holds the ``localai_tw`` package (put first on a child's PYTHONPATH).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+
+def _string_env(env, what: str) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError(f"{what} must be an object of strings")
+    return dict(env)
+
+
+@implementer(IBackendFactory)
+class ExternalBackendFactory:
+    """Any LocalAI-compatible backend executable (``run.sh`` of an installed LocalAI backend,
+    a Go or C++ backend binary, a script)."""
+
+    name = "external"
+    description = "a LocalAI-compatible backend program: <command...> --addr 127.0.0.1:<port>"
+
+    def unavailable_reason(self) -> str | None:
+        return None
+
+    def command(self, address: str, options: Mapping) -> Sequence[str]:
+        raw = options.get("command")
+        if isinstance(raw, str):
+            argv = shlex.split(raw)
+        elif isinstance(raw, list) and all(isinstance(a, str) for a in raw):
+            argv = list(raw)
+        else:
+            raise ValueError("the external backend needs options.command: the program and "
+                             "its arguments (a list of strings, or one string)")
+        if not argv:
+            raise ValueError("options.command is empty")
+        program = argv[0]
+        if os.sep in program:
+            if not os.access(program, os.X_OK):
+                raise ValueError(f"backend program {program} is not an executable file")
+        elif shutil.which(program) is None:
+            raise ValueError(f"backend program {program!r} is not on PATH")
+        return [*argv, "--addr", address]
+
+    def environment(self, options: Mapping) -> Mapping[str, str]:
+        return _string_env(options.get("env"), "options.env")
+
+    def servicer(self, options: Mapping):
+        raise NotImplementedError("the external backend always runs a process")
+
+
+@implementer(IBackendFactory)
+class PythonProgramFactory:
+    """A backend program of this package, run with ``python -m <module> [args] --addr``."""
+
+    def __init__(self, name: str, description: str, module: str, args: Sequence[str] = (),
+                 required_modules: Sequence[str] = (), extra: str | None = None):
+        self.name = name
+        self.description = description
+        self.module = module
+        self.args = tuple(args)
+        self.required_modules = tuple(required_modules)
+        self.extra = extra
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+    def unavailable_reason(self) -> str | None:
+        missing = [m for m in self.required_modules if importlib.util.find_spec(m) is None]
+        if not missing:
+            return None
+        return (f"backend {self.name} needs {', '.join(missing)}, not installed in "
+                f"{sys.executable}: pip install 'localai-tw[{self.extra}]' "
+                f"(or give options.python, an interpreter that has them)")
+
+    def command(self, address: str, options: Mapping) -> Sequence[str]:
+        python = options.get("python")
+        if python is None:
+            reason = self.unavailable_reason()
+            if reason is not None:
+                raise ValueError(reason)
+            python = sys.executable
+        elif not isinstance(python, str) or not os.access(python, os.X_OK):
+            raise ValueError(f"options.python must name an executable interpreter, "
+                             f"not {python!r}")
+        return [python, "-m", self.module, *self.args, "--addr", address]
+
+    def environment(self, options: Mapping) -> Mapping[str, str]:
+        env = _string_env(options.get("env"), "options.env")
+        inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, inherited) if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def servicer(self, options: Mapping):
+        raise NotImplementedError(f"backend {self.name} always runs a process")
+
+
+external_backend = ExternalBackendFactory()
+echo_backend = PythonProgramFactory(
+    "echo", "deterministic test backend: echoes the prompt word by word",
+    "localai_tw.backends.builtin.echo")
+sentence_transformers_backend = PythonProgramFactory(
+    "sentence-transformers", "sentence embeddings with sentence-transformers",
+    "localai_tw.backends.builtin.huggingface", ("--kind", "sentence-transformers"),
+    ("torch", "sentence_transformers"), "embeddings")
+transformers_backend = PythonProgramFactory(
+    "transformers", "text generation and embeddings with Hugging Face transformers",
+    "localai_tw.backends.builtin.huggingface", ("--kind", "transformers"),
+    ("torch", "transformers"), "transformers")
+
+# Named *_backend: a bare ``echo`` would be replaced by the submodule ``builtin.echo`` as soon
+# as that module is imported (the import system sets submodules as package attributes).
+BUILTIN_FACTORIES = (external_backend, echo_backend, sentence_transformers_backend,
+                     transformers_backend)

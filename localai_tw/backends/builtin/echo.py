@@ -1,0 +1,206 @@
+"""The ``echo`` backend: a tiny, fast, deterministic ``backend.Backend`` server for tests and
+benchmarks.  Run as ``python -m localai_tw.backends.builtin.echo --addr 127.0.0.1:<port>``.
+
+- ``Health`` answers ``OK`` as soon as the server is up (before any model is loaded).
+- ``LoadModel`` succeeds and records ``ModelOptions.Model``, unless ``Options`` holds
+  ``echo.fail_load:<message>``: then ``success=false`` with that message (as Python backends
+  report a failed load).  Other options: ``echo.delay_ms:<n>`` (sleep per generated word),
+  ``echo.dim:<n>`` (embedding width, default 8).
+- ``Predict`` answers the prompt (or the last message when ``UseTokenizerTemplate``) word by
+  word, at most ``Tokens`` words when ``Tokens`` > 0; ``tokens`` / ``prompt_tokens`` count
+  words.  ``PredictStream`` yields one word per reply (with its trailing space) and the running
+  ``tokens`` total.
+- ``Embedding``: a unit vector derived from SHA-256 of the input text (or token ids), layout
+  FINAL.  ``TokenizeString``: one stable id per word.
+- ``Status``: BUSY while a request runs, READY when loaded, else UNINITIALIZED.  ``Free``
+  forgets the model.
+- Before ``LoadModel``, inference RPCs fail ``FAILED_PRECONDITION`` ``model not loaded``.
+
+Imports only grpc, protobuf and the standard library; never blocks on anything but its own
+optional delay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import resource
+import struct
+import threading
+import time
+
+import grpc
+
+from localai_tw.backends import backend_pb2, backend_pb2_grpc
+from localai_tw.backends.builtin import serving
+
+DEFAULT_DIM = 8
+
+
+def parse_options(options) -> dict[str, str]:
+    """``key:value`` strings (LocalAI's ``Options``) as a dict; the value may hold ``:``."""
+    parsed = {}
+    for item in options:
+        key, sep, value = item.partition(":")
+        parsed[key.strip()] = value.strip() if sep else "true"
+    return parsed
+
+
+def words_of(text: str) -> list[str]:
+    return text.split()
+
+
+def prompt_of(request) -> str:
+    if request.UseTokenizerTemplate and request.Messages:
+        return request.Messages[-1].content
+    return request.Prompt
+
+
+def token_id(word: str) -> int:
+    return int.from_bytes(hashlib.sha256(word.encode("utf-8")).digest()[:4], "big") % 50000
+
+
+def embedding_of(text: str, dim: int) -> list[float]:
+    """A unit vector from SHA-256 blocks of ``text``: same text, same vector."""
+    values: list[float] = []
+    counter = 0
+    while len(values) < dim:
+        block = hashlib.sha256(f"{counter}:{text}".encode("utf-8")).digest()
+        for (raw,) in struct.iter_unpack(">I", block):
+            values.append(raw / 0xFFFFFFFF * 2.0 - 1.0)
+        counter += 1
+    values = values[:dim]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [v / norm for v in values]
+
+
+class EchoServicer(backend_pb2_grpc.BackendServicer):
+    def __init__(self, identity: serving.ModelIdentity | None = None):
+        self.identity = identity or serving.ModelIdentity()
+        self._lock = threading.Lock()
+        self._busy = 0
+        self.loaded = False
+        self.options: dict[str, str] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def Health(self, request, context):
+        return backend_pb2.Reply(message=b"OK")
+
+    def LoadModel(self, request, context):
+        options = parse_options(request.Options)
+        failure = options.get("echo.fail_load")
+        if failure is not None:
+            return backend_pb2.Result(success=False, message=failure or "load refused")
+        self.options = options
+        self.loaded = True
+        self.identity.loaded = request.Model
+        return backend_pb2.Result(success=True, message=f"echo loaded {request.Model!r}")
+
+    def Free(self, request, context):
+        self.loaded = False
+        self.identity.loaded = ""
+        return backend_pb2.Result(success=True, message="freed")
+
+    def Status(self, request, context):
+        if self._busy:
+            state = backend_pb2.StatusResponse.BUSY
+        elif self.loaded:
+            state = backend_pb2.StatusResponse.READY
+        else:
+            state = backend_pb2.StatusResponse.UNINITIALIZED
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return backend_pb2.StatusResponse(
+            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+
+    # -- inference ----------------------------------------------------------------------
+
+    def _require_loaded(self, context):
+        if not self.loaded:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
+
+    def _delay(self, request) -> float:
+        raw = request.Metadata.get("echo.delay_ms") or self.options.get("echo.delay_ms", "0")
+        try:
+            return max(0.0, float(raw) / 1000.0)
+        except ValueError:
+            return 0.0
+
+    def _answer_words(self, request) -> tuple[list[str], int]:
+        prompt = words_of(prompt_of(request))
+        answer = prompt[: request.Tokens] if request.Tokens > 0 else prompt
+        return answer, len(prompt)
+
+    def _busy_enter(self):
+        with self._lock:
+            self._busy += 1
+
+    def _busy_exit(self):
+        with self._lock:
+            self._busy -= 1
+
+    def Predict(self, request, context):
+        self._require_loaded(context)
+        self._busy_enter()
+        try:
+            answer, prompt_tokens = self._answer_words(request)
+            delay = self._delay(request)
+            if delay:
+                time.sleep(delay * len(answer))
+            return backend_pb2.Reply(message=" ".join(answer).encode("utf-8"),
+                                     tokens=len(answer), prompt_tokens=prompt_tokens)
+        finally:
+            self._busy_exit()
+
+    def PredictStream(self, request, context):
+        self._require_loaded(context)
+        self._busy_enter()
+        try:
+            answer, prompt_tokens = self._answer_words(request)
+            delay = self._delay(request)
+            for index, word in enumerate(answer):
+                if not context.is_active():
+                    return
+                if delay:
+                    time.sleep(delay)
+                piece = word if index == len(answer) - 1 else word + " "
+                yield backend_pb2.Reply(message=piece.encode("utf-8"), tokens=index + 1,
+                                        prompt_tokens=prompt_tokens)
+        finally:
+            self._busy_exit()
+
+    def Embedding(self, request, context):
+        self._require_loaded(context)
+        if request.Embeddings:
+            text = request.Embeddings
+        elif request.EmbeddingTokens:
+            text = " ".join(str(t) for t in request.EmbeddingTokens)
+        else:
+            text = request.Prompt
+        try:
+            dim = max(1, int(self.options.get("echo.dim", DEFAULT_DIM)))
+        except ValueError:
+            dim = DEFAULT_DIM
+        return backend_pb2.EmbeddingResult(
+            embeddings=embedding_of(text, dim), tokens=1, dim=dim,
+            prompt_tokens=len(words_of(text)),
+            layout=backend_pb2.EMBEDDING_LAYOUT_FINAL)
+
+    def TokenizeString(self, request, context):
+        self._require_loaded(context)
+        tokens = [token_id(w) for w in words_of(request.Prompt)]
+        return backend_pb2.TokenizationResponse(length=len(tokens), tokens=tokens)
+
+
+def main(argv=None) -> None:
+    args = serving.argument_parser("localai-tw echo backend").parse_args(argv)
+    identity = serving.ModelIdentity()
+    # Four threads unless told otherwise: a Health probe is answered while a slow Predict runs
+    # (LocalAI's default of one thread queues it, see the contract sheet §4.4).
+    os.environ.setdefault(serving.MAX_WORKERS_ENV, "4")
+    serving.serve(EchoServicer(identity), identity, args.addr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""The ``transformers`` and ``sentence-transformers`` backends: one ``backend.Backend`` program
+over Hugging Face libraries.  Run as::
+
+    python -m localai_tw.backends.builtin.huggingface --kind transformers --addr HOST:PORT
+    python -m localai_tw.backends.builtin.huggingface --kind sentence-transformers --addr ...
+
+It behaves like LocalAI's own ``backend/python/transformers`` for the subset a worker uses
+(contract sheet §4.6): ``LoadModel`` prefers ``ModelFile`` when it exists on disk (then loads
+with ``local_files_only``), else ``Model`` (a hub id or a path); ``Type`` picks the model class
+(``AutoModelForCausalLM`` by default; ``SentenceTransformer`` — also forced by
+``--kind sentence-transformers`` — loads a sentence-transformers model); a failed load is
+``success=false`` with the reason, never a gRPC error.  ``Predict``/``PredictStream`` generate
+from ``Prompt`` (or from ``Messages`` through the tokenizer's chat template when
+``UseTokenizerTemplate``), honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
+``TopK``, ``Seed`` and ``StopPrompts``.  ``Embedding`` answers one pooled vector (layout FINAL):
+the sentence-transformers encoding, or the attention-mask mean of the last hidden state.
+
+torch, transformers and sentence-transformers are imported inside this process only, lazily,
+so the worker's base install never needs them.  The worker-side factories check that they are
+importable and say which extra to install when they are not.
+
+What this program must never do: hand proto ``Message`` objects to ``apply_chat_template``
+(transformers 5 rejects them; plain dicts are built instead), or report a failed load as
+success.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import threading
+
+import grpc
+
+from localai_tw.backends import backend_pb2, backend_pb2_grpc
+from localai_tw.backends.builtin import serving
+
+KINDS = ("transformers", "sentence-transformers")
+SENTENCE_TRANSFORMER = "SentenceTransformer"
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def parse_options(options) -> dict[str, str]:
+    parsed = {}
+    for item in options:
+        key, sep, value = item.partition(":")
+        parsed[key.strip()] = value.strip() if sep else "true"
+    return parsed
+
+
+class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
+    def __init__(self, kind: str, identity: serving.ModelIdentity):
+        self.kind = kind
+        self.identity = identity
+        self.model = None
+        self.tokenizer = None
+        self.sentence_model = None
+        self.device = "cpu"
+        self._busy = 0
+        self._lock = threading.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def Health(self, request, context):
+        return backend_pb2.Reply(message=b"OK")
+
+    def LoadModel(self, request, context):
+        try:
+            message = self._load(request)
+        except Exception as e:  # the verdict travels in Result, as LocalAI's backends do
+            self._unload()
+            return backend_pb2.Result(success=False,
+                                      message=f"{type(e).__name__}: {e}")
+        self.identity.loaded = request.Model
+        return backend_pb2.Result(success=True, message=message)
+
+    def _load(self, request) -> str:
+        import torch  # noqa: F401  (fail here, with the reason, if torch is missing)
+
+        self._unload()
+        source = request.Model
+        local = False
+        if request.ModelFile and os.path.exists(request.ModelFile):
+            source, local = request.ModelFile, True
+        elif source and os.path.exists(source):
+            local = True
+        if not source:
+            raise ValueError("ModelOptions.Model (or ModelFile) is empty")
+        options = parse_options(request.Options)
+        self.device = options.get("device") or request.MainGPU or self._default_device()
+        trust = bool(request.TrustRemoteCode)
+        kind = request.Type or ("SentenceTransformer" if self.kind == "sentence-transformers"
+                                else "AutoModelForCausalLM")
+        if self.kind == "sentence-transformers" or kind == SENTENCE_TRANSFORMER:
+            from sentence_transformers import SentenceTransformer
+
+            self.sentence_model = SentenceTransformer(
+                source, device=self.device, trust_remote_code=trust,
+                local_files_only=local)
+            return f"loaded sentence-transformers model {source} on {self.device}"
+        import transformers
+
+        model_class = getattr(transformers, kind, None)
+        if model_class is None or not hasattr(model_class, "from_pretrained"):
+            raise ValueError(f"unknown model Type {kind!r} (a transformers Auto* class)")
+        dtype = self._dtype(request)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(
+            source, local_files_only=local, trust_remote_code=trust)
+        kwargs = {"local_files_only": local, "trust_remote_code": trust}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        self.model = model_class.from_pretrained(source, **kwargs)
+        self.model.to(self.device)
+        self.model.eval()
+        return f"loaded {kind} {source} on {self.device}"
+
+    def _default_device(self) -> str:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return "mps"
+        return "cpu"
+
+    def _dtype(self, request):
+        import torch
+
+        if self.device == "cpu":
+            return None  # float32: half precision on CPU is slow or unsupported
+        return torch.bfloat16 if request.F16Memory else torch.float16
+
+    def _unload(self):
+        self.model = self.tokenizer = self.sentence_model = None
+        self.identity.loaded = ""
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:
+            pass
+
+    def Free(self, request, context):
+        self._unload()
+        return backend_pb2.Result(success=True, message="freed")
+
+    def Status(self, request, context):
+        if self._busy:
+            state = backend_pb2.StatusResponse.BUSY
+        elif self.model is not None or self.sentence_model is not None:
+            state = backend_pb2.StatusResponse.READY
+        else:
+            state = backend_pb2.StatusResponse.UNINITIALIZED
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return backend_pb2.StatusResponse(
+            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+
+    # -- inference ----------------------------------------------------------------------
+
+    def _busy_enter(self):
+        with self._lock:
+            self._busy += 1
+
+    def _busy_exit(self):
+        with self._lock:
+            self._busy -= 1
+
+    def _require_generator(self, context):
+        if self.model is None or self.tokenizer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
+
+    def _prompt_ids(self, request):
+        if request.UseTokenizerTemplate and request.Messages:
+            messages = [{"role": m.role, "content": m.content} for m in request.Messages]
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = request.Prompt
+        encoded = self.tokenizer(text, return_tensors="pt")
+        return {k: v.to(self.device) for k, v in encoded.items()}
+
+    def _generate_kwargs(self, request, inputs) -> dict:
+        import torch
+
+        prompt_len = inputs["input_ids"].shape[-1]
+        if request.Tokens > 0:
+            max_new = request.Tokens
+        else:
+            limit = getattr(self.model.config, "max_position_embeddings", None)
+            max_new = max(1, limit - prompt_len) if limit else DEFAULT_MAX_NEW_TOKENS
+        kwargs = dict(inputs, max_new_tokens=max_new)
+        if request.Temperature > 0:
+            top_p = request.TopP if 0 < request.TopP <= 1 else 1.0
+            kwargs.update(do_sample=True, temperature=request.Temperature, top_p=top_p,
+                          top_k=request.TopK if request.TopK > 0 else 50)
+            if request.Seed:
+                torch.manual_seed(request.Seed)
+        else:
+            kwargs.update(do_sample=False)
+        if request.StopPrompts:
+            kwargs["stop_strings"] = list(request.StopPrompts)
+            kwargs["tokenizer"] = self.tokenizer
+        if self.tokenizer.pad_token_id is None and self.tokenizer.eos_token_id is not None:
+            kwargs["pad_token_id"] = self.tokenizer.eos_token_id
+        return kwargs
+
+    @staticmethod
+    def _cut_at_stop(text: str, stops) -> str:
+        cut = len(text)
+        for stop in stops:
+            at = text.find(stop) if stop else -1
+            if at != -1:
+                cut = min(cut, at)
+        return text[:cut]
+
+    def Predict(self, request, context):
+        self._require_generator(context)
+        import torch
+
+        self._busy_enter()
+        try:
+            inputs = self._prompt_ids(request)
+            prompt_len = inputs["input_ids"].shape[-1]
+            with torch.no_grad():
+                output = self.model.generate(**self._generate_kwargs(request, inputs))
+            new_tokens = output[0][prompt_len:]
+            text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
+            text = self._cut_at_stop(text, request.StopPrompts)
+            return backend_pb2.Reply(message=text.encode("utf-8"), tokens=len(new_tokens),
+                                     prompt_tokens=prompt_len)
+        finally:
+            self._busy_exit()
+
+    def PredictStream(self, request, context):
+        self._require_generator(context)
+        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+        class StopWhenAbandoned(StoppingCriteria):
+            """Ends generation once the client left or a stop string was reached."""
+
+            def __init__(self, event):
+                self.event = event
+
+            def __call__(self, input_ids, scores, **kwargs):
+                import torch
+
+                return torch.full((input_ids.shape[0],), self.event.is_set(),
+                                  dtype=torch.bool, device=input_ids.device)
+
+        abandoned = threading.Event()
+        self._busy_enter()
+        try:
+            inputs = self._prompt_ids(request)
+            prompt_len = inputs["input_ids"].shape[-1]
+            streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True,
+                                            skip_special_tokens=True)
+            kwargs = self._generate_kwargs(request, inputs)
+            kwargs["streamer"] = streamer
+            kwargs["stopping_criteria"] = StoppingCriteriaList([StopWhenAbandoned(abandoned)])
+            failure: list[BaseException] = []
+
+            def generate():
+                import torch
+
+                try:
+                    with torch.no_grad():
+                        self.model.generate(**kwargs)
+                except BaseException as e:  # reported to the client below
+                    failure.append(e)
+                    streamer.end()
+
+            worker = threading.Thread(target=generate, name="generate", daemon=True)
+            worker.start()
+            produced = ""
+            count = 0
+            for piece in streamer:
+                if not context.is_active():
+                    break
+                count += 1
+                combined = produced + piece
+                kept = self._cut_at_stop(combined, request.StopPrompts)
+                delta = kept[len(produced):]
+                produced = kept
+                yield backend_pb2.Reply(message=delta.encode("utf-8"), tokens=count,
+                                        prompt_tokens=prompt_len)
+                if len(kept) < len(combined):
+                    break  # a stop string was reached
+            abandoned.set()
+            worker.join()
+            if failure:
+                context.abort(grpc.StatusCode.UNKNOWN,
+                              f"Unexpected {type(failure[0])}: {failure[0]}")
+        finally:
+            abandoned.set()  # also when the client cancelled and the generator was closed
+            self._busy_exit()
+
+    def Embedding(self, request, context):
+        import torch
+
+        text = request.Embeddings or request.Prompt
+        if self.sentence_model is not None:
+            self._busy_enter()
+            try:
+                vector = self.sentence_model.encode(text)
+            finally:
+                self._busy_exit()
+            return backend_pb2.EmbeddingResult(embeddings=[float(v) for v in vector],
+                                               layout=backend_pb2.EMBEDDING_LAYOUT_FINAL)
+        self._require_generator(context)
+        self._busy_enter()
+        try:
+            if request.EmbeddingTokens:
+                ids = torch.tensor([list(request.EmbeddingTokens)], device=self.device)
+                inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            else:
+                encoded = self.tokenizer(text, return_tensors="pt")
+                inputs = {k: v.to(self.device) for k, v in encoded.items()}
+            with torch.no_grad():
+                out = self.model(**inputs, output_hidden_states=True)
+            hidden = out.hidden_states[-1]
+            mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+            return backend_pb2.EmbeddingResult(
+                embeddings=[float(v) for v in pooled[0].tolist()],
+                prompt_tokens=int(inputs["input_ids"].shape[-1]),
+                layout=backend_pb2.EMBEDDING_LAYOUT_FINAL)
+        finally:
+            self._busy_exit()
+
+    def TokenizeString(self, request, context):
+        tokenizer = self.tokenizer
+        if tokenizer is None and self.sentence_model is not None:
+            tokenizer = self.sentence_model.tokenizer
+        if tokenizer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
+        ids = tokenizer.encode(request.Prompt, add_special_tokens=False)
+        return backend_pb2.TokenizationResponse(length=len(ids), tokens=list(ids))
+
+
+def main(argv=None) -> None:
+    parser = serving.argument_parser("localai-tw Hugging Face backend")
+    parser.add_argument("--kind", choices=KINDS, default="transformers")
+    args = parser.parse_args(argv)
+    identity = serving.ModelIdentity()
+    serving.serve(HuggingFaceServicer(args.kind, identity), identity, args.addr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""What every backend program shipped here does around its servicer, as LocalAI's Python
+backends do: the ``--addr`` argument, a gRPC server with 50 MiB message caps, the bearer-token
+check (``LOCALAI_GRPC_AUTH_TOKEN``), the model-identity guard, a clean exit on SIGTERM/SIGINT,
+and the parent-death backstop (``LOCALAI_BACKEND_PARENT_WATCH``).
+
+Runs inside the backend process, never inside the worker.  Imports only grpc, protobuf and the
+standard library.
+
+What this module must never do:
+
+- bind with ``SO_REUSEPORT`` (grpc's default): two backends sharing a port would split a
+  worker's connections between two models; the worker's port probe relies on a live backend
+  making its port unbindable;
+- outlive the worker: when the parent process goes away the program exits within the watch
+  interval (unless the operator turned the watch off);
+- answer an RPC for another model: a request whose ``ModelIdentity`` differs from the loaded
+  model's gets ``NOT_FOUND`` with ``model identity mismatch`` before the servicer runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import re
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+
+from localai_tw.backends import backend_pb2_grpc
+
+MAX_MESSAGE_BYTES = 50 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+AUTH_TOKEN_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
+PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
+PARENT_WATCH_INTERVAL_ENV = "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL"
+MAX_WORKERS_ENV = "PYTHON_GRPC_MAX_WORKERS"
+
+#: Methods whose request carries ``ModelIdentity`` (PredictOptions) and is checked.
+IDENTITY_CHECKED = frozenset(
+    f"/backend.Backend/{name}" for name in ("Predict", "PredictStream", "Embedding",
+                                            "TokenizeString"))
+LOAD_METHOD = "/backend.Backend/LoadModel"
+
+
+def parse_interval(raw: str, default: float = 2.0) -> float:
+    """``500ms``, ``2s``, ``1m`` or plain seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*", raw or "")
+    if not m:
+        return default
+    value = float(m.group(1))
+    return value * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
+
+
+def start_parent_watch() -> None:
+    """Exit (``_exit(1)``) when the parent process changes or becomes init."""
+    if os.environ.get(PARENT_WATCH_ENV, "").strip().lower() in ("false", "0", "no", "off"):
+        return
+    interval = parse_interval(os.environ.get(PARENT_WATCH_INTERVAL_ENV, "2s"))
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            threading.Event().wait(interval)
+            now = os.getppid()
+            if now != parent or now == 1:
+                print(f"parent process {parent} is gone; exiting", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class ModelIdentity:
+    """The model a successful LoadModel recorded (shared by the guard and the servicer)."""
+
+    def __init__(self):
+        self.loaded = ""
+
+
+def _abort_handler(code, text):
+    def abort(request, context):
+        context.abort(code, text)
+    return abort
+
+
+class GuardInterceptor(grpc.ServerInterceptor):
+    """Bearer token (when configured) on every RPC; model identity on inference RPCs."""
+
+    def __init__(self, token: str | None, identity: ModelIdentity):
+        self._token = token.encode() if token else None
+        self._identity = identity
+
+    def intercept_service(self, continuation, details):
+        if self._token is not None:
+            presented = b""
+            for key, value in details.invocation_metadata or ():
+                if key == "authorization":
+                    raw = value.encode() if isinstance(value, str) else value
+                    if raw[:7].lower() == b"bearer ":
+                        presented = raw[7:].strip()
+            if not hmac.compare_digest(presented, self._token):
+                return grpc.unary_unary_rpc_method_handler(
+                    _abort_handler(grpc.StatusCode.UNAUTHENTICATED, "invalid token"))
+        handler = continuation(details)
+        if handler is None or details.method not in IDENTITY_CHECKED:
+            return handler
+        return _identity_checked(handler, self._identity)
+
+
+def _identity_checked(handler, identity: ModelIdentity):
+    def check(request, context):
+        wanted = getattr(request, "ModelIdentity", "")
+        if wanted and identity.loaded and wanted != identity.loaded:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"model identity mismatch: loaded '{identity.loaded}', "
+                          f"requested '{wanted}'")
+
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+
+        def unary(request, context):
+            check(request, context)
+            return inner(request, context)
+        return handler._replace(unary_unary=unary)
+    if handler.unary_stream is not None:
+        inner_stream = handler.unary_stream
+
+        def stream(request, context):
+            check(request, context)
+            yield from inner_stream(request, context)
+        return handler._replace(unary_stream=stream)
+    return handler
+
+
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--addr", default="localhost:50051",
+                        help="host:port to serve backend.Backend on")
+    return parser
+
+
+def serve(servicer, identity: ModelIdentity, address: str, *, max_workers: int | None = None):
+    """Serve ``servicer`` on ``address`` until SIGTERM/SIGINT; then stop and exit 0."""
+    if max_workers is None:
+        try:
+            max_workers = max(1, int(os.environ.get(MAX_WORKERS_ENV, "1")))
+        except ValueError:
+            max_workers = 1
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=SERVER_OPTIONS,
+        interceptors=[GuardInterceptor(os.environ.get(AUTH_TOKEN_ENV) or None, identity)],
+    )
+    backend_pb2_grpc.add_BackendServicer_to_server(servicer, server)
+    if server.add_insecure_port(address) == 0:
+        print(f"cannot bind {address}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    server.start()
+    print(f"Server started. Listening on: {address}", file=sys.stderr, flush=True)
+    stopping = threading.Event()
+
+    def stop(signum, frame):
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    start_parent_watch()
+    while not stopping.wait(0.5):
+        pass
+    server.stop(0).wait(5)
+    print("Server stopped.", file=sys.stderr, flush=True)
+    sys.exit(0)

@@ -1,0 +1,13 @@
+"""The backends shipped with localai-tw, exposed as plugins (see ``localai_tw.backends.builtin``).
+Nothing else belongs here: ``twisted.plugin`` collects every module attribute that provides a
+plugin interface."""
+
+from localai_tw.backends.builtin import (
+    echo_backend,
+    external_backend,
+    sentence_transformers_backend,
+    transformers_backend,
+)
+
+__all__ = ["external_backend", "echo_backend", "sentence_transformers_backend",
+           "transformers_backend"]
