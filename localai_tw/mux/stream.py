@@ -92,6 +92,7 @@ class Stream:
         self._send_window = INITIAL_WINDOW
         self._out: deque[bytes] = deque()
         self._out_size = 0
+        self._out_offset = 0         # bytes of _out[0] already sent
         self._fin_pending = False    # loseWriteConnection asked for FIN after the buffer drains
         self._producer = None
         self._streaming = False
@@ -157,6 +158,9 @@ class Stream:
     def abortConnection(self) -> None:
         """Reset the stream now: RST to the peer, buffered bytes dropped both ways."""
         self._reset(remote=False)
+
+    def logPrefix(self) -> str:
+        return f"yamux-stream-{self.id}"
 
     def getPeer(self) -> MuxAddress:
         return MuxAddress(self.id, self._carrierAddress("getPeer"))
@@ -270,16 +274,21 @@ class Stream:
             self._finSent()
 
     def _popOut(self, size: int) -> bytes:
+        """Take ``size`` bytes off the front.  A large write is consumed through an offset into
+        its first chunk, so cutting it into frames copies each byte once, not once per frame."""
         parts = []
         need = size
         while need:
             head = self._out[0]
-            if len(head) <= need:
-                parts.append(self._out.popleft())
-                need -= len(head)
+            available = len(head) - self._out_offset
+            if available <= need:
+                parts.append(memoryview(head)[self._out_offset:])
+                self._out.popleft()
+                self._out_offset = 0
+                need -= available
             else:
-                parts.append(head[:need])
-                self._out[0] = head[need:]
+                parts.append(memoryview(head)[self._out_offset:self._out_offset + need])
+                self._out_offset += need
                 need = 0
         self._out_size -= size
         return b"".join(parts)
@@ -499,6 +508,7 @@ class Stream:
     def _clearBuffers(self) -> None:
         self._out.clear()
         self._out_size = 0
+        self._out_offset = 0
         self._in.clear()
         self._in_size = 0
         self._fin_pending = False

@@ -334,3 +334,33 @@ def test_session_buffering_is_bounded_by_the_sum_of_windows():
     wire = sum(HEADER_SIZE + (f.length if f.type == TYPE_DATA else 0) for f in frames)
     assert wire <= 3 * WINDOW + HEADER_SIZE * len(frames)
     assert all(f.type in (TYPE_DATA, TYPE_WINDOW_UPDATE) for f in frames)
+
+
+def test_window_granted_on_the_peers_syn_counts():
+    streams = []
+    session, transport = raw(client=False, acceptor=lambda s: streams.append(s) or Recorder())
+    session.dataReceived(encode(Frame.window_update(1, 768 * KIB, FLAG_SYN)))
+    transport.frames()
+    streams[0].write(b"s" * (2048 * KIB))
+    assert payload_bytes(transport.frames()) == 1024 * KIB
+
+
+def test_sides_with_different_max_windows_interoperate():
+    big = SessionConfig(max_window=4096 * KIB)
+    protos = []
+    client, server, pump, clock = connectedSessions(
+        server_acceptor=lambda s: protos.append(PausingRecorder()) or protos[-1],
+        client_config=big)
+    stream = client.openStream(PausingRecorder())
+    pump.flush()
+    remote = protos[0].transport
+    remote.write(b"d" * (8192 * KIB))
+    stream.write(b"u" * (1024 * KIB))
+    pump.flush()
+    assert stream._in_size == 4096 * KIB      # the client advertised 4 MiB on its SYN
+    assert remote._in_size == WINDOW          # the server kept the default
+    stream.resumeProducing()
+    remote.resumeProducing()
+    pump.flush()
+    assert len(stream.protocol.received) == 8192 * KIB
+    assert len(protos[0].received) == 1024 * KIB
