@@ -471,3 +471,46 @@ def test_a_bug_in_frame_handling_ends_the_session_with_internal_error(monkeypatc
     assert transport.frames() == [Frame.go_away(2)]
     assert session.ending.cause == "internal error"
     assert proto.reason.check(SessionFailed)
+
+
+def test_ids_run_out_below_2_to_the_32_minus_2():
+    from localai_tw.mux import StreamsExhausted
+    session, transport, _ = raw_session(client=True)
+    session._next_id = 2**32 - 3
+    assert session.openStream(Recorder()).id == 2**32 - 3
+    with pytest.raises(StreamsExhausted):
+        session.openStream(Recorder())
+
+
+def test_open_before_the_carrier_is_connected_raises():
+    with pytest.raises(SessionNotOpen):
+        Session(True, reactor=task.Clock()).openStream(Recorder())
+
+
+def test_a_conversation_cut_into_5_byte_pieces():
+    """The WebSocket carrier may cut the byte stream anywhere; nothing may depend on it."""
+    class Echo(Recorder):
+        def dataReceived(self, data):
+            self.transport.write(data)
+    clock = task.Clock()
+    client = Session(True, reactor=clock)
+    server = Session(False, acceptor=lambda s: Echo(), reactor=clock)
+    ct, st = FrameTransport(), FrameTransport()
+    client.makeConnection(ct)
+    server.makeConnection(st)
+    proto = Recorder()
+    stream = client.openStream(proto, b"hello")
+    stream.write(b"x" * 300_000)
+    client.ping()
+    for _ in range(50):
+        moved = False
+        for src, dst in ((ct, server), (st, client)):
+            data = src.value()
+            src.clear()
+            for i in range(0, len(data), 5):
+                dst.dataReceived(data[i:i + 5])
+            moved = moved or bool(data)
+        if not moved:
+            break
+    assert proto.received == b"hello" + b"x" * 300_000
+    assert client.isOpen and server.isOpen
