@@ -1,0 +1,571 @@
+"""Shared pieces of the frontend's JSON resources: bounded bodies, JSON errors, API-key auth.
+
+- :class:`FrontendSite` / :class:`FrontendRequest`: every request body is capped *while it
+  arrives* (64 KiB unless a path prefix was given more).  A body announced or grown beyond its
+  cap is answered ``413`` at once and the connection closed; nothing beyond the cap is ever
+  buffered, in memory or on disk.  (``twisted.web`` would otherwise read any body into a
+  temporary file before the resource sees the request.)
+- :class:`APIError` and :func:`error_body`: every refusal is ``{"error": {"message", "type",
+  "code"?, "field"?}}`` with a message naming the cause; ``field`` names the offending input.
+- :class:`JSONResource`: a leaf resource whose routes are ``async def`` handlers returning
+  ``(status, dict)``; unknown paths are 404, wrong methods 405 (with ``Allow``), unexpected
+  exceptions 500 with a generic message (the detail goes to the log), a database that is down
+  503.
+- :class:`APIKeyGuard`: ``Authorization: Bearer <key>`` checked in constant time against every
+  configured key.  **No key configured means the guarded API refuses everything** (401, with a
+  message saying to set ``--api-key``): the admin API can approve, drain and delete workers,
+  and an open admin API by accident is worse than a closed one by accident.
+- :func:`read_json_object`: the body as a JSON object, or a 400 that says what is wrong with it.
+
+This module must never buffer an unbounded body, never echo a credential (errors name the
+*kind* of credential, never its value), never compare a secret with ``==``, and never put a
+traceback or an internal exception text into a response.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
+
+from twisted.internet import defer
+from twisted.internet.interfaces import IPushProducer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import server
+from twisted.web.http import RESPONSES
+from twisted.web.resource import Resource
+
+from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
+
+log = Logger()
+
+#: Body cap of the register, heartbeat and admin APIs (and of any path without its own cap).
+MAX_BODY_BYTES = 64 * 1024
+#: Longest path segment (node id) echoed back in an error message.
+_ECHO_MAX = 64
+
+JSON_HEADERS = (
+    (b"content-type", b"application/json"),
+    (b"cache-control", b"no-store"),
+    (b"x-content-type-options", b"nosniff"),
+)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """A refusal to answer with ``status`` and a JSON error body.
+
+    :param type_: a stable machine-readable kind (``invalid_request``, ``unauthorized``, ...).
+    :param field: the request field at fault, when there is one.
+    :param code: an optional finer machine-readable code.
+    """
+
+    def __init__(self, status: int, message: str, type_: str, *, field: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.field = field
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, field=self.field, code=self.code)
+
+
+def error_body(message: str, type_: str, *, field: str | None = None,
+               code: str | None = None) -> dict:
+    error: dict[str, Any] = {"message": message, "type": type_}
+    if code is not None:
+        error["code"] = code
+    if field is not None:
+        error["field"] = field
+    return {"error": error}
+
+
+def bad_request(message: str, field: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request", field=field)
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, "unauthorized", headers={"WWW-Authenticate": "Bearer"})
+
+
+def not_found(message: str) -> APIError:
+    return APIError(404, message, "not_found")
+
+
+def conflict(message: str, code: str | None = None) -> APIError:
+    return APIError(409, message, "conflict", code=code)
+
+
+def not_ready(message: str) -> APIError:
+    return APIError(503, message, "not_ready", headers={"Retry-After": "5"})
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"request body larger than the limit of {limit} bytes",
+                    "request_too_large")
+
+
+def printable(text: str, limit: int = _ECHO_MAX) -> str:
+    """``text`` made safe to echo in an error or a log: printable characters only, bounded."""
+    cleaned = "".join(c if c.isprintable() else "?" for c in text[:limit])
+    return cleaned + ("..." if len(text) > limit else "")
+
+
+# -- bounded request bodies ------------------------------------------------------------------
+
+
+class _CappedBody:
+    """A request body in memory up to ``limit`` bytes; the request refuses anything more."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._read_at = 0
+        self._data: bytes | None = None
+
+    def accepts(self, more: int) -> bool:
+        return self._size + more <= self.limit
+
+    def write(self, data: bytes) -> None:
+        if not self.accepts(len(data)):
+            raise ValueError("over the cap")  # the request checks first; this is a backstop
+        self._chunks.append(bytes(data))
+        self._size += len(data)
+        self._data = None
+
+    def _joined(self) -> bytes:
+        if self._data is None:
+            self._data = b"".join(self._chunks)
+            self._chunks = [self._data]
+        return self._data
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._joined()
+        end = len(data) if size is None or size < 0 else min(len(data), self._read_at + size)
+        out = data[self._read_at:end]
+        self._read_at = end
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._read_at, 2: self._size}[whence]
+        self._read_at = max(0, min(self._size, base + offset))
+        return self._read_at
+
+    def tell(self) -> int:
+        return self._read_at
+
+    def getvalue(self) -> bytes:
+        return self._joined()
+
+    def close(self) -> None:
+        self._chunks, self._data, self._size, self._read_at = [], None, 0, 0
+
+
+def _request_target(channel) -> bytes | None:
+    """The raw target of the request whose headers just ended.
+
+    ``twisted.web`` gives the request its path only after the whole body has arrived; the
+    channel keeps it in ``_path`` meanwhile.  If a Twisted release renames it, this returns None
+    and the default cap applies (fail closed); a test pins that prefixes still work.
+    """
+    target = getattr(channel, "_path", None)
+    return target if isinstance(target, bytes) else None
+
+
+class FrontendRequest(server.Request):
+    """A request whose body is capped while it arrives (see :class:`FrontendSite`).
+
+    Bodies are never parsed as forms into ``args`` (no API here takes forms).
+    """
+
+    #: Set once the request was answered 413 before its body; nothing else is processed.
+    refused_too_large = False
+
+    def __init__(self, channel, *args, **kwargs):
+        kwargs["parsePOSTFormSubmission"] = False
+        super().__init__(channel, *args, **kwargs)
+
+    def gotLength(self, length):
+        site = getattr(self.channel, "site", None)
+        limit = MAX_BODY_BYTES
+        if isinstance(site, FrontendSite):
+            limit = site.body_limit_for(_request_target(self.channel))
+        self.content = _CappedBody(limit)
+        if length is not None and length > limit:
+            self._refuse_too_large(limit)
+
+    def handleContentChunk(self, data):
+        if self.refused_too_large:
+            return
+        if not self.content.accepts(len(data)):
+            self._refuse_too_large(self.content.limit)
+            return
+        self.content.write(data)
+
+    def requestReceived(self, command, path, version):
+        if self.refused_too_large:
+            return  # already answered; the connection is closing
+        super().requestReceived(command, path, version)
+
+    def _refuse_too_large(self, limit: int) -> None:
+        """Answer 413 on the raw transport before the body, then stop reading and close."""
+        self.refused_too_large = True
+        self.content.close()
+        # The channel answers "Expect: 100-continue" right after gotLength; after a final
+        # answer that would be a second response.
+        self.requestHeaders.removeHeader(b"expect")
+        channel = self.channel
+        if channel is None or channel.transport is None:
+            return
+        channel.persistent = False
+        body = json.dumps(too_large(limit).body()).encode("utf-8")
+        head = [b"HTTP/1.1 413 " + RESPONSES.get(413, b"Request Entity Too Large")]
+        head += [name + b": " + value for name, value in JSON_HEADERS]
+        head += [b"content-length: %d" % len(body), b"connection: close"]
+        channel.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        producer = IPushProducer(channel.transport, None)
+        if producer is not None:
+            try:
+                producer.pauseProducing()  # read no more of the oversized body
+            except Exception:
+                pass
+        channel.loseConnection()
+
+
+class FrontendSite(server.Site):
+    """The frontend's ``Site``: requests are :class:`FrontendRequest`.
+
+    :param body_limits: raw path prefix -> body cap in bytes, for routes that take more than
+        :data:`MAX_BODY_BYTES` (the longest matching prefix wins).
+    :param default_limit: the cap of every other path.
+    """
+
+    requestFactory = FrontendRequest
+
+    def __init__(self, resource, *, body_limits: Mapping[bytes, int] | None = None,
+                 default_limit: int = MAX_BODY_BYTES, **kwargs):
+        super().__init__(resource, **kwargs)
+        self.default_limit = default_limit
+        self.body_limits = sorted((body_limits or {}).items(), key=lambda kv: len(kv[0]),
+                                  reverse=True)
+
+    def body_limit_for(self, target: bytes | None) -> int:
+        if target is None:
+            return self.default_limit
+        path = target.split(b"?", 1)[0]
+        for prefix, limit in self.body_limits:
+            if path.startswith(prefix):
+                return limit
+        return self.default_limit
+
+
+def read_json_object(request, *, required: bool = True) -> dict:
+    """The request body as a JSON object.
+
+    :param required: False lets an empty body stand for ``{}``.
+    :raises APIError: 413 over the cap (a backstop: ``FrontendRequest`` refuses earlier), 415
+        for a non-JSON content type, 400 for a body that is not UTF-8 JSON or not an object.
+    """
+    content_type = request.getHeader(b"content-type")
+    if content_type is not None:
+        media = content_type.split(b";", 1)[0].strip().lower()
+        if media not in (b"application/json", b""):
+            raise APIError(415, "the body must be JSON (Content-Type: application/json)",
+                           "unsupported_media_type")
+    content = request.content
+    if content is None:
+        raw = b""
+    else:
+        limit = getattr(content, "limit", MAX_BODY_BYTES)
+        content.seek(0, 0)
+        raw = content.read(limit + 1)
+        if len(raw) > limit:
+            raise too_large(limit)
+    if not raw.strip():
+        if required:
+            raise bad_request("the request body is empty; a JSON object is expected")
+        return {}
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not UTF-8") from None
+    try:
+        decoded = json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:
+        detail = f": {e.msg} at character {e.pos}" if isinstance(e, json.JSONDecodeError) else ""
+        raise bad_request(f"the request body is not valid JSON{detail}") from None
+    if not isinstance(decoded, dict):
+        raise bad_request("the request body must be a JSON object")
+    return decoded
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def reject_unknown_fields(body: Mapping[str, Any], allowed: Iterable[str],
+                          prefix: str = "") -> None:
+    """A 400 naming the first field of ``body`` that is not in ``allowed``."""
+    allowed = set(allowed)
+    for key in body:
+        if key not in allowed:
+            named = f"{prefix}{printable(str(key))}"
+            raise bad_request(f"unknown field {named!r}; expected one of "
+                              f"{', '.join(sorted(allowed))}", field=named)
+
+
+# -- credentials ---------------------------------------------------------------------------------
+
+
+def bearer_token(request) -> str | None:
+    """The credential of ``Authorization: Bearer <credential>``, or None (absent, another
+    scheme, empty, or not ASCII)."""
+    header = request.getHeader(b"authorization")
+    if header is None:
+        return None
+    scheme, _, credential = header.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    credential = credential.strip()
+    if not credential:
+        return None
+    try:
+        return credential.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+class APIKeyGuard:
+    """Checks ``Authorization: Bearer <key>`` against the configured API keys.
+
+    The presented key is hashed and compared with the digest of *every* configured key, without
+    stopping at a match, so timing says neither which key matched nor how long keys are.  With
+    no key configured every request is refused (see the module docstring).
+    """
+
+    def __init__(self, keys: Sequence[str] | None, *, what: str = "the admin API"):
+        self._digests = [_digest(k) for k in (keys or ()) if k]
+        self._what = what
+        if not self._digests:
+            log.warn("no --api-key configured: {what} refuses every request until one is set",
+                     what=what)
+
+    @property
+    def configured(self) -> bool:
+        return bool(self._digests)
+
+    def check(self, request) -> None:
+        """:raises APIError: 401 when no key is configured, or the key is missing or wrong."""
+        if not self._digests:
+            raise unauthorized(f"{self._what} is disabled because no API key is configured; "
+                               "start the frontend with --api-key (env LOCALAI_API_KEY)")
+        presented = bearer_token(request)
+        if presented is None:
+            raise unauthorized(f"{self._what} requires Authorization: Bearer <API key>")
+        digest = _digest(presented)
+        matched = False
+        for expected in self._digests:
+            matched |= hmac.compare_digest(digest, expected)
+        if not matched:
+            raise unauthorized("the API key is not valid")
+
+
+# -- JSON resources ---------------------------------------------------------------------------------
+
+Handler = Callable[..., Awaitable[tuple[int, dict]]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """``method`` on ``pattern`` (path segments; ``{name}`` matches one segment and is passed
+    to the handler as a keyword argument)."""
+
+    method: str
+    pattern: tuple[str, ...]
+    handler: Handler
+
+    def match(self, segments: Sequence[str]) -> dict[str, str] | None:
+        if len(segments) != len(self.pattern):
+            return None
+        captured = {}
+        for part, segment in zip(self.pattern, segments):
+            if part.startswith("{") and part.endswith("}"):
+                if not segment:
+                    return None
+                captured[part[1:-1]] = segment
+            elif part != segment:
+                return None
+        return captured
+
+
+class JSONResource(Resource):
+    """A leaf resource answering JSON from ``async def`` handlers.
+
+    Subclasses define ``routes()`` returning :class:`Route` objects, each handler being
+    ``async def handler(request, **captured) -> (status, dict)``; raising :class:`APIError`
+    answers that error.  ``guard(request)`` (optional) runs before routing.
+    """
+
+    isLeaf = True
+
+    def routes(self) -> Sequence[Route]:
+        raise NotImplementedError
+
+    def guard(self, request) -> None:
+        """Raise :class:`APIError` to refuse before any route runs (authentication)."""
+
+    def render(self, request):
+        answering = defer.ensureDeferred(self._answer(request))
+        answering.addErrback(lambda f: log.failure("answering {path} failed", f,
+                                                   path=printable(_path_text(request))))
+        return server.NOT_DONE_YET
+
+    async def _answer(self, request) -> None:
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+        try:
+            status, body = await self._dispatch(request)
+            headers: dict[str, str] = {}
+        except APIError as e:
+            status, body, headers = e.status, e.body(), e.headers
+        except (DatabaseUnavailable, PoolClosed):
+            status, headers = 503, {"Retry-After": "5"}
+            body = error_body("the database is unavailable right now; try again", "unavailable")
+        except Exception:
+            log.failure("{method} {path} failed", Failure(),
+                        method=request.method.decode("ascii", "replace"),
+                        path=printable(_path_text(request)))
+            status, headers = 500, {}
+            body = error_body("internal error; see the frontend log", "internal_error")
+        if gone or request.finished or request.channel is None:
+            return  # the client left; nothing to answer
+        payload = json.dumps(body, separators=(",", ":")).encode("utf-8")
+        request.setResponseCode(status)
+        for name, value in JSON_HEADERS:
+            request.setHeader(name, value)
+        for name, value in headers.items():
+            request.setHeader(name.encode("ascii"), value.encode("ascii"))
+        request.setHeader(b"content-length", b"%d" % len(payload))
+        if request.method != b"HEAD":
+            request.write(payload)
+        request.finish()
+
+    async def _dispatch(self, request) -> tuple[int, dict]:
+        self.guard(request)
+        segments = _segments(request)
+        if segments is None:
+            raise not_found("no such resource")
+        method = request.method.decode("ascii", "replace").upper()
+        allowed = []
+        for route in self.routes():
+            captured = route.match(segments)
+            if captured is None:
+                continue
+            if route.method == method:
+                return await route.handler(request, **captured)
+            allowed.append(route.method)
+        if allowed:
+            raise APIError(405, f"method {printable(method, 16)} not allowed here; use "
+                           f"{' or '.join(sorted(set(allowed)))}", "method_not_allowed",
+                           headers={"Allow": ", ".join(sorted(set(allowed)))})
+        raise not_found("no such resource")
+
+
+def _segments(request) -> list[str] | None:
+    """The path below this resource as text segments (a trailing slash ignored), or None when a
+    segment is not UTF-8."""
+    raw = list(request.postpath)
+    if raw and raw[-1] == b"":
+        raw.pop()
+    try:
+        return [segment.decode("utf-8") for segment in raw]
+    except UnicodeDecodeError:
+        return None
+
+
+def _path_text(request) -> str:
+    return (request.path or b"").decode("utf-8", "replace")
+
+
+class LateResource(Resource):
+    """A leaf that serves ``target`` once it is set, and 503 (JSON) until then.
+
+    Used for resources that need the database or the tunnel registry, which exist only after
+    the database is ready.
+    """
+
+    isLeaf = True
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+        self.target: Resource | None = None
+
+    def render(self, request):
+        if self.target is not None:
+            return self.target.render(request)
+        error = not_ready(f"{self.what} is not available yet: the frontend is starting")
+        request.setResponseCode(error.status)
+        for name, value in JSON_HEADERS:
+            request.setHeader(name, value)
+        for name, value in error.headers.items():
+            request.setHeader(name.encode("ascii"), value.encode("ascii"))
+        return json.dumps(error.body()).encode("utf-8")
+
+
+@dataclass
+class ClusterParts:
+    """What the frontend's APIs work with once the database is ready.
+
+    :param db: the started ``Database``.
+    :param nodes: the ``NodeRegistry``.
+    :param fence: the ``OwnershipFence`` (owner and presence of a node's tunnel).
+    :param instance_id: this replica's id.
+    :param reconnect_grace: seconds before a departed tunnel counts as gone.
+    :param on_registered: called with a node id after each (re-)registration, before the
+        answer: the credential changed, so a tunnel held with the old one must go.
+    :param on_deleted: called with a node id after an admin deleted the node.
+    """
+
+    db: Any
+    nodes: Any
+    fence: Any
+    instance_id: str
+    reconnect_grace: float | None = None
+    on_registered: Callable[[str], Any] | None = None
+    on_deleted: Callable[[str], Any] | None = None
+
+
+def resolve(parts_or_provider):
+    """``parts_or_provider`` itself, or the value of calling it; a 503 while it is None."""
+    parts = parts_or_provider() if callable(parts_or_provider) else parts_or_provider
+    if parts is None:
+        raise not_ready("the frontend is starting (the database is not ready yet); try again")
+    return parts
+
+
+async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:
+    """Run a lifecycle hook for ``node_id``; a failure is logged and never reaches the caller
+    (the API call it follows has already happened)."""
+    if hook is None:
+        return
+    try:
+        result = hook(node_id)
+        if isinstance(result, defer.Deferred) or hasattr(result, "__await__"):
+            await result
+    except Exception:
+        log.failure("{what} hook failed for node {node}", Failure(), what=what, node=node_id)

@@ -1,0 +1,89 @@
+"""Shared frontend web helpers: API-key checks, bearer parsing, body caps per path.  No I/O."""
+
+import json
+
+import pytest
+from twisted.internet.testing import StringTransport
+from twisted.web.resource import Resource
+from twisted.web.test.requesthelper import DummyRequest
+
+from localai_tw.frontend import web
+from localai_tw.frontend.web import APIError, APIKeyGuard, FrontendSite, bearer_token
+
+
+def request_with(authorization: bytes | None):
+    request = DummyRequest([b""])
+    if authorization is not None:
+        request.requestHeaders.setRawHeaders(b"authorization", [authorization])
+    return request
+
+
+@pytest.mark.parametrize("header, expected", [
+    (None, None), (b"Bearer abc", "abc"), (b"bearer   abc  ", "abc"), (b"Basic abc", None),
+    (b"Bearer ", None), (b"Bearer", None), (b"Bearer \xff\xfe", None),
+])
+def test_bearer_token(header, expected):
+    assert bearer_token(request_with(header)) == expected
+
+
+def test_api_key_guard_compares_every_key_in_constant_time(monkeypatch):
+    compared = []
+    real = web.hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(web.hmac, "compare_digest", spy)
+    guard = APIKeyGuard(["first-key", "a-much-longer-second-key", "k3"])
+    guard.check(request_with(b"Bearer first-key"))  # matches the first: no early exit
+    assert compared == [(32, 32)] * 3
+    compared.clear()
+    with pytest.raises(APIError) as refused:
+        guard.check(request_with(b"Bearer x"))
+    assert compared == [(32, 32)] * 3
+    assert refused.value.status == 401 and "x" not in refused.value.message.split()
+
+
+def test_api_key_guard_without_keys_refuses_and_says_what_to_set():
+    guard = APIKeyGuard([])
+    assert not guard.configured
+    for header in (None, b"Bearer ", b"Bearer anything"):
+        with pytest.raises(APIError) as refused:
+            guard.check(request_with(header))
+        assert refused.value.status == 401 and "--api-key" in refused.value.message
+    assert not APIKeyGuard(["", ""]).configured  # empty keys authorize nobody
+
+
+def test_error_body_shape():
+    error = web.bad_request("name: is required", field="name")
+    assert error.body() == {"error": {"message": "name: is required",
+                                      "type": "invalid_request", "field": "name"}}
+    assert web.conflict("x", code="not_pending").body()["error"]["code"] == "not_pending"
+
+
+def test_body_limit_for_picks_the_longest_prefix():
+    site = FrontendSite(Resource(), body_limits={b"/v1/": 1000, b"/v1/files/": 5000})
+    assert site.body_limit_for(b"/v1/chat?x=1") == 1000
+    assert site.body_limit_for(b"/v1/files/a") == 5000
+    assert site.body_limit_for(b"/api/node/register") == web.MAX_BODY_BYTES
+    assert site.body_limit_for(None) == web.MAX_BODY_BYTES
+
+
+def feed(site: FrontendSite, data: bytes) -> bytes:
+    channel = site.buildProtocol(None)
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    channel.dataReceived(data)
+    return transport.value()
+
+
+def test_the_request_path_is_known_before_the_body():
+    """Pins the Twisted internal the per-path cap relies on (``HTTPChannel._path`` while the
+    headers end).  If it disappears, the default cap applies (fail closed) and this goes red."""
+    site = FrontendSite(Resource(), body_limits={b"/big/": 200_000})
+    head = b"Host: x\r\nContent-Length: 100000\r\n\r\n"
+    assert feed(site, b"POST /big/upload HTTP/1.1\r\n" + head) == b""  # waiting for the body
+    refused = feed(site, b"POST /small HTTP/1.1\r\n" + head)
+    assert refused.startswith(b"HTTP/1.1 413 ")
+    assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "request_too_large"
