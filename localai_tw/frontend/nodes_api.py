@@ -1,0 +1,306 @@
+"""The admin API over workers and replicas, behind ``--api-key``.
+
+Mounted at ``/api/nodes`` (:class:`NodesAdminResource`) and ``/api/cluster/instances``
+(:class:`InstancesResource`).  Every request needs ``Authorization: Bearer <API key>``; with no
+key configured every request is refused (401, see ``localai_tw.frontend.web.APIKeyGuard``).
+
+=================================  =============================================================
+route                              answer
+=================================  =============================================================
+GET /api/nodes[?status=&node_type=]  ``{"nodes": [node, ...]}`` ordered by name
+GET /api/nodes/{id}                node
+PUT /api/nodes/{id}/labels         body ``{"labels": {k: v}}`` replaces every label;
+                                   ``{"id", "labels"}``
+GET /api/nodes/{id}/labels         ``{"id", "labels"}``
+POST /api/nodes/{id}/approve       pending -> healthy; 409 ``not_pending`` otherwise
+POST /api/nodes/{id}/drain         takes no new work; 409 ``not_approved`` for a pending node
+POST /api/nodes/{id}/resume        draining -> healthy; 409 ``not_draining`` otherwise
+DELETE /api/nodes/{id}             deletes the node (labels, model rows, connection row); a
+                                   tunnel this replica holds for it is closed
+GET /api/cluster/instances         ``{"instances": [{"id", "version", "advertised_addr",
+                                   "last_seen", "registered_at", "self"}]}`` (live replicas;
+                                   no credential material)
+=================================  =============================================================
+
+A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
+"gpu_vendor", "max_replicas_per_model", "last_heartbeat", "created_at", "owner": {"replica",
+"epoch"} | null, "presence", "models": [{"model_name", "replica_index", "state", "in_flight",
+"backend_type"}]}``.  ``owner`` is the *live* replica holding the node's tunnel (null when none
+does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or ``gone``, and when the
+presence query failed it is ``unknown`` with ``presence_error`` set.  Unknown ids are 404, bad
+input 400 naming the field, every refusal ``{"error": {"message", "type", ...}}``.
+
+This module must never show credential material (hashes included), never change a node except
+through the ``NodeRegistry``, and never act on presence (it only displays it).  Its one query of
+its own is a read of ``node_models``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from localai_tw.cluster.membership import live_instances
+from localai_tw.cluster.nodes import (
+    InvalidNodeInput,
+    Node,
+    NodeCapacity,
+    NodeNotFound,
+    NodeStatus,
+    NodeType,
+    NotPending,
+)
+from localai_tw.cluster.ownership import NoConnection
+
+from .web import (
+    APIKeyGuard,
+    JSONResource,
+    Route,
+    bad_request,
+    call_hook,
+    conflict,
+    not_found,
+    printable,
+    read_json_object,
+    reject_unknown_fields,
+    resolve,
+)
+from .worker_api import valid_node_id
+
+log = Logger()
+
+_MODELS_SQL = (
+    "SELECT node_id, model_name, replica_index, state, in_flight, backend_type"
+    " FROM node_models WHERE node_id = ANY(%s) ORDER BY model_name, replica_index"
+)
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _unknown_node(node_id: str):
+    return not_found(f"unknown node {printable(node_id)!r}")
+
+
+def _query_arg(request, name: bytes) -> str | None:
+    values = request.args.get(name)
+    if not values:
+        return None
+    if len(values) > 1:
+        raise bad_request(f"{name.decode()} may be given once", field=name.decode())
+    try:
+        return values[0].decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request(f"{name.decode()} is not UTF-8", field=name.decode()) from None
+
+
+class NodesAdminResource(JSONResource):
+    """``/api/nodes``: list, inspect, label, approve, drain, resume and delete workers.
+
+    :param parts: a ``ClusterParts`` or a callable returning one (None while starting: 503).
+    :param guard: the :class:`APIKeyGuard` every request must pass.
+    """
+
+    def __init__(self, parts, guard: APIKeyGuard):
+        super().__init__()
+        self._parts = parts
+        self._guard = guard
+
+    def guard(self, request) -> None:
+        self._guard.check(request)
+
+    def routes(self):
+        return (
+            Route("GET", (), self.list_nodes),
+            Route("GET", ("{node_id}",), self.get_node),
+            Route("DELETE", ("{node_id}",), self.delete_node),
+            Route("GET", ("{node_id}", "labels"), self.get_labels),
+            Route("PUT", ("{node_id}", "labels"), self.put_labels),
+            Route("POST", ("{node_id}", "approve"), self.approve),
+            Route("POST", ("{node_id}", "drain"), self.drain),
+            Route("POST", ("{node_id}", "resume"), self.resume),
+        )
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def list_nodes(self, request) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        status = _query_arg(request, b"status")
+        node_type = _query_arg(request, b"node_type")
+        if status is not None and status not in {s.value for s in NodeStatus}:
+            raise bad_request(f"status must be one of {', '.join(s.value for s in NodeStatus)}",
+                              field="status")
+        if node_type is not None and node_type not in {t.value for t in NodeType}:
+            raise bad_request(f"node_type must be one of "
+                              f"{', '.join(t.value for t in NodeType)}", field="node_type")
+        nodes = await parts.nodes.list_nodes(status=status, node_type=node_type)
+        return 200, {"nodes": await self._views(parts, nodes)}
+
+    async def get_node(self, request, node_id: str) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        node = await self._node(parts, node_id)
+        return 200, (await self._views(parts, [node]))[0]
+
+    async def get_labels(self, request, node_id: str) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        node = await self._node(parts, node_id)
+        return 200, {"id": node.id, "labels": dict(node.labels)}
+
+    @staticmethod
+    async def _node(parts, node_id: str) -> Node:
+        if not valid_node_id(node_id):
+            raise _unknown_node(node_id)
+        try:
+            return await parts.nodes.get_node(node_id)
+        except (NodeNotFound, InvalidNodeInput):
+            raise _unknown_node(node_id) from None
+
+    async def _views(self, parts, nodes: list[Node]) -> list[dict]:
+        if not nodes:
+            return []
+        rows = await parts.db.runQuery(_MODELS_SQL, ([n.id for n in nodes],))
+        models: dict[str, list[dict]] = {}
+        for node_id, model_name, replica_index, state, in_flight, backend_type in rows:
+            models.setdefault(node_id, []).append({
+                "model_name": model_name, "replica_index": replica_index, "state": state,
+                "in_flight": in_flight, "backend_type": backend_type})
+        views = await defer.gatherResults(
+            [defer.ensureDeferred(self._view(parts, node, models.get(node.id, [])))
+             for node in nodes], consumeErrors=True).addErrback(lambda f: f.value.subFailure)
+        return views
+
+    @staticmethod
+    async def _view(parts, node: Node, models: list[dict]) -> dict[str, Any]:
+        try:
+            ownership = await parts.fence.owner(node.id)
+            owner = {"replica": ownership.owner_id, "epoch": ownership.epoch}
+        except NoConnection:
+            owner = None
+        reading = await parts.fence.presence(node.id, parts.reconnect_grace)
+        view: dict[str, Any] = {
+            "id": node.id,
+            "name": node.name,
+            "node_type": node.node_type.value,
+            "status": node.status.value,
+            "approved": node.approved,
+            "labels": dict(node.labels),
+            "capacity": {name: getattr(node, name) for name in NodeCapacity.FIELDS},
+            "gpu_vendor": node.gpu_vendor,
+            "max_replicas_per_model": node.max_replicas_per_model,
+            "last_heartbeat": _iso(node.last_heartbeat),
+            "created_at": _iso(node.created_at),
+            "owner": owner,
+            "presence": reading.presence.value,
+            "models": models,
+        }
+        if reading.error is not None:
+            view["presence_error"] = f"presence query failed ({type(reading.error).__name__})"
+        return view
+
+    # -- changes -------------------------------------------------------------------------------
+
+    async def put_labels(self, request, node_id: str) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        if not valid_node_id(node_id):
+            raise _unknown_node(node_id)
+        body = read_json_object(request)
+        reject_unknown_fields(body, ("labels",))
+        if "labels" not in body:
+            raise bad_request("labels is required: an object of label key -> value (it "
+                              "replaces every label of the node)", field="labels")
+        if not isinstance(body["labels"], dict):
+            raise bad_request("labels must be an object of label key -> value", field="labels")
+        try:
+            labels = await parts.nodes.set_labels(node_id, body["labels"], replace=True)
+        except NodeNotFound:
+            raise _unknown_node(node_id) from None
+        except InvalidNodeInput as e:
+            raise bad_request(str(e), field=e.field) from None
+        log.info("node {node}: labels replaced by an administrator ({count} labels)",
+                 node=node_id, count=len(labels))
+        return 200, {"id": node_id, "labels": labels}
+
+    async def approve(self, request, node_id: str) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        node = await self._node(parts, node_id)
+        try:
+            await parts.nodes.approve(node.id)
+        except NodeNotFound:
+            raise _unknown_node(node_id) from None
+        except NotPending:
+            current = await self._node(parts, node_id)
+            raise conflict(f"node {printable(node_id)!r} is not pending approval (status "
+                           f"{current.status.value})", code="not_pending") from None
+        log.info("node {node} ({name}) approved by an administrator", node=node.id,
+                 name=node.name)
+        return 200, {"id": node.id, "status": (await self._node(parts, node_id)).status.value}
+
+    async def drain(self, request, node_id: str) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        node = await self._node(parts, node_id)
+        try:
+            changed = await parts.nodes.drain(node.id)
+        except NodeNotFound:
+            raise _unknown_node(node_id) from None
+        current = await self._node(parts, node_id)
+        if current.status is not NodeStatus.DRAINING:
+            raise conflict(f"node {printable(node_id)!r} cannot drain: it is not approved "
+                           f"(status {current.status.value}); approve it first",
+                           code="not_approved")
+        if changed:
+            log.info("node {node} ({name}) draining (administrator)", node=node.id,
+                     name=node.name)
+        return 200, {"id": node.id, "status": current.status.value}
+
+    async def resume(self, request, node_id: str) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        node = await self._node(parts, node_id)
+        if node.status is not NodeStatus.DRAINING:
+            raise conflict(f"node {printable(node_id)!r} is not draining (status "
+                           f"{node.status.value})", code="not_draining")
+        try:
+            await parts.nodes.mark_healthy(node.id)
+        except NodeNotFound:
+            raise _unknown_node(node_id) from None
+        log.info("node {node} ({name}) resumed (administrator)", node=node.id, name=node.name)
+        return 200, {"id": node.id, "status": (await self._node(parts, node_id)).status.value}
+
+    async def delete_node(self, request, node_id: str) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        if not valid_node_id(node_id):
+            raise _unknown_node(node_id)
+        try:
+            await parts.nodes.delete_node(node_id)
+        except (NodeNotFound, InvalidNodeInput):
+            raise _unknown_node(node_id) from None
+        log.info("node {node} deleted by an administrator", node=node_id)
+        await call_hook("on_deleted", parts.on_deleted, node_id)
+        return 200, {"id": node_id, "deleted": True}
+
+
+class InstancesResource(JSONResource):
+    """``/api/cluster/instances``: the live replicas, as the database clock sees them."""
+
+    def __init__(self, parts, guard: APIKeyGuard):
+        super().__init__()
+        self._parts = parts
+        self._guard = guard
+
+    def guard(self, request) -> None:
+        self._guard.check(request)
+
+    def routes(self):
+        return (Route("GET", (), self.list_instances),)
+
+    async def list_instances(self, request) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        instances = await live_instances(parts.db)
+        return 200, {"instances": [
+            {"id": i.id, "version": i.version, "advertised_addr": i.advertised_addr,
+             "last_seen": _iso(i.last_seen), "registered_at": _iso(i.registered_at),
+             "self": i.id == parts.instance_id}
+            for i in instances]}

@@ -1,0 +1,165 @@
+"""The worker-facing registration API: ``POST /api/node/register`` and the node heartbeat.
+
+Mounted at ``/api/node``.  Both routes take ``Authorization: Bearer <registration token>``,
+checked in constant time by the ``NodeRegistry`` (which also decides what an empty configured
+token means: see ``localai_tw.cluster.nodes``).  The token is checked before the body is looked
+at, so a caller without it learns nothing about the schema or about which node ids exist.
+
+``POST /api/node/register``, body (at most 64 KiB)::
+
+    {"name": str, "node_type": "backend"|"agent", "labels": {k: v},
+     "capacity": {"total_vram"|"available_vram"|"total_ram"|"available_ram"|
+                  "total_disk"|"available_disk": int},
+     "max_replicas_per_model": int, "gpu_vendor": str}
+
+``name`` is required; the rest is optional (``backend``, no labels, no capacity, 1, "").  An
+unknown field, in the body or in ``capacity``, is a 400 naming it: a typo must not be dropped
+silently.  Answers ``201 {"id", "status", "tunnel_token"}``; the tunnel credential is the only
+copy of the plaintext (the database keeps its sha256) and every registration rotates it.  Right
+after a registration, before the answer, ``on_registered(node_id)`` runs: the frontend wires it
+to drop any tunnel this replica still holds for the node with the previous credential.
+
+``POST /api/node/{id}/heartbeat``, body optional, ``{"capacity": {...}}``: ``200 {"status"}``;
+``404`` for a node id the frontend does not know, which tells the worker to register again.
+
+Errors are ``{"error": {"message", "type", "field"?}}``: 400 ``invalid_request`` naming the
+field, 401 ``unauthorized`` (the registration token is missing or wrong), 404 ``not_found``,
+413 over the body cap, 503 while the frontend is starting.
+
+This module must never log or echo the registration token or the tunnel credential (the
+credential appears only in the 201 body), never accept a body over the cap, and never change a
+node except through the ``NodeRegistry``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from twisted.logger import Logger
+
+from localai_tw.cluster.nodes import (
+    InvalidNodeInput,
+    NodeCapacity,
+    NodeNotFound,
+    Unauthorized,
+)
+
+from .web import (
+    JSONResource,
+    Route,
+    bad_request,
+    bearer_token,
+    call_hook,
+    not_found,
+    printable,
+    read_json_object,
+    reject_unknown_fields,
+    resolve,
+    unauthorized,
+)
+
+log = Logger()
+
+REGISTER_FIELDS = ("name", "node_type", "labels", "capacity", "max_replicas_per_model",
+                   "gpu_vendor")
+HEARTBEAT_FIELDS = ("capacity",)
+
+#: What a node id in a URL may look like (ids are UUIDs; at most 36 characters in the table).
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,35}$")
+
+_REGISTRATION_TOKEN_HINT = ("the registration token is missing or wrong; start the worker with "
+                            "--registration-token (env LOCALAI_REGISTRATION_TOKEN) set to the "
+                            "frontend's")
+
+
+def valid_node_id(node_id: str) -> bool:
+    return bool(_NODE_ID.match(node_id))
+
+
+def parse_capacity(value: Any) -> NodeCapacity | None:
+    """``capacity`` from a request body: None, or an object of known integer fields.
+
+    :raises APIError: 400 naming ``capacity`` or ``capacity.<field>``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("capacity must be an object of byte counts", field="capacity")
+    reject_unknown_fields(value, NodeCapacity.FIELDS, prefix="capacity.")
+    try:
+        return NodeCapacity(**value).validated()
+    except InvalidNodeInput as e:
+        raise bad_request(f"capacity.{e}", field=f"capacity.{e.field}") from None
+
+
+class WorkerRegistrationResource(JSONResource):
+    """``/api/node``: register and heartbeat.
+
+    :param parts: a :class:`~localai_tw.frontend.web.ClusterParts`, or a callable returning
+        one (None while the frontend is starting: 503).
+    """
+
+    def __init__(self, parts):
+        super().__init__()
+        self._parts = parts
+
+    def routes(self):
+        return (Route("POST", ("register",), self.register),
+                Route("POST", ("{node_id}", "heartbeat"), self.heartbeat))
+
+    @staticmethod
+    def _check_token(parts, request) -> str | None:
+        presented = bearer_token(request)
+        try:
+            parts.nodes.check_registration_token(presented)
+        except Unauthorized:
+            raise unauthorized(_REGISTRATION_TOKEN_HINT) from None
+        return presented
+
+    async def register(self, request) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        presented = self._check_token(parts, request)
+        body = read_json_object(request)
+        reject_unknown_fields(body, REGISTER_FIELDS)
+        for text_field in ("name", "node_type", "gpu_vendor"):
+            if text_field in body and not isinstance(body[text_field], str):
+                raise bad_request(f"{text_field} must be a string", field=text_field)
+        capacity = parse_capacity(body.get("capacity"))
+        try:
+            registration = await parts.nodes.register(
+                body.get("name"),
+                node_type=body.get("node_type", "backend"),
+                presented_token=presented or "",
+                capacity=capacity,
+                gpu_vendor=body.get("gpu_vendor", ""),
+                max_replicas_per_model=body.get("max_replicas_per_model", 1),
+                labels=body.get("labels"),
+            )
+        except InvalidNodeInput as e:
+            raise bad_request(str(e), field=e.field) from None
+        except Unauthorized:
+            raise unauthorized(_REGISTRATION_TOKEN_HINT) from None
+        node = registration.node
+        await call_hook("on_registered", parts.on_registered, node.id)
+        return 201, {"id": node.id, "status": node.status.value,
+                     "tunnel_token": registration.tunnel_credential}
+
+    async def heartbeat(self, request, node_id: str) -> tuple[int, dict]:
+        parts = resolve(self._parts)
+        self._check_token(parts, request)
+        unknown = not_found(f"unknown node {printable(node_id)!r}; register again")
+        if not valid_node_id(node_id):
+            raise unknown
+        body = read_json_object(request, required=False)
+        reject_unknown_fields(body, HEARTBEAT_FIELDS)
+        capacity = parse_capacity(body.get("capacity"))
+        try:
+            status = await parts.nodes.heartbeat(node_id, capacity)
+        except NodeNotFound:
+            raise unknown from None
+        except InvalidNodeInput as e:
+            if e.field == "id":
+                raise unknown from None
+            raise bad_request(str(e), field=e.field) from None
+        return 200, {"status": status.value}
