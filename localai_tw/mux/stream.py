@@ -253,19 +253,17 @@ class Stream:
 
     def _flush(self) -> None:
         """Send as much buffered data as the window, the frame size and the session allow; then
-        FIN if it was asked for and everything went."""
+        FIN if it was asked for and everything went.
+
+        FIN always goes on its own window update, never on the last Data frame: Go df201c7
+        handles the FIN flag before it buffers the payload of the same frame, so its reader can
+        see end-of-stream first and lose those bytes (the Go interop suite checks this)."""
         session = self.session
         while self._out and self._send_window > 0 and session._writable():
             take = min(self._send_window, session.config.max_frame_size, self._out_size)
             chunk = self._popOut(take)
-            flags = self._takeOpenFlags()
-            if not self._out and self._fin_pending:
-                flags |= FLAG_FIN
             self._send_window -= len(chunk)
-            session._sendFrame(Frame.data(self.id, chunk, flags))
-            if flags & FLAG_FIN:
-                self._finSent()
-                return
+            session._sendFrame(Frame.data(self.id, chunk, self._takeOpenFlags()))
             if self.state in _FINISHED:  # a producer or the transport reset us meanwhile
                 return
         if not self._out and self._fin_pending and self.state in _LOCAL_OPEN:

@@ -103,7 +103,7 @@ def test_fin_is_sent_only_once():
     assert transport.frames() == [Frame.window_update(1, 0, FLAG_FIN)]
 
 
-def test_fin_waits_for_buffered_data_and_rides_the_last_frame():
+def test_fin_waits_for_buffered_data_and_goes_on_its_own_frame():
     session, transport, _ = raw_client()
     stream = session.openStream(HalfCloseRecorder())
     transport.frames()
@@ -112,7 +112,8 @@ def test_fin_waits_for_buffered_data_and_rides_the_last_frame():
     frames = transport.frames()
     assert not any(f.has(FLAG_FIN) for f in frames)
     session.dataReceived(encode(Frame.window_update(1, 1000)))
-    assert transport.frames() == [Frame.data(1, b"x" * 10, FLAG_FIN)]
+    # Never FIN on a Data frame with payload: Go df201c7 may drop that payload.
+    assert transport.frames() == [Frame.data(1, b"x" * 10), Frame.window_update(1, 0, FLAG_FIN)]
 
 
 def test_writes_after_half_close_are_dropped():
