@@ -1,0 +1,876 @@
+"""The backend supervisor: one backend process per loaded model, started, watched and stopped
+on the worker's reactor.
+
+Lifecycle of a backend (process key ``model#replica``):
+
+1. **start**: the factory names an argv; a port comes from the :class:`PortAllocator`; the
+   process is spawned in a session (and so a process group) of its own with
+   ``<argv> --addr 127.0.0.1:<port>`` (external backends get the flag appended by their
+   factory); stdout and stderr go into a bounded :class:`OutputRing`.
+2. **readiness**: ``Health`` every 200 ms (2 s timeout each) until it answers ``OK``, within a
+   deadline (60 s by default: LocalAI's transformers backend needs 5-10 s to import torch).
+   A process that exits meanwhile fails the start with its exit status and last lines.
+3. **load** (optional, when the start request carries ``load``): ``LoadModel``; an error or
+   ``success=false`` fails the start with the backend's message and the process is stopped.
+4. **ready**: liveness is the process being alive (``processEnded`` is authoritative); an
+   optional ``Health`` probe with a generous timeout counts misses and logs them, and never
+   kills: a single-threaded backend answers Health only after the Predict it is running.
+5. **stop**: ``Free`` (5 s, failures ignored: UNIMPLEMENTED is normal), then SIGTERM to the
+   process group, then SIGKILL to the group after a grace (10 s by default); every exit,
+   requested or not, is followed by a SIGKILL sweep of the group so no grandchild survives.
+6. **exit**: ``processEnded`` records the exit code or signal, releases the port into
+   quarantine, and tells every exit listener (state ``stopped``, ``crashed`` or ``failed``).
+   The record stays readable (with its output) among the last ``keep_ended`` exits.
+
+Own process group, how: Twisted's ``spawnProcess`` neither calls ``setsid`` nor ``setpgid``
+for a non-PTY child, so every backend is launched through a one-line exec wrapper,
+``python -I -S -c "import os,sys; os.setsid(); os.execvp(argv[1], argv[1:])"``: the wrapper
+becomes a session leader and then *execs* the backend, so the backend keeps the pid
+``spawnProcess`` returned, its pid is its process group id, and its parent is the worker (the
+parent-death backstop of LocalAI backends watches the right process).  The ``setsid`` binary
+is not used: it forks when the caller is already a group leader, and then the pid we hold is
+not the backend's.
+
+gRPC from the reactor, how: the supervisor's own calls (Health, LoadModel, Free) use grpcio's
+synchronous channel in *future* mode (``stub.Health.future(...)``): the call is started
+without blocking, grpc's own threads complete it, and the result is handed to the reactor with
+``callFromThread``.  No thread is parked per call (a LoadModel may take minutes), a cancelled
+Deferred cancels the RPC, and no asyncio loop is needed (``grpc.aio`` would need the asyncio
+reactor or a second event loop thread).  Server-streaming calls are not made here.
+
+What this module must never do:
+
+- block the reactor: no blocking gRPC call, no ``wait``/``sleep``, no synchronous process
+  reaping (Twisted reaps on SIGCHLD);
+- signal a group it did not create: the group id is the backend's own pid, never the worker's
+  own group (checked), and group signals stop once the group is empty;
+- kill a ready backend because a health probe was slow or failed;
+- keep unbounded output: each backend's output ring is bounded in bytes and lines, and ended
+  records are kept in a bounded deque;
+- hand a backend's port to another backend before the process that held it has exited.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable, Mapping
+
+import grpc
+from google.protobuf import json_format
+from twisted.application.service import Service
+from twisted.internet import defer, error as ierror
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from localai_tw.backends import backend_pb2, backend_pb2_grpc
+from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
+from localai_tw.backends.ports import NoFreePort, PortAllocator
+
+log = Logger()
+
+STARTING, LOADING, READY, STOPPING = "starting", "loading", "ready", "stopping"
+STOPPED, CRASHED, FAILED = "stopped", "crashed", "failed"
+LIVE_STATES = frozenset({STARTING, LOADING, READY, STOPPING})
+
+#: The exec wrapper that gives a backend its own session and process group (see above).
+SETSID_EXEC = "import os,sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])"
+
+MAX_MESSAGE_BYTES = 50 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Loopback only: never through an HTTP proxy named in the environment.
+    ("grpc.enable_http_proxy", 0),
+    # A backend that is still importing torch refuses connections; keep the reconnect backoff
+    # short so readiness is seen within one poll interval, not after a 1-120 s backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+DEFAULT_READY_TIMEOUT = 60.0
+DEFAULT_HEALTH_INTERVAL = 0.2
+DEFAULT_HEALTH_TIMEOUT = 2.0
+DEFAULT_STOP_GRACE = 10.0
+DEFAULT_KILL_WAIT = 5.0
+DEFAULT_FREE_TIMEOUT = 5.0
+DEFAULT_LIVENESS_INTERVAL = 30.0
+DEFAULT_LIVENESS_TIMEOUT = 30.0
+#: Lines of output quoted in a start failure.
+FAILURE_TAIL_LINES = 20
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class BackendStartError(Exception):
+    """A start that did not end with a ready backend.  ``str()`` is the worker's answer."""
+
+    def __init__(self, message: str, record: "BackendProcess | None" = None):
+        super().__init__(message)
+        self.record = record
+
+
+class BackendLoadFailed(BackendStartError):
+    """LoadModel failed: a gRPC error or ``success=false`` with the backend's message."""
+
+
+class BackendStopError(Exception):
+    """The process did not exit even after SIGKILL (uninterruptible sleep, most likely)."""
+
+
+class NoSuchBackend(LookupError):
+    pass
+
+
+# -- bounded output -------------------------------------------------------------------------------
+
+
+class OutputRing:
+    """The last output of one backend: complete lines, at most ``max_lines`` and
+    ``max_bytes`` (of UTF-8 text) together; a line longer than ``max_line_bytes`` is cut into
+    pieces.  stdout and stderr are interleaved in arrival order; supervisor notes start with
+    ``[localai-tw]``."""
+
+    def __init__(self, max_bytes: int = 1 << 20, max_lines: int = 5000,
+                 max_line_bytes: int = 64 * 1024):
+        self.max_bytes, self.max_lines, self.max_line_bytes = max_bytes, max_lines, \
+            max_line_bytes
+        self._lines: collections.deque[str] = collections.deque()
+        self._bytes = 0
+        self._partial: dict[str, bytes] = {}
+        self.dropped_lines = 0
+
+    def feed(self, stream: str, data: bytes) -> None:
+        buffered = self._partial.get(stream, b"") + data
+        *complete, rest = buffered.split(b"\n")
+        for raw in complete:
+            self._append(raw)
+        while len(rest) > self.max_line_bytes:
+            self._append(rest[: self.max_line_bytes])
+            rest = rest[self.max_line_bytes:]
+        self._partial[stream] = rest
+
+    def flush(self) -> None:
+        for stream, rest in list(self._partial.items()):
+            if rest:
+                self._append(rest)
+        self._partial.clear()
+
+    def note(self, text: str) -> None:
+        self._append(f"[localai-tw] {text}".encode("utf-8"))
+
+    def _append(self, raw: bytes) -> None:
+        line = raw.rstrip(b"\r").decode("utf-8", errors="replace")
+        size = len(line.encode("utf-8")) + 1
+        self._lines.append(line)
+        self._bytes += size
+        while self._lines and (len(self._lines) > self.max_lines or
+                               self._bytes > self.max_bytes):
+            dropped = self._lines.popleft()
+            self._bytes -= len(dropped.encode("utf-8")) + 1
+            self.dropped_lines += 1
+
+    def lines(self, tail: int | None = None) -> list[str]:
+        if tail is None or tail >= len(self._lines):
+            return list(self._lines)
+        if tail <= 0:
+            return []
+        return list(self._lines)[-tail:]
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+
+# -- gRPC from the reactor ------------------------------------------------------------------------
+
+
+class BackendClient:
+    """Unary calls to one backend as Deferreds, on a grpcio channel in future mode (see the
+    module docstring).  Cancelling a returned Deferred cancels the RPC."""
+
+    def __init__(self, reactor, address: str, auth_token: str | None = None):
+        self._reactor = reactor
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = backend_pb2_grpc.BackendStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+
+    def call(self, method: str, request, timeout: float | None) -> defer.Deferred:
+        future = getattr(self._stub, method).future(request, timeout=timeout,
+                                                    metadata=self._metadata)
+        result: defer.Deferred = defer.Deferred(lambda d: future.cancel())
+
+        def deliver(done):
+            if result.called:
+                return  # cancelled by the caller
+            if done.cancelled():
+                result.errback(defer.CancelledError())
+                return
+            exc = done.exception()
+            if exc is not None:
+                result.errback(Failure(exc))
+            else:
+                result.callback(done.result())
+
+        future.add_done_callback(lambda done: self._reactor.callFromThread(deliver, done))
+        return result
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def describe_rpc_error(failure: Failure) -> str:
+    exc = failure.value
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return failure.getErrorMessage()
+
+
+def _is_unimplemented(failure: Failure) -> bool:
+    exc = failure.value
+    return isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and \
+        exc.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+class _SharedOutcome:
+    """One internal Deferred's outcome handed to any number of callers, each with a fresh
+    Deferred, so one caller's callbacks never change what another sees."""
+
+    def __init__(self, source: defer.Deferred):
+        self._done = False
+        self._result: Any = None
+        self._waiters: list[defer.Deferred] = []
+        source.addBoth(self._fire)
+
+    def _fire(self, result):
+        self._done, self._result = True, result
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            self._deliver(waiter)
+        return None
+
+    def _deliver(self, waiter: defer.Deferred) -> None:
+        if isinstance(self._result, Failure):
+            waiter.errback(self._result)
+        else:
+            waiter.callback(self._result)
+
+    def wait(self) -> defer.Deferred:
+        waiter: defer.Deferred = defer.Deferred()
+        if self._done:
+            self._deliver(waiter)
+        else:
+            self._waiters.append(waiter)
+        return waiter
+
+
+# -- one backend ----------------------------------------------------------------------------------
+
+
+class BackendProcess:
+    """What the supervisor knows about one backend (live or recently ended)."""
+
+    def __init__(self, key: str, model: str, backend: str, output: OutputRing):
+        self.key, self.model, self.backend = key, model, backend
+        self.output = output
+        self.port: int | None = None
+        self.address: str | None = None
+        self.pid: int | None = None
+        self.state = STARTING
+        self.started_at: float | None = None  # wall clock, seconds
+        self.ended_at: float | None = None
+        self.exit_code: int | None = None
+        self.exit_signal: int | None = None
+        self.error: str | None = None
+        self.health_misses = 0
+        self.last_health_error: str | None = None
+        self.in_process = False
+        self._transport = None
+        self._server = None  # in-process grpc.Server
+        self._client: BackendClient | None = None
+        self._end_waiters: list[defer.Deferred] = []
+        self._ended = False
+        self._start: defer.Deferred | None = None
+        self._start_outcome: _SharedOutcome | None = None
+        self._stop: defer.Deferred | None = None
+        self._stop_outcome: _SharedOutcome | None = None
+        self._final_state = STOPPED
+        self._liveness: LoopingCall | None = None
+        self._probing = False
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def when_ended(self) -> defer.Deferred:
+        """Fires (with this record) when the process has exited.  Cancellable."""
+        if self._ended:
+            return defer.succeed(self)
+        waiter: defer.Deferred = defer.Deferred(
+            lambda d: self._end_waiters.remove(d) if d in self._end_waiters else None)
+        self._end_waiters.append(waiter)
+        return waiter
+
+    def exit_description(self) -> str:
+        if self.exit_signal is not None:
+            try:
+                name = signal.Signals(self.exit_signal).name
+            except ValueError:
+                name = str(self.exit_signal)
+            return f"killed by signal {name}"
+        if self.exit_code is not None:
+            return f"exited with code {self.exit_code}"
+        return "exited"
+
+    def describe(self) -> dict[str, Any]:
+        described = {
+            "model": self.model, "backend": self.backend, "process_key": self.key,
+            "address": self.address, "state": self.state, "pid": self.pid,
+            "started_at": self.started_at, "health_misses": self.health_misses,
+        }
+        if self._ended:
+            described.update(ended_at=self.ended_at, exit_code=self.exit_code,
+                             exit_signal=self.exit_signal)
+        if self.error:
+            described["error"] = self.error
+        return described
+
+
+class _BackendProcessProtocol(ProcessProtocol):
+    def __init__(self, supervisor: "BackendSupervisor", record: BackendProcess):
+        self._supervisor = supervisor
+        self._record = record
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        self._record.output.feed("stdout" if childFD == 1 else "stderr", data)
+
+    def processEnded(self, reason: Failure) -> None:
+        code = sig = None
+        if isinstance(reason.value, ierror.ProcessTerminated):
+            code, sig = reason.value.exitCode, reason.value.signal
+        elif isinstance(reason.value, ierror.ProcessDone):
+            code = 0
+        self._supervisor._processEnded(self._record, code, sig)
+
+
+def _signal_group(record: BackendProcess, sig: int, *, fall_back_to_pid: bool) -> None:
+    """Signal the backend's process group (its pgid is its pid, from the setsid wrapper).
+    Before the wrapper reached setsid there is no such group yet: then signal the pid."""
+    pid = record.pid
+    if pid is None or pid <= 1 or pid == os.getpgrp():
+        return
+    try:
+        os.killpg(pid, sig)
+        return
+    except ProcessLookupError:
+        pass
+    except PermissionError as e:
+        log.warn("cannot signal process group {pid} of backend {key}: {error}", pid=pid,
+                 key=record.key, error=e)
+    if fall_back_to_pid and record._transport is not None and not record.ended:
+        try:
+            record._transport.signalProcess(sig)
+        except ierror.ProcessExitedAlready:
+            pass
+
+
+def _model_options(load) -> backend_pb2.ModelOptions:
+    if isinstance(load, backend_pb2.ModelOptions):
+        return load
+    if not isinstance(load, Mapping):
+        raise ValueError("load must be an object of ModelOptions fields")
+    try:
+        return json_format.ParseDict(dict(load), backend_pb2.ModelOptions())
+    except json_format.ParseError as e:
+        raise ValueError(f"load is not valid ModelOptions: {e}") from None
+
+
+# -- the supervisor -------------------------------------------------------------------------------
+
+ExitListener = Callable[[BackendProcess], None]
+
+
+class BackendSupervisor(Service):
+    """Starts, watches and stops backend processes; one per process key ``model#replica``.
+
+    ``ports`` is a :class:`PortAllocator`; ``factories`` a
+    :class:`~localai_tw.backends.interfaces.BackendFactories` (or any object with
+    ``lookup(name)``).  As a service, stopping it stops every backend (in parallel).
+    Timings are injectable for tests; the defaults follow the contract sheet §4.
+    """
+
+    name = "backend-supervisor"
+
+    def __init__(
+        self,
+        reactor,
+        ports: PortAllocator,
+        factories: BackendFactories,
+        *,
+        stop_grace: float = DEFAULT_STOP_GRACE,
+        kill_wait: float = DEFAULT_KILL_WAIT,
+        free_timeout: float = DEFAULT_FREE_TIMEOUT,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT,
+        health_interval: float = DEFAULT_HEALTH_INTERVAL,
+        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
+        load_timeout: float | None = None,
+        liveness_interval: float | None = DEFAULT_LIVENESS_INTERVAL,
+        liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
+        auth_token: str | None = None,
+        extra_env: Mapping[str, str] | None = None,
+        log_max_bytes: int = 1 << 20,
+        log_max_lines: int = 5000,
+        keep_ended: int = 32,
+        on_exit: ExitListener | None = None,
+        python: str = sys.executable,
+    ):
+        self._reactor = reactor
+        self.ports = ports
+        self.factories = factories
+        self.stop_grace, self.kill_wait, self.free_timeout = stop_grace, kill_wait, free_timeout
+        self.ready_timeout, self.health_interval = ready_timeout, health_interval
+        self.health_timeout, self.load_timeout = health_timeout, load_timeout
+        self.liveness_interval, self.liveness_timeout = liveness_interval, liveness_timeout
+        self.auth_token = auth_token or None
+        self.extra_env = dict(extra_env or {})
+        self._log_limits = (log_max_bytes, log_max_lines)
+        self._python = python
+        self._live: dict[str, BackendProcess] = {}
+        self._ended: collections.deque[BackendProcess] = collections.deque(maxlen=keep_ended)
+        self._exit_listeners: list[ExitListener] = [on_exit] if on_exit else []
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def add_exit_listener(self, listener: ExitListener) -> None:
+        self._exit_listeners.append(listener)
+
+    def find(self, name: str, *, include_ended: bool = True) -> BackendProcess:
+        """The record for a process key, or for a model with exactly one live process (the
+        most recent ended one when none is live).  Raises :class:`NoSuchBackend`."""
+        if name in self._live:
+            return self._live[name]
+        live = [r for r in self._live.values() if r.model == name]
+        if len(live) == 1:
+            return live[0]
+        if len(live) > 1:
+            raise NoSuchBackend(f"model {name!r} runs {len(live)} processes "
+                                f"({', '.join(sorted(r.key for r in live))}): name one")
+        if include_ended:
+            for record in reversed(self._ended):
+                if name in (record.key, record.model):
+                    return record
+        raise NoSuchBackend(f"no backend process for {name!r}")
+
+    def list(self, include_ended: bool = False) -> list[dict]:
+        records = list(self._live.values())
+        if include_ended:
+            records += list(self._ended)
+        return [r.describe() for r in records]
+
+    def running_backends(self) -> list[dict]:
+        """For ``node.status``: the ready backends as ``{model_id, address}``."""
+        return [{"model_id": r.model, "address": r.address, "backend": r.backend}
+                for r in self._live.values() if r.state == READY]
+
+    def logs(self, name: str, tail: int | None = None) -> list[str]:
+        return self.find(name).output.lines(tail)
+
+    def client(self, name: str) -> BackendClient:
+        record = self.find(name, include_ended=False)
+        if record._client is None:
+            raise NoSuchBackend(f"backend {record.key} has no address yet")
+        return record._client
+
+    # -- start --------------------------------------------------------------------------------
+
+    def start(self, backend: str, model: str, options: Mapping | None = None, *,
+              replica: int = 0, load=None) -> defer.Deferred:
+        """Start (or join the start of) the backend for ``model``.  Fires with the ready
+        :class:`BackendProcess`, or fails with :class:`BackendStartError`."""
+        key = f"{model}#{replica}"
+        existing = self._live.get(key)
+        if existing is not None:
+            if existing.backend != backend:
+                return defer.fail(BackendStartError(
+                    f"{key} already runs backend {existing.backend}; stop it first",
+                    existing))
+            if existing.state == STOPPING:
+                return defer.fail(BackendStartError(f"{key} is stopping; start it again "
+                                                    "once it has stopped", existing))
+            if existing.state == READY:
+                return defer.succeed(existing)
+            return existing._start_outcome.wait()
+        output = OutputRing(*self._log_limits)
+        record = BackendProcess(key, model, backend, output)
+        record.started_at = time.time()
+        self._live[key] = record
+        record._start = defer.ensureDeferred(self._start_backend(record, dict(options or {}),
+                                                                 load))
+        record._start_outcome = _SharedOutcome(record._start)
+        return record._start_outcome.wait()
+
+    async def _start_backend(self, record: BackendProcess, options: dict, load):
+        try:
+            try:
+                factory = self.factories.lookup(record.backend)
+            except UnknownBackend as e:
+                raise BackendStartError(str(e), record) from None
+            reason = factory.unavailable_reason()
+            if reason is not None:
+                raise BackendStartError(reason, record)
+            model_options = _model_options(load) if load is not None else None
+            try:
+                record.port = self.ports.allocate(record.key)
+            except NoFreePort as e:
+                raise BackendStartError(str(e), record) from None
+            record.address = f"{self.ports.host}:{record.port}"
+            argv = factory.command(record.address, options)
+            record._client = BackendClient(self._reactor, record.address, self.auth_token)
+            if argv is None:
+                self._serve_in_process(record, factory.servicer(options))
+            else:
+                self._spawn(record, list(argv), factory.environment(options),
+                            options.get("cwd"))
+            await self._wait_ready(record)
+            if model_options is not None:
+                record.state = LOADING
+                await self._load(record, model_options)
+            record.state = READY
+            record.output.note(f"ready on {record.address}")
+            log.info("backend {key} ({backend}) ready on {address}, pid {pid}",
+                     key=record.key, backend=record.backend, address=record.address,
+                     pid=record.pid)
+            self._start_liveness(record)
+            return record
+        except BaseException as e:
+            failure = Failure()
+            if isinstance(e, defer.CancelledError) or record.state == STOPPING:
+                message = f"{record.key} was stopped while starting"
+            elif isinstance(e, BackendStartError):
+                message = str(e)
+            elif isinstance(e, ValueError):
+                message = f"cannot start {record.key}: {e}"
+            else:
+                log.failure("starting backend {key} failed", failure, key=record.key)
+                message = f"cannot start {record.key}: {failure.getErrorMessage()}"
+            record.error = message
+            record.output.note(message)
+            if record.state != STOPPING:
+                record._final_state = FAILED
+                if record.ended:
+                    pass  # it exited on its own: already reported as crashed, output kept
+                elif record.pid is None and not record.in_process:
+                    self._no_process(record)
+                else:
+                    record.state = STOPPING
+                    self._stop_process(record, free=False).addErrback(
+                        lambda f: log.failure("stopping failed backend {key}", f,
+                                              key=record.key))
+            kind = BackendLoadFailed if isinstance(e, BackendLoadFailed) else BackendStartError
+            raise kind(message, record) from None
+
+    def _spawn(self, record: BackendProcess, argv: list[str], env: Mapping[str, str],
+               cwd) -> None:
+        environment = dict(os.environ)
+        environment.update(self.extra_env)
+        environment.update(env)
+        environment.setdefault("PYTHONUNBUFFERED", "1")
+        if self.auth_token:
+            environment["LOCALAI_GRPC_AUTH_TOKEN"] = self.auth_token
+        if cwd is not None and not isinstance(cwd, str):
+            raise ValueError("options.cwd must be a string")
+        wrapper = [self._python, "-I", "-S", "-c", SETSID_EXEC, *argv]
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        try:
+            record._transport = self._reactor.spawnProcess(
+                _BackendProcessProtocol(self, record), self._python, wrapper,
+                env=environment, path=cwd, usePTY=False,
+                childFDs={0: devnull, 1: "r", 2: "r"})
+        finally:
+            os.close(devnull)
+        record.pid = record._transport.pid
+        record.output.note(f"started pid {record.pid}: {' '.join(argv)}")
+
+    def _serve_in_process(self, record: BackendProcess, servicer) -> None:
+        from concurrent import futures
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                             options=CHANNEL_OPTIONS[:2] + [("grpc.so_reuseport", 0)])
+        backend_pb2_grpc.add_BackendServicer_to_server(servicer, server)
+        if server.add_insecure_port(record.address) == 0:
+            raise BackendStartError(f"cannot bind {record.address} for in-process backend "
+                                    f"{record.backend}", record)
+        server.start()
+        record._server = server
+        record.in_process = True
+        record.output.note(f"serving in process on {record.address}")
+
+    def _until_ended(self, record: BackendProcess, d: defer.Deferred) -> defer.Deferred:
+        """``d``'s outcome, unless the process exits first: then :class:`BackendStartError`
+        (and ``d`` is cancelled).  ``defer.race`` does not fit: it ignores a failure while
+        another Deferred is pending, and a failed Health must be seen at once."""
+        ended = record.when_ended()
+
+        def cancel(_):
+            d.cancel()
+            ended.cancel()
+
+        outcome: defer.Deferred = defer.Deferred(cancel)
+
+        def from_call(result):
+            if not outcome.called:
+                ended.cancel()
+                outcome.callback(result) if not isinstance(result, Failure) \
+                    else outcome.errback(result)
+            return None
+
+        def from_end(result):
+            if isinstance(result, Failure) or outcome.called:
+                return None  # cancelled: the call won
+            outcome.errback(BackendStartError(
+                self._exit_report(record, "before it was ready"), record))
+            d.cancel()
+            return None
+
+        d.addBoth(from_call)
+        ended.addBoth(from_end)
+        return outcome
+
+    def _exit_report(self, record: BackendProcess, when: str) -> str:
+        tail = [line for line in record.output.lines(FAILURE_TAIL_LINES + 5)
+                if not line.startswith("[localai-tw] ")][-FAILURE_TAIL_LINES:]
+        text = f"backend {record.key} {record.exit_description()} {when}"
+        if tail:
+            text += "; last output:\n" + "\n".join(tail)
+        return text
+
+    async def _wait_ready(self, record: BackendProcess) -> None:
+        deadline = self._reactor.seconds() + self.ready_timeout
+        last_error = "no answer yet"
+        while True:
+            if record.ended:
+                raise BackendStartError(self._exit_report(record, "before it was ready"),
+                                        record)
+            try:
+                reply = await self._until_ended(record, record._client.call(
+                    "Health", backend_pb2.HealthMessage(), self.health_timeout))
+            except BackendStartError:
+                raise
+            except grpc.RpcError as e:
+                last_error = describe_rpc_error(Failure(e))
+            else:
+                if reply.message == b"OK":
+                    return
+                last_error = f"Health answered {reply.message[:64]!r}, not 'OK'"
+            if self._reactor.seconds() + self.health_interval > deadline:
+                raise BackendStartError(
+                    f"grpc service not ready: backend {record.key} did not answer Health "
+                    f"within {self.ready_timeout:g}s (last: {last_error})", record)
+            await self._until_ended(record, deferLater(self._reactor, self.health_interval))
+
+    async def _load(self, record: BackendProcess, request) -> None:
+        try:
+            result = await self._until_ended(
+                record, record._client.call("LoadModel", request, self.load_timeout))
+        except grpc.RpcError as e:
+            raise BackendLoadFailed(f"LoadModel of {record.key} failed: "
+                                    f"{describe_rpc_error(Failure(e))}", record) from None
+        except BackendStartError as e:
+            raise BackendLoadFailed(str(e).replace("before it was ready",
+                                                   "while loading the model"), record) from None
+        if not result.success:
+            raise BackendLoadFailed(f"LoadModel of {record.key} failed: "
+                                    f"{result.message or 'success=false, no message'}",
+                                    record)
+        record.output.note(f"model loaded: {result.message}")
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def _start_liveness(self, record: BackendProcess) -> None:
+        if not self.liveness_interval:
+            return
+        loop = LoopingCall(self._probe, record)
+        loop.clock = self._reactor
+        record._liveness = loop
+        loop.start(self.liveness_interval, now=False).addErrback(
+            lambda f: log.failure("liveness probe of {key} stopped", f, key=record.key))
+
+    def _probe(self, record: BackendProcess) -> None:
+        """One liveness Health.  A miss is counted and logged; never a reason to kill."""
+        if record._probing or record.state != READY or record._client is None:
+            return
+        record._probing = True
+
+        def answered(reply):
+            if record.health_misses:
+                log.info("backend {key} answers Health again after {n} misses",
+                         key=record.key, n=record.health_misses)
+            record.health_misses = 0
+            record.last_health_error = None
+
+        def missed(failure):
+            if failure.check(defer.CancelledError):
+                return
+            record.health_misses += 1
+            record.last_health_error = describe_rpc_error(failure)
+            log.warn("backend {key} missed a Health probe ({n} in a row): {error}; the "
+                     "process is alive, so it is left running", key=record.key,
+                     n=record.health_misses, error=record.last_health_error)
+
+        def done(_):
+            record._probing = False
+
+        record._client.call("Health", backend_pb2.HealthMessage(), self.liveness_timeout) \
+            .addCallbacks(answered, missed).addBoth(done)
+
+    # -- stop ---------------------------------------------------------------------------------
+
+    def stop(self, name: str, *, force: bool = False) -> defer.Deferred:
+        """Stop a live backend: Free (unless ``force``), SIGTERM to its group, SIGKILL after
+        the grace.  Fires with the ended record.  Stopping twice shares one stop."""
+        try:
+            record = self.find(name, include_ended=True)
+        except NoSuchBackend as e:
+            return defer.fail(e)
+        if record.ended:
+            return defer.succeed(record)
+        if record._stop is None:
+            starting = record.state in (STARTING, LOADING)
+            record.state = STOPPING
+            if starting and record._start is not None:
+                record._start.cancel()
+            self._stop_process(record, free=not force and not starting)
+        return record._stop_outcome.wait()
+
+    def _stop_process(self, record: BackendProcess, *, free: bool) -> defer.Deferred:
+        if record._stop is None:
+            record._stop = defer.ensureDeferred(self._terminate(record, free))
+            record._stop_outcome = _SharedOutcome(record._stop)
+        return record._stop_outcome.wait()
+
+    async def _terminate(self, record: BackendProcess, free: bool) -> BackendProcess:
+        if record._liveness is not None and record._liveness.running:
+            record._liveness.stop()
+        if free and record._client is not None and not record.ended:
+            try:
+                await self._until_ended(record, record._client.call(
+                    "Free", backend_pb2.HealthMessage(), self.free_timeout))
+            except BackendStartError:
+                pass  # exited during Free: nothing left to signal
+            except Exception as e:
+                failure = Failure(e)
+                if not _is_unimplemented(failure):
+                    record.output.note(f"Free failed ({describe_rpc_error(failure)}); "
+                                       "stopping anyway")
+        if record.ended:
+            return record
+        if record.in_process:
+            return await self._stop_in_process(record)
+        record.output.note(f"sending SIGTERM to process group {record.pid}")
+        _signal_group(record, signal.SIGTERM, fall_back_to_pid=True)
+
+        def kill():
+            if not record.ended:
+                record.output.note(f"still running {self.stop_grace:g}s after SIGTERM: "
+                                   f"sending SIGKILL to process group {record.pid}")
+                log.warn("backend {key} ignored SIGTERM for {grace}s: SIGKILL",
+                         key=record.key, grace=self.stop_grace)
+                _signal_group(record, signal.SIGKILL, fall_back_to_pid=True)
+
+        killer = self._reactor.callLater(self.stop_grace, kill)
+        ended = record.when_ended()
+        ended.addTimeout(self.stop_grace + self.kill_wait, self._reactor)
+        try:
+            await ended
+        except defer.TimeoutError:
+            raise BackendStopError(
+                f"backend {record.key} (pid {record.pid}) did not exit "
+                f"{self.kill_wait:g}s after SIGKILL") from None
+        finally:
+            if killer.active():
+                killer.cancel()
+        return record
+
+    async def _stop_in_process(self, record: BackendProcess) -> BackendProcess:
+        from twisted.internet.threads import deferToThread
+
+        event = record._server.stop(min(self.stop_grace, 5.0))
+        await deferToThread(event.wait, self.stop_grace + self.kill_wait)
+        self._processEnded(record, 0, None)
+        return record
+
+    def _no_process(self, record: BackendProcess) -> None:
+        """A start that failed before anything ran: release what it took."""
+        record.state = FAILED
+        record._ended = True
+        record.ended_at = time.time()
+        self._release(record)
+        self._forget(record)
+        self._notify(record)
+
+    # -- exit ---------------------------------------------------------------------------------
+
+    def _processEnded(self, record: BackendProcess, code: int | None, sig: int | None) -> None:
+        record.exit_code, record.exit_signal = code, sig
+        record.ended_at = time.time()
+        record._ended = True
+        record.output.flush()
+        # Sweep whatever the backend left in its group (grandchildren that outlived it).
+        if not record.in_process:
+            _signal_group(record, signal.SIGKILL, fall_back_to_pid=False)
+        record._transport = None
+        if record.state == STOPPING:
+            record.state = record._final_state
+        elif record.state in (STARTING, LOADING, READY):
+            record.state = CRASHED
+        record.output.note(f"{record.exit_description()} ({record.state})")
+        if record.state == CRASHED:
+            log.warn("backend {key} ({backend}, pid {pid}) {how}", key=record.key,
+                     backend=record.backend, pid=record.pid, how=record.exit_description())
+            if record.error is None:
+                record.error = f"backend {record.exit_description()}"
+        if record._liveness is not None and record._liveness.running:
+            record._liveness.stop()
+        self._release(record)
+        self._forget(record)
+        # Listeners first: a waiter's callbacks may run a whole coroutine onward.
+        self._notify(record)
+        waiters, record._end_waiters = record._end_waiters, []
+        for waiter in waiters:
+            waiter.callback(record)
+
+    def _release(self, record: BackendProcess) -> None:
+        if record.port is not None:
+            self.ports.release(record.port)
+        if record._client is not None:
+            record._client.close()
+
+    def _forget(self, record: BackendProcess) -> None:
+        if self._live.get(record.key) is record:
+            del self._live[record.key]
+            self._ended.append(record)
+
+    def _notify(self, record: BackendProcess) -> None:
+        for listener in list(self._exit_listeners):
+            try:
+                listener(record)
+            except Exception:
+                log.failure("backend exit listener failed for {key}", key=record.key)
+
+    # -- service ------------------------------------------------------------------------------
+
+    def stop_all(self, *, force: bool = False) -> defer.Deferred:
+        stops = [self.stop(key, force=force) for key in list(self._live)]
+        return defer.DeferredList(stops, consumeErrors=True)
+
+    def stopService(self):
+        super().stopService()
+        return self.stop_all()
+

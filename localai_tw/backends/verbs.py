@@ -1,0 +1,120 @@
+"""Worker control verbs over a :class:`~localai_tw.backends.process.BackendSupervisor`:
+``backend.start``, ``backend.stop``, ``backend.list`` and ``backend.logs``
+(``POST /v1/control/backend/<verb>``).
+
+Replies (all 200: the worker's answer, evidence for the frontend):
+
+- ``backend.start`` ``{backend, model, options?, replica?, load?}`` ->
+  ``{success, address, process_key, error}``; ``address`` is ``127.0.0.1:<port>`` (the frontend
+  uses the port for its ``grpc`` tunnel streams); ``load`` (ModelOptions fields by their proto
+  names, e.g. ``{"Model": "m", "ModelFile": "/models/m"}``) makes the worker call LoadModel
+  before answering;
+- ``backend.stop`` ``{model | process_key, force?}`` -> ``{success, error, process_key, state,
+  exit_code, exit_signal}``;
+- ``backend.list`` ``{include_ended?}`` -> ``{backends: [{model, backend, process_key, address,
+  state, pid, started_at, health_misses, ...}]}``;
+- ``backend.logs`` ``{model | process_key, tail?}`` -> ``{lines, process_key, state}``, or
+  ``{lines: [], error}`` for a name with no process.
+
+A malformed request is a 400 (never evidence): checked by the verb schema before the handler
+runs.  ``backend.start`` and ``backend.stop`` are not cancelled when the caller goes away: a
+start in progress finishes (the next start finds the backend ready) and a stop always
+completes.
+
+This is the one module of ``localai_tw.backends`` that knows the worker's control plane; it
+imports ``localai_tw.worker.control`` only inside :func:`register_backend_verbs`, so the
+backend layer stays importable without the worker.  It must never answer a failure to start
+or stop as anything but ``success: false`` with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from localai_tw.backends.process import (
+    BackendStartError,
+    BackendStopError,
+    BackendSupervisor,
+    NoSuchBackend,
+)
+
+#: Largest ``tail`` a logs request may ask for (the ring holds at most this many lines anyway).
+MAX_LOG_TAIL = 5000
+
+
+def _name_of(body: dict, bad_request) -> str:
+    name = body.get("process_key") or body.get("model")
+    if not name:
+        raise bad_request("give model or process_key")
+    return name
+
+
+def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError):
+    """The four handlers as plain functions ``handler(body) -> Deferred/dict``."""
+
+    async def start(body: dict) -> dict:
+        replica = body.get("replica", 0)
+        if replica < 0:
+            raise bad_request("replica must be >= 0")
+        try:
+            record = await supervisor.start(body["backend"], body["model"],
+                                            body.get("options") or {}, replica=replica,
+                                            load=body.get("load"))
+        except BackendStartError as e:
+            key = e.record.key if e.record is not None else f"{body['model']}#{replica}"
+            return {"success": False, "address": "", "process_key": key, "error": str(e)}
+        return {"success": True, "address": record.address, "process_key": record.key,
+                "error": ""}
+
+    async def stop(body: dict) -> dict:
+        name = _name_of(body, bad_request)
+        try:
+            record = await supervisor.stop(name, force=bool(body.get("force", False)))
+        except NoSuchBackend as e:
+            return {"success": False, "error": str(e), "process_key": name}
+        except BackendStopError as e:
+            return {"success": False, "error": str(e), "process_key": name}
+        return {"success": True, "error": "", "process_key": record.key,
+                "state": record.state, "exit_code": record.exit_code,
+                "exit_signal": record.exit_signal}
+
+    def list_(body: dict) -> dict:
+        return {"backends": supervisor.list(include_ended=bool(body.get("include_ended")))}
+
+    def logs(body: dict) -> dict:
+        name = _name_of(body, bad_request)
+        tail = body.get("tail")
+        if tail is not None and not (0 <= tail <= MAX_LOG_TAIL):
+            raise bad_request(f"tail must be between 0 and {MAX_LOG_TAIL}")
+        try:
+            record = supervisor.find(name)
+        except NoSuchBackend as e:
+            return {"lines": [], "error": str(e)}
+        return {"lines": record.output.lines(tail), "process_key": record.key,
+                "state": record.state, "dropped_lines": record.output.dropped_lines}
+
+    return {"backend.start": start, "backend.stop": stop, "backend.list": list_,
+            "backend.logs": logs}
+
+
+def register_backend_verbs(verbs: Any, supervisor: BackendSupervisor) -> list:
+    """Register ``backend.start/stop/list/logs`` on a worker's
+    :class:`~localai_tw.worker.control.ControlVerbs`.  Returns the registered verbs."""
+    from localai_tw.worker.control import BadVerbRequest, VerbRequestSchema
+
+    handlers = backend_verb_handlers(supervisor, BadVerbRequest)
+    name_fields = {"model": str, "process_key": str}
+    schemas = {
+        "backend.start": VerbRequestSchema(
+            {"backend": str, "model": str, "options": dict, "replica": int, "load": dict},
+            frozenset({"backend", "model"})),
+        "backend.stop": VerbRequestSchema({**name_fields, "force": bool}),
+        "backend.list": VerbRequestSchema({"include_ended": bool}),
+        "backend.logs": VerbRequestSchema({**name_fields, "tail": int}),
+    }
+    keep_going = {"backend.start", "backend.stop"}
+    return [
+        verbs.register(name, handler, schema=schemas[name],
+                       cancel_on_disconnect=name not in keep_going)
+        for name, handler in handlers.items()
+    ]
