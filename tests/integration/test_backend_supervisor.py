@@ -317,3 +317,43 @@ async def test_unknown_and_unavailable_backends_fail_without_a_process(make_supe
         await supervisor.start("nope", "m")
     assert supervisor.ports.held() == {}
     assert supervisor.find("m").state == FAILED
+
+
+@implementer(IBackendFactory)
+class InProcessEchoFactory:
+    name = "in-process-echo"
+    description = "echo served by the worker itself"
+
+    def unavailable_reason(self):
+        return None
+
+    def command(self, address, options):
+        return None
+
+    def environment(self, options):
+        return {}
+
+    def servicer(self, options):
+        from localai_tw.backends.builtin.echo import EchoServicer
+
+        return EchoServicer()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_in_process_servicer_is_served_and_stopped(make_supervisor):
+    supervisor = make_supervisor()
+    supervisor.factories.add(InProcessEchoFactory())
+    record = await supervisor.start("in-process-echo", "inproc", load={"Model": "inproc"})
+    assert record.state == READY and record.pid is None and record.in_process
+    channel, stub = stub_for(record.address)
+    try:
+        from twisted.internet.threads import deferToThread
+
+        reply = await deferToThread(stub.Predict, backend_pb2.PredictOptions(Prompt="hi"),
+                                    timeout=10)
+        assert reply.message == b"hi"
+    finally:
+        channel.close()
+    stopped = await supervisor.stop("inproc")
+    assert stopped.state == STOPPED
+    assert record.port in supervisor.ports.quarantined()

