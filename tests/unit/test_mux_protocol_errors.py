@@ -11,14 +11,12 @@ from twisted.logger import globalLogPublisher
 
 from localai_tw.mux import Session, SessionConfig, SessionFailed
 from localai_tw.mux.frame import (
-    FLAG_ACK,
     FLAG_FIN,
     FLAG_SYN,
     HEADER_SIZE,
     TYPE_DATA,
     TYPE_GO_AWAY,
     TYPE_PING,
-    TYPE_WINDOW_UPDATE,
     Frame,
     encode,
 )

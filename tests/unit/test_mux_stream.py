@@ -1,9 +1,10 @@
 """Stream life cycle: half-close both ways, resets both ways, and the one connectionLost each
 protocol gets, with a reason that says which ending it was."""
 
+from twisted.internet import task
+from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IConsumer, IPushProducer, ITransport
 from twisted.python.failure import Failure
-from twisted.internet.error import ConnectionLost
 
 from localai_tw.mux import (
     MuxAddress,
@@ -14,6 +15,7 @@ from localai_tw.mux import (
     StreamState,
 )
 from localai_tw.mux.frame import FLAG_ACK, FLAG_FIN, FLAG_RST, FLAG_SYN, Frame, encode
+from localai_tw.mux.session import Session, SessionConfig
 from localai_tw.mux.testing import (
     FrameTransport,
     HalfCloseRecorder,
@@ -21,8 +23,6 @@ from localai_tw.mux.testing import (
     StreamingProducer,
     connectedSessions,
 )
-from localai_tw.mux.session import Session, SessionConfig
-from twisted.internet import task
 
 
 def pair(server_protocol_factory=HalfCloseRecorder, **kw):
