@@ -1,17 +1,16 @@
 """``twistd localai-frontend``: the frontend replica's options and service tree.
 
 ``Options`` declares every flag with its ``LOCALAI_*`` environment variable (see
-``localai_tw.config``); ``makeService(options)`` builds the replica as a ``MultiService`` whose
-children start in order and stop in reverse:
+``localai_tw.config``); ``makeService(options)`` builds the replica as a ``MultiService``:
 
 1. ``configuration-report``: logs the effective configuration (secrets masked);
-2. ``database``: ``DatabaseService`` (``--database-url``, else embedded PostgreSQL in
-   ``--data-dir``), which must become ready or the process exits with status 1;
-3. ``http``: the listener on ``--listen`` serving the resource tree from ``build_http_root``.
+2. ``frontend``: ``localai_tw.frontend.service.FrontendService``, which holds the database
+   (``--database-url``, else embedded PostgreSQL in ``--data-dir``), the HTTP listener on
+   ``--listen``, membership, tunnels, the health monitor and the APIs.  If it cannot start
+   (database unreachable, listen failure, membership refused) the process exits with status 1.
 
-Later parts of the replica (membership, tunnels, the APIs) are added as further children in
-``makeService`` and as further resources in ``build_http_root``.  This module only parses options
-and composes services; it must not grow protocol logic of its own.
+This module also defines ``/healthz`` and ``/readyz`` (used by the service's resource tree).  It
+only parses options and composes services; it must not grow protocol logic of its own.
 """
 
 from __future__ import annotations
@@ -22,13 +21,12 @@ import sys
 import uuid
 from typing import Any
 
-from twisted.application import strports
 from twisted.application.service import MultiService
 from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Site
+from twisted.web.server import NOT_DONE_YET
 
 from localai_tw import config
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
@@ -65,7 +63,9 @@ SETTINGS = (
                  "Shared secret workers present to register.",
                  parse=config.parse_secret, secret=True),
     config.repeatable("api-key", "LOCALAI_API_KEY",
-                      "API key accepted on the OpenAI API; the variable takes a comma-separated list.",
+                      "API key accepted on the OpenAI API and required by the admin API "
+                      "(/api/nodes, /api/cluster/instances; refused with none set); the "
+                      "variable takes a comma-separated list.",
                       parse=config.parse_secret, secret=True),
     config.value("reconnect-grace", "LOCALAI_RECONNECT_GRACE",
                  "How long a disconnected worker counts as reconnecting before it is gone "
@@ -175,7 +175,8 @@ class ReadinessResource(Resource):
 
 
 def build_http_root(database_service: DatabaseService) -> Resource:
-    """The replica's HTTP resource tree.  Later APIs are added here as children."""
+    """A tree with only ``/healthz`` and ``/readyz`` on ``database_service``.  The replica's
+    full tree is built by ``FrontendService``; this stays for tools that need the probes alone."""
     root = Resource()
     root.putChild(b"healthz", LivenessResource())
     root.putChild(b"readyz", ReadinessResource(database_service))
@@ -190,19 +191,22 @@ def build_database_service(options: Options) -> DatabaseService:
                            application_name="localai_frontend")
 
 
-def exit_on_startup_failure(database_service: DatabaseService, reactor: Any = None) -> None:
-    """End the process with status 1 if the database never becomes ready.
+def exit_on_startup_failure(service: Any, reactor: Any = None) -> None:
+    """End the process with status 1 if ``service`` (anything with ``whenReady()``: the
+    ``FrontendService`` or a ``DatabaseService``) never becomes ready.
 
     twistd has no way for a service to fail startup asynchronously, so this logs the reason,
     stops the reactor (services stop in order, the embedded server with them), and once twistd
     has finished its own shutdown, exits with status 1 so a supervisor sees the failure.
     """
+    from .service import FrontendStopped
+
     if reactor is None:
         from twisted.internet import reactor as _reactor
         reactor = _reactor
 
     def failed(failure):
-        if failure.check(DatabaseServiceStopped, defer.CancelledError):
+        if failure.check(DatabaseServiceStopped, FrontendStopped, defer.CancelledError):
             return None
         log.critical("{program} cannot start: {reason}", program=PROGRAM,
                      reason=" ".join(failure.getErrorMessage().split()))
@@ -211,7 +215,7 @@ def exit_on_startup_failure(database_service: DatabaseService, reactor: Any = No
             reactor.stop()
         return None
 
-    database_service.whenReady().addErrback(failed)
+    service.whenReady().addErrback(failed)
 
 
 def _exit_status_at_interpreter_exit(status: int) -> None:
@@ -229,15 +233,12 @@ def _exit_status_at_interpreter_exit(status: int) -> None:
 
 
 def makeService(options: Options) -> MultiService:
-    """The frontend replica: configuration report, database, HTTP listener."""
+    """The frontend replica: configuration report, then the ``FrontendService``."""
+    from .service import FrontendService  # it imports this module's probe resources
+
     replica = MultiService()
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(replica)
-
-    database_service = build_database_service(options)
-    database_service.setServiceParent(replica)
-    exit_on_startup_failure(database_service)
-
-    http = strports.service(options["listen"], Site(build_http_root(database_service)))
-    http.setName("http")
-    http.setServiceParent(replica)
+    frontend = FrontendService(options)
+    frontend.setServiceParent(replica)
+    exit_on_startup_failure(frontend)
     return replica

@@ -1,0 +1,156 @@
+"""FrontendService composed for real: PostgreSQL, a TCP listener, a worker tunnel over WebSocket."""
+
+from __future__ import annotations
+
+import json
+
+import pytest_twisted
+import treq
+from twisted.internet import reactor, task
+from twisted.web.client import HTTPConnectionPool
+
+from localai_tw.frontend.service import FrontendService
+from localai_tw.mux.session import Session
+from localai_tw.tunnel.websocket import connectWebSocket
+
+TOKEN = "service-registration-token"
+ADMIN = "sk-service-admin"
+
+
+def options(pg_dsn, **overrides):
+    base = {"listen": "tcp:0:interface=127.0.0.1", "database-url": pg_dsn, "data-dir": None,
+            "instance-id": "replica-a", "advertise-address": None, "single-host": True,
+            "registration-token": TOKEN, "api-key": [ADMIN], "reconnect-grace": 90.0,
+            "require-approval": False}
+    base.update(overrides)
+    return base
+
+
+async def eventually(predicate, timeout=10.0):
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return
+        await task.deferLater(reactor, 0.05, lambda: None)
+    raise AssertionError("condition not met in time")
+
+
+class Client:
+    def __init__(self, base):
+        self.base = base
+        self.pool = HTTPConnectionPool(reactor, persistent=False)
+
+    async def call(self, method, path, body=None, token=None):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        kwargs = {"json": body} if body is not None else {}
+        response = await treq.request(method, self.base + path, headers=headers, pool=self.pool,
+                                      reactor=reactor, **kwargs).addTimeout(10, reactor)
+        content = await treq.content(response)
+        return response.code, (json.loads(content) if content.startswith((b"{", b"[")) else
+                               content)
+
+
+@pytest_twisted.async_yield_fixture
+async def started(pg_dsn):
+    services = []
+
+    async def start(**overrides):
+        service = FrontendService(options(pg_dsn, **overrides), reactor=reactor)
+        service.startService()
+        services.append(service)
+        await service.whenReady().addTimeout(30, reactor)
+        return service, Client(f"http://127.0.0.1:{service.listener.tcp_port()}")
+
+    yield start
+    for service in services:
+        if service.running:
+            await service.stopService()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_replica_serves_probes_apis_and_tunnels_and_stops_in_order(started):
+    service, client = await started()
+    port = service.listener.tcp_port()
+    assert await client.call("GET", "/healthz") == (200, b"ok")
+    assert await client.call("GET", "/readyz") == (200, {"ready": True})
+
+    status, instances = await client.call("GET", "/api/cluster/instances", token=ADMIN)
+    assert status == 200
+    assert [(i["id"], i["advertised_addr"], i["self"]) for i in instances["instances"]] == [
+        ("replica-a", f"127.0.0.1:{port}", True)]  # single-host: loopback allowed
+
+    status, node = await client.call("POST", "/api/node/register",
+                                     {"name": "w1", "node_type": "backend"}, token=TOKEN)
+    assert status == 201
+    session = await connectWebSocket(
+        reactor, f"ws://127.0.0.1:{port}/api/cluster/connect?id={node['id']}",
+        lambda: Session(client=True),
+        headers={"Authorization": f"Bearer {node['tunnel_token']}"}).addTimeout(10, reactor)
+    await eventually(lambda: service.tunnels.holds(node["id"]))
+    status, view = await client.call("GET", f"/api/nodes/{node['id']}", token=ADMIN)
+    assert view["presence"] == "connected" and view["owner"]["replica"] == "replica-a"
+
+    # re-registration rotates the credential: the tunnel held with the old one is closed
+    status, again = await client.call("POST", "/api/node/register", {"name": "w1"}, token=TOKEN)
+    assert status == 201 and again["id"] == node["id"]
+    await session.whenClosed().addTimeout(10, reactor)
+    await eventually(lambda: not service.tunnels.holds(node["id"]))
+
+    # a new tunnel with the new credential, then a clean stop in the documented order
+    await connectWebSocket(
+        reactor, f"ws://127.0.0.1:{port}/api/cluster/connect?id={node['id']}",
+        lambda: Session(client=True),
+        headers={"Authorization": f"Bearer {again['tunnel_token']}"}).addTimeout(10, reactor)
+    await eventually(lambda: service.tunnels.holds(node["id"]))
+    order = []
+
+    def record(name, fn):
+        def wrapper(*args, **kwargs):
+            order.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    service.listener.stopService = record("listener", service.listener.stopService)
+    service.tunnels.close = record("tunnels", service.tunnels.close)
+    service.membership.stopService = record("membership", service.membership.stopService)
+    service.health.stopService = record("health", service.health.stopService)
+    db = service.database_service.database
+    row_after_tunnels = []
+    original_close = service.tunnels.close
+
+    async def close_then_look():
+        await original_close()
+        row_after_tunnels.extend(await db.runQuery(
+            "SELECT owner_instance_id FROM node_connections WHERE node_id = %s",
+            (node["id"],)))
+        row_after_tunnels.extend(await db.runQuery("SELECT id FROM instances"))
+
+    service.tunnels.close = close_then_look
+    service.database_service.stopService = record("database",
+                                                  service.database_service.stopService)
+    await service.stopService()
+    assert order == ["listener", "tunnels", "membership", "health", "database"]
+    # the tunnel was released (departure recorded) while this replica was still a member
+    assert row_after_tunnels == [("",), ("replica-a",)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_a_dialable_address_the_replica_still_starts(started, pg_dsn):
+    service, client = await started(**{"single-host": False, "instance-id": "replica-x"})
+    assert service.identity.advertised_addr == ""  # loopback database: nothing to advertise
+    assert await client.call("GET", "/readyz") == (200, {"ready": True})
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_configured_address_is_published(started):
+    service, client = await started(**{"advertise-address": ("10.1.2.3", 9000),
+                                       "single-host": False, "instance-id": "replica-c"})
+    status, instances = await client.call("GET", "/api/cluster/instances", token=ADMIN)
+    assert instances["instances"][0]["advertised_addr"] == "10.1.2.3:9000"
+
+
+@pytest_twisted.ensureDeferred
+async def test_departure_subscribers_include_the_worker_http_pools(started):
+    service, _ = await started(**{"instance-id": "replica-d"})
+    assert set(service.notifier.subscribers) == {"worker-http-connections"}
+    assert service.identity.peer_secret == service._identity_seed.peer_secret  # minted once
+    assert service.health.grace == 90.0

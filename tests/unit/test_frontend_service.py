@@ -1,0 +1,61 @@
+"""FrontendService without I/O: readiness combines the database and membership; the route tree."""
+
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
+from twisted.web.test.requesthelper import DummyRequest
+
+from localai_tw.frontend.service import FrontendService, FrontendStartupError, _Readiness
+from localai_tw.frontend.web import ClusterParts
+
+
+class StubDatabaseService(Service):
+    name = "database"
+
+    def __init__(self):
+        self.state = (False, "starting the embedded PostgreSQL")
+        self.database = None
+
+    def readiness(self):
+        return self.state
+
+    def whenReady(self):
+        return defer.Deferred()
+
+
+def frontend():
+    db = StubDatabaseService()
+    service = FrontendService({"listen": "tcp:0", "instance-id": "replica-u", "api-key": ["k"]},
+                              reactor=MemoryReactorClock(), database_service=db)
+    return service, db
+
+
+def test_ready_only_when_the_database_is_ready_and_membership_registered():
+    service, db = frontend()
+    readiness = _Readiness(service)
+    assert readiness.readiness() == (False, "starting the embedded PostgreSQL")
+    db.state = (True, "ready")
+    service._state = "joining the cluster (registering this replica)"
+    assert readiness.readiness() == (False, "joining the cluster (registering this replica)")
+    service.parts = ClusterParts(db=None, nodes=None, fence=None, instance_id="replica-u")
+    assert readiness.readiness() == (True, "ready")
+    service._settle(Failure(FrontendStartupError("advertised address 'x': bad")))
+    ready, reason = readiness.readiness()
+    assert not ready and "startup failed" in reason and "advertised address" in reason
+
+
+def test_routes_answer_503_json_until_wired():
+    service, _ = frontend()
+    for path in (b"connect", b"peer"):
+        resource = service.root.children[b"api"].children[b"cluster"].children[path]
+        request = DummyRequest([b""])
+        body = resource.render(request)
+        assert request.responseCode == 503 and b"not_ready" in body
+
+
+def test_the_peer_secret_is_minted_once_and_kept_out_of_repr():
+    service, _ = frontend()
+    seed = service._identity_seed
+    assert len(seed.peer_secret) >= 22 and seed.peer_secret not in repr(seed)
+    assert frontend()[0]._identity_seed.peer_secret != seed.peer_secret  # per process
