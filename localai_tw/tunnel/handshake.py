@@ -136,6 +136,16 @@ class PreambleClient(HandoffProtocol):
         self.handOff(self._protocol, leftover)
         self._ready.callback(self._protocol)
 
+    def connectionLost(self, reason: Failure = None) -> None:
+        if self.delegate is None:
+            self.preludeLost(reason)
+            return
+        # Delivered on a later reactor turn, as a TCP transport does.  A yamux stream may end
+        # the protocol from inside its own ``loseConnection()`` call, and some protocols are
+        # not re-entrant there: ``HTTP11ClientProtocol.abort()`` calls ``loseConnection()`` and
+        # only then registers the Deferred that ``connectionLost`` fires, which would never fire.
+        self._reactor.callLater(0, self.delegate.connectionLost, reason)
+
     def preludeLost(self, reason: Failure) -> None:
         if self._settled:
             return

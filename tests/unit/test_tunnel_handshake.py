@@ -172,3 +172,32 @@ def test_worker_stream_reply_must_not_be_read_as_relay_reply():
     _, _, client, _ = connected(relay=("replica-b", "inference", 0))
     client.dataReceived(preamble.encode_accepted())
     assert isinstance(outcome(client.whenReady()).value, errors.TunnelProtocolError)
+
+
+def test_connection_lost_after_handoff_is_never_delivered_inside_lose_connection():
+    """A protocol that closes its transport must not see connectionLost re-entrantly (Agent's
+    HTTP11ClientProtocol.abort() would wait forever), even if the stream delivers it there."""
+    clock = task.Clock()
+    seen = []
+
+    class Closer(Caller):
+        def closeNow(self):
+            self.transport.loseConnection()
+            seen.append("after loseConnection")
+
+        def connectionLost(self, reason):
+            seen.append("connectionLost")
+
+    class ReentrantTransport(StringTransport):
+        def loseConnection(self):
+            super().loseConnection()
+            client.connectionLost(Failure(ConnectionDone()))  # as a yamux stream does
+
+    caller = Closer()
+    client = PreambleClient("node-1", "http", "", caller, clock)
+    client.makeConnection(ReentrantTransport())
+    client.dataReceived(preamble.encode_accepted())
+    caller.closeNow()
+    assert seen == ["after loseConnection"]
+    clock.advance(0)
+    assert seen == ["after loseConnection", "connectionLost"]
