@@ -1,0 +1,172 @@
+"""``GET /api/cluster/connect``: where a worker's tunnel arrives at a frontend replica.
+
+The worker dials with ``?id=<node id>`` and ``Authorization: Bearer <per-node tunnel
+credential>``.  :class:`ConnectAuthorizer` decides before any upgrade, in the order of ref §1.1:
+
+1. no or empty bearer credential -> 401 (first, so an anonymous probe never sees a 400);
+2. the frontend is not wired for distributed mode -> 503;
+3. no ``id`` -> 400;
+4. unknown node, an empty stored credential hash, or a wrong credential -> 401 (the same answer
+   for all three, so ids cannot be enumerated); a database error -> 500 (a worker must not be
+   told its credential is wrong because the database is down);
+5. ``pending`` -> 403 (awaiting approval; draining and unhealthy nodes keep their tunnels).
+
+Then the WebSocket is upgraded and a yamux **server** session runs over it.  The frontend only
+opens streams: every stream the worker opens is refused with RST (an accepted but unread stream
+would pin a window of memory).  Once the session is open the node is attached in the
+:class:`~localai_tw.tunnel.registry.TunnelRegistry` (claim in the database, then install), and
+when it closes it is detached with the token the attach returned.  Every tunnel event is logged
+with node, replica and epoch.
+
+What this module must never do: upgrade a dial the authorizer did not accept; log or echo the
+credential; accept a stream opened by the worker; detach with anything but the attach's own
+token.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from twisted.internet import defer
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from localai_tw.cluster.nodes import NodeStatus, Unauthorized
+from localai_tw.mux.session import Session, SessionConfig
+from localai_tw.tunnel.websocket import (
+    ConnectRefused,
+    IConnectAuthorizer,
+    TunnelWebSocketResource,
+    bearer_credential,
+)
+
+log = Logger()
+
+CONNECT_PATH = "/api/cluster/connect"
+#: Longest node id looked up (ids are at most 36 characters); longer ones are simply unknown.
+MAX_NODE_ID_BYTES = 64
+
+
+def tunnel_session_config() -> SessionConfig:
+    """The yamux configuration of the frontend's end of a worker tunnel: a server that accepts no
+    streams.  The receive window is the protocol default (256 KiB per stream): each end
+    advertises its own, so the worker's choice does not have to match (see docs/routing.md)."""
+    return SessionConfig(accept_streams=False)
+
+
+class OpenNotifyingSession(Session):
+    """A yamux session that calls ``on_open(session)`` once its carrier is connected."""
+
+    def __init__(self, *args, on_open: Callable[["OpenNotifyingSession"], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_open = on_open
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        try:
+            self._on_open(self)
+        except Exception:
+            log.failure("session open hook failed; closing the session")
+            self.loseConnection()
+
+
+def _single_arg(request, name: bytes) -> str | None:
+    values = request.args.get(name) or []
+    if len(values) != 1 or not values[0]:
+        return None
+    try:
+        return values[0].decode("ascii")
+    except UnicodeDecodeError:
+        return ""
+
+
+@implementer(IConnectAuthorizer)
+class ConnectAuthorizer:
+    """Authorizes a worker's tunnel dial (ref §1.1 order).  The result is the ``Node``.
+
+    :param nodes: a ``NodeRegistry``, or None when distributed mode is not wired (503).
+    """
+
+    def __init__(self, nodes):
+        self._nodes = nodes
+
+    async def _authorize(self, request):
+        credential = bearer_credential(request)  # 401 first, before anything else
+        if self._nodes is None:
+            raise ConnectRefused(503, "distributed mode is not enabled on this frontend")
+        node_id = _single_arg(request, b"id")
+        if node_id is None:
+            raise ConnectRefused(400, "missing id")
+        if len(node_id) > MAX_NODE_ID_BYTES or not node_id:
+            node_id = ""  # unknown by construction; still verified, so timing says nothing
+        try:
+            node = await self._nodes.verify_tunnel_credential(
+                node_id, credential.decode("utf-8", "replace"))
+        except Unauthorized:
+            log.info("tunnel dial refused (401): node={node} unknown or credential not current "
+                     "(re-register the worker)", node=node_id or "<invalid>")
+            raise ConnectRefused(401, "unknown node or wrong credential",
+                                 {"WWW-Authenticate": "Bearer"}) from None
+        except Exception as e:
+            log.warn("tunnel dial of node={node} answered 500: node lookup failed ({err})",
+                     node=node_id, err=type(e).__name__)
+            raise ConnectRefused(500, "node lookup failed; try again") from None
+        if node.status is NodeStatus.PENDING:
+            log.info("tunnel dial refused (403): node={node} awaits approval", node=node_id)
+            raise ConnectRefused(403, "node awaiting approval")
+        return node
+
+    def authorize(self, request):
+        return defer.ensureDeferred(self._authorize(request))
+
+
+class WorkerTunnelAcceptor:
+    """Runs the server end of each authorized tunnel and keeps the registry in step with it."""
+
+    def __init__(self, registry, reactor=None, config_factory=tunnel_session_config):
+        if reactor is None:
+            from twisted.internet import reactor
+        self._registry = registry
+        self._reactor = reactor
+        self._config_factory = config_factory
+
+    def build_session(self, request, node) -> Session:
+        peer = request.getClientAddress()
+        return OpenNotifyingSession(
+            client=False, config=self._config_factory(), acceptor=None, reactor=self._reactor,
+            on_open=lambda session: self._opened(session, node.id, peer))
+
+    def _opened(self, session: Session, node_id: str, peer) -> None:
+        replica = self._registry.instance_id
+        log.info("tunnel node={node} replica={replica}: session open from {peer}, claiming",
+                 node=node_id, replica=replica, peer=getattr(peer, "host", peer))
+        attaching = self._registry.attach(node_id, session)
+
+        def attached(token: int):
+            log.info("tunnel node={node} replica={replica} epoch={epoch}: attached",
+                     node=node_id, replica=replica, epoch=token)
+            session.whenClosed().addCallback(closed, token)
+
+        def closed(ending, token: int):
+            log.info("tunnel node={node} replica={replica} epoch={epoch}: session ended ({why})",
+                     node=node_id, replica=replica, epoch=token, why=ending)
+            return self._registry.detach(node_id, token)
+
+        def failed(failure):
+            log.warn("tunnel node={node} replica={replica}: attach failed, session closed "
+                     "({err})", node=node_id, replica=replica, err=failure.getErrorMessage())
+
+        attaching.addCallbacks(attached, failed)
+
+
+def connect_resource(nodes, registry, reactor=None, *,
+                     config_factory=tunnel_session_config) -> TunnelWebSocketResource:
+    """The resource to mount at ``/api/cluster/connect``.  ``nodes`` or ``registry`` None: every
+    authenticated dial is answered 503."""
+    authorizer = ConnectAuthorizer(nodes if registry is not None else None)
+    acceptor = WorkerTunnelAcceptor(registry, reactor, config_factory) if registry else None
+
+    def protocol_factory(request, node):
+        return acceptor.build_session(request, node)
+
+    return TunnelWebSocketResource(protocol_factory, authorizer)
