@@ -1,0 +1,169 @@
+"""/api/cluster/connect against real PostgreSQL, real Autobahn and real yamux on loopback."""
+
+from __future__ import annotations
+
+import pytest_twisted
+import treq
+from twisted.internet import defer, reactor
+
+from localai_tw.cluster.nodes import NodeRegistry
+from localai_tw.db.pool import Database
+from localai_tw.mux.errors import StreamReset
+from localai_tw.mux.session import Session
+from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
+from tests.integration.test_tunnel_harness import (  # noqa: F401  (fixtures)
+    TOKEN,
+    EchoBackend,
+    TestWorker,
+    eventually,
+    frontends,
+    scripted,
+    within,
+    workers,
+)
+
+UPGRADE = {"Upgrade": "websocket", "Connection": "Upgrade",
+           "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version": "13"}
+
+
+async def http_status(frontend, query: str, headers: dict) -> tuple[int, bytes]:
+    url = f"http://{frontend.address}/api/cluster/connect{query}"
+    response = await within(treq.get(url, headers={**UPGRADE, **headers}))
+    return response.code, await treq.content(response)
+
+
+async def dial_status(frontend, node_id: str, credential: str) -> int | None:
+    try:
+        session = await within(connectWebSocket(
+            reactor, f"{frontend.connect_url}?id={node_id}", lambda: Session(client=True),
+            headers={"Authorization": f"Bearer {credential}"}))
+    except HandshakeFailed as e:
+        return e.status
+    session.loseConnection()
+    return 101
+
+
+@pytest_twisted.ensureDeferred
+async def test_authorization_order_before_any_upgrade(db, frontends, workers):
+    frontend = await frontends("replica-a")
+    worker = await workers(frontend.nodes, "w-auth", scripted(("echo",)))
+    # 1. no bearer: 401 first, even with no id at all (an anonymous probe never sees 400)
+    assert (await http_status(frontend, "", {}))[0] == 401
+    assert (await http_status(frontend, f"?id={worker.node_id}", {}))[0] == 401
+    assert (await http_status(frontend, "", {"Authorization": "Bearer "}))[0] == 401
+    # 3. a bearer but no id: 400
+    assert (await http_status(frontend, "", {"Authorization": "Bearer x"}))[0] == 400
+    # 4. unknown node and wrong credential: the same 401
+    assert await dial_status(frontend, "no-such-node", worker.credential) == 401
+    assert await dial_status(frontend, worker.node_id, "wrong-" + worker.credential) == 401
+    assert frontend.registry.held_nodes() == []
+    # the right credential upgrades
+    assert await dial_status(frontend, worker.node_id, worker.credential) == 101
+
+
+@pytest_twisted.ensureDeferred
+async def test_pending_node_gets_403(db, frontends, workers):
+    approving = NodeRegistry(db, registration_token=TOKEN, require_approval=True)
+    frontend = await frontends("replica-a", nodes=approving)
+    worker = await workers(approving, "w-pending", scripted(("echo",)))
+    assert await dial_status(frontend, worker.node_id, worker.credential) == 403
+    await approving.approve(worker.node_id)
+    assert await dial_status(frontend, worker.node_id, worker.credential) == 101
+
+
+@pytest_twisted.ensureDeferred
+async def test_database_down_is_500_not_401(db, pg_dsn, frontends, workers):
+    broken = Database(pg_dsn, size=1)
+    await broken.start()
+    broken.close()
+    frontend = await frontends("replica-a", nodes=NodeRegistry(broken, registration_token=TOKEN))
+    worker = await workers(NodeRegistry(db, registration_token=TOKEN), "w-db",
+                           scripted(("echo",)))
+    assert await dial_status(frontend, worker.node_id, worker.credential) == 500
+
+
+async def owner_row(frontend, node_id):
+    return await frontend.fence.owner_row(node_id)
+
+
+@pytest_twisted.ensureDeferred
+async def test_attach_claims_an_epoch_visible_in_node_connections(db, frontends, workers):
+    frontend = await frontends("replica-a")
+    worker = await workers(frontend.nodes, "w-1", scripted(("echo",)))
+    await worker.attach_to(frontend)
+    held = frontend.registry.held(worker.node_id)
+    row = await owner_row(frontend, worker.node_id)
+    assert row.owner_id == "replica-a" and row.epoch == held.claim_epoch
+    assert row.disconnected_at is None
+    owner = await frontend.fence.owner(worker.node_id)
+    assert (owner.owner_id, owner.epoch) == ("replica-a", held.claim_epoch)
+
+
+@pytest_twisted.ensureDeferred
+async def test_second_session_replaces_the_first_and_its_late_detach_changes_nothing(
+        db, frontends, workers):
+    frontend = await frontends("replica-a")
+    worker = await workers(frontend.nodes, "w-1", scripted(("echo",)))
+    first = await worker.attach_to(frontend)
+    first_token = frontend.registry.held(worker.node_id).token
+    second = await worker.attach_to(frontend)
+    second_entry = frontend.registry.held(worker.node_id)
+    assert second_entry.session is not None and second_entry.token != first_token
+    # The older session was closed by the frontend after the new claim.
+    await within(first.whenClosed())
+    row = await owner_row(frontend, worker.node_id)
+    assert (row.owner_id, row.epoch, row.disconnected_at) == ("replica-a",
+                                                              second_entry.claim_epoch, None)
+    # Its detach has run (whenClosed) and a repeated late one still changes nothing.
+    assert await frontend.registry.detach(worker.node_id, first_token) is False
+    assert frontend.registry.held(worker.node_id) is second_entry
+    row = await owner_row(frontend, worker.node_id)
+    assert (row.owner_id, row.epoch, row.disconnected_at) == ("replica-a",
+                                                              second_entry.claim_epoch, None)
+    assert second.isOpen
+
+
+@pytest_twisted.ensureDeferred
+async def test_detach_on_close_records_the_departure(db, frontends, workers):
+    frontend = await frontends("replica-a")
+    worker = await workers(frontend.nodes, "w-1", scripted(("echo",)))
+    session = await worker.attach_to(frontend)
+    epoch = frontend.registry.held(worker.node_id).claim_epoch
+    session.loseConnection()
+
+    async def departed():
+        row = await owner_row(frontend, worker.node_id)
+        return row.owner_id == "" and row.disconnected_at is not None
+
+    await eventually(departed, what="the departure to be recorded")
+    assert frontend.registry.held_nodes() == []
+    row = await owner_row(frontend, worker.node_id)
+    assert row.epoch == epoch  # the release matched this epoch; nothing newer was written
+
+
+@pytest_twisted.ensureDeferred
+async def test_worker_opened_streams_are_refused(db, frontends, workers):
+    frontend = await frontends("replica-a")
+    worker = await workers(frontend.nodes, "w-1", scripted(("echo",)))
+    session = await worker.attach_to(frontend)
+    ended = defer.Deferred()
+
+    class Probe(EchoBackend):
+        def connectionLost(self, reason):
+            ended.callback(reason.value)
+
+    session.openStream(Probe(), b"hello")
+    reason = await within(ended)
+    assert isinstance(reason, StreamReset) and reason.remote
+    assert session.isOpen  # refusing a stream does not end the tunnel
+
+
+@pytest_twisted.ensureDeferred
+async def test_registry_close_releases_and_closes_the_session(db, frontends, workers):
+    frontend = await frontends("replica-a")
+    worker = await workers(frontend.nodes, "w-1", scripted(("echo",)))
+    session = await worker.attach_to(frontend)
+    await frontend.registry.close()
+    await within(session.whenClosed())
+    row = await owner_row(frontend, worker.node_id)
+    assert row.owner_id == "" and row.disconnected_at is not None
