@@ -15,6 +15,7 @@ setup(
     packages=find_packages(include=["localai_tw", "localai_tw.*"]) + ["twisted.plugins"],
     package_data={
         "localai_tw.db": ["migrations/*.sql"],
+        "localai_tw.backends": ["backend.proto"],
     },
     include_package_data=True,
     install_requires=[
@@ -23,8 +24,8 @@ setup(
         "txpostgres>=1.7,<2",
         "psycopg2-binary>=2.9.9,<3",
         "pgserver>=0.1.4,<0.2",
-        "grpcio>=1.66,<2",
-        "protobuf>=5.27,<8",
+        "grpcio>=1.85.1,<2",
+        "protobuf>=7.35.1,<8",
         "zope.interface>=6,<9",
         "treq>=24.9,<27",
         "PyYAML>=6,<7",
@@ -36,7 +37,12 @@ setup(
             "pytest>=8,<10",
             "pytest-twisted>=1.14,<2",
             "hypothesis>=6.100,<7",
+            "grpcio-tools>=1.85.1,<2",
         ],
+        # Heavy inference backends run in their own processes; the base install never imports
+        # these.  CPU builds of torch are enough for the tests.
+        "transformers": ["torch>=2.9", "transformers>=4.56,<6", "tokenizers", "accelerate"],
+        "embeddings": ["torch>=2.9", "sentence-transformers>=3,<6"],
     },
     classifiers=[
         "Framework :: Twisted",

@@ -359,5 +359,29 @@ class WorkerService(MultiService):
 
 def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     """The worker's service tree for ``twistd localai-worker`` (``tap.makeService`` adds its
-    configuration report and port range check next to it)."""
-    return WorkerService(options, reactor)
+    configuration report and port range check next to it).
+
+    A ``backend`` worker also gets the backend supervisor: backend processes on ports of
+    ``--backend-port-range`` (loopback only) and the ``backend.*`` control verbs.  The supervisor
+    is a child service, so stopping the worker stops every backend process it started.
+    """
+    if reactor is None:
+        from twisted.internet import reactor
+    if (options.get("node-type") or "backend") != "backend":
+        return WorkerService(options, reactor)
+
+    from localai_tw.backends.interfaces import BackendFactories
+    from localai_tw.backends.ports import PortAllocator
+    from localai_tw.backends.process import BackendSupervisor
+    from localai_tw.backends.verbs import register_backend_verbs
+
+    port_range: PortRange = options["backend-port-range"]
+    supervisor = BackendSupervisor(
+        reactor, PortAllocator(port_range.first, port_range.last), BackendFactories.discover(),
+        auth_token=options.get("registration-token") or None)
+    verbs = ControlVerbs()
+    register_backend_verbs(verbs, supervisor)
+    worker = WorkerService(options, reactor, verbs=verbs,
+                           running_backends=supervisor.running_backends)
+    supervisor.setServiceParent(worker)
+    return worker
