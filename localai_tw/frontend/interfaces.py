@@ -1,0 +1,135 @@
+"""The inference interface the OpenAI-compatible API programs against, and its three failures.
+
+``IInferenceRouter`` is the whole surface between ``frontend/openai.py`` (HTTP, SSE, templates,
+OpenAI-shaped errors) and the inference core (model configs, node choice, cold loads, gRPC
+through the tunnel).  The API layer must never reach past it into the scheduler, the bridges or
+the database; the core must never know about HTTP.
+
+Failures (every returned Deferred fails with exactly one of these):
+
+- ``ModelNotFound(name)`` - no model config by that name (HTTP 404 ``model_not_found``).
+- ``NoNodeAvailable(name, reason)`` - a routing fact: no healthy ``backend`` node matches the
+  model's node selector, or every candidate has no route now (HTTP 503).
+- ``ModelLoadFailed(name, node_id, detail)`` - the worker answered: ``backend.start`` or
+  ``LoadModel`` failed there.  ``detail`` is the backend's message (HTTP 500).
+- the conditions of ``localai_tw.errors``: ``BackendAnswer`` (the backend answered a call with a
+  gRPC failure status; ``.code`` is the status name, e.g. ``INVALID_ARGUMENT``), ``WorkerAnswer``
+  and subclasses, ``RoutingFact``, ``AbsentWithinGrace``, ``PeerUnreachable`` (retry later, 503),
+  ``CallerDeadlineExceeded`` (the ``deadline`` ran out, 504), ``TransportFailure`` (a stream
+  broke mid-call).
+- ``defer.CancelledError`` when the caller cancelled the Deferred (e.g. client disconnect); the
+  backend RPC is cancelled too.
+
+How the serving node is reported: every successful result is a ``Served`` wrapper:
+``result.value`` is the protobuf message and ``result.served_by`` the node id that answered
+(for the ``X-LocalAI-Node`` response header).  ``predict_stream`` fires with a ``Served`` whose
+``value`` is ``None``; in addition its ``on_reply`` callback receives plain ``backend_pb2.Reply``
+messages, and ``on_start(node_id)`` (optional keyword) is called once, before the first reply, so
+the API layer can send its headers naming the node before streaming the body.
+
+Deadlines: ``deadline`` is an absolute time on the router's reactor clock
+(``reactor.seconds() + timeout``) or ``None`` (the router's default per-call timeout applies,
+cold loads included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from zope.interface import Attribute, Interface
+
+from localai_tw.errors import ClusterError, RoutingFact, WorkerAnswer
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Served(Generic[T]):
+    """A result and the node that produced it."""
+
+    value: T
+    served_by: str
+
+
+class ModelNotFound(ClusterError):
+    """No model config named ``name`` exists in the models directory.  Not a cluster condition;
+    nothing may act on it."""
+
+    actionable = False
+    condition = "model-not-found"
+
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(f"model {name!r} is not configured")
+
+
+class ModelLoadFailed(WorkerAnswer):
+    """The worker answered that the model could not be started or loaded (``backend.start``
+    error, ``LoadModel`` returned success=false, or a failed file stage answered by the worker).
+    The ``node_models`` row is removed before this is raised."""
+
+    condition = "model-load-failed"
+
+    def __init__(self, name: str, node_id: str, detail: str):
+        self.name = name
+        self.detail = detail
+        WorkerAnswer.__init__(self, node_id, f"model {name!r} failed to load: {detail}")
+
+
+class NoNodeAvailable(RoutingFact):
+    """A routing fact: no node can serve ``name`` now (``reason`` says why: no backend node
+    matches the selector, all candidates unhealthy or gone, or no route to any of them)."""
+
+    condition = "no-node-available"
+
+    def __init__(self, name: str, reason: str, node_id: str = "*"):
+        self.name = name
+        self.reason = reason
+        RoutingFact.__init__(self, node_id, f"no node available for model {name!r}: {reason}")
+
+
+class IInferenceRouter(Interface):
+    """Routes inference requests for configured models to worker backends."""
+
+    models_dir = Attribute("Path of the directory holding the model YAML files.")
+
+    def models():
+        """Return ``list[ModelConfig]`` of every valid configured model, sorted by name
+        (for ``/v1/models``).  Invalid files are skipped and logged, never raised.  Synchronous
+        and cheap (an mtime check of the directory)."""
+
+    def model(name):
+        """Return the ``ModelConfig`` called ``name``, or ``None`` (the caller answers
+        ``model_not_found``).  Synchronous."""
+
+    def predict(name, options, deadline=None):
+        """``Predict`` on a node serving ``name`` (loading it first if needed).
+
+        ``options`` is a ``backend_pb2.PredictOptions``; the caller renders the prompt and fills
+        sampling fields (model defaults from ``ModelConfig.parameters`` are the caller's job).
+        Returns ``Deferred[Served[backend_pb2.Reply]]``."""
+
+    def predict_stream(name, options, on_reply, deadline=None, on_start=None):
+        """``PredictStream``: ``on_reply(reply)`` is called once per streamed
+        ``backend_pb2.Reply``, in order, on the reactor thread.  If it returns a Deferred, the
+        next reply is not delivered until that Deferred fires (backpressure); if that Deferred
+        fails, the RPC is cancelled and the returned Deferred fails with the same failure.
+        ``on_start(node_id)`` (optional) is called once before the first reply.
+        Returns ``Deferred[Served[None]]`` firing after the last reply.  Cancelling it cancels
+        the RPC."""
+
+    def embed(name, options, deadline=None):
+        """``Embedding``: returns ``Deferred[Served[backend_pb2.EmbeddingResult]]``."""
+
+    def tokenize(name, options, deadline=None):
+        """``TokenizeString``: returns ``Deferred[Served[backend_pb2.TokenizationResponse]]``."""
+
+
+__all__ = [
+    "IInferenceRouter",
+    "ModelLoadFailed",
+    "ModelNotFound",
+    "NoNodeAvailable",
+    "Served",
+]
