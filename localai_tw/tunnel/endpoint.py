@@ -49,7 +49,7 @@ import treq
 from treq.client import HTTPClient
 from zope.interface import implementer
 
-from localai_tw import errors
+from localai_tw import errors, staging_client
 from localai_tw.tunnel import preamble
 
 log = Logger()
@@ -427,16 +427,12 @@ def upload_file(http_client: WorkerHTTPClient, node_id: str, key: str, path: str
     """Stage the local file ``path`` on ``node_id`` under ``key`` (``PUT /v1/files/{key}``,
     streamed from disk, skipped when the worker already holds the same digest).
 
-    Fires with the staging module's ``StagedFile``.  The worker's refusals are its answers
+    Fires with a ``staging_client.StagedFile``.  The worker's refusals are its answers
     (``WorkerAnswer``/``WorkerBusy``); dial failures pass through; a broken exchange is a
     ``TransportFailure``.
     """
-    # The client half of the staging protocol lives next to its server half; imported here, at
-    # call time, so the tunnel package does not depend on the worker package at import time.
-    from localai_tw.worker import staging
-
     what = f"uploading {key} to worker {node_id}"
-    uploading = staging.upload_file(http_client, worker_url(node_id, "/"), key, path, progress_cb,
-                                    node_id=node_id, token=token or None,
-                                    reactor=http_client.reactor)
+    uploading = staging_client.upload_file(http_client, worker_url(node_id, "/"), key, path, progress_cb,
+                                           node_id=node_id, token=token or None,
+                                           reactor=http_client.reactor)
     return with_deadline(http_client.reactor, uploading, timeout, what)

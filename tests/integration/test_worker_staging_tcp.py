@@ -11,7 +11,7 @@ import pytest_twisted
 import treq
 from twisted.internet import defer, reactor, task
 
-from localai_tw import errors
+from localai_tw import errors, staging_client
 from localai_tw.worker import staging
 from localai_tw.worker.control import ControlAuth, ControlVerbs, build_worker_site
 from localai_tw.worker.staging import FileStaging, StagingRoots
@@ -102,7 +102,7 @@ async def test_digest_mismatch_is_a_worker_answer_and_leaves_no_file(worker, roo
     base, _, _ = worker
     source = tmp_path / "data.bin"
     source.write_bytes(b"d" * 300_000)
-    monkeypatch.setattr(staging, "sha256_of_file", lambda path: (300_000, "0" * 64))
+    monkeypatch.setattr(staging_client, "sha256_of_file", lambda path: (300_000, "0" * 64))
     with pytest.raises(errors.WorkerAnswer) as caught:
         await with_timeout(staging.upload_file(
             treq, base, "data/data.bin", str(source), node_id="node-a", token=TOKEN))
