@@ -373,7 +373,7 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     from localai_tw.backends.interfaces import BackendFactories
     from localai_tw.backends.ports import PortAllocator
     from localai_tw.backends.process import BackendSupervisor
-    from localai_tw.backends.verbs import register_backend_verbs
+    from localai_tw.worker.backend_verbs import register_backend_verbs
 
     port_range: PortRange = options["backend-port-range"]
     supervisor = BackendSupervisor(

@@ -20,7 +20,7 @@ from localai_tw.backends import builtin
 from localai_tw.backends.interfaces import BackendFactories
 from localai_tw.backends.ports import PortAllocator
 from localai_tw.backends.process import BackendSupervisor
-from localai_tw.backends.verbs import register_backend_verbs
+from localai_tw.worker.backend_verbs import register_backend_verbs
 from localai_tw.worker.control import ControlAuth, ControlVerbs, build_worker_site
 
 LOOPBACK = IPv4Address("TCP", "127.0.0.1", 40000)

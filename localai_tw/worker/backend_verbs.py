@@ -21,10 +21,9 @@ runs.  ``backend.start`` and ``backend.stop`` are not cancelled when the caller 
 start in progress finishes (the next start finds the backend ready) and a stop always
 completes.
 
-This is the one module of ``localai_tw.backends`` that knows the worker's control plane; it
-imports ``localai_tw.worker.control`` only inside :func:`register_backend_verbs`, so the
-backend layer stays importable without the worker.  It must never answer a failure to start
-or stop as anything but ``success: false`` with the reason.
+It lives in ``worker/`` because it composes the backend layer with the worker's control plane;
+``localai_tw.backends`` itself knows nothing of the worker.  It must never answer a failure to
+start or stop as anything but ``success: false`` with the reason.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from localai_tw.backends.process import (
     BackendSupervisor,
     NoSuchBackend,
 )
+from localai_tw.worker.control import BadVerbRequest, VerbRequestSchema
 
 #: Largest ``tail`` a logs request may ask for (the ring holds at most this many lines anyway).
 MAX_LOG_TAIL = 5000
@@ -100,8 +100,6 @@ def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError)
 def register_backend_verbs(verbs: Any, supervisor: BackendSupervisor) -> list:
     """Register ``backend.start/stop/list/logs`` on a worker's
     :class:`~localai_tw.worker.control.ControlVerbs`.  Returns the registered verbs."""
-    from localai_tw.worker.control import BadVerbRequest, VerbRequestSchema
-
     handlers = backend_verb_handlers(supervisor, BadVerbRequest)
     name_fields = {"model": str, "process_key": str}
     schemas = {
