@@ -1,0 +1,185 @@
+"""Prompt templates: the Go text/template subset, LocalAI's chat/completion rendering rules,
+and refusal of everything outside the subset.  Pure functions; no I/O."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from localai_tw.frontend.models import ModelTemplate
+from localai_tw.frontend.templates import (
+    ChatMessage,
+    PromptTemplates,
+    TemplateError,
+    compile_template,
+    render_chat,
+    render_completion,
+    template_fields,
+)
+
+CHATML_MESSAGE = (
+    '<|im_start|>{{if eq .RoleName "assistant"}}assistant{{else if eq .RoleName "system"}}'
+    'system{{else if eq .RoleName "tool"}}tool{{else if eq .RoleName "user"}}user{{end}}\n'
+    "{{ if .Content -}}\n{{.Content}}\n{{ end -}}<|im_end|>"
+)
+
+
+def render(text, **data):
+    return compile_template(text).render(data)
+
+
+@pytest.mark.parametrize("text, data, expected", [
+    ("{{.Input}}", {"Input": "x"}, "x"),
+    ("a {{ .Input }} b", {"Input": "x"}, "a x b"),
+    ("a  {{- .Input -}}  b", {"Input": "x"}, "axb"),
+    ("a {{-.Input}}", {"Input": "x"}, None),  # Go wants a space after a trim marker
+    ("{{if .A}}yes{{else}}no{{end}}", {"A": ""}, "no"),
+    ("{{if .A}}yes{{else}}no{{end}}", {"A": "z"}, "yes"),
+    ("{{if not .A}}none{{end}}", {"A": 0}, "none"),
+    ("{{if eq .N 0}}first{{end}}", {"N": 0}, "first"),
+    ("{{if eq .R \"a\" \"b\"}}ab{{end}}", {"R": "b"}, "ab"),
+    ("{{if ne .R `a`}}not a{{end}}", {"R": "b"}, "not a"),
+    ("{{if and .A (or .B .C)}}ok{{end}}", {"A": 1, "B": "", "C": True}, "ok"),
+    ("{{if .A}}{{if .B}}ab{{else}}a{{end}}{{end}}", {"A": 1, "B": 0}, "a"),
+    ("{{.Flag}} {{.Nothing}}", {"Flag": True, "Nothing": None}, "true "),
+    ("x{{/* a comment */}}y", {}, "xy"),
+    ("{{\"quoted\\n\"}}", {}, "quoted\n"),
+    ("{{{{.A}}", {"A": "b"}, None),
+])
+def test_template_subset(text, data, expected):
+    if expected is None:
+        with pytest.raises(TemplateError):
+            compile_template(text).render(data)
+        return
+    assert render(text, **data) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "{{range .Messages}}{{end}}", "{{with .A}}{{end}}", "{{define \"x\"}}{{end}}",
+    "{{template \"x\"}}", "{{.A | printf \"%s\"}}", "{{$x := .A}}", "{{.A.B}}",
+    "{{call .F}}", "{{index .A 0}}", "{{printf \"%s\" .A}}", "{{if .A}}", "{{end}}",
+    "{{else}}", "{{if .A}}{{else}}{{else}}{{end}}", "{{.A", "{{}}", "{{not}}",
+    "{{eq .A}}", "{{(.A}}", "{{\"bad \\q escape\"}}", "{{/* unterminated }}",
+    "{{__import__}}", "{{.__class__.__mro__}}",
+])
+def test_everything_outside_the_subset_is_refused_at_compile_time(text):
+    with pytest.raises(TemplateError):
+        compile_template(text)
+
+
+def test_unknown_fields_are_refused_when_rendered_with_the_allowed_names():
+    with pytest.raises(TemplateError) as refused:
+        render("{{.Secret}}", Input="x")
+    assert ".Secret" in str(refused.value) and ".Input" in str(refused.value)
+
+
+def test_deep_nesting_is_bounded():
+    with pytest.raises(TemplateError):
+        compile_template("{{if .A}}" * 40 + "{{end}}" * 40)
+    with pytest.raises(TemplateError):
+        compile_template("{{" + "(" * 40 + ".A" + ")" * 40 + "}}")
+
+
+def test_template_fields():
+    assert template_fields(CHATML_MESSAGE) == {"RoleName", "Content"}
+
+
+def test_chatml_like_localai():
+    templates = PromptTemplates(chat="{{.Input}}\n<|im_start|>assistant\n",
+                                chat_message=CHATML_MESSAGE)
+    rendered = render_chat(templates, [ChatMessage("system", "be nice"),
+                                       ChatMessage("user", "hi"),
+                                       ChatMessage("assistant", ""),
+                                       ChatMessage("user", "bye")])
+    assert rendered.prompt == (
+        "<|im_start|>system\nbe nice\n<|im_end|>\n<|im_start|>user\nhi\n<|im_end|>\n"
+        "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nbye\n<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert rendered.messages == () and not rendered.use_tokenizer_template
+
+
+def test_message_fields_index_last_and_role_prefix():
+    templates = PromptTemplates(
+        chat_message="{{.MessageIndex}}:{{.Role}}{{.Content}}{{if .LastMessage}}!{{end}}",
+        roles={"user": "U> "}, join="|")
+    rendered = render_chat(templates, [ChatMessage("user", "a"), ChatMessage("bot", "b")])
+    assert rendered.prompt == "0:U> a|1:b!"
+
+
+def test_messages_a_chat_message_template_renders_empty_are_skipped():
+    templates = PromptTemplates(chat_message="{{if .Content}}{{.Content}}{{end}}")
+    rendered = render_chat(templates, [ChatMessage("user", "a"), ChatMessage("user", ""),
+                                       ChatMessage("user", "c")])
+    assert rendered.prompt == "a\nc"
+
+
+def test_without_templates_the_joined_text_is_the_prompt_with_role_prefixes():
+    templates = PromptTemplates(roles={"user": "User: ", "assistant": "AI: "})
+    rendered = render_chat(templates, [ChatMessage("user", "hi"),
+                                       ChatMessage("assistant", "hello"),
+                                       ChatMessage("tool", "42")])
+    assert rendered.prompt == "User: hi\nAI: hello\n42"
+    assert render_chat(PromptTemplates(), [ChatMessage("user", "x")]).prompt == "x"
+
+
+def test_tool_calls_are_appended_as_json_without_a_message_template():
+    templates = PromptTemplates(roles={"assistant_function_call": "CALL"})
+    rendered = render_chat(templates, [ChatMessage("assistant", "", tool_calls='[{"id":1}]')])
+    assert rendered.prompt == 'CALL [{"id":1}]'
+
+
+def test_suppress_system_prompt_and_system_prompt():
+    templates = PromptTemplates(
+        chat="{{if not .SuppressSystemPrompt}}{{.SystemPrompt}}\n{{end}}{{.Input}}",
+        system_prompt="You are terse.")
+    assert render_chat(templates, [ChatMessage("user", "q")]).prompt == "You are terse.\nq"
+    assert render_chat(templates, [ChatMessage("system", "s"), ChatMessage("user", "q")]
+                       ).prompt == "s\nq"
+
+
+def test_tokenizer_template_sends_messages_and_no_prompt():
+    messages = [ChatMessage("user", "hi")]
+    rendered = render_chat(PromptTemplates(use_tokenizer_template=True, chat="{{.Input}}X"),
+                           messages)
+    assert rendered.prompt == "" and rendered.use_tokenizer_template
+    assert rendered.messages == tuple(messages)
+
+
+def test_completion_template_or_raw():
+    assert render_completion(PromptTemplates(), "raw {{.Input}}") == "raw {{.Input}}"
+    assert render_completion(PromptTemplates(completion="Q: {{.Input}}\nA:"), "2+2") == \
+        "Q: 2+2\nA:"
+
+
+def test_from_config_reads_the_model_config_template_and_validates_it():
+    templates = PromptTemplates.from_config(ModelTemplate(chat="<{{.Input}}>"))
+    assert render_chat(templates, [ChatMessage("user", "x")]).prompt == "<x>"
+    from_mapping = PromptTemplates.from_config(
+        {"completion": "{{.Input}}?", "roles": {"user": "U:"},
+         "join_chat_messages_by_character": " "})
+    assert from_mapping.roles == {"user": "U:"} and from_mapping.join == " "
+    assert PromptTemplates.from_config(None) == PromptTemplates()
+    with pytest.raises(TemplateError) as refused:
+        PromptTemplates.from_config({"chat_message": "{{range .X}}{{end}}"})
+    assert "template.chat_message" in str(refused.value)
+
+
+@given(st.text(max_size=200))
+def test_user_text_is_never_interpreted(text):
+    # Whatever a message holds (template syntax included), it comes out verbatim.
+    templates = PromptTemplates(chat="[{{.Input}}]", chat_message="{{.RoleName}}={{.Content}}")
+    assert render_chat(templates, [ChatMessage("user", text)]).prompt == f"[user={text}]"
+    assert render_completion(PromptTemplates(completion="<{{.Input}}>"), text) == f"<{text}>"
+
+
+@given(st.text(alphabet="{}.-/*()\"`abcdefgiflsenotudq $|:= \n", max_size=60))
+def test_arbitrary_template_text_compiles_or_is_refused_cleanly(text):
+    try:
+        template = compile_template(text)
+    except TemplateError:
+        return
+    try:
+        template.render({"a": "x"})
+    except TemplateError:
+        pass
