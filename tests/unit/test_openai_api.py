@@ -1,0 +1,495 @@
+"""The OpenAI API resources over raw HTTP (StringTransport) with a fake IInferenceRouter:
+bad input, auth, chat/completions/embeddings/models, streaming shape, backpressure and
+cancellation on disconnect."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+
+import pytest
+from twisted.internet import defer
+
+from localai_tw.backends import backend_pb2
+from localai_tw.frontend.openai import OpenAIResource
+from localai_tw.frontend.web import APIKeyGuard
+
+from .test_openai_fakes import Client, FakeRouter, call, make_site, model_config
+
+
+@pytest.fixture
+def router():
+    return FakeRouter([
+        model_config("chatty", template={"chat_message": "{{.RoleName}}: {{.Content}}",
+                                         "chat": "{{.Input}}\nassistant:",
+                                         "completion": "Q: {{.Input}}\nA:"},
+                     parameters={"temperature": 0.2, "top_k": 7, "max_tokens": 50,
+                                 "stop": ["</s>"]}),
+        model_config("hf", template={"use_tokenizer_template": True}),
+        model_config("embedder", embeddings=True),
+    ])
+
+
+@pytest.fixture
+def site(router):
+    return make_site(router)
+
+
+def chat(model="chatty", **more):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi there"}]}
+    body.update(more)
+    return body
+
+
+def assert_error(response, status, type_=None, param=None, code=None):
+    assert response.status == status, response.raw_body
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if type_ is not None:
+        assert error["type"] == type_
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def test_malformed_json_is_400(site, router):
+    response = call(site, "POST", "/v1/chat/completions", raw=b'{"model": "chatty",')
+    error = assert_error(response, 400, "invalid_request_error")
+    assert "not valid JSON" in error["message"]
+    assert router.calls == []
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b"", b"\xff\xfe{}", b'{"a": NaN}'])
+def test_non_object_bodies_are_400(site, raw):
+    assert_error(call(site, "POST", "/v1/chat/completions", raw=raw or None), 400)
+
+
+def test_non_json_content_type_is_415(site):
+    response = call(site, "POST", "/v1/chat/completions", raw=b"model=x",
+                    headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert_error(response, 415, "invalid_request_error")
+
+
+def test_missing_model_is_400_naming_model(site):
+    body = chat()
+    del body["model"]
+    assert_error(call(site, "POST", "/v1/chat/completions", body), 400,
+                 param="model", code="missing_required_parameter")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", chat(model="nope")),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}),
+    ("/v1/embeddings", {"model": "nope", "input": "x"}),
+])
+def test_unknown_model_is_404_model_not_found(site, router, path, body):
+    error = assert_error(call(site, "POST", path, body), 404, "invalid_request_error",
+                         param="model", code="model_not_found")
+    assert "nope" in error["message"]
+    assert router.calls == []
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("model", 5, "model"),
+    ("messages", "hi", "messages"),
+    ("messages", [], "messages"),
+    ("messages", [{"content": "x"}], "messages[0].role"),
+    ("messages", [{"role": "user", "content": 3}], "messages[0].content"),
+    ("messages", [{"role": "user", "content": [{"type": "video"}]}],
+     "messages[0].content[0].type"),
+    ("messages", [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]}],
+     "messages[0].content[0].image_url.url"),
+    ("temperature", "hot", "temperature"),
+    ("temperature", 7, "temperature"),
+    ("top_p", True, "top_p"),
+    ("max_tokens", 1.5, "max_tokens"),
+    ("max_tokens", -1, "max_tokens"),
+    ("n", 0, "n"),
+    ("stop", 5, "stop"),
+    ("stop", ["a", 1], "stop"),
+    ("stream", "yes", "stream"),
+    ("seed", "1", "seed"),
+    ("stream_options", {"include_usage": True}, "stream_options"),
+    ("tools", {"a": 1}, "tools"),
+    ("metadata", {"a": 1}, "metadata"),
+])
+def test_wrong_types_are_400_naming_the_param(site, router, field, value, param):
+    response = call(site, "POST", "/v1/chat/completions", chat(**{field: value}))
+    assert_error(response, 400, "invalid_request_error", param=param)
+    assert router.calls == []
+
+
+def test_streaming_more_than_one_choice_is_400(site):
+    assert_error(call(site, "POST", "/v1/chat/completions", chat(stream=True, n=2)), 400,
+                 param="n")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "chatty"}, "prompt"),
+    ({"model": "chatty", "prompt": 3}, "prompt"),
+    ({"model": "chatty", "prompt": [[1, 2]]}, "prompt"),
+    ({"model": "chatty", "prompt": ["a", "b"], "stream": True}, "prompt"),
+])
+def test_completion_bad_prompts(site, body, param):
+    assert_error(call(site, "POST", "/v1/completions", body), 400, param=param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "embedder"}, "input"),
+    ({"model": "embedder", "input": 3}, "input"),
+    ({"model": "embedder", "input": []}, "input"),
+    ({"model": "embedder", "input": ""}, "input"),
+    ({"model": "embedder", "input": ["ok", 3]}, "input[1]"),
+    ({"model": "embedder", "input": [[1, -2]]}, "input[0]"),
+    ({"model": "embedder", "input": "x", "encoding_format": "hex"}, "encoding_format"),
+    ({"model": "embedder", "input": "x", "dimensions": 3}, "dimensions"),
+])
+def test_embedding_bad_inputs(site, body, param):
+    assert_error(call(site, "POST", "/v1/embeddings", body), 400, param=param)
+
+
+def test_body_over_the_limit_is_413_before_the_router(router):
+    site = make_site(router, limit=1024)
+    body = chat(messages=[{"role": "user", "content": "x" * 2000}])
+    response = call(site, "POST", "/v1/chat/completions", body)
+    assert response.status == 413
+    assert "1024" in response.json()["error"]["message"]
+    assert router.calls == []
+
+
+def test_default_body_limit_is_8_mib(router):
+    site = make_site(router)
+    assert site.body_limit_for(b"/v1/chat/completions") == 8 * 1024 * 1024
+    big = chat(messages=[{"role": "user", "content": "y " * (100 * 1024)}])
+    assert call(site, "POST", "/v1/chat/completions", big).status == 200
+
+
+def test_unknown_endpoint_and_wrong_method(site):
+    assert_error(call(site, "POST", "/v1/nothing", {}), 404, code="unknown_url")
+    response = call(site, "GET", "/v1/chat/completions")
+    assert_error(response, 405, code="method_not_allowed")
+    assert response.header("allow") == "POST"
+
+
+# -- auth -----------------------------------------------------------------------------------
+
+
+def test_with_keys_configured_requests_need_a_valid_bearer_key(router):
+    site = make_site(router, api_keys=APIKeyGuard(["sekrit-1", "sekrit-2"]))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
+        response = call(site, "POST", "/v1/chat/completions", chat(), headers=headers)
+        error = assert_error(response, 401, "authentication_error", code="invalid_api_key")
+        assert "sekrit" not in error["message"] and "wrong" not in error["message"]
+        assert response.header("www-authenticate") == "Bearer"
+    assert_error(call(site, "GET", "/v1/models"), 401)
+    assert router.calls == []
+    ok = call(site, "POST", "/v1/chat/completions", chat(),
+              headers={"Authorization": "Bearer sekrit-2"})
+    assert ok.status == 200
+
+
+def test_without_keys_the_api_is_open(router):
+    site = make_site(router, api_keys=APIKeyGuard([]))
+    assert call(site, "POST", "/v1/chat/completions", chat()).status == 200
+
+
+def test_router_not_wired_yet_is_503_starting():
+    site = make_site(lambda: None)
+    response = call(site, "GET", "/v1/models")
+    assert_error(response, 503, "service_unavailable", code="starting")
+    assert response.header("retry-after") == "5"
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+
+def test_chat_non_stream_renders_template_and_merges_sampling(site, router):
+    body = chat(messages=[{"role": "system", "content": "be brief"},
+                          {"role": "user", "content": "hi there"}],
+                temperature=0.5, stop="END", seed=42, max_tokens=9,
+                presence_penalty=0.5, frequency_penalty=-0.5)
+    router.answer = "Hello, wörld"
+    response = call(site, "POST", "/v1/chat/completions", body)
+    assert response.status == 200
+    assert response.header("x-localai-node") == "node-a"
+    assert response.header("content-type") == "application/json"
+    answer = response.json()
+    assert answer["object"] == "chat.completion" and answer["model"] == "chatty"
+    assert answer["id"].startswith("chatcmpl-") and answer["created"] == 1700000000
+    assert answer["choices"] == [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                                  "message": {"role": "assistant", "content": "Hello, wörld"}}]
+    (verb, name, options), = router.calls
+    assert (verb, name) == ("predict", "chatty")
+    assert options.Prompt == "system: be brief\nuser: hi there\nassistant:"
+    assert not options.UseTokenizerTemplate and not options.Messages
+    assert options.Temperature == pytest.approx(0.5)     # request over model default
+    assert options.TopK == 7                              # model default
+    assert options.TopP == pytest.approx(0.95)            # LocalAI default
+    assert options.Tokens == 9 and options.Seed == 42
+    assert list(options.StopPrompts) == ["</s>", "END"]
+    assert options.PresencePenalty == pytest.approx(0.5)
+    assert options.FrequencyPenalty == pytest.approx(-0.5)
+    assert answer["usage"] == {"prompt_tokens": len(options.Prompt.split()),
+                               "completion_tokens": 2,
+                               "total_tokens": len(options.Prompt.split()) + 2}
+
+
+def test_chat_defaults_from_model_and_finish_reason_length(site, router):
+    router.tokens = 50
+    response = call(site, "POST", "/v1/chat/completions", chat())
+    (_, _, options), = router.calls
+    assert options.Temperature == pytest.approx(0.2) and options.Tokens == 50
+    assert 0 <= options.Seed <= 2**31 - 1
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_max_completion_tokens_wins_over_max_tokens(site, router):
+    call(site, "POST", "/v1/chat/completions", chat(max_tokens=5, max_completion_tokens=3))
+    assert router.calls[0][2].Tokens == 3
+
+
+def test_chat_with_tokenizer_template_sends_messages(site, router):
+    body = chat(model="hf", messages=[
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "look "},
+                                     {"type": "text", "text": "here"},
+                                     {"type": "image_url",
+                                      "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+    ], tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto")
+    response = call(site, "POST", "/v1/chat/completions", body)
+    assert response.status == 200
+    (_, _, options), = router.calls
+    assert options.Prompt == "" and options.UseTokenizerTemplate
+    assert [(m.role, m.content) for m in options.Messages] == [("system", "sys"),
+                                                               ("user", "look here")]
+    assert list(options.Images) == ["AAAA"]
+    assert json.loads(options.Tools)[0]["function"]["name"] == "f"
+    assert json.loads(options.ToolChoice) == "auto"
+    assert response.json()["choices"][0]["message"]["content"] == "look here"
+
+
+def test_chat_n_choices_are_n_calls(site, router):
+    response = call(site, "POST", "/v1/chat/completions", chat(n=3))
+    assert [c["index"] for c in response.json()["choices"]] == [0, 1, 2]
+    assert len(router.calls) == 3
+
+
+def test_invalid_model_template_is_500_template_error(router):
+    router.configs["broken"] = model_config("broken", template={"chat": "{{.Nope}}"})
+    response = call(make_site(router), "POST", "/v1/chat/completions", chat(model="broken"))
+    error = assert_error(response, 500, "server_error", code="template_error")
+    assert ".Nope" in error["message"]
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+
+def test_chat_stream_sse_shape_order_and_split_utf8(site, router):
+    # "é" is C3 A9 and "€" is E2 82 AC: both split across replies.
+    router.stream_pieces = [b"caf\xc3", b"\xa9 ", b"", b"\xe2\x82", b"\xac!"]
+    body = chat(stream=True, stream_options={"include_usage": True}, max_tokens=100)
+    response = call(site, "POST", "/v1/chat/completions", body)
+    assert response.status == 200 and response.complete
+    assert response.header("content-type") == "text/event-stream; charset=utf-8"
+    assert response.header("x-localai-node") == "node-a"
+    events = response.events()
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"]["content"] for c in chunks[1:-2]]
+    assert deltas == ["caf", "é ", "€!"]  # complete characters only; empty pieces skipped
+    finish = chunks[-2]["choices"][0]
+    assert finish["finish_reason"] == "stop" and finish["delta"] == {}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert router.calls[0][0] == "predict_stream"
+
+
+def test_stream_incomplete_utf8_at_the_end_becomes_a_replacement_character(site, router):
+    router.stream_pieces = [b"ok\xe2\x82"]
+    events = call(site, "POST", "/v1/chat/completions", chat(stream=True)).events()
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:-2]] == ["ok", "\ufffd"]
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(site, router):
+    events = call(site, "POST", "/v1/chat/completions", chat(stream=True)).events()
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_completion_stream_and_echo(site, router):
+    body = {"model": "chatty", "prompt": "2+2", "stream": True, "echo": True}
+    events = call(site, "POST", "/v1/completions", body).events()
+    assert events[-1] == "[DONE]"
+    assert {e["object"] for e in events[:-1]} == {"text_completion"}
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert texts == ["2+2", "Hello", " world", ""]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert router.calls[0][2].Prompt == "Q: 2+2\nA:"
+
+
+def test_stream_failure_before_start_is_a_json_error(site, router):
+    from localai_tw.frontend.interfaces import NoNodeAvailable
+    router.fail_with = NoNodeAvailable("chatty", "no backend node matches")
+    response = call(site, "POST", "/v1/chat/completions", chat(stream=True))
+    assert_error(response, 503, "service_unavailable", code="no_node_available")
+
+
+def test_stream_failure_after_start_is_an_error_event_without_done(site, router):
+    from localai_tw.errors import BackendAnswer
+    router.manual_streams = True
+    client = Client(site).send("POST", "/v1/chat/completions", chat(stream=True))
+    stream, = router.streams
+    stream.start()
+    stream.push(b"par")
+    stream.fail(BackendAnswer("node-a", "INTERNAL", "CUDA out of memory"))
+    response = client.response()
+    assert response.status == 200 and response.complete
+    events = response.events()
+    assert events[1]["choices"][0]["delta"]["content"] == "par"
+    assert events[-1]["error"]["code"] == "backend_error"
+    assert "CUDA out of memory" in events[-1]["error"]["message"]
+    assert "[DONE]" not in events
+
+
+def test_stream_backpressure_waits_for_the_transport(site, router):
+    router.manual_streams = True
+    client = Client(site).send("POST", "/v1/chat/completions", chat(stream=True))
+    stream, = router.streams
+    stream.start()
+    assert stream.push(b"one ") is None  # transport not paused
+    client.transport.producer.pauseProducing()      # the transport's buffer is full
+    waiting = stream.push(b"two ")
+    assert isinstance(waiting, defer.Deferred) and not waiting.called
+    client.transport.producer.resumeProducing()
+    assert waiting.called
+    stream.end()
+    events = client.response().events()
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:3]] == ["one ", "two "]
+
+
+def test_disconnect_mid_stream_cancels_the_router_call(site, router):
+    router.manual_streams = True
+    client = Client(site).send("POST", "/v1/chat/completions", chat(stream=True))
+    stream, = router.streams
+    stream.start()
+    stream.push(b"partial")
+    client.transport.producer.pauseProducing()
+    waiting = stream.push(b" more")
+    failures = []
+    waiting.addErrback(failures.append)
+    client.disconnect()
+    assert stream.cancelled
+    assert failures, "the pending backpressure wait fails when the client leaves"
+    later = stream.push(b"late")  # a reply racing the cancel is refused, not written
+    later.addErrback(lambda _: None)
+    assert later.called
+
+
+def test_disconnect_while_waiting_cancels_predict(site, router):
+    router.hold = True
+    client = Client(site).send("POST", "/v1/chat/completions", chat())
+    assert len(router.pending) == 1
+    client.disconnect()
+    assert router.cancelled == ["predict"]
+
+
+def test_disconnect_while_waiting_cancels_embeddings(site, router):
+    router.hold = True
+    client = Client(site).send("POST", "/v1/embeddings",
+                               {"model": "embedder", "input": ["a", "b", "c"]})
+    client.disconnect()
+    assert router.cancelled == ["embed"]
+    assert len(router.calls) == 1  # no further inputs are sent
+
+
+# -- completions -----------------------------------------------------------------------------------
+
+
+def test_completions_one_call_per_prompt(site, router):
+    body = {"model": "chatty", "prompt": ["one", "two"], "stop": ["x", "y"]}
+    response = call(site, "POST", "/v1/completions", body)
+    answer = response.json()
+    assert answer["object"] == "text_completion" and answer["id"].startswith("cmpl-")
+    assert [c["text"] for c in answer["choices"]] == ["Q: one\nA:", "Q: two\nA:"]
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert [o.Prompt for _, _, o in router.calls] == ["Q: one\nA:", "Q: two\nA:"]
+    assert list(router.calls[0][2].StopPrompts) == ["</s>", "x", "y"]
+    assert answer["usage"]["completion_tokens"] == 6
+
+
+def test_completion_without_template_sends_the_raw_prompt(site, router):
+    call(site, "POST", "/v1/completions", {"model": "hf", "prompt": "raw text"})
+    assert router.calls[0][2].Prompt == "raw text"
+    assert not router.calls[0][2].UseTokenizerTemplate
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+
+
+def test_embeddings_float_one_call_per_input(site, router):
+    body = {"model": "embedder", "input": ["first text", "second"]}
+    response = call(site, "POST", "/v1/embeddings", body)
+    answer = response.json()
+    assert answer["object"] == "list" and answer["model"] == "embedder"
+    assert [d["index"] for d in answer["data"]] == [0, 1]
+    assert all(d["object"] == "embedding" and len(d["embedding"]) == 4 for d in answer["data"])
+    assert [o.Embeddings for _, _, o in router.calls] == ["first text", "second"]
+    assert answer["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+    assert response.header("x-localai-node") == "node-a"
+
+
+def test_embeddings_base64_is_little_endian_float32(site, router):
+    floats = call(site, "POST", "/v1/embeddings",
+                  {"model": "embedder", "input": "abc"}).json()["data"][0]["embedding"]
+    encoded = call(site, "POST", "/v1/embeddings",
+                   {"model": "embedder", "input": "abc", "encoding_format": "base64"}
+                   ).json()["data"][0]["embedding"]
+    raw = base64.b64decode(encoded)
+    assert len(raw) == 16
+    assert list(struct.unpack("<4f", raw)) == pytest.approx(floats)
+
+
+def test_embeddings_token_arrays_go_in_embedding_tokens(site, router):
+    call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": [[1, 2], [3]]})
+    assert [list(o.EmbeddingTokens) for _, _, o in router.calls] == [[1, 2], [3]]
+    router.calls.clear()
+    call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": [5, 6, 7]})
+    assert [list(o.EmbeddingTokens) for _, _, o in router.calls] == [[5, 6, 7]]
+
+
+def test_per_token_embeddings_are_refused(site, router):
+    router.embedding_layout = backend_pb2.EMBEDDING_LAYOUT_PER_TOKEN
+    assert_error(call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": "x"}),
+                 502, code="unsupported_embedding_layout")
+
+
+# -- models --------------------------------------------------------------------------------------
+
+
+def test_models_list_and_one_model(site):
+    answer = call(site, "GET", "/v1/models").json()
+    assert answer["object"] == "list"
+    assert [m["id"] for m in answer["data"]] == ["chatty", "embedder", "hf"]
+    assert all(m["object"] == "model" and m["owned_by"] for m in answer["data"])
+    assert call(site, "GET", "/v1/models/hf").json()["id"] == "hf"
+    assert_error(call(site, "GET", "/v1/models/none"), 404, code="model_not_found")
+
+
+def test_resource_accepts_a_router_object_directly(router):
+    from twisted.web.resource import Resource
+    from localai_tw.frontend.web import FrontendSite
+    root = Resource()
+    root.putChild(b"v1", OpenAIResource(router))
+    assert call(FrontendSite(root, timeout=None), "GET", "/v1/models").status == 200

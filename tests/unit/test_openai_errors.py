@@ -1,0 +1,108 @@
+"""Every failure the router can report maps to one HTTP answer (the table in
+docs/openai-api.md), both from error_for and end to end through the resource."""
+
+from __future__ import annotations
+
+import pytest
+
+from localai_tw.errors import (
+    AbsentWithinGrace,
+    BackendAnswer,
+    CallerDeadlineExceeded,
+    ControlVerbFailed,
+    PeerRejected,
+    PeerUnreachable,
+    PoolClosed,
+    StreamRefused,
+    TransportFailure,
+    TunnelProtocolError,
+    WorkerBusy,
+    WorkerGone,
+    WorkerUnroutable,
+)
+from localai_tw.frontend.interfaces import ModelLoadFailed, ModelNotFound, NoNodeAvailable
+from localai_tw.frontend.openai import OpenAIError, error_for
+
+from .test_openai_fakes import FakeRouter, call, make_site, model_config
+
+CASES = [
+    # (error, status, type, code, retry-after, text the message must hold)
+    (ModelNotFound("m"), 404, "invalid_request_error", "model_not_found", None, "'m'"),
+    (NoNodeAvailable("m", "no backend node matches the selector"), 503,
+     "service_unavailable", "no_node_available", None, "no route"),
+    (WorkerUnroutable("n1", "not held here and no live owner"), 503, "service_unavailable",
+     "no_route", None, "no route to worker n1"),
+    (WorkerGone("n1", 30), 503, "service_unavailable", "no_route", None, "gone"),
+    (AbsentWithinGrace("n1", "reconnecting"), 503, "service_unavailable",
+     "worker_reconnecting", "5", "reconnect"),
+    (PeerUnreachable("r2", "connection refused"), 503, "service_unavailable",
+     "peer_unreachable", "2", "retry"),
+    (PoolClosed(), 503, "service_unavailable", "peer_unreachable", "2", "shutting down"),
+    (PeerRejected("r2", "401"), 503, "service_unavailable", "peer_rejected", None,
+     "configuration"),
+    (ModelLoadFailed("m", "n1", "out of memory loading weights"), 500, "server_error",
+     "model_load_failed", None, "out of memory loading weights"),
+    (BackendAnswer("n1", "INVALID_ARGUMENT", "prompt too long"), 400,
+     "invalid_request_error", "backend_refused_request", None, "prompt too long"),
+    (BackendAnswer("n1", "UNIMPLEMENTED", "no Embedding"), 501, "server_error",
+     "not_implemented_by_backend", None, "no Embedding"),
+    (BackendAnswer("n1", "DEADLINE_EXCEEDED", "slow"), 504, "timeout_error", "timeout", None,
+     "slow"),
+    (BackendAnswer("n1", "UNKNOWN", "Unexpected <class 'ValueError'>: boom"), 502,
+     "upstream_error", "backend_error", None, "boom"),
+    (WorkerBusy("n1"), 503, "service_unavailable", "worker_busy", "1", "no free slot"),
+    (StreamRefused("n1", "unavailable", "backend port closed"), 502, "upstream_error",
+     "worker_error", None, "backend port closed"),
+    (ControlVerbFailed("n1", "backend.start", "no such backend"), 502, "upstream_error",
+     "worker_error", None, "no such backend"),
+    (CallerDeadlineExceeded("waiting for the model to load"), 504, "timeout_error",
+     "timeout", None, "deadline"),
+    (TransportFailure("stream reset"), 502, "upstream_error", "transport_failure", None,
+     "nothing is known"),
+    (TunnelProtocolError("bad frame"), 502, "upstream_error", "protocol_error", None,
+     "bad frame"),
+    (RuntimeError("secret internal detail"), 500, "server_error", "internal_error", None,
+     "see the frontend log"),
+]
+
+
+@pytest.mark.parametrize("error, status, type_, code, retry, text", CASES,
+                         ids=[type(c[0]).__name__ + "-" + str(c[3]) for c in CASES])
+def test_error_for(error, status, type_, code, retry, text):
+    answer = error_for(error)
+    assert isinstance(answer, OpenAIError)
+    assert (answer.status, answer.type, answer.code) == (status, type_, code)
+    assert answer.headers.get("Retry-After") == retry
+    assert text in answer.message
+
+
+def test_internal_errors_never_leak_their_text():
+    assert "secret" not in error_for(RuntimeError("secret internal detail")).message
+
+
+@pytest.mark.parametrize("error, status, type_, code, retry, text",
+                         [c for c in CASES if not isinstance(c[0], ModelNotFound)],
+                         ids=[type(c[0]).__name__ + "-" + str(c[3]) for c in CASES
+                              if not isinstance(c[0], ModelNotFound)])
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/chat/completions", {"model": "m", "stream": True,
+                              "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/completions", {"model": "m", "prompt": "x"}),
+    ("/v1/embeddings", {"model": "m", "input": "x"}),
+], ids=["chat", "chat-stream", "completions", "embeddings"])
+def test_each_condition_end_to_end(error, status, type_, code, retry, text, path, body):
+    router = FakeRouter([model_config("m")])
+    router.fail_with = error
+    response = call(make_site(router), "POST", path, body)
+    assert response.status == status
+    assert response.json()["error"]["code"] == code
+    assert response.json()["error"]["type"] == type_
+    assert response.header("retry-after") == retry
+
+
+def test_model_removed_between_lookup_and_call_is_404():
+    router = FakeRouter([model_config("m")])
+    router.fail_with = ModelNotFound("m")
+    response = call(make_site(router), "POST", "/v1/completions", {"model": "m", "prompt": "x"})
+    assert response.status == 404 and response.json()["error"]["code"] == "model_not_found"

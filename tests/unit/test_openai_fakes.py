@@ -1,0 +1,268 @@
+"""Test doubles for the OpenAI API tests: a fake ``IInferenceRouter`` and raw-HTTP helpers.
+
+``FakeRouter`` implements the interface exactly as documented in ``frontend/interfaces.py``
+(``Served`` results, ``on_start`` before the first reply, ``on_reply`` Deferreds awaited for
+backpressure, cancellation of the returned Deferred).  It records every call's options so tests
+can assert what the API layer sent.  No test lives here; the module holds shared helpers only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from twisted.internet import defer
+from twisted.internet.error import ConnectionDone
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from zope.interface import implementer
+
+from localai_tw.backends import backend_pb2
+from localai_tw.frontend.interfaces import IInferenceRouter, Served
+from localai_tw.frontend.models import parse_model_config
+from localai_tw.frontend.openai import OPENAI_MAX_BODY_BYTES, OpenAIResource
+from localai_tw.frontend.web import FrontendSite
+
+
+def model_config(name: str, **more):
+    data = {"name": name, "backend": "echo"}
+    data.update(more)
+    return parse_model_config(data, f"{name}.yaml")
+
+
+class ManualStream:
+    """A ``predict_stream`` call the test drives by hand."""
+
+    def __init__(self, name, options, on_reply, on_start, node):
+        self.name = name
+        self.options = options
+        self.on_reply = on_reply
+        self.on_start = on_start
+        self.node = node
+        self.cancelled = False
+        self.result = defer.Deferred(self._cancel)
+
+    def _cancel(self, _):
+        self.cancelled = True
+
+    def start(self):
+        if self.on_start is not None:
+            self.on_start(self.node)
+
+    def push(self, message: bytes, tokens: int = 0, prompt_tokens: int = 0):
+        """Deliver one reply; returns what ``on_reply`` returned (a Deferred means wait)."""
+        return self.on_reply(backend_pb2.Reply(message=message, tokens=tokens,
+                                               prompt_tokens=prompt_tokens))
+
+    def end(self):
+        self.result.callback(Served(None, self.node))
+
+    def fail(self, error: BaseException):
+        self.result.errback(Failure(error))
+
+
+@implementer(IInferenceRouter)
+class FakeRouter:
+    """An ``IInferenceRouter`` answering from scripts.
+
+    - ``answer``: text of every ``Predict`` (default: the prompt, or the last message).
+    - ``stream_pieces``: the byte pieces of every automatic ``PredictStream``.
+    - ``manual_streams``: when True, ``predict_stream`` returns a :class:`ManualStream`'s
+      Deferred and appends it to ``streams`` for the test to drive.
+    - ``hold``: when True, ``predict``/``embed`` return unfired Deferreds kept in ``pending``.
+    - ``fail_with``: an exception every call fails with.
+    """
+
+    models_dir = "/nonexistent"
+
+    def __init__(self, configs=(), node="node-a"):
+        self.configs = {c.name: c for c in configs}
+        self.node = node
+        self.calls: list[tuple[str, str, backend_pb2.PredictOptions]] = []
+        self.answer: str | None = None
+        self.tokens: int | None = None
+        self.stream_pieces: list[bytes] = [b"Hello", b" world"]
+        self.manual_streams = False
+        self.streams: list[ManualStream] = []
+        self.hold = False
+        self.pending: list[defer.Deferred] = []
+        self.cancelled: list[str] = []
+        self.fail_with: BaseException | None = None
+        self.embedding_dim = 4
+        self.embedding_layout = backend_pb2.EMBEDDING_LAYOUT_FINAL
+        self.auto_stream_waits: list[bool] = []
+
+    def models(self):
+        return [self.configs[n] for n in sorted(self.configs)]
+
+    def model(self, name):
+        return self.configs.get(name)
+
+    def _record(self, verb, name, options):
+        self.calls.append((verb, name, options))
+
+    def _held(self, verb, value):
+        d = defer.Deferred(lambda _: self.cancelled.append(verb))
+        self.pending.append((d, value))
+        return d
+
+    def release(self):
+        pending, self.pending = self.pending, []
+        for d, value in pending:
+            if not d.called:
+                d.callback(value)
+
+    def predict(self, name, options, deadline=None):
+        self._record("predict", name, options)
+        if self.fail_with is not None:
+            return defer.fail(self.fail_with)
+        text = self.answer
+        if text is None:
+            text = options.Messages[-1].content if options.UseTokenizerTemplate \
+                else options.Prompt
+        words = len(text.split())
+        reply = backend_pb2.Reply(message=text.encode("utf-8"),
+                                  tokens=self.tokens if self.tokens is not None else words,
+                                  prompt_tokens=len(options.Prompt.split()) or 1)
+        served = Served(reply, self.node)
+        if self.hold:
+            return self._held("predict", served)
+        return defer.succeed(served)
+
+    def predict_stream(self, name, options, on_reply, deadline=None, on_start=None):
+        self._record("predict_stream", name, options)
+        if self.fail_with is not None:
+            return defer.fail(self.fail_with)
+        if self.manual_streams:
+            stream = ManualStream(name, options, on_reply, on_start, self.node)
+            self.streams.append(stream)
+            return stream.result
+        return defer.ensureDeferred(self._auto_stream(on_reply, on_start))
+
+    async def _auto_stream(self, on_reply, on_start):
+        if on_start is not None:
+            on_start(self.node)
+        for index, piece in enumerate(self.stream_pieces):
+            waiting = on_reply(backend_pb2.Reply(message=piece, tokens=index + 1,
+                                                 prompt_tokens=3))
+            self.auto_stream_waits.append(isinstance(waiting, defer.Deferred))
+            if isinstance(waiting, defer.Deferred):
+                await waiting
+        return Served(None, self.node)
+
+    def embed(self, name, options, deadline=None):
+        self._record("embed", name, options)
+        if self.fail_with is not None:
+            return defer.fail(self.fail_with)
+        seed = options.Embeddings or ",".join(str(t) for t in options.EmbeddingTokens)
+        vector = [((len(seed) + i) % 7) / 8.0 for i in range(self.embedding_dim)]
+        result = backend_pb2.EmbeddingResult(embeddings=vector, tokens=1,
+                                             dim=self.embedding_dim,
+                                             prompt_tokens=len(seed.split()),
+                                             layout=self.embedding_layout)
+        served = Served(result, self.node)
+        if self.hold:
+            return self._held("embed", served)
+        return defer.succeed(served)
+
+    def tokenize(self, name, options, deadline=None):
+        self._record("tokenize", name, options)
+        words = options.Prompt.split()
+        return defer.succeed(Served(backend_pb2.TokenizationResponse(
+            length=len(words), tokens=list(range(len(words)))), self.node))
+
+
+# -- raw HTTP over a StringTransport ------------------------------------------------------------
+
+
+def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES) -> FrontendSite:
+    root = Resource()
+    root.putChild(b"v1", OpenAIResource(router, api_keys=api_keys, now=lambda: 1700000000))
+    return FrontendSite(root, body_limits={b"/v1/": limit}, timeout=None)
+
+
+@dataclass
+class Response:
+    status: int
+    headers: dict
+    raw_body: bytes
+    complete: bool
+    body_chunks: list = field(default_factory=list)
+
+    def json(self):
+        return json.loads(self.raw_body)
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    def events(self) -> list:
+        """The ``data:`` payloads of an SSE body, JSON-decoded except ``[DONE]``."""
+        out = []
+        for block in self.raw_body.decode("utf-8").split("\n\n"):
+            if not block.strip():
+                continue
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+        return out
+
+
+def parse_response(data: bytes) -> Response:
+    head, sep, rest = data.partition(b"\r\n\r\n")
+    assert sep, f"no complete response head in {data[:200]!r}"
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        name = name.strip().lower()
+        headers[name] = f"{headers[name]}, {value.strip()}" if name in headers \
+            else value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body, chunks, complete = b"", [], False
+        while rest:
+            size_line, sep, rest = rest.partition(b"\r\n")
+            if not sep:
+                break
+            size = int(size_line.split(b";")[0], 16)
+            if size == 0:
+                complete = True
+                break
+            chunk, rest = rest[:size], rest[size + 2:]
+            chunks.append(chunk)
+            body += chunk
+        return Response(status, headers, body, complete, chunks)
+    length = int(headers.get("content-length", len(rest)))
+    return Response(status, headers, rest[:length], len(rest) >= length)
+
+
+class Client:
+    """One HTTP/1.1 connection to ``site`` over a ``StringTransport``."""
+
+    def __init__(self, site):
+        self.channel = site.buildProtocol(None)
+        self.transport = StringTransport()
+        self.channel.makeConnection(self.transport)
+
+    def send(self, method: str, path: str, body=None, headers=None, raw: bytes | None = None):
+        if raw is None:
+            raw = b"" if body is None else (body if isinstance(body, bytes)
+                                            else json.dumps(body).encode("utf-8"))
+        head = [f"{method} {path} HTTP/1.1", "Host: test"]
+        all_headers = {"Content-Type": "application/json"} if raw else {}
+        all_headers.update(headers or {})
+        head += [f"{k}: {v}" for k, v in all_headers.items()]
+        head.append(f"Content-Length: {len(raw)}")
+        self.channel.dataReceived("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + raw)
+        return self
+
+    def response(self) -> Response:
+        return parse_response(self.transport.value())
+
+    def disconnect(self):
+        self.channel.connectionLost(Failure(ConnectionDone("client left")))
+
+
+def call(site, method, path, body=None, headers=None, raw=None) -> Response:
+    return Client(site).send(method, path, body, headers, raw).response()
