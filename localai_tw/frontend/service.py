@@ -23,7 +23,8 @@ order:
 
 Routes: ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` and ``/api/cluster/instances`` (admin, ``--api-key``),
-``/api/cluster/connect`` (worker tunnels), ``/api/cluster/peer`` (replica links).
+``/api/cluster/connect`` (worker tunnels), ``/api/cluster/peer`` (replica links), and the
+OpenAI-compatible ``/v1/...`` (``frontend/openai.py``; open unless ``--api-key`` is set).
 
 Stopping runs in this order: stop accepting connections; close the tunnels (releasing their
 claims), the peer links and the worker HTTP pools *before* leaving ``instances``; deregister
@@ -67,6 +68,7 @@ from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
 from .nodes_api import InstancesResource, NodesAdminResource
+from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource
 from .web import APIKeyGuard, ClusterParts, FrontendSite, LateResource
 from .worker_api import WorkerRegistrationResource
 
@@ -222,7 +224,7 @@ class FrontendService(MultiService):
         self._connect_slot = LateResource("the worker tunnel endpoint")
         self._peer_slot = LateResource("the replica peer endpoint")
         self.root = self._build_root()
-        self.site = FrontendSite(self.root)
+        self.site = FrontendSite(self.root, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
         self.listener = ListeningService(reactor, _option(options, "listen", "tcp:8080"),
                                          self.site)
         self.listener.setServiceParent(self)
@@ -242,6 +244,9 @@ class FrontendService(MultiService):
         root = Resource()
         root.putChild(b"healthz", LivenessResource())
         root.putChild(b"readyz", ReadinessResource(_Readiness(self), self._reactor))
+        # The OpenAI API finds the inference router at request time (503 until it is wired).
+        root.putChild(b"v1", OpenAIResource(lambda: getattr(self, "inference", None),
+                                            api_keys=self.api_keys, reactor=self._reactor))
         api = Resource()
         root.putChild(b"api", api)
         api.putChild(b"node", WorkerRegistrationResource(parts))
