@@ -1,0 +1,280 @@
+"""gRPC calls from the frontend to a backend on a worker, through that backend's bridge.
+
+:class:`BridgedBackendClient` holds one grpcio channel to ``unix:<bridge socket>`` (see
+``grpcbridge.py``) and makes ``backend.Backend`` calls without ever blocking the reactor:
+
+- **unary** calls use grpcio's synchronous channel in *future* mode (``stub.X.future(...)``),
+  the same style as the worker's supervisor (``backends/process.py``): grpcio's own threads
+  complete the call and the result is handed to the reactor with ``callFromThread``.  No thread
+  is parked per call; cancelling the Deferred cancels the RPC.
+- **server streaming** (``PredictStream``) has no future mode, so each ``next()`` on the call's
+  iterator runs on a small dedicated thread pool (:class:`StreamThreads`), one item at a time:
+  the next item is fetched only after the caller's ``on_item`` (and the Deferred it returned,
+  if any) finished, so a slow consumer holds the stream (grpc's flow control then holds the
+  backend) -- that is the backpressure.  Items are delivered on the reactor thread, in order.
+  Cancelling cancels the RPC, which ends the blocked ``next()`` at once.
+
+Every call carries ``authorization: Bearer <registration token>`` when a token is configured
+(the worker's backends check it) and uses 50 MiB message limits both ways.
+
+Failure mapping (:func:`classify_rpc_failure`), the heart of "may anyone act on this":
+
+=================================================  =============================================
+what happened                                      raised
+=================================================  =============================================
+the caller's deadline passed (``DEADLINE_EXCEEDED``  ``CallerDeadlineExceeded``
+or the reactor clock says so)
+the caller cancelled                               ``defer.CancelledError``
+``UNAVAILABLE`` and the bridge recorded a dial     that condition exactly: ``WorkerUnroutable``,
+error (now, or a route event during the call)      ``WorkerGone``, ``AbsentWithinGrace``,
+                                                   ``PeerUnreachable``, ``TransportFailure``, or
+                                                   ``StreamRefused`` (the worker's answer)
+``INTERNAL``/``CANCELLED`` with a route event      that route condition
+during the call
+any other status (incl. ``UNAVAILABLE`` with no    ``BackendAnswer(node, code name, details)``
+dial error: the backend itself answered)
+=================================================  =============================================
+
+What this module must never do: block the reactor (no synchronous stub call, no iterator read on
+the reactor thread); report a route failure as the backend's answer; read more than one stream
+item ahead of the consumer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+from twisted.internet import defer, threads
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
+
+from localai_tw import errors
+from localai_tw.backends import backend_pb2_grpc
+
+log = Logger()
+
+MAX_MESSAGE_BYTES = 50 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_http_proxy", 0),
+    # The bridge is local; a failed dial is recorded there.  Retry the connect soon, so a
+    # worker that reconnects is used again within a second, not after grpc's 1-120 s backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # Keep the HTTP/2 connection (one tunnel stream) alive across idle periods.
+    ("grpc.keepalive_time_ms", 60_000),
+]
+#: Per-call timeout when the caller gives no deadline.
+DEFAULT_CALL_TIMEOUT = 300.0
+#: Threads reading stream items (each open stream holds one only while it waits for an item).
+STREAM_THREADS = 32
+
+_ROUTE_SHAPED_WITH_EVENT = (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
+
+
+def classify_rpc_failure(failure: Failure, bridge, snapshot: int, node_id: str, what: str,
+                         deadline_passed: bool) -> Failure:
+    """Map a failed RPC to one condition (module docstring table)."""
+    if failure.check(errors.ClusterError):
+        return failure
+    if failure.check(defer.CancelledError):
+        if deadline_passed:
+            return Failure(errors.CallerDeadlineExceeded(what))
+        return failure
+    exc = failure.value
+    if not (isinstance(exc, grpc.RpcError) and hasattr(exc, "code")):
+        return Failure(errors.TransportFailure(f"{what}: {failure.getErrorMessage()}"))
+    code = exc.code()
+    details = exc.details() or ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or (deadline_passed
+                                                     and code == grpc.StatusCode.CANCELLED):
+        return Failure(errors.CallerDeadlineExceeded(what))
+    if code == grpc.StatusCode.UNAVAILABLE:
+        route = bridge.route_failure_since(snapshot)
+        if route is not None:
+            return Failure(route)
+    elif code in _ROUTE_SHAPED_WITH_EVENT and bridge.route_events > snapshot:
+        return Failure(bridge.route_failure_since(snapshot))
+    return Failure(errors.BackendAnswer(node_id, code.name, details[:2048]))
+
+
+class StreamThreads:
+    """The thread pool that reads server-stream items (started lazily, stopped by ``stop``)."""
+
+    def __init__(self, reactor, size: int = STREAM_THREADS):
+        self._reactor = reactor
+        self._size = size
+        self._pool: ThreadPool | None = None
+
+    def run(self, fn, *args) -> defer.Deferred:
+        if self._pool is None:
+            self._pool = ThreadPool(1, self._size, name="localai-grpc-streams")
+            self._pool.start()
+        return threads.deferToThreadPool(self._reactor, self._pool, fn, *args)
+
+    def stop(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
+
+
+_END = object()
+
+
+def _next_item(iterator):
+    try:
+        return next(iterator)
+    except StopIteration:
+        return _END
+
+
+class BridgedBackendClient:
+    """Calls to one backend (node, port) through its :class:`GrpcBridge`."""
+
+    def __init__(self, bridge, reactor, stream_threads: StreamThreads,
+                 auth_token: str | None = None, default_timeout: float = DEFAULT_CALL_TIMEOUT):
+        self.bridge = bridge
+        self.node_id = bridge.node_id
+        self.port = bridge.port
+        self._reactor = reactor
+        self._threads = stream_threads
+        self._default_timeout = default_timeout
+        self._channel = grpc.insecure_channel(bridge.address, options=CHANNEL_OPTIONS)
+        self._stub = backend_pb2_grpc.BackendStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self.closed = False
+
+    def _timeout(self, deadline: float | None) -> tuple[float, float]:
+        now = self._reactor.seconds()
+        if deadline is None:
+            deadline = now + self._default_timeout
+        return max(deadline - now, 0.001), deadline
+
+    def call(self, method: str, request, deadline: float | None = None) -> defer.Deferred:
+        """A unary RPC; fires with the response message or fails with one condition."""
+        what = f"{method} on worker {self.node_id} port {self.port}"
+        if self.closed:
+            return defer.fail(errors.TransportFailure(f"{what}: the client is closed"))
+        timeout, absolute = self._timeout(deadline)
+        snapshot = self.bridge.snapshot()
+        future = getattr(self._stub, method).future(request, timeout=timeout,
+                                                    metadata=self._metadata)
+        result: defer.Deferred = defer.Deferred(lambda d: future.cancel())
+
+        def deliver(done):
+            if result.called:
+                return  # cancelled by the caller
+            if done.cancelled():
+                result.errback(defer.CancelledError())
+                return
+            exc = done.exception()
+            if exc is not None:
+                result.errback(Failure(exc))
+            else:
+                result.callback(done.result())
+
+        future.add_done_callback(lambda done: self._reactor.callFromThread(deliver, done))
+        return result.addErrback(self._classify, snapshot, what, absolute)
+
+    def stream(self, method: str, request, on_item: Callable[[Any], Any],
+               deadline: float | None = None) -> defer.Deferred:
+        """A server-streaming RPC: ``on_item(message)`` per item, in order, on the reactor;
+        a Deferred it returns is awaited before the next item is read.  Fires with None after
+        the last item."""
+        what = f"{method} on worker {self.node_id} port {self.port}"
+        if self.closed:
+            return defer.fail(errors.TransportFailure(f"{what}: the client is closed"))
+        timeout, absolute = self._timeout(deadline)
+        snapshot = self.bridge.snapshot()
+        call = getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        state = {"cancelled": False}
+
+        def cancel(_):
+            state["cancelled"] = True
+            call.cancel()
+
+        result: defer.Deferred = defer.Deferred(cancel)
+
+        async def pump():
+            while True:
+                item = await self._threads.run(_next_item, call)
+                if result.called:
+                    return
+                if item is _END:
+                    return
+                outcome = on_item(item)
+                if isinstance(outcome, defer.Deferred) or hasattr(outcome, "__await__"):
+                    await outcome
+                if result.called:
+                    return
+
+        def finished(outcome):
+            if result.called:
+                return None
+            if isinstance(outcome, Failure):
+                if not outcome.check(grpc.RpcError):
+                    call.cancel()  # the consumer failed: stop the backend's work too
+                result.errback(outcome)
+            else:
+                result.callback(None)
+            return None
+
+        defer.ensureDeferred(pump()).addBoth(finished)
+        return result.addErrback(self._classify, snapshot, what, absolute)
+
+    def _classify(self, failure: Failure, snapshot: int, what: str, deadline: float):
+        passed = self._reactor.seconds() >= deadline
+        return classify_rpc_failure(failure, self.bridge, snapshot, self.node_id, what, passed)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._channel.close()
+
+
+class BackendClients:
+    """One :class:`BridgedBackendClient` per (node, port), over :class:`GrpcBridges`."""
+
+    def __init__(self, bridges, reactor, auth_token: str | None = None,
+                 default_timeout: float = DEFAULT_CALL_TIMEOUT):
+        self.bridges = bridges
+        self._reactor = reactor
+        self._token = auth_token
+        self._default_timeout = default_timeout
+        self.stream_threads = StreamThreads(reactor)
+        self._clients: dict[tuple[str, int], BridgedBackendClient] = {}
+
+    def client(self, node_id: str, port: int) -> BridgedBackendClient:
+        key = (node_id, int(port))
+        existing = self._clients.get(key)
+        if existing is not None and not existing.closed and not existing.bridge.closed:
+            return existing
+        if existing is not None:
+            existing.close()
+        bridge = self.bridges.bridge(node_id, port)
+        client = BridgedBackendClient(bridge, self._reactor, self.stream_threads, self._token,
+                                      self._default_timeout)
+        self._clients[key] = client
+        return client
+
+    def drop(self, node_id: str, port: int) -> defer.Deferred:
+        client = self._clients.pop((node_id, int(port)), None)
+        if client is not None:
+            client.close()
+        return self.bridges.drop(node_id, port)
+
+    def forget(self, node_id: str) -> defer.Deferred:
+        for key in [k for k in self._clients if k[0] == node_id]:
+            self._clients.pop(key).close()
+        return self.bridges.forget(node_id)
+
+    def close(self) -> defer.Deferred:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        self.stream_threads.stop()
+        return self.bridges.close()
