@@ -221,6 +221,9 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
         path = _relative_path(source, f"{where}.path", entry.get("path"))
         digest = entry.get("sha256")
         if digest is not None:
+            if isinstance(digest, int) and not isinstance(digest, bool):
+                raise ModelConfigError(source, f"{where}.sha256", "was read as a number; quote "
+                                       "it (an all-digit hash loses its leading zeros)")
             if not isinstance(digest, str) or not _SHA256_RE.match(digest.lower()):
                 raise ModelConfigError(source, f"{where}.sha256", "must be 64 hex digits")
             digest = digest.lower()

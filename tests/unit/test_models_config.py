@@ -82,6 +82,12 @@ def test_errors_name_the_file_and_the_field(data, field, words):
     assert words in str(caught.value)
 
 
+def test_an_unquoted_all_digit_sha256_is_refused(tmp_path):
+    text = "name: m\nbackend: echo\nfiles:\n  - path: a\n    sha256: " + "0" * 64 + "\n"
+    with pytest.raises(ModelConfigError, match=r"m.yaml: files\[0\].sha256: .*quote it"):
+        load_model_file(write(tmp_path, "m.yaml", text), "m.yaml")
+
+
 def test_bad_yaml_and_oversized_files_are_refused(tmp_path):
     with pytest.raises(ModelConfigError, match=r"bad.yaml: is not valid YAML at line 2"):
         load_model_file(write(tmp_path, "bad.yaml", "name: a\n  - : [\n"), "bad.yaml")

@@ -1,0 +1,184 @@
+"""``InferenceRouter``: the ``IInferenceRouter`` of a frontend replica.
+
+For each request: the model's config (``ModelCatalog``) -> a loaded placement (warm path), or a
+cold load through the scheduler's lock -> the gRPC call through the (node, port) bridge ->
+``Served(value, served_by=node)``.
+
+Warm-path failures, and what may happen on each (docs/inference.md):
+
+=========================================  ==================================================
+the call failed with                       done
+=========================================  ==================================================
+``StreamRefused`` at the dial (the worker  reap the row (the worker's answer), cold-load and
+said the backend port is not there)        retry once: the call never reached a backend
+``BackendAnswer`` ``FAILED_PRECONDITION``  reap, reload, retry once: the backend lost its model
+"model not loaded", or ``NOT_FOUND``       or another model holds the port; nothing ran
+"model identity mismatch"
+``BackendAnswer`` ``UNAVAILABLE`` (no      reap the row and raise: the backend died under the
+dial error: the backend went away mid-call) call; the next request reloads
+any other ``BackendAnswer``                raise; the row stays (a bad request, a backend bug)
+a routing fact at the dial                 raise nothing yet: skip that node (``WorkerGone``:
+                                           mark it unhealthy, status only) and try another
+                                           node once; never reap
+absence within grace, an unreachable       raise; never reap, never demote
+peer, a transport failure, the caller's
+deadline, a cancellation
+=========================================  ==================================================
+
+Retries happen only when the call is known not to have run: a dial failure (the splice was
+abandoned before any byte reached a backend) or a backend refusal before touching the model.
+
+What this module must never do: reap a row on anything but the worker's answer; retry a call
+that may have run (a Predict that failed mid-way is reported, not repeated); block the reactor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from twisted.internet import defer
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from localai_tw import errors
+
+from .interfaces import IInferenceRouter, ModelNotFound, NoNodeAvailable, Served
+from .models import ModelCatalog, ModelConfig
+from .scheduler import Placement, Scheduler
+
+log = Logger()
+
+#: Attempts per request: the first, plus one after a reap or a skipped node.
+MAX_ATTEMPTS = 2
+
+
+def _reloadable(error: BaseException) -> bool:
+    """The backend refused before running anything: its model is gone or another one is there."""
+    if not isinstance(error, errors.BackendAnswer):
+        return False
+    if error.code == "FAILED_PRECONDITION" and "not loaded" in error.details:
+        return True
+    return error.code == "NOT_FOUND" and "model identity mismatch" in error.details
+
+
+@implementer(IInferenceRouter)
+class InferenceRouter:
+    """Implements ``IInferenceRouter`` over a :class:`ModelCatalog`, a :class:`Scheduler` and
+    ``BackendClients``."""
+
+    def __init__(self, catalog: ModelCatalog, scheduler: Scheduler, clients, reactor):
+        self.catalog = catalog
+        self.scheduler = scheduler
+        self.clients = clients
+        self._reactor = reactor
+
+    @property
+    def models_dir(self) -> str:
+        return self.catalog.models_dir
+
+    # -- IInferenceRouter -----------------------------------------------------------------
+
+    def models(self) -> list[ModelConfig]:
+        return self.catalog.models()
+
+    def model(self, name: str) -> ModelConfig | None:
+        return self.catalog.get(name)
+
+    def predict(self, name, options, deadline=None) -> defer.Deferred:
+        return self._serve(name, options, deadline,
+                           lambda client, req, dl: client.call("Predict", req, dl))
+
+    def embed(self, name, options, deadline=None) -> defer.Deferred:
+        return self._serve(name, options, deadline,
+                           lambda client, req, dl: client.call("Embedding", req, dl))
+
+    def tokenize(self, name, options, deadline=None) -> defer.Deferred:
+        return self._serve(name, options, deadline,
+                           lambda client, req, dl: client.call("TokenizeString", req, dl))
+
+    def predict_stream(self, name, options, on_reply, deadline=None,
+                       on_start=None) -> defer.Deferred:
+        started: list[bool] = []
+
+        def deliver(reply, node_id: str):
+            if not started:
+                started.append(True)
+                if on_start is not None:
+                    on_start(node_id)
+            return on_reply(reply)
+
+        def call(client, req, dl):
+            d = client.stream("PredictStream", req, lambda r: deliver(r, client.node_id), dl)
+            return d
+
+        def retry_allowed() -> bool:
+            return not started  # once a reply went out, a retry would repeat it
+
+        return self._serve(name, options, deadline, call, retry_allowed)
+
+    # -- extra (not in the interface) -------------------------------------------------------
+
+    def unload(self, name: str, node_id: str) -> defer.Deferred:
+        return defer.ensureDeferred(self.scheduler.unload(name, node_id))
+
+    # -- the request path --------------------------------------------------------------------
+
+    def _serve(self, name, options, deadline, call: Callable,
+               retry_allowed: Callable[[], bool] = lambda: True) -> defer.Deferred:
+        config = self.catalog.get(name)
+        if config is None:
+            return defer.fail(ModelNotFound(name))
+        return defer.ensureDeferred(self._run(config, options, deadline, call, retry_allowed))
+
+    async def _placement(self, config: ModelConfig, exclude: frozenset[str],
+                         deadline) -> Placement:
+        placement = await self.scheduler.loaded_placement(config, exclude)
+        if placement is not None:
+            return placement
+        return await self.scheduler.load(config, exclude, deadline)
+
+    async def _run(self, config, options, deadline, call, retry_allowed):
+        exclude: set[str] = set()
+        last_error: BaseException | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            if deadline is not None and self._reactor.seconds() >= deadline:
+                raise errors.CallerDeadlineExceeded(f"serving model {config.name}")
+            try:
+                placement = await self._placement(config, frozenset(exclude), deadline)
+            except NoNodeAvailable:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            request = options.__class__()
+            request.CopyFrom(options)
+            if placement.model_id:
+                request.ModelIdentity = placement.model_id
+            client = self.clients.client(placement.node_id, placement.port)
+            try:
+                value = await call(client, request, deadline)
+            except errors.WorkerAnswer as e:
+                if isinstance(e, errors.StreamRefused) or _reloadable(e):
+                    await self.scheduler.reap(placement, e)
+                    last_error = e
+                    if retry_allowed() and attempt + 1 < MAX_ATTEMPTS:
+                        log.info("model {model} on node {node}: {err}; reloading and retrying "
+                                 "once", model=config.name, node=placement.node_id, err=e)
+                        continue
+                    raise
+                if isinstance(e, errors.BackendAnswer) and e.code == "UNAVAILABLE":
+                    await self.scheduler.reap(placement, e)
+                raise
+            except errors.RoutingFact as e:
+                # No route to that node now: skip it for this request; never reap.
+                if isinstance(e, errors.WorkerGone):
+                    await self.scheduler.mark_gone(placement.node_id)
+                exclude.add(placement.node_id)
+                last_error = e
+                if retry_allowed() and attempt + 1 < MAX_ATTEMPTS:
+                    log.info("model {model}: no route to node {node} ({err}); trying another "
+                             "node", model=config.name, node=placement.node_id, err=e)
+                    continue
+                raise
+            self.scheduler.touch(placement)
+            return Served(value, placement.node_id)
+        raise last_error  # pragma: no cover - the loop always returns or raises

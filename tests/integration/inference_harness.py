@@ -1,0 +1,118 @@
+"""A real cluster in one process for the inference tests: FrontendService replicas on one
+PostgreSQL database, real ``makeWorkerService`` workers (tunnel over WebSocket + yamux, the
+backend supervisor, file staging) and the built-in ``echo`` backend as a real subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+
+from twisted.internet import reactor, task
+
+from localai_tw.config import PortRange
+from localai_tw.frontend.service import FrontendService
+from localai_tw.worker.service import makeWorkerService
+
+TOKEN = "inference-registration-token"
+ADMIN = "sk-inference-admin"
+_ports = itertools.count(32000, 20)
+
+
+async def eventually(predicate, timeout=20.0, what="condition"):
+    for _ in range(int(timeout / 0.05)):
+        value = predicate()
+        if hasattr(value, "__await__"):
+            value = await value
+        if value:
+            return value
+        await task.deferLater(reactor, 0.05, lambda: None)
+    raise AssertionError(f"{what} not met in {timeout}s")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Cluster:
+    def __init__(self, dsn: str, base_dir: str):
+        self.dsn = dsn
+        self.base_dir = base_dir
+        self.models_dir = os.path.join(base_dir, "models")
+        os.makedirs(self.models_dir, exist_ok=True)
+        self.frontends: list[FrontendService] = []
+        self.workers: list = []
+
+    def write_model(self, filename: str, text: str) -> None:
+        with open(os.path.join(self.models_dir, filename), "w") as f:
+            f.write(text)
+
+    def write_file(self, relative: str, data: bytes) -> str:
+        path = os.path.join(self.models_dir, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    async def frontend(self, instance_id: str, **options) -> FrontendService:
+        data_dir = os.path.join(self.base_dir, instance_id)
+        os.makedirs(data_dir, exist_ok=True)
+        service = FrontendService(
+            {"listen": "tcp:0:interface=127.0.0.1", "database-url": self.dsn,
+             "instance-id": instance_id, "single-host": True, "registration-token": TOKEN,
+             "api-key": [ADMIN], "reconnect-grace": 90.0, "data-dir": data_dir,
+             "models-dir": self.models_dir, **options}, reactor=reactor)
+        service.startService()
+        self.frontends.append(service)
+        await service.whenReady().addTimeout(30, reactor)
+        return service
+
+    def base_url(self, frontend: FrontendService) -> str:
+        return f"http://127.0.0.1:{frontend.listener.tcp_port()}"
+
+    async def worker(self, name: str, via: FrontendService, labels=None):
+        first = next(_ports)
+        data_dir = os.path.join(self.base_dir, "w-" + name)
+        worker = makeWorkerService(
+            {"register-to": self.base_url(via), "registration-token": TOKEN, "node-name": name,
+             "node-type": "backend", "backend-port-range": PortRange(first, first + 15),
+             "labels": labels or {}, "data-dir": data_dir}, reactor)
+        worker.startService()
+        self.workers.append(worker)
+        node_id = await eventually(lambda: worker.registrar.registration
+                                   and worker.registrar.registration.node_id,
+                                   what=f"{name} registered")
+        await eventually(lambda: via.tunnels.holds(node_id), what=f"{name} tunnel held")
+        worker.node_id = node_id
+        worker.data_dir = data_dir
+        return worker
+
+    async def owner_of(self, node_id: str) -> str:
+        rows = await self.frontends[0].database_service.database.runQuery(
+            "SELECT owner_instance_id FROM node_connections WHERE node_id = %s", (node_id,))
+        return rows[0][0] if rows else ""
+
+    async def rows(self, model_name: str | None = None):
+        db = self.frontends[0].database_service.database
+        rows = await db.runQuery(
+            "SELECT node_id, model_name, state, address, loaded_model FROM node_models"
+            " WHERE %s::text IS NULL OR model_name = %s ORDER BY node_id, model_name",
+            (model_name, model_name))
+        return [tuple(r) for r in rows]
+
+    async def close(self) -> None:
+        for worker in reversed(self.workers):
+            if worker.running:
+                await worker.stopService()
+        for frontend in reversed(self.frontends):
+            if frontend.running:
+                await frontend.stopService()
+
+
+def supervisor_of(worker):
+    from localai_tw.backends.process import BackendSupervisor
+
+    for service in worker:
+        if isinstance(service, BackendSupervisor):
+            return service
+    raise AssertionError("no backend supervisor")
