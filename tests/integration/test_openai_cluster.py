@@ -1,0 +1,74 @@
+"""The OpenAI API end to end on a real cluster in one process: a FrontendService, a real
+worker (tunnel, supervisor, staging) and the ``echo`` backend as a subprocess, driven by the
+official ``openai`` client.  The first request cold-loads the model through the router."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_twisted
+from twisted.internet import threads
+
+from .inference_harness import ADMIN, Cluster, sha256_hex
+
+openai = pytest.importorskip("openai")
+
+WEIGHTS = b"echo weights " * 100
+
+
+@pytest_twisted.async_yield_fixture
+async def cluster(pg_dsn, tmp_path):
+    c = Cluster(pg_dsn, str(tmp_path))
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_openai_client_through_frontend_worker_and_echo_backend(cluster):
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", (
+        "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n  max_tokens: 64\n"
+        f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
+        "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
+        "options: ['echo.dim:6']\n"))
+    frontend = await cluster.frontend("replica-o")
+    worker = await cluster.worker("w-openai", frontend)
+    base = cluster.base_url(frontend) + "/v1"
+
+    def use_the_api():
+        client = openai.OpenAI(base_url=base, api_key=ADMIN, max_retries=0, timeout=60)
+        models = [m.id for m in client.models.list()]
+        raw = client.chat.completions.with_raw_response.create(
+            model="echo-chat", messages=[{"role": "user", "content": "héllo wörld again"}])
+        chat = raw.parse()
+        streamed = client.chat.completions.create(
+            model="echo-chat", messages=[{"role": "user", "content": "one two three"}],
+            stream=True, stream_options={"include_usage": True})
+        chunks = list(streamed)
+        completion = client.completions.create(model="echo-chat", prompt="a b c d",
+                                               max_tokens=2)
+        embedded = client.embeddings.create(model="echo-chat", input=["x", "y z"])
+        try:
+            openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0).models.list()
+            refused = None
+        except openai.AuthenticationError as e:
+            refused = e.status_code
+        return models, raw.headers.get("x-localai-node"), chat, chunks, completion, \
+            embedded, refused
+
+    models, node, chat, chunks, completion, embedded, refused = \
+        await threads.deferToThread(use_the_api)
+    assert models == ["echo-chat"]
+    assert node == worker.node_id
+    assert chat.choices[0].message.content == "héllo wörld again"
+    assert chat.usage.completion_tokens == 3 and chat.usage.prompt_tokens == 3
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "one two three"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == 3
+    assert completion.choices[0].text == "a b"
+    assert completion.choices[0].finish_reason == "length"
+    assert [len(d.embedding) for d in embedded.data] == [6, 6]
+    assert embedded.data[0].embedding != embedded.data[1].embedding
+    assert refused == 401
