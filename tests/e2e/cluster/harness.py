@@ -287,10 +287,15 @@ class Cluster:
                 return False
         wait_for(ready, timeout, f"{fe.name} /readyz = 200", interval=0.2)
 
-    def start_worker(self, prefer: int, *, name: str | None = None) -> Worker:
+    def start_worker(self, prefer: int, *, name: str | None = None,
+                     tunnel_blocked: bool = False) -> Worker:
+        """A worker registered to its own balancer preferring frontend ``prefer``
+        (``tunnel_blocked``: its tunnel dials are refused from the very first one)."""
         index = len(self.workers)
         name = name or f"worker{index}-{uuid.uuid4().hex[:6]}"
         balancer = Balancer(self.upstreams, preferred=prefer, name=f"lb-{name}")
+        if tunnel_blocked:
+            balancer.block_tunnel()
         self.balancers.append(balancer)
         data_dir = self.workdir / f"{name}-data"
         data_dir.mkdir()
