@@ -9,6 +9,8 @@ import json
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet import defer
 
 from localai_tw.backends import backend_pb2
@@ -493,3 +495,29 @@ def test_resource_accepts_a_router_object_directly(router):
     root = Resource()
     root.putChild(b"v1", OpenAIResource(router))
     assert call(FrontendSite(root, timeout=None), "GET", "/v1/models").status == 200
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=1, max_size=40), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_stream_reassembles_any_text_split_at_any_byte(text, cuts):
+    router = FakeRouter([model_config("m")])
+    data = text.encode("utf-8")
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    router.stream_pieces = [data[a:b] for a, b in zip(points, points[1:])]
+    events = call(make_site(router), "POST", "/v1/chat/completions",
+                  chat(model="m", stream=True)).events()
+    deltas = [e["choices"][0]["delta"].get("content") for e in events[1:-2]]
+    assert all(deltas)  # every event carries at least one whole character
+    assert "".join(deltas) == text
+
+
+def test_stream_starting_on_a_full_transport_waits_at_once(site, router):
+    router.manual_streams = True
+    client = Client(site).send("POST", "/v1/chat/completions", chat(stream=True))
+    stream, = router.streams
+    client.transport.producer.pauseProducing()  # full before the stream registers
+    stream.start()
+    waiting = stream.push(b"x")
+    assert isinstance(waiting, defer.Deferred) and not waiting.called
+    client.transport.producer.resumeProducing()
+    assert waiting.called
