@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import random
 
 from twisted.internet import reactor, task
 
@@ -16,7 +17,8 @@ from localai_tw.worker.service import makeWorkerService
 
 TOKEN = "inference-registration-token"
 ADMIN = "sk-inference-admin"
-_ports = itertools.count(32000, 20)
+# A random block per test process: other suites (and other checkouts) use fixed ranges.
+_ports = itertools.count(random.randrange(34000, 60000, 20), 20)
 
 
 async def eventually(predicate, timeout=20.0, what="condition"):
