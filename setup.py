@@ -38,6 +38,7 @@ setup(
             "pytest-twisted>=1.14,<2",
             "hypothesis>=6.100,<7",
             "grpcio-tools>=1.85.1,<2",
+            "openai>=1.50,<4",
         ],
         # Heavy inference backends run in their own processes; the base install never imports
         # these.  CPU builds of torch are enough for the tests.
