@@ -16,13 +16,16 @@ order:
    per-node ``WorkerHTTPClient``;
 4. ``MembershipService`` with the ``InstanceIdentity`` (whose peer secret is minted once per
    process and never leaves it); a failed first registration fails startup;
+   then the inference core (``self.inference``, an ``IInferenceRouter``: model YAML from
+   ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the scheduler);
 5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscribers drop this process's
    per-node HTTP connection pools;
 6. the APIs and the tunnel endpoints go live; ``/readyz`` turns 200 (database ready *and*
    membership registered).
 
 Routes: ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
-``/api/nodes...`` and ``/api/cluster/instances`` (admin, ``--api-key``),
+``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
+``/api/cluster/instances`` (admin, ``--api-key``),
 ``/api/cluster/connect`` (worker tunnels), ``/api/cluster/peer`` (replica links), and the
 OpenAI-compatible ``/v1/...`` (``frontend/openai.py``; open unless ``--api-key`` is set).
 
@@ -38,6 +41,7 @@ token, API keys, peer secret), and never block the reactor (address discovery ru
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from typing import Any, Mapping
 
@@ -69,6 +73,7 @@ from localai_tw.tunnel.route import WorkerDialer
 
 from .nodes_api import InstancesResource, NodesAdminResource
 from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource
+from .scheduling_api import NodesWithScheduling, SchedulingResource
 from .web import APIKeyGuard, ClusterParts, FrontendSite, LateResource
 from .worker_api import WorkerRegistrationResource
 
@@ -195,6 +200,12 @@ class FrontendService(MultiService):
         self._registration_token = _option(options, "registration-token", "")
         self._require_approval = bool(options.get("require-approval"))
         self.reconnect_grace = _option(options, "reconnect-grace")
+        data_dir = options.get("data-dir")
+        #: Model YAML files (``--models-dir``, default ``<data-dir>/models``).
+        self.models_dir = _option(options, "models-dir") or os.path.join(data_dir or ".",
+                                                                        "models")
+        #: Where the gRPC bridge sockets live (None: a private temporary directory).
+        self.run_dir = os.path.join(data_dir, "run") if data_dir else None
         self._health_interval = health_interval
         self._stale_after = stale_after
         # The peer secret is minted here, once per process; only its hash is published, and
@@ -219,6 +230,10 @@ class FrontendService(MultiService):
         self.membership: MembershipService | None = None
         self.health: HealthMonitor | None = None
         self.identity: InstanceIdentity | None = None
+        #: The inference core (``IInferenceRouter``), set once wired; see frontend/inference.py.
+        self.inference = None
+        self.backend_clients = None
+        self.control = None
 
         self.api_keys = APIKeyGuard(options.get("api-key") or [])
         self._connect_slot = LateResource("the worker tunnel endpoint")
@@ -250,7 +265,8 @@ class FrontendService(MultiService):
         api = Resource()
         root.putChild(b"api", api)
         api.putChild(b"node", WorkerRegistrationResource(parts))
-        api.putChild(b"nodes", NodesAdminResource(parts, self.api_keys))
+        api.putChild(b"nodes", NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
+                                                   SchedulingResource(parts, self.api_keys)))
         cluster = Resource()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))
@@ -322,8 +338,11 @@ class FrontendService(MultiService):
         self.dialer = WorkerDialer(self.tunnels, self.fence, self.peer_pool, self.instance_id,
                                    grace, reactor)
         self.worker_http = WorkerHTTPClient(self.dialer, reactor)
+        self._wire_inference(db, reactor, grace)
+        # One subscriber drops every per-node connection of this process: the HTTP pools and
+        # the gRPC bridges (their sockets and channels).
         self.notifier = DepartureNotifier({
-            "worker-http-connections": self.worker_http.forget,
+            "worker-http-connections": self._forget_worker_connections,
         })
 
         self._state = "joining the cluster (registering this replica)"
@@ -345,6 +364,31 @@ class FrontendService(MultiService):
                                   instance_id=self.instance_id, reconnect_grace=grace,
                                   on_registered=self._node_registered,
                                   on_deleted=self._node_deleted)
+
+    def _forget_worker_connections(self, node_id: str) -> defer.Deferred:
+        forgetting = [self.worker_http.forget(node_id)]
+        if self.backend_clients is not None:
+            forgetting.append(self.backend_clients.forget(node_id))
+        return defer.DeferredList(forgetting, consumeErrors=True)
+
+    def _wire_inference(self, db, reactor, grace) -> None:
+        from localai_tw.tunnel.endpoint import ControlClient
+
+        from .backend_client import BackendClients
+        from .grpcbridge import GrpcBridges
+        from .inference import InferenceRouter
+        from .models import ModelCatalog
+        from .scheduler import Scheduler
+
+        self.control = ControlClient(self.worker_http, self._registration_token, reactor)
+        self.backend_clients = BackendClients(
+            GrpcBridges(self.dialer, self.run_dir, self.instance_id, reactor), reactor,
+            self._registration_token or None)
+        catalog = ModelCatalog(self.models_dir)
+        scheduler = Scheduler(db, self.nodes, self.fence, self.control, self.worker_http,
+                              self.backend_clients, self.instance_id, self.models_dir, reactor,
+                              token=self._registration_token, grace=grace)
+        self.inference = InferenceRouter(catalog, scheduler, self.backend_clients, reactor)
 
     def _wired(self, _) -> None:
         self._state = "ready"
@@ -402,6 +446,8 @@ class FrontendService(MultiService):
     def _node_deleted(self, node_id: str) -> defer.Deferred | None:
         if self.tunnels is not None:
             self.tunnels.disconnect(node_id)
+        if self.backend_clients is not None:
+            self.backend_clients.forget(node_id)
         if self.worker_http is not None:
             return self.worker_http.forget(node_id)
         return None
@@ -436,6 +482,11 @@ class FrontendService(MultiService):
         for closing in (self.peer_links, self.peer_pool):
             if closing is not None:
                 closing.close()
+        if self.backend_clients is not None:
+            try:
+                await self.backend_clients.close()
+            except Exception:
+                log.failure("closing the gRPC bridges failed", Failure())
         if self.worker_http is not None:
             try:
                 await self.worker_http.close()

@@ -49,6 +49,9 @@ SETTINGS = (
                  "Directory for this replica's state (the embedded PostgreSQL lives in "
                  "<data-dir>/postgres).",
                  default=config.default_data_dir(), parse=config.parse_path),
+    config.value("models-dir", "LOCALAI_MODELS_DIR",
+                 "Directory of model YAML files.", parse=config.parse_path,
+                 default_doc="<data-dir>/models"),
     config.value("instance-id", "LOCALAI_INSTANCE_ID",
                  "This replica's id in the cluster (at most 36 characters). Keep it stable "
                  "across restarts.",
