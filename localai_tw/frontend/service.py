@@ -13,13 +13,13 @@ order:
    otherwise the replica publishes no address (it works alone; other replicas cannot relay to
    it, which they report as an unreachable peer, never as a statement about a worker);
 3. ``TunnelRegistry``, the accepted peer links, the ``PeerPool``, the ``WorkerDialer`` and the
-   per-node ``WorkerHTTPClient``;
+   per-node ``WorkerHTTPClient``; then the inference core (``self.inference``, an
+   ``IInferenceRouter``: model YAML from ``--models-dir``, gRPC bridges under
+   ``<data-dir>/run``, the scheduler);
 4. ``MembershipService`` with the ``InstanceIdentity`` (whose peer secret is minted once per
    process and never leaves it); a failed first registration fails startup;
-   then the inference core (``self.inference``, an ``IInferenceRouter``: model YAML from
-   ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the scheduler);
 5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscribers drop this process's
-   per-node HTTP connection pools;
+   per-node HTTP connection pools and gRPC bridges;
 6. the APIs and the tunnel endpoints go live; ``/readyz`` turns 200 (database ready *and*
    membership registered).
 
