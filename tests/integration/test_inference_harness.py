@@ -1,4 +1,5 @@
-"""A real cluster in one process for the inference tests: FrontendService replicas on one
+"""(No tests here: the shared harness, named test_* to stay within this suite's files.)
+A real cluster in one process for the inference tests: FrontendService replicas on one
 PostgreSQL database, real ``makeWorkerService`` workers (tunnel over WebSocket + yamux, the
 backend supervisor, file staging) and the built-in ``echo`` backend as a real subprocess."""
 
