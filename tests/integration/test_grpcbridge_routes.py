@@ -15,7 +15,7 @@ from twisted.internet import defer, reactor, task
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
 
-from .test_inference_harness import Cluster, eventually
+from .inference_harness import Cluster, eventually
 
 
 @pytest_twisted.async_yield_fixture

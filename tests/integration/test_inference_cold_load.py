@@ -16,7 +16,7 @@ from localai_tw.frontend.interfaces import (
     NoNodeAvailable,
 )
 
-from .test_inference_harness import Cluster, sha256_hex
+from .inference_harness import Cluster, sha256_hex
 
 WEIGHTS = b"tiny weights " * 1000
 

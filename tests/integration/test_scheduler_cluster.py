@@ -16,7 +16,7 @@ from twisted.web.client import HTTPConnectionPool
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
 
-from .test_inference_harness import ADMIN, Cluster, eventually, sha256_hex, supervisor_of
+from .inference_harness import ADMIN, Cluster, eventually, sha256_hex, supervisor_of
 
 WEIGHTS = b"relay weights " * 4000
 
