@@ -2,17 +2,23 @@
 
 Usage:  python benchmarks/bench_bus.py [DSN]      (or set LOCALAI_TEST_DSN)
 
-Environment: BENCH_JOBS (jobs per claim run, default 2000); BENCH_ASYNC_COMMIT=1 runs on a
+Environment: BENCH_JOBS (jobs per claim run, default 2000); BENCH_REPEATS (drains per consumer
+count, default 3; the median is reported); BENCH_ASYNC_COMMIT=1 runs on a
 scratch database with synchronous_commit = off, to show how much of the claim cost is the WAL
 flush of each commit (diagnostic; the queue itself does not turn it off).
 
 The DSN names a maintenance database on a server where this script may CREATE DATABASE; it
 creates a scratch database, migrates it, measures, and drops it.  Results are printed as a
-markdown table on stdout.  This is a script, not a test: nothing here asserts.
+markdown table on stdout.  This is a script, not a test; it only refuses to report a claim
+run that did not handle every row exactly once.
 
-- claims/s: N jobs drained by 1, 4 and 16 ClaimConsumers, each on its own pool (size 2) with its
-  own live instance id, max 4 in flight, a handler that returns at once.  Each job costs one
-  claim statement and one complete statement.
+- claims: N jobs drained by 1, 4 and 16 ClaimConsumers, each on its own pool (size 2) with its
+  own live instance id, max 4 in flight, a handler that returns at once.  Two rates per run,
+  both from starting the consumers: claims/s (rows claimed, to the last claim) and cycles/s
+  (rows claimed, handled and completed, to the last complete: the drain rate).  A consumer
+  claims its free slots in one statement and completes finished rows in batches, so the
+  statements per job are printed too.  Each run checks every row was handled exactly once and
+  the table is empty.
 - latency: two PgBus instances on separate pools in this process; one publishes, one
   subscribes; time from calling publish to the handler running, one message at a time
   (inline: a small payload; spilled: a 9000-byte payload).
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 import time
 import uuid
@@ -37,6 +44,7 @@ from localai_tw.db.migrate import migrate
 from localai_tw.db.pool import Database, dsn_with
 
 JOBS_PER_RUN = int(os.environ.get("BENCH_JOBS", "2000"))
+REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 CONSUMER_COUNTS = (1, 4, 16)
 INLINE_MESSAGES = 1000
 SPILLED_MESSAGES = 300
@@ -48,7 +56,37 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[k]
 
 
-async def bench_claims(reactor, dsn: str, consumers: int) -> float:
+class _TimedQueue(ClaimQueue):
+    """A ClaimQueue that notes when rows were last claimed and last completed (bench only)."""
+
+    def __init__(self, db, marks):
+        super().__init__(db)
+        self.marks = marks
+
+    async def claim_many(self, owner, kinds, limit):
+        claims = await super().claim_many(owner, kinds, limit)
+        if claims:
+            self.marks["claimed"] += len(claims)
+            self.marks["last_claim"] = time.perf_counter()
+        return claims
+
+    async def complete_many(self, claims):
+        done = await super().complete_many(claims)
+        n = sum(done)
+        if n:
+            self.marks["completed"] += n
+            self.marks["last_complete"] = time.perf_counter()
+        return done
+
+
+async def bench_claims(reactor, dsn: str, consumers: int) -> dict[str, float]:
+    """One drain of JOBS_PER_RUN rows by ``consumers`` consumers.
+
+    - claims/s: rows claimed / time from starting the consumers to the last row claimed;
+    - cycles/s: rows completed / time to the last complete (claim + no-op handler + complete:
+      the rate at which the queue is actually drained).
+    Both are checked, not assumed: every row claimed exactly once, the table empty at the end.
+    """
     admin = Database(dsn, size=2, reactor=reactor)
     await admin.start()
     await admin.runOperation("DELETE FROM work_claims")
@@ -67,20 +105,21 @@ async def bench_claims(reactor, dsn: str, consumers: int) -> float:
         await pool.start()
         pools.append(pool)
     finished = defer.Deferred()
-    done = [0]
+    marks = {"claimed": 0, "completed": 0, "last_claim": 0.0, "last_complete": 0.0}
+    seen: dict[str, int] = {}
 
     def handler(claim):
+        seen[claim.id] = seen.get(claim.id, 0) + 1
         return None
 
-    services = [ClaimConsumer(ClaimQueue(p), o, ["task"], handler, max_in_flight=4,
+    services = [ClaimConsumer(_TimedQueue(p, marks), o, ["task"], handler, max_in_flight=4,
                               poll_interval=2.0, reactor=reactor)
                 for p, o in zip(pools, owners)]
 
     def check():
-        done[0] = sum(s.stats["completed"] for s in services)
         if os.environ.get("BENCH_DEBUG"):
-            print(done[0], [s.stats for s in services][:2], file=sys.stderr)
-        if done[0] >= JOBS_PER_RUN and not finished.called:
+            print(marks, [s.stats for s in services][:2], file=sys.stderr)
+        if marks["completed"] >= JOBS_PER_RUN and not finished.called:
             finished.callback(None)
 
     watcher = task.LoopingCall(check)
@@ -90,14 +129,23 @@ async def bench_claims(reactor, dsn: str, consumers: int) -> float:
         s.startService()
     watcher.start(0.5 if os.environ.get('BENCH_DEBUG') else 0.005)
     await finished
-    elapsed = time.perf_counter() - started
     watcher.stop()
     for s in services:
         await s.stopService()
     for p in pools:
         p.close()
+    left = (await admin.runQuery("SELECT count(*) FROM work_claims"))[0][0]
     admin.close()
-    return JOBS_PER_RUN / elapsed
+    if left or len(seen) != JOBS_PER_RUN or set(seen.values()) != {1}:
+        raise SystemExit(f"benchmark run is wrong: {left} rows left, {len(seen)} distinct "
+                         f"rows handled, repeats {set(seen.values())}")
+    stats = [s.stats for s in services]
+    return {
+        "claims": marks["claimed"] / (marks["last_claim"] - started),
+        "cycles": marks["completed"] / (marks["last_complete"] - started),
+        "claim_statements": sum(st["claim_statements"] for st in stats),
+        "complete_statements": sum(st["complete_statements"] for st in stats),
+    }
 
 
 async def bench_latency(reactor, dsn: str) -> dict[str, tuple[float, float]]:
@@ -158,8 +206,14 @@ async def main(reactor, admin_dsn: str) -> None:
         db.close()
         claims = {}
         for n in CONSUMER_COUNTS:
-            claims[n] = await bench_claims(reactor, dsn, n)
-            print(f"# {n} consumers: {claims[n]:.0f} claims/s", file=sys.stderr)
+            runs = []
+            for _ in range(REPEATS):
+                runs.append(await bench_claims(reactor, dsn, n))
+                print(f"# {n} consumers: {runs[-1]['claims']:.0f} claims/s, "
+                      f"{runs[-1]['cycles']:.0f} cycles/s, "
+                      f"{runs[-1]['claim_statements']} claim and "
+                      f"{runs[-1]['complete_statements']} complete statements", file=sys.stderr)
+            claims[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         latency = await bench_latency(reactor, dsn)
     finally:
         conn.cursor().execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -170,8 +224,14 @@ async def main(reactor, admin_dsn: str) -> None:
     print("| measure | value |")
     print("|---|---|")
     for n in CONSUMER_COUNTS:
-        print(f"| claims/s, {n} consumer{'s' if n > 1 else ''} ({JOBS_PER_RUN} jobs) "
-              f"| {claims[n]:.0f} |")
+        c = claims[n]
+        who = f"{n} consumer{'s' if n > 1 else ''}"
+        print(f"| claims/s, {who} ({JOBS_PER_RUN} jobs, median of {REPEATS}) "
+              f"| {c['claims']:.0f} |")
+        print(f"| cycles/s (claim + no-op + complete), {who} | {c['cycles']:.0f} |")
+        print(f"| statements per job (claim + complete), {who} "
+              f"| {c['claim_statements'] / JOBS_PER_RUN:.2f} + "
+              f"{c['complete_statements'] / JOBS_PER_RUN:.2f} |")
     for label, count in (("inline", INLINE_MESSAGES), ("spilled", SPILLED_MESSAGES)):
         p50, p99 = latency[label]
         print(f"| publish-to-deliver {label}, p50 / p99 ({count} msgs) "

@@ -1,7 +1,9 @@
 """The work claim queue: rows in ``work_claims`` claimed with ``FOR UPDATE SKIP LOCKED``.
 
 A unit of work is enqueued as a row; a live frontend replica claims it with one statement that
-also checks the replica is live, drives it, and settles it.  Every settle (complete, release
+also checks the replica is live, drives it, and settles it.  A consumer claims all its free slots
+in one statement and completes the rows finished in the same reactor turn (or while the previous
+batch was being written) in one fenced statement: one commit per batch instead of per row.  Every settle (complete, release
 after a transport failure, release after a work failure) is fenced by the holder *and* the
 ``attempts`` count read at claim time, so a holder that was reaped and answers late changes
 nothing.  Claims held by replicas that are not live (``instances``) are reaped at once, with no
@@ -29,6 +31,7 @@ import psycopg2
 from twisted.application import service
 from twisted.internet import defer, task
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from localai_tw import errors
 from localai_tw.cluster.membership import (
@@ -136,28 +139,39 @@ def _check_owner(owner: str) -> str:
 
 _FENCE = "id = %s AND claimed_by = %s AND attempts = %s"
 
-# One statement: the liveness of the owner and the claim are decided together.  The inner
-# SELECT ... FOR UPDATE SKIP LOCKED lets concurrent claimers pass each other's locked rows.
-_CLAIM_NEXT_SQL = f"""
+#: Most rows one claim or complete statement handles (a consumer asks for at most its free
+#: slots; a larger bound is served by several statements).
+MAX_BATCH = 256
+
+# One statement, one round trip, one commit: the liveness of the owner and the claim of up to
+# ``limit`` rows are decided together.  ``picked`` is MATERIALIZED so the locking sub-select runs
+# exactly once (a re-scanned LIMIT sub-select could hand back more rows than asked for); FOR
+# UPDATE SKIP LOCKED lets concurrent claimers pass each other's locked rows.  The LEFT JOIN
+# always yields one row, so a live owner with nothing to claim is told apart from a non-live one
+# (``live`` false, no rows) in the same answer.
+_CLAIM_SQL = f"""
 WITH owner_live AS (
     SELECT EXISTS (SELECT 1 FROM instances
                    WHERE instances.id = %s AND {INSTANCE_IS_LIVE_SQL}) AS live
+), picked AS MATERIALIZED (
+    SELECT id FROM work_claims
+    WHERE claimed_at IS NULL
+      AND kind = ANY(%s)
+      AND (not_before IS NULL OR not_before <= now())
+      AND (SELECT live FROM owner_live)
+    ORDER BY created_at, id
+    FOR UPDATE SKIP LOCKED
+    LIMIT %s
 ), claimed AS (
     UPDATE work_claims SET claimed_by = %s, claimed_at = now()
-    WHERE id = (
-        SELECT id FROM work_claims
-        WHERE claimed_at IS NULL
-          AND kind = ANY(%s)
-          AND (not_before IS NULL OR not_before <= now())
-          AND (SELECT live FROM owner_live)
-        ORDER BY created_at, id
-        FOR UPDATE SKIP LOCKED
-        LIMIT 1)
-    RETURNING id, kind, payload, attempts, failures
+    FROM picked WHERE work_claims.id = picked.id
+    RETURNING work_claims.id, work_claims.kind, work_claims.payload, work_claims.attempts,
+              work_claims.failures, work_claims.created_at
 )
 SELECT owner_live.live, claimed.id, claimed.kind, claimed.payload, claimed.attempts,
        claimed.failures
 FROM owner_live LEFT JOIN claimed ON true
+ORDER BY claimed.created_at, claimed.id
 """
 
 # attempts on the right-hand side is the pre-increment value (UPDATE reads the old row).
@@ -175,7 +189,15 @@ _ABANDON_SQL = (
     f" not_before = NULL WHERE {_FENCE} RETURNING id"
 )
 
-_COMPLETE_SQL = f"DELETE FROM work_claims WHERE {_FENCE} RETURNING id"
+# Fenced like every settle: a row is deleted only where id, holder AND attempts all match one of
+# the given tenures.  One statement (one commit) for a whole batch.
+_COMPLETE_MANY_SQL = (
+    "DELETE FROM work_claims USING unnest(%s::text[], %s::text[], %s::int[])"
+    " AS fence(id, claimed_by, attempts)"
+    " WHERE work_claims.id = fence.id AND work_claims.claimed_by = fence.claimed_by"
+    " AND work_claims.attempts = fence.attempts"
+    " RETURNING work_claims.id, work_claims.claimed_by, work_claims.attempts"
+)
 
 _REAP_SQL = (
     "UPDATE work_claims SET claimed_by = '', claimed_at = NULL, attempts = attempts + 1,"
@@ -239,22 +261,52 @@ class ClaimQueue:
         Raises ``EmptyOwner`` for an empty owner and ``OwnerNotLive`` when ``owner`` is not a
         live instance (checked in the same statement as the claim).
         """
+        claims = await self.claim_many(owner, kinds, 1)
+        return claims[0] if claims else None
+
+    async def claim_many(self, owner: str, kinds: Iterable[str], limit: int) -> list[Claim]:
+        """Claim up to ``limit`` (at most ``MAX_BATCH``) of the oldest ready rows of ``kinds``
+        for ``owner`` in one statement, oldest first; ``[]`` when none is ready.
+
+        Raises ``EmptyOwner`` for an empty owner and ``OwnerNotLive`` when ``owner`` is not a
+        live instance (decided in the same statement as the claim: a non-live owner claims
+        nothing).
+        """
         _check_owner(owner)
         kinds = [_check_kind(k) for k in kinds]
         if not kinds:
-            raise InvalidKind("claim_next needs at least one kind")
-        ((live, row_id, kind, payload, attempts, failures),) = await self.db.runQuery(
-            _CLAIM_NEXT_SQL, (owner, self.liveness, owner, kinds))
-        if not live:
+            raise InvalidKind("a claim needs at least one kind")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"claim limit must be a positive integer, got {limit!r}")
+        rows = await self.db.runQuery(
+            _CLAIM_SQL, (owner, self.liveness, kinds, min(limit, MAX_BATCH), owner))
+        if not rows or not rows[0][0]:
             raise OwnerNotLive(owner)
-        if row_id is None:
-            return None
-        return Claim(row_id, kind, bytes(payload), owner, attempts, failures)
+        return [Claim(row_id, kind, bytes(payload), owner, attempts, failures)
+                for _live, row_id, kind, payload, attempts, failures in rows
+                if row_id is not None]
 
     async def complete(self, claim: Claim) -> bool:
         """Delete the row (the work is done, successfully or not).  False if no longer held."""
-        rows = await self.db.runQuery(_COMPLETE_SQL, (claim.id, claim.owner, claim.attempts))
-        return self._fenced(bool(rows), "complete", claim)
+        (done,) = await self.complete_many([claim])
+        return done
+
+    async def complete_many(self, claims: Sequence[Claim]) -> list[bool]:
+        """Complete several claims in one fenced statement (one commit per ``MAX_BATCH``).
+
+        Each row is deleted only if it is still held by that claim's owner with that claim's
+        attempts.  Returns one flag per claim, in order: False where the row was no longer
+        held (nothing changed for it).
+        """
+        claims = list(claims)
+        deleted: set[tuple[str, str, int]] = set()
+        for start in range(0, len(claims), MAX_BATCH):
+            chunk = claims[start:start + MAX_BATCH]
+            rows = await self.db.runQuery(_COMPLETE_MANY_SQL, (
+                [c.id for c in chunk], [c.owner for c in chunk], [c.attempts for c in chunk]))
+            deleted.update((r[0], r[1], r[2]) for r in rows)
+        return [self._fenced((c.id, c.owner, c.attempts) in deleted, "complete", c)
+                for c in claims]
 
     async def release_transport_failure(self, claim: Claim) -> bool:
         """Release after a failure that says nothing about the work: attempts + 1 and
@@ -405,6 +457,12 @@ class ClaimConsumer(service.Service):
         self._inflight: dict[str, _Running] = {}
         self._ticking = False
         self._again = False
+        self._wake_call = None
+        self._tick_d: defer.Deferred | None = None
+        # Completes waiting for the next batch statement, and whether one is being written.
+        self._completing: list[tuple[Claim, defer.Deferred]] = []
+        self._complete_call = None
+        self._completing_now = False
         self._last_checks = None
         self._loop: task.LoopingCall | None = None
         self._wake_sub = None
@@ -412,7 +470,8 @@ class ClaimConsumer(service.Service):
         self._started: defer.Deferred | None = None
         #: Counters for logs and tests.
         self.stats = {"claimed": 0, "completed": 0, "released": 0, "failed": 0, "kept": 0,
-                      "lost": 0, "exhausted": 0}
+                      "lost": 0, "exhausted": 0, "claim_statements": 0,
+                      "complete_statements": 0}
 
     @property
     def inFlight(self) -> int:
@@ -465,9 +524,15 @@ class ClaimConsumer(service.Service):
         if self._wake_sub is not None:
             self._wake_sub.unsubscribe()
             self._wake_sub = None
+        if self._wake_call is not None and self._wake_call.active():
+            self._wake_call.cancel()
+        self._wake_call = None
         waits = []
         for run in list(self._inflight.values()):
             waits.append(self._cancel(run, "stopping"))
+        # A claim statement already sent is waited for too: rows it returns after the stop are
+        # released at once (see _fill), not left held until this replica stops being live.
+        waits.append(self._tick_d)
         d = defer.DeferredList([w for w in waits if w is not None], consumeErrors=True)
         return wait_at_most(d, self._settle_timeout, self._reactor).addErrback(lambda _: None)
 
@@ -478,14 +543,26 @@ class ClaimConsumer(service.Service):
             self.wake()
 
     def wake(self) -> None:
-        """Run a tick now (coalesced with one already running)."""
+        """Run a tick soon: at the end of this reactor turn, so every slot freed in the same
+        turn (a batch of completes answering together) is refilled by one claim statement.
+        Coalesced with a tick already running or scheduled."""
+        if not self.running:
+            return
+        if self._ticking:
+            self._again = True
+            return
+        if self._wake_call is None:
+            self._wake_call = self._reactor.callLater(0, self._run_tick)
+
+    def _run_tick(self) -> None:
+        self._wake_call = None
         if not self.running:
             return
         if self._ticking:
             self._again = True
             return
         self._ticking = True
-        defer.ensureDeferred(self._tick()).addErrback(
+        self._tick_d = defer.ensureDeferred(self._tick()).addErrback(
             lambda f: log.failure("claims: tick failed", f))
 
     async def _tick(self) -> None:
@@ -516,8 +593,12 @@ class ClaimConsumer(service.Service):
                         self._cancel(run, "lost")
             await self.queue.reap_abandoned()
             pending, self._pending_settles = self._pending_settles, []
-            for settle in pending:
-                await self._settle(settle)
+            if pending:
+                # Fenced, independent writes: issued together, so retried completes share a
+                # batch statement.
+                await defer.DeferredList(
+                    [defer.ensureDeferred(self._settle(settle)) for settle in pending],
+                    consumeErrors=True)
         except (DatabaseUnavailable, PoolClosed, psycopg2.Error) as e:
             log.warn("claims: per-tick checks failed: {err}", err=e)
 
@@ -531,19 +612,33 @@ class ClaimConsumer(service.Service):
         await self.queue.release_held_by(self.owner)
 
     async def _fill(self) -> None:
-        while self.running and len(self._inflight) < self._max:
+        """Fill every free slot, one claim statement for all of them."""
+        while self.running:
+            # Only this loop adds to _inflight (one tick at a time), so asking for the slots
+            # free now can never run more than max_in_flight handlers.
+            free = min(self._max - len(self._inflight), MAX_BATCH)
+            if free <= 0:
+                return
             try:
-                claim = await self.queue.claim_next(self.owner, self.kinds)
+                self.stats["claim_statements"] += 1
+                claims = await self.queue.claim_many(self.owner, self.kinds, free)
             except OwnerNotLive:
                 await self._not_live()
                 return
             except (DatabaseUnavailable, PoolClosed, psycopg2.Error) as e:
                 log.warn("claims: claim failed: {err}", err=e)
                 return
-            if claim is None:
+            if not self.running:
+                # Stopped while the claim was in the air: hand the rows straight back.
+                await defer.DeferredList(
+                    [defer.ensureDeferred(self._settle(lambda c=c: self.queue.abandon(c)))
+                     for c in claims], consumeErrors=True)
                 return
-            self.stats["claimed"] += 1
-            self._start_handler(claim)
+            for claim in claims:
+                self.stats["claimed"] += 1
+                self._start_handler(claim)
+            if len(claims) < free:
+                return  # nothing more is ready
 
     # -- running a handler ----------------------------------------------------------------------
 
@@ -593,7 +688,7 @@ class ClaimConsumer(service.Service):
             else:
                 if run.cancel_reason in ("lost", "not-live"):
                     return
-                if await self._settle(lambda: self.queue.complete(claim)):
+                if await self._settle(lambda: self._complete(claim)):
                     self.stats["completed"] += 1
         finally:
             self._inflight.pop(claim.id, None)
@@ -611,3 +706,48 @@ class ClaimConsumer(service.Service):
             if len(self._pending_settles) < 10_000 and self.running:
                 self._pending_settles.append(write)
             return None
+
+    # -- batched completes ------------------------------------------------------------------------
+
+    def _complete(self, claim: Claim) -> defer.Deferred:
+        """Complete ``claim`` in the next batch statement; fires with the fenced outcome.
+
+        Completes that arrive in the same reactor turn, or while a batch is being written, go
+        out together in one ``DELETE`` (one commit), each row still fenced by its own holder
+        and attempts.
+        """
+        d = defer.Deferred()
+        self._completing.append((claim, d))
+        self._schedule_completes()
+        return d
+
+    def _schedule_completes(self) -> None:
+        if self._completing and not self._completing_now and self._complete_call is None:
+            self._complete_call = self._reactor.callLater(0, self._write_completes)
+
+    def _write_completes(self) -> None:
+        self._complete_call = None
+        batch = self._completing[:MAX_BATCH]
+        del self._completing[:MAX_BATCH]
+        if not batch:
+            return
+        self._completing_now = True
+        self.stats["complete_statements"] += 1
+        # Bounded like any settle: a statement that does not answer stops holding up the
+        # batches behind it (its waiters fail with TimeoutError and retry on a later tick).
+        written = wait_at_most(
+            defer.ensureDeferred(self.queue.complete_many([c for c, _ in batch])),
+            self._settle_timeout, self._reactor)
+
+        def answered(result):
+            self._completing_now = False
+            self._schedule_completes()
+            if isinstance(result, Failure):
+                for _, d in batch:
+                    d.errback(result)
+            else:
+                for (_, d), done in zip(batch, result):
+                    d.callback(done)
+
+        written.addBoth(answered).addErrback(
+            lambda f: log.failure("claims: delivering complete outcomes failed", f))
