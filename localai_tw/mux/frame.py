@@ -128,35 +128,50 @@ class FrameDecoder:
         return len(self._buffer)
 
     def feed(self, data: bytes) -> list[Frame]:
+        """Decode every whole frame in what was held plus ``data``; hold the incomplete tail.
+
+        Each payload is copied once, through a memoryview: when nothing is held, ``data`` is
+        parsed where it lies and only its tail is kept."""
         if self._failed is not None:
             raise self._failed
-        buf = self._buffer
-        buf += data
+        held = self._buffer
+        if held:
+            held += data
+            source = held
+        else:
+            source = data
         frames: list[Frame] = []
+        append = frames.append
+        unpack_from = HEADER.unpack_from
+        max_payload = self.max_payload
         pos = 0
-        end = len(buf)
+        end = len(source)
         try:
-            while end - pos >= HEADER_SIZE:
-                version, ftype, flags, stream_id, length = HEADER.unpack_from(buf, pos)
-                if version != VERSION:
-                    raise FrameError(f"unsupported yamux version {version}")
-                if ftype not in TYPE_NAMES:
-                    raise FrameError(f"unknown frame type {ftype}")
-                if ftype != TYPE_DATA:
-                    frames.append(Frame(ftype, flags, stream_id, length))
-                    pos += HEADER_SIZE
-                    continue
-                if length > self.max_payload:
-                    raise FrameError(
-                        f"data frame of {length} bytes exceeds the limit of {self.max_payload}")
-                if end - pos - HEADER_SIZE < length:
-                    break  # wait for the rest of the payload
-                start = pos + HEADER_SIZE
-                frames.append(Frame(ftype, flags, stream_id, length, bytes(buf[start:start + length])))
-                pos = start + length
+            with memoryview(source) as view:
+                while end - pos >= HEADER_SIZE:
+                    version, ftype, flags, stream_id, length = unpack_from(view, pos)
+                    if version != VERSION:
+                        raise FrameError(f"unsupported yamux version {version}")
+                    if ftype != TYPE_DATA:
+                        if ftype not in TYPE_NAMES:
+                            raise FrameError(f"unknown frame type {ftype}")
+                        append(Frame(ftype, flags, stream_id, length))
+                        pos += HEADER_SIZE
+                        continue
+                    if length > max_payload:
+                        raise FrameError(
+                            f"data frame of {length} bytes exceeds the limit of {max_payload}")
+                    start = pos + HEADER_SIZE
+                    if end - start < length:
+                        break  # wait for the rest of the payload
+                    pos = start + length
+                    append(Frame(TYPE_DATA, flags, stream_id, length, bytes(view[start:pos])))
+                if source is not held and pos < end:
+                    held += view[pos:]  # keep only the tail of a read parsed in place
         except FrameError as e:
             self._failed = e
             self._buffer = bytearray()
             raise
-        del buf[:pos]
+        if source is held and pos:
+            del held[:pos]
         return frames
