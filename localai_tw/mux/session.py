@@ -47,11 +47,14 @@ from localai_tw.mux.frame import (
     GOAWAY_INTERNAL_ERROR,
     GOAWAY_NORMAL,
     GOAWAY_PROTOCOL_ERROR,
+    HEADER,
+    HEADER_SIZE,
     INITIAL_WINDOW,
     MAX_UINT32,
     TYPE_DATA,
     TYPE_GO_AWAY,
     TYPE_PING,
+    VERSION,
     Frame,
     FrameDecoder,
     encode,
@@ -65,6 +68,9 @@ GOAWAY_NAMES = {
     GOAWAY_PROTOCOL_ERROR: "protocol error",
     GOAWAY_INTERNAL_ERROR: "internal error",
 }
+
+#: The default largest Data payload we send: a frame (header included) of exactly 64 KiB.
+DEFAULT_MAX_FRAME_SIZE = 64 * 1024 - HEADER_SIZE
 
 # Go allocates ids strictly below 2**32 - 2, then reports "streams exhausted".
 _LAST_STREAM_ID = MAX_UINT32 - 2
@@ -82,10 +88,12 @@ class SessionConfig:
     initial_window: int = INITIAL_WINDOW  # fixed by yamux (no handshake); kept for the contract
     max_window: int = INITIAL_WINDOW     # receive window we advertise per stream (>= 256 KiB)
     accept_streams: bool = True          # False: every inbound SYN is answered with RST
-    # 64 KiB: small enough that streams interleave on the carrier and a ping reply never waits
-    # behind a huge frame (one frame is one WebSocket message), large enough that the 12-byte
-    # header costs 0.02 %.  Go accepts any size up to the window.
-    max_frame_size: int = 64 * 1024
+    # 64 KiB - 12: small enough that streams interleave and a ping reply never waits behind a
+    # huge frame, large enough that the 12-byte header costs 0.02 %, and header + payload is
+    # exactly 64 KiB, Twisted's TCP write-buffer threshold (``bufferSize``): a frame one byte
+    # larger pauses the session after every frame, so yamux over TCP would move one frame per
+    # reactor turn instead of two.  Go accepts any size up to the window.
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     # After loseConnection our FIN went out; if the peer never answers with FIN the id is
     # reset after this long, so a silent peer cannot pin stream slots (newer Go does the same).
     linger_timeout: float | None = 300.0
@@ -439,6 +447,14 @@ class Session(Protocol):
         if self.state is not SessionState.OPEN or self.transport is None:
             return
         self.transport.write(encode(frame))
+
+    def _sendData(self, stream_id: int, flags: int, parts: list, length: int) -> None:
+        """Write one Data frame whose payload is ``parts`` (``length`` bytes in all, at least
+        one): the header and the pieces are joined once, with no intermediate payload copy."""
+        if self.state is not SessionState.OPEN or self.transport is None:
+            return
+        self.transport.write(b"".join([HEADER.pack(VERSION, TYPE_DATA, flags, stream_id, length),
+                                       *parts]))
 
     def _addStream(self, sid: int, state: StreamState) -> Stream:
         stream = Stream(self, sid, state)

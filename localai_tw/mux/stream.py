@@ -259,11 +259,12 @@ class Stream:
         handles the FIN flag before it buffers the payload of the same frame, so its reader can
         see end-of-stream first and lose those bytes (the Go interop suite checks this)."""
         session = self.session
+        max_frame = session.config.max_frame_size
         while self._out and self._send_window > 0 and session._writable():
-            take = min(self._send_window, session.config.max_frame_size, self._out_size)
-            chunk = self._popOut(take)
-            self._send_window -= len(chunk)
-            session._sendFrame(Frame.data(self.id, chunk, self._takeOpenFlags()))
+            take = min(self._send_window, max_frame, self._out_size)
+            parts = self._popOut(take)
+            self._send_window -= take
+            session._sendData(self.id, self._takeOpenFlags(), parts, take)
             if self.state in _FINISHED:  # a producer or the transport reset us meanwhile
                 return
         if not self._out and self._fin_pending and self.state in _LOCAL_OPEN:
@@ -271,25 +272,29 @@ class Stream:
             session._sendFrame(Frame.window_update(self.id, 0, flags))
             self._finSent()
 
-    def _popOut(self, size: int) -> bytes:
-        """Take ``size`` bytes off the front.  A large write is consumed through an offset into
-        its first chunk, so cutting it into frames copies each byte once, not once per frame."""
+    def _popOut(self, size: int) -> list:
+        """Take ``size`` bytes off the front, as a list of pieces (whole chunks, or memoryviews
+        into them).  A large write is consumed through an offset into its first chunk, and the
+        session joins the pieces with the frame header, so each byte is copied once on its way
+        to the transport, not once per frame plus once more for the header."""
         parts = []
         need = size
+        out = self._out
         while need:
-            head = self._out[0]
-            available = len(head) - self._out_offset
+            head = out[0]
+            offset = self._out_offset
+            available = len(head) - offset
             if available <= need:
-                parts.append(memoryview(head)[self._out_offset:])
-                self._out.popleft()
+                parts.append(head if not offset else memoryview(head)[offset:])
+                out.popleft()
                 self._out_offset = 0
                 need -= available
             else:
-                parts.append(memoryview(head)[self._out_offset:self._out_offset + need])
-                self._out_offset += need
+                parts.append(memoryview(head)[offset:offset + need])
+                self._out_offset = offset + need
                 need = 0
         self._out_size -= size
-        return b"".join(parts)
+        return parts
 
     def _finSent(self) -> None:
         # A registered producer stays registered (as on a half-closed TCP transport); it is

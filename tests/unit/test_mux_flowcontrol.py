@@ -1,6 +1,7 @@
 """Flow control and backpressure: per-stream windows, producers, and the carrier's pause."""
 
 from twisted.internet import task
+from twisted.internet.abstract import FileDescriptor
 from twisted.internet.testing import StringTransport
 
 from localai_tw.mux import Session, SessionConfig, SessionFailed
@@ -55,8 +56,21 @@ def test_writes_are_cut_at_the_window_and_at_64k_frames():
     transport.frames()
     stream.write(b"a" * (WINDOW + 100))
     frames = transport.frames()
-    assert [f.length for f in frames] == [64 * KIB] * 4
+    frame = 64 * KIB - HEADER_SIZE
+    assert [f.length for f in frames] == [frame] * 4 + [WINDOW - 4 * frame]
     assert stream._out_size == 100
+
+
+def test_a_default_data_frame_fits_twisteds_write_buffer_threshold():
+    """Header + the largest default payload is exactly Twisted's ``bufferSize``: a full frame
+    does not pause the session by itself, so over TCP two frames go out per reactor turn."""
+    assert HEADER_SIZE + SessionConfig().max_frame_size == FileDescriptor.bufferSize
+    session, transport = raw()
+    stream = session.openStream(Recorder())
+    transport.frames()
+    stream.write(b"a" * (2 * KIB * 64))
+    sizes = [len(encode(f)) for f in transport.frames()]
+    assert sizes[0] == FileDescriptor.bufferSize
 
 
 def test_window_exhaustion_pauses_the_producer_and_an_update_resumes_it():
