@@ -6,11 +6,13 @@ and killed if need be) when the test ends, whatever happened.  When a test fails
 every process log and the balancer counters are attached to its report ("cluster logs").
 
 The work directories live outside pytest's tmp_path for the reason given in
-``tests/e2e/test_twistd_plugins.py`` and are removed afterwards unless the test failed.
+``tests/e2e/test_twistd_plugins.py`` and are removed afterwards unless the test failed or
+``LOCALAI_E2E_KEEP_LOGS`` is set (their path is printed).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -21,6 +23,20 @@ import pytest
 from localai_tw.db.pool import dsn_with
 
 from . import harness
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cluster: the cluster e2e suite (real twistd processes, "
+                            "about four minutes); deselect with -m 'not cluster'")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -37,7 +53,8 @@ def pytest_runtest_makereport(item, call):
 def workdir(request):
     path = Path(tempfile.mkdtemp(prefix="ltw-cluster-"))
     yield path
-    if not getattr(request.node, "_cluster_failed", False):
+    if not getattr(request.node, "_cluster_failed", False) \
+            and not os.environ.get("LOCALAI_E2E_KEEP_LOGS"):
         shutil.rmtree(path, ignore_errors=True)
     else:
         print(f"cluster work directory kept: {path}")

@@ -299,7 +299,7 @@ class Cluster:
         self.balancers.append(balancer)
         data_dir = self.workdir / f"{name}-data"
         data_dir.mkdir()
-        first = 42000 + 20 * (index % 40)
+        first = 29000 + 20 * (index % 40)  # below the ephemeral range; no backend runs here
         args = ["-n", "--pidfile=", "localai-worker",
                 "--register-to", balancer.url,
                 "--registration-token", self.token,

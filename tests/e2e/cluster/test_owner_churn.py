@@ -179,3 +179,36 @@ def test_killer_check_tiny_grace_demotes_and_notifies_once_never_on_stale(make_c
     assert _model_rows(cluster, w0.node_id) == [MODEL]
     assert len(_departures(cluster, w0.node_id)) == 1  # one departure, one announcement
     assert _departures(cluster, w1.node_id) == []
+
+
+def test_graceful_stop_of_the_owner_rehomes_the_worker_without_any_verdict(make_cluster):
+    """A rolling restart (SIGTERM): the stopping replica releases its tunnels and leaves
+    ``instances``; its worker redials through the balancer onto the survivor, same node id, new
+    epoch; the node never stops being healthy and nothing is announced."""
+    cluster = make_cluster(grace="90s")
+    start_two_by_two(cluster)
+    f0, f1 = cluster.frontends
+    w0, w1 = cluster.workers
+    _insert_model_row(cluster, w0.node_id)
+    _, epoch0 = cluster.owner(w0.node_id)
+
+    f0.popen.terminate()
+    assert f0.popen.wait(timeout=30) in (0, -15)
+    log = f0.log()
+    assert "Server Shut Down" in log
+    assert "Traceback" not in log and "Unhandled" not in log, log
+    # it left the cluster at once (deregistered), rather than ageing out of the live set
+    assert f0.instance_id not in cluster.live_instances()
+    assert cluster.sql("SELECT 1 FROM instances WHERE id = %s", (f0.instance_id,)) == []
+
+    _, epoch = cluster.wait_owned(w0, by=f1, timeout=60)
+    assert epoch != epoch0
+    assert cluster.sql("SELECT id FROM backend_nodes WHERE name = %s", (w0.name,)) == \
+        [(w0.node_id,)]
+    assert cluster.node_status(w0.node_id) == "healthy"
+    assert _model_rows(cluster, w0.node_id) == [MODEL]
+    served = cluster.control(f1, w0.node_id, "node.status")
+    assert served.get("reply", {}).get("node_name") == w0.name and served["held_here_before"]
+    assert cluster.sql(_RELEASE_SQL, (w0.node_id, f0.instance_id, epoch0)) == []
+    assert _departures(cluster, w0.node_id) == [] and _demotions(cluster, w0.node_id) == []
+    assert cluster.owner(w1.node_id)[0] == f1.instance_id
