@@ -100,3 +100,25 @@ def test_rotated_credential_drops_the_live_tunnel_and_the_worker_recovers(make_c
         [(w.node_id,)]
     assert _connect(f0, w.node_id, taken) == 401
     assert w.alive()
+
+
+def test_a_pending_worker_is_refused_403_until_approved_then_connects(make_cluster):
+    """A real worker registering at a ``--require-approval`` replica stays ``pending``: its
+    tunnel dials are refused 403 (never 401, never upgraded) and it owns nothing; once an
+    administrator approves it (at another replica), its next dial connects."""
+    cluster = make_cluster()
+    gate = cluster.start_frontend(probe=False, require_approval=True)
+    other = cluster.start_frontend(probe=False)
+    w = cluster.start_worker(prefer=0)
+    cluster.wait_registered(w)
+    assert cluster.node_status(w.node_id) == "pending"
+    wait_for(lambda: w.balancer.counters.tunnel_forwarded.count(0) >= 2
+             and "403" in w.log(), 60, "the pending worker's dials to be refused 403")
+    assert cluster.owner_row(w.node_id) is None
+    assert "401" not in "".join(cluster.grep(w, "tunnel dial"))
+
+    assert cluster.admin(other, "POST", f"/api/nodes/{w.node_id}/approve").status == 200
+    cluster.wait_owned(w, by=gate, timeout=60)
+    assert cluster.node_status(w.node_id) == "healthy"
+    assert cluster.sql("SELECT id FROM backend_nodes WHERE name = %s", (w.name,)) == \
+        [(w.node_id,)]
