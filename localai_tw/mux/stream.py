@@ -140,7 +140,9 @@ class Stream:
 
     def loseConnection(self) -> None:
         """Flush what was written, send FIN, and stop reading: the protocol is told
-        ``connectionLost(StreamClosed)`` once FIN went out."""
+        ``connectionLost(StreamClosed)`` once FIN went out, on a later reactor turn (as TCP
+        does: callers such as twisted.web's HTTP client set up their wait for
+        ``connectionLost`` after calling ``loseConnection``)."""
         if self.disconnecting or self._ending is not None:
             return
         self.disconnecting = True
@@ -156,8 +158,9 @@ class Stream:
         self._flush()
 
     def abortConnection(self) -> None:
-        """Reset the stream now: RST to the peer, buffered bytes dropped both ways."""
-        self._reset(remote=False)
+        """Reset the stream now: RST to the peer, buffered bytes dropped both ways.  The
+        protocol's ``connectionLost`` follows on a later reactor turn, as for TCP."""
+        self._reset(remote=False, later=True)
 
     def logPrefix(self) -> str:
         return f"yamux-stream-{self.id}"
@@ -492,10 +495,10 @@ class Stream:
             self._end(StreamClosed())
         elif self.disconnecting and self.state is StreamState.HALF_CLOSED_LOCAL:
             # Our side is finished; the id stays known until the peer's FIN (or RST) arrives.
-            self._notifyLost(StreamClosed())
+            self._notifyLost(StreamClosed(), later=True)
             self.session._lingerStream(self)
 
-    def _reset(self, remote: bool, detail: str = "") -> None:
+    def _reset(self, remote: bool, detail: str = "", later: bool = False) -> None:
         """RST now.  A stream that is already finished on the wire but still owes its
         protocol an ending (closed while paused with bytes left) ends as reset, silently."""
         if self.state is StreamState.RESET or (
@@ -506,7 +509,7 @@ class Stream:
         self._clearBuffers()
         if not remote and wire_live:
             self.session._sendFrame(Frame.window_update(self.id, 0, FLAG_RST))
-        self._end(StreamReset(remote=remote, detail=detail))
+        self._end(StreamReset(remote=remote, detail=detail), later=later)
 
     def _clearBuffers(self) -> None:
         self._out.clear()
@@ -516,15 +519,25 @@ class Stream:
         self._in_size = 0
         self._fin_pending = False
 
-    def _end(self, reason: Exception) -> None:
+    def _end(self, reason: Exception, later: bool = False) -> None:
         self.session._forgetStream(self)
-        self._notifyLost(reason)
+        self._notifyLost(reason, later=later)
 
-    def _notifyLost(self, reason: Exception) -> None:
-        """``connectionLost`` exactly once; the registered producer is stopped, as TCP does."""
+    def _notifyLost(self, reason: Exception, later: bool = False) -> None:
+        """``connectionLost`` exactly once; the registered producer is stopped, as TCP does.
+
+        ``later``: the ending was asked for by our own side (``loseConnection``,
+        ``abortConnection``); the protocol hears of it on the next reactor turn, never from
+        inside the call that asked, which is what Twisted transports promise."""
         if self._ending is not None:
             return
         self._ending = reason
+        if later:
+            self.session._reactor.callLater(0, self._deliverLost, reason)
+            return
+        self._deliverLost(reason)
+
+    def _deliverLost(self, reason: Exception) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
             try:

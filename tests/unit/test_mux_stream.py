@@ -158,6 +158,10 @@ def test_lose_connection_ends_our_protocol_once_fin_is_out_and_drops_inbound():
     local = Recorder()
     stream = client.openStream(local, b"bye")
     stream.loseConnection()
+    # Never from inside loseConnection(): callers (twisted.web's HTTP client) set up their
+    # wait for connectionLost after calling it, as TCP allows.
+    assert local.reason is None
+    clock.advance(0)
     assert local.reason.check(StreamClosed)
     pump.flush()
     accepted[0].transport.write(b"nobody listens")
@@ -175,11 +179,12 @@ def test_protocol_resetting_its_stream_on_the_last_data_frame_keeps_the_session(
         def dataReceived(self, data):
             super().dataReceived(data)
             self.transport.abortConnection()
-    session, transport, _ = raw_client()
+    session, transport, clock = raw_client()
     proto = AbortOnData()
     session.openStream(proto)
     transport.frames()
     session.dataReceived(encode(Frame.data(1, b"last", FLAG_ACK | FLAG_FIN)))
+    clock.advance(0)
     assert proto.reason.check(StreamReset)
     assert transport.frames() == [Frame.window_update(1, 0, FLAG_RST)]
     assert session.isOpen
@@ -216,6 +221,8 @@ def test_abort_resets_both_sides():
     pump.flush()
     stream.write(b"never sent" * 100_000)        # queued beyond the window, then dropped
     stream.abortConnection()
+    assert local.reason is None                   # delivered on the next turn, as TCP does
+    clock.advance(0)
     assert local.reason.check(StreamReset) and local.reason.value.remote is False
     assert stream.state is StreamState.RESET
     pump.flush()
@@ -275,11 +282,12 @@ def test_transport_failure_reaches_every_stream_as_session_failed():
 
 
 def test_connection_lost_is_delivered_once_even_after_reset_then_session_end():
-    session, transport, _ = raw_client()
+    session, transport, clock = raw_client()
     proto = Recorder()
     stream = session.openStream(proto)
     stream.abortConnection()
     session.loseConnection()
+    clock.advance(0)
     assert proto.lost_calls == 1 and proto.reason.check(StreamReset)
 
 
