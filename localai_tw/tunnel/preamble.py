@@ -20,7 +20,8 @@ What it must never do:
   applying the wrong reader fails loudly.
 
 Each encoder returns one ``bytes`` object so the caller writes a frame with a single ``write``
-(one yamux data frame, one WebSocket message).
+(one yamux data frame; the WebSocket carrier may coalesce it with other writes of the same
+reactor turn, which readers never rely on either way).
 """
 
 from __future__ import annotations
