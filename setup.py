@@ -39,6 +39,7 @@ setup(
             "hypothesis>=6.100,<7",
             "grpcio-tools>=1.85.1,<2",
             "openai>=1.50,<4",
+            "pytest-timeout>=2.3,<3",
         ],
         # Heavy inference backends run in their own processes; the base install never imports
         # these.  CPU builds of torch are enough for the tests.
