@@ -17,6 +17,10 @@ POST /api/nodes/{id}/drain         takes no new work; 409 ``not_approved`` for a
 POST /api/nodes/{id}/resume        draining -> healthy; 409 ``not_draining`` otherwise
 DELETE /api/nodes/{id}             deletes the node (labels, model rows, connection row); a
                                    tunnel this replica holds for it is closed
+GET /api/nodes/{id}/status         the worker's own ``node.status`` answer, through its tunnel
+GET /api/nodes/{id}/backends       the worker's ``backend.list`` answer, through its tunnel
+GET /api/nodes/{id}/backend-logs/{model}
+                                   the worker's ``backend.logs`` answer for one model
 GET /api/cluster/instances         ``{"instances": [{"id", "version", "advertised_addr",
                                    "last_seen", "registered_at", "self"}]}`` (live replicas;
                                    no credential material)
@@ -30,9 +34,16 @@ does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or ``gone``,
 presence query failed it is ``unknown`` with ``presence_error`` set.  Unknown ids are 404, bad
 input 400 naming the field, every refusal ``{"error": {"message", "type", ...}}``.
 
+The three routes that ask the worker go through this replica's tunnel or the relay to the
+owner, like any control call.  Their failures keep the four conditions apart in the status and
+``code``: a routing fact is 503 ``routing-fact`` ("no route"), a connection absent within the
+grace 503 ``absent-within-grace`` with ``Retry-After``, an unreachable peer replica 503
+``peer-unreachable``, the worker's own failure 502 ``worker-answer`` with its message, the
+deadline 504.
+
 This module must never show credential material (hashes included), never change a node except
-through the ``NodeRegistry``, and never act on presence (it only displays it).  Its one query of
-its own is a read of ``node_models``.
+through the ``NodeRegistry``, and never act on presence or on a failed call (it only reports
+them).  Its one query of its own is a read of ``node_models``.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from typing import Any
 from twisted.internet import defer
 from twisted.logger import Logger
 
+from localai_tw import errors
 from localai_tw.cluster.membership import live_instances
 from localai_tw.cluster.nodes import (
     InvalidNodeInput,
@@ -56,6 +68,7 @@ from localai_tw.cluster.nodes import (
 from localai_tw.cluster.ownership import NoConnection
 
 from .web import (
+    APIError,
     APIKeyGuard,
     JSONResource,
     Route,
@@ -98,6 +111,29 @@ def _query_arg(request, name: bytes) -> str | None:
         raise bad_request(f"{name.decode()} is not UTF-8", field=name.decode()) from None
 
 
+#: Budget of one admin question to a worker (dial, relay and answer).
+WORKER_CALL_TIMEOUT = 30.0
+
+
+def worker_call_error(error: errors.ClusterError) -> APIError:
+    """The admin API's answer for a failed call to a worker; one status per condition, so an
+    operator never reads a peer failure or a reconnecting tunnel as the worker's verdict."""
+    message = str(error)
+    if isinstance(error, errors.RoutingFact):
+        return APIError(503, message, "service_unavailable", code=error.condition)
+    if isinstance(error, errors.AbsentWithinGrace):
+        return APIError(503, message, "service_unavailable", code=error.condition,
+                        headers={"Retry-After": "5"})
+    if isinstance(error, errors.PeerUnreachable):
+        return APIError(503, message + "; retry", "service_unavailable", code=error.condition,
+                        headers={"Retry-After": "2"})
+    if isinstance(error, errors.WorkerAnswer):
+        return APIError(502, message, "worker_error", code=error.condition)
+    if isinstance(error, errors.CallerDeadlineExceeded):
+        return APIError(504, message, "timeout", code=error.condition)
+    return APIError(502, message, "upstream_error", code=error.condition)
+
+
 class NodesAdminResource(JSONResource):
     """``/api/nodes``: list, inspect, label, approve, drain, resume and delete workers.
 
@@ -123,6 +159,9 @@ class NodesAdminResource(JSONResource):
             Route("POST", ("{node_id}", "approve"), self.approve),
             Route("POST", ("{node_id}", "drain"), self.drain),
             Route("POST", ("{node_id}", "resume"), self.resume),
+            Route("GET", ("{node_id}", "status"), self.worker_status),
+            Route("GET", ("{node_id}", "backends"), self.worker_backends),
+            Route("GET", ("{node_id}", "backend-logs", "{model}"), self.worker_backend_logs),
         )
 
     # -- reads ---------------------------------------------------------------------------------
@@ -268,6 +307,32 @@ class NodesAdminResource(JSONResource):
             raise _unknown_node(node_id) from None
         log.info("node {node} ({name}) resumed (administrator)", node=node.id, name=node.name)
         return 200, {"id": node.id, "status": (await self._node(parts, node_id)).status.value}
+
+    # -- questions for the worker itself ---------------------------------------------------------
+
+    async def worker_status(self, request, node_id: str) -> tuple[int, dict]:
+        return 200, await self._ask_worker(node_id, "node.status", {})
+
+    async def worker_backends(self, request, node_id: str) -> tuple[int, dict]:
+        return 200, await self._ask_worker(node_id, "backend.list", {})
+
+    async def worker_backend_logs(self, request, node_id: str, model: str) -> tuple[int, dict]:
+        if not model or len(model) > 255:
+            raise bad_request("model must be a name of 1 to 255 characters", field="model")
+        return 200, await self._ask_worker(node_id, "backend.logs", {"model": model})
+
+    async def _ask_worker(self, node_id: str, verb: str, body: dict) -> dict:
+        parts = resolve(self._parts)
+        node = await self._node(parts, node_id)
+        if parts.control is None:
+            raise APIError(503, "this replica cannot call workers yet (starting)",
+                           "service_unavailable", code="starting",
+                           headers={"Retry-After": "5"})
+        try:
+            answer = await parts.control.call(node.id, verb, body, timeout=WORKER_CALL_TIMEOUT)
+        except errors.ClusterError as e:
+            raise worker_call_error(e) from None
+        return {"id": node.id, "answer": answer}
 
     async def delete_node(self, request, node_id: str) -> tuple[int, dict]:
         parts = resolve(self._parts)

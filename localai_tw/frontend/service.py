@@ -363,7 +363,7 @@ class FrontendService(MultiService):
         self.parts = ClusterParts(db=db, nodes=self.nodes, fence=self.fence,
                                   instance_id=self.instance_id, reconnect_grace=grace,
                                   on_registered=self._node_registered,
-                                  on_deleted=self._node_deleted)
+                                  on_deleted=self._node_deleted, control=self.control)
 
     def _forget_worker_connections(self, node_id: str) -> defer.Deferred:
         forgetting = [self.worker_http.forget(node_id)]

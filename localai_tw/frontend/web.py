@@ -539,6 +539,8 @@ class ClusterParts:
     :param on_registered: called with a node id after each (re-)registration, before the
         answer: the credential changed, so a tunnel held with the old one must go.
     :param on_deleted: called with a node id after an admin deleted the node.
+    :param control: the ``ControlClient`` that calls a worker's control verbs through the
+        tunnel (locally held or relayed); None until inference is wired.
     """
 
     db: Any
@@ -548,6 +550,7 @@ class ClusterParts:
     reconnect_grace: float | None = None
     on_registered: Callable[[str], Any] | None = None
     on_deleted: Callable[[str], Any] | None = None
+    control: Any = None
 
 
 def resolve(parts_or_provider):
