@@ -41,7 +41,9 @@ from localai_tw.cluster.membership import (
 from localai_tw.cluster.clock import INSTANCE_LIVENESS
 from localai_tw.db.pool import Database, DatabaseUnavailable, PoolClosed
 
-from .pgbus import PgBus, wait_at_most
+from localai_tw.deferreds import wait_at_most
+
+from .pgbus import PgBus
 
 log = Logger()
 
@@ -534,7 +536,8 @@ class ClaimConsumer(service.Service):
         # released at once (see _fill), not left held until this replica stops being live.
         waits.append(self._tick_d)
         d = defer.DeferredList([w for w in waits if w is not None], consumeErrors=True)
-        return wait_at_most(d, self._settle_timeout, self._reactor).addErrback(lambda _: None)
+        return wait_at_most(self._reactor, d, self._settle_timeout,
+                            "a claim settle").addErrback(lambda _: None)
 
     # -- ticks --------------------------------------------------------------------------------
 
@@ -699,8 +702,8 @@ class ClaimConsumer(service.Service):
         """Run a fenced settle write, bounded in time; on failure keep it for a later tick
         (fenced writes are safe to repeat)."""
         try:
-            return await wait_at_most(defer.ensureDeferred(write()), self._settle_timeout,
-                                      self._reactor)
+            return await wait_at_most(self._reactor, defer.ensureDeferred(write()),
+                                      self._settle_timeout, "a claim settle")
         except (DatabaseUnavailable, PoolClosed, psycopg2.Error, defer.TimeoutError) as e:
             log.warn("claims: settle write failed, will retry: {err}", err=e)
             if len(self._pending_settles) < 10_000 and self.running:
@@ -736,8 +739,8 @@ class ClaimConsumer(service.Service):
         # Bounded like any settle: a statement that does not answer stops holding up the
         # batches behind it (its waiters fail with TimeoutError and retry on a later tick).
         written = wait_at_most(
-            defer.ensureDeferred(self.queue.complete_many([c for c, _ in batch])),
-            self._settle_timeout, self._reactor)
+            self._reactor, defer.ensureDeferred(self.queue.complete_many([c for c, _ in batch])),
+            self._settle_timeout, "a batch of claim completions")
 
         def answered(result):
             self._completing_now = False

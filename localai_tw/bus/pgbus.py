@@ -38,9 +38,9 @@ import psycopg2
 from twisted.application import service
 from twisted.internet import defer, task
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 from txpostgres import txpostgres
 
+from localai_tw.deferreds import wait_at_most
 from localai_tw.db.pool import Database, DatabaseUnavailable, PoolClosed
 
 log = Logger()
@@ -561,7 +561,8 @@ class PgBus(service.Service):
             return None
         conn, generation = self._conn, self._generation
         self._health_running = True
-        d = wait_at_most(conn.runQuery("SELECT 1"), self._health_timeout, self._reactor)
+        d = wait_at_most(self._reactor, conn.runQuery("SELECT 1"), self._health_timeout,
+                         "the LISTEN connection's health probe")
 
         def failed(f):
             self._lost(generation, f.value)
@@ -635,8 +636,8 @@ class PgBus(service.Service):
         self._subs.setdefault(channel, set()).add(sub)
         # Not addTimeout: cancelling would interrupt a LISTEN mid-flight on the connection.  A
         # late LISTEN for a subscription that timed out is harmless: it finds no subscriber.
-        d = wait_at_most(defer.ensureDeferred(self._ensure_listening(channel)),
-                         self._subscribe_timeout, self._reactor)
+        d = wait_at_most(self._reactor, defer.ensureDeferred(self._ensure_listening(channel)),
+                         self._subscribe_timeout, f"LISTEN on {channel}")
 
         def failed(f):
             self._forget(sub)
@@ -772,9 +773,9 @@ class PgBus(service.Service):
             return None
 
     async def _fetch_spilled(self, ids: list[str]) -> dict[str, bytes]:
-        d = wait_at_most(self._db.runQuery(
+        d = wait_at_most(self._reactor, self._db.runQuery(
             "SELECT id::text, payload FROM bus_messages WHERE id = ANY(%s::uuid[])", (ids,)),
-            self._fetch_timeout, self._reactor)
+            self._fetch_timeout, "fetching spilled messages")
         try:
             return {row_id: payload for row_id, payload in await d}
         except (DatabaseUnavailable, PoolClosed, psycopg2.Error, defer.TimeoutError,
@@ -800,36 +801,6 @@ class PgBus(service.Service):
             (self._retention,))
         d.addErrback(lambda f: log.warn("pgbus: spill purge failed: {err}", err=f.value))
         return d
-
-
-def wait_at_most(d: defer.Deferred, seconds: float, reactor) -> defer.Deferred:
-    """A Deferred that fires with ``d``'s result, or fails with ``TimeoutError`` after
-    ``seconds``, whichever comes first.
-
-    Unlike ``addTimeout`` it never cancels ``d``: cancelling a txpostgres query part-way hands
-    the connection back to the pool while PostgreSQL is still answering on it.  The statement is
-    left to finish on its own; its late result (or failure) is discarded.
-    """
-    out = defer.Deferred()
-
-    def expire():
-        if not out.called:
-            out.errback(defer.TimeoutError(f"no answer within {seconds:g}s"))
-
-    call = reactor.callLater(seconds, expire)
-
-    def done(result):
-        if call.active():
-            call.cancel()
-        if not out.called:
-            if isinstance(result, Failure):
-                out.errback(result)
-            else:
-                out.callback(result)
-        return None  # a late failure has nobody to tell; do not log it as unhandled
-
-    d.addBoth(done)
-    return out
 
 
 def _close_quietly(conn: txpostgres.Connection) -> None:

@@ -32,6 +32,8 @@ from twisted.internet import defer, task, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+
+from localai_tw.deferreds import wait_at_most
 from .clock import (
     DEFAULT_RECONNECT_GRACE,
     INSTANCE_HEARTBEAT,
@@ -380,34 +382,6 @@ async def peer_token_hash(db, instance_id: str,
 # -- the service ----------------------------------------------------------------------------
 
 
-def _bounded(reactor, d: defer.Deferred, seconds: float, what: str) -> defer.Deferred:
-    """A Deferred firing with ``d``'s outcome, or with ``TimeoutError`` after ``seconds``.
-
-    ``d`` itself is left to finish, not cancelled: cancelling a statement mid-flight would only
-    add a broken connection to the shutdown.
-    """
-    out = defer.Deferred()
-
-    def expire() -> None:
-        if not out.called:
-            out.errback(defer.TimeoutError(f"{what} took longer than {seconds:g}s"))
-
-    timer = reactor.callLater(seconds, expire)
-
-    def finished(result):
-        if timer.active():
-            timer.cancel()
-        if not out.called:
-            if isinstance(result, Failure):
-                out.errback(result)
-            else:
-                out.callback(result)
-        return None  # a late failure after the timeout is already reported; do not leak it
-
-    d.addBoth(finished)
-    return out
-
-
 class MembershipService(Service):
     """Keeps this replica's ``instances`` row alive and sweeps departed replicas.
 
@@ -536,14 +510,14 @@ class MembershipService(Service):
         if self._registration is None:
             # Stopped while the first registration is in flight: let it land, then leave.
             try:
-                await _bounded(self._reactor, self.whenRegistered(), self._deregister_timeout,
+                await wait_at_most(self._reactor, self.whenRegistered(), self._deregister_timeout,
                                "registration")
             except Exception:
                 pass
         if not isinstance(self._registration, str):
             return  # never registered: nothing to leave
         try:
-            await _bounded(self._reactor,
+            await wait_at_most(self._reactor,
                            defer.ensureDeferred(deregister_instance(self._db, self.instance_id)),
                            self._deregister_timeout, "deregistration")
         except Exception:

@@ -34,9 +34,9 @@ from typing import Any
 
 from twisted.internet import defer
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
-from localai_tw.cluster.ownership import FencedOut, NoConnection
+from localai_tw.deferreds import wait_at_most
+from localai_tw.cluster.ownership import NoConnection
 from localai_tw.mux.errors import MuxError
 
 log = Logger()
@@ -79,32 +79,6 @@ class HeldTunnel:
     session: Any
     token: int
     claim_epoch: int
-
-
-def bounded(reactor, d: defer.Deferred, seconds: float, what: str) -> defer.Deferred:
-    """A Deferred with ``d``'s outcome, or ``defer.TimeoutError`` after ``seconds``.
-
-    ``d`` is left to finish, not cancelled: cancelling a statement mid-flight would only add a
-    broken database connection to the trouble.  Cancelling the returned Deferred does not cancel
-    ``d`` either.
-    """
-    out: defer.Deferred = defer.Deferred()
-
-    def expire() -> None:
-        if not out.called:
-            out.errback(defer.TimeoutError(f"{what} took longer than {seconds:g}s"))
-
-    timer = reactor.callLater(seconds, expire)
-
-    def finished(result):
-        if timer.active():
-            timer.cancel()
-        if not out.called:
-            out.errback(result) if isinstance(result, Failure) else out.callback(result)
-        return None
-
-    d.addBoth(finished)
-    return out
 
 
 class _NodeGates:
@@ -231,7 +205,7 @@ class TunnelRegistry:
         claiming = defer.ensureDeferred(self._fence.claim(node_id, self.instance_id))
         claiming.addCallback(landed)
         try:
-            return await bounded(self._reactor, claiming, self._claim_timeout,
+            return await wait_at_most(self._reactor, claiming, self._claim_timeout,
                                  f"claiming node {node_id}")
         except defer.TimeoutError:
             abandoned = True
@@ -265,7 +239,7 @@ class TunnelRegistry:
     async def _release(self, node_id: str, epoch: int) -> None:
         """Release one claim, bounded; never raises.  ``FencedOut`` is normal."""
         try:
-            await bounded(self._reactor,
+            await wait_at_most(self._reactor,
                           defer.ensureDeferred(self._fence.release(node_id, self.instance_id,
                                                                    epoch)),
                           self._release_timeout, f"releasing node {node_id}")
@@ -336,7 +310,7 @@ class TunnelRegistry:
             entry.session.loseConnection()  # its detach then finds no entry: a no-op
         releases = [defer.ensureDeferred(self._release(e.node_id, e.claim_epoch)) for e in held]
         everything = defer.DeferredList(releases, consumeErrors=True)
-        waiting = bounded(self._reactor, everything, self._release_timeout,
+        waiting = wait_at_most(self._reactor, everything, self._release_timeout,
                           "releasing the tunnels at shutdown")
         waiting.addErrback(lambda f: log.warn("tunnel registry close: {err}",
                                               err=f.getErrorMessage()))

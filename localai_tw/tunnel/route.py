@@ -50,6 +50,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from localai_tw.deferreds import shielded
 from localai_tw import errors
 from localai_tw.cluster.clock import effective_grace
 from localai_tw.cluster.ownership import NoConnection, Presence
@@ -68,20 +69,6 @@ _DEADLINE_SHAPED = (defer.CancelledError, defer.TimeoutError, errors.TransportFa
 def deadline_after(reactor, seconds: float | None) -> float | None:
     """The absolute deadline ``seconds`` from now on ``reactor``'s clock (None: no deadline)."""
     return None if seconds is None else reactor.seconds() + seconds
-
-
-def _shielded(d: defer.Deferred) -> defer.Deferred:
-    """Wait for ``d`` without letting a cancellation reach it (a database statement in flight
-    must not be cancelled because one caller stopped waiting)."""
-    out: defer.Deferred = defer.Deferred()
-
-    def settle(result):
-        if not out.called:
-            out.errback(result) if isinstance(result, Failure) else out.callback(result)
-        return None
-
-    d.addBoth(settle)
-    return out
 
 
 class WorkerDialer:
@@ -152,7 +139,7 @@ class WorkerDialer:
             except NotHeldHere:
                 pass  # detached this very moment: ask the database who holds it now
         try:
-            ownership = await _shielded(defer.ensureDeferred(self._fence.owner(node_id)))
+            ownership = await shielded(defer.ensureDeferred(self._fence.owner(node_id)))
         except NoConnection:
             raise await self._classify_absence(node_id) from None
         except defer.CancelledError:
@@ -195,7 +182,7 @@ class WorkerDialer:
         return await client.whenReady()
 
     async def _classify_absence(self, node_id: str) -> errors.ClusterError:
-        reading = await _shielded(defer.ensureDeferred(
+        reading = await shielded(defer.ensureDeferred(
             self._fence.presence(node_id, self._grace)))
         presence = reading.presence
         if presence is Presence.GONE:
