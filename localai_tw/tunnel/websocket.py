@@ -464,9 +464,16 @@ class _CarrierMixin:
     # and hlval) on every read and every write, even with debug logging off: 15-20 % of each
     # side's CPU in the transport benchmark.  These two do the same work without it.
 
-    #: Bytes of an incomplete binary frame held by the fast receive path (Autobahn's ``data``
-    #: is empty meanwhile); at most one frame within the message bound.
+    #: The start of a binary frame whose header is not complete yet, held by the fast receive
+    #: path (Autobahn's ``data`` is empty meanwhile); at most one header (14 bytes).
     _rx: bytearray | None = None
+    #: Payload bytes still to come of the frame the fast path is in the middle of (its header
+    #: was accepted and the payload so far delivered), its masking key (None: not masked), how
+    #: far into the payload we are (the key's offset), and its length (for the statistics).
+    _rx_left: int = 0
+    _rx_key: bytes | None = None
+    _rx_done: int = 0
+    _rx_length: int = 0
 
     def dataReceived(self, data: bytes) -> None:
         carrier = self.carrier
@@ -475,7 +482,7 @@ class _CarrierMixin:
             return
         carrier._startBatch()  # what the inner protocol writes in answer goes out as one message
         try:
-            if self._fastReceivable():
+            if self._rx_left or self._fastReceivable():
                 self._receiveFast(data)
             else:
                 if self._rx:  # the fast path held the start of a frame: Autobahn takes it
@@ -499,29 +506,41 @@ class _CarrierMixin:
         Only a frame that Autobahn would accept as a whole binary message takes this path: FIN
         set, no RSV bits, opcode 2, masked exactly when this side requires it (the client's
         frames are, the server's are not), minimal length encoding, length within the frame and
-        message bounds and non-zero.  It is unmasked into one new buffer, with no frame or
-        message objects, no future and no log line.  At the first frame that is anything else
-        (a control frame, a fragment, text, a violation) the rest of the read goes to
-        Autobahn's own parser, which handles or refuses it as before; an incomplete frame is
-        held (``_rx``) for the next read."""
+        message bounds and non-zero.  Its payload is unmasked and delivered as it arrives: each
+        read's part of it at once, at the running offset of the masking key, never collected
+        into a whole message; there are no frame or message objects, no future and no log line.
+        At the first frame that is anything else (a control frame, a fragment, text, a
+        violation) the rest of the read goes to Autobahn's own parser, which handles or refuses
+        it as before; an incomplete header is held (``_rx``) for the next read."""
         self.trafficStats.incomingOctetsWireLevel += len(data)
         if self.data:  # Autobahn holds the start of a frame (came with the handshake)
             data, self.data = self.data + data, b""
+        pos = 0
+        if self._rx_left:
+            with memoryview(data) as view:
+                pos = min(self._rx_left, len(view))
+                self._fastPayload(view, 0, pos)
+            if self._rx_left:
+                return  # the whole read was payload of that frame
+            if not self._fastReceivable():  # closing meanwhile: Autobahn takes what follows
+                if self._rx:
+                    self.data, self._rx = bytes(self._rx), None
+                self._dataReceived(data[pos:])
+                return
         rx = self._rx
         if rx:
-            rx += data
+            rx += memoryview(data)[pos:]
             buf = rx
+            pos = 0
         else:
             buf = data
         carrier = self.carrier
-        stats = self.trafficStats
         masked = bool(self.factory.isServer)
         if masked and not (self.requireMaskedClientFrames and self.applyMask):
             masked = None  # an unusual configuration: Autobahn decides every frame
         max_frame = self.maxFramePayloadSize
         max_message = self.maxMessagePayloadSize
         end = len(buf)
-        pos = 0
         handover = False
         with memoryview(buf) as view:
             while end - pos >= 2:
@@ -552,22 +571,17 @@ class _CarrierMixin:
                     handover = True
                     break
                 if masked:
+                    if end - start < 4:
+                        break
+                    self._rx_key = view[start:start + 4].tobytes()
                     start += 4
-                stop = start + length
-                if stop > end:
-                    break  # wait for the rest of the frame
-                if masked:
-                    payload = bytearray(view[start:stop])
-                    _mask_in_place(payload, 0, bytes(view[start - 4:start]))
-                    payload = bytes(payload)
                 else:
-                    payload = bytes(view[start:stop])
-                pos = stop
-                stats.incomingWebSocketFrames += 1
-                stats.incomingWebSocketMessages += 1
-                stats.incomingOctetsWebSocketLevel += length
-                stats.incomingOctetsAppLevel += length
-                carrier._messageReceived(payload)
+                    self._rx_key = None
+                self._rx_left, self._rx_done, self._rx_length = length, 0, length
+                pos = min(start + length, end)
+                self._fastPayload(view, start, pos)
+                if self._rx_left:
+                    break  # the rest of the payload comes with the next reads
                 if self.state != WebSocketProtocol.STATE_OPEN or not carrier.connected:
                     handover = True  # closing: Autobahn handles what follows
                     break
@@ -586,6 +600,35 @@ class _CarrierMixin:
                 del rx[:pos]
         elif pos == end:
             self._rx = None
+
+    def _fastPayload(self, view: memoryview, start: int, stop: int) -> None:
+        """Unmask ``view[start:stop]``, the next bytes of the current frame's payload, and hand
+        them to the carrier (dropped once it is gone); count the frame once it is whole."""
+        n = stop - start
+        if n > 0:
+            key = self._rx_key
+            if key is None:
+                payload = view[start:stop].tobytes()
+            else:
+                shift = self._rx_done & 3
+                if shift:
+                    key = key[shift:] + key[:shift]
+                piece = bytearray(view[start:stop])
+                _mask_in_place(piece, 0, key)
+                payload = bytes(piece)
+            self._rx_left -= n
+            self._rx_done += n
+        if not self._rx_left:  # counted before the last bytes are handed over
+            length = self._rx_length
+            stats = self.trafficStats
+            stats.incomingWebSocketFrames += 1
+            stats.incomingWebSocketMessages += 1
+            stats.incomingOctetsWebSocketLevel += length
+            stats.incomingOctetsAppLevel += length
+        if n > 0:
+            carrier = self.carrier
+            if carrier is not None and carrier.connected:
+                carrier._messageReceived(payload)
 
     def sendData(self, data: bytes, sync: bool = False, chopsize: int | None = None) -> None:
         carrier = self.carrier
