@@ -128,50 +128,81 @@ class FrameDecoder:
         return len(self._buffer)
 
     def feed(self, data: bytes) -> list[Frame]:
-        """Decode every whole frame in what was held plus ``data``; hold the incomplete tail.
+        """Decode every whole frame in what was held plus ``data``; hold the incomplete tail."""
+        return [Frame(*fields) for fields in self.decode(data)]
 
-        Each payload is copied once, through a memoryview: when nothing is held, ``data`` is
-        parsed where it lies and only its tail is kept."""
+    def decode(self, data: bytes) -> list[tuple[int, int, int, int, bytes]]:
+        """``feed`` without the ``Frame`` objects: ``(type, flags, stream_id, length, payload)``
+        tuples, checked exactly as ``feed`` checks them (the session's hot path).
+
+        Each payload is copied once, out of the read it came in: a read is parsed where it
+        lies.  Only a frame cut by the end of a read is held, and the next read gives it just
+        the bytes it lacks, so the rest of that read is parsed in place too."""
         if self._failed is not None:
             raise self._failed
+        frames: list[tuple[int, int, int, int, bytes]] = []
         held = self._buffer
-        if held:
-            held += data
-            source = held
-        else:
-            source = data
-        frames: list[Frame] = []
-        append = frames.append
-        unpack_from = HEADER.unpack_from
-        max_payload = self.max_payload
-        pos = 0
-        end = len(source)
         try:
-            with memoryview(source) as view:
-                while end - pos >= HEADER_SIZE:
-                    version, ftype, flags, stream_id, length = unpack_from(view, pos)
-                    if version != VERSION:
-                        raise FrameError(f"unsupported yamux version {version}")
-                    if ftype != TYPE_DATA:
-                        if ftype not in TYPE_NAMES:
-                            raise FrameError(f"unknown frame type {ftype}")
-                        append(Frame(ftype, flags, stream_id, length))
-                        pos += HEADER_SIZE
-                        continue
-                    if length > max_payload:
-                        raise FrameError(
-                            f"data frame of {length} bytes exceeds the limit of {max_payload}")
-                    start = pos + HEADER_SIZE
-                    if end - start < length:
-                        break  # wait for the rest of the payload
-                    pos = start + length
-                    append(Frame(TYPE_DATA, flags, stream_id, length, bytes(view[start:pos])))
-                if source is not held and pos < end:
-                    held += view[pos:]  # keep only the tail of a read parsed in place
+            with memoryview(data) as view:
+                end = len(view)
+                pos = 0
+                if held:
+                    pos = self._complete(held, view)
+                    if pos < 0:
+                        return frames  # the held frame still lacks bytes: all of them taken
+                    with memoryview(held) as hview:
+                        self._parse(hview, 0, len(hview), frames.append)
+                    del held[:]
+                pos = self._parse(view, pos, end, frames.append)
+                if pos < end:
+                    held += view[pos:]  # the start of a frame cut by the end of this read
         except FrameError as e:
             self._failed = e
             self._buffer = bytearray()
             raise
-        if source is held and pos:
-            del held[:pos]
         return frames
+
+    def _complete(self, held: bytearray, view: memoryview) -> int:
+        """Move into ``held`` the bytes of ``view`` that its frame lacks.  Returns where the rest
+        of ``view`` starts, or -1 if the frame is still incomplete (all of ``view`` taken)."""
+        pos = 0
+        end = len(view)
+        if len(held) < HEADER_SIZE:
+            pos = min(HEADER_SIZE - len(held), end)
+            held += view[:pos]
+            if len(held) < HEADER_SIZE:
+                return -1
+        version, ftype, _, _, length = HEADER.unpack_from(held)
+        if version != VERSION or ftype != TYPE_DATA or length > self.max_payload:
+            return pos  # header only, or refused by _parse
+        take = HEADER_SIZE + length - len(held)
+        if take > end - pos:
+            held += view[pos:]
+            return -1
+        held += view[pos:pos + take]
+        return pos + take
+
+    def _parse(self, view: memoryview, pos: int, end: int, append) -> int:
+        """Append every whole frame of ``view[pos:end]``; return where the incomplete tail
+        starts."""
+        unpack_from = HEADER.unpack_from
+        max_payload = self.max_payload
+        while end - pos >= HEADER_SIZE:
+            version, ftype, flags, stream_id, length = unpack_from(view, pos)
+            if version != VERSION:
+                raise FrameError(f"unsupported yamux version {version}")
+            if ftype != TYPE_DATA:
+                if ftype not in TYPE_NAMES:
+                    raise FrameError(f"unknown frame type {ftype}")
+                append((ftype, flags, stream_id, length, b""))
+                pos += HEADER_SIZE
+                continue
+            if length > max_payload:
+                raise FrameError(
+                    f"data frame of {length} bytes exceeds the limit of {max_payload}")
+            start = pos + HEADER_SIZE
+            if end - start < length:
+                break  # wait for the rest of the payload
+            pos = start + length
+            append((TYPE_DATA, flags, stream_id, length, view[start:pos].tobytes()))
+        return pos

@@ -54,6 +54,7 @@ from localai_tw.mux.frame import (
     TYPE_DATA,
     TYPE_GO_AWAY,
     TYPE_PING,
+    TYPE_WINDOW_UPDATE,
     VERSION,
     Frame,
     FrameDecoder,
@@ -150,6 +151,8 @@ class Session(Protocol):
         self._keepalive_opaque: int | None = None
         self._keepalive_timer = None
         self._lingering: dict[int, object] = {}
+        self._reading = 0           # > 0 while a read's frames are handled
+        self._grants: dict[Stream, None] = {}  # streams whose window grant waits for its end
 
     # -- public API -----------------------------------------------------------------------
 
@@ -266,25 +269,57 @@ class Session(Protocol):
             self._keepalive_loop.start(interval, now=False)
 
     def dataReceived(self, data: bytes) -> None:
+        """Decode the read and handle its frames in order.  The hot path, a Data frame with no
+        flags for a live stream (or a bare window update), goes straight to the stream with no
+        ``Frame`` object; every other frame goes through ``_handleFrame``.  The streams' window
+        grants are decided once, after the whole read was handled."""
         if self.state is not SessionState.OPEN:
             return
         try:
-            frames = self._decoder.feed(data)
+            frames = self._decoder.decode(data)
         except FrameError as e:
             self._protocolError(str(e))
             return
-        for frame in frames:
-            if self.state is not SessionState.OPEN:
-                return
-            try:
-                self._handleFrame(frame)
-            except ProtocolError as e:
-                self._protocolError(str(e))
-                return
-            except Exception:
-                log.failure("yamux session failed handling {frame!r}", frame=frame)
-                self._internalError()
-                return
+        if not frames:
+            return
+        streams = self._streams
+        self._reading += 1
+        try:
+            for fields in frames:
+                if self.state is not SessionState.OPEN:
+                    return
+                ftype, flags, sid, length, payload = fields
+                try:
+                    if not flags and sid:
+                        stream = streams.get(sid)
+                        if stream is not None:
+                            if ftype == TYPE_DATA:
+                                stream._receiveData(payload)
+                                continue
+                            if ftype == TYPE_WINDOW_UPDATE:
+                                if length:
+                                    stream._receiveWindow(length)
+                                continue
+                    self._handleFrame(Frame(*fields))
+                except ProtocolError as e:
+                    self._protocolError(str(e))
+                    return
+                except Exception:
+                    log.failure("yamux session failed handling {frame!r}", frame=Frame(*fields))
+                    self._internalError()
+                    return
+        finally:
+            self._reading -= 1
+            if not self._reading and self._grants:
+                self._grantPending()
+
+    def _grantPending(self) -> None:
+        """The window grants the read just handled put off: one decision per stream."""
+        grants, self._grants = self._grants, {}
+        if self.state is not SessionState.OPEN:
+            return
+        for stream in grants:
+            stream._grantWindow()
 
     def connectionLost(self, reason: Failure = None) -> None:
         if self.state is SessionState.ENDED:

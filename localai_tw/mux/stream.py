@@ -439,7 +439,11 @@ class Stream:
                     return
             if not self.connected:
                 return
-            self._grantWindow()
+            session = self.session
+            if session._reading:
+                session._grants[self] = None  # decided once the whole read was handled
+            else:
+                self._grantWindow()
             if (not self._in and not self._paused and not self._eof_delivered
                     and self.state in (StreamState.HALF_CLOSED_REMOTE, StreamState.CLOSED)):
                 self._eof_delivered = True
