@@ -57,11 +57,13 @@ class StreamState(enum.Enum):
     RESET = "reset"                            # RST either way
 
 
-_LOCAL_OPEN = {StreamState.SYN_SENT, StreamState.SYN_RECEIVED, StreamState.OPEN,
-               StreamState.HALF_CLOSED_REMOTE}
-_REMOTE_OPEN = {StreamState.SYN_SENT, StreamState.SYN_RECEIVED, StreamState.OPEN,
-                StreamState.HALF_CLOSED_LOCAL}
-_FINISHED = {StreamState.CLOSED, StreamState.RESET}
+# Tuples, not sets: membership is then an identity check in C, where a set would call
+# Enum.__hash__ (Python code) on every test of the per-frame path.
+_LOCAL_OPEN = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE, StreamState.SYN_SENT,
+               StreamState.SYN_RECEIVED)
+_REMOTE_OPEN = (StreamState.OPEN, StreamState.HALF_CLOSED_LOCAL, StreamState.SYN_SENT,
+                StreamState.SYN_RECEIVED)
+_FINISHED = (StreamState.CLOSED, StreamState.RESET)
 
 
 @implementer(IAddress)
