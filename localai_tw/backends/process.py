@@ -89,8 +89,9 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_http_proxy", 0),
     # A backend that is still importing torch refuses connections; keep the reconnect backoff
     # short so readiness is seen within one poll interval, not after a 1-120 s backoff.
+    # (grpc.min_reconnect_backoff_ms is left alone: gRPC core reads it as the minimum connect
+    # timeout, and a 100 ms one fails calls to a backend that is merely slow to answer.)
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 

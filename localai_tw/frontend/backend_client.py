@@ -63,8 +63,11 @@ CHANNEL_OPTIONS = [
     # The bridge is local; a failed dial is recorded there.  Retry the connect soon, so a
     # worker that reconnects is used again within a second, not after grpc's 1-120 s backoff.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # NOT grpc.min_reconnect_backoff_ms: gRPC core reads it as the minimum *connect timeout*.
+    # At 100 ms a loaded replica whose tunnel handshake took longer saw UNAVAILABLE with no
+    # dial error recorded, read it as the backend's answer, and reaped a healthy model.  The
+    # default (20 s) stays above the bridge's own 15 s dial timeout.
     # Keep the HTTP/2 connection (one tunnel stream) alive across idle periods.
     ("grpc.keepalive_time_ms", 60_000),
 ]
