@@ -289,8 +289,15 @@ class LocalWorkerService(MultiService):
         worker.setServiceParent(self)  # we are running: this starts it
 
     def stopService(self):
-        self.worker = None
-        return super().stopService()
+        worker, self.worker = self.worker, None
+        stopping = defer.maybeDeferred(super().stopService)
+
+        def forget(result):
+            if worker is not None and worker.parent is self:
+                self.removeService(worker)  # a later start builds a fresh worker
+            return result
+
+        return stopping.addBoth(forget)
 
 
 class InOrderMultiService(MultiService):
