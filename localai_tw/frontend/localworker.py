@@ -16,6 +16,8 @@ registered), then builds an ordinary worker with
 
 The worker registers over HTTP, heartbeats and dials the WebSocket tunnel exactly like a worker
 on another machine: a one-machine cluster exercises the real path, nothing is short-circuited.
+``/readyz`` also waits for the local worker's first tunnel (at most ``ready_grace``, 60 s; not
+with ``--require-approval``), so a client that waits for readiness finds a worker to serve it.
 
 At start the service also makes sure the models directory offers the default embeddings model
 :data:`DEFAULT_EMBEDDINGS_MODEL` (backend ``sentence-transformers``): when no config in the
@@ -220,7 +222,7 @@ class LocalWorkerService(MultiService):
     def __init__(self, frontend, options: Mapping[str, Any], *, reactor=None,
                  make_worker: Callable[..., Service] | None = None,
                  hostname: str | None = None, backend_ports: PortRange = DEFAULT_BACKEND_PORTS,
-                 write_default_model: bool = True):
+                 write_default_model: bool = True, ready_grace: float = 60.0):
         super().__init__()
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -239,6 +241,14 @@ class LocalWorkerService(MultiService):
         self.worker: Service | None = None
         #: Fires once the default model config was checked (tests wait on it).
         self.default_model_checked: defer.Deferred | None = None
+        # /readyz waits for the local worker's first tunnel (bounded by ``ready_grace``), so a
+        # request sent once the cluster says ready finds a worker.  Not with approval required:
+        # the worker then waits for an administrator.
+        self.ready_grace = ready_grace
+        self._first_tunnel_seen = self._require_approval
+        self._gate_expiry = None
+        if hasattr(frontend, "readiness_gates") and not self._require_approval:
+            frontend.readiness_gates.append(self._readiness_gate)
 
     def worker_options(self, register_to: str) -> dict[str, Any]:
         """The worker's option mapping (as ``twistd localai-worker`` would parse it)."""
@@ -251,6 +261,33 @@ class LocalWorkerService(MultiService):
             "data-dir": self.data_dir,
             "labels": {},
         }
+
+    def _readiness_gate(self) -> str | None:
+        """None once the local worker's tunnel was attached here (or the grace ran out)."""
+        if self._first_tunnel_seen:
+            return None
+        worker = self.worker
+        registration = getattr(getattr(worker, "registrar", None), "registration", None)
+        tunnels = getattr(self._frontend, "tunnels", None)
+        if registration is not None and tunnels is not None and \
+                tunnels.holds(registration.node_id):
+            self._first_tunnel_seen = True
+            self._cancel_gate_expiry()
+            return None
+        return "waiting for the local worker to register and connect its tunnel"
+
+    def _gate_expired(self) -> None:
+        self._gate_expiry = None
+        if not self._first_tunnel_seen:
+            self._first_tunnel_seen = True
+            log.warn("the local worker {name} has not connected its tunnel within {grace:g}s; "
+                     "/readyz no longer waits for it", name=self.node_name,
+                     grace=self.ready_grace)
+
+    def _cancel_gate_expiry(self) -> None:
+        if self._gate_expiry is not None and self._gate_expiry.active():
+            self._gate_expiry.cancel()
+        self._gate_expiry = None
 
     def startService(self) -> None:
         Service.startService(self)  # the worker is added (and started) once the frontend is up
@@ -284,11 +321,14 @@ class LocalWorkerService(MultiService):
             log.warn("--require-approval is set: the local worker {name} waits for an "
                      "administrator's approval like any other (POST /api/nodes/<id>/approve)",
                      name=self.node_name)
+        if not self._first_tunnel_seen:
+            self._gate_expiry = self._reactor.callLater(self.ready_grace, self._gate_expired)
         worker = make_worker(self.worker_options(register_to), self._reactor)
         self.worker = worker
         worker.setServiceParent(self)  # we are running: this starts it
 
     def stopService(self):
+        self._cancel_gate_expiry()
         worker, self.worker = self.worker, None
         stopping = defer.maybeDeferred(super().stopService)
 

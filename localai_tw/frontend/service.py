@@ -244,6 +244,10 @@ class FrontendService(MultiService):
                                          self.site)
         self.listener.setServiceParent(self)
 
+        #: Further conditions of ``/readyz`` once wired: callables answering None (ready) or
+        #: the reason (the local worker's first tunnel, ``frontend/localworker.py``).
+        self.readiness_gates: list = []
+
         self._state = "not started"
         self._failure: Failure | None = None
         self._wiring: defer.Deferred | None = None
@@ -282,6 +286,10 @@ class FrontendService(MultiService):
             return False, f"startup failed: {self._failure.getErrorMessage()}"
         if self.parts is None:
             return False, self._state
+        for gate in self.readiness_gates:
+            reason = gate()
+            if reason:
+                return False, reason
         return True, "ready"
 
     def whenReady(self) -> defer.Deferred:

@@ -106,6 +106,24 @@ async def test_local_worker_registers_holds_a_tunnel_and_is_listed(one_machine):
 
 
 @pytest_twisted.ensureDeferred
+async def test_readyz_waits_for_the_local_workers_tunnel(one_machine):
+    frontend, local, base, pool = one_machine
+    seen = []
+    for _ in range(600):
+        response = await treq.get(f"{base}/readyz", pool=pool)
+        body = json.loads(await treq.content(response))
+        seen.append(body.get("reason"))
+        if response.code == 200:
+            break
+        await task.deferLater(reactor, 0.02, lambda: None)
+    assert response.code == 200, seen
+    # ready means a request finds the worker: its tunnel is attached here already
+    node_id = local.worker.registrar.registration.node_id
+    assert frontend.tunnels.holds(node_id)
+    assert set(seen[:-1]) <= {"waiting for the local worker to register and connect its tunnel"}
+
+
+@pytest_twisted.ensureDeferred
 async def test_missing_embeddings_extra_is_named_in_the_answer(one_machine, monkeypatch):
     frontend, local, base, pool = one_machine
     worker = await eventually(lambda: local.worker)
