@@ -69,6 +69,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
+from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
 from localai_tw.backends.ports import NoFreePort, PortAllocator
 
@@ -206,22 +207,7 @@ class BackendClient:
     def call(self, method: str, request, timeout: float | None) -> defer.Deferred:
         future = getattr(self._stub, method).future(request, timeout=timeout,
                                                     metadata=self._metadata)
-        result: defer.Deferred = defer.Deferred(lambda d: future.cancel())
-
-        def deliver(done):
-            if result.called:
-                return  # cancelled by the caller
-            if done.cancelled():
-                result.errback(defer.CancelledError())
-                return
-            exc = done.exception()
-            if exc is not None:
-                result.errback(Failure(exc))
-            else:
-                result.callback(done.result())
-
-        future.add_done_callback(lambda done: self._reactor.callFromThread(deliver, done))
-        return result
+        return deferred_from_future(self._reactor, future)
 
     def close(self) -> None:
         self._channel.close()

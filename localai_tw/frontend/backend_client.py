@@ -52,6 +52,7 @@ from twisted.python.threadpool import ThreadPool
 
 from localai_tw import errors
 from localai_tw.backends import backend_pb2_grpc
+from localai_tw.backends.grpcfuture import deferred_from_future
 
 log = Logger()
 
@@ -166,22 +167,8 @@ class BridgedBackendClient:
         snapshot = self.bridge.snapshot()
         future = getattr(self._stub, method).future(request, timeout=timeout,
                                                     metadata=self._metadata)
-        result: defer.Deferred = defer.Deferred(lambda d: future.cancel())
-
-        def deliver(done):
-            if result.called:
-                return  # cancelled by the caller
-            if done.cancelled():
-                result.errback(defer.CancelledError())
-                return
-            exc = done.exception()
-            if exc is not None:
-                result.errback(Failure(exc))
-            else:
-                result.callback(done.result())
-
-        future.add_done_callback(lambda done: self._reactor.callFromThread(deliver, done))
-        return result.addErrback(self._classify, snapshot, what, absolute)
+        return deferred_from_future(self._reactor, future).addErrback(
+            self._classify, snapshot, what, absolute)
 
     def stream(self, method: str, request, on_item: Callable[[Any], Any],
                deadline: float | None = None) -> defer.Deferred:
