@@ -21,7 +21,7 @@ from localai_tw.bus.claims import (
 )
 from localai_tw.db.pool import Database, DatabaseUnavailable
 
-from .test_claims import make_live, make_stale, row, sleep, wait_for
+from .test_claims import consumers, make_live, make_stale, row, sleep, wait_for  # noqa: F401
 
 
 async def insert_jobs(db, total: int, kind: str = "task", prefix: str = "job-") -> list[str]:
@@ -236,24 +236,6 @@ class RecordingQueue(ClaimQueue):
             await defer.Deferred()   # a statement that never answers (half-open connection)
         self.complete_sizes.append(len(claims))
         return await super().complete_many(claims)
-
-
-@pytest_twisted.async_yield_fixture
-async def consumers():
-    started = []
-
-    def start(*args, **kwargs):
-        c = ClaimConsumer(*args, **kwargs)
-        c.startService()
-        started.append(c)
-        return c
-
-    try:
-        yield start
-    finally:
-        for c in started:
-            if c.running:
-                await c.stopService()
 
 
 @pytest_twisted.ensureDeferred
