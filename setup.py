@@ -13,6 +13,13 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["localai_tw", "localai_tw.*"]) + ["twisted.plugins"],
+    # An explicit root makes setuptools' PEP 660 editable install a plain .pth file that puts
+    # this checkout on sys.path.  Without it setuptools maps packages through an import finder,
+    # the checkout never reaches sys.path, and Twisted's plugin discovery (which scans
+    # <sys.path entry>/twisted/plugins) never sees twisted/plugins/localai_*.py: `twistd
+    # localai-frontend` would be "Unknown command" after `pip install -e .`.
+    # tests/e2e/test_user_install.py pins this in a fresh virtualenv.
+    package_dir={"": "."},
     package_data={
         "localai_tw.db": ["migrations/*.sql"],
         "localai_tw.backends": ["backend.proto"],

@@ -1,8 +1,8 @@
 """The real ``twistd`` finds and runs ``localai-frontend`` and ``localai-worker``.
 
-Each test starts twistd as a subprocess with PYTHONPATH set to this checkout, so Twisted's plugin
-discovery (``twisted.plugins.__path__`` gains every ``<sys.path entry>/twisted/plugins`` directory
-without an ``__init__.py``) finds ``twisted/plugins/localai_*.py`` here.  It runs in a temporary
+Each test starts the installed ``twistd`` script beside this interpreter, with no PYTHONPATH, so
+the plugins are found only if the install put them where Twisted's discovery looks (see setup.py;
+``test_user_install.py`` checks the same in a fresh virtualenv).  It runs in a temporary
 working directory so nothing (logs, pid files) lands in the repository.  Every process started is
 terminated, waited for and, if need be, killed in a finalizer.
 """
@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]
+# The installed twistd script beside this interpreter, as a user runs it (no PYTHONPATH).
+TWISTD = [str(Path(sys.executable).with_name("twistd"))]
 
 
 def flat(text: str) -> str:
@@ -40,7 +41,6 @@ def twistd(tmp_path):
 
     def environment(extra):
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALAI_")}
-        env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env.update(extra or {})
         return env
 

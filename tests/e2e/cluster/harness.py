@@ -42,7 +42,13 @@ from .balancer import Balancer
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 _TWISTD = "from twisted.scripts.twistd import run; run()"
-_PROBED_TWISTD = "import tests.e2e.cluster.probe as p; p.install(); " + _TWISTD
+# The probe is loaded from its file, so the processes import localai_tw and the plugins from the
+# installed package (no PYTHONPATH, no checkout on the path), as a user's twistd does.
+_PROBE_FILE = Path(__file__).with_name("probe.py")
+_PROBED_TWISTD = (
+    "import importlib.util as u; s = u.spec_from_file_location('ltw_probe', %r); "
+    "p = u.module_from_spec(s); s.loader.exec_module(p); p.install(); " % str(_PROBE_FILE)
+) + _TWISTD
 #: Liveness window of a replica (``instances.last_seen``), as the library uses it (ref §6.1).
 INSTANCE_LIVENESS_SECONDS = 30
 TOKEN = "e2e-registration-token"
@@ -239,7 +245,6 @@ class Cluster:
 
     def _environment(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALAI_")}
-        env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         return env
 

@@ -4,7 +4,7 @@ The admin API has no route that reaches a worker (there is no ``GET /api/nodes/{
 yet, ref §7), so nothing from outside a replica can make it call a control verb or stage a file
 on a worker.  The cluster harness therefore starts each frontend as
 
-    python -c "import tests.e2e.cluster.probe as p; p.install(); \\
+    python -c "<load this file as a module>; p.install(); \\
                from twisted.scripts.twistd import run; run()" -n --pidfile= localai-frontend ...
 
 i.e. the real ``twistd`` runner, the real plugin, options and service tree, plus ONE extra
