@@ -24,7 +24,6 @@ import importlib.util
 import json
 import math
 import os
-import shlex
 import shutil
 import signal
 import socket
@@ -37,6 +36,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.e2e import readme
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The installed twistd script beside this interpreter, as a user runs it (no PYTHONPATH).
@@ -71,21 +72,10 @@ def transformers_extra():
     require_modules("torch", "transformers", "tokenizers", extra="transformers")
 
 
-def readme_main_command() -> list[str]:
-    """The twistd arguments of the README's main command (after ``twistd``)."""
-    lines = (REPO_ROOT / "README.md").read_text().splitlines()
-    at = lines.index("<!-- main-command -->")
-    command = next(line for line in lines[at + 1:] if line.strip() and
-                   not line.startswith("```"))
-    twistd_part = next(part for part in command.split("&&")
-                       if part.strip().startswith("twistd "))
-    return shlex.split(twistd_part)[1:]
-
-
 def cluster_args(port: int, data_dir: Path, database_url: str | None) -> list[str]:
     """The README's arguments with ``--pidfile=`` added, ``--listen`` on ``port``, and our
     ``--data-dir`` (and ``--database-url`` when given)."""
-    args = readme_main_command()
+    args = readme.main_twistd_args()
     assert args[:2] == ["-n", "localai-frontend"], args
     assert "--local-worker" in args and "--listen" in args, args
     listen = args.index("--listen")
@@ -204,7 +194,7 @@ def cosine(a, b) -> float:
 
 
 def test_readme_main_command_is_a_one_machine_cluster():
-    args = readme_main_command()
+    args = readme.main_twistd_args()
     assert args[:2] == ["-n", "localai-frontend"]
     assert {"--single-host", "--local-worker"} <= set(args)
 
