@@ -306,7 +306,43 @@ def read_json_object(request, *, required: bool = True) -> dict:
         raise bad_request(f"the request body is not valid JSON{detail}") from None
     if not isinstance(decoded, dict):
         raise bad_request("the request body must be a JSON object")
+    unsafe = _first_unsafe_string(decoded, "")
+    if unsafe is not None:
+        where, what = unsafe
+        raise bad_request(f"{where or 'a field name'} contains {what}, which no backend, "
+                          f"gRPC message or database row can carry", field=where or None)
     return decoded
+
+
+def _first_unsafe_string(value: Any, path: str) -> tuple[str, str] | None:
+    """The JSON path of the first key or string holding a NUL or a lone surrogate, and which.
+
+    JSON may spell both (``"\\u0000"``, ``"\\ud800"``); neither survives the trip on: protobuf
+    strings must be valid UTF-8 and PostgreSQL text refuses NUL, so they are refused here, at
+    the door, instead of failing deep inside with a 500.  Nesting is already bounded by the
+    JSON decoder's recursion limit (a deeper body is a 400 above).
+    """
+    if isinstance(value, str):
+        if "\x00" in value:
+            return path, "a NUL character (\\u0000)"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path, "a lone surrogate (an unpaired \\ud800-\\udfff escape)"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            found = _first_unsafe_string(key, path) or _first_unsafe_string(item, where)
+            if found is not None:
+                return printable(found[0]), found[1]
+        return None
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _first_unsafe_string(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _refuse_constant(name: str):

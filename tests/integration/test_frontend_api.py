@@ -231,6 +231,8 @@ async def test_register_400_names_the_field(frontend, http, change, named):
     (b'{"name": "\xff"}', "UTF-8"),
     (b'{"name": NaN}', "not valid JSON"),
     (b"[" * 5000 + b"]" * 5000, "JSON"),
+    (b'{"name": "w\\u0000"}', "NUL"),
+    (b'{"name": "gpu-1", "labels": {"zone": "a\\ud800"}}', "lone surrogate"),
 ])
 @pytest_twisted.ensureDeferred
 async def test_register_400_for_a_body_that_is_not_a_json_object(frontend, http, raw, says):

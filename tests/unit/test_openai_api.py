@@ -73,6 +73,26 @@ def test_non_object_bodies_are_400(site, raw):
     assert_error(call(site, "POST", "/v1/chat/completions", raw=raw or None), 400)
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "a\ud800b"}]),
+     "messages[0].content"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "a\u0000b"}]),
+     "messages[0].content"),
+    ("/v1/chat/completions", chat(stop=["ok", "\udfff"]), "stop[1]"),
+    ("/v1/chat/completions", chat(metadata={"k": "v\u0000"}), "metadata.k"),
+    ("/v1/completions", {"model": "chatty", "prompt": "x\ud83d"}, "prompt"),
+    ("/v1/embeddings", {"model": "embedder", "input": ["fine", "\u0000"]}, "input[1]"),
+    ("/v1/embeddings", {"model": "embedder\ud800", "input": "x"}, "model"),
+])
+def test_nul_and_lone_surrogates_are_400_naming_the_field(site, router, path, body, param):
+    # JSON can spell both as escapes; neither can cross gRPC (UTF-8) or PostgreSQL (NUL).
+    raw = json.dumps(body).encode()  # ensure_ascii keeps them as \\u escapes
+    error = assert_error(call(site, "POST", path, raw=raw), 400, "invalid_request_error",
+                         param=param)
+    assert param in error["message"]
+    assert router.calls == []
+
+
 def test_non_json_content_type_is_415(site):
     response = call(site, "POST", "/v1/chat/completions", raw=b"model=x",
                     headers={"Content-Type": "application/x-www-form-urlencoded"})
