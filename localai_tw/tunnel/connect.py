@@ -32,6 +32,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from localai_tw.cluster.nodes import NodeStatus, Unauthorized
+from localai_tw.logsafe import untrusted
 from localai_tw.mux.session import Session, SessionConfig
 from localai_tw.tunnel.websocket import (
     ConnectRefused,
@@ -104,12 +105,12 @@ class ConnectAuthorizer:
                 node_id, credential.decode("utf-8", "replace"))
         except Unauthorized:
             log.info("tunnel dial refused (401): node={node} unknown or credential not current "
-                     "(re-register the worker)", node=node_id or "<invalid>")
+                     "(re-register the worker)", node=untrusted(node_id) or "<invalid>")
             raise ConnectRefused(401, "unknown node or wrong credential",
                                  {"WWW-Authenticate": "Bearer"}) from None
         except Exception as e:
             log.warn("tunnel dial of node={node} answered 500: node lookup failed ({err})",
-                     node=node_id, err=type(e).__name__)
+                     node=untrusted(node_id), err=type(e).__name__)
             raise ConnectRefused(500, "node lookup failed; try again") from None
         if node.status is NodeStatus.PENDING:
             log.info("tunnel dial refused (403): node={node} awaits approval", node=node_id)

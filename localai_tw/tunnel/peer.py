@@ -48,6 +48,7 @@ from zope.interface import implementer
 from localai_tw import errors
 from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS, interval_seconds
 from localai_tw.cluster.membership import InstanceIdentity, peer_token_hash, secret_matches_hash
+from localai_tw.logsafe import untrusted
 from localai_tw.mux.errors import MuxError
 from localai_tw.mux.session import Session, SessionConfig
 from localai_tw.splice import HandoffProtocol, Splice
@@ -130,7 +131,7 @@ class PeerLinkAuthorizer:
 
     def _refuse(self, status: int, peer_id: str, why: str) -> ConnectRefused:
         log.error("peer link from replica {peer} refused ({status}): {why}; this is " + _CONFIG_HINT,
-                  peer=peer_id or "<unnamed>", status=status, why=why)
+                  peer=untrusted(peer_id) or "<unnamed>", status=status, why=why)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
         return ConnectRefused(status, why, headers)
 
@@ -153,7 +154,7 @@ class PeerLinkAuthorizer:
             stored = await peer_token_hash(self._db, claimed, self._liveness)
         except Exception as e:
             log.warn("peer link from replica {peer} answered 500: lookup failed ({err})",
-                     peer=claimed, err=type(e).__name__)
+                     peer=untrusted(claimed), err=type(e).__name__)
             raise ConnectRefused(500, "replica lookup failed; try again") from None
         secret = secrets[0].strip().decode("utf-8", "replace")
         # Always compare (an absent hash compares against a dummy) so timing says nothing.

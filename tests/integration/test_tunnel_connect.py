@@ -167,3 +167,35 @@ async def test_registry_close_releases_and_closes_the_session(db, frontends, wor
     await within(session.whenClosed())
     row = await owner_row(frontend, worker.node_id)
     assert row.owner_id == "" and row.disconnected_at is not None
+
+
+@pytest_twisted.ensureDeferred
+async def test_crlf_in_an_anonymous_id_cannot_forge_log_lines(db, frontends, workers):
+    """``?id=`` is chosen by whoever dials, before any credential is trusted: it is logged
+    escaped, on one line, bounded (issue 9 §6)."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    frontend = await frontends("replica-a")
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        forged = "?id=w1%0D%0A2026-12-01T00:00:00+0000 [-] FORGED admin login%1B[31m"
+        long_id = "?id=" + "x" * 5000
+        for path in ("/api/cluster/connect", "/api/cluster/peer"):
+            for query in (forged, long_id):
+                url = f"http://{frontend.address}{path}{query}"
+                response = await within(treq.get(url, headers={
+                    **UPGRADE, "Authorization": "Bearer wrong"}))
+                await treq.content(response)
+                assert response.code == 401
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    text = "\n".join(formatEvent(e) or "" for e in events)
+    assert "FORGED" in text  # it was logged ...
+    for line in text.splitlines():
+        assert not line.startswith("2026-12-01T00:00:00") and "\x1b" not in line, line
+    assert "\\x0d\\x0a" in text  # ... as visible escapes
+    # Our own lines are bounded; the access log line (Twisted's, URL-encoded, within its
+    # 16 KiB request-line cap) is not ours to cut.
+    ours = [line for line in text.splitlines() if ' HTTP/1.1" ' not in line]
+    assert all("x" * 200 not in line for line in ours)
