@@ -294,7 +294,14 @@ def load_model_file(path: str, source: str | None = None) -> ModelConfig:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ModelConfigError(source, None, f"is not valid YAML{where}") from None
-    return parse_model_config(data, source)
+    except RecursionError:
+        # PyYAML's composer recurses once per level: a file nested thousands deep exhausts the
+        # stack.  A failure like any other, remembered by the catalog until the file changes.
+        raise ModelConfigError(source, None, "nests too deeply to be a model config") from None
+    try:
+        return parse_model_config(data, source)
+    except RecursionError:
+        raise ModelConfigError(source, None, "nests too deeply to be a model config") from None
 
 
 # -- the catalog ------------------------------------------------------------------------------

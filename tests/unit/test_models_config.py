@@ -95,6 +95,26 @@ def test_bad_yaml_and_oversized_files_are_refused(tmp_path):
         load_model_file(write(tmp_path, "big.yaml", "#" * (300 * 1024)), "big.yaml")
 
 
+def test_a_file_nested_deeper_than_the_stack_is_a_config_error_remembered(tmp_path):
+    """100 000 nested lists raise RecursionError inside PyYAML: a config error naming the
+    file, read once (not on every /v1/models call), and the other models still listed."""
+    write(tmp_path, "deep.yaml", "a: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    write(tmp_path, "ok.yaml", "name: ok\nbackend: echo\n")
+    now = [0.0]
+    catalog = ModelCatalog(str(tmp_path), check_interval=1.0, clock=lambda: now[0])
+    assert [m.name for m in catalog.models()] == ["ok"]
+    assert "deep.yaml: nests too deeply" in catalog.errors["deep.yaml"]
+    reads = []
+    real_load = load_model_file.__globals__["load_model_file"]
+    load_model_file.__globals__["load_model_file"] = lambda *a: reads.append(a) or real_load(*a)
+    try:
+        now[0] = 5.0
+        assert [m.name for m in catalog.models()] == ["ok"]
+    finally:
+        load_model_file.__globals__["load_model_file"] = real_load
+    assert reads == []  # unchanged file: its error is remembered, not re-parsed
+
+
 def test_catalog_reloads_changed_files_and_skips_bad_ones(tmp_path):
     now = [0.0]
     catalog = ModelCatalog(str(tmp_path), check_interval=1.0, clock=lambda: now[0])
