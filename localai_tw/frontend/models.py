@@ -103,6 +103,20 @@ class ModelFile:
     def local_path(self, models_dir: str) -> str:
         return os.path.join(models_dir, *self.path.split("/"))
 
+    def contained_path(self, models_dir: str) -> str:
+        """The file's real path, symlinks resolved, checked to lie inside ``models_dir``.
+
+        ``path`` is validated as relative and free of ``..`` when the config loads, but a
+        symlink inside the models directory can still point anywhere; the worker's staging
+        resolves and checks the same way.  :raises ValueError: it resolves outside.
+        """
+        root = os.path.realpath(models_dir)
+        real = os.path.realpath(self.local_path(models_dir))
+        if os.path.commonpath([root, real]) != root:
+            raise ValueError(f"file {self.path} resolves outside the models directory "
+                             f"(a symbolic link?); model files must lie inside {models_dir}")
+        return real
+
 
 @dataclass(frozen=True)
 class ModelTemplate:

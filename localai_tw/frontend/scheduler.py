@@ -419,7 +419,10 @@ class Scheduler:
     async def _stage(self, model: ModelConfig, node_id: str) -> dict[str, str]:
         worker_paths: dict[str, str] = {}
         for f in model.files:
-            local = f.local_path(self.models_dir)
+            try:  # the checked path is the one hashed and sent, so a swap cannot slip past
+                local = f.contained_path(self.models_dir)
+            except ValueError as e:
+                raise ModelFileMismatch(f"model {model.name}: {e}") from None
             if f.sha256 is not None:
                 try:
                     _, digest = await threads.deferToThreadPool(

@@ -113,3 +113,22 @@ async def test_a_file_that_does_not_match_its_sha256_is_not_staged(cluster):
     with pytest.raises(ModelFileMismatch, match="the config says 0000"):
         await frontend.inference.predict("tiny", backend_pb2.PredictOptions(Prompt="x"))
     assert await cluster.rows("tiny") == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_model_file_that_is_a_symlink_out_of_the_models_dir_is_not_staged(
+        cluster, tmp_path):
+    """issue 9 §6: ``files: [{path: tiny.bin}]`` where tiny.bin links to a file outside."""
+    import os
+
+    from localai_tw.frontend.scheduler import ModelFileMismatch
+
+    outside = tmp_path / "outside-secret.bin"
+    outside.write_bytes(WEIGHTS)
+    os.symlink(outside, os.path.join(cluster.models_dir, "tiny.bin"))
+    cluster.write_model("tiny.yaml", tiny_model(sha256_hex(WEIGHTS)))
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    with pytest.raises(ModelFileMismatch, match="resolves outside the models directory"):
+        await frontend.inference.predict("tiny", backend_pb2.PredictOptions(Prompt="x"))
+    assert await cluster.rows("tiny") == []
