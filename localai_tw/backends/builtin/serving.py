@@ -73,9 +73,10 @@ def start_parent_watch() -> None:
             threading.Event().wait(interval)
             now = os.getppid()
             if now != parent or now == 1:
-                # Best effort: stderr is often a pipe to the dead parent (EPIPE), and a failed
-                # write must not end this thread before the exit does.
+                # Best effort: stderr is often a pipe to the dead parent (EPIPE), or one nobody
+                # reads; a failed or stuck write must not keep this process alive.
                 try:
+                    os.set_blocking(2, False)
                     os.write(2, f"parent process {parent} is gone; exiting\n".encode())
                 except BaseException:
                     pass
