@@ -23,13 +23,27 @@ Lifecycle of a backend (process key ``model#replica``):
    The record stays readable (with its output) among the last ``keep_ended`` exits.
 
 Own process group, how: Twisted's ``spawnProcess`` neither calls ``setsid`` nor ``setpgid``
-for a non-PTY child, so every backend is launched through a one-line exec wrapper,
-``python -I -S -c "import os,sys; os.setsid(); os.execvp(argv[1], argv[1:])"``: the wrapper
-becomes a session leader and then *execs* the backend, so the backend keeps the pid
-``spawnProcess`` returned, its pid is its process group id, and its parent is the worker (the
-parent-death backstop of LocalAI backends watches the right process).  The ``setsid`` binary
-is not used: it forks when the caller is already a group leader, and then the pid we hold is
-not the backend's.
+for a non-PTY child, so every backend is launched through a short exec wrapper,
+``python -I -S -c SPAWN_EXEC <worker pid> <argv...>``: the wrapper becomes a session leader and
+then *execs* the backend, so the backend keeps the pid ``spawnProcess`` returned, its pid is its
+process group id, and its parent is the worker (the parent-death backstop of LocalAI backends
+watches the right process).  The ``setsid`` binary is not used: it forks when the caller is
+already a group leader, and then the pid we hold is not the backend's.
+
+Dying with the worker, how: before the exec the wrapper sets ``PR_SET_PDEATHSIG`` to SIGKILL
+(Linux ``prctl`` through ctypes; it survives ``execve``), then checks that its parent is still
+the worker pid it was given (a worker that died before the ``prctl`` would never send the
+signal).  So a backend dies the moment the process that started it dies, ``kill -9``
+included, whatever the backend program is (built-in or any LocalAI-compatible executable) and
+whether or not it watches its parent itself.  The signal follows the *thread* that forked:
+``spawnProcess`` runs on the reactor thread, which lives as long as the process.  It reaches
+the backend only, not processes the backend started itself.  Where ``prctl`` does not exist
+the wrapper goes on without it; the record below is then the remedy.
+
+Leftovers, how: with a :class:`~localai_tw.backends.ledger.ProcessLedger` (the worker passes
+``<data-dir>/backend-processes.json``) every spawned pid is recorded with its start time and
+removed when it exits; ``startService`` first kills what a previous, killed run recorded and
+is still running.
 
 gRPC from the reactor, how: the supervisor's own calls (Health, LoadModel, Free) use grpcio's
 synchronous channel in *future* mode (``stub.Health.future(...)``): the call is started
@@ -47,7 +61,8 @@ What this module must never do:
 - kill a ready backend because a health probe was slow or failed;
 - keep unbounded output: each backend's output ring is bounded in bytes and lines, and ended
   records are kept in a bounded deque;
-- hand a backend's port to another backend before the process that held it has exited.
+- hand a backend's port to another backend before the process that held it has exited;
+- start a backend that can outlive the worker's process (the wrapper's parent-death signal).
 """
 
 from __future__ import annotations
@@ -71,6 +86,7 @@ from twisted.python.failure import Failure
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
 from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
+from localai_tw.backends.ledger import ProcessLedger
 from localai_tw.backends.ports import NoFreePort, PortAllocator
 
 log = Logger()
@@ -79,8 +95,18 @@ STARTING, LOADING, READY, STOPPING = "starting", "loading", "ready", "stopping"
 STOPPED, CRASHED, FAILED = "stopped", "crashed", "failed"
 LIVE_STATES = frozenset({STARTING, LOADING, READY, STOPPING})
 
-#: The exec wrapper that gives a backend its own session and process group (see above).
-SETSID_EXEC = "import os,sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])"
+#: The exec wrapper: own session and process group, SIGKILL when the worker dies (see above).
+#: ``argv[1]`` is the worker's pid, the backend's argv follows.
+SPAWN_EXEC = (
+    "import os,sys\n"
+    "os.setsid()\n"
+    "try:\n"
+    " import ctypes; ctypes.CDLL(None).prctl(1, ctypes.c_ulong(9))  # PR_SET_PDEATHSIG, KILL\n"
+    "except Exception:\n"
+    " pass\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(70)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 MAX_MESSAGE_BYTES = 50 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -417,6 +443,7 @@ class BackendSupervisor(Service):
         keep_ended: int = 32,
         on_exit: ExitListener | None = None,
         python: str = sys.executable,
+        ledger: ProcessLedger | None = None,
     ):
         self._reactor = reactor
         self.ports = ports
@@ -429,6 +456,8 @@ class BackendSupervisor(Service):
         self.extra_env = dict(extra_env or {})
         self._log_limits = (log_max_bytes, log_max_lines)
         self._python = python
+        #: Records spawned pids (``<data-dir>/backend-processes.json`` on a worker).
+        self.ledger = ledger
         self._live: dict[str, BackendProcess] = {}
         self._ended: collections.deque[BackendProcess] = collections.deque(maxlen=keep_ended)
         self._exit_listeners: list[ExitListener] = [on_exit] if on_exit else []
@@ -573,7 +602,7 @@ class BackendSupervisor(Service):
             environment["LOCALAI_GRPC_AUTH_TOKEN"] = self.auth_token
         if cwd is not None and not isinstance(cwd, str):
             raise ValueError("options.cwd must be a string")
-        wrapper = [self._python, "-I", "-S", "-c", SETSID_EXEC, *argv]
+        wrapper = [self._python, "-I", "-S", "-c", SPAWN_EXEC, str(os.getpid()), *argv]
         devnull = os.open(os.devnull, os.O_RDONLY)
         try:
             record._transport = self._reactor.spawnProcess(
@@ -584,6 +613,8 @@ class BackendSupervisor(Service):
             os.close(devnull)
         record.pid = record._transport.pid
         record.output.note(f"started pid {record.pid}: {' '.join(argv)}")
+        if self.ledger is not None:
+            self.ledger.add(record.pid, record.key, record.backend, argv)
 
     def _serve_in_process(self, record: BackendProcess, servicer) -> None:
         from concurrent import futures
@@ -812,6 +843,8 @@ class BackendSupervisor(Service):
         # Sweep whatever the backend left in its group (grandchildren that outlived it).
         if not record.in_process:
             _signal_group(record, signal.SIGKILL, fall_back_to_pid=False)
+            if self.ledger is not None:
+                self.ledger.remove(record.pid)
         record._transport = None
         if record.state == STOPPING:
             record.state = record._final_state
@@ -856,6 +889,11 @@ class BackendSupervisor(Service):
     def stop_all(self, *, force: bool = False) -> defer.Deferred:
         stops = [self.stop(key, force=force) for key in list(self._live)]
         return defer.DeferredList(stops, consumeErrors=True)
+
+    def startService(self):
+        if self.ledger is not None:
+            self.ledger.reap()  # before any backend of this run is started
+        super().startService()
 
     def stopService(self):
         super().stopService()

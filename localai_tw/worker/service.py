@@ -363,7 +363,9 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
 
     A ``backend`` worker also gets the backend supervisor: backend processes on ports of
     ``--backend-port-range`` (loopback only) and the ``backend.*`` control verbs.  The supervisor
-    is a child service, so stopping the worker stops every backend process it started.
+    is a child service, so stopping the worker stops every backend process it started.  With a
+    data directory it records the processes it starts in ``<data-dir>/backend-processes.json``
+    and, at start, kills what a killed previous run left there (:mod:`localai_tw.backends.ledger`).
     """
     if reactor is None:
         from twisted.internet import reactor
@@ -371,6 +373,7 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
         return WorkerService(options, reactor)
 
     from localai_tw.backends.interfaces import BackendFactories
+    from localai_tw.backends.ledger import LEDGER_FILE, ProcessLedger
     from localai_tw.backends.ports import PortAllocator
     from localai_tw.backends.process import BackendSupervisor
     from localai_tw.worker.backend_verbs import register_backend_verbs
@@ -378,7 +381,9 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     port_range: PortRange = options["backend-port-range"]
     supervisor = BackendSupervisor(
         reactor, PortAllocator(port_range.first, port_range.last), BackendFactories.discover(),
-        auth_token=options.get("registration-token") or None)
+        auth_token=options.get("registration-token") or None,
+        ledger=ProcessLedger(os.path.join(options["data-dir"], LEDGER_FILE))
+        if options.get("data-dir") else None)
     verbs = ControlVerbs()
     register_backend_verbs(verbs, supervisor)
     worker = WorkerService(options, reactor, verbs=verbs,

@@ -61,7 +61,8 @@ def parse_interval(raw: str, default: float = 2.0) -> float:
 
 
 def start_parent_watch() -> None:
-    """Exit (``_exit(1)``) when the parent process changes or becomes init."""
+    """Exit (``_exit(1)``) when the parent process changes or becomes init, whatever stdio
+    is connected to."""
     if os.environ.get(PARENT_WATCH_ENV, "").strip().lower() in ("false", "0", "no", "off"):
         return
     interval = parse_interval(os.environ.get(PARENT_WATCH_INTERVAL_ENV, "2s"))
@@ -72,7 +73,13 @@ def start_parent_watch() -> None:
             threading.Event().wait(interval)
             now = os.getppid()
             if now != parent or now == 1:
-                print(f"parent process {parent} is gone; exiting", file=sys.stderr, flush=True)
+                # Best effort: stderr is often a pipe to the dead parent (EPIPE), or one nobody
+                # reads; a failed or stuck write must not keep this process alive.
+                try:
+                    os.set_blocking(2, False)
+                    os.write(2, f"parent process {parent} is gone; exiting\n".encode())
+                except BaseException:
+                    pass
                 os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -257,7 +257,8 @@ class Cluster:
         return popen, log_path
 
     def start_frontend(self, *, grace: str | None = None, require_approval: bool = False,
-                       probe: bool = True, wait: bool = True) -> Frontend:
+                       probe: bool = True, wait: bool = True,
+                       extra_args: tuple[str, ...] = ()) -> Frontend:
         index = len(self.frontends)
         port = free_port()
         instance_id = f"fe{index}-{uuid.uuid4().hex[:12]}"
@@ -272,6 +273,7 @@ class Cluster:
                 "--reconnect-grace", grace or self.grace]
         if require_approval:
             args.append("--require-approval")
+        args.extend(extra_args)
         name = f"frontend{index}"
         popen, log_path = self._spawn(name, _PROBED_TWISTD if probe else _TWISTD, args)
         fe = Frontend(name, popen, log_path, index=index, port=port, instance_id=instance_id)
@@ -303,7 +305,7 @@ class Cluster:
             balancer.block_tunnel()
         self.balancers.append(balancer)
         data_dir = self.workdir / f"{name}-data"
-        data_dir.mkdir()
+        data_dir.mkdir(exist_ok=True)  # a test may have put files there first
         first = 29000 + 20 * (index % 40)  # below the ephemeral range; no backend runs here
         args = ["-n", "--pidfile=", "localai-worker",
                 "--register-to", balancer.url,
