@@ -364,12 +364,18 @@ def reject_unknown_fields(body: Mapping[str, Any], allowed: Iterable[str],
 
 
 def bearer_token(request) -> str | None:
-    """The credential of ``Authorization: Bearer <credential>``, or None (absent, another
-    scheme, empty, or not ASCII)."""
-    header = request.getHeader(b"authorization")
-    if header is None:
+    """The credential of ``Authorization: Bearer <credential>``, or None (absent, repeated,
+    another scheme, empty, or not ASCII).
+
+    A repeated ``Authorization`` header is refused, not resolved: proxies and servers disagree
+    on which copy wins, so honouring either would let a request be read two ways.  The tunnel
+    endpoints (``tunnel.websocket.bearer_credential``) and the worker's control plane apply the
+    same rule.
+    """
+    values = request.requestHeaders.getRawHeaders(b"authorization") or []
+    if len(values) != 1:
         return None
-    scheme, _, credential = header.strip().partition(b" ")
+    scheme, _, credential = values[0].strip().partition(b" ")
     if scheme.lower() != b"bearer":
         return None
     credential = credential.strip()
@@ -411,7 +417,8 @@ class APIKeyGuard:
                                "start the frontend with --api-key (env LOCALAI_API_KEY)")
         presented = bearer_token(request)
         if presented is None:
-            raise unauthorized(f"{self._what} requires Authorization: Bearer <API key>")
+            raise unauthorized(f"{self._what} requires one Authorization: Bearer <API key> "
+                               "header")
         digest = _digest(presented)
         matched = False
         for expected in self._digests:

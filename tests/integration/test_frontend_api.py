@@ -553,3 +553,23 @@ async def test_instances_lists_live_replicas_without_credentials(frontend, http)
                                               ("replica-b", "1.1", "10.0.0.2:8080", False)]
     assert all(set(i) == {"id", "version", "advertised_addr", "last_seen", "registered_at",
                           "self"} for i in answer["instances"])
+
+
+@pytest.mark.parametrize("path, good", [("/api/nodes", ADMIN), ("/api/node/register", TOKEN)])
+@pytest_twisted.ensureDeferred
+async def test_a_repeated_authorization_header_is_refused_even_if_one_copy_is_right(
+        frontend, http, path, good):
+    """One rule for every endpoint (the tunnel endpoints already refuse it): two
+    Authorization headers are ambiguous, whichever copy a proxy would have kept."""
+    from twisted.web.http_headers import Headers
+
+    for pair in ([good, "sk-wrong"], ["sk-wrong", good], [good, good]):
+        headers = Headers({b"Authorization": [f"Bearer {t}".encode() for t in pair],
+                           b"Content-Type": [b"application/json"]})
+        response = await treq.request("POST" if "register" in path else "GET",
+                                      frontend.url + path, headers=headers,
+                                      data=json.dumps(registration()).encode(), pool=http.pool,
+                                      reactor=reactor).addTimeout(10, reactor)
+        answer = json.loads(await treq.content(response))
+        assert response.code == 401, (pair, answer)
+    assert await frontend.db.runQuery("SELECT id FROM backend_nodes") == []

@@ -26,6 +26,12 @@ def test_bearer_token(header, expected):
     assert bearer_token(request_with(header)) == expected
 
 
+def test_a_repeated_authorization_header_gives_no_bearer_token():
+    request = DummyRequest([b""])
+    request.requestHeaders.setRawHeaders(b"authorization", [b"Bearer a", b"Bearer a"])
+    assert bearer_token(request) is None
+
+
 def test_api_key_guard_compares_every_key_in_constant_time(monkeypatch):
     compared = []
     real = web.hmac.compare_digest
