@@ -55,8 +55,8 @@ from localai_tw import errors
 from localai_tw.backends import backend_pb2
 from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
 from localai_tw.cluster.ownership import Presence
+from localai_tw.staging_client import sha256_of_file
 from localai_tw.tunnel.endpoint import upload_file
-from localai_tw.worker.staging import sha256_of_file
 
 from .interfaces import ModelLoadFailed, NoNodeAvailable
 from .models import ModelConfig
