@@ -17,6 +17,11 @@
   ``float`` or ``base64`` (little-endian float32).
 - sampling: the model config's ``parameters`` first, then the request's fields, then LocalAI's
   defaults for what neither sets.
+- capability: a model asked for what its config rules out (``models.usecases``: chat on an
+  embeddings model, embeddings on a chat model) is a 400 ``unsupported_by_model`` before the
+  router is called, so a wrong request never loads, reaps or reloads anything.
+- a stream that waits for a cold load longer than ``LOADING_NOTICE_INTERVAL`` starts then and
+  carries ``: loading model <name> (<n> s)`` SSE comments until the first reply.
 
 Streaming writes respect backpressure: the stream registers itself as the request's push
 producer, and while the HTTP transport is paused each ``on_reply`` returns a Deferred that
