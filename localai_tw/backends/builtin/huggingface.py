@@ -11,10 +11,11 @@ with ``local_files_only``), else ``Model`` (a hub id or a path); ``Type`` picks 
 ``--kind sentence-transformers`` — loads a sentence-transformers model); a failed load is
 ``success=false`` with the reason, never a gRPC error; a ``Model`` that is neither an existing
 path nor loadable from the hub fails with what to do (point ``parameters.model`` at a local
-directory, or give the worker the hub), not only the library's text.  Generation on a loaded sentence-transformers model is ``UNIMPLEMENTED`` (never "model not
-loaded", which makes the frontend reap and reload the model).  ``Predict``/``PredictStream`` generate
-from ``Prompt`` (or from ``Messages`` through the tokenizer's chat template when
-``UseTokenizerTemplate``), honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
+directory, or give the worker the hub), not only the library's text.  Generation on a loaded
+sentence-transformers model is ``UNIMPLEMENTED`` (never "model not loaded", which makes the
+frontend reap and reload the model).  ``Predict``/``PredictStream`` generate from ``Prompt``
+(or from ``Messages`` through the tokenizer's chat template when ``UseTokenizerTemplate``),
+honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
 ``TopK``, ``Seed`` and ``StopPrompts``.  ``Embedding`` answers one pooled vector (layout FINAL):
 the sentence-transformers encoding, or the attention-mask mean of the last hidden state.
 
