@@ -1,6 +1,8 @@
 """``InferenceRouter``: the ``IInferenceRouter`` of a frontend replica.
 
-For each request: the model's config (``ModelCatalog``) -> a loaded placement (warm path), or a
+For each request: the model's config (``ModelCatalog``) -> a check that the config says the
+model does what is asked (``models.usecases``; else ``ModelUsecaseUnsupported`` and nothing is
+loaded or called) -> a loaded placement (warm path), or a
 cold load through the scheduler's lock -> the gRPC call through the (node, port) bridge ->
 ``Served(value, served_by=node)``.
 
@@ -42,14 +44,23 @@ from zope.interface import implementer
 
 from localai_tw import errors
 
-from .interfaces import IInferenceRouter, ModelNotFound, NoNodeAvailable, Served
-from .models import ModelCatalog, ModelConfig
+from .interfaces import (
+    IInferenceRouter,
+    ModelNotFound,
+    ModelUsecaseUnsupported,
+    NoNodeAvailable,
+    Served,
+)
+from .models import CHAT, COMPLETION, EMBEDDINGS, ModelCatalog, ModelConfig, usecases
 from .scheduler import Placement, Scheduler
 
 log = Logger()
 
 #: Attempts per request: the first, plus one after a reap or a skipped node.
 MAX_ATTEMPTS = 2
+#: What a call asks of a model (its name in errors) and the use cases that allow it.
+_GENERATION = ("text generation (chat or completion)", frozenset({CHAT, COMPLETION}))
+_EMBEDDING = (EMBEDDINGS, frozenset({EMBEDDINGS}))
 
 
 def _reloadable(error: BaseException) -> bool:
@@ -86,18 +97,20 @@ class InferenceRouter:
 
     def predict(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
-                           lambda client, req, dl: client.call("Predict", req, dl))
+                           lambda client, req, dl: client.call("Predict", req, dl),
+                           needs=_GENERATION)
 
     def embed(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
-                           lambda client, req, dl: client.call("Embedding", req, dl))
+                           lambda client, req, dl: client.call("Embedding", req, dl),
+                           needs=_EMBEDDING)
 
     def tokenize(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
                            lambda client, req, dl: client.call("TokenizeString", req, dl))
 
     def predict_stream(self, name, options, on_reply, deadline=None,
-                       on_start=None) -> defer.Deferred:
+                       on_start=None, on_loading=None) -> defer.Deferred:
         started: list[bool] = []
 
         def deliver(reply, node_id: str):
@@ -114,7 +127,8 @@ class InferenceRouter:
         def retry_allowed() -> bool:
             return not started  # once a reply went out, a retry would repeat it
 
-        return self._serve(name, options, deadline, call, retry_allowed)
+        return self._serve(name, options, deadline, call, retry_allowed, needs=_GENERATION,
+                           on_loading=on_loading)
 
     # -- extra (not in the interface) -------------------------------------------------------
 
@@ -124,27 +138,49 @@ class InferenceRouter:
     # -- the request path --------------------------------------------------------------------
 
     def _serve(self, name, options, deadline, call: Callable,
-               retry_allowed: Callable[[], bool] = lambda: True) -> defer.Deferred:
+               retry_allowed: Callable[[], bool] = lambda: True,
+               needs: tuple[str, frozenset[str]] | None = None,
+               on_loading: Callable[[str], object] | None = None) -> defer.Deferred:
         config = self.catalog.get(name)
         if config is None:
             return defer.fail(ModelNotFound(name))
-        return defer.ensureDeferred(self._run(config, options, deadline, call, retry_allowed))
+        if needs is not None:
+            # Decided from the config alone: a wrong request never reaches (or reaps) a backend.
+            asked, accepted = needs
+            supported = usecases(config)
+            if not supported & accepted:
+                return defer.fail(ModelUsecaseUnsupported(name, asked, supported))
+        return defer.ensureDeferred(self._run(config, options, deadline, call, retry_allowed,
+                                              on_loading))
 
     async def _placement(self, config: ModelConfig, exclude: frozenset[str],
-                         deadline) -> Placement:
+                         deadline, on_loading=None) -> Placement:
         placement = await self.scheduler.loaded_placement(config, exclude)
         if placement is not None:
             return placement
+        if on_loading is not None:
+            try:
+                on_loading(config.name)
+            except Exception:
+                log.failure("on_loading hook of {model} failed", model=config.name)
         return await self.scheduler.load(config, exclude, deadline)
 
-    async def _run(self, config, options, deadline, call, retry_allowed):
+    async def _run(self, config, options, deadline, call, retry_allowed, on_loading=None):
+        if on_loading is not None:
+            hook, told = on_loading, []
+
+            def on_loading(name: str) -> None:  # once per request, even across a retry
+                if not told:
+                    told.append(True)
+                    hook(name)
         exclude: set[str] = set()
         last_error: BaseException | None = None
         for attempt in range(MAX_ATTEMPTS):
             if deadline is not None and self._reactor.seconds() >= deadline:
                 raise errors.CallerDeadlineExceeded(f"serving model {config.name}")
             try:
-                placement = await self._placement(config, frozenset(exclude), deadline)
+                placement = await self._placement(config, frozenset(exclude), deadline,
+                                                  on_loading)
             except NoNodeAvailable:
                 if last_error is not None:
                     raise last_error from None

@@ -8,10 +8,16 @@ the database; the core must never know about HTTP.
 Failures (every returned Deferred fails with exactly one of these):
 
 - ``ModelNotFound(name)`` - no model config by that name (HTTP 404 ``model_not_found``).
+- ``ModelUsecaseUnsupported(name, asked, supported)`` - the model's config says it is not for
+  this call (``predict*`` needs ``chat`` or ``completion``, ``embed`` needs ``embeddings``; the
+  rule is ``models.usecases``).  Decided before any load or backend call (HTTP 400).
 - ``NoNodeAvailable(name, reason)`` - a routing fact: no healthy ``backend`` node matches the
   model's node selector, or every candidate has no route now (HTTP 503).
 - ``ModelLoadFailed(name, node_id, detail)`` - the worker answered: ``backend.start`` or
-  ``LoadModel`` failed there.  ``detail`` is the backend's message (HTTP 500).
+  ``LoadModel`` failed there.  ``detail`` is the backend's message (HTTP 500).  A failed load
+  is remembered for ``Scheduler.failed_load_memory`` seconds (30 by default) per model and
+  config content: requests meanwhile fail at once with the same error, whose ``retry_in``
+  says when the load will be tried again.
 - the conditions of ``localai_tw.errors``: ``BackendAnswer`` (the backend answered a call with a
   gRPC failure status; ``.code`` is the status name, e.g. ``INVALID_ARGUMENT``), ``WorkerAnswer``
   and subclasses, ``RoutingFact``, ``AbsentWithinGrace``, ``PeerUnreachable`` (retry later, 503),
@@ -26,6 +32,8 @@ How the serving node is reported: every successful result is a ``Served`` wrappe
 ``value`` is ``None``; in addition its ``on_reply`` callback receives plain ``backend_pb2.Reply``
 messages, and ``on_start(node_id)`` (optional keyword) is called once, before the first reply, so
 the API layer can send its headers naming the node before streaming the body.
+``on_loading(name)`` (optional keyword) is called once when the request has to wait for a cold
+load of the model (no loaded replica), so the API layer can tell a streaming client it waits.
 
 Deadlines: ``deadline`` is an absolute time on the router's reactor clock
 (``reactor.seconds() + timeout``) or ``None`` (the router's default per-call timeout applies,
@@ -71,10 +79,29 @@ class ModelLoadFailed(WorkerAnswer):
 
     condition = "model-load-failed"
 
-    def __init__(self, name: str, node_id: str, detail: str):
+    def __init__(self, name: str, node_id: str, detail: str, retry_in: float | None = None):
         self.name = name
         self.detail = detail
+        #: seconds until the load is tried again (None: the next request tries it)
+        self.retry_in = retry_in
         WorkerAnswer.__init__(self, node_id, f"model {name!r} failed to load: {detail}")
+
+
+class ModelUsecaseUnsupported(ClusterError):
+    """The model's config says it does not do what was asked (chat on an embeddings model,
+    embeddings on a chat model).  Decided from the config; no backend was called, nothing may
+    act on it."""
+
+    actionable = False
+    condition = "model-usecase-unsupported"
+
+    def __init__(self, name: str, asked: str, supported):
+        self.name = name
+        self.asked = asked
+        self.supported = tuple(sorted(supported))
+        does = ", ".join(self.supported) if self.supported else "nothing this server serves"
+        super().__init__(f"model {name!r} does not support {asked}; it supports: {does} "
+                         f"(its config's backend, embeddings and known_usecases decide)")
 
 
 class NoNodeAvailable(RoutingFact):
@@ -110,12 +137,13 @@ class IInferenceRouter(Interface):
         sampling fields (model defaults from ``ModelConfig.parameters`` are the caller's job).
         Returns ``Deferred[Served[backend_pb2.Reply]]``."""
 
-    def predict_stream(name, options, on_reply, deadline=None, on_start=None):
+    def predict_stream(name, options, on_reply, deadline=None, on_start=None, on_loading=None):
         """``PredictStream``: ``on_reply(reply)`` is called once per streamed
         ``backend_pb2.Reply``, in order, on the reactor thread.  If it returns a Deferred, the
         next reply is not delivered until that Deferred fires (backpressure); if that Deferred
         fails, the RPC is cancelled and the returned Deferred fails with the same failure.
-        ``on_start(node_id)`` (optional) is called once before the first reply.
+        ``on_start(node_id)`` (optional) is called once before the first reply;
+        ``on_loading(name)`` (optional) once if a cold load must happen first.
         Returns ``Deferred[Served[None]]`` firing after the last reply.  Cancelling it cancels
         the RPC."""
 
@@ -130,6 +158,7 @@ __all__ = [
     "IInferenceRouter",
     "ModelLoadFailed",
     "ModelNotFound",
+    "ModelUsecaseUnsupported",
     "NoNodeAvailable",
     "Served",
 ]

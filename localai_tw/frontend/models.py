@@ -20,13 +20,24 @@ A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
       completion: "{{.Input}}"
       use_tokenizer_template: false
     context_size: 2048
-    embeddings: false
+    embeddings: false               # true: an embeddings model (see "What a model is for")
+    known_usecases: [chat]          # optional, LocalAI's key: what the model may be asked for
     options: ["echo.dim:16"]        # ModelOptions.Options, passed through
     node_selector: {gpu: "yes"}     # labels a node must carry (AND of all pairs)
 
 Validation errors name the file and the field (``models/tiny.yaml: files[0].path: ...``); an
 invalid file is skipped (and logged once per change), never fatal to the others.  Two files
 with the same ``name``: the first by file name wins and the other is reported.
+
+What a model is for (:func:`usecases`), decided from the config alone so that a request the
+model cannot serve is refused before any backend is called:
+
+1. ``known_usecases`` when given (LocalAI's key; ``chat``, ``completion``, ``embeddings``, other
+   LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is dropped);
+2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only;
+3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
+   completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
+   table (``external``, plugins) is asked for anything and answers for itself.
 
 Reloading: :class:`ModelCatalog` re-reads on access at most every ``check_interval`` seconds,
 and then only the files whose (mtime, size) changed; the directory is listed with
@@ -59,6 +70,18 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _BACKEND_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_USECASE_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+MAX_USECASES = 32
+
+CHAT, COMPLETION, EMBEDDINGS = "chat", "completion", "embeddings"
+ALL_USECASES = frozenset({CHAT, COMPLETION, EMBEDDINGS})
+#: What the backends this package knows can be asked for when a config says nothing
+#: (``embeddings: true`` or ``known_usecases`` take precedence; see the module docstring).
+BACKEND_USECASES: dict[str, frozenset[str]] = {
+    "echo": ALL_USECASES,
+    "transformers": frozenset({CHAT, COMPLETION}),
+    "sentence-transformers": frozenset({EMBEDDINGS}),
+}
 
 #: Sampling defaults a model file may set, and their types.
 PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
@@ -142,6 +165,7 @@ class ModelConfig:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
     source: str = ""
+    known_usecases: tuple[str, ...] | None = None
 
     def file_for_model(self) -> ModelFile | None:
         """The staged file ``model`` names, if it names one."""
@@ -285,11 +309,39 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     description = data.get("description") or ""
     if not isinstance(description, str):
         raise ModelConfigError(source, "description", "must be a string")
+    known = _known_usecases(source, data.get("known_usecases"))
     return ModelConfig(name=name, backend=backend, model=model, files=tuple(files),
                        parameters=defaults, template=template, context_size=context_size,
                        embeddings=embeddings, options=tuple(options),
                        node_selector=clean_selector, description=description[:1024],
-                       source=source)
+                       source=source, known_usecases=known)
+
+
+def _known_usecases(source: str, raw) -> tuple[str, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(u, str) for u in raw) or \
+            len(raw) > MAX_USECASES:
+        raise ModelConfigError(source, "known_usecases", "must be a list of names such as "
+                               f"chat, completion, embeddings (at most {MAX_USECASES})")
+    names = []
+    for item in raw:
+        name = item.strip().lower()
+        name = name[len("flag_"):] if name.startswith("flag_") else name
+        if not _USECASE_RE.match(name):
+            raise ModelConfigError(source, "known_usecases",
+                                   f"{item[:64]!r} is not a use-case name")
+        names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
+def usecases(config: ModelConfig) -> frozenset[str]:
+    """What ``config`` may be asked for (the rule of the module docstring)."""
+    if config.known_usecases is not None:
+        return frozenset(config.known_usecases)
+    if config.embeddings:
+        return frozenset({EMBEDDINGS})
+    return BACKEND_USECASES.get(config.backend, ALL_USECASES)
 
 
 def load_model_file(path: str, source: str | None = None) -> ModelConfig:

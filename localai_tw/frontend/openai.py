@@ -17,6 +17,11 @@
   ``float`` or ``base64`` (little-endian float32).
 - sampling: the model config's ``parameters`` first, then the request's fields, then LocalAI's
   defaults for what neither sets.
+- capability: a model asked for what its config rules out (``models.usecases``: chat on an
+  embeddings model, embeddings on a chat model) is a 400 ``unsupported_by_model`` before the
+  router is called, so a wrong request never loads, reaps or reloads anything.
+- a stream that waits for a cold load longer than ``LOADING_NOTICE_INTERVAL`` starts then and
+  carries ``: loading model <name> (<n> s)`` SSE comments until the first reply.
 
 Streaming writes respect backpressure: the stream registers itself as the request's push
 producer, and while the HTTP transport is paused each ``on_reply`` returns a Deferred that
@@ -49,7 +54,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from twisted.internet import defer
+from twisted.internet import defer, task
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
@@ -73,7 +78,14 @@ from localai_tw.errors import (
     WorkerBusy,
 )
 
-from .interfaces import IInferenceRouter, ModelLoadFailed, ModelNotFound, NoNodeAvailable
+from .interfaces import (
+    IInferenceRouter,
+    ModelLoadFailed,
+    ModelNotFound,
+    ModelUsecaseUnsupported,
+    NoNodeAvailable,
+)
+from .models import CHAT, COMPLETION, EMBEDDINGS, usecases
 from .templates import (
     ChatMessage,
     PromptTemplates,
@@ -99,6 +111,9 @@ MAX_CHOICES = 16
 MAX_STOP = 16
 #: Longest error text passed on from a worker or backend.
 MAX_ERROR_TEXT = 2000
+#: Seconds between ``: loading model ...`` SSE comments while a stream waits for a cold load
+#: (the first after this long, so a quick load answers as if nothing had waited).
+LOADING_NOTICE_INTERVAL = 3.0
 #: The header naming the node(s) that served the request.
 NODE_HEADER = b"X-LocalAI-Node"
 
@@ -161,6 +176,9 @@ def error_for(error: BaseException) -> OpenAIError:
     if isinstance(error, ModelNotFound):
         return OpenAIError(404, f"the model {printable(error.name)!r} does not exist",
                            "invalid_request_error", param="model", code="model_not_found")
+    if isinstance(error, ModelUsecaseUnsupported):
+        return OpenAIError(400, _detail(error), "invalid_request_error", param="model",
+                           code="unsupported_by_model")
     if isinstance(error, TemplateError):
         return OpenAIError(500, f"the model's prompt template cannot be rendered: "
                            f"{_detail(error)}", "server_error", code="template_error")
@@ -181,7 +199,9 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(503, f"{_detail(error)}; retry", "service_unavailable",
                            code="peer_unreachable", headers={"Retry-After": "2"})
     if isinstance(error, ModelLoadFailed):
-        return OpenAIError(500, _detail(error), "server_error", code="model_load_failed")
+        retry = {"Retry-After": str(int(error.retry_in))} if error.retry_in else None
+        return OpenAIError(500, _detail(error), "server_error", code="model_load_failed",
+                           headers=retry)
     if isinstance(error, BackendAnswer):
         if error.code in _BACKEND_REFUSED_INPUT:
             return OpenAIError(400, f"the backend refused the request: "
@@ -575,6 +595,14 @@ class SSEStream:
         # The transport may be full already (a pause is only announced on a change).
         self.paused = bool(getattr(request.channel, "_waitingForTransport", False))
 
+    def comment(self, text: str) -> None:
+        """Write an SSE comment line (``: text``), which clients ignore: a sign of life while
+        nothing else can be sent.  Starts the stream (status 200) if it has not started."""
+        if self.exchange.gone or self.closed:
+            return
+        self.start(None)
+        self.request.write(b": " + " ".join(text.split()).encode("utf-8") + b"\n\n")
+
     def send(self, payload: Any) -> defer.Deferred | None:
         """Write one event (``payload`` as JSON, or a literal string such as ``[DONE]``).
         Returns a Deferred while the transport is paused, else None."""
@@ -789,11 +817,14 @@ class OpenAIResource(Resource):
                 answer.code = "request_too_large"
             raise answer from None
 
-    def _resolve_model(self, router, body: _Fields) -> tuple[str, _Model]:
+    def _resolve_model(self, router, body: _Fields, usecase: str) -> tuple[str, _Model]:
         name = body.string("model", required=True, nonempty=True)
         config = router.model(name)
         if config is None:
             raise error_for(ModelNotFound(name))
+        supported = usecases(config)
+        if usecase not in supported:  # from the config: no backend is called, nothing reaped
+            raise error_for(ModelUsecaseUnsupported(name, usecase, supported))
         return name, _Model.of(config)
 
     def _ids(self, prefix: str) -> tuple[str, int]:
@@ -817,7 +848,7 @@ class OpenAIResource(Resource):
     async def _chat(self, request, exchange: _Exchange) -> None:
         router = self.router()
         body = self._body(request)
-        name, model = self._resolve_model(router, body)
+        name, model = self._resolve_model(router, body, CHAT)
         messages, images = parse_messages(body.raw("messages"))
         stream = bool(body.boolean("stream"))
         n = body.integer("n", 1, MAX_CHOICES) or 1
@@ -875,7 +906,7 @@ class OpenAIResource(Resource):
     async def _completions(self, request, exchange: _Exchange) -> None:
         router = self.router()
         body = self._body(request)
-        name, model = self._resolve_model(router, body)
+        name, model = self._resolve_model(router, body, COMPLETION)
         prompts = _prompts(body.raw("prompt"))
         stream = bool(body.boolean("stream"))
         echo = bool(body.boolean("echo"))
@@ -915,6 +946,25 @@ class OpenAIResource(Resource):
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         usage = _Usage()
         last = backend_pb2.Reply()
+        begun: list[bool] = []
+        clock = self._reactor
+        if clock is None:
+            from twisted.internet import reactor as clock
+        notices = task.LoopingCall(lambda: None)
+        notices.clock = clock
+
+        def on_loading(model_name: str) -> None:
+            """A cold load: a comment every few seconds until the first reply, so the client
+            (and any proxy) is not left in silence for the whole load."""
+            started = clock.seconds()
+            notices.f = lambda: stream.comment(
+                f"loading model {model_name} ({clock.seconds() - started:.0f} s)")
+            if not notices.running and not begun and not exchange.gone:
+                notices.start(LOADING_NOTICE_INTERVAL, now=False)
+
+        def quiet() -> None:
+            if notices.running:
+                notices.stop()
 
         def emit(payload) -> None:
             """Send without waiting (the last few small events); a pause is not awaited and
@@ -924,8 +974,10 @@ class OpenAIResource(Resource):
                 waiting.addErrback(lambda _: None)
 
         def on_start(node_id=None) -> None:
-            if stream.started or exchange.gone:
+            quiet()
+            if begun or exchange.gone:
                 return
+            begun.append(True)
             stream.start(node_id)
             first = chunks.first()
             if first is not None:
@@ -944,7 +996,8 @@ class OpenAIResource(Resource):
 
         try:
             served = await exchange.call(router.predict_stream(
-                name, options, on_reply, self._deadline(), on_start=on_start))
+                name, options, on_reply, self._deadline(), on_start=on_start,
+                on_loading=on_loading))
         except defer.CancelledError:
             if exchange.gone:
                 stream.close()
@@ -956,6 +1009,8 @@ class OpenAIResource(Resource):
                 stream.close()
                 return
             raise self._stream_failed(stream, e)
+        finally:
+            quiet()
         on_start(served.served_by if served is not None else None)
         tail = decoder.decode(b"", final=True)
         if tail:
@@ -988,7 +1043,7 @@ class OpenAIResource(Resource):
     async def _embeddings(self, request, exchange: _Exchange) -> None:
         router = self.router()
         body = self._body(request)
-        name, model = self._resolve_model(router, body)
+        name, model = self._resolve_model(router, body, EMBEDDINGS)
         inputs = _embedding_inputs(body.raw("input"))
         encoding = body.string("encoding_format") or "float"
         if encoding not in ("float", "base64"):

@@ -29,6 +29,14 @@ Cold load (:meth:`Scheduler.load`), one at a time per model across every replica
    is raised as ``ModelLoadFailed`` with the backend's message, after a best-effort
    ``backend.stop``; route conditions are raised as themselves.
 
+Failed loads are remembered (per replica, in memory) for ``failed_load_memory`` seconds
+(:data:`DEFAULT_FAILED_LOAD_MEMORY`, 30 s), keyed by the model's name and its whole config: a
+request meanwhile -- a new one, or one already waiting for the lock -- fails at once with the
+same ``ModelLoadFailed``, whose ``retry_in`` and text say when the load is tried again.  A
+changed config file is a new key and is tried at once.  Without this, every retry of a model
+that cannot load (a hub id on a machine with no hub) paid the whole failing load again.  Each
+load logs its start and its end with the time it took.
+
 Reaping (:meth:`Scheduler.reap`) deletes a ``loaded`` row, and is called by the router ONLY on
 the worker's answer (``WorkerAnswer``: ``StreamRefused`` at the dial, ``BackendAnswer`` of a
 dead or wrong backend).  It asserts that: handing it a routing fact, absence, a peer failure, a
@@ -70,6 +78,8 @@ DEFAULT_POLL = 0.25
 DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_STAGE_TIMEOUT = 3600.0
 DEFAULT_LOAD_TIMEOUT = 300.0
+#: Seconds a failed load is remembered (requests meanwhile fail at once with its error).
+DEFAULT_FAILED_LOAD_MEMORY = 30.0
 MAX_PICKS = 4
 
 LOADED, STAGING, LOADING, UNLOADING = "loaded", "staging", "loading", "unloading"
@@ -154,6 +164,7 @@ class Scheduler:
                  start_timeout: float = DEFAULT_START_TIMEOUT,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
                  load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+                 failed_load_memory: float = DEFAULT_FAILED_LOAD_MEMORY,
                  liveness: float = INSTANCE_LIVENESS):
         self._db = db
         self._nodes = nodes
@@ -173,6 +184,9 @@ class Scheduler:
         self.start_timeout = start_timeout
         self.stage_timeout = stage_timeout
         self.load_timeout = load_timeout
+        self.failed_load_memory = failed_load_memory
+        # model name -> (config fingerprint, the failure, reactor time it expires)
+        self._failed: dict[str, tuple[str, ModelLoadFailed, float]] = {}
         self._liveness = liveness
         self._random = random.Random()
 
@@ -322,6 +336,36 @@ class Scheduler:
             "UPDATE node_models SET last_used = now() WHERE node_id = %s AND model_name = %s",
             (placement.node_id, placement.model_name)).addErrback(lambda _: None)
 
+    # -- failed-load memory ---------------------------------------------------------------------
+
+    def _remember_failure(self, model: ModelConfig, error: ModelLoadFailed) -> ModelLoadFailed:
+        if self.failed_load_memory <= 0:
+            return error
+        until = self._reactor.seconds() + self.failed_load_memory
+        self._failed[model.name] = (repr(model), error, until)
+        return self._recalled(model.name, error, self.failed_load_memory)
+
+    def remembered_failure(self, model: ModelConfig) -> ModelLoadFailed | None:
+        """The remembered failed load of ``model`` (this config), if still within its window."""
+        entry = self._failed.get(model.name)
+        if entry is None:
+            return None
+        fingerprint, error, until = entry
+        left = until - self._reactor.seconds()
+        if fingerprint != repr(model) or left <= 0:
+            del self._failed[model.name]
+            return None
+        return self._recalled(model.name, error, left)
+
+    @staticmethod
+    def _recalled(name: str, error: ModelLoadFailed, left: float) -> ModelLoadFailed:
+        seconds = max(1, int(left + 0.999))
+        return ModelLoadFailed(
+            name, error.node_id,
+            f"{error.detail} [localai-tw remembers this failure: the load of {name!r} is "
+            f"tried again in {seconds} s, or at once when its config file changes]",
+            retry_in=float(seconds))
+
     # -- cold load ----------------------------------------------------------------------------------
 
     async def load(self, model: ModelConfig, exclude: frozenset[str] = frozenset(),
@@ -336,6 +380,9 @@ class Scheduler:
             existing = await self.loaded_placement(model, exclude)
             if existing is not None:
                 return existing
+            failed = self.remembered_failure(model)  # also for waiters: the load just failed
+            if failed is not None:
+                raise failed
             if await self._try_acquire(model.name, attempt):
                 break
             if self._reactor.seconds() >= waited_until:
@@ -353,7 +400,10 @@ class Scheduler:
             if existing is not None:
                 return existing
             node_id = await self.pick_for_load(model, exclude)
-            return await self._load_on(model, node_id, attempt)
+            try:
+                return await self._load_on(model, node_id, attempt)
+            except ModelLoadFailed as e:
+                raise self._remember_failure(model, e) from e
         finally:
             if heartbeat.running:
                 heartbeat.stop()
@@ -369,9 +419,24 @@ class Scheduler:
                                err=f.getErrorMessage()))
 
     async def _load_on(self, model: ModelConfig, node_id: str, attempt: str) -> Placement:
-        log.info("cold load of model {model} ({backend}) on node {node} by replica {replica}",
-                 model=model.name, backend=model.backend, node=node_id,
+        started = self._reactor.seconds()
+        log.info("cold load of model {model} ({backend}) on node {node} by replica {replica}: "
+                 "started", model=model.name, backend=model.backend, node=node_id,
                  replica=self.instance_id)
+        try:
+            placement = await self._start_and_load(model, node_id, attempt)
+        except BaseException as e:
+            log.info("cold load of model {model} on node {node} failed after {took:.1f} s: "
+                     "{err}", model=model.name, node=node_id,
+                     took=self._reactor.seconds() - started, err=e)
+            raise
+        log.info("cold load of model {model} on node {node} finished in {took:.1f} s "
+                 "(at {address})", model=model.name, node=node_id,
+                 took=self._reactor.seconds() - started, address=placement.address)
+        return placement
+
+    async def _start_and_load(self, model: ModelConfig, node_id: str,
+                              attempt: str) -> Placement:
         await self._progress(model.name, attempt, "starting", node_id)
         try:
             reply = await self._control.call(node_id, "backend.start",
@@ -412,8 +477,6 @@ class Scheduler:
                 if not isinstance(e, ModelLoadFailed):
                     raise ModelLoadFailed(model.name, node_id, str(e)) from e
             raise
-        log.info("model {model} loaded on node {node} at {address}", model=model.name,
-                 node=node_id, address=address)
         return Placement(model.name, node_id, address, model_id)
 
     async def _stage(self, model: ModelConfig, node_id: str) -> dict[str, str]:

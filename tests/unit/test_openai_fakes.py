@@ -34,17 +34,23 @@ def model_config(name: str, **more):
 class ManualStream:
     """A ``predict_stream`` call the test drives by hand."""
 
-    def __init__(self, name, options, on_reply, on_start, node):
+    def __init__(self, name, options, on_reply, on_start, node, on_loading=None):
         self.name = name
         self.options = options
         self.on_reply = on_reply
         self.on_start = on_start
+        self.on_loading = on_loading
         self.node = node
         self.cancelled = False
         self.result = defer.Deferred(self._cancel)
 
     def _cancel(self, _):
         self.cancelled = True
+
+    def loading(self):
+        """The router found no loaded replica and starts a cold load."""
+        if self.on_loading is not None:
+            self.on_loading(self.name)
 
     def start(self):
         if self.on_start is not None:
@@ -130,12 +136,13 @@ class FakeRouter:
             return self._held("predict", served)
         return defer.succeed(served)
 
-    def predict_stream(self, name, options, on_reply, deadline=None, on_start=None):
+    def predict_stream(self, name, options, on_reply, deadline=None, on_start=None,
+                       on_loading=None):
         self._record("predict_stream", name, options)
         if self.fail_with is not None:
             return defer.fail(self.fail_with)
         if self.manual_streams:
-            stream = ManualStream(name, options, on_reply, on_start, self.node)
+            stream = ManualStream(name, options, on_reply, on_start, self.node, on_loading)
             self.streams.append(stream)
             return stream.result
         return defer.ensureDeferred(self._auto_stream(on_reply, on_start))
@@ -176,9 +183,10 @@ class FakeRouter:
 # -- raw HTTP over a StringTransport ------------------------------------------------------------
 
 
-def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES) -> FrontendSite:
+def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES, reactor=None) -> FrontendSite:
     root = Resource()
-    root.putChild(b"v1", OpenAIResource(router, api_keys=api_keys, now=lambda: 1700000000))
+    root.putChild(b"v1", OpenAIResource(router, api_keys=api_keys, now=lambda: 1700000000,
+                                        reactor=reactor))
     return FrontendSite(root, body_limits={b"/v1/": limit}, timeout=None)
 
 
@@ -197,15 +205,22 @@ class Response:
         return self.headers.get(name.lower())
 
     def events(self) -> list:
-        """The ``data:`` payloads of an SSE body, JSON-decoded except ``[DONE]``."""
+        """The ``data:`` payloads of an SSE body, JSON-decoded except ``[DONE]`` (comment
+        lines, ``: ...``, are left out: see :meth:`comments`)."""
         out = []
         for block in self.raw_body.decode("utf-8").split("\n\n"):
-            if not block.strip():
+            if not block.strip() or block.startswith(":"):
                 continue
             assert block.startswith("data: "), block
             data = block[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
         return out
+
+
+    def comments(self) -> list[str]:
+        """The SSE comment lines (``: text``) of the body, in order."""
+        return [block[1:].strip() for block in self.raw_body.decode("utf-8").split("\n\n")
+                if block.startswith(":")]
 
 
 def parse_response(data: bytes) -> Response:

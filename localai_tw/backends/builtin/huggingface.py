@@ -9,9 +9,13 @@ It behaves like LocalAI's own ``backend/python/transformers`` for the subset a w
 with ``local_files_only``), else ``Model`` (a hub id or a path); ``Type`` picks the model class
 (``AutoModelForCausalLM`` by default; ``SentenceTransformer`` — also forced by
 ``--kind sentence-transformers`` — loads a sentence-transformers model); a failed load is
-``success=false`` with the reason, never a gRPC error.  ``Predict``/``PredictStream`` generate
-from ``Prompt`` (or from ``Messages`` through the tokenizer's chat template when
-``UseTokenizerTemplate``), honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
+``success=false`` with the reason, never a gRPC error; a ``Model`` that is neither an existing
+path nor loadable from the hub fails with what to do (point ``parameters.model`` at a local
+directory, or give the worker the hub), not only the library's text.  Generation on a loaded
+sentence-transformers model is ``UNIMPLEMENTED`` (never "model not loaded", which makes the
+frontend reap and reload the model).  ``Predict``/``PredictStream`` generate from ``Prompt``
+(or from ``Messages`` through the tokenizer's chat template when ``UseTokenizerTemplate``),
+honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
 ``TopK``, ``Seed`` and ``StopPrompts``.  ``Embedding`` answers one pooled vector (layout FINAL):
 the sentence-transformers encoding, or the attention-mask mean of the last hidden state.
 
@@ -49,6 +53,34 @@ def parse_options(options) -> dict[str, str]:
     return parsed
 
 
+class HubLoadFailed(Exception):
+    """Loading ``source`` as a Hugging Face hub id failed; says what the user can do."""
+
+    def __init__(self, source: str, cause: BaseException):
+        self.source = source
+        self.cause = cause
+        super().__init__(
+            f"{type(cause).__name__}: {' '.join(str(cause).split())} -- localai-tw: "
+            f"parameters.model {source!r} is not a directory on this worker, so it was looked "
+            f"up on the Hugging Face hub, and that failed. Either point parameters.model at a "
+            f"local directory holding the model and its tokenizer (python -m "
+            f"localai_tw.tinychat DIR writes a tiny offline one), or let this worker reach the "
+            f"hub: unset HF_HUB_OFFLINE, and set HF_ENDPOINT (a mirror), HF_TOKEN or HF_HOME "
+            f"(the download cache) as your hub needs.")
+
+
+def _looks_like_a_path(source: str) -> bool:
+    return source.startswith(("/", "./", "../", "~"))
+
+
+def _is_hub_failure(error: BaseException) -> bool:
+    """A failure to fetch from the hub (offline, unreachable, unknown id, gated), as opposed
+    to a bad option or a broken model."""
+    top = type(error).__module__.split(".")[0]
+    return isinstance(error, OSError) or top in ("huggingface_hub", "requests", "httpx",
+                                                 "urllib3")
+
+
 class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
     def __init__(self, kind: str, identity: serving.ModelIdentity):
         self.kind = kind
@@ -68,6 +100,9 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
     def LoadModel(self, request, context):
         try:
             message = self._load(request)
+        except HubLoadFailed as e:
+            self._unload()
+            return backend_pb2.Result(success=False, message=str(e))
         except Exception as e:  # the verdict travels in Result, as LocalAI's backends do
             self._unload()
             return backend_pb2.Result(success=False,
@@ -87,6 +122,18 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
             local = True
         if not source:
             raise ValueError("ModelOptions.Model (or ModelFile) is empty")
+        if not local and _looks_like_a_path(source):
+            raise FileNotFoundError(f"parameters.model {source!r} is not a directory on this "
+                                    f"worker (a local model directory must exist where the "
+                                    f"worker runs)")
+        try:
+            return self._load_from(request, source, local)
+        except Exception as e:
+            if local or not _is_hub_failure(e):
+                raise
+            raise HubLoadFailed(source, e) from e
+
+    def _load_from(self, request, source: str, local: bool) -> str:
         options = parse_options(request.Options)
         self.device = options.get("device") or request.MainGPU or self._default_device()
         trust = bool(request.TrustRemoteCode)
@@ -170,6 +217,10 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
             self._busy -= 1
 
     def _require_generator(self, context):
+        if self.sentence_model is not None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                          "this backend holds a sentence-transformers model, which answers "
+                          "embeddings only; text generation needs a transformers model")
         if self.model is None or self.tokenizer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
 

@@ -1,0 +1,127 @@
+"""Model loading through a real replica and worker (echo backend as a real process): a request
+the model's config rules out is refused before anything is loaded and never unloads a loaded
+model; a failed load is remembered for a short window, shared by requests already waiting,
+and tried again after it (or at once when the config changes)."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, reactor, task
+
+from localai_tw.backends import backend_pb2
+from localai_tw.frontend.interfaces import ModelLoadFailed, ModelUsecaseUnsupported
+from localai_tw.frontend.scheduler import DEFAULT_FAILED_LOAD_MEMORY
+
+from .inference_harness import Cluster
+
+
+@pytest_twisted.async_yield_fixture
+async def cluster(pg_dsn, tmp_path):
+    c = Cluster(pg_dsn, str(tmp_path))
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+class CountingControl:
+    """The replica's real control client, counting the verbs it sends to workers."""
+
+    def __init__(self, real):
+        self.real = real
+        self.verbs: list[str] = []
+
+    def call(self, node_id, verb, *args, **kwargs):
+        self.verbs.append(verb)
+        return self.real.call(node_id, verb, *args, **kwargs)
+
+
+def count_control(frontend) -> CountingControl:
+    scheduler = frontend.inference.scheduler
+    counting = CountingControl(scheduler._control)
+    scheduler._control = counting
+    return counting
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_wrong_request_is_refused_before_any_load_and_unloads_nothing(cluster):
+    cluster.write_model("vec.yaml", "name: vec\nbackend: echo\nembeddings: true\n"
+                                    "options: ['echo.dim:4']\n")
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    control = count_control(frontend)
+    router = frontend.inference
+
+    with pytest.raises(ModelUsecaseUnsupported, match="it supports: embeddings"):
+        await router.predict("vec", backend_pb2.PredictOptions(Prompt="x"))
+    assert control.verbs == [] and await cluster.rows("vec") == []  # nothing was loaded
+
+    served = await router.embed("vec", backend_pb2.PredictOptions(Embeddings="x"))
+    [loaded] = await cluster.rows("vec")
+    assert loaded[2] == "loaded" and control.verbs == ["backend.start"]
+    for _ in range(3):
+        with pytest.raises(ModelUsecaseUnsupported):
+            await router.predict_stream("vec", backend_pb2.PredictOptions(Prompt="x"),
+                                        lambda reply: None)
+    assert await cluster.rows("vec") == [loaded]  # same row, same address: never unloaded
+    again = await router.embed("vec", backend_pb2.PredictOptions(Embeddings="x"))
+    assert list(again.value.embeddings) == list(served.value.embeddings)
+    assert control.verbs == ["backend.start"]
+
+
+BAD = "name: bad\nbackend: echo\noptions: ['echo.fail_load:{why}']\n"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_load_is_remembered_then_retried(cluster):
+    cluster.write_model("bad.yaml", BAD.format(why="no weights here"))
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    control = count_control(frontend)
+    router = frontend.inference
+    scheduler = router.scheduler
+    assert scheduler.failed_load_memory == DEFAULT_FAILED_LOAD_MEMORY == 30.0
+
+    with pytest.raises(ModelLoadFailed, match="no weights here") as first:
+        await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
+    assert first.value.retry_in == 30.0
+    assert "tried again in 30 s" in str(first.value)
+    starts = control.verbs.count("backend.start")
+    assert starts == 1
+
+    # within the window: the same error at once, no worker asked
+    with pytest.raises(ModelLoadFailed, match="no weights here") as second:
+        await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
+    assert 0 < second.value.retry_in <= 30.0
+    assert "tried again in" in str(second.value)
+    assert control.verbs.count("backend.start") == 1
+
+    # after the window the load is tried again (shortened here, on the same clock)
+    scheduler._failed["bad"] = (*scheduler._failed["bad"][:2], reactor.seconds() + 0.2)
+    await task.deferLater(reactor, 0.3, lambda: None)
+    with pytest.raises(ModelLoadFailed, match="no weights here"):
+        await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
+    assert control.verbs.count("backend.start") == 2
+
+    # a changed config is a new model: tried at once
+    cluster.write_model("bad.yaml", BAD.format(why="still broken"))
+    frontend.inference.catalog.refresh()
+    with pytest.raises(ModelLoadFailed, match="still broken"):
+        await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
+    assert control.verbs.count("backend.start") == 3
+
+
+@pytest_twisted.ensureDeferred
+async def test_requests_waiting_for_a_failing_load_share_its_failure(cluster):
+    cluster.write_model("bad.yaml", BAD.format(why="corrupt"))
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    control = count_control(frontend)
+    router = frontend.inference
+
+    results = await defer.DeferredList(
+        [router.predict("bad", backend_pb2.PredictOptions(Prompt="x")) for _ in range(4)],
+        consumeErrors=True)
+    assert all(not ok and failure.check(ModelLoadFailed) for ok, failure in results)
+    assert control.verbs.count("backend.start") == 1  # one load, four answers
