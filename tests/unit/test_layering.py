@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": BASE | {"db"},
     "bus": BASE | {"db", "cluster"},
     "staging_client": BASE,
+    "tinychat": BASE,  # a user's tool (python -m localai_tw.tinychat): builds a local model
     "tunnel": BASE | {"mux", "splice", "db", "cluster", "staging_client"},
     "backends": BASE | {"plugins"},  # plugins: the drop-in package IBackendFactory scans
     "plugins": BASE | {"backends"},
