@@ -73,7 +73,7 @@ from localai_tw.errors import (
     WorkerBusy,
 )
 
-from .interfaces import IInferenceRouter, ModelLoadFailed, ModelNotFound, NoNodeAvailable
+from .interfaces import IInferenceRouter, ModelLoadFailed, ModelNotFound, NoNodeAvailable, Served
 from .templates import (
     ChatMessage,
     PromptTemplates,
@@ -99,7 +99,7 @@ MAX_CHOICES = 16
 MAX_STOP = 16
 #: Longest error text passed on from a worker or backend.
 MAX_ERROR_TEXT = 2000
-#: The header naming the node(s) that served the request.
+#: The header naming the node(s) that served the request, by node name.
 NODE_HEADER = b"X-LocalAI-Node"
 
 INT32_MAX = 2**31 - 1
@@ -477,14 +477,48 @@ def _message_content(content: Any, param: str, images: list[str]) -> str:
 # -- the response side: one exchange, SSE streams ------------------------------------------------
 
 
+class NodeNames:
+    """Node id -> node name for the ``X-LocalAI-Node`` header.
+
+    ``lookup(node_id)`` (a name, None, or a Deferred of either) is asked once per id and its
+    answer kept: a node keeps its name for as long as its id exists.  A failed lookup is not
+    kept (the next request asks again); meanwhile the header falls back to the id.
+    """
+
+    #: Most ids remembered; the memory is dropped whole beyond it (ids are few in practice).
+    MAX_NAMES = 4096
+
+    def __init__(self, lookup: Callable[[str], Any]):
+        self._lookup = lookup
+        self._names: dict[str, str] = {}
+
+    def known(self, node_id: str) -> str | None:
+        return self._names.get(node_id)
+
+    async def learn(self, node_id: str) -> None:
+        if node_id in self._names:
+            return
+        try:
+            name = await defer.maybeDeferred(self._lookup, node_id)
+        except Exception as e:
+            log.warn("looking up the name of node {node} failed: {err}", node=node_id, err=e)
+            return
+        if name:
+            if len(self._names) >= self.MAX_NAMES:
+                self._names.clear()
+            self._names[node_id] = str(name)
+
+
 class _Exchange:
     """One HTTP request's lifetime: whether the client left, and the router calls to cancel
     when it does."""
 
-    def __init__(self, request):
+    def __init__(self, request, names: NodeNames | None = None):
         self.request = request
         self.gone = False
         self.nodes: list[str] = []
+        self.names = names
+        self._asked: set[str] = set()
         self._calls: set[defer.Deferred] = set()
         self._on_gone: list[Callable[[], None]] = []
         request.notifyFinish().addBoth(self._finished)
@@ -508,18 +542,37 @@ class _Exchange:
         if self.gone:
             d.cancel()
         try:
-            return await d
+            result = await d
         finally:
             self._calls.discard(d)
+        if isinstance(result, Served) and result.served_by:
+            self.served_by(result.served_by)
+            await self.name_nodes()
+        return result
 
     def served_by(self, node: str | None) -> None:
         if node and node not in self.nodes:
             self.nodes.append(node)
 
+    def named(self) -> bool:
+        """Whether every serving node's name was looked up (found or not)."""
+        return self.names is None or all(node in self._asked for node in self.nodes)
+
+    async def name_nodes(self) -> None:
+        """Look up the names of the serving nodes not looked up yet (before the headers)."""
+        if self.names is None:
+            return
+        for node in list(self.nodes):
+            if node not in self._asked:
+                await self.names.learn(node)
+                self._asked.add(node)
+
     def node_header(self) -> bytes | None:
+        """The serving nodes by name (an id only where no name could be looked up)."""
         if not self.nodes:
             return None
-        return ", ".join(self.nodes).encode("ascii", "replace")
+        known = self.names.known if self.names is not None else (lambda _: None)
+        return ", ".join(known(node) or node for node in self.nodes).encode("ascii", "replace")
 
     def send_json(self, status: int, body: dict, headers: Mapping[str, str] | None = None):
         request = self.request
@@ -663,15 +716,19 @@ class OpenAIResource(Resource):
     :param api_keys: the frontend's :class:`APIKeyGuard`; checked only when it has keys.
     :param deadline_seconds: per-request deadline handed to the router (None: its default).
     :param reactor: the clock for deadlines (``seconds()``); ``now`` gives ``created`` stamps.
+    :param node_names: ``node_id -> name`` (or a Deferred of it) for the ``X-LocalAI-Node``
+        header; without it the header names nodes by id.
     """
 
     isLeaf = True
 
     def __init__(self, router: RouterSource, *, api_keys: APIKeyGuard | None = None,
                  deadline_seconds: float | None = None, reactor=None,
-                 now: Callable[[], float] = time.time):
+                 now: Callable[[], float] = time.time,
+                 node_names: Callable[[str], Any] | None = None):
         super().__init__()
         self._router = router
+        self._names = NodeNames(node_names) if node_names is not None else None
         self._api_keys = api_keys
         self._deadline_seconds = deadline_seconds
         self._reactor = reactor
@@ -686,7 +743,7 @@ class OpenAIResource(Resource):
         return server.NOT_DONE_YET
 
     async def _serve(self, request) -> None:
-        exchange = _Exchange(request)
+        exchange = _Exchange(request, self._names)
         try:
             await self._dispatch(request, exchange)
         except _AlreadyAnswered:
@@ -926,6 +983,9 @@ class OpenAIResource(Resource):
         def on_start(node_id=None) -> None:
             if stream.started or exchange.gone:
                 return
+            exchange.served_by(node_id)
+            if not exchange.named():
+                return  # the first reply starts the stream, once the node's name is known
             stream.start(node_id)
             first = chunks.first()
             if first is not None:
@@ -934,6 +994,9 @@ class OpenAIResource(Resource):
         def on_reply(reply: backend_pb2.Reply):
             if exchange.gone:
                 return defer.fail(ConnectionDone("the client disconnected"))
+            if not stream.started and not exchange.named():
+                return defer.ensureDeferred(exchange.name_nodes()).addCallback(
+                    lambda _: on_reply(reply))
             on_start(None)
             usage.update(reply)
             last.tokens = max(last.tokens, reply.tokens)

@@ -62,7 +62,7 @@ from localai_tw.cluster.membership import (
     discover_advertised_address_async,
     resolve_instance_id,
 )
-from localai_tw.cluster.nodes import NodeRegistry
+from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.connect import connect_resource
@@ -276,7 +276,8 @@ class FrontendService(MultiService):
         root.putChild(b"readyz", ReadinessResource(_Readiness(self), self._reactor))
         # The OpenAI API finds the inference router at request time (503 until it is wired).
         root.putChild(b"v1", OpenAIResource(lambda: getattr(self, "inference", None),
-                                            api_keys=self.api_keys, reactor=self._reactor))
+                                            api_keys=self.api_keys, reactor=self._reactor,
+                                            node_names=self._node_name))
         api = JSONDirectory()
         root.putChild(b"api", api)
         api.putChild(b"node", WorkerRegistrationResource(parts))
@@ -288,6 +289,15 @@ class FrontendService(MultiService):
         cluster.putChild(b"connect", self._connect_slot)
         cluster.putChild(b"peer", self._peer_slot)
         return root
+
+    async def _node_name(self, node_id: str) -> str | None:
+        """The name of a node, for the ``X-LocalAI-Node`` header (None when it is unknown)."""
+        if self.parts is None:
+            return None
+        try:
+            return (await self.parts.nodes.get_node(node_id)).name
+        except NodeNotFound:
+            return None
 
     # -- readiness and startup outcome -------------------------------------------------------
 

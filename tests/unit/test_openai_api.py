@@ -521,3 +521,51 @@ def test_stream_starting_on_a_full_transport_waits_at_once(site, router):
     assert isinstance(waiting, defer.Deferred) and not waiting.called
     client.transport.producer.resumeProducing()
     assert waiting.called
+
+
+# -- X-LocalAI-Node names the node -----------------------------------------------------------------
+
+
+def named_site(router, lookup):
+    from twisted.web.resource import Resource
+    from localai_tw.frontend.web import FrontendSite
+    root = Resource()
+    root.putChild(b"v1", OpenAIResource(router, node_names=lookup, now=lambda: 1700000000))
+    return FrontendSite(root, timeout=None)
+
+
+def test_node_header_names_the_node_and_asks_once_per_node(router):
+    asked = []
+
+    def lookup(node_id):
+        asked.append(node_id)
+        return defer.succeed({"node-a": "gpu-box-1"}.get(node_id))
+
+    site = named_site(router, lookup)
+    assert call(site, "POST", "/v1/chat/completions", chat()).header("x-localai-node") == \
+        "gpu-box-1"
+    embedded = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": ["a", "b"]})
+    assert embedded.header("x-localai-node") == "gpu-box-1"
+    assert asked == ["node-a"]  # remembered: a node keeps its name under its id
+
+
+def test_a_stream_starts_only_once_the_node_is_named(router):
+    router.manual_streams = True
+    naming = defer.Deferred()
+    site = named_site(router, lambda node_id: naming)
+    client = Client(site).send("POST", "/v1/chat/completions", chat(stream=True))
+    stream = router.streams[0]
+    stream.start()
+    waiting = stream.push(b"Hi")
+    assert isinstance(waiting, defer.Deferred) and client.transport.value() == b""
+    naming.callback("gpu-box-1")
+    stream.end()
+    response = client.response()
+    assert response.header("x-localai-node") == "gpu-box-1"
+    assert [e["choices"][0]["delta"].get("content") for e in response.events()[:2]] == ["", "Hi"]
+
+
+def test_a_failed_name_lookup_falls_back_to_the_id(router):
+    site = named_site(router, lambda node_id: defer.fail(RuntimeError("database down")))
+    assert call(site, "POST", "/v1/chat/completions", chat()).header("x-localai-node") == \
+        "node-a"
