@@ -43,6 +43,7 @@ import base64
 import codecs
 import json
 import random
+import re
 import struct
 import time
 import uuid
@@ -66,11 +67,13 @@ from localai_tw.errors import (
     ClusterError,
     PeerRejected,
     PeerUnreachable,
+    PoolClosed,
     RoutingFact,
     TransportFailure,
     TunnelProtocolError,
     WorkerAnswer,
     WorkerBusy,
+    WorkerGone,
 )
 
 from .interfaces import IInferenceRouter, ModelLoadFailed, ModelNotFound, NoNodeAvailable, Served
@@ -139,7 +142,25 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 def _detail(error: BaseException) -> str:
+    """The full text of ``error`` (node and replica ids included): for the log only."""
     return printable(" ".join(str(error).split()), MAX_ERROR_TEXT)
+
+
+#: Node ids are UUIDs (``NodeRegistry``); one that reaches a client-facing text is replaced.
+_NODE_ID_TEXT = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
+
+
+def _public(text: str) -> str:
+    """``text`` fit for an API client: bounded, printable, no node id (the condition and the
+    backend's or worker's own words stay; operators find the ids in the log)."""
+    return printable(" ".join(_NODE_ID_TEXT.sub("<node>", text).split()), MAX_ERROR_TEXT)
+
+
+def _worker_words(error: WorkerAnswer) -> str:
+    """What the worker said, without the ``worker <id> answered:`` its message starts with."""
+    text = str(error)
+    prefix = f"worker {error.node_id} answered: "
+    return _public(text[len(prefix):] if text.startswith(prefix) else text)
 
 
 #: gRPC status names of a backend answer that mean the request itself was refused.
@@ -148,7 +169,9 @@ _BACKEND_REFUSED_INPUT = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE"})
 
 def error_for(error: BaseException) -> OpenAIError:
     """The HTTP answer for a failure of the router (or of this module).  One row each, in the
-    order of the table in ``docs/openai-api.md``; subclasses are matched before their bases."""
+    order of the table in ``docs/openai-api.md``; subclasses are matched before their bases.
+    Messages name the condition, never a node or replica id (those are internal; the log has
+    them)."""
     if isinstance(error, OpenAIError):
         return error
     if isinstance(error, APIError):
@@ -166,48 +189,67 @@ def error_for(error: BaseException) -> OpenAIError:
                            f"{_detail(error)}", "server_error", code="template_error")
     if isinstance(error, NoNodeAvailable):
         return OpenAIError(503, f"no route: no node can serve model "
-                           f"{printable(error.name)!r} now: "
-                           f"{printable(error.reason, MAX_ERROR_TEXT)}",
+                           f"{printable(error.name)!r} now: {_public(error.reason)}",
                            "service_unavailable", code="no_node_available")
+    if isinstance(error, WorkerGone):
+        return OpenAIError(503, "no route: the worker for this request departed longer ago "
+                           "than the reconnect grace", "service_unavailable", code="no_route")
     if isinstance(error, RoutingFact):
-        return OpenAIError(503, _detail(error), "service_unavailable", code="no_route")
+        return OpenAIError(503, "no route to a worker for this request right now",
+                           "service_unavailable", code="no_route")
     if isinstance(error, AbsentWithinGrace):
-        return OpenAIError(503, _detail(error), "service_unavailable",
+        return OpenAIError(503, f"the worker for this request is not connected right now "
+                           f"(presence {printable(error.presence, 32)}); it may reconnect "
+                           "within the grace; retry", "service_unavailable",
                            code="worker_reconnecting", headers={"Retry-After": "5"})
     if isinstance(error, PeerRejected):
-        return OpenAIError(503, f"{_detail(error)} (a replica configuration problem)",
+        return OpenAIError(503, "the replica holding the worker's tunnel refused this "
+                           "replica's credentials (a replica configuration problem)",
                            "service_unavailable", code="peer_rejected")
-    if isinstance(error, PeerUnreachable):
-        return OpenAIError(503, f"{_detail(error)}; retry", "service_unavailable",
+    if isinstance(error, PoolClosed):
+        return OpenAIError(503, "this replica is shutting down; retry", "service_unavailable",
                            code="peer_unreachable", headers={"Retry-After": "2"})
+    if isinstance(error, PeerUnreachable):
+        return OpenAIError(503, "the replica holding the worker's tunnel is unreachable; retry",
+                           "service_unavailable", code="peer_unreachable",
+                           headers={"Retry-After": "2"})
     if isinstance(error, ModelLoadFailed):
-        return OpenAIError(500, _detail(error), "server_error", code="model_load_failed")
+        return OpenAIError(500, f"model {printable(error.name)!r} failed to load: "
+                           f"{_public(error.detail)}", "server_error",
+                           code="model_load_failed")
     if isinstance(error, BackendAnswer):
         if error.code in _BACKEND_REFUSED_INPUT:
             return OpenAIError(400, f"the backend refused the request: "
-                               f"{printable(error.details, MAX_ERROR_TEXT)}",
+                               f"{_public(error.details)}",
                                "invalid_request_error", code="backend_refused_request")
         if error.code == "UNIMPLEMENTED":
             return OpenAIError(501, f"the model's backend does not implement this call: "
-                               f"{printable(error.details, MAX_ERROR_TEXT)}", "server_error",
+                               f"{_public(error.details)}", "server_error",
                                code="not_implemented_by_backend")
+        answered = f"the backend answered {printable(error.code, 32)}: {_public(error.details)}"
         if error.code == "DEADLINE_EXCEEDED":
-            return OpenAIError(504, _detail(error), "timeout_error", code="timeout")
-        return OpenAIError(502, _detail(error), "upstream_error", code="backend_error")
+            return OpenAIError(504, answered, "timeout_error", code="timeout")
+        return OpenAIError(502, answered, "upstream_error", code="backend_error")
     if isinstance(error, WorkerBusy):
-        return OpenAIError(503, _detail(error), "service_unavailable", code="worker_busy",
+        return OpenAIError(503, f"the worker is busy: {_worker_words(error)}",
+                           "service_unavailable", code="worker_busy",
                            headers={"Retry-After": "1"})
     if isinstance(error, WorkerAnswer):
-        return OpenAIError(502, _detail(error), "upstream_error", code="worker_error")
+        return OpenAIError(502, f"the worker answered: {_worker_words(error)}",
+                           "upstream_error", code="worker_error")
     if isinstance(error, CallerDeadlineExceeded):
-        return OpenAIError(504, _detail(error), "timeout_error", code="timeout")
+        return OpenAIError(504, "the deadline of this request ran out before the answer",
+                           "timeout_error", code="timeout")
     if isinstance(error, TransportFailure):
-        return OpenAIError(502, f"{_detail(error)}; nothing is known about the work",
+        return OpenAIError(502, f"the connection to the worker broke during the call "
+                           f"({_public(str(error))}); nothing is known about the work",
                            "upstream_error", code="transport_failure")
     if isinstance(error, TunnelProtocolError):
-        return OpenAIError(502, _detail(error), "upstream_error", code="protocol_error")
+        return OpenAIError(502, f"a replica or worker broke the tunnel protocol: "
+                           f"{_public(str(error))}", "upstream_error", code="protocol_error")
     if isinstance(error, ClusterError):
-        return OpenAIError(500, _detail(error), "server_error", code=error.condition)
+        return OpenAIError(500, f"{error.condition} (see the frontend log)", "server_error",
+                           code=error.condition)
     return OpenAIError(500, "internal error; see the frontend log", "server_error",
                        code="internal_error")
 
@@ -769,7 +811,7 @@ class OpenAIResource(Resource):
                          method=request.method.decode("ascii", "replace"),
                          path=printable(_path_text(request)), status=answer.status,
                          code=answer.code, condition=getattr(cause, "condition", "-"),
-                         message=answer.message)
+                         message=_detail(cause))  # the full text, ids included
         exchange.send_json(answer.status, answer.body(), answer.headers)
 
     def _check_key(self, request) -> None:
@@ -1037,7 +1079,7 @@ class OpenAIResource(Resource):
         answer = error_for(error)
         log.info("stream of {path} failed after it started: {status} {code}: {message}",
                  path=printable(_path_text(stream.request)), status=answer.status,
-                 code=answer.code, message=answer.message)
+                 code=answer.code, message=_detail(error))
         if answer.code == "internal_error":
             log.failure("stream failure", Failure(error))
         waiting = stream.send(answer.body())
