@@ -276,14 +276,18 @@ def read_json_object(request, *, required: bool = True) -> dict:
 
     :param required: False lets an empty body stand for ``{}``.
     :raises APIError: 413 over the cap (a backstop: ``FrontendRequest`` refuses earlier), 415
-        for a non-JSON content type, 400 for a body that is not UTF-8 JSON or not an object.
+        for a non-JSON content type (a missing one is accepted), 400 for a body that is not
+        UTF-8 JSON or not an object.
     """
     content_type = request.getHeader(b"content-type")
-    if content_type is not None:
+    if content_type is not None:  # absent is fine: the body is read as JSON (as LocalAI does)
         media = content_type.split(b";", 1)[0].strip().lower()
         if media not in (b"application/json", b""):
-            raise APIError(415, "the body must be JSON (Content-Type: application/json)",
-                           "unsupported_media_type")
+            sent = printable(media.decode("latin-1"))
+            raise APIError(415, f"Content-Type {sent!r} is not accepted: the body must be JSON "
+                           "sent as Content-Type: application/json, or with no Content-Type "
+                           "(curl -d needs -H 'Content-Type: application/json')",
+                           "unsupported_media_type", code="unsupported_media_type")
     content = request.content
     if content is None:
         raw = b""

@@ -73,10 +73,24 @@ def test_non_object_bodies_are_400(site, raw):
     assert_error(call(site, "POST", "/v1/chat/completions", raw=raw or None), 400)
 
 
-def test_non_json_content_type_is_415(site):
-    response = call(site, "POST", "/v1/chat/completions", raw=b"model=x",
+def test_non_json_content_type_is_415_saying_what_was_sent_and_what_to_send(site, router):
+    body = json.dumps(chat()).encode("utf-8")  # what `curl -d` sends, as a form
+    response = call(site, "POST", "/v1/chat/completions", raw=body,
                     headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert_error(response, 415, "invalid_request_error")
+    error = assert_error(response, 415, "invalid_request_error", code="unsupported_media_type")
+    assert "'application/x-www-form-urlencoded'" in error["message"]
+    assert "Content-Type: application/json" in error["message"]
+    assert router.calls == []
+
+
+def test_a_json_body_without_content_type_is_accepted(site, router):
+    raw = json.dumps({"model": "embedder", "input": "hi"}).encode("utf-8")
+    client = Client(site)
+    client.channel.dataReceived(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\n"
+                                b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+    response = client.response()
+    assert response.status == 200, response.raw_body
+    assert response.json()["data"][0]["object"] == "embedding"
 
 
 def test_missing_model_is_400_naming_model(site):
