@@ -1104,6 +1104,7 @@ class OpenAIResource(Resource):
                           "dimensions", code="unsupported_parameter")
         sampling = merge_sampling(model.parameters, _Fields({}))
         data, prompt_tokens = [], 0
+        tokenizer = _Tokenizer(router, exchange, name, self._deadline)
         for index, item in enumerate(inputs):
             if isinstance(item, str):
                 options = sampling.options(Embeddings=item)
@@ -1113,12 +1114,45 @@ class OpenAIResource(Resource):
             exchange.served_by(served.served_by)
             result = served.value
             vector = _pooled_vector(result)
-            prompt_tokens += result.prompt_tokens
+            prompt_tokens += result.prompt_tokens if result.prompt_tokens > 0 else \
+                await tokenizer.count(item)
             data.append({"object": "embedding", "index": index,
                          "embedding": _encode_vector(vector, encoding)})
         exchange.send_json(200, {"object": "list", "data": data, "model": name,
                                  "usage": {"prompt_tokens": prompt_tokens,
                                            "total_tokens": prompt_tokens}})
+
+
+class _Tokenizer:
+    """Counts the tokens of an embeddings input whose backend reported none in
+    ``EmbeddingResult.prompt_tokens`` (docs/openai-api.md, *Usage*): token ids count
+    themselves; text is counted by the model's ``TokenizeString``.  A backend that cannot
+    tokenize either is asked once per request, and its inputs count 0 (logged)."""
+
+    def __init__(self, router, exchange: _Exchange, name: str,
+                 deadline: Callable[[], float | None]):
+        self._router = router
+        self._exchange = exchange
+        self._name = name
+        self._deadline = deadline
+        self._unable = False
+
+    async def count(self, item: str | list[int]) -> int:
+        if not isinstance(item, str):
+            return len(item)
+        if self._unable:
+            return 0
+        options = backend_pb2.PredictOptions(Prompt=item)
+        try:
+            served = await self._exchange.call(
+                self._router.tokenize(self._name, options, self._deadline()))
+        except ClusterError as e:
+            self._unable = True
+            log.info("embeddings usage of model {model}: the backend reports no token count "
+                     "and TokenizeString failed ({err}); its text inputs count 0 tokens",
+                     model=self._name, err=_detail(e))
+            return 0
+        return max(0, served.value.length or len(served.value.tokens))
 
 
 class _AlreadyAnswered(Exception):

@@ -149,3 +149,5 @@ async def test_sentence_transformers_embeds(supervisor):
                                 backend_pb2.PredictOptions(Embeddings="A man is eating food."))
     assert len(first.embeddings) == 384
     assert first.layout == backend_pb2.EMBEDDING_LAYOUT_FINAL
+    # usage: [CLS] a man is eating food . [SEP] -- the tokens the model evaluated
+    assert first.prompt_tokens == 8

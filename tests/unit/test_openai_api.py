@@ -583,3 +583,56 @@ def test_a_failed_name_lookup_falls_back_to_the_id(router):
     site = named_site(router, lambda node_id: defer.fail(RuntimeError("database down")))
     assert call(site, "POST", "/v1/chat/completions", chat()).header("x-localai-node") == \
         "node-a"
+
+
+# -- embeddings usage counts tokens ------------------------------------------------------------------
+
+
+def test_embeddings_usage_is_the_backends_token_count_without_extra_calls(site, router):
+    response = call(site, "POST", "/v1/embeddings",
+                    {"model": "embedder", "input": ["one two three", "four"]})
+    assert response.json()["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
+    assert [verb for verb, _, _ in router.calls] == ["embed", "embed"]
+
+
+def uncounted(router):
+    """Make the fake backend report no token count, like backends that predate it."""
+    embed = router.embed
+
+    def embed_without_count(name, options, deadline=None):
+        def strip(served):
+            served.value.prompt_tokens = 0
+            return served
+        return embed(name, options, deadline).addCallback(strip)
+
+    router.embed = embed_without_count
+
+
+def test_embeddings_usage_asks_tokenize_when_the_backend_reports_no_count(site, router):
+    uncounted(router)
+    response = call(site, "POST", "/v1/embeddings",
+                    {"model": "embedder", "input": ["one two three", "four five"]})
+    assert response.json()["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    tokenized = [o.Prompt for verb, _, o in router.calls if verb == "tokenize"]
+    assert tokenized == ["one two three", "four five"]
+    router.calls.clear()
+    ids = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": [[1, 2, 3], [4]]})
+    assert ids.json()["usage"] == {"prompt_tokens": 4, "total_tokens": 4}  # ids count themselves
+    assert "tokenize" not in [verb for verb, _, _ in router.calls]
+
+
+def test_a_backend_that_cannot_count_gives_zero_usage_not_a_failure(site, router):
+    from localai_tw.errors import BackendAnswer
+
+    uncounted(router)
+    asked = []
+
+    def tokenize(name, options, deadline=None):
+        asked.append(options.Prompt)
+        return defer.fail(BackendAnswer("node-a", "UNIMPLEMENTED", "no TokenizeString"))
+
+    router.tokenize = tokenize
+    response = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": ["a", "b"]})
+    assert response.status == 200 and len(response.json()["data"]) == 2
+    assert response.json()["usage"] == {"prompt_tokens": 0, "total_tokens": 0}
+    assert asked == ["a"]  # asked once per request
