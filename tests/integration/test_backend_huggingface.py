@@ -151,3 +151,8 @@ async def test_sentence_transformers_embeds(supervisor):
     assert first.layout == backend_pb2.EMBEDDING_LAYOUT_FINAL
     # usage: [CLS] a man is eating food . [SEP] -- the tokens the model evaluated
     assert first.prompt_tokens == 8
+    with pytest.raises(grpc.RpcError) as refused:  # not a silent embedding of ""
+        await deferToThread(_call, record.address, "Embedding",
+                            backend_pb2.PredictOptions(EmbeddingTokens=[101, 2158, 102]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token-id input" in refused.value.details()

@@ -303,6 +303,11 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
 
         text = request.Embeddings or request.Prompt
         if self.sentence_model is not None:
+            if request.EmbeddingTokens and not text:
+                # encode() takes text only; embedding "" instead would be a silent wrong answer
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "this sentence-transformers model takes text input; token-id "
+                              "input is not supported")
             self._busy_enter()
             try:
                 vector = self.sentence_model.encode(text)
