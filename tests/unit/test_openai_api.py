@@ -537,7 +537,7 @@ def test_stream_starting_on_a_full_transport_waits_at_once(site, router):
     assert waiting.called
 
 
-# -- X-LocalAI-Node names the node -----------------------------------------------------------------
+# -- X-LocalAI-Node names the node -------------------------------------------------------
 
 
 def named_site(router, lookup):
@@ -585,7 +585,7 @@ def test_a_failed_name_lookup_falls_back_to_the_id(router):
         "node-a"
 
 
-# -- embeddings usage counts tokens ------------------------------------------------------------------
+# -- embeddings usage counts tokens ------------------------------------------------------------
 
 
 def test_embeddings_usage_is_the_backends_token_count_without_extra_calls(site, router):
