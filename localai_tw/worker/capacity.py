@@ -9,6 +9,11 @@ with every frontend that knows registration.
 VRAM is not reported: nothing here can read a GPU's memory without a vendor library, and a
 guess would mislead the scheduler.  A field that cannot be read is left out, never sent as 0.
 
+:func:`host_facts` (CPU count and load average) goes into the worker's own ``node.status``
+answer instead (``GET /api/nodes/{id}/status``): the registration wire has no field for them,
+and frontends refuse unknown capacity fields, so sending them there would break a new worker
+against an older frontend.
+
 This module must never raise into the registrar (a failed reading drops that field) and never
 block on anything slower than a local ``statvfs``.
 """
@@ -60,3 +65,17 @@ class HostCapacity:
         except (OSError, RuntimeError) as e:
             log.warn("reading the disk capacity of {path} failed: {err}", path=self.path, err=e)
         return capacity
+
+
+def host_facts() -> dict:
+    """CPU facts of this machine for ``node.status``: logical CPU count and the 1, 5 and 15
+    minute load averages (what is unreadable is left out)."""
+    facts: dict = {}
+    count = psutil.cpu_count(logical=True)
+    if count:
+        facts["cpu_count"] = int(count)
+    try:
+        facts["load_average"] = [round(float(x), 2) for x in psutil.getloadavg()]
+    except (OSError, AttributeError) as e:
+        log.warn("reading the load average failed: {err}", err=e)
+    return facts
