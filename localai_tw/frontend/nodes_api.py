@@ -8,7 +8,8 @@ key configured every request is refused (401, see ``localai_tw.frontend.web.APIK
 route                              answer
 =================================  =============================================================
 GET /api/nodes[?status=&node_type=]  ``{"nodes": [node, ...]}`` ordered by name
-GET /api/nodes/{id}                node
+GET /api/nodes/{id}                node (``{id}`` is a node id, or else a node name, on every
+                                   route below)
 PUT /api/nodes/{id}/labels         body ``{"labels": {k: v}}`` replaces every label;
                                    ``{"id", "labels"}``
 GET /api/nodes/{id}/labels         ``{"id", "labels"}``
@@ -191,10 +192,15 @@ class NodesAdminResource(JSONResource):
 
     @staticmethod
     async def _node(parts, node_id: str) -> Node:
-        if not valid_node_id(node_id):
-            raise _unknown_node(node_id)
+        """The node whose id is ``node_id``, or else whose name is (``X-LocalAI-Node`` and
+        the logs name nodes; an id wins over an equal name)."""
+        if valid_node_id(node_id):
+            try:
+                return await parts.nodes.get_node(node_id)
+            except (NodeNotFound, InvalidNodeInput):
+                pass
         try:
-            return await parts.nodes.get_node(node_id)
+            return await parts.nodes.get_node_by_name(node_id)
         except (NodeNotFound, InvalidNodeInput):
             raise _unknown_node(node_id) from None
 
@@ -244,8 +250,7 @@ class NodesAdminResource(JSONResource):
 
     async def put_labels(self, request, node_id: str) -> tuple[int, dict]:
         parts = resolve(self._parts)
-        if not valid_node_id(node_id):
-            raise _unknown_node(node_id)
+        node_id = (await self._node(parts, node_id)).id
         body = read_json_object(request)
         reject_unknown_fields(body, ("labels",))
         if "labels" not in body:
@@ -336,8 +341,7 @@ class NodesAdminResource(JSONResource):
 
     async def delete_node(self, request, node_id: str) -> tuple[int, dict]:
         parts = resolve(self._parts)
-        if not valid_node_id(node_id):
-            raise _unknown_node(node_id)
+        node_id = (await self._node(parts, node_id)).id
         try:
             await parts.nodes.delete_node(node_id)
         except (NodeNotFound, InvalidNodeInput):

@@ -48,6 +48,7 @@ import base64
 import codecs
 import json
 import random
+import re
 import struct
 import time
 import uuid
@@ -71,11 +72,13 @@ from localai_tw.errors import (
     ClusterError,
     PeerRejected,
     PeerUnreachable,
+    PoolClosed,
     RoutingFact,
     TransportFailure,
     TunnelProtocolError,
     WorkerAnswer,
     WorkerBusy,
+    WorkerGone,
 )
 
 from .interfaces import (
@@ -84,6 +87,7 @@ from .interfaces import (
     ModelNotFound,
     ModelUsecaseUnsupported,
     NoNodeAvailable,
+    Served,
 )
 from .models import CHAT, COMPLETION, EMBEDDINGS, usecases
 from .templates import (
@@ -114,7 +118,7 @@ MAX_ERROR_TEXT = 2000
 #: Seconds between ``: loading model ...`` SSE comments while a stream waits for a cold load
 #: (the first after this long, so a quick load answers as if nothing had waited).
 LOADING_NOTICE_INTERVAL = 3.0
-#: The header naming the node(s) that served the request.
+#: The header naming the node(s) that served the request, by node name.
 NODE_HEADER = b"X-LocalAI-Node"
 
 INT32_MAX = 2**31 - 1
@@ -154,7 +158,25 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 def _detail(error: BaseException) -> str:
+    """The full text of ``error`` (node and replica ids included): for the log only."""
     return printable(" ".join(str(error).split()), MAX_ERROR_TEXT)
+
+
+#: Node ids are UUIDs (``NodeRegistry``); one that reaches a client-facing text is replaced.
+_NODE_ID_TEXT = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
+
+
+def _public(text: str) -> str:
+    """``text`` fit for an API client: bounded, printable, no node id (the condition and the
+    backend's or worker's own words stay; operators find the ids in the log)."""
+    return printable(" ".join(_NODE_ID_TEXT.sub("<node>", text).split()), MAX_ERROR_TEXT)
+
+
+def _worker_words(error: WorkerAnswer) -> str:
+    """What the worker said, without the ``worker <id> answered:`` its message starts with."""
+    text = str(error)
+    prefix = f"worker {error.node_id} answered: "
+    return _public(text[len(prefix):] if text.startswith(prefix) else text)
 
 
 #: gRPC status names of a backend answer that mean the request itself was refused.
@@ -163,7 +185,9 @@ _BACKEND_REFUSED_INPUT = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE"})
 
 def error_for(error: BaseException) -> OpenAIError:
     """The HTTP answer for a failure of the router (or of this module).  One row each, in the
-    order of the table in ``docs/openai-api.md``; subclasses are matched before their bases."""
+    order of the table in ``docs/openai-api.md``; subclasses are matched before their bases.
+    Messages name the condition, never a node or replica id (those are internal; the log has
+    them)."""
     if isinstance(error, OpenAIError):
         return error
     if isinstance(error, APIError):
@@ -184,50 +208,68 @@ def error_for(error: BaseException) -> OpenAIError:
                            f"{_detail(error)}", "server_error", code="template_error")
     if isinstance(error, NoNodeAvailable):
         return OpenAIError(503, f"no route: no node can serve model "
-                           f"{printable(error.name)!r} now: "
-                           f"{printable(error.reason, MAX_ERROR_TEXT)}",
+                           f"{printable(error.name)!r} now: {_public(error.reason)}",
                            "service_unavailable", code="no_node_available")
+    if isinstance(error, WorkerGone):
+        return OpenAIError(503, "no route: the worker for this request departed longer ago "
+                           "than the reconnect grace", "service_unavailable", code="no_route")
     if isinstance(error, RoutingFact):
-        return OpenAIError(503, _detail(error), "service_unavailable", code="no_route")
+        return OpenAIError(503, "no route to a worker for this request right now",
+                           "service_unavailable", code="no_route")
     if isinstance(error, AbsentWithinGrace):
-        return OpenAIError(503, _detail(error), "service_unavailable",
+        return OpenAIError(503, f"the worker for this request is not connected right now "
+                           f"(presence {printable(error.presence, 32)}); it may reconnect "
+                           "within the grace; retry", "service_unavailable",
                            code="worker_reconnecting", headers={"Retry-After": "5"})
     if isinstance(error, PeerRejected):
-        return OpenAIError(503, f"{_detail(error)} (a replica configuration problem)",
+        return OpenAIError(503, "the replica holding the worker's tunnel refused this "
+                           "replica's credentials (a replica configuration problem)",
                            "service_unavailable", code="peer_rejected")
-    if isinstance(error, PeerUnreachable):
-        return OpenAIError(503, f"{_detail(error)}; retry", "service_unavailable",
+    if isinstance(error, PoolClosed):
+        return OpenAIError(503, "this replica is shutting down; retry", "service_unavailable",
                            code="peer_unreachable", headers={"Retry-After": "2"})
+    if isinstance(error, PeerUnreachable):
+        return OpenAIError(503, "the replica holding the worker's tunnel is unreachable; retry",
+                           "service_unavailable", code="peer_unreachable",
+                           headers={"Retry-After": "2"})
     if isinstance(error, ModelLoadFailed):
         retry = {"Retry-After": str(int(error.retry_in))} if error.retry_in else None
-        return OpenAIError(500, _detail(error), "server_error", code="model_load_failed",
-                           headers=retry)
+        return OpenAIError(500, f"model {printable(error.name)!r} failed to load: "
+                           f"{_public(error.detail)}", "server_error",
+                           code="model_load_failed", headers=retry)
     if isinstance(error, BackendAnswer):
         if error.code in _BACKEND_REFUSED_INPUT:
             return OpenAIError(400, f"the backend refused the request: "
-                               f"{printable(error.details, MAX_ERROR_TEXT)}",
+                               f"{_public(error.details)}",
                                "invalid_request_error", code="backend_refused_request")
         if error.code == "UNIMPLEMENTED":
             return OpenAIError(501, f"the model's backend does not implement this call: "
-                               f"{printable(error.details, MAX_ERROR_TEXT)}", "server_error",
+                               f"{_public(error.details)}", "server_error",
                                code="not_implemented_by_backend")
+        answered = f"the backend answered {printable(error.code, 32)}: {_public(error.details)}"
         if error.code == "DEADLINE_EXCEEDED":
-            return OpenAIError(504, _detail(error), "timeout_error", code="timeout")
-        return OpenAIError(502, _detail(error), "upstream_error", code="backend_error")
+            return OpenAIError(504, answered, "timeout_error", code="timeout")
+        return OpenAIError(502, answered, "upstream_error", code="backend_error")
     if isinstance(error, WorkerBusy):
-        return OpenAIError(503, _detail(error), "service_unavailable", code="worker_busy",
+        return OpenAIError(503, f"the worker is busy: {_worker_words(error)}",
+                           "service_unavailable", code="worker_busy",
                            headers={"Retry-After": "1"})
     if isinstance(error, WorkerAnswer):
-        return OpenAIError(502, _detail(error), "upstream_error", code="worker_error")
+        return OpenAIError(502, f"the worker answered: {_worker_words(error)}",
+                           "upstream_error", code="worker_error")
     if isinstance(error, CallerDeadlineExceeded):
-        return OpenAIError(504, _detail(error), "timeout_error", code="timeout")
+        return OpenAIError(504, "the deadline of this request ran out before the answer",
+                           "timeout_error", code="timeout")
     if isinstance(error, TransportFailure):
-        return OpenAIError(502, f"{_detail(error)}; nothing is known about the work",
+        return OpenAIError(502, f"the connection to the worker broke during the call "
+                           f"({_public(str(error))}); nothing is known about the work",
                            "upstream_error", code="transport_failure")
     if isinstance(error, TunnelProtocolError):
-        return OpenAIError(502, _detail(error), "upstream_error", code="protocol_error")
+        return OpenAIError(502, f"a replica or worker broke the tunnel protocol: "
+                           f"{_public(str(error))}", "upstream_error", code="protocol_error")
     if isinstance(error, ClusterError):
-        return OpenAIError(500, _detail(error), "server_error", code=error.condition)
+        return OpenAIError(500, f"{error.condition} (see the frontend log)", "server_error",
+                           code=error.condition)
     return OpenAIError(500, "internal error; see the frontend log", "server_error",
                        code="internal_error")
 
@@ -497,14 +539,48 @@ def _message_content(content: Any, param: str, images: list[str]) -> str:
 # -- the response side: one exchange, SSE streams ------------------------------------------------
 
 
+class NodeNames:
+    """Node id -> node name for the ``X-LocalAI-Node`` header.
+
+    ``lookup(node_id)`` (a name, None, or a Deferred of either) is asked once per id and its
+    answer kept: a node keeps its name for as long as its id exists.  A failed lookup is not
+    kept (the next request asks again); meanwhile the header falls back to the id.
+    """
+
+    #: Most ids remembered; the memory is dropped whole beyond it (ids are few in practice).
+    MAX_NAMES = 4096
+
+    def __init__(self, lookup: Callable[[str], Any]):
+        self._lookup = lookup
+        self._names: dict[str, str] = {}
+
+    def known(self, node_id: str) -> str | None:
+        return self._names.get(node_id)
+
+    async def learn(self, node_id: str) -> None:
+        if node_id in self._names:
+            return
+        try:
+            name = await defer.maybeDeferred(self._lookup, node_id)
+        except Exception as e:
+            log.warn("looking up the name of node {node} failed: {err}", node=node_id, err=e)
+            return
+        if name:
+            if len(self._names) >= self.MAX_NAMES:
+                self._names.clear()
+            self._names[node_id] = str(name)
+
+
 class _Exchange:
     """One HTTP request's lifetime: whether the client left, and the router calls to cancel
     when it does."""
 
-    def __init__(self, request):
+    def __init__(self, request, names: NodeNames | None = None):
         self.request = request
         self.gone = False
         self.nodes: list[str] = []
+        self.names = names
+        self._asked: set[str] = set()
         self._calls: set[defer.Deferred] = set()
         self._on_gone: list[Callable[[], None]] = []
         request.notifyFinish().addBoth(self._finished)
@@ -528,18 +604,37 @@ class _Exchange:
         if self.gone:
             d.cancel()
         try:
-            return await d
+            result = await d
         finally:
             self._calls.discard(d)
+        if isinstance(result, Served) and result.served_by:
+            self.served_by(result.served_by)
+            await self.name_nodes()
+        return result
 
     def served_by(self, node: str | None) -> None:
         if node and node not in self.nodes:
             self.nodes.append(node)
 
+    def named(self) -> bool:
+        """Whether every serving node's name was looked up (found or not)."""
+        return self.names is None or all(node in self._asked for node in self.nodes)
+
+    async def name_nodes(self) -> None:
+        """Look up the names of the serving nodes not looked up yet (before the headers)."""
+        if self.names is None:
+            return
+        for node in list(self.nodes):
+            if node not in self._asked:
+                await self.names.learn(node)
+                self._asked.add(node)
+
     def node_header(self) -> bytes | None:
+        """The serving nodes by name (an id only where no name could be looked up)."""
         if not self.nodes:
             return None
-        return ", ".join(self.nodes).encode("ascii", "replace")
+        known = self.names.known if self.names is not None else (lambda _: None)
+        return ", ".join(known(node) or node for node in self.nodes).encode("ascii", "replace")
 
     def send_json(self, status: int, body: dict, headers: Mapping[str, str] | None = None):
         request = self.request
@@ -691,15 +786,19 @@ class OpenAIResource(Resource):
     :param api_keys: the frontend's :class:`APIKeyGuard`; checked only when it has keys.
     :param deadline_seconds: per-request deadline handed to the router (None: its default).
     :param reactor: the clock for deadlines (``seconds()``); ``now`` gives ``created`` stamps.
+    :param node_names: ``node_id -> name`` (or a Deferred of it) for the ``X-LocalAI-Node``
+        header; without it the header names nodes by id.
     """
 
     isLeaf = True
 
     def __init__(self, router: RouterSource, *, api_keys: APIKeyGuard | None = None,
                  deadline_seconds: float | None = None, reactor=None,
-                 now: Callable[[], float] = time.time):
+                 now: Callable[[], float] = time.time,
+                 node_names: Callable[[str], Any] | None = None):
         super().__init__()
         self._router = router
+        self._names = NodeNames(node_names) if node_names is not None else None
         self._api_keys = api_keys
         self._deadline_seconds = deadline_seconds
         self._reactor = reactor
@@ -714,7 +813,7 @@ class OpenAIResource(Resource):
         return server.NOT_DONE_YET
 
     async def _serve(self, request) -> None:
-        exchange = _Exchange(request)
+        exchange = _Exchange(request, self._names)
         try:
             await self._dispatch(request, exchange)
         except _AlreadyAnswered:
@@ -740,7 +839,7 @@ class OpenAIResource(Resource):
                          method=request.method.decode("ascii", "replace"),
                          path=printable(_path_text(request)), status=answer.status,
                          code=answer.code, condition=getattr(cause, "condition", "-"),
-                         message=answer.message)
+                         message=_detail(cause))  # the full text, ids included
         exchange.send_json(answer.status, answer.body(), answer.headers)
 
     def _check_key(self, request) -> None:
@@ -977,6 +1076,9 @@ class OpenAIResource(Resource):
             quiet()
             if begun or exchange.gone:
                 return
+            exchange.served_by(node_id)
+            if not exchange.named():
+                return  # the first reply starts the stream, once the node's name is known
             begun.append(True)
             stream.start(node_id)
             first = chunks.first()
@@ -986,6 +1088,9 @@ class OpenAIResource(Resource):
         def on_reply(reply: backend_pb2.Reply):
             if exchange.gone:
                 return defer.fail(ConnectionDone("the client disconnected"))
+            if not begun and not exchange.named():
+                return defer.ensureDeferred(exchange.name_nodes()).addCallback(
+                    lambda _: on_reply(reply))
             on_start(None)
             usage.update(reply)
             last.tokens = max(last.tokens, reply.tokens)
@@ -1029,7 +1134,7 @@ class OpenAIResource(Resource):
         answer = error_for(error)
         log.info("stream of {path} failed after it started: {status} {code}: {message}",
                  path=printable(_path_text(stream.request)), status=answer.status,
-                 code=answer.code, message=answer.message)
+                 code=answer.code, message=_detail(error))
         if answer.code == "internal_error":
             log.failure("stream failure", Failure(error))
         waiting = stream.send(answer.body())
@@ -1054,6 +1159,7 @@ class OpenAIResource(Resource):
                           "dimensions", code="unsupported_parameter")
         sampling = merge_sampling(model.parameters, _Fields({}))
         data, prompt_tokens = [], 0
+        tokenizer = _Tokenizer(router, exchange, name, self._deadline)
         for index, item in enumerate(inputs):
             if isinstance(item, str):
                 options = sampling.options(Embeddings=item)
@@ -1063,12 +1169,45 @@ class OpenAIResource(Resource):
             exchange.served_by(served.served_by)
             result = served.value
             vector = _pooled_vector(result)
-            prompt_tokens += result.prompt_tokens
+            prompt_tokens += result.prompt_tokens if result.prompt_tokens > 0 else \
+                await tokenizer.count(item)
             data.append({"object": "embedding", "index": index,
                          "embedding": _encode_vector(vector, encoding)})
         exchange.send_json(200, {"object": "list", "data": data, "model": name,
                                  "usage": {"prompt_tokens": prompt_tokens,
                                            "total_tokens": prompt_tokens}})
+
+
+class _Tokenizer:
+    """Counts the tokens of an embeddings input whose backend reported none in
+    ``EmbeddingResult.prompt_tokens`` (docs/openai-api.md, *Usage*): token ids count
+    themselves; text is counted by the model's ``TokenizeString``.  A backend that cannot
+    tokenize either is asked once per request, and its inputs count 0 (logged)."""
+
+    def __init__(self, router, exchange: _Exchange, name: str,
+                 deadline: Callable[[], float | None]):
+        self._router = router
+        self._exchange = exchange
+        self._name = name
+        self._deadline = deadline
+        self._unable = False
+
+    async def count(self, item: str | list[int]) -> int:
+        if not isinstance(item, str):
+            return len(item)
+        if self._unable:
+            return 0
+        options = backend_pb2.PredictOptions(Prompt=item)
+        try:
+            served = await self._exchange.call(
+                self._router.tokenize(self._name, options, self._deadline()))
+        except ClusterError as e:
+            self._unable = True
+            log.info("embeddings usage of model {model}: the backend reports no token count "
+                     "and TokenizeString failed ({err}); its text inputs count 0 tokens",
+                     model=self._name, err=_detail(e))
+            return 0
+        return max(0, served.value.length or len(served.value.tokens))
 
 
 class _AlreadyAnswered(Exception):

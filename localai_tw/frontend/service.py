@@ -62,7 +62,7 @@ from localai_tw.cluster.membership import (
     discover_advertised_address_async,
     resolve_instance_id,
 )
-from localai_tw.cluster.nodes import NodeRegistry
+from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.connect import connect_resource
@@ -74,10 +74,21 @@ from localai_tw.tunnel.route import WorkerDialer
 from .nodes_api import InstancesResource, NodesAdminResource
 from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource
 from .scheduling_api import NodesWithScheduling, SchedulingResource
-from .web import APIKeyGuard, ClusterParts, FrontendSite, LateResource
+from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory, LateResource
 from .worker_api import WorkerRegistrationResource
 
 log = Logger()
+
+#: What ``GET /`` answers: where the APIs and their documentation are.
+ROOT_INDEX = {
+    "name": "localai-tw",
+    "version": __version__,
+    "openai_api": "/v1",
+    "models": "/v1/models",
+    "admin_api": "/api/nodes",
+    "health": {"liveness": "/healthz", "readiness": "/readyz"},
+    "docs": "docs/openai-api.md and docs/operators.md in the localai-tw source",
+}
 
 
 class FrontendStartupError(Exception):
@@ -260,23 +271,33 @@ class FrontendService(MultiService):
         from .tap import LivenessResource, ReadinessResource  # tap imports this module lazily
 
         parts = lambda: self.parts  # noqa: E731 -- read at request time
-        root = Resource()
+        root = JSONDirectory(index=ROOT_INDEX)
         root.putChild(b"healthz", LivenessResource())
         root.putChild(b"readyz", ReadinessResource(_Readiness(self), self._reactor))
         # The OpenAI API finds the inference router at request time (503 until it is wired).
         root.putChild(b"v1", OpenAIResource(lambda: getattr(self, "inference", None),
-                                            api_keys=self.api_keys, reactor=self._reactor))
-        api = Resource()
+                                            api_keys=self.api_keys, reactor=self._reactor,
+                                            node_names=self._node_name))
+        api = JSONDirectory()
         root.putChild(b"api", api)
         api.putChild(b"node", WorkerRegistrationResource(parts))
         api.putChild(b"nodes", NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
                                                    SchedulingResource(parts, self.api_keys)))
-        cluster = Resource()
+        cluster = JSONDirectory()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))
         cluster.putChild(b"connect", self._connect_slot)
         cluster.putChild(b"peer", self._peer_slot)
         return root
+
+    async def _node_name(self, node_id: str) -> str | None:
+        """The name of a node, for the ``X-LocalAI-Node`` header (None when it is unknown)."""
+        if self.parts is None:
+            return None
+        try:
+            return (await self.parts.nodes.get_node(node_id)).name
+        except NodeNotFound:
+            return None
 
     # -- readiness and startup outcome -------------------------------------------------------
 

@@ -16,6 +16,8 @@
   message saying to set ``--api-key``): the admin API can approve, drain and delete workers,
   and an open admin API by accident is worse than a closed one by accident.
 - :func:`read_json_object`: the body as a JSON object, or a 400 that says what is wrong with it.
+- :class:`JSONDirectory` / :class:`NotFoundResource`: path prefixes whose unknown children (and
+  every path nothing serves) answer a JSON 404, never ``twisted.web``'s HTML page.
 
 This module must never buffer an unbounded body, never echo a credential (errors name the
 *kind* of credential, never its value), never compare a secret with ``==``, and never put a
@@ -274,14 +276,18 @@ def read_json_object(request, *, required: bool = True) -> dict:
 
     :param required: False lets an empty body stand for ``{}``.
     :raises APIError: 413 over the cap (a backstop: ``FrontendRequest`` refuses earlier), 415
-        for a non-JSON content type, 400 for a body that is not UTF-8 JSON or not an object.
+        for a non-JSON content type (a missing one is accepted), 400 for a body that is not
+        UTF-8 JSON or not an object.
     """
     content_type = request.getHeader(b"content-type")
-    if content_type is not None:
+    if content_type is not None:  # absent is fine: the body is read as JSON (as LocalAI does)
         media = content_type.split(b";", 1)[0].strip().lower()
         if media not in (b"application/json", b""):
-            raise APIError(415, "the body must be JSON (Content-Type: application/json)",
-                           "unsupported_media_type")
+            sent = printable(media.decode("latin-1"))
+            raise APIError(415, f"Content-Type {sent!r} is not accepted: the body must be JSON "
+                           "sent as Content-Type: application/json, or with no Content-Type "
+                           "(curl -d needs -H 'Content-Type: application/json')",
+                           "unsupported_media_type", code="unsupported_media_type")
     content = request.content
     if content is None:
         raw = b""
@@ -544,6 +550,62 @@ def _path_text(request) -> str:
     return (request.path or b"").decode("utf-8", "replace")
 
 
+def render_error(request, error: APIError) -> bytes:
+    """Set ``error``'s status and headers on ``request`` and return its JSON body (for the
+    synchronous ``render`` of plain resources)."""
+    request.setResponseCode(error.status)
+    for name, value in JSON_HEADERS:
+        request.setHeader(name, value)
+    for name, value in error.headers.items():
+        request.setHeader(name.encode("ascii"), value.encode("ascii"))
+    body = json.dumps(error.body()).encode("utf-8")
+    request.setHeader(b"content-length", b"%d" % len(body))
+    return b"" if request.method == b"HEAD" else body
+
+
+class NotFoundResource(Resource):
+    """What answers a path nothing serves: a JSON 404 in the project's error shape, for every
+    method (never ``twisted.web``'s HTML "No Such Resource" page)."""
+
+    isLeaf = True
+
+    def render(self, request):
+        return render_error(request, not_found(
+            f"no such resource: {printable(_path_text(request), 128)}; the OpenAI API is "
+            "under /v1, the admin API under /api/nodes (GET / lists the entry points)"))
+
+
+class JSONDirectory(Resource):
+    """A path prefix holding child resources (``/``, ``/api``, ``/api/cluster``) whose unknown
+    children, and the prefix itself, answer :class:`NotFoundResource`'s JSON 404.
+
+    :param index: when given, ``GET``/``HEAD`` of the prefix itself answer 200 with it (the
+        root says where the APIs are).
+    """
+
+    def __init__(self, index: Mapping[str, Any] | None = None):
+        super().__init__()
+        self.index = dict(index) if index is not None else None
+
+    def getChild(self, path, request):
+        if path == b"" and not request.postpath:
+            return self  # the prefix itself, with a trailing slash ("/" for the root)
+        return NotFoundResource()
+
+    def render(self, request):
+        if self.index is None:
+            return NotFoundResource().render(request)
+        if request.method not in (b"GET", b"HEAD"):
+            return render_error(request, APIError(
+                405, f"method {printable(request.method.decode('ascii', 'replace'), 16)} not "
+                "allowed here; use GET", "method_not_allowed", headers={"Allow": "GET, HEAD"}))
+        body = json.dumps(self.index).encode("utf-8")
+        for name, value in JSON_HEADERS:
+            request.setHeader(name, value)
+        request.setHeader(b"content-length", b"%d" % len(body))
+        return b"" if request.method == b"HEAD" else body
+
+
 class LateResource(Resource):
     """A leaf that serves ``target`` once it is set, and 503 (JSON) until then.
 
@@ -561,13 +623,8 @@ class LateResource(Resource):
     def render(self, request):
         if self.target is not None:
             return self.target.render(request)
-        error = not_ready(f"{self.what} is not available yet: the frontend is starting")
-        request.setResponseCode(error.status)
-        for name, value in JSON_HEADERS:
-            request.setHeader(name, value)
-        for name, value in error.headers.items():
-            request.setHeader(name.encode("ascii"), value.encode("ascii"))
-        return json.dumps(error.body()).encode("utf-8")
+        return render_error(request, not_ready(
+            f"{self.what} is not available yet: the frontend is starting"))
 
 
 @dataclass

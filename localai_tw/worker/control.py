@@ -43,6 +43,7 @@ from twisted.python.failure import Failure
 from twisted.web import resource, server
 from zope.interface import Attribute, Interface, implementer
 
+from localai_tw.worker.capacity import host_facts
 from localai_tw.worker.httpserve import (
     AnswerBeforeBody,
     BoundedMemoryBody,
@@ -694,9 +695,11 @@ RunningBackends = Callable[[], Any]
 
 
 def node_status_verb(
-    node_name: str, node_type: str, running_backends: RunningBackends, clock: IReactorTime
+    node_name: str, node_type: str, running_backends: RunningBackends, clock: IReactorTime,
+    host: Callable[[], dict] = host_facts,
 ) -> UnaryHandler:
-    """The handler of ``node.status``: who this worker is and what it runs."""
+    """The handler of ``node.status``: who this worker is, what it runs, and its CPU count and
+    load (``host()``)."""
     started_at = clock.seconds()
 
     async def node_status(body: dict) -> dict:
@@ -706,6 +709,7 @@ def node_status_verb(
             "node_type": node_type,
             "uptime_seconds": round(max(0.0, clock.seconds() - started_at), 3),
             "backends_running": list(backends),
+            "host": host(),
         }
 
     return node_status
@@ -717,9 +721,10 @@ def register_node_status(
     node_type: str,
     running_backends: RunningBackends,
     clock: IReactorTime,
+    host: Callable[[], dict] = host_facts,
 ) -> IControlVerb:
     return verbs.register(
-        "node.status", node_status_verb(node_name, node_type, running_backends, clock)
+        "node.status", node_status_verb(node_name, node_type, running_backends, clock, host)
     )
 
 

@@ -32,6 +32,7 @@ from twisted.python.failure import Failure
 
 from localai_tw.config import PortRange
 from localai_tw.tunnel.dialer import TunnelDialer
+from localai_tw.worker.capacity import HostCapacity
 from localai_tw.worker.control import (
     ControlAuth,
     ControlVerbs,
@@ -303,6 +304,9 @@ class WorkerService(MultiService):
         if labels is None:
             labels = dict(options.get("label") or ())
         self.data_dir: str | None = options.get("data-dir")
+        if capacity_provider is None:  # real RAM, and disk where models are stored
+            capacity_provider = HostCapacity(
+                os.path.join(self.data_dir, "models") if self.data_dir else None)
 
         self.client = registration_client or RegistrationClient(
             reactor, register_to, token, self.node_name, self.node_type, labels,

@@ -223,6 +223,16 @@ def test_embeddings_out_of_the_box(embeddings_extra, start_cluster, pg_dsn):
     [again] = cluster.embed("hello")  # warm: the same model answers the same vector
     assert cosine(hello, again) > 0.9999
 
+    # the first minutes of poking the API: JSON everywhere, usage in tokens
+    status, index = cluster.request("GET", "/")
+    assert status == 200 and index["openai_api"] == "/v1"
+    status, missing = cluster.request("GET", "/v1beta/nothing")
+    assert status == 404 and missing["error"]["type"] == "not_found"
+    status, counted = cluster.request("POST", "/v1/embeddings",
+                                      {"model": MODEL, "input": "A man is eating food."})
+    assert status == 200 and counted["usage"]["prompt_tokens"] > 0
+    assert counted["usage"]["total_tokens"] == counted["usage"]["prompt_tokens"]
+
     text = cluster.log()
     assert "registered: node" in text and "tunnel connected" in text
     assert "written the default embeddings model config" in text

@@ -155,3 +155,10 @@ async def test_sentence_transformers_embeds(supervisor):
                             backend_pb2.PredictOptions(Prompt="hello"))
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "embeddings only" in caught.value.details()
+    # usage: [CLS] a man is eating food . [SEP] -- the tokens the model evaluated
+    assert first.prompt_tokens == 8
+    with pytest.raises(grpc.RpcError) as refused:  # not a silent embedding of ""
+        await deferToThread(_call, record.address, "Embedding",
+                            backend_pb2.PredictOptions(EmbeddingTokens=[101, 2158, 102]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token-id input" in refused.value.details()

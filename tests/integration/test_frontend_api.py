@@ -573,3 +573,18 @@ async def test_a_repeated_authorization_header_is_refused_even_if_one_copy_is_ri
         answer = json.loads(await treq.content(response))
         assert response.code == 401, (pair, answer)
     assert await frontend.db.runQuery("SELECT id FROM backend_nodes") == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_nodes_are_found_by_name_as_x_localai_node_names_them(frontend, http):
+    node = await register(http, frontend, "gpu-named")
+    status, single, _ = await http.call("GET", f"{frontend.url}/api/nodes/gpu-named",
+                                        token=ADMIN)
+    assert (status, single["id"], single["name"]) == (200, node["id"], "gpu-named")
+    status, labels, _ = await http.call("PUT", f"{frontend.url}/api/nodes/gpu-named/labels",
+                                        body={"labels": {"rack": "3"}}, token=ADMIN)
+    assert (status, labels) == (200, {"id": node["id"], "labels": {"rack": "3"}})
+    status, gone, _ = await http.call("DELETE", f"{frontend.url}/api/nodes/gpu-named",
+                                      token=ADMIN)
+    assert (status, gone) == (200, {"id": node["id"], "deleted": True})
+    assert frontend.deleted == [node["id"]]

@@ -1,5 +1,6 @@
 """FrontendService without I/O: readiness combines the database and membership; the route tree."""
 
+import pytest
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.testing import MemoryReactorClock
@@ -59,3 +60,45 @@ def test_the_peer_secret_is_minted_once_and_kept_out_of_repr():
     seed = service._identity_seed
     assert len(seed.peer_secret) >= 22 and seed.peer_secret not in repr(seed)
     assert frontend()[0]._identity_seed.peer_secret != seed.peer_secret  # per process
+
+
+def test_the_root_says_where_the_apis_are():
+    from localai_tw import __version__
+    from tests.unit.test_openai_fakes import call
+
+    service, _ = frontend()
+    response = call(service.site, "GET", "/")
+    assert response.status == 200 and response.header("content-type") == "application/json"
+    index = response.json()
+    assert index["name"] == "localai-tw" and index["version"] == __version__
+    assert index["openai_api"] == "/v1" and "openai-api.md" in index["docs"]
+    posted = call(service.site, "POST", "/", {"a": 1})
+    assert posted.status == 405 and posted.header("allow") == "GET, HEAD"
+    assert posted.json()["error"]["type"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/nope"), ("GET", "/index.html"), ("POST", "/v2/chat/completions"),
+    ("GET", "/api"), ("GET", "/api/"), ("GET", "/api/nope"), ("DELETE", "/api/nope/deeper"),
+    ("GET", "/api/cluster"), ("GET", "/api/cluster/nope"),
+])
+def test_unknown_paths_are_json_404_in_the_project_shape(method, path):
+    from tests.unit.test_openai_fakes import call
+
+    service, _ = frontend()
+    response = call(service.site, method, path)
+    assert response.status == 404, response.raw_body
+    assert response.header("content-type") == "application/json"
+    error = response.json()["error"]
+    assert error["type"] == "not_found" and path.split("?")[0] in error["message"]
+
+
+def test_unknown_paths_under_v1_are_json_404_in_the_openai_shape():
+    from tests.unit.test_openai_fakes import call
+
+    service, _ = frontend()
+    response = call(service.site, "GET", "/v1/nope", headers={"Authorization": "Bearer k"})
+    assert response.status == 404
+    assert response.json() == {"error": {
+        "message": "unknown endpoint /v1/nope", "type": "invalid_request_error",
+        "param": None, "code": "unknown_url"}}

@@ -93,10 +93,24 @@ def test_nul_and_lone_surrogates_are_400_naming_the_field(site, router, path, bo
     assert router.calls == []
 
 
-def test_non_json_content_type_is_415(site):
-    response = call(site, "POST", "/v1/chat/completions", raw=b"model=x",
+def test_non_json_content_type_is_415_saying_what_was_sent_and_what_to_send(site, router):
+    body = json.dumps(chat()).encode("utf-8")  # what `curl -d` sends, as a form
+    response = call(site, "POST", "/v1/chat/completions", raw=body,
                     headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert_error(response, 415, "invalid_request_error")
+    error = assert_error(response, 415, "invalid_request_error", code="unsupported_media_type")
+    assert "'application/x-www-form-urlencoded'" in error["message"]
+    assert "Content-Type: application/json" in error["message"]
+    assert router.calls == []
+
+
+def test_a_json_body_without_content_type_is_accepted(site, router):
+    raw = json.dumps({"model": "embedder", "input": "hi"}).encode("utf-8")
+    client = Client(site)
+    client.channel.dataReceived(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\n"
+                                b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+    response = client.response()
+    assert response.status == 200, response.raw_body
+    assert response.json()["data"][0]["object"] == "embedding"
 
 
 def test_missing_model_is_400_naming_model(site):
@@ -541,3 +555,104 @@ def test_stream_starting_on_a_full_transport_waits_at_once(site, router):
     assert isinstance(waiting, defer.Deferred) and not waiting.called
     client.transport.producer.resumeProducing()
     assert waiting.called
+
+
+# -- X-LocalAI-Node names the node -------------------------------------------------------
+
+
+def named_site(router, lookup):
+    from twisted.web.resource import Resource
+    from localai_tw.frontend.web import FrontendSite
+    root = Resource()
+    root.putChild(b"v1", OpenAIResource(router, node_names=lookup, now=lambda: 1700000000))
+    return FrontendSite(root, timeout=None)
+
+
+def test_node_header_names_the_node_and_asks_once_per_node(router):
+    asked = []
+
+    def lookup(node_id):
+        asked.append(node_id)
+        return defer.succeed({"node-a": "gpu-box-1"}.get(node_id))
+
+    site = named_site(router, lookup)
+    assert call(site, "POST", "/v1/chat/completions", chat()).header("x-localai-node") == \
+        "gpu-box-1"
+    embedded = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": ["a", "b"]})
+    assert embedded.header("x-localai-node") == "gpu-box-1"
+    assert asked == ["node-a"]  # remembered: a node keeps its name under its id
+
+
+def test_a_stream_starts_only_once_the_node_is_named(router):
+    router.manual_streams = True
+    naming = defer.Deferred()
+    site = named_site(router, lambda node_id: naming)
+    client = Client(site).send("POST", "/v1/chat/completions", chat(stream=True))
+    stream = router.streams[0]
+    stream.start()
+    waiting = stream.push(b"Hi")
+    assert isinstance(waiting, defer.Deferred) and client.transport.value() == b""
+    naming.callback("gpu-box-1")
+    stream.end()
+    response = client.response()
+    assert response.header("x-localai-node") == "gpu-box-1"
+    assert [e["choices"][0]["delta"].get("content") for e in response.events()[:2]] == ["", "Hi"]
+
+
+def test_a_failed_name_lookup_falls_back_to_the_id(router):
+    site = named_site(router, lambda node_id: defer.fail(RuntimeError("database down")))
+    assert call(site, "POST", "/v1/chat/completions", chat()).header("x-localai-node") == \
+        "node-a"
+
+
+# -- embeddings usage counts tokens ------------------------------------------------------------
+
+
+def test_embeddings_usage_is_the_backends_token_count_without_extra_calls(site, router):
+    response = call(site, "POST", "/v1/embeddings",
+                    {"model": "embedder", "input": ["one two three", "four"]})
+    assert response.json()["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
+    assert [verb for verb, _, _ in router.calls] == ["embed", "embed"]
+
+
+def uncounted(router):
+    """Make the fake backend report no token count, like backends that predate it."""
+    embed = router.embed
+
+    def embed_without_count(name, options, deadline=None):
+        def strip(served):
+            served.value.prompt_tokens = 0
+            return served
+        return embed(name, options, deadline).addCallback(strip)
+
+    router.embed = embed_without_count
+
+
+def test_embeddings_usage_asks_tokenize_when_the_backend_reports_no_count(site, router):
+    uncounted(router)
+    response = call(site, "POST", "/v1/embeddings",
+                    {"model": "embedder", "input": ["one two three", "four five"]})
+    assert response.json()["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    tokenized = [o.Prompt for verb, _, o in router.calls if verb == "tokenize"]
+    assert tokenized == ["one two three", "four five"]
+    router.calls.clear()
+    ids = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": [[1, 2, 3], [4]]})
+    assert ids.json()["usage"] == {"prompt_tokens": 4, "total_tokens": 4}  # ids count themselves
+    assert "tokenize" not in [verb for verb, _, _ in router.calls]
+
+
+def test_a_backend_that_cannot_count_gives_zero_usage_not_a_failure(site, router):
+    from localai_tw.errors import BackendAnswer
+
+    uncounted(router)
+    asked = []
+
+    def tokenize(name, options, deadline=None):
+        asked.append(options.Prompt)
+        return defer.fail(BackendAnswer("node-a", "UNIMPLEMENTED", "no TokenizeString"))
+
+    router.tokenize = tokenize
+    response = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": ["a", "b"]})
+    assert response.status == 200 and len(response.json()["data"]) == 2
+    assert response.json()["usage"] == {"prompt_tokens": 0, "total_tokens": 0}
+    assert asked == ["a"]  # asked once per request

@@ -31,8 +31,8 @@ CASES = [
     (NoNodeAvailable("m", "no backend node matches the selector"), 503,
      "service_unavailable", "no_node_available", None, "no route"),
     (WorkerUnroutable("n1", "not held here and no live owner"), 503, "service_unavailable",
-     "no_route", None, "no route to worker n1"),
-    (WorkerGone("n1", 30), 503, "service_unavailable", "no_route", None, "gone"),
+     "no_route", None, "no route"),
+    (WorkerGone("n1", 30), 503, "service_unavailable", "no_route", None, "departed"),
     (AbsentWithinGrace("n1", "reconnecting"), 503, "service_unavailable",
      "worker_reconnecting", "5", "reconnect"),
     (PeerUnreachable("r2", "connection refused"), 503, "service_unavailable",
@@ -106,3 +106,30 @@ def test_model_removed_between_lookup_and_call_is_404():
     router.fail_with = ModelNotFound("m")
     response = call(make_site(router), "POST", "/v1/completions", {"model": "m", "prompt": "x"})
     assert response.status == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+NODE = "3f2c9a4e-8d1b-4c7a-9e0f-1a2b3c4d5e6f"  # node ids are UUIDs
+PEER = "replica-b"
+
+
+@pytest.mark.parametrize("error", [
+    NoNodeAvailable("m", f"no healthy backend node (skipped gone nodes: {NODE})"),
+    WorkerUnroutable(NODE, f"relay refused (not-held): {PEER} does not hold {NODE}"),
+    WorkerGone(NODE, 30),
+    AbsentWithinGrace(NODE, "reconnecting", RuntimeError(f"owner {PEER} says so")),
+    PeerUnreachable(PEER, "connection refused"),
+    PeerRejected(PEER, "401"),
+    ModelLoadFailed("m", NODE, "out of memory"),
+    BackendAnswer(NODE, "UNKNOWN", "boom"),
+    BackendAnswer(NODE, "DEADLINE_EXCEEDED", "slow"),
+    WorkerBusy(NODE),
+    StreamRefused(NODE, "unavailable", "backend port closed"),
+    ControlVerbFailed(NODE, "backend.start", "no such backend"),
+    CallerDeadlineExceeded(f"Predict on worker {NODE} port 30001"),
+    TransportFailure(f"grpc stream to worker {NODE} port 30001: reset"),
+    TunnelProtocolError(f"backend.start on {NODE} answered an unusable address 'x'"),
+], ids=lambda e: type(e).__name__)
+def test_messages_name_the_condition_never_a_node_or_replica_id(error):
+    message = error_for(error).message
+    assert NODE not in message and PEER not in message, message
+    assert "worker " + NODE not in message

@@ -135,6 +135,7 @@ def test_node_status_reports_name_type_uptime_and_running_backends():
     control.register_node_status(
         verbs, "node-a", "backend",
         lambda: defer.succeed([{"model_id": "m1", "address": "127.0.0.1:50051"}]), clock,
+        host=lambda: {"cpu_count": 8, "load_average": [0.5, 0.25, 0.1]},
     )
     clock.advance(12.5)
     code, headers, body = post(site, "/v1/control/node/status", b"")
@@ -143,7 +144,19 @@ def test_node_status_reports_name_type_uptime_and_running_backends():
     assert json.loads(body) == {
         "node_name": "node-a", "node_type": "backend", "uptime_seconds": 12.5,
         "backends_running": [{"model_id": "m1", "address": "127.0.0.1:50051"}],
+        "host": {"cpu_count": 8, "load_average": [0.5, 0.25, 0.1]},
     }
+
+
+def test_node_status_reports_the_real_cpu_count_and_load_by_default():
+    import psutil
+
+    site, verbs = make_site()
+    control.register_node_status(verbs, "node-a", "backend", lambda: [], task.Clock())
+    code, _, body = post(site, "/v1/control/node/status", b"")
+    host = json.loads(body)["host"]
+    assert code == 200 and host["cpu_count"] == psutil.cpu_count(logical=True)
+    assert len(host["load_average"]) == 3 and all(x >= 0 for x in host["load_average"])
 
 
 def test_200_carries_the_workers_answer_including_an_error_field():

@@ -223,3 +223,30 @@ def test_the_control_site_serves_node_status(reactor, client, tmp_path):
     assert worker.verbs.lookup("node.status") is not None
     assert worker.router.control_site is worker.site
     assert worker.router.backend_ports == PortRange(30000, 30009)
+
+
+def test_registration_and_heartbeat_report_the_real_ram_and_model_disk(reactor, tmp_path):
+    import psutil
+
+    worker = makeWorkerService(options(tmp_path), reactor)
+    capacity = worker.client.registration_body()["capacity"]
+    memory = psutil.virtual_memory()
+    disk = psutil.disk_usage(str(tmp_path))  # the models directory is created under it
+    assert capacity["total_ram"] == memory.total
+    assert 0 < capacity["available_ram"] <= memory.total
+    assert capacity["total_disk"] == disk.total
+    assert 0 < capacity["available_disk"] <= disk.total
+    assert "total_vram" not in capacity  # unknown is left out, never reported as 0
+
+
+def test_an_unreadable_capacity_is_left_out_not_fatal(monkeypatch, tmp_path):
+    import psutil
+
+    from localai_tw.worker.capacity import HostCapacity
+
+    def broken(path):
+        raise OSError("no statvfs here")
+
+    monkeypatch.setattr(psutil, "disk_usage", broken)
+    capacity = HostCapacity(str(tmp_path / "models" / "not-yet"))()
+    assert set(capacity) == {"total_ram", "available_ram"}

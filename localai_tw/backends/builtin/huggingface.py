@@ -354,12 +354,21 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
 
         text = request.Embeddings or request.Prompt
         if self.sentence_model is not None:
+            if request.EmbeddingTokens and not text:
+                # encode() takes text only; embedding "" instead would be a silent wrong answer
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "this sentence-transformers model takes text input; token-id "
+                              "input is not supported")
             self._busy_enter()
             try:
                 vector = self.sentence_model.encode(text)
+                # usage: the tokens the model evaluated (special tokens included, truncated to
+                # its max_seq_length), as the transformers path below reports them
+                evaluated = self.sentence_model.tokenize([text])["input_ids"].shape[-1]
             finally:
                 self._busy_exit()
             return backend_pb2.EmbeddingResult(embeddings=[float(v) for v in vector],
+                                               prompt_tokens=int(evaluated),
                                                layout=backend_pb2.EMBEDDING_LAYOUT_FINAL)
         self._require_generator(context)
         self._busy_enter()
