@@ -30,6 +30,7 @@ health monitor.
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import hmac
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Mapping
 
+from twisted.internet import threads
 from twisted.logger import Logger
 
 from .membership import hash_secret, secret_matches_hash
@@ -248,6 +250,34 @@ class Registration:
     created: bool = False
 
 
+#: scrypt cost of the registration-token record: about 16 MiB and tens of milliseconds, paid
+#: once per registration (in a thread), and per guess by anyone holding a copy of the table.
+_TOKEN_SCRYPT = {"n": 2 ** 14, "r": 8, "p": 1}
+
+
+def token_record(token: str, salt: bytes | None = None) -> str:
+    """``scrypt$<salt>$<hash>`` (URL-safe base64) of a presented registration token: salted per
+    row, so equal tokens give different records and guesses cannot be tested for all rows at
+    once.  Blocking and slow on purpose: call it in a thread."""
+    salt = secrets.token_bytes(16) if salt is None else salt
+    digest = hashlib.scrypt(token.encode("utf-8"), salt=salt, dklen=32, **_TOKEN_SCRYPT)
+    return f"scrypt${_b64(salt)}${_b64(digest)}"
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def token_record_matches(token: str, record: str) -> bool:
+    """Whether ``record`` (from :func:`token_record`) was made from ``token``.  Blocking."""
+    try:
+        scheme, salt, _ = record.split("$")
+        raw_salt = base64.urlsafe_b64decode(salt + "=" * (-len(salt) % 4))
+    except ValueError:
+        return False
+    return scheme == "scrypt" and hmac.compare_digest(token_record(token, raw_salt), record)
+
+
 def mint_tunnel_credential() -> str:
     """A fresh per-node tunnel credential (192 random bits, URL-safe text)."""
     return secrets.token_urlsafe(24)
@@ -415,7 +445,9 @@ class NodeRegistry:
         params = {
             "id": str(uuid.uuid4()), "name": name, "node_type": kind.value,
             "approve": not self._require_approval,
-            "token_hash": hash_secret(presented_token) if presented_token else "",
+            # Off the reactor thread: scrypt is slow by design.
+            "token_hash": (await threads.deferToThread(token_record, presented_token)
+                           if presented_token else ""),
             "tunnel_hash": hash_secret(credential),
             "key_hash": node_key_hash(node_key) if node_key else "",
             "gpu_vendor": gpu_vendor, "max_replicas": max_replicas_per_model,
