@@ -1,17 +1,22 @@
 """The worker registry: ``backend_nodes`` rows, their credentials, labels and status.
 
-A worker registers by unique name.  The same name keeps its id and its approval, and is assumed
-to have restarted: its ``node_models`` rows are deleted.  Every registration mints a fresh
-per-node tunnel credential, stores only its sha256 hex and hands the plaintext back once; the
-previous credential stops verifying at that moment.
+A worker registers by unique name and proves with its node key (``cluster/nodekey.py``) that it
+is the node the name belongs to.  The same name with the same key keeps its id and its approval,
+and is assumed to have restarted: its ``node_models`` rows are deleted.  The same name with a
+different key, or none, is refused (:class:`NodeNameTaken`) and changes nothing: the shared
+registration token admits a worker to the cluster, it never lets one node take over another's
+name, credential, approval or traffic.  A name whose row has no key (registered before node keys
+existed) is claimed by the first registration that presents one.  Every registration mints a
+fresh per-node tunnel credential, stores only its sha256 hex and hands the plaintext back once;
+the previous credential stops verifying at that moment.
 
 Registration-token policy (``require_auth``):
 
 - a configured token: the presented token must match it (constant time);
 - an empty token with ``require_auth=False`` (the default, as in the reference): registration is
   open to anyone who can reach the endpoint, and a warning is logged at construction.  Open
-  registration lets anyone register under an existing name, which rotates that node's tunnel
-  credential; use it only where the network is trusted (single host, private lab);
+  registration lets anyone add nodes (taking over an existing name still needs its node key);
+  use it only where the network is trusted (single host, private lab);
 - an empty token with ``require_auth=True``: construction refuses (a configuration error), so
   the frontend fails at startup instead of running open by accident.
 
@@ -25,6 +30,7 @@ health monitor.
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import hmac
@@ -35,9 +41,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Mapping
 
+from twisted.internet import threads
 from twisted.logger import Logger
 
 from .membership import hash_secret, secret_matches_hash
+from .nodekey import control_token, node_key_hash, valid_node_key
 
 log = Logger()
 
@@ -88,6 +96,20 @@ class Unauthorized(NodeRegistryError):
 
     def __init__(self, what: str):
         super().__init__(f"{what} is missing or invalid")
+
+
+class NodeNameTaken(NodeRegistryError):
+    """A registration under an existing name did not prove it is that node (no node key, or a
+    different one).  Nothing was changed."""
+
+    def __init__(self, name: str, node_id: str):
+        self.name = name
+        self.node_id = node_id
+        super().__init__(
+            f"node name {name!r} is taken by node {node_id} and this worker did not present "
+            "that node's key; if this is another machine, give it another --node-name; if it "
+            "is that node, give it back its data directory (its node-key file), or have an "
+            f"administrator remove the node (DELETE /api/nodes/{node_id}) so it registers anew")
 
 
 class RegistrationTokenRequired(NodeRegistryError):
@@ -228,6 +250,34 @@ class Registration:
     created: bool = False
 
 
+#: scrypt cost of the registration-token record: about 16 MiB and tens of milliseconds, paid
+#: once per registration (in a thread), and per guess by anyone holding a copy of the table.
+_TOKEN_SCRYPT = {"n": 2 ** 14, "r": 8, "p": 1}
+
+
+def token_record(token: str, salt: bytes | None = None) -> str:
+    """``scrypt$<salt>$<hash>`` (URL-safe base64) of a presented registration token: salted per
+    row, so equal tokens give different records and guesses cannot be tested for all rows at
+    once.  Blocking and slow on purpose: call it in a thread."""
+    salt = secrets.token_bytes(16) if salt is None else salt
+    digest = hashlib.scrypt(token.encode("utf-8"), salt=salt, dklen=32, **_TOKEN_SCRYPT)
+    return f"scrypt${_b64(salt)}${_b64(digest)}"
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def token_record_matches(token: str, record: str) -> bool:
+    """Whether ``record`` (from :func:`token_record`) was made from ``token``.  Blocking."""
+    try:
+        scheme, salt, _ = record.split("$")
+        raw_salt = base64.urlsafe_b64decode(salt + "=" * (-len(salt) % 4))
+    except ValueError:
+        return False
+    return scheme == "scrypt" and hmac.compare_digest(token_record(token, raw_salt), record)
+
+
 def mint_tunnel_credential() -> str:
     """A fresh per-node tunnel credential (192 random bits, URL-safe text)."""
     return secrets.token_urlsafe(24)
@@ -239,30 +289,41 @@ _NODE_COLUMNS = ("id, name, node_type, status, approved, total_vram, available_v
                  " available_ram, total_disk, available_disk, gpu_vendor,"
                  " max_replicas_per_model, last_heartbeat, created_at")
 
-_REGISTER_SQL = (
+_INSERT_NODE_SQL = (
     "INSERT INTO backend_nodes (id, name, node_type, status, approved, token_hash,"
-    " tunnel_token_hash, total_vram, available_vram, total_ram, available_ram, total_disk,"
-    " available_disk, gpu_vendor, max_replicas_per_model, last_heartbeat, created_at, updated_at)"
+    " tunnel_token_hash, node_key_hash, total_vram, available_vram, total_ram, available_ram,"
+    " total_disk, available_disk, gpu_vendor, max_replicas_per_model, last_heartbeat,"
+    " created_at, updated_at)"
     " VALUES (%(id)s, %(name)s, %(node_type)s,"
     "  CASE WHEN %(approve)s THEN 'healthy' ELSE 'pending' END, %(approve)s, %(token_hash)s,"
-    "  %(tunnel_hash)s, %(total_vram)s, %(available_vram)s, %(total_ram)s, %(available_ram)s,"
-    "  %(total_disk)s, %(available_disk)s, %(gpu_vendor)s, %(max_replicas)s, now(), now(), now())"
-    " ON CONFLICT (name) DO UPDATE SET"
-    "  node_type = EXCLUDED.node_type,"
-    # Approval, once given, survives restarts, offline and re-registration.
-    "  approved = backend_nodes.approved OR EXCLUDED.approved,"
-    "  status = CASE WHEN backend_nodes.approved OR EXCLUDED.approved"
-    "           THEN 'healthy' ELSE 'pending' END,"
-    "  token_hash = EXCLUDED.token_hash,"
-    "  tunnel_token_hash = EXCLUDED.tunnel_token_hash,"
-    "  total_vram = EXCLUDED.total_vram, available_vram = EXCLUDED.available_vram,"
-    "  total_ram = EXCLUDED.total_ram, available_ram = EXCLUDED.available_ram,"
-    "  total_disk = EXCLUDED.total_disk, available_disk = EXCLUDED.available_disk,"
-    "  gpu_vendor = EXCLUDED.gpu_vendor,"
-    "  max_replicas_per_model = EXCLUDED.max_replicas_per_model,"
+    "  %(tunnel_hash)s, %(key_hash)s, %(total_vram)s, %(available_vram)s, %(total_ram)s,"
+    "  %(available_ram)s, %(total_disk)s, %(available_disk)s, %(gpu_vendor)s, %(max_replicas)s,"
+    "  now(), now(), now())"
+    " ON CONFLICT (name) DO NOTHING RETURNING id"
+)
+
+# Locks the row: the key check and the update below are one decision, so two registrations
+# under one name cannot both pass a check made before the other's write.
+_LOCK_NODE_BY_NAME_SQL = "SELECT id, node_key_hash FROM backend_nodes WHERE name = %s FOR UPDATE"
+
+_REREGISTER_SQL = (
+    "UPDATE backend_nodes SET"
+    "  node_type = %(node_type)s,"
+    # Approval, once given, survives restarts, offline and re-registration of the same node
+    # (the key check before this statement is what makes it the same node).
+    "  approved = approved OR %(approve)s,"
+    "  status = CASE WHEN approved OR %(approve)s THEN 'healthy' ELSE 'pending' END,"
+    "  token_hash = %(token_hash)s,"
+    "  tunnel_token_hash = %(tunnel_hash)s,"
+    # Set once (a row from before node keys is claimed), never replaced.
+    "  node_key_hash = CASE WHEN node_key_hash = '' THEN %(key_hash)s ELSE node_key_hash END,"
+    "  total_vram = %(total_vram)s, available_vram = %(available_vram)s,"
+    "  total_ram = %(total_ram)s, available_ram = %(available_ram)s,"
+    "  total_disk = %(total_disk)s, available_disk = %(available_disk)s,"
+    "  gpu_vendor = %(gpu_vendor)s,"
+    "  max_replicas_per_model = %(max_replicas)s,"
     "  last_heartbeat = now(), updated_at = now()"
-    # xmax = 0 only for a freshly inserted tuple: tells a new node from a re-registration.
-    " RETURNING id, (xmax = 0)"
+    " WHERE id = %(existing_id)s"
 )
 
 _DELETE_NODE_MODELS_SQL = "DELETE FROM node_models WHERE node_id = %s"
@@ -341,24 +402,36 @@ class NodeRegistry:
             raise Unauthorized("tunnel credential")
         return (await self._with_labels([_node_from_row(rows[0][:-1])]))[0]
 
+    async def control_token(self, node_id: str) -> str:
+        """The bearer token of ``node_id``'s control plane, derived from its stored node key
+        hash ('' for an unknown node or one registered without a key: then none is sent)."""
+        rows = await self._db.runQuery("SELECT node_key_hash FROM backend_nodes WHERE id = %s",
+                                       (_validate_node_id(node_id),))
+        return control_token(rows[0][0]) if rows else ""
+
     # -- registration ----------------------------------------------------------------------------
 
     async def register(self, name: str, *, node_type: str | NodeType = NodeType.BACKEND,
                        presented_token: str | None = "",
+                       node_key: str | None = None,
                        capacity: NodeCapacity | None = None,
                        gpu_vendor: str = "", max_replicas_per_model: int = 1,
                        labels: Mapping[str, str] | None = None) -> Registration:
         """Register or re-register the worker called ``name``.
 
-        Same name: same id, approval kept, ``node_models`` rows deleted, credential rotated,
-        given labels upserted (other labels, e.g. set by an admin, are kept).  New name: new id,
-        ``pending`` in approval mode, else ``healthy``.
+        Same name and the node's key (``node_key``): same id, approval kept, ``node_models``
+        rows deleted, credential rotated, given labels upserted (other labels, e.g. set by an
+        admin, are kept).  New name: new id, ``pending`` in approval mode, else ``healthy``;
+        the hash of ``node_key`` is stored and required from then on.
 
         :raises Unauthorized: wrong registration token.
+        :raises NodeNameTaken: the name exists and ``node_key`` is not its key (nothing changed).
         :raises InvalidNodeInput: a field failed validation (``.field`` names it).
         """
         self.check_registration_token(presented_token)
         name = _validate_name(name)
+        if node_key is not None and not valid_node_key(node_key):
+            raise InvalidNodeInput("node_key", "must be 32-256 characters of A-Z a-z 0-9 _ -")
         kind = _validate_node_type(node_type)
         capacity = (capacity or NodeCapacity()).validated()
         if not isinstance(gpu_vendor, str) or len(gpu_vendor) > GPU_VENDOR_MAX:
@@ -372,22 +445,44 @@ class NodeRegistry:
         params = {
             "id": str(uuid.uuid4()), "name": name, "node_type": kind.value,
             "approve": not self._require_approval,
-            "token_hash": hash_secret(presented_token) if presented_token else "",
+            # Off the reactor thread: scrypt is slow by design.
+            "token_hash": (await threads.deferToThread(token_record, presented_token)
+                           if presented_token else ""),
             "tunnel_hash": hash_secret(credential),
+            "key_hash": node_key_hash(node_key) if node_key else "",
             "gpu_vendor": gpu_vendor, "max_replicas": max_replicas_per_model,
             **{k: v or 0 for k, v in zip(NodeCapacity.FIELDS, capacity.values())},
         }
 
         async def register(cursor) -> tuple[str, bool]:
-            await cursor.execute(_REGISTER_SQL, params)
-            node_id, created = cursor.fetchall()[0]
+            while True:  # a row deleted between the conflict and the lock: insert again
+                await cursor.execute(_INSERT_NODE_SQL, params)
+                inserted = cursor.fetchall()
+                if inserted:
+                    node_id, created = inserted[0][0], True
+                    break
+                await cursor.execute(_LOCK_NODE_BY_NAME_SQL, (name,))
+                existing = cursor.fetchall()
+                if existing:
+                    (node_id, stored_key_hash), created = existing[0], False
+                    break
             if not created:
+                if stored_key_hash and not hmac.compare_digest(
+                        params["key_hash"].encode("ascii"), stored_key_hash.encode("ascii")):
+                    raise NodeNameTaken(name, node_id)
+                await cursor.execute(_REREGISTER_SQL, {**params, "existing_id": node_id})
                 await cursor.execute(_DELETE_NODE_MODELS_SQL, (node_id,))
             for key, value in labels.items():
                 await cursor.execute(_UPSERT_LABEL_SQL, (node_id, key, value))
             return node_id, created
 
-        node_id, created = await self._db.runInteraction(register)
+        try:
+            node_id, created = await self._db.runInteraction(register)
+        except NodeNameTaken as e:
+            log.warn("refused a registration under the name {name}: it belongs to node {id} "
+                     "and the registering worker did not present that node's key",
+                     name=name, id=e.node_id)
+            raise
         node = await self.get_node(node_id)
         log.info("node {name} {how} as {id} ({status})", name=name,
                  how="registered" if created else "re-registered", id=node_id,

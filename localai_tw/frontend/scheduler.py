@@ -156,7 +156,7 @@ class Scheduler:
     """
 
     def __init__(self, db, nodes, fence, control, worker_http, clients, instance_id: str,
-                 models_dir: str, reactor, *, token: str = "", grace: float | None = None,
+                 models_dir: str, reactor, *, grace: float | None = None,
                  load_wait: float = DEFAULT_LOAD_WAIT,
                  takeover_after: float = DEFAULT_TAKEOVER_AFTER,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT,
@@ -175,7 +175,6 @@ class Scheduler:
         self.instance_id = instance_id
         self.models_dir = models_dir
         self._reactor = reactor
-        self._token = token
         self._grace = grace
         self.load_wait = load_wait
         self.takeover_after = takeover_after
@@ -505,7 +504,9 @@ class Scheduler:
                     log.info("staging {key} on node {node}: {sent}/{total} bytes", key=key,
                              node=node_id, sent=sent, total=total)
 
-            staged = await upload_file(self._http, node_id, f.key, local, token=self._token,
+            # The node's own control token (derived from its node key), never the shared one.
+            token = await self._nodes.control_token(node_id)
+            staged = await upload_file(self._http, node_id, f.key, local, token=token,
                                        progress_cb=progress, timeout=self.stage_timeout)
             log.info("staged {key} on node {node} ({how})", key=f.key, node=node_id,
                      how="already present" if staged.skipped else f"{staged.size} bytes")

@@ -409,14 +409,16 @@ class FrontendService(MultiService):
         from .models import ModelCatalog
         from .scheduler import Scheduler
 
-        self.control = ControlClient(self.worker_http, self._registration_token, reactor)
+        # Control calls carry each node's own control token, never the registration token.
+        self.control = ControlClient(self.worker_http, reactor=reactor,
+                                     token_for=self.nodes.control_token)
         self.backend_clients = BackendClients(
             GrpcBridges(self.dialer, self.run_dir, self.instance_id, reactor), reactor,
             self._registration_token or None)
         catalog = ModelCatalog(self.models_dir)
         scheduler = Scheduler(db, self.nodes, self.fence, self.control, self.worker_http,
                               self.backend_clients, self.instance_id, self.models_dir, reactor,
-                              token=self._registration_token, grace=grace)
+                              grace=grace)
         self.inference = InferenceRouter(catalog, scheduler, self.backend_clients, reactor)
 
     def _wired(self, _) -> None:

@@ -7,28 +7,34 @@ at, so a caller without it learns nothing about the schema or about which node i
 
 ``POST /api/node/register``, body (at most 64 KiB)::
 
-    {"name": str, "node_type": "backend"|"agent", "labels": {k: v},
+    {"name": str, "node_key": str, "node_type": "backend"|"agent", "labels": {k: v},
      "capacity": {"total_vram"|"available_vram"|"total_ram"|"available_ram"|
                   "total_disk"|"available_disk": int},
      "max_replicas_per_model": int, "gpu_vendor": str}
 
-``name`` is required; the rest is optional (``backend``, no labels, no capacity, 1, "").  An
-unknown field, in the body or in ``capacity``, is a 400 naming it: a typo must not be dropped
-silently.  Answers ``201 {"id", "status", "tunnel_token"}``; the tunnel credential is the only
-copy of the plaintext (the database keeps its sha256) and every registration rotates it.  Right
-after a registration, before the answer, ``on_registered(node_id)`` runs: the frontend wires it
-to drop any tunnel this replica still holds for the node with the previous credential.
+``name`` and ``node_key`` (the worker's per-node key, ``cluster/nodekey.py``) are required; the
+rest is optional (``backend``, no labels, no capacity, 1, "").  An unknown field, in the body or
+in ``capacity``, is a 400 naming it: a typo must not be dropped silently.  Answers
+``201 {"id", "status", "tunnel_token"}``; the tunnel credential is the only copy of the plaintext
+(the database keeps its sha256) and every registration rotates it.  Right after a registration,
+before the answer, ``on_registered(node_id)`` runs: the frontend wires it to drop any tunnel this
+replica still holds for the node with the previous credential.
+
+An existing name with another node key is ``409 {"error": {"type": "conflict", "code":
+"node_name_taken"}}`` naming the fix; nothing changes (no credential rotated, no tunnel dropped,
+no approval handed over): the shared token admits workers, it does not make them a given node.
 
 ``POST /api/node/{id}/heartbeat``, body optional, ``{"capacity": {...}}``: ``200 {"status"}``;
 ``404`` for a node id the frontend does not know, which tells the worker to register again.
 
 Errors are ``{"error": {"message", "type", "field"?}}``: 400 ``invalid_request`` naming the
 field, 401 ``unauthorized`` (the registration token is missing or wrong), 404 ``not_found``,
-413 over the body cap, 503 while the frontend is starting.
+409 ``conflict`` (the name belongs to another node), 413 over the body cap, 503 while the
+frontend is starting.
 
-This module must never log or echo the registration token or the tunnel credential (the
-credential appears only in the 201 body), never accept a body over the cap, and never change a
-node except through the ``NodeRegistry``.
+This module must never log or echo the registration token, the node key or the tunnel
+credential (the credential appears only in the 201 body), never accept a body over the cap,
+and never change a node except through the ``NodeRegistry``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from twisted.logger import Logger
 from localai_tw.cluster.nodes import (
     InvalidNodeInput,
     NodeCapacity,
+    NodeNameTaken,
     NodeNotFound,
     Unauthorized,
 )
@@ -51,6 +58,7 @@ from .web import (
     bad_request,
     bearer_token,
     call_hook,
+    conflict,
     not_found,
     printable,
     read_json_object,
@@ -61,8 +69,8 @@ from .web import (
 
 log = Logger()
 
-REGISTER_FIELDS = ("name", "node_type", "labels", "capacity", "max_replicas_per_model",
-                   "gpu_vendor")
+REGISTER_FIELDS = ("name", "node_key", "node_type", "labels", "capacity",
+                   "max_replicas_per_model", "gpu_vendor")
 HEARTBEAT_FIELDS = ("capacity",)
 
 #: What a node id in a URL may look like (ids are UUIDs; at most 36 characters in the table).
@@ -122,15 +130,19 @@ class WorkerRegistrationResource(JSONResource):
         presented = self._check_token(parts, request)
         body = read_json_object(request)
         reject_unknown_fields(body, REGISTER_FIELDS)
-        for text_field in ("name", "node_type", "gpu_vendor"):
+        for text_field in ("name", "node_key", "node_type", "gpu_vendor"):
             if text_field in body and not isinstance(body[text_field], str):
                 raise bad_request(f"{text_field} must be a string", field=text_field)
+        if not body.get("node_key"):
+            raise bad_request("node_key is required: the worker's per-node key proves which node "
+                              "it is (upgrade the worker)", field="node_key")
         capacity = parse_capacity(body.get("capacity"))
         try:
             registration = await parts.nodes.register(
                 body.get("name"),
                 node_type=body.get("node_type", "backend"),
                 presented_token=presented or "",
+                node_key=body["node_key"],
                 capacity=capacity,
                 gpu_vendor=body.get("gpu_vendor", ""),
                 max_replicas_per_model=body.get("max_replicas_per_model", 1),
@@ -140,6 +152,8 @@ class WorkerRegistrationResource(JSONResource):
             raise bad_request(str(e), field=e.field) from None
         except Unauthorized:
             raise unauthorized(_REGISTRATION_TOKEN_HINT) from None
+        except NodeNameTaken as e:
+            raise conflict(str(e), code="node_name_taken") from None
         node = registration.node
         await call_hook("on_registered", parts.on_registered, node.id)
         return 201, {"id": node.id, "status": node.status.value,

@@ -291,12 +291,17 @@ def control_path(verb: str) -> str:
 class ControlClient:
     """Calls worker control verbs through a :class:`WorkerHTTPClient`.
 
-    :param token: the registration token the worker's control plane expects ('' = none sent).
+    :param token: one bearer token for every worker ('' = none sent; test harnesses).
+    :param token_for: ``token_for(node_id)`` -> (awaitable of) that node's control token, read
+        for every call; the frontend passes ``NodeRegistry.control_token`` so that a call
+        carries the node's own token and never the shared registration token.
     """
 
-    def __init__(self, http_client: WorkerHTTPClient, token: str = "", reactor=None):
+    def __init__(self, http_client: WorkerHTTPClient, token: str = "", reactor=None, *,
+                 token_for: Callable[[str], Any] | None = None):
         self._http = http_client
         self._token = token
+        self._token_for = token_for
         self._reactor = reactor or getattr(http_client, "reactor", None)
         if self._reactor is None:
             from twisted.internet import reactor as _reactor
@@ -313,8 +318,11 @@ class ControlClient:
 
     async def _call(self, node_id, verb, body, on_progress, what):
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+        token = self._token
+        if self._token_for is not None:
+            token = await defer.maybeDeferred(self._token_for, node_id)
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         response = await self._http.post(worker_url(node_id, control_path(verb)),
                                          data=json.dumps(body).encode("utf-8"), headers=headers)
         code = response.code
@@ -339,8 +347,9 @@ class ControlClient:
                                                f"{detail}")
         if code in (401, 403):
             raise errors.TunnelProtocolError(
-                f"{what}: the worker refused our control credential ({code}); check that the "
-                "frontend and the worker share the registration token")
+                f"{what}: the worker refused our control credential ({code}); the worker's "
+                "node key must be the one it registered with (an older worker version expects "
+                "another credential: upgrade it)")
         raise errors.TunnelProtocolError(f"{what}: answered {code} ({detail}); a frontend bug, "
                                          "not evidence about the worker")
 

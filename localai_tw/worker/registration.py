@@ -1,6 +1,7 @@
 """The worker's registration client: ``POST /api/node/register`` and the node heartbeat.
 
-A worker registers with the registration token and receives its node id, its status
+A worker registers with the registration token and its node key (which proves, when the name
+already exists, that this worker is that node) and receives its node id, its status
 (``healthy`` or ``pending``) and a per-node tunnel credential; every registration rotates that
 credential, so the dial loop reads it afresh on every dial.  The heartbeat
 (``POST /api/node/{id}/heartbeat``) keeps the node's row fresh; a 404 means the frontend no
@@ -13,8 +14,8 @@ talks HTTP; retry and scheduling belong to the caller (``worker/service.py``).
 
 What this module must never do:
 
-- log or put into an exception the registration token or the tunnel credential (a
-  :class:`Registration` hides its credential from ``repr``);
+- log or put into an exception the registration token, the node key or the tunnel credential
+  (a :class:`Registration` hides its credential from ``repr``);
 - follow a redirect: the bearer token would travel to wherever the redirect points;
 - read an unbounded response body (:data:`MAX_RESPONSE_BYTES`), or wait longer than
   :data:`REQUEST_TIMEOUT_SECONDS` for a whole exchange, body included;
@@ -241,6 +242,12 @@ def _failure_for_status(status: int, body: bytes, what: str) -> RegistrationErro
     if status == 403:
         return RegistrationRejected(
             status, detail, "the frontend does not allow this node to register")
+    if status == 409:
+        return RegistrationRejected(
+            status, detail,
+            "--node-name is taken by another node (a different node key): give this worker "
+            "another --node-name, or give it back that node's data directory, or have an "
+            "administrator remove the node (DELETE /api/nodes/<id>); retrying")
     if status == 400:
         named = f"field {field_name!r}" if field_name else "the request"
         return RegistrationRejected(
@@ -311,7 +318,8 @@ class RegistrationClient:
 
     ``base_url`` is ``--register-to`` (``http``/``https``, or ``ws``/``wss`` mapped to them;
     a path is kept as a prefix).  ``registration_token`` may be None or empty when the frontend
-    does not check one (no ``Authorization`` header is sent then).  ``capacity_provider()`` is
+    does not check one (no ``Authorization`` header is sent then).  ``node_key`` is this
+    node's key (``cluster/nodekey.py``), sent with every registration.  ``capacity_provider()`` is
     read on every request.  Call :meth:`close` when done: it drops the kept-alive connections.
     """
 
@@ -328,10 +336,12 @@ class RegistrationClient:
         max_replicas_per_model: int = 1,
         timeout: float = REQUEST_TIMEOUT_SECONDS,
         agent=None,
+        node_key: str = "",
     ):
         self._reactor = reactor
         self.base_url = http_base_url(base_url)
         self._token = registration_token or ""
+        self._node_key = node_key
         self.node_name = node_name
         self.node_type = node_type
         self.labels = dict(labels or {})
@@ -364,9 +374,11 @@ class RegistrationClient:
                 if isinstance(v, int) and not isinstance(v, bool)}
 
     def registration_body(self) -> dict[str, Any]:
-        """The JSON body of ``POST /api/node/register`` (no secret in it)."""
+        """The JSON body of ``POST /api/node/register``.  It holds the node key: never log it."""
+        key = {"node_key": self._node_key} if self._node_key else {}
         return {
             "name": self.node_name,
+            **key,
             "node_type": self.node_type,
             "labels": dict(self.labels),
             "capacity": self._capacity(),

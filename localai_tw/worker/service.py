@@ -16,7 +16,8 @@ What this service must never do:
 - advertise an address: the registration body carries no address at all;
 - fail to start because the frontend is down, or stop heartbeating while the tunnel is away
   (withholding heartbeats would turn "reconnecting" into "stale" on the one path with no grace);
-- log the registration token or the tunnel credential: logs name the node and its id only.
+- log the registration token, the node key or the tunnel credential: logs name the node and
+  its id only.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from localai_tw.cluster.nodekey import (
+    NODE_KEY_FILE,
+    control_token,
+    load_or_create_node_key,
+    mint_node_key,
+    node_key_hash,
+)
 from localai_tw.config import PortRange
 from localai_tw.tunnel.dialer import TunnelDialer
 from localai_tw.worker.capacity import HostCapacity
@@ -307,10 +315,11 @@ class WorkerService(MultiService):
         if capacity_provider is None:  # real RAM, and disk where models are stored
             capacity_provider = HostCapacity(
                 os.path.join(self.data_dir, "models") if self.data_dir else None)
+        self.node_key = self._node_key()
 
         self.client = registration_client or RegistrationClient(
             reactor, register_to, token, self.node_name, self.node_type, labels,
-            capacity_provider)
+            capacity_provider, node_key=self.node_key)
         self.registrar = NodeRegistrar(reactor, self.client, on_registered=self._registered,
                                        **dict(registrar_options or {}))
         self.registrar.setServiceParent(self)
@@ -319,7 +328,9 @@ class WorkerService(MultiService):
         if self.verbs.lookup("node.status") is None:
             register_node_status(self.verbs, self.node_name, self.node_type, running_backends,
                                  reactor)
-        self.control_auth = ControlAuth(token)
+        # Callers prove the per-node control token, never the shared registration token: a
+        # frontend derives it from the node key hash it stored (cluster/nodekey.py).
+        self.control_auth = ControlAuth(control_token(node_key_hash(self.node_key)))
         self.staging = None
         v1_children, body_policies = {}, []
         if self.data_dir:
@@ -340,6 +351,21 @@ class WorkerService(MultiService):
             reauthorize=self.registrar.register_once, node_name=self.node_name,
             **dict(dialer_options or {}))
         self.dialer.setServiceParent(self)
+
+    def _node_key(self) -> str:
+        """This node's key: kept in the data directory (small file I/O, once, before the reactor
+        runs), or in memory only when there is none."""
+        if not self.data_dir:
+            log.warn("worker {name} has no data directory: its node key lives in memory only, "
+                     "so after a restart the frontend refuses the name until an administrator "
+                     "removes the node", name=self.node_name)
+            return mint_node_key()
+        key, created = load_or_create_node_key(self.data_dir)
+        if created:
+            log.info("generated the node key of {name} in {path}: it proves this node's identity "
+                     "to the frontend; keep it with the data directory", name=self.node_name,
+                     path=os.path.join(self.data_dir, NODE_KEY_FILE))
+        return key
 
     def startService(self) -> None:
         if self.staging is not None:

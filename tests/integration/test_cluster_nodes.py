@@ -14,6 +14,7 @@ from localai_tw.cluster.nodes import (
     NotPending,
     RegistrationTokenRequired,
     Unauthorized,
+    token_record_matches,
 )
 from localai_tw.cluster.ownership import OwnershipFence
 
@@ -43,8 +44,17 @@ async def test_register_stores_only_hashes_and_returns_credential_once(db):
     row = (await db.runQuery("SELECT * FROM backend_nodes WHERE id = %s", (out.node.id,)))[0]
     text = " ".join(str(v) for v in row)
     assert out.tunnel_credential not in text and TOKEN not in text
-    hashes = (await db.runQuery("SELECT token_hash, tunnel_token_hash FROM backend_nodes"))[0]
-    assert hashes == (hash_secret(TOKEN), hash_secret(out.tunnel_credential))
+    record, tunnel_hash = (await db.runQuery(
+        "SELECT token_hash, tunnel_token_hash FROM backend_nodes"))[0]
+    assert tunnel_hash == hash_secret(out.tunnel_credential)
+    # The registration token is kept as a salted, slow record: not the bare sha256 (one guess
+    # tested against every row), and another row presenting the same token gets another record.
+    assert record != hash_secret(TOKEN) and record.startswith("scrypt$")
+    assert token_record_matches(TOKEN, record) and not token_record_matches("guess", record)
+    other = await reg.register("gpu-2", presented_token=TOKEN)
+    [(other_record,)] = await db.runQuery("SELECT token_hash FROM backend_nodes WHERE id = %s",
+                                          (other.node.id,))
+    assert other_record != record and token_record_matches(TOKEN, other_record)
     assert out.node.labels == {"zone": "a"}
     assert out.node.total_vram == 24 << 30 and out.node.gpu_vendor == "nvidia"
 

@@ -96,8 +96,14 @@ class _Http:
         return response.code, decoded, response
 
 
+def node_key_of(name: str) -> str:
+    """The node key a worker called ``name`` presents (one per name, as a data directory)."""
+    return hashlib.sha256(b"key of " + name.encode()).hexdigest()
+
+
 def registration(name="gpu-1", **extra):
-    return {"name": name, "node_type": "backend", "labels": {"zone": "a"},
+    return {"name": name, "node_key": node_key_of(name), "node_type": "backend",
+            "labels": {"zone": "a"},
             "capacity": {"total_vram": 24 << 30, "available_vram": 20 << 30},
             "max_replicas_per_model": 2, **extra}
 

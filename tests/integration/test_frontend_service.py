@@ -78,8 +78,10 @@ async def test_a_replica_serves_probes_apis_and_tunnels_and_stops_in_order(start
     assert [(i["id"], i["advertised_addr"], i["self"]) for i in instances["instances"]] == [
         ("replica-a", f"127.0.0.1:{port}", True)]  # single-host: loopback allowed
 
+    w1_key = "w1-node-key-" + "k" * 32
     status, node = await client.call("POST", "/api/node/register",
-                                     {"name": "w1", "node_type": "backend"}, token=TOKEN)
+                                     {"name": "w1", "node_type": "backend", "node_key": w1_key},
+                                     token=TOKEN)
     assert status == 201
     session = await connectWebSocket(
         reactor, f"ws://127.0.0.1:{port}/api/cluster/connect?id={node['id']}",
@@ -89,8 +91,10 @@ async def test_a_replica_serves_probes_apis_and_tunnels_and_stops_in_order(start
     status, view = await client.call("GET", f"/api/nodes/{node['id']}", token=ADMIN)
     assert view["presence"] == "connected" and view["owner"]["replica"] == "replica-a"
 
-    # re-registration rotates the credential: the tunnel held with the old one is closed
-    status, again = await client.call("POST", "/api/node/register", {"name": "w1"}, token=TOKEN)
+    # re-registration (same node key) rotates the credential: the tunnel held with the old one
+    # is closed
+    status, again = await client.call("POST", "/api/node/register",
+                                      {"name": "w1", "node_key": w1_key}, token=TOKEN)
     assert status == 201 and again["id"] == node["id"]
     await session.whenClosed().addTimeout(10, reactor)
     await eventually(lambda: not service.tunnels.holds(node["id"]))

@@ -59,7 +59,8 @@ async def test_worker_questions_answer_through_the_tunnel_and_name_each_conditio
 
         # A registered node that never dialled: a routing fact, named as "no route".
         registered = await treq.post(
-            f"{base}/api/node/register", json={"name": "never-dials", "node_type": "backend"},
+            f"{base}/api/node/register", json={"name": "never-dials", "node_type": "backend",
+                                                 "node_key": "never-dials-" + "k" * 32},
             headers={"Authorization": f"Bearer {TOKEN}"}, pool=pool)
         silent = json.loads(await treq.content(registered))["id"]
         code, body = await get_json(pool, f"{base}/api/nodes/{silent}/status")

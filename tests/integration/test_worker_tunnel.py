@@ -21,6 +21,7 @@ from twisted.internet import defer, protocol, reactor, task
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
+from localai_tw.cluster.nodekey import control_token, node_key_hash
 from localai_tw.config import PortRange
 from localai_tw.mux.session import Session, SessionConfig
 from localai_tw.tunnel import preamble
@@ -272,10 +273,12 @@ async def test_the_worker_registers_dials_and_serves_every_kind_of_stream(
     await eventually(lambda: worker.dialer.isConnected)
     assert worker.readiness() is None
 
-    # http: node.status through the control plane
+    # http: node.status through the control plane, with the control token a frontend derives
+    # from the node key the worker registered with (never the registration token)
+    control = control_token(node_key_hash(frontend.registrations[0]["node_key"]))
     status = open_stream(session, "http", "", (
         b"POST /v1/control/node/status HTTP/1.1\r\nHost: node-1.worker.invalid\r\n"
-        b"Authorization: Bearer " + REGISTRATION_TOKEN.encode() + b"\r\n"
+        b"Authorization: Bearer " + control.encode() + b"\r\n"
         b"Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"))
     assert (await within(status.reply)).accepted
     await within(status.ended)

@@ -40,9 +40,7 @@ def _error(e: BaseException) -> dict:
 
 def _resource(frontend):
     from localai_tw.frontend.web import JSONResource, Route, read_json_object
-    from localai_tw.tunnel.endpoint import ControlClient, upload_file
-
-    token = frontend._registration_token
+    from localai_tw.tunnel.endpoint import upload_file
 
     class ProbeResource(JSONResource):
         def guard(self, request) -> None:
@@ -64,9 +62,9 @@ def _resource(frontend):
             answer = self._base(node)
             if "error" in answer:
                 return 200, answer
-            client = ControlClient(frontend.worker_http, token=token)
             try:
-                answer["reply"] = await client.call(node, verb, body, timeout=TIMEOUT)
+                # the replica's own control client: each node's control token, as in production
+                answer["reply"] = await frontend.control.call(node, verb, body, timeout=TIMEOUT)
             except Exception as e:  # every outcome is data for the test
                 answer["error"] = _error(e)
             answer["held_here_after"] = frontend.tunnels.holds(node)
@@ -78,6 +76,7 @@ def _resource(frontend):
             if "error" in answer:
                 return 200, answer
             try:
+                token = await frontend.nodes.control_token(node)
                 staged = await upload_file(frontend.worker_http, node, body["key"], body["path"],
                                            token=token, timeout=TIMEOUT)
                 answer["staged"] = {"key": staged.key, "size": staged.size,

@@ -7,14 +7,21 @@ credential, so a door that refuses everything would fail here.
 
 from __future__ import annotations
 
+import hashlib
+import time
 import uuid
 
 from .harness import raw_exchange, request, status_of, upgrade_request, wait_for
 
 
-def _register(cluster, fe, name: str, token: str | None = None):
+def _key_of(name: str) -> str:
+    """The node key these tests register ``name`` with (a worker keeps its own on disk)."""
+    return hashlib.sha256(b"e2e node key " + name.encode()).hexdigest()
+
+
+def _register(cluster, fe, name: str, token: str | None = None, key: str | None = None):
     return request("POST", fe.port, "/api/node/register",
-                   {"name": name, "node_type": "backend"},
+                   {"name": name, "node_type": "backend", "node_key": key or _key_of(name)},
                    headers={"Authorization": f"Bearer {token or cluster.token}"})
 
 
@@ -51,6 +58,10 @@ def test_connect_and_peer_doors_refuse_before_any_upgrade(make_cluster):
     assert _connect(f0, node, first) == 401
     assert _connect(f1, node, first) == 401
     assert _connect(f0, node, second) == 101
+    # the shared token and the name without the node's key: 409, and nothing rotated
+    taken = _register(cluster, f1, "auth-a", key=_key_of("someone-else"))
+    assert taken.status == 409 and b"node_name_taken" in taken.body, taken.body
+    assert _connect(f1, node, second) == 101
 
     # a pending node (registered at the replica that requires approval) gets 403 everywhere
     pending = _register(cluster, f1, "auth-pending")
@@ -77,17 +88,25 @@ def test_connect_and_peer_doors_refuse_before_any_upgrade(make_cluster):
 
 
 def test_rotated_credential_drops_the_live_tunnel_and_the_worker_recovers(make_cluster):
-    """Registering a running worker's name again rotates its credential: the replica that holds
-    its tunnel closes it, the worker's redial with the old credential is refused 401, and it
-    registers again itself (same node id) and reconnects -- which in turn stops the credential
-    we were handed."""
+    """Registering a running worker's name with the shared token alone is refused 409 and its
+    tunnel stays.  With its node key (read from its data directory) the registration rotates its
+    credential: the replica that holds its tunnel closes it, the worker's redial with the old
+    credential is refused 401, and it registers again itself (same node id) and reconnects --
+    which in turn stops the credential we were handed."""
     cluster = make_cluster()
     f0 = cluster.start_frontend(probe=False)
     w = cluster.start_worker(prefer=0)
     cluster.wait_registered(w)
     _, epoch = cluster.wait_owned(w, by=f0)
 
-    stolen = _register(cluster, f0, w.name)
+    refused = _register(cluster, f0, w.name)
+    assert refused.status == 409 and b"--node-name" in refused.body, refused.body
+    time.sleep(2.0)
+    assert cluster.owner(w.node_id)[1] == epoch  # the same tunnel, never dropped
+    assert "rotated" not in w.log()
+
+    key = (w.data_dir / "node-key").read_text().strip()
+    stolen = _register(cluster, f0, w.name, key=key)
     assert stolen.status == 201 and stolen.json()["id"] == w.node_id
     taken = stolen.json()["tunnel_token"]
     wait_for(lambda: "401" in w.log() and "rotated" in w.log(), 60,
