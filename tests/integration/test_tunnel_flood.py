@@ -178,8 +178,9 @@ async def test_a_worker_that_never_reads_does_not_grow_the_frontend(db, frontend
 
     most_buffered = max(b for b, _ in samples)
     rss_growth = max(r for _, r in samples) - rss_before
-    print(f"\n{kind}: flooder sent {sent / MiB:.1f} MiB in {flooder.seconds:.1f} s; frontend buffered "
-          f"at most {most_buffered / 1024:.0f} KiB, RSS +{rss_growth / MiB:.1f} MiB; "
+    print(f"\n{kind}: flooder sent {sent / MiB:.1f} MiB in {flooder.seconds:.1f} s; "
+          f"frontend buffered at most {most_buffered / 1024:.0f} KiB, "
+          f"RSS +{rss_growth / MiB:.1f} MiB; "
           f"{len(round_trips)} round trips on the other tunnel, slowest "
           f"{max(round_trips) * 1000:.0f} ms; session open: {session.isOpen}")
     assert most_buffered < 1 * MiB
