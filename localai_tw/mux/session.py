@@ -10,12 +10,17 @@ go-away(protocol error) and a clean teardown of every stream), never let one str
 take the session down, never reuse a stream id, and never buffer more than the peers' windows
 allow: the session itself holds no stream data, it only writes frames while the transport is
 not paused.  Control frames (pings, window updates, go-away) are written at once, never queued
-behind stream data.
+behind stream data; but a peer that makes us answer (pings, refused SYNs) while it does not read
+what we write is stopped: past ``reply_high_water`` bytes of answers written while the carrier
+has paused us, the session stops reading from the carrier until it drains, and past
+``reply_cap`` it fails (Go blocks its receive loop on a bounded send queue; Twisted's HTTP/2
+aborts past 17 KiB of buffered control frames).
 """
 
 from __future__ import annotations
 
 import enum
+import secrets
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -98,6 +103,15 @@ class SessionConfig:
     # After loseConnection our FIN went out; if the peer never answers with FIN the id is
     # reset after this long, so a silent peer cannot pin stream slots (newer Go does the same).
     linger_timeout: float | None = 300.0
+    # True: the peer never opens streams by contract (a worker's tunnel), so its SYN is a
+    # protocol error that ends the session, not one RST (and one log line) per SYN.
+    forbid_inbound_streams: bool = False
+    # Answers we owe the peer (ping replies, RSTs of refused SYNs) written while the carrier has
+    # paused us (its buffer is above its high-water mark: the peer is not reading).  Past the
+    # high-water mark we stop reading until the carrier drains; past the cap the session fails.
+    # A well-behaved peer pings every 30 s: it never comes near either.
+    reply_high_water: int = 16 * 1024
+    reply_cap: int = 64 * 1024
 
     def __post_init__(self):
         if self.initial_window != INITIAL_WINDOW:
@@ -108,6 +122,8 @@ class SessionConfig:
             raise ValueError("max_frame_size must be positive")
         if self.accept_backlog < 0 or self.max_streams < 0:
             raise ValueError("limits must not be negative")
+        if not 0 < self.reply_high_water <= self.reply_cap:
+            raise ValueError("reply_high_water must be positive and at most reply_cap")
 
 
 class SessionState(enum.Enum):
@@ -145,8 +161,9 @@ class Session(Protocol):
         self._accept_waiters: deque[defer.Deferred] = deque()
         self._closed_waiters: list[defer.Deferred] = []
         self._paused = False
+        self._owed = 0              # bytes of answers written since the carrier paused us
+        self._reading_paused = False  # we paused the carrier's reading: the peer is not reading
         self._pings: dict[int, tuple[defer.Deferred, float]] = {}
-        self._ping_counter = 0
         self._keepalive_loop: LoopingCall | None = None
         self._keepalive_opaque: int | None = None
         self._keepalive_timer = None
@@ -346,12 +363,17 @@ class Session(Protocol):
         if not self._paused:
             return
         self._paused = False
+        self._owed = 0
         for _ in range(len(self._rotation)):
             if self._paused or self.state is not SessionState.OPEN or not self._rotation:
                 break
             stream = self._rotation[0]
             self._rotation.rotate(-1)
             stream._sessionResumed()
+        if self._reading_paused and self.state is SessionState.OPEN:
+            # The peer read what we owed it: read again (held input may be delivered now).
+            self._reading_paused = False
+            self.transport.resumeProducing()
 
     def stopProducing(self) -> None:
         """The transport is going away; its connectionLost tells us how."""
@@ -371,7 +393,7 @@ class Session(Protocol):
             raise ProtocolError(f"ping on stream {frame.stream_id}")
         if frame.has(FLAG_SYN):
             # Answer at once, straight to the transport: never behind queued stream data.
-            self._sendFrame(Frame.ping(frame.length, ack=True))
+            self._sendReply(Frame.ping(frame.length, ack=True))
             return
         opaque = frame.length
         if opaque == self._keepalive_opaque:
@@ -434,6 +456,8 @@ class Session(Protocol):
 
     def _incomingStream(self, sid: int) -> Stream | None:
         """Register an inbound stream, or refuse it with RST when we cannot take it."""
+        if self.config.forbid_inbound_streams:
+            raise ProtocolError(f"peer opened stream {sid}; it must never open streams")
         refuse = None
         if self.localGoAway:
             refuse = "after go-away"
@@ -445,7 +469,7 @@ class Session(Protocol):
             refuse = "accept backlog full"
         if refuse is not None:
             log.debug("refusing stream {sid}: {why}", sid=sid, why=refuse)
-            self._sendFrame(Frame.window_update(sid, 0, FLAG_RST))
+            self._sendReply(Frame.window_update(sid, 0, FLAG_RST))
             return None
         return self._addStream(sid, StreamState.SYN_RECEIVED)
 
@@ -483,6 +507,30 @@ class Session(Protocol):
             return
         self.transport.write(encode(frame))
 
+    def _sendReply(self, frame: Frame) -> None:
+        """Write an answer the peer asked for (ping reply, RST of a refused SYN), counting it
+        while the carrier has paused us: a peer that asks without reading the answers is held
+        off (we stop reading it) and, past ``reply_cap``, dropped."""
+        if self._paused and self.state is SessionState.OPEN:
+            self._owed += HEADER_SIZE
+            if self._owed > self.config.reply_cap:
+                self._peerNotReading()
+                return
+            if self._owed > self.config.reply_high_water and not self._reading_paused:
+                pause = getattr(self.transport, "pauseProducing", None)
+                if pause is not None:
+                    self._reading_paused = True
+                    pause()
+        self._sendFrame(frame)
+
+    def _peerNotReading(self) -> None:
+        log.warn("yamux peer is not reading: more than {cap} bytes of answers to its pings and "
+                 "streams are waiting behind a full carrier; ending the session",
+                 cap=self.config.reply_cap)
+        self._end(SessionFailed(f"peer not reading: more than {self.config.reply_cap} bytes "
+                                "of answers unread"))
+        self._closeTransport(abort=True)
+
     def _sendData(self, stream_id: int, flags: int, parts: list, length: int) -> None:
         """Write one Data frame whose payload is ``parts`` (``length`` bytes in all, at least
         one): the header and the pieces are joined once, with no intermediate payload copy."""
@@ -519,9 +567,12 @@ class Session(Protocol):
     # -- keepalive ------------------------------------------------------------------------
 
     def _nextOpaque(self) -> int:
-        opaque = self._ping_counter
-        self._ping_counter = (self._ping_counter + 1) & MAX_UINT32
-        return opaque
+        """A random opaque value, not one in flight: a counter would let a peer that reads
+        nothing keep the keepalive satisfied with blind replies for 0, 1, 2, ..."""
+        while True:
+            opaque = secrets.randbits(32)
+            if opaque not in self._pings and opaque != self._keepalive_opaque:
+                return opaque
 
     def _sendKeepalive(self) -> None:
         if self.state is not SessionState.OPEN or self._keepalive_opaque is not None:

@@ -12,8 +12,9 @@ credential>``.  :class:`ConnectAuthorizer` decides before any upgrade, in the or
 5. ``pending`` -> 403 (awaiting approval; draining and unhealthy nodes keep their tunnels).
 
 Then the WebSocket is upgraded and a yamux **server** session runs over it.  The frontend only
-opens streams: every stream the worker opens is refused with RST (an accepted but unread stream
-would pin a window of memory).  Once the session is open the node is attached in the
+opens streams: a stream the worker opens is a protocol error that ends the session (an accepted
+but unread stream would pin a window of memory, and an RST per SYN is an answer a non-reading
+worker can make us pile up).  Once the session is open the node is attached in the
 :class:`~localai_tw.tunnel.registry.TunnelRegistry` (claim in the database, then install), and
 when it closes it is detached with the token the attach returned.  Every tunnel event is logged
 with node, replica and epoch.
@@ -50,9 +51,12 @@ MAX_NODE_ID_BYTES = 64
 
 def tunnel_session_config() -> SessionConfig:
     """The yamux configuration of the frontend's end of a worker tunnel: a server that accepts no
-    streams.  The receive window is the protocol default (256 KiB per stream): each end
-    advertises its own, so the worker's choice does not have to match (see docs/routing.md)."""
-    return SessionConfig(accept_streams=False)
+    streams, and ends the session at the first stream the worker opens (workers never open
+    streams by contract; one RST and one log line per SYN would let a worker flood us with
+    answers it never reads).  The receive window is the protocol default (256 KiB per stream):
+    each end advertises its own, so the worker's choice does not have to match (see
+    docs/routing.md)."""
+    return SessionConfig(accept_streams=False, forbid_inbound_streams=True)
 
 
 class OpenNotifyingSession(Session):

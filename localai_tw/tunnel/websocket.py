@@ -71,6 +71,13 @@ DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024 + 64 * 1024
 #: smaller) is all the carrier ever holds; the TCP transport's buffer then pauses the producer.
 DEFAULT_COALESCE_BYTES = 256 * 1024
 
+#: Pongs Autobahn writes in answer to the peer's pings while the TCP write buffer is above its
+#: high-water mark (the peer is not reading): past the first figure the carrier stops reading
+#: until the buffer drains, past the second it drops the connection.  A peer that pings without
+#: reading would otherwise grow our write buffer without bound.
+PONG_HIGH_WATER = 16 * 1024
+PONG_CAP = 64 * 1024
+
 #: Seconds allowed for the opening handshake (the Go worker's dialer uses 10 s).
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 
@@ -261,6 +268,8 @@ class WebSocketCarrier:
         self._inbound_paused = False
         self._inbound_held: list[bytes] = []
         self._delivering = False
+        self._pongs_owed = 0         # pong bytes written since TCP paused our writes
+        self._pong_paused = False    # reading stopped because the peer reads none of them
 
     # ITransport
     def write(self, data: bytes) -> None:
@@ -366,6 +375,12 @@ class WebSocketCarrier:
 
     def _tcpWritePaused(self, paused: bool) -> None:
         self._tcp_write_paused = paused
+        if not paused:
+            self._pongs_owed = 0
+            if self._pong_paused:
+                self._pong_paused = False
+                if not self._inbound_paused and self.connected:
+                    self._ws.transport.resumeProducing()
         if self._producer is not None:
             if paused:
                 self._producer.pauseProducing()
@@ -388,7 +403,7 @@ class WebSocketCarrier:
             return
         self._inbound_paused = False
         self._deliverHeld()
-        if not self._inbound_paused and self.connected:
+        if not self._inbound_paused and not self._pong_paused and self.connected:
             self._ws.transport.resumeProducing()
 
     def stopProducing(self) -> None:
@@ -411,9 +426,32 @@ class WebSocketCarrier:
         finally:
             self._delivering = False
 
+    def _mayPong(self, size: int) -> bool:
+        """Autobahn is about to answer a ping with a pong of ``size`` bytes: may it?  Counted
+        while TCP has paused our writes; past ``PONG_HIGH_WATER`` reading stops until the buffer
+        drains, past ``PONG_CAP`` the connection is dropped (and no pong is sent)."""
+        if self.disconnecting or not self.connected:
+            return False
+        if not self._tcp_write_paused:
+            return True
+        self._pongs_owed += size
+        if self._pongs_owed > PONG_CAP:
+            _log.warn("WebSocket peer is not reading: more than {cap} bytes of pongs wait behind "
+                      "a full TCP buffer; dropping the connection", cap=PONG_CAP)
+            self._drop(error.ConnectionLost(
+                f"WebSocket peer not reading: more than {PONG_CAP} bytes of pongs unread"))
+            return False
+        if self._pongs_owed > PONG_HIGH_WATER and not self._pong_paused:
+            self._pong_paused = True
+            self._ws.transport.pauseProducing()
+        return True
+
     def _protocolError(self, detail: str) -> None:
+        self._drop(error.ConnectionLost(f"WebSocket protocol error: {detail}"))
+
+    def _drop(self, ending: BaseException) -> None:
         if self._local_ending is None:
-            self._local_ending = error.ConnectionLost(f"WebSocket protocol error: {detail}")
+            self._local_ending = ending
         self._dropOut()
         self.disconnecting = True
         self._ws.dropConnection(abort=True)
@@ -673,6 +711,12 @@ class _CarrierMixin:
         stats.outgoingOctetsAppLevel += size
         stats.outgoingOctetsWebSocketLevel += size
         stats.outgoingOctetsWireLevel += len(raw)
+
+    def onPing(self, payload: bytes) -> None:
+        carrier = self.carrier
+        if carrier is not None and not carrier._mayPong(2 + len(payload or b"")):
+            return
+        super().onPing(payload)
 
     def onMessage(self, payload: bytes, isBinary: bool) -> None:
         carrier = self.carrier

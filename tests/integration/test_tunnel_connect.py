@@ -8,7 +8,7 @@ from twisted.internet import defer, reactor
 
 from localai_tw.cluster.nodes import NodeRegistry
 from localai_tw.db.pool import Database
-from localai_tw.mux.errors import StreamReset
+from localai_tw.mux.errors import SessionFailed
 from localai_tw.mux.session import Session
 from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 from tests.integration.test_tunnel_harness import (  # noqa: F401  (fixtures)
@@ -142,7 +142,9 @@ async def test_detach_on_close_records_the_departure(db, frontends, workers):
 
 
 @pytest_twisted.ensureDeferred
-async def test_worker_opened_streams_are_refused(db, frontends, workers):
+async def test_a_stream_opened_by_the_worker_ends_its_tunnel(db, frontends, workers):
+    """Workers never open streams by contract: the first SYN is a protocol error (go-away 1),
+    not an RST per SYN that a worker could make the frontend pile up."""
     frontend = await frontends("replica-a")
     worker = await workers(frontend.nodes, "w-1", scripted(("echo",)))
     session = await worker.attach_to(frontend)
@@ -154,8 +156,10 @@ async def test_worker_opened_streams_are_refused(db, frontends, workers):
 
     session.openStream(Probe(), b"hello")
     reason = await within(ended)
-    assert isinstance(reason, StreamReset) and reason.remote
-    assert session.isOpen  # refusing a stream does not end the tunnel
+    assert isinstance(reason, SessionFailed) and "protocol error" in str(reason)
+    await within(session.whenClosed())
+    await eventually(lambda: frontend.registry.held(worker.node_id) is None,
+                     what="the tunnel to be detached")
 
 
 @pytest_twisted.ensureDeferred
