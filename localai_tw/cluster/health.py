@@ -54,7 +54,7 @@ from twisted.application.service import Service
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from localai_tw.db.pool import LOCK_HEALTH_CHECK
+from localai_tw.db.pool import LOCK_HEALTH_CHECK, DatabaseUnavailable, PoolClosed
 
 from .clock import effective_grace, interval_seconds
 from .nodes import NodeStatus
@@ -168,6 +168,10 @@ class HealthMonitor(Service):
     async def _tick(self) -> bool:
         try:
             ran, report = await self._db.tryWithAdvisoryLock(LOCK_HEALTH_CHECK, self.run_pass)
+        except (DatabaseUnavailable, PoolClosed) as e:
+            # The pool logs an outage once; a line per tick would repeat it.
+            log.debug("health check tick failed ({err}); the next tick retries", err=e)
+            return False
         except Exception as e:
             log.warn("health check tick failed ({err}); the next tick retries",
                      err=f"{type(e).__name__}: {e}")

@@ -83,6 +83,7 @@ from .templates import (
     tool_calls_json,
 )
 from .web import JSON_HEADERS, APIError, APIKeyGuard, bearer_token, printable, read_json_object
+from .web import DATABASE_DOWN, database_unavailable
 
 log = Logger()
 
@@ -208,6 +209,10 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(502, _detail(error), "upstream_error", code="protocol_error")
     if isinstance(error, ClusterError):
         return OpenAIError(500, _detail(error), "server_error", code=error.condition)
+    if isinstance(error, DATABASE_DOWN):  # this replica's own dependency, none of the four
+        answer = database_unavailable()
+        return OpenAIError(answer.status, answer.message, answer.type, code=answer.code,
+                           headers=answer.headers)
     return OpenAIError(500, "internal error; see the frontend log", "server_error",
                        code="internal_error")
 
