@@ -9,10 +9,12 @@ in SQL on the database clock, then decides per node, in this order:
 what the pass finds                      what it does
 =======================================  ==================================================
 status ``draining``                      nothing (a drain is an operator's decision)
-heartbeat older than ``stale_after``     ``mark_offline`` (status offline, the node's
-(60 s, or never heard from)              ``node_models`` rows deleted: explicit lifecycle),
-                                         unless it is already offline.  No presence read,
-                                         no departure.
+stale heartbeat, presence                nothing: the tunnel left less than the grace ago
+``reconnecting``, or presence read       (or nobody knows), and nothing is acted on inside
+failed                                   the grace
+stale heartbeat, any other presence      ``mark_offline`` (status offline, the node's
+(connected, gone, unknown)               ``node_models`` rows deleted: explicit lifecycle),
+                                         unless it is already offline.  No departure.
 fresh heartbeat, presence ``gone``       ``mark_unhealthy`` (status only; rows are kept) and
                                          ``notifier.departed(node)`` (edge-triggered)
 fresh heartbeat, presence ``connected``  ``notifier.present(node)``; unhealthy or offline ->
@@ -23,6 +25,13 @@ fresh heartbeat, ``reconnecting``, or    ``notifier.present(node)`` only: these 
                                          the worker holds no tunnel to be served through
 presence read failed                     nothing at all (not even re-arming)
 =======================================  ==================================================
+
+A heartbeat is *stale* when it is older than ``max(stale_after, grace)``: 90 s by default
+(the reference's 60 s threshold is raised to the reconnect grace).  With the presence rule
+above, one timeline holds for every fault (``docs/cluster-state.md``): nothing is marked offline
+or deleted until the grace has passed both since the last heartbeat and since the tunnel left.
+A 60 s threshold inside a 90 s grace marked a crashed, partitioned or frozen worker offline and
+deleted its rows at 57-75 s, while the tunnel layer still promised it the grace.
 
 Decisions worth knowing:
 
@@ -41,9 +50,10 @@ Decisions worth knowing:
   and only when the node list was read (so it can prune its miss streaks safely).
 
 This module must never compare times in Python (the database decides staleness), never act on
-``reconnecting`` or ``unknown`` presence, never delete ``node_models`` rows except through
-``mark_offline`` on a stale heartbeat, never run a pass without the advisory lock, and never let
-a failed tick stop the loop.
+``reconnecting`` or ``unknown`` presence (a stale heartbeat with no tunnel row is acted on for
+its heartbeat), never delete ``node_models`` rows except through ``mark_offline`` on a stale
+heartbeat, never run a pass without the advisory lock, and never let a failed tick stop the
+loop.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from twisted.application.service import Service
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
-from localai_tw.db.pool import LOCK_HEALTH_CHECK
+from localai_tw.db.pool import LOCK_HEALTH_CHECK, DatabaseUnavailable, PoolClosed
 
 from .clock import effective_grace, interval_seconds
 from .nodes import NodeStatus
@@ -64,7 +74,8 @@ log = Logger()
 
 #: Seconds between ticks.
 HEALTH_CHECK_INTERVAL = 15.0
-#: A node whose last heartbeat is older than this is stale (worker heartbeat: every 10 s).
+#: A node whose last heartbeat is older than this is stale (worker heartbeat: every 10 s).  The
+#: monitor raises it to the reconnect grace when the grace is longer (see the module docstring).
 STALE_NODE_THRESHOLD = 60.0
 
 # Bind: stale threshold in seconds.  A node that never beat (NULL) counts as stale.
@@ -100,7 +111,8 @@ class HealthMonitor(Service):
     :param notifier: the ``DepartureNotifier`` told about ``gone`` nodes.
     :param reactor: drives the tick (a ``task.Clock`` in tests).  Never used to judge time.
     :param interval: seconds between ticks.
-    :param stale_after: heartbeat age, in seconds on the database clock, that makes a node stale.
+    :param stale_after: heartbeat age, in seconds on the database clock, that makes a node stale;
+        raised to ``grace`` when shorter, so a stale heartbeat is never acted on inside it.
     :param grace: the reconnect grace in seconds (presence ``gone`` after it).
     :param model_probe: the per-model probe seam (see the module docstring), or None.
     """
@@ -126,8 +138,8 @@ class HealthMonitor(Service):
         self._notifier = notifier
         self._reactor = reactor
         self.interval = float(interval)
-        self.stale_after = interval_seconds(stale_after)
         self.grace = effective_grace(grace)
+        self.stale_after = max(interval_seconds(stale_after), self.grace)
         self._model_probe = model_probe
         self._loop: task.LoopingCall | None = None
         self._loop_done: defer.Deferred | None = None
@@ -168,6 +180,10 @@ class HealthMonitor(Service):
     async def _tick(self) -> bool:
         try:
             ran, report = await self._db.tryWithAdvisoryLock(LOCK_HEALTH_CHECK, self.run_pass)
+        except (DatabaseUnavailable, PoolClosed) as e:
+            # The pool logs an outage once; a line per tick would repeat it.
+            log.debug("health check tick failed ({err}); the next tick retries", err=e)
+            return False
         except Exception as e:
             log.warn("health check tick failed ({err}); the next tick retries",
                      err=f"{type(e).__name__}: {e}")
@@ -216,18 +232,25 @@ class HealthMonitor(Service):
         healthy after this pass)."""
         if status is NodeStatus.DRAINING:
             return False
-        if stale:
-            if status is not NodeStatus.OFFLINE and await self._registry.mark_offline(node_id):
-                report.marked_offline.append(node_id)
-                log.info("node {node} ({name}) marked offline: no heartbeat for more than "
-                         "{stale:g}s; its model rows were cleared", node=node_id, name=name,
-                         stale=self.stale_after)
-            return False
+        if stale and status is NodeStatus.OFFLINE:
+            return False  # already offline: nothing to read or repeat
 
         reading = await self._fence.presence(node_id, self.grace)
         if reading.error is not None:
             report.left_alone.append(node_id)
             return False  # a failed read is not a statement about the worker
+        if stale:
+            if reading.presence is Presence.RECONNECTING:
+                # Heartbeats and tunnel stopped together (a crash, a partition): the tunnel
+                # left less than the grace ago, so the worker may still come back.
+                return False
+            if await self._registry.mark_offline(node_id):
+                report.marked_offline.append(node_id)
+                log.info("node {node} ({name}) marked offline: no heartbeat for more than "
+                         "{stale:g}s (tunnel {presence}); its model rows were cleared",
+                         node=node_id, name=name, stale=self.stale_after,
+                         presence=reading.presence.value)
+            return False
         if reading.presence is Presence.GONE:
             if await self._registry.mark_unhealthy(node_id):
                 report.marked_unhealthy.append(node_id)

@@ -33,6 +33,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 
+from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.deferreds import wait_at_most
 from .clock import (
     DEFAULT_RECONNECT_GRACE,
@@ -493,6 +494,10 @@ class MembershipService(Service):
                 log.info("sweep reaped replicas {ids}, recorded {n} departures",
                          ids=list(result.reaped), n=result.departures)
             await self._ownership.purge_departed_before(self.retention)
+        except (DatabaseUnavailable, PoolClosed) as e:
+            # The pool logs an outage once; a line (or a traceback) per tick would repeat it.
+            log.debug("membership tick for replica {id} failed ({err}); next tick retries",
+                      id=self.instance_id, err=e)
         except Exception:
             log.failure("membership tick for replica {id} failed; next tick retries",
                         id=self.instance_id)

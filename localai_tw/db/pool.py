@@ -10,6 +10,12 @@ belongs in SQL with ``now()``.  A connection that dies (server restart, ``pg_ter
 fails the call that found it dead with ``DatabaseUnavailable`` and is replaced in the background;
 the pool does not retry statements itself, because only the caller knows whether a statement is
 safe to repeat.
+
+While the database is away nobody waits for it without bound: a caller that finds no free
+connection waits at most ``CHECKOUT_TIMEOUT_SECONDS`` and then gets ``DatabaseUnavailable``
+(the HTTP APIs answer 503 with ``Retry-After``).  An outage is logged once when the pool first
+finds a connection dead and once when a connection is restored, never per call or per reconnect
+attempt.
 """
 
 from __future__ import annotations
@@ -22,11 +28,17 @@ import psycopg2
 import psycopg2.extensions
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from txpostgres import txpostgres
 
 log = Logger()
 
 _pool_ids = itertools.count(1)
+
+#: Longest a call waits for a pooled connection before it fails with ``DatabaseUnavailable``.
+#: While the database is away every connection is dead and reconnecting, so without this bound a
+#: request would wait as long as the outage lasts.
+CHECKOUT_TIMEOUT_SECONDS = 5.0
 
 
 class DatabaseError(Exception):
@@ -61,6 +73,29 @@ def _is_dead(conn: txpostgres.Connection) -> bool:
     return raw is None or bool(raw.closed)
 
 
+class _Connection(txpostgres.Connection):
+    """A txpostgres connection whose death while idle is reported instead of raised.
+
+    txpostgres keeps every connection registered as a reader (for NOTIFY).  When the server
+    closes an idle one (a restart, ``pg_terminate_backend``), its ``doRead`` raises the
+    ``OperationalError`` with nobody to give it to, and the reactor logs an "Unhandled Error"
+    traceback per connection.  Here the loss ends in ``connectionLost`` (which a txpostgres
+    detector sees, as before) and in ``on_lost`` (the pool replaces an idle connection at once).
+    """
+
+    on_lost: Callable[["_Connection", str], None] | None = None
+
+    def doRead(self):
+        try:
+            super().doRead()
+        except psycopg2.Error as e:
+            reason = Failure()
+            self.reactor.removeReader(self)
+            self.connectionLost(reason)
+            if self.on_lost is not None:
+                self.on_lost(self, str(e).strip())
+
+
 class Database:
     """A fixed-size txpostgres pool.
 
@@ -85,6 +120,8 @@ class Database:
         self._all: set[txpostgres.Connection] = set()
         self._closed = False
         self._started = False
+        #: Why the database is away, from the first dead connection until one is restored.
+        self._outage: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -93,7 +130,8 @@ class Database:
         if self._started:
             return
         conns = await defer.gatherResults(
-            [defer.ensureDeferred(self._connect(f"{self._app}_{i}")) for i in range(self.size)],
+            [defer.ensureDeferred(self._connect(f"{self._app}_{i}", pooled=True))
+             for i in range(self.size)],
             consumeErrors=True,
         ).addErrback(lambda f: f.value.subFailure)
         for c in conns:
@@ -103,8 +141,10 @@ class Database:
         log.info("database pool of {size} connections to {dsn}", size=self.size,
                  dsn=redact_dsn(self.dsn))
 
-    async def _connect(self, name: str) -> txpostgres.Connection:
-        conn = txpostgres.Connection(reactor=self._reactor)
+    async def _connect(self, name: str, pooled: bool = False) -> txpostgres.Connection:
+        conn = _Connection(reactor=self._reactor)
+        if pooled:
+            conn.on_lost = self._lost_while_idle
         try:
             await conn.connect(dsn_with(self.dsn, application_name=name))
         except psycopg2.Error as e:
@@ -135,13 +175,40 @@ class Database:
     # -- connection checkout ------------------------------------------------------------
 
     def _acquire(self) -> defer.Deferred:
+        """A free connection, or a wait of at most ``CHECKOUT_TIMEOUT_SECONDS`` for one."""
         if self._closed:
             return defer.fail(PoolClosed("database pool closed"))
         if self._free:
             return defer.succeed(self._free.popleft())
         d = defer.Deferred(lambda d: self._waiters.remove(d) if d in self._waiters else None)
         self._waiters.append(d)
+        d.addTimeout(CHECKOUT_TIMEOUT_SECONDS, self._reactor)
+        d.addErrback(self._checkout_timed_out)
         return d
+
+    def _checkout_timed_out(self, failure: Failure):
+        failure.trap(defer.TimeoutError)
+        if self._outage is not None:
+            raise DatabaseUnavailable(f"the database is unavailable: {self._outage}")
+        raise DatabaseUnavailable(f"no database connection became free within "
+                                  f"{CHECKOUT_TIMEOUT_SECONDS:g}s (all {self.size} busy)")
+
+    def _lost(self, cause: str) -> None:
+        """Note that the database is away; the first loss of an outage is logged."""
+        if self._outage is None and not self._closed:
+            self._outage = cause
+            log.warn("database unavailable: {cause}; calls that need it fail (HTTP 503) until a "
+                     "connection is restored", cause=cause)
+
+    def _restored(self) -> None:
+        if self._outage is not None:
+            self._outage = None
+            log.info("database available again")
+
+    def _lost_while_idle(self, conn: txpostgres.Connection, cause: str) -> None:
+        if conn in self._free:
+            self._free.remove(conn)
+            self._replace(conn, f"database connection lost: {cause}")
 
     def _release(self, conn: txpostgres.Connection) -> None:
         if self._closed:
@@ -152,9 +219,10 @@ class Database:
         else:
             self._free.append(conn)
 
-    def _replace(self, conn: txpostgres.Connection) -> None:
+    def _replace(self, conn: txpostgres.Connection, cause: str) -> None:
         """Drop a dead connection and put a fresh one in its place, retrying with backoff."""
         self._all.discard(conn)
+        self._lost(cause)
         try:
             conn.close()
         except Exception:
@@ -164,10 +232,11 @@ class Database:
             delay = 0.1
             while not self._closed:
                 try:
-                    fresh = await self._connect(f"{self._app}_r")
+                    fresh = await self._connect(f"{self._app}_r", pooled=True)
                 except DatabaseUnavailable as e:
-                    log.warn("database reconnect failed, retrying in {delay}s: {err}",
-                             delay=delay, err=e)
+                    # The outage was logged once when it began; attempts are not logged.
+                    log.debug("database reconnect failed, retrying in {delay}s: {err}",
+                              delay=delay, err=e)
                     await _sleep(self._reactor, delay)
                     delay = min(delay * 2, 5.0)
                     continue
@@ -175,6 +244,7 @@ class Database:
                     fresh.close()
                     return
                 self._all.add(fresh)
+                self._restored()
                 self._release(fresh)
                 return
 
@@ -186,13 +256,15 @@ class Database:
             result = await fn(conn)
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             if _is_dead(conn):
-                self._replace(conn)
-                raise DatabaseUnavailable(f"database connection lost: {str(e).strip()}") from e
+                cause = f"database connection lost: {str(e).strip()}"
+                self._replace(conn, cause)
+                raise DatabaseUnavailable(cause) from e
             self._release(conn)
             raise
         except txpostgres.RollbackFailed as e:
-            self._replace(conn)
-            raise DatabaseUnavailable("database connection lost during a transaction") from e
+            cause = "database connection lost during a transaction"
+            self._replace(conn, cause)
+            raise DatabaseUnavailable(cause) from e
         except BaseException:
             self._release(conn)
             raise
@@ -238,8 +310,9 @@ class Database:
         try:
             rows = await conn.runQuery("SELECT pg_try_advisory_lock(%s)", (key,))
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
-            self._replace(conn)
-            raise DatabaseUnavailable(f"database connection lost: {str(e).strip()}") from e
+            cause = f"database connection lost: {str(e).strip()}"
+            self._replace(conn, cause)
+            raise DatabaseUnavailable(cause) from e
         except BaseException:
             self._release(conn)
             raise
@@ -251,8 +324,8 @@ class Database:
         finally:
             try:
                 await conn.runQuery("SELECT pg_advisory_unlock(%s)", (key,))
-            except (psycopg2.OperationalError, psycopg2.InterfaceError):
-                self._replace(conn)
+            except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+                self._replace(conn, f"database connection lost: {str(e).strip()}")
             else:
                 self._release(conn)
         return True, result

@@ -98,7 +98,16 @@ from .templates import (
     render_completion,
     tool_calls_json,
 )
-from .web import JSON_HEADERS, APIError, APIKeyGuard, bearer_token, printable, read_json_object
+from .web import (
+    DATABASE_DOWN,
+    JSON_HEADERS,
+    APIError,
+    APIKeyGuard,
+    bearer_token,
+    database_unavailable,
+    printable,
+    read_json_object,
+)
 
 log = Logger()
 
@@ -270,6 +279,10 @@ def error_for(error: BaseException) -> OpenAIError:
     if isinstance(error, ClusterError):
         return OpenAIError(500, f"{error.condition} (see the frontend log)", "server_error",
                            code=error.condition)
+    if isinstance(error, DATABASE_DOWN):  # this replica's own dependency, none of the four
+        answer = database_unavailable()
+        return OpenAIError(answer.status, answer.message, answer.type, code=answer.code,
+                           headers=answer.headers)
     return OpenAIError(500, "internal error; see the frontend log", "server_error",
                        code="internal_error")
 

@@ -111,6 +111,20 @@ def not_ready(message: str) -> APIError:
     return APIError(503, message, "not_ready", headers={"Retry-After": "5"})
 
 
+#: This replica's own database is away (or its pool closed while stopping).  Not one of the four
+#: conditions: it says nothing about any worker.  Answered 503 with ``Retry-After``, so a client
+#: retries later or on another replica; the cause is logged once per outage by the pool.
+DATABASE_DOWN = (DatabaseUnavailable, PoolClosed)
+
+
+def database_unavailable() -> APIError:
+    """The answer to a request that needed the database while it was away.  The pool's message
+    (server address, user) stays in the log: a client learns only the cause."""
+    return APIError(503, "this replica's database is unavailable right now; try again in a few "
+                    "seconds", "service_unavailable", code="database_unavailable",
+                    headers={"Retry-After": "5"})
+
+
 def too_large(limit: int) -> APIError:
     return APIError(413, f"request body larger than the limit of {limit} bytes",
                     "request_too_large")
@@ -491,9 +505,9 @@ class JSONResource(Resource):
             headers: dict[str, str] = {}
         except APIError as e:
             status, body, headers = e.status, e.body(), e.headers
-        except (DatabaseUnavailable, PoolClosed):
-            status, headers = 503, {"Retry-After": "5"}
-            body = error_body("the database is unavailable right now; try again", "unavailable")
+        except DATABASE_DOWN:
+            answer = database_unavailable()
+            status, body, headers = answer.status, answer.body(), answer.headers
         except Exception:
             log.failure("{method} {path} failed", Failure(),
                         method=request.method.decode("ascii", "replace"),

@@ -95,7 +95,7 @@ async def test_stale_heartbeat_marks_offline_and_deletes_model_rows(db, world, d
     node = await register(registry)
     await add_model(db, node)
     await departed_ago(db, node, GRACE + 60)  # gone as well: the stale branch comes first
-    await heartbeat_age(db, node, 61)
+    await heartbeat_age(db, node, GRACE + 1)
     assert await ticks(monitor) == [True]
     assert await status_of(db, node) == "offline"
     assert await model_rows(db, node) == 0
@@ -211,7 +211,7 @@ async def test_connected_again_promotes_and_re_arms(db, world, departures):
 async def test_offline_node_heartbeating_and_connected_comes_back(db, world):
     registry, fence, notifier, clock, monitor = world
     node = await register(registry)
-    await heartbeat_age(db, node, 61)
+    await heartbeat_age(db, node, GRACE + 1)
     await ticks(monitor)
     assert await status_of(db, node) == "offline"
     await registry.heartbeat(node)
@@ -253,7 +253,7 @@ async def test_pending_node_is_never_promoted(db, world):
 async def test_the_clock_drives_ticks_and_stop_waits(db, world):
     registry, fence, notifier, clock, monitor = world
     node = await register(registry)
-    await heartbeat_age(db, node, 61)
+    await heartbeat_age(db, node, GRACE + 1)
     monitor.startService()
     try:
         clock.advance(14)
@@ -276,7 +276,7 @@ async def test_two_replicas_at_the_same_moment_run_one_pass(db, pg_dsn, world, d
     its pass (a table lock blocks its read) while the other tries; only one pass runs."""
     registry, fence, notifier, clock, monitor_a = world
     node = await register(registry)
-    await heartbeat_age(db, node, 61)
+    await heartbeat_age(db, node, GRACE + 1)
     other_db = Database(pg_dsn, size=4)
     await other_db.start()
     other_departures = Departures()
@@ -300,6 +300,121 @@ async def test_two_replicas_at_the_same_moment_run_one_pass(db, pg_dsn, world, d
     assert sorted(results) == [False, True]
     assert await status_of(db, node) == "offline"
     assert (monitor_a.last_report is None) != (monitor_b.last_report is None)
+
+
+# -- one timeline for every fault (docs/cluster-state.md) -------------------------------------
+#
+# ``world`` runs the frontend's defaults: a 60 s stale threshold, a 90 s grace, 15 s ticks.  A
+# fault starts at T = 0; the worker's last heartbeat was up to one heartbeat interval before it.
+# The test steps T through the grace in tick-sized steps (ages set in SQL) and runs a pass at
+# each: nothing may be marked offline, demoted, announced or deleted before the grace has passed.
+
+HEARTBEAT_INTERVAL = 10.0
+INSIDE_THE_GRACE = [0, 15, 30, 45, 55, 60, 65, 75, 85, GRACE - 5]
+
+
+async def untouched(db, monitor, node, departures):
+    assert await status_of(db, node) == "healthy"
+    assert await model_rows(db, node) == 1
+    assert monitor.last_report.marked_offline == [] == monitor.last_report.marked_unhealthy
+    assert departures.calls == []
+
+
+def test_the_stale_threshold_is_never_shorter_than_the_grace(db, world):
+    registry, fence, notifier, clock, monitor = world
+    assert monitor.stale_after == GRACE  # 60 s asked for, raised to the 90 s grace
+    longer = HealthMonitor(db, registry, fence, notifier, clock, stale_after=300, grace=GRACE)
+    assert longer.stale_after == 300
+
+
+@pytest_twisted.ensureDeferred
+async def test_crash_nothing_acts_inside_the_grace_then_offline(db, world, departures):
+    """Crash: heartbeats stop and the tunnel departs (its owner records the departure)."""
+    registry, fence, notifier, clock, monitor = world
+    node = await register(registry)
+    await add_model(db, node)
+    epoch = await connected(db, fence, node)
+    await fence.release(node, REPLICA, epoch)
+    for t in INSIDE_THE_GRACE:
+        await heartbeat_age(db, node, t + HEARTBEAT_INTERVAL)
+        await departed_ago(db, node, t)
+        assert await ticks(monitor) == [True]
+        await untouched(db, monitor, node, departures)
+    await heartbeat_age(db, node, GRACE + 1 + HEARTBEAT_INTERVAL)
+    await departed_ago(db, node, GRACE + 1)
+    await ticks(monitor)
+    assert await status_of(db, node) == "offline"
+    assert await model_rows(db, node) == 0
+    assert monitor.last_report.marked_offline == [node]
+    assert departures.calls == []  # the stale branch evicts through mark_offline, not the notifier
+
+
+@pytest_twisted.ensureDeferred
+async def test_freeze_nothing_acts_inside_the_grace_then_offline_then_back(db, world, departures):
+    """Freeze: heartbeats stop while the tunnel stays attached (presence connected)."""
+    registry, fence, notifier, clock, monitor = world
+    node = await register(registry)
+    await add_model(db, node)
+    await connected(db, fence, node)
+    for t in INSIDE_THE_GRACE:
+        if t + HEARTBEAT_INTERVAL > GRACE:
+            break
+        await heartbeat_age(db, node, t + HEARTBEAT_INTERVAL)
+        await ticks(monitor)
+        assert (await fence.presence(node, GRACE)).presence.value == "connected"
+        await untouched(db, monitor, node, departures)
+    await heartbeat_age(db, node, GRACE + 1)
+    await ticks(monitor)
+    assert await status_of(db, node) == "offline"
+    assert await model_rows(db, node) == 0
+    # it thaws: the next heartbeat and the attached tunnel bring it back
+    await registry.heartbeat(node)
+    await ticks(monitor)
+    assert await status_of(db, node) == "healthy"
+    assert departures.calls == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_partition_healed_inside_the_grace_leaves_no_trace(db, world, departures):
+    """Partition: heartbeats stop and the tunnel departs; the worker is back before the grace
+    ends, heartbeating and re-homed."""
+    registry, fence, notifier, clock, monitor = world
+    node = await register(registry)
+    await add_model(db, node)
+    epoch = await connected(db, fence, node)
+    await fence.release(node, REPLICA, epoch)
+    for t in INSIDE_THE_GRACE:
+        await heartbeat_age(db, node, t + HEARTBEAT_INTERVAL)
+        await departed_ago(db, node, t)
+        await ticks(monitor)
+        await untouched(db, monitor, node, departures)
+    await registry.heartbeat(node)
+    await connected(db, fence, node)
+    await ticks(monitor, 2)
+    await untouched(db, monitor, node, departures)
+
+
+@pytest_twisted.ensureDeferred
+async def test_partition_longer_than_the_grace_goes_offline_then_comes_back(db, world,
+                                                                          departures):
+    registry, fence, notifier, clock, monitor = world
+    node = await register(registry)
+    await add_model(db, node)
+    epoch = await connected(db, fence, node)
+    await fence.release(node, REPLICA, epoch)
+    await heartbeat_age(db, node, GRACE - 5 + HEARTBEAT_INTERVAL)  # stale: past the grace
+    await departed_ago(db, node, GRACE - 5)                        # but the tunnel is not
+    await ticks(monitor)
+    await untouched(db, monitor, node, departures)
+    await heartbeat_age(db, node, GRACE + 10 + HEARTBEAT_INTERVAL)
+    await departed_ago(db, node, GRACE + 10)
+    await ticks(monitor)
+    assert await status_of(db, node) == "offline" and await model_rows(db, node) == 0
+    await registry.heartbeat(node)
+    await connected(db, fence, node)
+    await ticks(monitor)
+    assert await status_of(db, node) == "healthy"
+    assert departures.calls == []
 
 
 def deferLater(seconds):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from localai_tw.db import pool as db_pool
 from localai_tw.errors import (
     AbsentWithinGrace,
     BackendAnswer,
@@ -61,6 +62,10 @@ CASES = [
      "nothing is known"),
     (TunnelProtocolError("bad frame"), 502, "upstream_error", "protocol_error", None,
      "bad frame"),
+    (db_pool.DatabaseUnavailable("cannot connect to PostgreSQL at host=db.internal"), 503,
+     "service_unavailable", "database_unavailable", "5", "database is unavailable"),
+    (db_pool.PoolClosed("database pool closed"), 503, "service_unavailable",
+     "database_unavailable", "5", "database is unavailable"),
     (RuntimeError("secret internal detail"), 500, "server_error", "internal_error", None,
      "see the frontend log"),
 ]
@@ -78,6 +83,8 @@ def test_error_for(error, status, type_, code, retry, text):
 
 def test_internal_errors_never_leak_their_text():
     assert "secret" not in error_for(RuntimeError("secret internal detail")).message
+    outage = db_pool.DatabaseUnavailable("cannot connect to PostgreSQL at host=db.internal")
+    assert "db.internal" not in error_for(outage).message
 
 
 @pytest.mark.parametrize("error, status, type_, code, retry, text",
