@@ -195,3 +195,25 @@ async def test_bert_numpy_serves_embeddings_over_grpc(model_path, supervisor, tm
     with pytest.raises(BackendLoadFailed, match="loads a local model directory"):
         await supervisor.start("bert-numpy", "elsewhere", load={
             "Model": "sentence-transformers/all-MiniLM-L6-v2"})
+
+
+def test_a_model_bert_numpy_cannot_run_fails_at_load(model_path, tmp_path):
+    """Found by LoadModel (a failed load that says why), not mid-request."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from localai_tw.backends.builtin.bert_numpy import BertSentenceEncoder, ModelDirectoryError
+
+    copy = tmp_path / "model"
+    shutil.copytree(model_path, copy)
+    weights = load_file(str(copy / "model.safetensors"))
+    del weights["encoder.layer.5.output.dense.bias"]
+    save_file(weights, str(copy / "model.safetensors"))
+    with pytest.raises(ModelDirectoryError, match="lacks 1 BERT weights"):
+        BertSentenceEncoder(str(copy))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "model_type": "roberta"}))
+    with pytest.raises(ModelDirectoryError, match="model_type='roberta'"):
+        BertSentenceEncoder(str(copy))

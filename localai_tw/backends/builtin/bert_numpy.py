@@ -150,14 +150,13 @@ class BertSentenceEncoder:
         weights = load_file(os.path.join(directory, "model.safetensors"))
         if not any(k.startswith("embeddings.") for k in weights):  # BertModel saved under "bert."
             weights = {k[len("bert."):]: v for k, v in weights.items() if k.startswith("bert.")}
-        try:
-            self.w = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()
-                      if not k.endswith("position_ids")}
-            for i in range(self.layers):
-                self._layer_weight(i, "attention.self.query.weight")
-            self.vocab_size = self.w["embeddings.word_embeddings.weight"].shape[0]
-        except KeyError as e:
-            raise ModelDirectoryError(f"model.safetensors lacks the BERT weight {e}") from None
+        self.w = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()
+                  if not k.endswith("position_ids")}
+        missing = [k for k in self._weight_names() if k not in self.w]
+        if missing:  # found now, not as an error in the middle of a request
+            raise ModelDirectoryError(f"model.safetensors lacks {len(missing)} BERT weights, "
+                                      f"e.g. {missing[0]}")
+        self.vocab_size = self.w["embeddings.word_embeddings.weight"].shape[0]
         # Transposed once here so that the forward pass is x @ W (row-major products).
         for key in list(self.w):
             if key.startswith("encoder.") and key.endswith(".weight") and \
@@ -172,8 +171,17 @@ class BertSentenceEncoder:
         self.counter.no_truncation()
         self.pad_id = int(config.get("pad_token_id") or 0)
 
-    def _layer_weight(self, layer: int, name: str):
-        return self.w[f"encoder.layer.{layer}.{name}"]
+    def _weight_names(self) -> list[str]:
+        names = [f"embeddings.{n}" for n in ("word_embeddings.weight",
+                                              "position_embeddings.weight",
+                                              "token_type_embeddings.weight",
+                                              "LayerNorm.weight", "LayerNorm.bias")]
+        for i in range(self.layers):
+            for part in ("attention.self.query", "attention.self.key", "attention.self.value",
+                         "attention.output.dense", "attention.output.LayerNorm",
+                         "intermediate.dense", "output.dense", "output.LayerNorm"):
+                names += [f"encoder.layer.{i}.{part}.weight", f"encoder.layer.{i}.{part}.bias"]
+        return names
 
     @property
     def dim(self) -> int:
