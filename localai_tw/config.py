@@ -18,9 +18,11 @@ and ``EnvOptions.describe()`` masks them.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
@@ -125,6 +127,8 @@ class EnvOptions(usage.Options):
     """
 
     settings: ClassVar[Sequence[Setting]] = ()
+    #: The plugin's name, in error lines and ``--version``.
+    program: ClassVar[str] = "localai-tw"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -139,10 +143,52 @@ class EnvOptions(usage.Options):
         self.raw: dict[str, Any] = {}
         super().__init__()
 
+    def parseOptions(self, options=None) -> None:
+        """As ``usage.Options.parseOptions``; under twistd (``self.parent`` set) a usage error
+        is one line on stderr and exit status 1, instead of twistd's full help with the
+        reason at its end."""
+        try:
+            super().parseOptions(options)
+        except usage.UsageError as e:
+            if self.parent is None:
+                raise
+            sys.stderr.write(f"{self.program}: {e} (see twistd -n {self.program} --help)\n")
+            sys.stderr.flush()
+            raise SystemExit(1) from None
+
     def postOptions(self) -> None:
         for setting in self.settings:
             self[setting.name] = self._resolve(setting)
         self.validate()
+        if self.parent is not None:
+            self._adopt_pidfile()
+
+    def _adopt_pidfile(self) -> None:
+        """Under twistd, move its default pidfile (``twistd.pid`` in the working directory,
+        which makes a second process started from the same directory fail) into this
+        process's data directory: ``<data-dir>/<program>.pid``.
+
+        twistd reads ``--pidfile`` before the plugin's options and checks it only after they
+        are parsed, so the plugin may still replace its default.  A ``--pidfile`` given
+        explicitly (``--pidfile=`` for none) is left alone.  A live process already holding
+        that pidfile is refused here with a message naming ``--data-dir``, the real fix.
+        """
+        parent = self.parent
+        if parent.get("pidfile") != TWISTD_DEFAULT_PIDFILE or not self.get("data-dir"):
+            return
+        data_dir = self["data-dir"]
+        try:
+            os.makedirs(data_dir, exist_ok=True)
+        except OSError as e:
+            raise _fail("--data-dir", f"cannot create {data_dir}: {e.strerror}") from None
+        pidfile = os.path.join(data_dir, f"{self.program}.pid")
+        pid = _live_pid(pidfile)
+        if pid is not None:
+            raise usage.UsageError(
+                f"--data-dir: another {self.program} (pid {pid}) is running with data "
+                f"directory {data_dir}; give this one its own --data-dir (a second frontend shares the "
+                f"first one's embedded PostgreSQL with the --database-url the first one logged)")
+        parent["pidfile"] = pidfile
 
     def validate(self) -> None:
         """Checks that involve more than one option; raise ``usage.UsageError``."""
@@ -194,6 +240,23 @@ class EnvOptions(usage.Options):
                 shown = str(val)
             out.append((setting.flag, shown, self.sources.get(setting.name, "default")))
         return out
+
+
+TWISTD_DEFAULT_PIDFILE = "twistd.pid"
+
+
+def _live_pid(pidfile: str) -> int | None:
+    """The pid recorded in ``pidfile`` if that process is alive, else None."""
+    try:
+        with open(pidfile) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return pid if e.errno == errno.EPERM else None
+    return pid
 
 
 class ConfigurationReport(Service):
@@ -431,11 +494,13 @@ def parse_database_url(raw: str, option: str) -> str:
     return text
 
 
-def default_data_dir() -> str:
-    """The per-user data directory for localai-tw (``~/.local/share/localai-tw`` on Linux)."""
+def default_data_dir(role: str = "") -> str:
+    """The per-user data directory for localai-tw: ``~/.local/share/localai-tw`` on Linux for
+    a frontend, ``~/.local/share/localai-tw-worker`` for ``role="worker"``, so a worker and a
+    frontend on one machine never share state (or a pidfile) by default."""
     import platformdirs
 
-    return platformdirs.user_data_dir("localai-tw")
+    return platformdirs.user_data_dir("localai-tw" + (f"-{role}" if role else ""))
 
 
 def parse_path(raw: str, option: str) -> str:

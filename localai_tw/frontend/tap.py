@@ -51,7 +51,8 @@ SETTINGS = (
                  default_doc="embedded PostgreSQL"),
     config.value("data-dir", "LOCALAI_DATA_DIR",
                  "Directory for this replica's state (the embedded PostgreSQL lives in "
-                 "<data-dir>/postgres).",
+                 "<data-dir>/postgres; twistd's pidfile is <data-dir>/localai-frontend.pid "
+                 "unless --pidfile is given). One per replica.",
                  default=config.default_data_dir(), parse=config.parse_path),
     config.value("models-dir", "LOCALAI_MODELS_DIR",
                  "Directory of model YAML files.", parse=config.parse_path,
@@ -99,6 +100,7 @@ class Options(config.EnvOptions):
                 "workers connect to, with cluster state in PostgreSQL.  Every option can also "
                 "be set by the environment variable shown beside it.")
     settings = SETTINGS
+    program = PROGRAM
 
     def validate(self) -> None:
         advertised = self["advertise-address"]

@@ -48,8 +48,9 @@ SETTINGS = (
                  "kernel's ephemeral range (" + EPHEMERAL_PORT_RANGE_FILE + ").",
                  default=DEFAULT_BACKEND_PORT_RANGE, parse=config.parse_port_range),
     config.value("data-dir", "LOCALAI_DATA_DIR",
-                 "Directory for this worker's state (models, backends).",
-                 default=config.default_data_dir(), parse=config.parse_path),
+                 "Directory for this worker's state (models, backends; twistd's pidfile is "
+                 "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker.",
+                 default=config.default_data_dir("worker"), parse=config.parse_path),
     config.repeatable("label", "LOCALAI_NODE_LABELS",
                       "Scheduling label key=value; the variable is comma-separated "
                       "(k=v,k=v).",
@@ -67,6 +68,7 @@ class Options(config.EnvOptions):
                 "tunnel to it and runs backends on loopback only.  Every option can also be "
                 "set by the environment variable shown beside it.")
     settings = SETTINGS
+    program = PROGRAM
 
     def validate(self) -> None:
         if self["register-to"] is None:

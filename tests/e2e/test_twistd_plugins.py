@@ -229,3 +229,35 @@ def test_worker_starts_logs_its_configuration_and_stops(twistd):
         first, last = (int(p) for p in ephemeral.read_text().split())
         if first <= 40099 and 40000 <= last:
             assert "overlaps the kernel's ephemeral port range" in log
+
+
+def test_two_frontends_and_a_worker_start_from_one_directory(twistd, pg_dsn, tmp_path):
+    """No --pidfile: each process keeps its pidfile in its own data directory, so the commands
+    of the quickstart work from one working directory; a second process on the *same* data
+    directory is refused naming --data-dir."""
+    ports = [free_port(), free_port()]
+    frontends = [
+        twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}:interface=127.0.0.1",
+                "--database-url", pg_dsn],
+               env={"LOCALAI_DATA_DIR": str(tmp_path / f"replica-{i}")}, wait=False)
+        for i, port in enumerate(ports)]
+    for proc, port in zip(frontends, ports):
+        wait_until_ready(proc, port)
+    assert (tmp_path / "replica-0" / "localai-frontend.pid").read_text().strip() == \
+        str(frontends[0].pid)
+    worker = twistd(["-n", "localai-worker", "--register-to", f"http://127.0.0.1:{ports[0]}"],
+                    env={"LOCALAI_DATA_DIR": str(tmp_path / "worker")}, wait=False)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "worker" / "localai-worker.pid").exists():
+        assert worker.poll() is None, worker.log_path.read_text()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    again = twistd(["-n", "localai-frontend", "--listen", f"tcp:{free_port()}",
+                    "--database-url", pg_dsn],
+                   env={"LOCALAI_DATA_DIR": str(tmp_path / "replica-0")})
+    assert again.returncode == 1
+    assert again.stderr.startswith(
+        f"localai-frontend: --data-dir: another localai-frontend (pid {frontends[0].pid})")
+    assert not (tmp_path / "twistd.pid").exists()
+    for proc in [worker] + frontends:
+        stop(proc)

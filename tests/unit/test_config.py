@@ -390,3 +390,66 @@ def test_readyz_times_out_a_hung_database():
     assert request.finished
     assert request.responseCode == 503
     assert json.loads(body(request))["reason"].startswith("database query failed")
+
+
+# -- under twistd: pidfile, usage errors ----------------------------------------------------
+
+
+def twistd_parse(args, environ=None):
+    """Parse ``args`` with twistd's real ``ServerOptions`` (plugins discovered as twistd does),
+    the plugin's options reading ``environ`` instead of the process environment."""
+    from twisted.scripts._twistd_unix import ServerOptions
+
+    class Server(ServerOptions):
+        @property
+        def subCommands(self):
+            for name, short, parser, doc in super().subCommands:
+                yield name, short, (lambda parser=parser: _with_environ(parser(), environ)), doc
+
+    server = Server()
+    server.parseOptions(args)
+    return server
+
+
+def _with_environ(options, environ):
+    options._environ = environ or {}
+    return options
+
+
+def test_twistd_default_pidfile_moves_into_the_data_directory(tmp_path):
+    front = twistd_parse(["-n", "localai-frontend", "--data-dir", str(tmp_path / "f")])
+    assert front["pidfile"] == str(tmp_path / "f" / "localai-frontend.pid")
+    assert (tmp_path / "f").is_dir()
+    worker = twistd_parse(["-n", "localai-worker", "--register-to", "http://f:8080"],
+                          {"LOCALAI_DATA_DIR": str(tmp_path / "w")})
+    assert worker["pidfile"] == str(tmp_path / "w" / "localai-worker.pid")
+
+
+def test_twistd_explicit_pidfile_is_kept(tmp_path):
+    server = twistd_parse(["-n", "--pidfile=", "localai-frontend", "--data-dir", str(tmp_path)])
+    assert server["pidfile"] == ""
+    server = twistd_parse(["-n", "--pidfile", str(tmp_path / "x.pid"), "localai-frontend",
+                           "--data-dir", str(tmp_path)])
+    assert server["pidfile"] == str(tmp_path / "x.pid")
+
+
+def test_twistd_refuses_a_data_directory_in_use(tmp_path, capsys):
+    import os
+
+    (tmp_path / "localai-frontend.pid").write_text(str(os.getpid()))
+    with pytest.raises(SystemExit) as info:
+        twistd_parse(["-n", "localai-frontend", "--data-dir", str(tmp_path)])
+    assert info.value.code == 1
+    line = capsys.readouterr().err
+    assert line.startswith(f"localai-frontend: --data-dir: another localai-frontend (pid "
+                           f"{os.getpid()})")
+    assert "its own --data-dir" in line
+    (tmp_path / "localai-frontend.pid").write_text("999999999")  # gone: stale, adopted
+    assert twistd_parse(["-n", "localai-frontend", "--data-dir", str(tmp_path)])["pidfile"]
+
+
+def test_worker_and_frontend_default_data_directories_differ():
+    front = parse(frontend_tap.Options, [])
+    worker = parse(worker_tap.Options, ["--register-to", "http://f"])
+    assert front["data-dir"] != worker["data-dir"]
+    assert worker["data-dir"] == config.default_data_dir("worker")
