@@ -18,6 +18,7 @@ only parses options and composes services; it must not grow protocol logic of it
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -218,7 +219,30 @@ def build_database_service(options: Options) -> DatabaseService:
                            application_name="localai_frontend")
 
 
-def exit_on_startup_failure(service: Any, reactor: Any = None) -> None:
+def startup_failure_reason(failure, listen: str | None = None) -> str:
+    """One line saying why the replica could not start and, where it is known, the fix."""
+    from twisted.internet.error import CannotListenError
+
+    if failure.check(CannotListenError):
+        error = failure.value
+        where = f"{error.interface}:{error.port}" if error.interface else f"port {error.port}"
+        code = getattr(error.socketError, "errno", None)
+        option = f"--listen {listen}" if listen else "--listen"
+        if code == errno.EADDRINUSE:
+            return (f"{option}: {where} is already in use by another process; stop it or "
+                    f"choose another port with --listen (e.g. tcp:8081:interface=127.0.0.1)")
+        if code == errno.EACCES:
+            return (f"{option}: no permission to listen on {where} (ports below 1024 need "
+                    f"privileges); choose a port above 1023 with --listen")
+        if code == errno.EADDRNOTAVAIL:
+            return (f"{option}: {error.interface or where} is not an address of this machine; "
+                    f"fix interface= in --listen")
+        return f"{option}: cannot listen on {where}: {error.socketError}"
+    return " ".join(failure.getErrorMessage().split())
+
+
+def exit_on_startup_failure(service: Any, reactor: Any = None,
+                            listen: str | None = None) -> None:
     """End the process with status 1 if ``service`` (anything with ``whenReady()``: the
     ``FrontendService`` or a ``DatabaseService``) never becomes ready.
 
@@ -236,10 +260,12 @@ def exit_on_startup_failure(service: Any, reactor: Any = None) -> None:
         if failure.check(DatabaseServiceStopped, FrontendStopped, defer.CancelledError):
             return None
         log.critical("{program} cannot start: {reason}", program=PROGRAM,
-                     reason=" ".join(failure.getErrorMessage().split()))
+                     reason=startup_failure_reason(failure, listen))
         _exit_status_at_interpreter_exit(1)
         if reactor.running:
             reactor.stop()
+        else:  # failed inside startService (a listen error), before twistd runs the reactor
+            reactor.callWhenRunning(reactor.stop)
         return None
 
     service.whenReady().addErrback(failed)
@@ -270,7 +296,7 @@ def makeService(options: Options) -> MultiService:
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(replica)
     frontend = FrontendService(options)
     frontend.setServiceParent(replica)
-    exit_on_startup_failure(frontend)
+    exit_on_startup_failure(frontend, listen=options.get("listen"))
     if options.get("local-worker"):
         LocalWorkerService(frontend, options).setServiceParent(replica)
     return replica

@@ -159,11 +159,16 @@ def test_worker_help_shows_variables_and_defaults(twistd):
      "--listen (from LOCALAI_LISTEN):"),
     (["localai-worker", "--register-to", "ftp://x"], {}, "--register-to:"),
     (["localai-worker"], {}, "--register-to is required"),
+    (["localai-frontend", "--no-such-option"], {}, "option --no-such-option not recognized"),
 ])
 def test_bad_option_fails_naming_it(twistd, args, env, named):
+    """One line on stderr, program and option first; not twistd's 60 lines of help."""
     result = twistd(["-n", "--pidfile="] + args, env=env)
-    assert result.returncode != 0
-    assert named in result.stdout + result.stderr
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{args[0]}: {named}"), result.stderr
+    assert lines[0].endswith(f"(see twistd -n {args[0]} --help)")
+    assert "Usage:" not in result.stdout
 
 
 def test_frontend_with_configured_database_serves_and_stops(twistd, pg_dsn):
@@ -261,3 +266,20 @@ def test_two_frontends_and_a_worker_start_from_one_directory(twistd, pg_dsn, tmp
     assert not (tmp_path / "twistd.pid").exists()
     for proc in [worker] + frontends:
         stop(proc)
+
+
+def test_frontend_exits_with_failure_when_its_port_is_taken(twistd, pg_dsn, data_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = twistd(["-n", "localai-frontend", "--listen",
+                         f"tcp:{port}:interface=127.0.0.1", "--database-url", pg_dsn],
+                        env={"LOCALAI_DATA_DIR": str(data_dir)}, timeout=30)
+    assert result.returncode == 1, result.stdout
+    assert time.monotonic() - started < 20
+    assert (f"localai-frontend cannot start: --listen tcp:{port}:interface=127.0.0.1: "
+            f"127.0.0.1:{port} is already in use by another process; stop it or choose another "
+            f"port with --listen") in result.stdout
+    assert not (data_dir / "localai-frontend.pid").exists()
