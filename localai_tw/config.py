@@ -143,6 +143,11 @@ class EnvOptions(usage.Options):
         self.raw: dict[str, Any] = {}
         super().__init__()
 
+    def opt_version(self) -> None:
+        """Print localai-tw's version and exit."""
+        print(f"{self.program} (localai-tw) {installed_version()}")
+        raise SystemExit(0)
+
     def parseOptions(self, options=None) -> None:
         """As ``usage.Options.parseOptions``; under twistd (``self.parent`` set) a usage error
         is one line on stderr and exit status 1, instead of twistd's full help with the
@@ -240,6 +245,19 @@ class EnvOptions(usage.Options):
                 shown = str(val)
             out.append((setting.flag, shown, self.sources.get(setting.name, "default")))
         return out
+
+
+def installed_version() -> str:
+    """localai-tw's version as installed (setup.py's), else the package's own ``__version__``
+    (a checkout run without installing)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("localai-tw")
+    except metadata.PackageNotFoundError:
+        from localai_tw import __version__
+
+        return __version__
 
 
 TWISTD_DEFAULT_PIDFILE = "twistd.pid"

@@ -283,3 +283,12 @@ def test_frontend_exits_with_failure_when_its_port_is_taken(twistd, pg_dsn, data
             f"127.0.0.1:{port} is already in use by another process; stop it or choose another "
             f"port with --listen") in result.stdout
     assert not (data_dir / "localai-frontend.pid").exists()
+
+
+@pytest.mark.parametrize("program", ["localai-frontend", "localai-worker"])
+def test_version(twistd, program):
+    from importlib import metadata
+
+    result = twistd(["-n", program, "--version"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{program} (localai-tw) {metadata.version('localai-tw')}\n"

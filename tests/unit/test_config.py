@@ -453,3 +453,15 @@ def test_worker_and_frontend_default_data_directories_differ():
     worker = parse(worker_tap.Options, ["--register-to", "http://f"])
     assert front["data-dir"] != worker["data-dir"]
     assert worker["data-dir"] == config.default_data_dir("worker")
+
+
+def test_version_prints_localai_tw_version(capsys):
+    from importlib import metadata
+
+    for options_class, program in ((frontend_tap.Options, "localai-frontend"),
+                                   (worker_tap.Options, "localai-worker")):
+        with pytest.raises(SystemExit) as info:
+            parse(options_class, ["--version"])
+        assert info.value.code == 0
+        assert capsys.readouterr().out == \
+            f"{program} (localai-tw) {metadata.version('localai-tw')}\n"
