@@ -462,6 +462,13 @@ def choice_parser(*choices: str) -> Parser:
     return parse_choice
 
 
+def log_level_setting() -> Setting:
+    """``--log-level``, shared by both plugins (``localai_tw.logs`` applies it)."""
+    return value("log-level", "LOCALAI_LOG_LEVEL",
+                 "Least severe log events shown: debug, info, warn or error.",
+                 default="info", parse=choice_parser("debug", "info", "warn", "error"))
+
+
 def parse_secret(raw: str, option: str) -> str:
     """A non-blank secret.  The value never appears in the error."""
     if not raw.strip():

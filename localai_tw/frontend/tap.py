@@ -90,6 +90,7 @@ SETTINGS = (
                 "for it. Mints a registration token when none is set."),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
+    config.log_level_setting(),
 )
 
 
@@ -289,14 +290,53 @@ def makeService(options: Options) -> MultiService:
     """The frontend replica: configuration report, then the ``FrontendService``; with
     ``--local-worker``, then the ``LocalWorkerService`` (started once the frontend is ready,
     stopped before the frontend stops)."""
+    from localai_tw import logs
+
+    logs.quiet_grpc_core()  # before the inference core imports grpc
     from .localworker import InOrderMultiService, LocalWorkerService
     from .service import FrontendService  # it imports this module's probe resources
 
+    root = logs.LevelledMultiService(options.get("log-level") or logs.DEFAULT_LEVEL,
+                                     getattr(options, "parent", None))
     replica = InOrderMultiService() if options.get("local-worker") else MultiService()
+    replica.setServiceParent(root)
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(replica)
     frontend = FrontendService(options)
     frontend.setServiceParent(replica)
     exit_on_startup_failure(frontend, listen=options.get("listen"))
+    frontend.whenReady().addCallbacks(
+        lambda ready: log.info("{line}", line=exposure_line(ready.listener.port.getHost(),
+                                                            options)),
+        lambda failure: None)  # a failed start is reported by exit_on_startup_failure
     if options.get("local-worker"):
         LocalWorkerService(frontend, options).setServiceParent(replica)
-    return replica
+    return root
+
+
+def exposure_line(address: Any, options: Any) -> str:
+    """One line saying who can use what on this replica's listener, logged once it is ready:
+    an operator reads from it alone whether the OpenAI API, the admin API and worker
+    registration are open."""
+    host = getattr(address, "host", None)
+    if host is None:
+        where = str(getattr(address, "name", address))
+    elif host in ("0.0.0.0", "::"):
+        where = f"every interface of this machine, port {address.port}"
+    else:
+        where = f"[{host}]:{address.port}" if ":" in host else f"{host}:{address.port}"
+    keys = options.get("api-key") or []
+    if keys:
+        api = f"the OpenAI API needs an API key ({len(keys)} configured); the admin API is open " \
+              "to holders of those keys"
+    else:
+        api = (f"the OpenAI API is open to anyone who can reach {where} (no --api-key); the "
+               "admin API is closed (it needs --api-key)")
+    if getattr(options, "sources", {}).get("registration-token") == "generated":
+        registration = "worker registration is limited to the local worker (token minted in " \
+                       "this process; set --registration-token for other workers)"
+    elif options.get("registration-token"):
+        registration = "worker registration needs the registration token"
+    else:
+        registration = "worker registration is open to anyone who can reach it (no " \
+                       "--registration-token)"
+    return f"{PROGRAM} listening on {where}: {api}; {registration}"

@@ -57,6 +57,7 @@ SETTINGS = (
                       parse=config.parse_label),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
+    config.log_level_setting(),
 )
 
 
@@ -116,9 +117,13 @@ class PortRangeCheck(Service):
 def makeService(options: Options) -> MultiService:
     """The worker: configuration report, port range check, then registration, heartbeats, the
     tunnel dial loop and the control plane fed by tunnel streams (``worker/service.py``)."""
+    from localai_tw import logs
+
+    logs.quiet_grpc_core()  # before the backend supervisor imports grpc
     from localai_tw.worker.service import makeWorkerService
 
-    worker = MultiService()
+    worker = logs.LevelledMultiService(options.get("log-level") or logs.DEFAULT_LEVEL,
+                                       getattr(options, "parent", None))
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(worker)
     PortRangeCheck(options["backend-port-range"]).setServiceParent(worker)
     makeWorkerService(options).setServiceParent(worker)

@@ -186,6 +186,25 @@ def test_frontend_with_configured_database_serves_and_stops(twistd, pg_dsn):
     assert "Server Shut Down" in log
     assert "sk-e2e-secret" not in log
     assert "--nats-url is accepted for compatibility and ignored" in log
+    assert (f"localai-frontend listening on 127.0.0.1:{port}: the OpenAI API needs an API key "
+            "(1 configured)") in log
+    assert "GET /readyz" not in log and "GET /healthz" not in log  # probes: no access lines
+    assert "#debug]" not in log
+
+
+def test_log_level_warn_leaves_out_info(twistd, data_dir):
+    proc = twistd(["-n", "localai-worker", "--register-to", "http://127.0.0.1:1",
+                   "--log-level", "warn"], env={"LOCALAI_DATA_DIR": str(data_dir)}, wait=False)
+    deadline = time.monotonic() + 30
+    while "registration of node" not in proc.log_path.read_text():
+        assert proc.poll() is None, proc.log_path.read_text()
+        assert time.monotonic() < deadline, proc.log_path.read_text()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    log = proc.log_path.read_text()
+    assert "#warn] registration of node" in log
+    assert "#info]" not in log, log
 
 
 def test_frontend_embedded_database_end_to_end(twistd, data_dir):

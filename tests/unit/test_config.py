@@ -465,3 +465,89 @@ def test_version_prints_localai_tw_version(capsys):
         assert info.value.code == 0
         assert capsys.readouterr().out == \
             f"{program} (localai-tw) {metadata.version('localai-tw')}\n"
+
+
+# -- logs an operator reads ------------------------------------------------------------------
+
+
+def test_log_level_option():
+    assert parse(frontend_tap.Options, [])["log-level"] == "info"
+    assert parse(worker_tap.Options, ["--register-to", "http://f"],
+                 {"LOCALAI_LOG_LEVEL": "WARN"})["log-level"] == "warn"
+    with pytest.raises(usage.UsageError, match=r"^--log-level: expected one of debug, info"):
+        parse(frontend_tap.Options, ["--log-level", "chatty"])
+
+
+def test_log_level_filters_twistds_own_observer(tmp_path):
+    """Under twistd the root service installs twistd's default observer behind a level
+    filter, as the application's ILogObserver (which twistd prefers to its own)."""
+    from twisted.application.service import Application
+    from twisted.logger import ILogObserver, Logger
+
+    from localai_tw import logs
+
+    server = twistd_parse(["-n", "--pidfile=", "--logfile", str(tmp_path / "t.log"),
+                           "localai-frontend", "--data-dir", str(tmp_path), "--log-level",
+                           "warn"])
+    application = Application("t")
+    logs.LevelledMultiService("warn", server).setServiceParent(application)
+    observer = application.getComponent(ILogObserver)
+    logger = Logger(namespace="probe", observer=observer)
+    logger.debug("a debug line")
+    logger.info("an info line")
+    logger.warn("a warning line")
+    logger.error("an error line")
+    text = (tmp_path / "t.log").read_text()
+    assert "a warning line" in text and "an error line" in text
+    assert "info line" not in text and "debug line" not in text
+
+
+def test_grpc_core_logging_is_off_unless_asked():
+    from localai_tw import logs
+
+    environ = {}
+    logs.quiet_grpc_core(environ)
+    assert environ == {"GRPC_VERBOSITY": "NONE"}
+    for asked in ({"GRPC_VERBOSITY": "debug"}, {"GRPC_TRACE": "http"}):
+        environ = dict(asked)
+        logs.quiet_grpc_core(environ)
+        assert environ == asked
+
+
+def test_access_log_leaves_out_heartbeats_and_probes():
+    from localai_tw.frontend.web import FrontendSite
+
+    class Request:
+        def __init__(self, path, code=200):
+            self.path, self.code = path, code
+
+    lines = []
+    site = FrontendSite(None, logFormatter=lambda now, request: request.path.decode())
+    site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line.strip())})()
+    for request in (Request(b"/api/node/n1/heartbeat"), Request(b"/healthz"),
+                    Request(b"/readyz"), Request(b"/v1/embeddings"),
+                    Request(b"/api/node/register"), Request(b"/api/node/n1/heartbeat", 404),
+                    Request(b"/readyz", 503)):
+        site.log(request)
+    assert lines == ["/v1/embeddings", "/api/node/register", "/api/node/n1/heartbeat"]
+
+
+def test_exposure_line_says_what_is_open():
+    from twisted.internet.address import IPv4Address
+
+    local = IPv4Address("TCP", "127.0.0.1", 8080)
+    everywhere = IPv4Address("TCP", "0.0.0.0", 8080)
+    open_line = frontend_tap.exposure_line(local, parse(frontend_tap.Options, []))
+    assert "the OpenAI API is open to anyone who can reach 127.0.0.1:8080 (no --api-key)" \
+        in open_line
+    assert "the admin API is closed" in open_line
+    assert "worker registration is open to anyone" in open_line
+    keyed = parse(frontend_tap.Options, ["--api-key", "sk-secret-1", "--registration-token",
+                                         "tok-secret"])
+    line = frontend_tap.exposure_line(everywhere, keyed)
+    assert "every interface of this machine, port 8080" in line
+    assert "the OpenAI API needs an API key (1 configured)" in line
+    assert "worker registration needs the registration token" in line
+    assert "secret" not in line
+    minted = parse(frontend_tap.Options, ["--local-worker"])
+    assert "limited to the local worker" in frontend_tap.exposure_line(local, minted)
