@@ -501,6 +501,70 @@ def parse_server_endpoint(raw: str, option: str) -> str:
     return text
 
 
+def listener_reach(description: str) -> str | None:
+    """Who else can connect to a server endpoint description: None when only this machine can
+    (``interface=`` a loopback address, a ``unix:`` socket), else what it listens on
+    (``"every interface"`` when no interface is named).  Other endpoint kinds (plugins) count
+    as reachable: nothing here can tell."""
+    from twisted.internet.endpoints import _parse
+
+    try:
+        args, kwargs = _parse(description.strip())
+    except Exception:
+        return description
+    kind = args[0].lower() if args else ""
+    if kind in ("unix",):
+        return None
+    if kind not in ("tcp", "tcp6", "ssl") and not kind.isdigit():
+        return f"{description.strip()} (an endpoint this check cannot see into)"
+    interface = kwargs.get("interface", "")
+    if not interface:
+        return "every interface"
+    host = interface.split("%", 1)[0]
+    if host.lower() == "localhost":
+        return None
+    try:
+        return None if ipaddress.ip_address(host).is_loopback else interface
+    except ValueError:
+        return interface
+
+
+def parse_secret_file(raw: str, option: str) -> str:
+    """The secret held in the file named ``raw``: its content without the trailing newline.
+    A missing, unreadable or empty file is a usage error naming the path, never the content."""
+    path = parse_path(raw, option)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(65536 + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e.__class__.__name__)
+        raise _fail(option, f"cannot read {path}: {reason}") from None
+    if len(text) > 65536:
+        raise _fail(option, f"{path} is larger than 64 KiB; it should hold only the secret")
+    secret = text.rstrip("\r\n")
+    if not secret.strip():
+        raise _fail(option, f"{path} is empty")
+    return secret
+
+
+def adopt_secret_file(options: "EnvOptions", name: str, *, lines: bool = False) -> None:
+    """Fill ``options[name]`` from ``options[name + "-file"]`` when that was given; both at
+    once is a usage error.  ``lines``: the file holds one secret per non-blank line (a list)."""
+    content = options.get(name + "-file")
+    if content is None:
+        return
+    given = options.get(name)
+    if given not in (None, [], ""):
+        raise usage.UsageError(f"--{name} and --{name}-file are both set; give one of them")
+    if lines:
+        options[name] = [line.strip() for line in content.splitlines() if line.strip()]
+    else:
+        options[name] = content
+    options.sources[name] = "file"
+    # Keep the secret in one place only: the -file option goes back to naming the file.
+    options[name + "-file"] = parse_path(options.raw[name + "-file"], f"--{name}-file")
+
+
 def parse_database_url(raw: str, option: str) -> str:
     """A libpq DSN: ``postgresql://...``/``postgres://...`` URL or ``key=value`` text.
 

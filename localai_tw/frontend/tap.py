@@ -40,11 +40,15 @@ log = Logger()
 
 PROGRAM = "localai-frontend"
 
+#: Loopback only: an OpenAI API with no key must not be reachable from the network by default.
+DEFAULT_LISTEN = "tcp:8080:interface=127.0.0.1"
+
 SETTINGS = (
     config.value("listen", "LOCALAI_LISTEN",
-                 "Twisted server endpoint for HTTP (e.g. tcp:8080:interface=0.0.0.0, "
-                 "ssl:8443:privateKey=key.pem:certKey=cert.pem).",
-                 default="tcp:8080", parse=config.parse_server_endpoint),
+                 "Twisted server endpoint for HTTP (e.g. tcp:8080:interface=0.0.0.0 for every "
+                 "interface, ssl:8443:privateKey=key.pem:certKey=cert.pem). A listener other "
+                 "machines can reach needs --api-key (or --allow-open-api).",
+                 default=DEFAULT_LISTEN, parse=config.parse_server_endpoint),
     config.value("database-url", "LOCALAI_DATABASE_URL",
                  "PostgreSQL DSN (postgresql://user@host:5432/db or key=value). Without it an "
                  "embedded PostgreSQL runs in <data-dir>/postgres.",
@@ -69,13 +73,23 @@ SETTINGS = (
     config.flag("single-host", "LOCALAI_SINGLE_HOST",
                 "All replicas run on this machine: allow a loopback --advertise-address."),
     config.value("registration-token", "LOCALAI_REGISTRATION_TOKEN",
-                 "Shared secret workers present to register.",
+                 "Shared secret workers present to register (prefer "
+                 "--registration-token-file: a command line is visible to every user).",
                  parse=config.parse_secret, secret=True),
+    config.value("registration-token-file", "LOCALAI_REGISTRATION_TOKEN_FILE",
+                 "File holding the registration token (one trailing newline is ignored).",
+                 parse=config.parse_secret_file),
     config.repeatable("api-key", "LOCALAI_API_KEY",
                       "API key accepted on the OpenAI API and required by the admin API "
                       "(/api/nodes, /api/cluster/instances; refused with none set); the "
-                      "variable takes a comma-separated list.",
+                      "variable takes a comma-separated list (prefer --api-key-file).",
                       parse=config.parse_secret, secret=True),
+    config.value("api-key-file", "LOCALAI_API_KEY_FILE",
+                 "File holding the API keys, one per line.",
+                 parse=config.parse_secret_file),
+    config.flag("allow-open-api", "LOCALAI_ALLOW_OPEN_API",
+                "Allow a --listen other machines can reach with no --api-key: the OpenAI API "
+                "then serves anyone who reaches it."),
     config.value("reconnect-grace", "LOCALAI_RECONNECT_GRACE",
                  "How long a disconnected worker counts as reconnecting before it is gone "
                  "(90s, 1m30s, or seconds).",
@@ -105,6 +119,16 @@ class Options(config.EnvOptions):
     program = PROGRAM
 
     def validate(self) -> None:
+        config.adopt_secret_file(self, "registration-token")
+        config.adopt_secret_file(self, "api-key", lines=True)
+        reach = config.listener_reach(self["listen"])
+        if reach is not None and not self["api-key"] and not self["allow-open-api"]:
+            raise usage.UsageError(
+                f"--listen: {self['listen']} accepts connections on {reach} and no --api-key "
+                "is set, so the OpenAI API would serve anyone who can reach it; set "
+                "--api-key-file (or --api-key), listen on loopback "
+                f"({DEFAULT_LISTEN}), or pass --allow-open-api (env "
+                "LOCALAI_ALLOW_OPEN_API=true) to run it open on purpose")
         advertised = self["advertise-address"]
         if advertised is not None and config.is_loopback_host(advertised[0]) \
                 and not self["single-host"]:

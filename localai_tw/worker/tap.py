@@ -10,6 +10,7 @@ join this tree as further children.  This module only parses options and compose
 from __future__ import annotations
 
 import socket
+from urllib.parse import urlsplit
 
 from twisted.application.service import MultiService, Service
 from twisted.logger import Logger
@@ -34,8 +35,12 @@ SETTINGS = (
                  "(http, https, ws or wss). Required.",
                  parse=config.parse_url),
     config.value("registration-token", "LOCALAI_REGISTRATION_TOKEN",
-                 "Shared secret presented when registering.",
+                 "Shared secret presented when registering (prefer "
+                 "--registration-token-file: a command line is visible to every user).",
                  parse=config.parse_secret, secret=True),
+    config.value("registration-token-file", "LOCALAI_REGISTRATION_TOKEN_FILE",
+                 "File holding the registration token (one trailing newline is ignored).",
+                 parse=config.parse_secret_file),
     config.value("node-name", "LOCALAI_NODE_NAME",
                  "This worker's name in the cluster; must be unique.",
                  default=socket.gethostname(),
@@ -72,6 +77,7 @@ class Options(config.EnvOptions):
     program = PROGRAM
 
     def validate(self) -> None:
+        config.adopt_secret_file(self, "registration-token")
         if self["register-to"] is None:
             raise usage.UsageError(
                 "--register-to is required (env LOCALAI_REGISTER_TO): the URL of the frontend "
@@ -114,6 +120,19 @@ class PortRangeCheck(Service):
                      last=overlap[1], path=self.path)
 
 
+def warn_if_unencrypted(register_to: str) -> bool:
+    """Warn (and answer True) when registration and the tunnel would cross a network in clear:
+    an ``http``/``ws`` URL whose host is not this machine."""
+    parts = urlsplit(register_to)
+    if parts.scheme.lower() not in ("http", "ws") or config.is_loopback_host(parts.hostname or ""):
+        return False
+    log.warn("--register-to {url} is not encrypted: the registration token, the tunnel "
+             "credential and every request to this worker cross the network in clear; use "
+             "https:// (TLS at the frontend or its load balancer) outside a trusted network",
+             url=register_to)
+    return True
+
+
 def makeService(options: Options) -> MultiService:
     """The worker: configuration report, port range check, then registration, heartbeats, the
     tunnel dial loop and the control plane fed by tunnel streams (``worker/service.py``)."""
@@ -122,6 +141,7 @@ def makeService(options: Options) -> MultiService:
     logs.quiet_grpc_core()  # before the backend supervisor imports grpc
     from localai_tw.worker.service import makeWorkerService
 
+    warn_if_unencrypted(options["register-to"])
     worker = logs.LevelledMultiService(options.get("log-level") or logs.DEFAULT_LEVEL,
                                        getattr(options, "parent", None))
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(worker)

@@ -132,7 +132,7 @@ def test_frontend_help_shows_variables_and_defaults(twistd):
     result = twistd(["-n", "localai-frontend", "--help"])
     assert result.returncode == 0, result.stderr
     text = flat(result.stdout)
-    for expected in ("--listen=", "[env: LOCALAI_LISTEN, default: tcp:8080]",
+    for expected in ("--listen=", "[env: LOCALAI_LISTEN, default: tcp:8080:interface=127.0.0.1]",
                      "--database-url=", "[env: LOCALAI_DATABASE_URL, default: embedded",
                      "--data-dir=", "LOCALAI_DATA_DIR",
                      "--reconnect-grace=", "[env: LOCALAI_RECONNECT_GRACE, default: 90s]",
@@ -276,7 +276,8 @@ def test_two_frontends_and_a_worker_start_from_one_directory(twistd, pg_dsn, tmp
         assert worker.poll() is None, worker.log_path.read_text()
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    again = twistd(["-n", "localai-frontend", "--listen", f"tcp:{free_port()}",
+    again = twistd(["-n", "localai-frontend",
+                    "--listen", f"tcp:{free_port()}:interface=127.0.0.1",
                     "--database-url", pg_dsn],
                    env={"LOCALAI_DATA_DIR": str(tmp_path / "replica-0")})
     assert again.returncode == 1
@@ -311,3 +312,27 @@ def test_version(twistd, program):
     result = twistd(["-n", program, "--version"])
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{program} (localai-tw) {metadata.version('localai-tw')}\n"
+
+
+def test_open_listener_is_refused_without_a_key_and_keys_come_from_files(twistd, pg_dsn,
+                                                                          tmp_path):
+    port = free_port()
+    refused = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}",
+                      "--database-url", pg_dsn],
+                     env={"LOCALAI_DATA_DIR": str(tmp_path / "a")})
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(f"localai-frontend: --listen: tcp:{port} accepts "
+                                     "connections on every interface and no --api-key is set")
+    assert "--allow-open-api" in refused.stderr
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-from-file\n")
+    proc = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}",
+                   "--database-url", pg_dsn, "--api-key-file", str(keys)],
+                  env={"LOCALAI_DATA_DIR": str(tmp_path / "b")}, wait=False)
+    wait_until_ready(proc, port)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/nodes",
+                                     headers={"Authorization": "Bearer sk-from-file"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 200
+    stop(proc)
+    assert "sk-from-file" not in proc.log_path.read_text()

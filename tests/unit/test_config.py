@@ -188,7 +188,7 @@ def test_server_endpoint_descriptions():
 
 def test_frontend_defaults():
     options = parse(frontend_tap.Options, [])
-    assert options["listen"] == "tcp:8080"
+    assert options["listen"] == "tcp:8080:interface=127.0.0.1"  # loopback: no key, no network
     assert options["database-url"] is None
     assert options["reconnect-grace"] == 90.0
     assert options["api-key"] == []
@@ -253,7 +253,7 @@ def test_frontend_help_shows_every_option_with_its_variable():
     for setting in frontend_tap.SETTINGS:
         assert f"--{setting.name}" in text
         assert f"[env: {setting.env}, default: " in text
-    assert "[env: LOCALAI_LISTEN, default: tcp:8080]" in text
+    assert "[env: LOCALAI_LISTEN, default: tcp:8080:interface=127.0.0.1]" in text
     assert "[env: LOCALAI_RECONNECT_GRACE, default: 90s]" in text
     assert "[env: LOCALAI_DATABASE_URL, default: embedded PostgreSQL]" in text
 
@@ -551,3 +551,79 @@ def test_exposure_line_says_what_is_open():
     assert "secret" not in line
     minted = parse(frontend_tap.Options, ["--local-worker"])
     assert "limited to the local worker" in frontend_tap.exposure_line(local, minted)
+
+
+# -- secure by default ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("listen, reach", [
+    ("tcp:8080:interface=127.0.0.1", None),
+    ("tcp:8080:interface=127.0.0.2", None),
+    (r"tcp6:8080:interface=\:\:1", None),
+    ("tcp:8080:interface=localhost", None),
+    ("unix:/run/ltw.sock", None),
+    ("tcp:8080", "every interface"),
+    ("tcp:8080:interface=0.0.0.0", "0.0.0.0"),
+    ("tcp:8080:interface=192.0.2.7", "192.0.2.7"),
+    ("ssl:8443:privateKey=k.pem", "every interface"),
+])
+def test_listener_reach(listen, reach):
+    assert config.listener_reach(listen) == reach
+
+
+@pytest.mark.parametrize("args, env", [
+    (["--listen", "tcp:8080"], {}),
+    ([], {"LOCALAI_LISTEN": "tcp:8080:interface=0.0.0.0"}),
+])
+def test_open_network_listener_needs_a_key_or_the_explicit_flag(args, env):
+    with pytest.raises(usage.UsageError) as info:
+        parse(frontend_tap.Options, args, env)
+    message = str(info.value)
+    assert message.startswith("--listen: ")
+    assert "--allow-open-api" in message and "LOCALAI_ALLOW_OPEN_API" in message
+    assert "--api-key" in message
+    assert parse(frontend_tap.Options, args + ["--allow-open-api"], env)["listen"]
+    assert parse(frontend_tap.Options, args, dict(env, LOCALAI_ALLOW_OPEN_API="1"))["listen"]
+    assert parse(frontend_tap.Options, args + ["--api-key", "k"], env)["api-key"] == ["k"]
+
+
+def test_secrets_from_files(tmp_path):
+    (tmp_path / "token").write_text("tok-from-file\n")
+    (tmp_path / "keys").write_text("key-one\n\nkey-two\n")
+    options = parse(frontend_tap.Options, ["--registration-token-file", str(tmp_path / "token"),
+                                           "--listen", "tcp:8080"],
+                    {"LOCALAI_API_KEY_FILE": str(tmp_path / "keys")})
+    assert options["registration-token"] == "tok-from-file"
+    assert options["api-key"] == ["key-one", "key-two"]
+    assert options.sources["api-key"] == "file"
+    shown = repr(options.describe())
+    assert "tok-from-file" not in shown and "key-one" not in shown
+    assert str(tmp_path / "token") in shown
+    worker = parse(worker_tap.Options, ["--register-to", "http://f",
+                                        "--registration-token-file", str(tmp_path / "token")])
+    assert worker["registration-token"] == "tok-from-file"
+
+
+def test_bad_secret_files_are_usage_errors(tmp_path):
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "token").write_text("s3cret\n")
+    for args, expected in (
+            (["--registration-token-file", str(tmp_path / "missing")],
+             f"--registration-token-file: cannot read {tmp_path / 'missing'}: No such file"),
+            (["--api-key-file", str(tmp_path / "empty")],
+             f"--api-key-file: {tmp_path / 'empty'} is empty"),
+            (["--api-key-file", str(tmp_path)], f"--api-key-file: cannot read {tmp_path}"),
+            (["--registration-token", "x", "--registration-token-file", str(tmp_path / "token")],
+             "--registration-token and --registration-token-file are both set")):
+        with pytest.raises(usage.UsageError) as info:
+            parse(frontend_tap.Options, args)
+        assert str(info.value).startswith(expected), str(info.value)
+        assert "s3cret" not in str(info.value)
+
+
+def test_worker_warns_when_registering_in_clear_across_a_network():
+    assert worker_tap.warn_if_unencrypted("http://192.0.2.10:8080") is True
+    assert worker_tap.warn_if_unencrypted("ws://frontends.example") is True
+    assert worker_tap.warn_if_unencrypted("https://frontends.example") is False
+    assert worker_tap.warn_if_unencrypted("http://127.0.0.1:8080") is False
+    assert worker_tap.warn_if_unencrypted("http://localhost:8080") is False
