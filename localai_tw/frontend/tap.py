@@ -65,7 +65,9 @@ SETTINGS = (
     config.value("instance-id", "LOCALAI_INSTANCE_ID",
                  "This replica's id in the cluster (at most 36 characters). Keep it stable "
                  "across restarts.",
-                 parse=config.parse_identifier, default_doc="a random UUID at each start"),
+                 parse=config.parse_identifier,
+                 default_doc="a random UUID made at first start and kept in "
+                             "<data-dir>/instance-id"),
     config.value("advertise-address", "LOCALAI_ADVERTISE_ADDRESS",
                  "host:port other replicas dial to reach this one.",
                  parse=config.parse_host_port, default_doc="discovered from the route to the "
@@ -136,9 +138,6 @@ class Options(config.EnvOptions):
                 f"--advertise-address: {advertised[0]} is a loopback or unspecified address, "
                 "which other replicas cannot reach; pass --single-host (env "
                 "LOCALAI_SINGLE_HOST=true) if every replica runs on this machine")
-        if self["instance-id"] is None:
-            self["instance-id"] = str(uuid.uuid4())
-            self.sources["instance-id"] = "generated"
         if self["local-worker"]:
             from .localworker import is_tcp_endpoint
 
@@ -320,6 +319,13 @@ def makeService(options: Options) -> MultiService:
     from .localworker import InOrderMultiService, LocalWorkerService
     from .service import FrontendService  # it imports this module's probe resources
 
+    if options.get("instance-id") is None:
+        try:
+            options["instance-id"] = stored_instance_id(options["data-dir"])
+        except usage.UsageError as e:  # as at option parsing: one line, status 1
+            sys.stderr.write(f"{PROGRAM}: {e}\n")
+            raise SystemExit(1) from None
+        options.sources["instance-id"] = "data-dir"
     root = logs.LevelledMultiService(options.get("log-level") or logs.DEFAULT_LEVEL,
                                      getattr(options, "parent", None))
     replica = InOrderMultiService() if options.get("local-worker") else MultiService()
@@ -335,6 +341,35 @@ def makeService(options: Options) -> MultiService:
     if options.get("local-worker"):
         LocalWorkerService(frontend, options).setServiceParent(replica)
     return root
+
+
+INSTANCE_ID_FILE = "instance-id"
+
+
+def stored_instance_id(data_dir: str) -> str:
+    """This data directory's replica id: read from ``<data-dir>/instance-id``, or made (a
+    UUID) and stored there at first start, so a restarted replica comes back under the same
+    id and finds the rows it held.  A file holding something else stops the start with a
+    usage error naming it (it is the operator's to fix, never silently replaced)."""
+    path = os.path.join(data_dir, INSTANCE_ID_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return config.parse_identifier(f.read().strip(), f"--instance-id (from {path})")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise usage.UsageError(f"--data-dir: cannot read {path}: {e.strerror}") from None
+    instance_id = str(uuid.uuid4())
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(instance_id + "\n")
+        os.replace(partial, path)
+    except OSError as e:
+        raise usage.UsageError(f"--data-dir: cannot write {path}: {e.strerror}") from None
+    log.info("this replica's instance id {id} is kept in {path}", id=instance_id, path=path)
+    return instance_id
 
 
 def exposure_line(address: Any, options: Any) -> str:

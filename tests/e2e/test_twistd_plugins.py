@@ -336,3 +336,20 @@ def test_open_listener_is_refused_without_a_key_and_keys_come_from_files(twistd,
         assert response.status == 200
     stop(proc)
     assert "sk-from-file" not in proc.log_path.read_text()
+
+
+def test_frontend_keeps_its_instance_id_across_restarts(twistd, pg_dsn, tmp_path):
+    ids = []
+    for _ in range(2):
+        port = free_port()
+        proc = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}:interface=127.0.0.1",
+                       "--database-url", pg_dsn],
+                      env={"LOCALAI_DATA_DIR": str(tmp_path / "replica")}, wait=False)
+        wait_until_ready(proc, port)
+        stop(proc)
+        line = next(line for line in proc.log_path.read_text().splitlines()
+                    if "localai-frontend --instance-id = " in line)
+        ids.append(line.split(" = ", 1)[1])
+    assert ids[0] == ids[1]
+    assert ids[0].endswith(" (data-dir)")
+    assert (tmp_path / "replica" / "instance-id").read_text().strip() == ids[0].split()[0]

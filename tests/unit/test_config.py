@@ -193,7 +193,7 @@ def test_frontend_defaults():
     assert options["reconnect-grace"] == 90.0
     assert options["api-key"] == []
     assert options["single-host"] is False and options["require-approval"] is False
-    assert len(options["instance-id"]) == 36  # a generated UUID
+    assert options["instance-id"] is None  # makeService reads or makes <data-dir>/instance-id
     assert options["data-dir"] == config.default_data_dir()
 
 
@@ -627,3 +627,14 @@ def test_worker_warns_when_registering_in_clear_across_a_network():
     assert worker_tap.warn_if_unencrypted("https://frontends.example") is False
     assert worker_tap.warn_if_unencrypted("http://127.0.0.1:8080") is False
     assert worker_tap.warn_if_unencrypted("http://localhost:8080") is False
+
+
+def test_instance_id_is_kept_in_the_data_directory(tmp_path):
+    first = frontend_tap.stored_instance_id(str(tmp_path / "d"))
+    assert len(first) == 36
+    assert (tmp_path / "d" / "instance-id").read_text() == first + "\n"
+    assert frontend_tap.stored_instance_id(str(tmp_path / "d")) == first
+    assert frontend_tap.stored_instance_id(str(tmp_path / "other")) != first
+    (tmp_path / "d" / "instance-id").write_text("not valid!\n")
+    with pytest.raises(usage.UsageError, match=r"^--instance-id \(from .*instance-id\): "):
+        frontend_tap.stored_instance_id(str(tmp_path / "d"))
