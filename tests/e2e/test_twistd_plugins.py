@@ -338,7 +338,12 @@ def test_open_listener_is_refused_without_a_key_and_keys_come_from_files(twistd,
     assert "sk-from-file" not in proc.log_path.read_text()
 
 
-def test_frontend_keeps_its_instance_id_across_restarts(twistd, pg_dsn, tmp_path):
+def test_frontend_keeps_its_instance_id_and_leaves_no_run_directory(twistd, pg_dsn,
+                                                                      data_dir):
+    # data_dir: a short path, so the bridge sockets live in <data-dir>/run (not a mkdtemp).
+    tmp_path = data_dir
+    run = tmp_path / "replica" / "run"
+    (run / "grpc-leftover").mkdir(parents=True)  # an earlier process's, empty
     ids = []
     for _ in range(2):
         port = free_port()
@@ -346,10 +351,18 @@ def test_frontend_keeps_its_instance_id_across_restarts(twistd, pg_dsn, tmp_path
                        "--database-url", pg_dsn],
                       env={"LOCALAI_DATA_DIR": str(tmp_path / "replica")}, wait=False)
         wait_until_ready(proc, port)
+        assert [p.name for p in run.iterdir()] == ["grpc-" + instance_id(proc)[:12]]
         stop(proc)
+        assert list(run.iterdir()) == []
         line = next(line for line in proc.log_path.read_text().splitlines()
                     if "localai-frontend --instance-id = " in line)
         ids.append(line.split(" = ", 1)[1])
     assert ids[0] == ids[1]
     assert ids[0].endswith(" (data-dir)")
     assert (tmp_path / "replica" / "instance-id").read_text().strip() == ids[0].split()[0]
+
+
+def instance_id(proc) -> str:
+    line = next(line for line in proc.log_path.read_text().splitlines()
+                if "localai-frontend --instance-id = " in line)
+    return line.split(" = ", 1)[1].split()[0]

@@ -638,3 +638,13 @@ def test_instance_id_is_kept_in_the_data_directory(tmp_path):
     (tmp_path / "d" / "instance-id").write_text("not valid!\n")
     with pytest.raises(usage.UsageError, match=r"^--instance-id \(from .*instance-id\): "):
         frontend_tap.stored_instance_id(str(tmp_path / "d"))
+
+
+def test_tests_never_use_the_real_data_directories():
+    """tests/conftest.py points the default data directories at a directory of the session."""
+    import os
+
+    home_share = os.path.join(os.path.expanduser("~"), ".local", "share")
+    for role in ("", "worker"):
+        assert not config.default_data_dir(role).startswith(home_share)
+    assert not parse(frontend_tap.Options, [])["data-dir"].startswith(home_share)
