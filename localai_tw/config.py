@@ -191,8 +191,9 @@ class EnvOptions(usage.Options):
         if pid is not None:
             raise usage.UsageError(
                 f"--data-dir: another {self.program} (pid {pid}) is running with data "
-                f"directory {data_dir}; give this one its own --data-dir (a second frontend shares the "
-                f"first one's embedded PostgreSQL with the --database-url the first one logged)")
+                f"directory {data_dir}; give this one its own --data-dir (a second frontend "
+                "shares the first one's embedded PostgreSQL with the --database-url the first "
+                "one logged)")
         parent["pidfile"] = pidfile
 
     def validate(self) -> None:

@@ -12,6 +12,10 @@
    process that registers with this frontend over loopback once it is ready.  The children then
    stop one at a time in reverse order, so the worker leaves before its frontend.
 
+Under twistd the options also move twistd's default pidfile into ``<data-dir>`` (see
+``config.EnvOptions``), and ``makeService`` reads or makes ``<data-dir>/instance-id`` and logs,
+once ready, one line saying who can use what (``exposure_line``).
+
 This module also defines ``/healthz`` and ``/readyz`` (used by the service's resource tree).  It
 only parses options and composes services; it must not grow protocol logic of its own.
 """
