@@ -18,9 +18,11 @@ and ``EnvOptions.describe()`` masks them.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
@@ -125,6 +127,8 @@ class EnvOptions(usage.Options):
     """
 
     settings: ClassVar[Sequence[Setting]] = ()
+    #: The plugin's name, in error lines and ``--version``.
+    program: ClassVar[str] = "localai-tw"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -139,10 +143,58 @@ class EnvOptions(usage.Options):
         self.raw: dict[str, Any] = {}
         super().__init__()
 
+    def opt_version(self) -> None:
+        """Print localai-tw's version and exit."""
+        print(f"{self.program} (localai-tw) {installed_version()}")
+        raise SystemExit(0)
+
+    def parseOptions(self, options=None) -> None:
+        """As ``usage.Options.parseOptions``; under twistd (``self.parent`` set) a usage error
+        is one line on stderr and exit status 1, instead of twistd's full help with the
+        reason at its end."""
+        try:
+            super().parseOptions(options)
+        except usage.UsageError as e:
+            if self.parent is None:
+                raise
+            sys.stderr.write(f"{self.program}: {e} (see twistd -n {self.program} --help)\n")
+            sys.stderr.flush()
+            raise SystemExit(1) from None
+
     def postOptions(self) -> None:
         for setting in self.settings:
             self[setting.name] = self._resolve(setting)
         self.validate()
+        if self.parent is not None:
+            self._adopt_pidfile()
+
+    def _adopt_pidfile(self) -> None:
+        """Under twistd, move its default pidfile (``twistd.pid`` in the working directory,
+        which makes a second process started from the same directory fail) into this
+        process's data directory: ``<data-dir>/<program>.pid``.
+
+        twistd reads ``--pidfile`` before the plugin's options and checks it only after they
+        are parsed, so the plugin may still replace its default.  A ``--pidfile`` given
+        explicitly (``--pidfile=`` for none) is left alone.  A live process already holding
+        that pidfile is refused here with a message naming ``--data-dir``, the real fix.
+        """
+        parent = self.parent
+        if parent.get("pidfile") != TWISTD_DEFAULT_PIDFILE or not self.get("data-dir"):
+            return
+        data_dir = self["data-dir"]
+        try:
+            os.makedirs(data_dir, exist_ok=True)
+        except OSError as e:
+            raise _fail("--data-dir", f"cannot create {data_dir}: {e.strerror}") from None
+        pidfile = os.path.join(data_dir, f"{self.program}.pid")
+        pid = _live_pid(pidfile)
+        if pid is not None:
+            raise usage.UsageError(
+                f"--data-dir: another {self.program} (pid {pid}) is running with data "
+                f"directory {data_dir}; give this one its own --data-dir (a second frontend "
+                "shares the first one's embedded PostgreSQL with the --database-url the first "
+                "one logged)")
+        parent["pidfile"] = pidfile
 
     def validate(self) -> None:
         """Checks that involve more than one option; raise ``usage.UsageError``."""
@@ -194,6 +246,36 @@ class EnvOptions(usage.Options):
                 shown = str(val)
             out.append((setting.flag, shown, self.sources.get(setting.name, "default")))
         return out
+
+
+def installed_version() -> str:
+    """localai-tw's version as installed (setup.py's), else the package's own ``__version__``
+    (a checkout run without installing)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("localai-tw")
+    except metadata.PackageNotFoundError:
+        from localai_tw import __version__
+
+        return __version__
+
+
+TWISTD_DEFAULT_PIDFILE = "twistd.pid"
+
+
+def _live_pid(pidfile: str) -> int | None:
+    """The pid recorded in ``pidfile`` if that process is alive, else None."""
+    try:
+        with open(pidfile) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return pid if e.errno == errno.EPERM else None
+    return pid
 
 
 class ConfigurationReport(Service):
@@ -381,6 +463,13 @@ def choice_parser(*choices: str) -> Parser:
     return parse_choice
 
 
+def log_level_setting() -> Setting:
+    """``--log-level``, shared by both plugins (``localai_tw.logs`` applies it)."""
+    return value("log-level", "LOCALAI_LOG_LEVEL",
+                 "Least severe log events shown: debug, info, warn or error.",
+                 default="info", parse=choice_parser("debug", "info", "warn", "error"))
+
+
 def parse_secret(raw: str, option: str) -> str:
     """A non-blank secret.  The value never appears in the error."""
     if not raw.strip():
@@ -413,6 +502,70 @@ def parse_server_endpoint(raw: str, option: str) -> str:
     return text
 
 
+def listener_reach(description: str) -> str | None:
+    """Who else can connect to a server endpoint description: None when only this machine can
+    (``interface=`` a loopback address, a ``unix:`` socket), else what it listens on
+    (``"every interface"`` when no interface is named).  Other endpoint kinds (plugins) count
+    as reachable: nothing here can tell."""
+    from twisted.internet.endpoints import _parse
+
+    try:
+        args, kwargs = _parse(description.strip())
+    except Exception:
+        return description
+    kind = args[0].lower() if args else ""
+    if kind in ("unix",):
+        return None
+    if kind not in ("tcp", "tcp6", "ssl") and not kind.isdigit():
+        return f"{description.strip()} (an endpoint this check cannot see into)"
+    interface = kwargs.get("interface", "")
+    if not interface:
+        return "every interface"
+    host = interface.split("%", 1)[0]
+    if host.lower() == "localhost":
+        return None
+    try:
+        return None if ipaddress.ip_address(host).is_loopback else interface
+    except ValueError:
+        return interface
+
+
+def parse_secret_file(raw: str, option: str) -> str:
+    """The secret held in the file named ``raw``: its content without the trailing newline.
+    A missing, unreadable or empty file is a usage error naming the path, never the content."""
+    path = parse_path(raw, option)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(65536 + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e.__class__.__name__)
+        raise _fail(option, f"cannot read {path}: {reason}") from None
+    if len(text) > 65536:
+        raise _fail(option, f"{path} is larger than 64 KiB; it should hold only the secret")
+    secret = text.rstrip("\r\n")
+    if not secret.strip():
+        raise _fail(option, f"{path} is empty")
+    return secret
+
+
+def adopt_secret_file(options: "EnvOptions", name: str, *, lines: bool = False) -> None:
+    """Fill ``options[name]`` from ``options[name + "-file"]`` when that was given; both at
+    once is a usage error.  ``lines``: the file holds one secret per non-blank line (a list)."""
+    content = options.get(name + "-file")
+    if content is None:
+        return
+    given = options.get(name)
+    if given not in (None, [], ""):
+        raise usage.UsageError(f"--{name} and --{name}-file are both set; give one of them")
+    if lines:
+        options[name] = [line.strip() for line in content.splitlines() if line.strip()]
+    else:
+        options[name] = content
+    options.sources[name] = "file"
+    # Keep the secret in one place only: the -file option goes back to naming the file.
+    options[name + "-file"] = parse_path(options.raw[name + "-file"], f"--{name}-file")
+
+
 def parse_database_url(raw: str, option: str) -> str:
     """A libpq DSN: ``postgresql://...``/``postgres://...`` URL or ``key=value`` text.
 
@@ -431,11 +584,13 @@ def parse_database_url(raw: str, option: str) -> str:
     return text
 
 
-def default_data_dir() -> str:
-    """The per-user data directory for localai-tw (``~/.local/share/localai-tw`` on Linux)."""
+def default_data_dir(role: str = "") -> str:
+    """The per-user data directory for localai-tw: ``~/.local/share/localai-tw`` on Linux for
+    a frontend, ``~/.local/share/localai-tw-worker`` for ``role="worker"``, so a worker and a
+    frontend on one machine never share state (or a pidfile) by default."""
     import platformdirs
 
-    return platformdirs.user_data_dir("localai-tw")
+    return platformdirs.user_data_dir("localai-tw" + (f"-{role}" if role else ""))
 
 
 def parse_path(raw: str, option: str) -> str:

@@ -7,10 +7,19 @@ Each test that asks for a database gets its own ``CREATE DATABASE``, dropped aft
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
 import uuid
+
+# Nothing a test starts may write into the real ~/.local/share/localai-tw (or -worker): the
+# default data directories (platformdirs reads XDG_DATA_HOME) point into a directory of this
+# session, for this process and every twistd it starts.  Set before localai_tw is imported,
+# since the options compute their defaults at import.
+_SESSION_DATA_HOME = tempfile.mkdtemp(prefix="ltw-test-data-home-")
+os.environ["XDG_DATA_HOME"] = _SESSION_DATA_HOME
+atexit.register(shutil.rmtree, _SESSION_DATA_HOME, True)
 
 import psycopg2
 import pytest

@@ -24,7 +24,8 @@ backend port is not there).  Otherwise the backend itself answered.
 
 Directory and names: ``<run-dir>/grpc-<replica>`` when that keeps socket paths under the 107
 byte limit of ``sun_path``, else a fresh ``mkdtemp`` under the system temp directory (mode 0700
-either way); a socket is ``<sha256(node:port)[:16]>.sock``.  Only this process's user can
+either way, removed by :meth:`GrpcBridges.close`; empty ``grpc-*`` leftovers beside it are
+removed at start); a socket is ``<sha256(node:port)[:16]>.sock``.  Only this process's user can
 connect.
 
 What this module must never do: listen anywhere but a Unix socket in a 0700 directory; dial a
@@ -220,8 +221,28 @@ def _private_directory(run_dir: str | None, replica: str) -> tuple[str, bool]:
             st = os.lstat(candidate)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                 raise OSError(f"{candidate} is not a directory owned by this user")
+            _remove_empty_siblings(candidate)
             return candidate, False
     return tempfile.mkdtemp(prefix="ltw-grpc-"), True
+
+
+def _remove_empty_siblings(directory: str) -> None:
+    """Remove the empty ``grpc-*`` directories beside ``directory``: left by replicas that
+    stopped without cleaning up (or ran under another instance id).  Non-empty ones may be a
+    live replica's on a shared data directory and are left alone; a live replica whose empty
+    directory goes here makes it again at its next bridge."""
+    parent = os.path.dirname(directory)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(parent, name)
+        if name.startswith("grpc-") and path != directory:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
 
 
 class GrpcBridges:
@@ -249,6 +270,8 @@ class GrpcBridges:
         existing = self._bridges.get(key)
         if existing is not None and not existing.closed:
             return existing
+        if not self._temporary:  # a sibling replica may have tidied it away while empty
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
         name = hashlib.sha256(f"{node_id}:{port}".encode()).hexdigest()[:16] + ".sock"
         bridge = GrpcBridge(self._dialer, node_id, int(port),
                             os.path.join(self.directory, name), self._reactor,
@@ -279,10 +302,12 @@ class GrpcBridges:
         self._bridges.clear()
 
         def tidy(_):
-            if self._temporary:
-                try:
-                    os.rmdir(self.directory)
-                except OSError:
-                    pass
+            # Ours in either case; an empty <run-dir>/grpc-<replica> would otherwise stay
+            # after every stop.  Not empty (a socket we failed to unlink): left, and logged
+            # by the bridge that failed.
+            try:
+                os.rmdir(self.directory)
+            except OSError:
+                pass
 
         return defer.DeferredList(closing, consumeErrors=True).addCallback(tidy)

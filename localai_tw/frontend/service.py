@@ -251,7 +251,8 @@ class FrontendService(MultiService):
         self._peer_slot = LateResource("the replica peer endpoint")
         self.root = self._build_root()
         self.site = FrontendSite(self.root, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
-        self.listener = ListeningService(reactor, _option(options, "listen", "tcp:8080"),
+        self.listener = ListeningService(reactor, _option(options, "listen",
+                                                          "tcp:8080:interface=127.0.0.1"),
                                          self.site)
         self.listener.setServiceParent(self)
 

@@ -12,12 +12,17 @@
    process that registers with this frontend over loopback once it is ready.  The children then
    stop one at a time in reverse order, so the worker leaves before its frontend.
 
+Under twistd the options also move twistd's default pidfile into ``<data-dir>`` (see
+``config.EnvOptions``), and ``makeService`` reads or makes ``<data-dir>/instance-id`` and logs,
+once ready, one line saying who can use what (``exposure_line``).
+
 This module also defines ``/healthz`` and ``/readyz`` (used by the service's resource tree).  It
 only parses options and composes services; it must not grow protocol logic of its own.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -39,11 +44,15 @@ log = Logger()
 
 PROGRAM = "localai-frontend"
 
+#: Loopback only: an OpenAI API with no key must not be reachable from the network by default.
+DEFAULT_LISTEN = "tcp:8080:interface=127.0.0.1"
+
 SETTINGS = (
     config.value("listen", "LOCALAI_LISTEN",
-                 "Twisted server endpoint for HTTP (e.g. tcp:8080:interface=0.0.0.0, "
-                 "ssl:8443:privateKey=key.pem:certKey=cert.pem).",
-                 default="tcp:8080", parse=config.parse_server_endpoint),
+                 "Twisted server endpoint for HTTP (e.g. tcp:8080:interface=0.0.0.0 for every "
+                 "interface, ssl:8443:privateKey=key.pem:certKey=cert.pem). A listener other "
+                 "machines can reach needs --api-key (or --allow-open-api).",
+                 default=DEFAULT_LISTEN, parse=config.parse_server_endpoint),
     config.value("database-url", "LOCALAI_DATABASE_URL",
                  "PostgreSQL DSN (postgresql://user@host:5432/db or key=value). Without it an "
                  "embedded PostgreSQL runs in <data-dir>/postgres.",
@@ -51,7 +60,8 @@ SETTINGS = (
                  default_doc="embedded PostgreSQL"),
     config.value("data-dir", "LOCALAI_DATA_DIR",
                  "Directory for this replica's state (the embedded PostgreSQL lives in "
-                 "<data-dir>/postgres).",
+                 "<data-dir>/postgres; twistd's pidfile is <data-dir>/localai-frontend.pid "
+                 "unless --pidfile is given). One per replica.",
                  default=config.default_data_dir(), parse=config.parse_path),
     config.value("models-dir", "LOCALAI_MODELS_DIR",
                  "Directory of model YAML files.", parse=config.parse_path,
@@ -59,7 +69,9 @@ SETTINGS = (
     config.value("instance-id", "LOCALAI_INSTANCE_ID",
                  "This replica's id in the cluster (at most 36 characters). Keep it stable "
                  "across restarts.",
-                 parse=config.parse_identifier, default_doc="a random UUID at each start"),
+                 parse=config.parse_identifier,
+                 default_doc="a random UUID made at first start and kept in "
+                             "<data-dir>/instance-id"),
     config.value("advertise-address", "LOCALAI_ADVERTISE_ADDRESS",
                  "host:port other replicas dial to reach this one.",
                  parse=config.parse_host_port, default_doc="discovered from the route to the "
@@ -67,13 +79,23 @@ SETTINGS = (
     config.flag("single-host", "LOCALAI_SINGLE_HOST",
                 "All replicas run on this machine: allow a loopback --advertise-address."),
     config.value("registration-token", "LOCALAI_REGISTRATION_TOKEN",
-                 "Shared secret workers present to register.",
+                 "Shared secret workers present to register (prefer "
+                 "--registration-token-file: a command line is visible to every user).",
                  parse=config.parse_secret, secret=True),
+    config.value("registration-token-file", "LOCALAI_REGISTRATION_TOKEN_FILE",
+                 "File holding the registration token (one trailing newline is ignored).",
+                 parse=config.parse_secret_file),
     config.repeatable("api-key", "LOCALAI_API_KEY",
                       "API key accepted on the OpenAI API and required by the admin API "
                       "(/api/nodes, /api/cluster/instances; refused with none set); the "
-                      "variable takes a comma-separated list.",
+                      "variable takes a comma-separated list (prefer --api-key-file).",
                       parse=config.parse_secret, secret=True),
+    config.value("api-key-file", "LOCALAI_API_KEY_FILE",
+                 "File holding the API keys, one per line.",
+                 parse=config.parse_secret_file),
+    config.flag("allow-open-api", "LOCALAI_ALLOW_OPEN_API",
+                "Allow a --listen other machines can reach with no --api-key: the OpenAI API "
+                "then serves anyone who reaches it."),
     config.value("reconnect-grace", "LOCALAI_RECONNECT_GRACE",
                  "How long a disconnected worker counts as reconnecting before it is gone "
                  "(90s, 1m30s, or seconds).",
@@ -88,6 +110,7 @@ SETTINGS = (
                 "for it. Mints a registration token when none is set."),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
+    config.log_level_setting(),
 )
 
 
@@ -99,8 +122,19 @@ class Options(config.EnvOptions):
                 "workers connect to, with cluster state in PostgreSQL.  Every option can also "
                 "be set by the environment variable shown beside it.")
     settings = SETTINGS
+    program = PROGRAM
 
     def validate(self) -> None:
+        config.adopt_secret_file(self, "registration-token")
+        config.adopt_secret_file(self, "api-key", lines=True)
+        reach = config.listener_reach(self["listen"])
+        if reach is not None and not self["api-key"] and not self["allow-open-api"]:
+            raise usage.UsageError(
+                f"--listen: {self['listen']} accepts connections on {reach} and no --api-key "
+                "is set, so the OpenAI API would serve anyone who can reach it; set "
+                "--api-key-file (or --api-key), listen on loopback "
+                f"({DEFAULT_LISTEN}), or pass --allow-open-api (env "
+                "LOCALAI_ALLOW_OPEN_API=true) to run it open on purpose")
         advertised = self["advertise-address"]
         if advertised is not None and config.is_loopback_host(advertised[0]) \
                 and not self["single-host"]:
@@ -108,9 +142,6 @@ class Options(config.EnvOptions):
                 f"--advertise-address: {advertised[0]} is a loopback or unspecified address, "
                 "which other replicas cannot reach; pass --single-host (env "
                 "LOCALAI_SINGLE_HOST=true) if every replica runs on this machine")
-        if self["instance-id"] is None:
-            self["instance-id"] = str(uuid.uuid4())
-            self.sources["instance-id"] = "generated"
         if self["local-worker"]:
             from .localworker import is_tcp_endpoint
 
@@ -216,7 +247,30 @@ def build_database_service(options: Options) -> DatabaseService:
                            application_name="localai_frontend")
 
 
-def exit_on_startup_failure(service: Any, reactor: Any = None) -> None:
+def startup_failure_reason(failure, listen: str | None = None) -> str:
+    """One line saying why the replica could not start and, where it is known, the fix."""
+    from twisted.internet.error import CannotListenError
+
+    if failure.check(CannotListenError):
+        error = failure.value
+        where = f"{error.interface}:{error.port}" if error.interface else f"port {error.port}"
+        code = getattr(error.socketError, "errno", None)
+        option = f"--listen {listen}" if listen else "--listen"
+        if code == errno.EADDRINUSE:
+            return (f"{option}: {where} is already in use by another process; stop it or "
+                    f"choose another port with --listen (e.g. tcp:8081:interface=127.0.0.1)")
+        if code == errno.EACCES:
+            return (f"{option}: no permission to listen on {where} (ports below 1024 need "
+                    f"privileges); choose a port above 1023 with --listen")
+        if code == errno.EADDRNOTAVAIL:
+            return (f"{option}: {error.interface or where} is not an address of this machine; "
+                    f"fix interface= in --listen")
+        return f"{option}: cannot listen on {where}: {error.socketError}"
+    return " ".join(failure.getErrorMessage().split())
+
+
+def exit_on_startup_failure(service: Any, reactor: Any = None,
+                            listen: str | None = None) -> None:
     """End the process with status 1 if ``service`` (anything with ``whenReady()``: the
     ``FrontendService`` or a ``DatabaseService``) never becomes ready.
 
@@ -234,10 +288,12 @@ def exit_on_startup_failure(service: Any, reactor: Any = None) -> None:
         if failure.check(DatabaseServiceStopped, FrontendStopped, defer.CancelledError):
             return None
         log.critical("{program} cannot start: {reason}", program=PROGRAM,
-                     reason=" ".join(failure.getErrorMessage().split()))
+                     reason=startup_failure_reason(failure, listen))
         _exit_status_at_interpreter_exit(1)
         if reactor.running:
             reactor.stop()
+        else:  # failed inside startService (a listen error), before twistd runs the reactor
+            reactor.callWhenRunning(reactor.stop)
         return None
 
     service.whenReady().addErrback(failed)
@@ -261,14 +317,89 @@ def makeService(options: Options) -> MultiService:
     """The frontend replica: configuration report, then the ``FrontendService``; with
     ``--local-worker``, then the ``LocalWorkerService`` (started once the frontend is ready,
     stopped before the frontend stops)."""
+    from localai_tw import logs
+
+    logs.quiet_grpc_core()  # before the inference core imports grpc
     from .localworker import InOrderMultiService, LocalWorkerService
     from .service import FrontendService  # it imports this module's probe resources
 
+    if options.get("instance-id") is None:
+        try:
+            options["instance-id"] = stored_instance_id(options["data-dir"])
+        except usage.UsageError as e:  # as at option parsing: one line, status 1
+            sys.stderr.write(f"{PROGRAM}: {e}\n")
+            raise SystemExit(1) from None
+        options.sources["instance-id"] = "data-dir"
+    root = logs.LevelledMultiService(options.get("log-level") or logs.DEFAULT_LEVEL,
+                                     getattr(options, "parent", None))
     replica = InOrderMultiService() if options.get("local-worker") else MultiService()
+    replica.setServiceParent(root)
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(replica)
     frontend = FrontendService(options)
     frontend.setServiceParent(replica)
-    exit_on_startup_failure(frontend)
+    exit_on_startup_failure(frontend, listen=options.get("listen"))
+    frontend.whenReady().addCallbacks(
+        lambda ready: log.info("{line}", line=exposure_line(ready.listener.port.getHost(),
+                                                            options)),
+        lambda failure: None)  # a failed start is reported by exit_on_startup_failure
     if options.get("local-worker"):
         LocalWorkerService(frontend, options).setServiceParent(replica)
-    return replica
+    return root
+
+
+INSTANCE_ID_FILE = "instance-id"
+
+
+def stored_instance_id(data_dir: str) -> str:
+    """This data directory's replica id: read from ``<data-dir>/instance-id``, or made (a
+    UUID) and stored there at first start, so a restarted replica comes back under the same
+    id and finds the rows it held.  A file holding something else stops the start with a
+    usage error naming it (it is the operator's to fix, never silently replaced)."""
+    path = os.path.join(data_dir, INSTANCE_ID_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return config.parse_identifier(f.read().strip(), f"--instance-id (from {path})")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise usage.UsageError(f"--data-dir: cannot read {path}: {e.strerror}") from None
+    instance_id = str(uuid.uuid4())
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(instance_id + "\n")
+        os.replace(partial, path)
+    except OSError as e:
+        raise usage.UsageError(f"--data-dir: cannot write {path}: {e.strerror}") from None
+    log.info("this replica's instance id {id} is kept in {path}", id=instance_id, path=path)
+    return instance_id
+
+
+def exposure_line(address: Any, options: Any) -> str:
+    """One line saying who can use what on this replica's listener, logged once it is ready:
+    an operator reads from it alone whether the OpenAI API, the admin API and worker
+    registration are open."""
+    host = getattr(address, "host", None)
+    if host is None:
+        where = str(getattr(address, "name", address))
+    elif host in ("0.0.0.0", "::"):
+        where = f"every interface of this machine, port {address.port}"
+    else:
+        where = f"[{host}]:{address.port}" if ":" in host else f"{host}:{address.port}"
+    keys = options.get("api-key") or []
+    if keys:
+        api = f"the OpenAI API needs an API key ({len(keys)} configured); the admin API is open " \
+              "to holders of those keys"
+    else:
+        api = (f"the OpenAI API is open to anyone who can reach {where} (no --api-key); the "
+               "admin API is closed (it needs --api-key)")
+    if getattr(options, "sources", {}).get("registration-token") == "generated":
+        registration = "worker registration is limited to the local worker (token minted in " \
+                       "this process; set --registration-token for other workers)"
+    elif options.get("registration-token"):
+        registration = "worker registration needs the registration token"
+    else:
+        registration = "worker registration is open to anyone who can reach it (no " \
+                       "--registration-token)"
+    return f"{PROGRAM} listening on {where}: {api}; {registration}"

@@ -275,6 +275,19 @@ class FrontendSite(server.Site):
         self.body_limits = sorted((body_limits or {}).items(), key=lambda kv: len(kv[0]),
                                   reverse=True)
 
+    def log(self, request) -> None:
+        """The access log, without the lines nobody reads: the load balancer's ``/healthz``
+        and ``/readyz`` probes (a 503 there is the normal "not ready yet" answer; the replica
+        logs why itself) and successful worker heartbeats (one per worker every 10 s).  Every
+        API request, and any heartbeat that failed, is still logged."""
+        path = request.path or b""
+        if path in (b"/healthz", b"/readyz"):
+            return
+        if path.startswith(b"/api/node/") and path.endswith(b"/heartbeat") \
+                and (request.code or 200) < 400:
+            return
+        super().log(request)
+
     def body_limit_for(self, target: bytes | None) -> int:
         if target is None:
             return self.default_limit

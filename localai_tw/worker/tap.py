@@ -10,6 +10,7 @@ join this tree as further children.  This module only parses options and compose
 from __future__ import annotations
 
 import socket
+from urllib.parse import urlsplit
 
 from twisted.application.service import MultiService, Service
 from twisted.logger import Logger
@@ -34,8 +35,12 @@ SETTINGS = (
                  "(http, https, ws or wss). Required.",
                  parse=config.parse_url),
     config.value("registration-token", "LOCALAI_REGISTRATION_TOKEN",
-                 "Shared secret presented when registering.",
+                 "Shared secret presented when registering (prefer "
+                 "--registration-token-file: a command line is visible to every user).",
                  parse=config.parse_secret, secret=True),
+    config.value("registration-token-file", "LOCALAI_REGISTRATION_TOKEN_FILE",
+                 "File holding the registration token (one trailing newline is ignored).",
+                 parse=config.parse_secret_file),
     config.value("node-name", "LOCALAI_NODE_NAME",
                  "This worker's name in the cluster; must be unique.",
                  default=socket.gethostname(),
@@ -48,14 +53,16 @@ SETTINGS = (
                  "kernel's ephemeral range (" + EPHEMERAL_PORT_RANGE_FILE + ").",
                  default=DEFAULT_BACKEND_PORT_RANGE, parse=config.parse_port_range),
     config.value("data-dir", "LOCALAI_DATA_DIR",
-                 "Directory for this worker's state (models, backends).",
-                 default=config.default_data_dir(), parse=config.parse_path),
+                 "Directory for this worker's state (models, backends; twistd's pidfile is "
+                 "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker.",
+                 default=config.default_data_dir("worker"), parse=config.parse_path),
     config.repeatable("label", "LOCALAI_NODE_LABELS",
                       "Scheduling label key=value; the variable is comma-separated "
                       "(k=v,k=v).",
                       parse=config.parse_label),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
+    config.log_level_setting(),
 )
 
 
@@ -67,8 +74,10 @@ class Options(config.EnvOptions):
                 "tunnel to it and runs backends on loopback only.  Every option can also be "
                 "set by the environment variable shown beside it.")
     settings = SETTINGS
+    program = PROGRAM
 
     def validate(self) -> None:
+        config.adopt_secret_file(self, "registration-token")
         if self["register-to"] is None:
             raise usage.UsageError(
                 "--register-to is required (env LOCALAI_REGISTER_TO): the URL of the frontend "
@@ -111,12 +120,30 @@ class PortRangeCheck(Service):
                      last=overlap[1], path=self.path)
 
 
+def warn_if_unencrypted(register_to: str) -> bool:
+    """Warn (and answer True) when registration and the tunnel would cross a network in clear:
+    an ``http``/``ws`` URL whose host is not this machine."""
+    parts = urlsplit(register_to)
+    if parts.scheme.lower() not in ("http", "ws") or config.is_loopback_host(parts.hostname or ""):
+        return False
+    log.warn("--register-to {url} is not encrypted: the registration token, the tunnel "
+             "credential and every request to this worker cross the network in clear; use "
+             "https:// (TLS at the frontend or its load balancer) outside a trusted network",
+             url=register_to)
+    return True
+
+
 def makeService(options: Options) -> MultiService:
     """The worker: configuration report, port range check, then registration, heartbeats, the
     tunnel dial loop and the control plane fed by tunnel streams (``worker/service.py``)."""
+    from localai_tw import logs
+
+    logs.quiet_grpc_core()  # before the backend supervisor imports grpc
     from localai_tw.worker.service import makeWorkerService
 
-    worker = MultiService()
+    warn_if_unencrypted(options["register-to"])
+    worker = logs.LevelledMultiService(options.get("log-level") or logs.DEFAULT_LEVEL,
+                                       getattr(options, "parent", None))
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(worker)
     PortRangeCheck(options["backend-port-range"]).setServiceParent(worker)
     makeWorkerService(options).setServiceParent(worker)

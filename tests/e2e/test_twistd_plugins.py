@@ -132,7 +132,7 @@ def test_frontend_help_shows_variables_and_defaults(twistd):
     result = twistd(["-n", "localai-frontend", "--help"])
     assert result.returncode == 0, result.stderr
     text = flat(result.stdout)
-    for expected in ("--listen=", "[env: LOCALAI_LISTEN, default: tcp:8080]",
+    for expected in ("--listen=", "[env: LOCALAI_LISTEN, default: tcp:8080:interface=127.0.0.1]",
                      "--database-url=", "[env: LOCALAI_DATABASE_URL, default: embedded",
                      "--data-dir=", "LOCALAI_DATA_DIR",
                      "--reconnect-grace=", "[env: LOCALAI_RECONNECT_GRACE, default: 90s]",
@@ -159,11 +159,16 @@ def test_worker_help_shows_variables_and_defaults(twistd):
      "--listen (from LOCALAI_LISTEN):"),
     (["localai-worker", "--register-to", "ftp://x"], {}, "--register-to:"),
     (["localai-worker"], {}, "--register-to is required"),
+    (["localai-frontend", "--no-such-option"], {}, "option --no-such-option not recognized"),
 ])
 def test_bad_option_fails_naming_it(twistd, args, env, named):
+    """One line on stderr, program and option first; not twistd's 60 lines of help."""
     result = twistd(["-n", "--pidfile="] + args, env=env)
-    assert result.returncode != 0
-    assert named in result.stdout + result.stderr
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{args[0]}: {named}"), result.stderr
+    assert lines[0].endswith(f"(see twistd -n {args[0]} --help)")
+    assert "Usage:" not in result.stdout
 
 
 def test_frontend_with_configured_database_serves_and_stops(twistd, pg_dsn):
@@ -181,6 +186,25 @@ def test_frontend_with_configured_database_serves_and_stops(twistd, pg_dsn):
     assert "Server Shut Down" in log
     assert "sk-e2e-secret" not in log
     assert "--nats-url is accepted for compatibility and ignored" in log
+    assert (f"localai-frontend listening on 127.0.0.1:{port}: the OpenAI API needs an API key "
+            "(1 configured)") in log
+    assert "GET /readyz" not in log and "GET /healthz" not in log  # probes: no access lines
+    assert "#debug]" not in log
+
+
+def test_log_level_warn_leaves_out_info(twistd, data_dir):
+    proc = twistd(["-n", "localai-worker", "--register-to", "http://127.0.0.1:1",
+                   "--log-level", "warn"], env={"LOCALAI_DATA_DIR": str(data_dir)}, wait=False)
+    deadline = time.monotonic() + 30
+    while "registration of node" not in proc.log_path.read_text():
+        assert proc.poll() is None, proc.log_path.read_text()
+        assert time.monotonic() < deadline, proc.log_path.read_text()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    log = proc.log_path.read_text()
+    assert "#warn] registration of node" in log
+    assert "#info]" not in log, log
 
 
 def test_frontend_embedded_database_end_to_end(twistd, data_dir):
@@ -229,3 +253,116 @@ def test_worker_starts_logs_its_configuration_and_stops(twistd):
         first, last = (int(p) for p in ephemeral.read_text().split())
         if first <= 40099 and 40000 <= last:
             assert "overlaps the kernel's ephemeral port range" in log
+
+
+def test_two_frontends_and_a_worker_start_from_one_directory(twistd, pg_dsn, tmp_path):
+    """No --pidfile: each process keeps its pidfile in its own data directory, so the commands
+    of the quickstart work from one working directory; a second process on the *same* data
+    directory is refused naming --data-dir."""
+    ports = [free_port(), free_port()]
+    frontends = [
+        twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}:interface=127.0.0.1",
+                "--database-url", pg_dsn],
+               env={"LOCALAI_DATA_DIR": str(tmp_path / f"replica-{i}")}, wait=False)
+        for i, port in enumerate(ports)]
+    for proc, port in zip(frontends, ports):
+        wait_until_ready(proc, port)
+    assert (tmp_path / "replica-0" / "localai-frontend.pid").read_text().strip() == \
+        str(frontends[0].pid)
+    worker = twistd(["-n", "localai-worker", "--register-to", f"http://127.0.0.1:{ports[0]}"],
+                    env={"LOCALAI_DATA_DIR": str(tmp_path / "worker")}, wait=False)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "worker" / "localai-worker.pid").exists():
+        assert worker.poll() is None, worker.log_path.read_text()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    again = twistd(["-n", "localai-frontend",
+                    "--listen", f"tcp:{free_port()}:interface=127.0.0.1",
+                    "--database-url", pg_dsn],
+                   env={"LOCALAI_DATA_DIR": str(tmp_path / "replica-0")})
+    assert again.returncode == 1
+    assert again.stderr.startswith(
+        f"localai-frontend: --data-dir: another localai-frontend (pid {frontends[0].pid})")
+    assert not (tmp_path / "twistd.pid").exists()
+    for proc in [worker] + frontends:
+        stop(proc)
+
+
+def test_frontend_exits_with_failure_when_its_port_is_taken(twistd, pg_dsn, data_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = twistd(["-n", "localai-frontend", "--listen",
+                         f"tcp:{port}:interface=127.0.0.1", "--database-url", pg_dsn],
+                        env={"LOCALAI_DATA_DIR": str(data_dir)}, timeout=30)
+    assert result.returncode == 1, result.stdout
+    assert time.monotonic() - started < 20
+    assert (f"localai-frontend cannot start: --listen tcp:{port}:interface=127.0.0.1: "
+            f"127.0.0.1:{port} is already in use by another process; stop it or choose another "
+            f"port with --listen") in result.stdout
+    assert not (data_dir / "localai-frontend.pid").exists()
+
+
+@pytest.mark.parametrize("program", ["localai-frontend", "localai-worker"])
+def test_version(twistd, program):
+    from importlib import metadata
+
+    result = twistd(["-n", program, "--version"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{program} (localai-tw) {metadata.version('localai-tw')}\n"
+
+
+def test_open_listener_is_refused_without_a_key_and_keys_come_from_files(twistd, pg_dsn,
+                                                                          tmp_path):
+    port = free_port()
+    refused = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}",
+                      "--database-url", pg_dsn],
+                     env={"LOCALAI_DATA_DIR": str(tmp_path / "a")})
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(f"localai-frontend: --listen: tcp:{port} accepts "
+                                     "connections on every interface and no --api-key is set")
+    assert "--allow-open-api" in refused.stderr
+    keys = tmp_path / "api-keys"
+    keys.write_text("sk-from-file\n")
+    proc = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}",
+                   "--database-url", pg_dsn, "--api-key-file", str(keys)],
+                  env={"LOCALAI_DATA_DIR": str(tmp_path / "b")}, wait=False)
+    wait_until_ready(proc, port)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/nodes",
+                                     headers={"Authorization": "Bearer sk-from-file"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 200
+    stop(proc)
+    assert "sk-from-file" not in proc.log_path.read_text()
+
+
+def test_frontend_keeps_its_instance_id_and_leaves_no_run_directory(twistd, pg_dsn,
+                                                                      data_dir):
+    # data_dir: a short path, so the bridge sockets live in <data-dir>/run (not a mkdtemp).
+    tmp_path = data_dir
+    run = tmp_path / "replica" / "run"
+    (run / "grpc-leftover").mkdir(parents=True)  # an earlier process's, empty
+    ids = []
+    for _ in range(2):
+        port = free_port()
+        proc = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}:interface=127.0.0.1",
+                       "--database-url", pg_dsn],
+                      env={"LOCALAI_DATA_DIR": str(tmp_path / "replica")}, wait=False)
+        wait_until_ready(proc, port)
+        assert [p.name for p in run.iterdir()] == ["grpc-" + instance_id(proc)[:12]]
+        stop(proc)
+        assert list(run.iterdir()) == []
+        line = next(line for line in proc.log_path.read_text().splitlines()
+                    if "localai-frontend --instance-id = " in line)
+        ids.append(line.split(" = ", 1)[1])
+    assert ids[0] == ids[1]
+    assert ids[0].endswith(" (data-dir)")
+    assert (tmp_path / "replica" / "instance-id").read_text().strip() == ids[0].split()[0]
+
+
+def instance_id(proc) -> str:
+    line = next(line for line in proc.log_path.read_text().splitlines()
+                if "localai-frontend --instance-id = " in line)
+    return line.split(" = ", 1)[1].split()[0]

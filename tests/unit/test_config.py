@@ -188,12 +188,12 @@ def test_server_endpoint_descriptions():
 
 def test_frontend_defaults():
     options = parse(frontend_tap.Options, [])
-    assert options["listen"] == "tcp:8080"
+    assert options["listen"] == "tcp:8080:interface=127.0.0.1"  # loopback: no key, no network
     assert options["database-url"] is None
     assert options["reconnect-grace"] == 90.0
     assert options["api-key"] == []
     assert options["single-host"] is False and options["require-approval"] is False
-    assert len(options["instance-id"]) == 36  # a generated UUID
+    assert options["instance-id"] is None  # makeService reads or makes <data-dir>/instance-id
     assert options["data-dir"] == config.default_data_dir()
 
 
@@ -253,7 +253,7 @@ def test_frontend_help_shows_every_option_with_its_variable():
     for setting in frontend_tap.SETTINGS:
         assert f"--{setting.name}" in text
         assert f"[env: {setting.env}, default: " in text
-    assert "[env: LOCALAI_LISTEN, default: tcp:8080]" in text
+    assert "[env: LOCALAI_LISTEN, default: tcp:8080:interface=127.0.0.1]" in text
     assert "[env: LOCALAI_RECONNECT_GRACE, default: 90s]" in text
     assert "[env: LOCALAI_DATABASE_URL, default: embedded PostgreSQL]" in text
 
@@ -390,3 +390,261 @@ def test_readyz_times_out_a_hung_database():
     assert request.finished
     assert request.responseCode == 503
     assert json.loads(body(request))["reason"].startswith("database query failed")
+
+
+# -- under twistd: pidfile, usage errors ----------------------------------------------------
+
+
+def twistd_parse(args, environ=None):
+    """Parse ``args`` with twistd's real ``ServerOptions`` (plugins discovered as twistd does),
+    the plugin's options reading ``environ`` instead of the process environment."""
+    from twisted.scripts._twistd_unix import ServerOptions
+
+    class Server(ServerOptions):
+        @property
+        def subCommands(self):
+            for name, short, parser, doc in super().subCommands:
+                yield name, short, (lambda parser=parser: _with_environ(parser(), environ)), doc
+
+    server = Server()
+    server.parseOptions(args)
+    return server
+
+
+def _with_environ(options, environ):
+    options._environ = environ or {}
+    return options
+
+
+def test_twistd_default_pidfile_moves_into_the_data_directory(tmp_path):
+    front = twistd_parse(["-n", "localai-frontend", "--data-dir", str(tmp_path / "f")])
+    assert front["pidfile"] == str(tmp_path / "f" / "localai-frontend.pid")
+    assert (tmp_path / "f").is_dir()
+    worker = twistd_parse(["-n", "localai-worker", "--register-to", "http://f:8080"],
+                          {"LOCALAI_DATA_DIR": str(tmp_path / "w")})
+    assert worker["pidfile"] == str(tmp_path / "w" / "localai-worker.pid")
+
+
+def test_twistd_explicit_pidfile_is_kept(tmp_path):
+    server = twistd_parse(["-n", "--pidfile=", "localai-frontend", "--data-dir", str(tmp_path)])
+    assert server["pidfile"] == ""
+    server = twistd_parse(["-n", "--pidfile", str(tmp_path / "x.pid"), "localai-frontend",
+                           "--data-dir", str(tmp_path)])
+    assert server["pidfile"] == str(tmp_path / "x.pid")
+
+
+def test_twistd_refuses_a_data_directory_in_use(tmp_path, capsys):
+    import os
+
+    (tmp_path / "localai-frontend.pid").write_text(str(os.getpid()))
+    with pytest.raises(SystemExit) as info:
+        twistd_parse(["-n", "localai-frontend", "--data-dir", str(tmp_path)])
+    assert info.value.code == 1
+    line = capsys.readouterr().err
+    assert line.startswith(f"localai-frontend: --data-dir: another localai-frontend (pid "
+                           f"{os.getpid()})")
+    assert "its own --data-dir" in line
+    (tmp_path / "localai-frontend.pid").write_text("999999999")  # gone: stale, adopted
+    assert twistd_parse(["-n", "localai-frontend", "--data-dir", str(tmp_path)])["pidfile"]
+
+
+def test_worker_and_frontend_default_data_directories_differ():
+    front = parse(frontend_tap.Options, [])
+    worker = parse(worker_tap.Options, ["--register-to", "http://f"])
+    assert front["data-dir"] != worker["data-dir"]
+    assert worker["data-dir"] == config.default_data_dir("worker")
+
+
+def test_version_prints_localai_tw_version(capsys):
+    from importlib import metadata
+
+    for options_class, program in ((frontend_tap.Options, "localai-frontend"),
+                                   (worker_tap.Options, "localai-worker")):
+        with pytest.raises(SystemExit) as info:
+            parse(options_class, ["--version"])
+        assert info.value.code == 0
+        assert capsys.readouterr().out == \
+            f"{program} (localai-tw) {metadata.version('localai-tw')}\n"
+
+
+# -- logs an operator reads ------------------------------------------------------------------
+
+
+def test_log_level_option():
+    assert parse(frontend_tap.Options, [])["log-level"] == "info"
+    assert parse(worker_tap.Options, ["--register-to", "http://f"],
+                 {"LOCALAI_LOG_LEVEL": "WARN"})["log-level"] == "warn"
+    with pytest.raises(usage.UsageError, match=r"^--log-level: expected one of debug, info"):
+        parse(frontend_tap.Options, ["--log-level", "chatty"])
+
+
+def test_log_level_filters_twistds_own_observer(tmp_path):
+    """Under twistd the root service installs twistd's default observer behind a level
+    filter, as the application's ILogObserver (which twistd prefers to its own)."""
+    from twisted.application.service import Application
+    from twisted.logger import ILogObserver, Logger
+
+    from localai_tw import logs
+
+    server = twistd_parse(["-n", "--pidfile=", "--logfile", str(tmp_path / "t.log"),
+                           "localai-frontend", "--data-dir", str(tmp_path), "--log-level",
+                           "warn"])
+    application = Application("t")
+    logs.LevelledMultiService("warn", server).setServiceParent(application)
+    observer = application.getComponent(ILogObserver)
+    logger = Logger(namespace="probe", observer=observer)
+    logger.debug("a debug line")
+    logger.info("an info line")
+    logger.warn("a warning line")
+    logger.error("an error line")
+    text = (tmp_path / "t.log").read_text()
+    assert "a warning line" in text and "an error line" in text
+    assert "info line" not in text and "debug line" not in text
+
+
+def test_grpc_core_logging_is_off_unless_asked():
+    from localai_tw import logs
+
+    environ = {}
+    logs.quiet_grpc_core(environ)
+    assert environ == {"GRPC_VERBOSITY": "NONE"}
+    for asked in ({"GRPC_VERBOSITY": "debug"}, {"GRPC_TRACE": "http"}):
+        environ = dict(asked)
+        logs.quiet_grpc_core(environ)
+        assert environ == asked
+
+
+def test_access_log_leaves_out_heartbeats_and_probes():
+    from localai_tw.frontend.web import FrontendSite
+
+    class Request:
+        def __init__(self, path, code=200):
+            self.path, self.code = path, code
+
+    lines = []
+    site = FrontendSite(None, logFormatter=lambda now, request: request.path.decode())
+    site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line.strip())})()
+    for request in (Request(b"/api/node/n1/heartbeat"), Request(b"/healthz"),
+                    Request(b"/readyz"), Request(b"/v1/embeddings"),
+                    Request(b"/api/node/register"), Request(b"/api/node/n1/heartbeat", 404),
+                    Request(b"/readyz", 503)):
+        site.log(request)
+    assert lines == ["/v1/embeddings", "/api/node/register", "/api/node/n1/heartbeat"]
+
+
+def test_exposure_line_says_what_is_open():
+    from twisted.internet.address import IPv4Address
+
+    local = IPv4Address("TCP", "127.0.0.1", 8080)
+    everywhere = IPv4Address("TCP", "0.0.0.0", 8080)
+    open_line = frontend_tap.exposure_line(local, parse(frontend_tap.Options, []))
+    assert "the OpenAI API is open to anyone who can reach 127.0.0.1:8080 (no --api-key)" \
+        in open_line
+    assert "the admin API is closed" in open_line
+    assert "worker registration is open to anyone" in open_line
+    keyed = parse(frontend_tap.Options, ["--api-key", "sk-secret-1", "--registration-token",
+                                         "tok-secret"])
+    line = frontend_tap.exposure_line(everywhere, keyed)
+    assert "every interface of this machine, port 8080" in line
+    assert "the OpenAI API needs an API key (1 configured)" in line
+    assert "worker registration needs the registration token" in line
+    assert "secret" not in line
+    minted = parse(frontend_tap.Options, ["--local-worker"])
+    assert "limited to the local worker" in frontend_tap.exposure_line(local, minted)
+
+
+# -- secure by default ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("listen, reach", [
+    ("tcp:8080:interface=127.0.0.1", None),
+    ("tcp:8080:interface=127.0.0.2", None),
+    (r"tcp6:8080:interface=\:\:1", None),
+    ("tcp:8080:interface=localhost", None),
+    ("unix:/run/ltw.sock", None),
+    ("tcp:8080", "every interface"),
+    ("tcp:8080:interface=0.0.0.0", "0.0.0.0"),
+    ("tcp:8080:interface=192.0.2.7", "192.0.2.7"),
+    ("ssl:8443:privateKey=k.pem", "every interface"),
+])
+def test_listener_reach(listen, reach):
+    assert config.listener_reach(listen) == reach
+
+
+@pytest.mark.parametrize("args, env", [
+    (["--listen", "tcp:8080"], {}),
+    ([], {"LOCALAI_LISTEN": "tcp:8080:interface=0.0.0.0"}),
+])
+def test_open_network_listener_needs_a_key_or_the_explicit_flag(args, env):
+    with pytest.raises(usage.UsageError) as info:
+        parse(frontend_tap.Options, args, env)
+    message = str(info.value)
+    assert message.startswith("--listen: ")
+    assert "--allow-open-api" in message and "LOCALAI_ALLOW_OPEN_API" in message
+    assert "--api-key" in message
+    assert parse(frontend_tap.Options, args + ["--allow-open-api"], env)["listen"]
+    assert parse(frontend_tap.Options, args, dict(env, LOCALAI_ALLOW_OPEN_API="1"))["listen"]
+    assert parse(frontend_tap.Options, args + ["--api-key", "k"], env)["api-key"] == ["k"]
+
+
+def test_secrets_from_files(tmp_path):
+    (tmp_path / "token").write_text("tok-from-file\n")
+    (tmp_path / "keys").write_text("key-one\n\nkey-two\n")
+    options = parse(frontend_tap.Options, ["--registration-token-file", str(tmp_path / "token"),
+                                           "--listen", "tcp:8080"],
+                    {"LOCALAI_API_KEY_FILE": str(tmp_path / "keys")})
+    assert options["registration-token"] == "tok-from-file"
+    assert options["api-key"] == ["key-one", "key-two"]
+    assert options.sources["api-key"] == "file"
+    shown = repr(options.describe())
+    assert "tok-from-file" not in shown and "key-one" not in shown
+    assert str(tmp_path / "token") in shown
+    worker = parse(worker_tap.Options, ["--register-to", "http://f",
+                                        "--registration-token-file", str(tmp_path / "token")])
+    assert worker["registration-token"] == "tok-from-file"
+
+
+def test_bad_secret_files_are_usage_errors(tmp_path):
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "token").write_text("s3cret\n")
+    for args, expected in (
+            (["--registration-token-file", str(tmp_path / "missing")],
+             f"--registration-token-file: cannot read {tmp_path / 'missing'}: No such file"),
+            (["--api-key-file", str(tmp_path / "empty")],
+             f"--api-key-file: {tmp_path / 'empty'} is empty"),
+            (["--api-key-file", str(tmp_path)], f"--api-key-file: cannot read {tmp_path}"),
+            (["--registration-token", "x", "--registration-token-file", str(tmp_path / "token")],
+             "--registration-token and --registration-token-file are both set")):
+        with pytest.raises(usage.UsageError) as info:
+            parse(frontend_tap.Options, args)
+        assert str(info.value).startswith(expected), str(info.value)
+        assert "s3cret" not in str(info.value)
+
+
+def test_worker_warns_when_registering_in_clear_across_a_network():
+    assert worker_tap.warn_if_unencrypted("http://192.0.2.10:8080") is True
+    assert worker_tap.warn_if_unencrypted("ws://frontends.example") is True
+    assert worker_tap.warn_if_unencrypted("https://frontends.example") is False
+    assert worker_tap.warn_if_unencrypted("http://127.0.0.1:8080") is False
+    assert worker_tap.warn_if_unencrypted("http://localhost:8080") is False
+
+
+def test_instance_id_is_kept_in_the_data_directory(tmp_path):
+    first = frontend_tap.stored_instance_id(str(tmp_path / "d"))
+    assert len(first) == 36
+    assert (tmp_path / "d" / "instance-id").read_text() == first + "\n"
+    assert frontend_tap.stored_instance_id(str(tmp_path / "d")) == first
+    assert frontend_tap.stored_instance_id(str(tmp_path / "other")) != first
+    (tmp_path / "d" / "instance-id").write_text("not valid!\n")
+    with pytest.raises(usage.UsageError, match=r"^--instance-id \(from .*instance-id\): "):
+        frontend_tap.stored_instance_id(str(tmp_path / "d"))
+
+
+def test_tests_never_use_the_real_data_directories():
+    """tests/conftest.py points the default data directories at a directory of the session."""
+    import os
+
+    home_share = os.path.join(os.path.expanduser("~"), ".local", "share")
+    for role in ("", "worker"):
+        assert not config.default_data_dir(role).startswith(home_share)
+    assert not parse(frontend_tap.Options, [])["data-dir"].startswith(home_share)
