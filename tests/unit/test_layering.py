@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "localai_tw"
 
-BASE = {"errors", "deferreds", "config", "logsafe", "__version__"}
+BASE = {"errors", "deferreds", "config", "logsafe", "logs"}
 
 #: group -> the groups it may import (besides itself).  BASE modules import nothing of ours.
 ALLOWED: dict[str, set[str]] = {
@@ -67,11 +67,16 @@ def imported_modules(path: Path, module: str) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target == "localai_tw":
-                found.update(f"localai_tw.{alias.name}" for alias in node.names)
+            if target == "localai_tw":  # a submodule, or a name of the package itself
+                found.update(f"localai_tw.{alias.name}" if _is_module(alias.name)
+                             else "localai_tw" for alias in node.names)
             else:
                 found.add(target)
     return {name for name in found if name == "localai_tw" or name.startswith("localai_tw.")}
+
+
+def _is_module(name: str) -> bool:
+    return (PACKAGE / f"{name}.py").exists() or (PACKAGE / name).is_dir()
 
 
 def all_modules() -> list[tuple[Path, str]]:
