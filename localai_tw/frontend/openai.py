@@ -34,7 +34,8 @@ the router can report maps to one status (:func:`error_for`, the table in the do
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
 :class:`~localai_tw.frontend.web.APIKeyGuard` (constant time) **only when a key is
 configured**; without one this API is open, as LocalAI's is (unlike the admin API, which is then
-closed).
+closed).  The check is :meth:`OpenAIResource.guard`, which ``FrontendSite`` runs when the
+headers of a request with a body end, so a refused client never has a body byte read.
 
 What this module must never do: block the reactor, buffer a body beyond its cap (the
 ``FrontendSite`` refuses it with 413 as it arrives), evaluate anything from a template or a
@@ -854,6 +855,11 @@ class OpenAIResource(Resource):
                          code=answer.code, condition=getattr(cause, "condition", "-"),
                          message=_detail(cause))  # the full text, ids included
         exchange.send_json(answer.status, answer.body(), answer.headers)
+
+    def guard(self, request) -> None:
+        """The API-key check, from the headers alone: ``FrontendSite`` runs it when the headers
+        of a request with a body end, so a refused client never has a body byte read."""
+        self._check_key(request)
 
     def _check_key(self, request) -> None:
         guard = self._api_keys

@@ -255,6 +255,8 @@ class FrontendService(MultiService):
                                                           "tcp:8080:interface=127.0.0.1"),
                                          self.site)
         self.listener.setServiceParent(self)
+        for prefix, guard in self._header_guards.items():
+            self.site.add_header_guard(prefix, guard)
 
         #: Further conditions of ``/readyz`` once wired: callables answering None (ready) or
         #: the reason (the local worker's first tunnel, ``frontend/localworker.py``).
@@ -276,12 +278,14 @@ class FrontendService(MultiService):
         root.putChild(b"healthz", LivenessResource())
         root.putChild(b"readyz", ReadinessResource(_Readiness(self), self._reactor))
         # The OpenAI API finds the inference router at request time (503 until it is wired).
-        root.putChild(b"v1", OpenAIResource(lambda: getattr(self, "inference", None),
-                                            api_keys=self.api_keys, reactor=self._reactor,
-                                            node_names=self._node_name))
+        openai = OpenAIResource(lambda: getattr(self, "inference", None),
+                                api_keys=self.api_keys, reactor=self._reactor,
+                                node_names=self._node_name)
+        root.putChild(b"v1", openai)
         api = JSONDirectory()
         root.putChild(b"api", api)
-        api.putChild(b"node", WorkerRegistrationResource(parts))
+        registration = WorkerRegistrationResource(parts)
+        api.putChild(b"node", registration)
         api.putChild(b"nodes", NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
                                                    SchedulingResource(parts, self.api_keys)))
         cluster = JSONDirectory()
@@ -289,6 +293,10 @@ class FrontendService(MultiService):
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))
         cluster.putChild(b"connect", self._connect_slot)
         cluster.putChild(b"peer", self._peer_slot)
+        # Authentication decided when the headers end, before a body byte is read (FrontendSite).
+        self._header_guards = {b"/v1": openai.guard, b"/api/node": registration.guard,
+                               b"/api/nodes": self.api_keys.check,
+                               b"/api/cluster/instances": self.api_keys.check}
         return root
 
     async def _node_name(self, node_id: str) -> str | None:

@@ -1,10 +1,18 @@
-"""Shared pieces of the frontend's JSON resources: bounded bodies, JSON errors, API-key auth.
+"""Shared pieces of the frontend's HTTP side: a bounded listener, bounded bodies, JSON errors,
+API-key auth.
 
-- :class:`FrontendSite` / :class:`FrontendRequest`: every request body is capped *while it
-  arrives* (64 KiB unless a path prefix was given more).  A body announced or grown beyond its
-  cap is answered ``413`` at once and the connection closed; nothing beyond the cap is ever
+- :class:`FrontendSite` / :class:`FrontendRequest`: a request with a body is decided when its
+  headers end: the *header guard* of its path (authentication), its size cap (64 KiB unless a
+  path prefix was given more; ``413``), the listener's budget of body bytes in flight
+  (``503``).  A refusal is answered at once and the connection closed, before a body byte is
+  read; an accepted body is still capped *while it arrives*.  Nothing beyond a cap is ever
   buffered, in memory or on disk.  (``twisted.web`` would otherwise read any body into a
   temporary file before the resource sees the request.)
+- :class:`FrontendChannel`: total deadlines for a request's head and body (``408``), where
+  ``twisted.web`` only has an idle timer that every byte restarts; and a cap on a listener's
+  concurrent connections.  Defaults: :data:`MAX_CONNECTIONS`,
+  :data:`MAX_BODY_BYTES_IN_FLIGHT`, :data:`HEADERS_DEADLINE_SECONDS`,
+  :data:`BODY_DEADLINE_SECONDS` (``docs/operators.md``, "Limits").
 - :class:`APIError` and :func:`error_body`: every refusal is ``{"error": {"message", "type",
   "code"?, "field"?}}`` with a message naming the cause; ``field`` names the offending input.
 - :class:`JSONResource`: a leaf resource whose routes are ``async def`` handlers returning
@@ -19,9 +27,10 @@
 - :class:`JSONDirectory` / :class:`NotFoundResource`: path prefixes whose unknown children (and
   every path nothing serves) answer a JSON 404, never ``twisted.web``'s HTML page.
 
-This module must never buffer an unbounded body, never echo a credential (errors name the
-*kind* of credential, never its value), never compare a secret with ``==``, and never put a
-traceback or an internal exception text into a response.
+This module must never buffer an unbounded body, never read a body byte of a request it
+refused, never let a client hold a connection by trickling bytes, never echo a credential
+(errors name the *kind* of credential, never its value), never compare a secret with ``==``,
+and never put a traceback or an internal exception text into a response.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
+from twisted.protocols.policies import ProtocolWrapper
 from twisted.python.failure import Failure
 from twisted.web import server
-from twisted.web.http import RESPONSES
+from twisted.web.http import RESPONSES, HTTPChannel, unquote
 from twisted.web.resource import Resource
 
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
@@ -46,6 +56,16 @@ log = Logger()
 
 #: Body cap of the register, heartbeat and admin APIs (and of any path without its own cap).
 MAX_BODY_BYTES = 64 * 1024
+#: Most connections one listener holds at once, tunnels and peer links included; one more is
+#: closed as soon as it is accepted.
+MAX_CONNECTIONS = 1024
+#: Most bytes of request bodies one listener holds at once (announced lengths); a request that
+#: would pass it is answered 503 with ``Retry-After`` before its body is read.
+MAX_BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
+#: Seconds a client has to send a whole request head (request line and headers).
+HEADERS_DEADLINE_SECONDS = 30.0
+#: Seconds a client has to send a whole request body, counted from the end of its head.
+BODY_DEADLINE_SECONDS = 120.0
 #: Longest path segment (node id) echoed back in an error message.
 _ECHO_MAX = 64
 
@@ -198,79 +218,288 @@ def _request_target(channel) -> bytes | None:
     return target if isinstance(target, bytes) else None
 
 
+def _segments_of(target: bytes) -> tuple[bytes, ...]:
+    """The path segments of ``target`` exactly as ``twisted.web`` will route them
+    (``Request.process``: query dropped, split on ``/``, each segment percent-decoded), so a
+    header guard cannot be sidestepped by spelling ``/v1`` as ``/%761``."""
+    path = target.split(b"?", 1)[0]
+    return tuple(unquote(segment) for segment in path[1:].split(b"/"))
+
+
+def bodies_busy() -> APIError:
+    return APIError(503, "this replica is receiving too many request bodies at once; try again "
+                    "in a few seconds", "service_unavailable", code="too_many_bodies_in_flight",
+                    headers={"Retry-After": "5"})
+
+
+def _as_early_answer(refusal: Exception):
+    """``refusal`` if it can be written as an answer (``status``, ``body()``, ``headers``:
+    :class:`APIError` and the OpenAI API's errors), else a 500 (the cause goes to the log)."""
+    status = getattr(refusal, "status", None)
+    if isinstance(status, int) and callable(getattr(refusal, "body", None)):
+        return refusal
+    log.failure("a check before the request body failed; answering 500", Failure(refusal))
+    return APIError(500, "internal error; see the frontend log", "internal_error")
+
+
+def _answer_and_close(channel, status: int, body: dict, headers: Mapping[str, str]) -> None:
+    """Write a whole JSON answer on ``channel``'s transport, outside ``twisted.web``'s response
+    machinery (the request has no body yet, or only part of it), stop reading and close.
+
+    Reading stops because the rest of the request will never be processed: the bytes still
+    coming would only be buffered by the kernel or by us.
+    """
+    transport = channel.transport
+    if transport is None:
+        return
+    channel.persistent = False
+    payload = json.dumps(body).encode("utf-8")
+    head = [b"HTTP/1.1 %d %s" % (status, RESPONSES.get(status, b"Unknown"))]
+    head += [name + b": " + value for name, value in JSON_HEADERS]
+    head += [name.encode("ascii") + b": " + value.encode("ascii")
+             for name, value in headers.items()]
+    head += [b"content-length: %d" % len(payload), b"connection: close"]
+    transport.write(b"\r\n".join(head) + b"\r\n\r\n" + payload)
+    producer = IPushProducer(transport, None)
+    if producer is not None:
+        try:
+            producer.pauseProducing()  # read no more of what we refused
+        except Exception:
+            pass
+    channel.loseConnection()
+
+
 class FrontendRequest(server.Request):
-    """A request whose body is capped while it arrives (see :class:`FrontendSite`).
+    """A request decided when its headers end (see :class:`FrontendSite`), whose body is then
+    capped while it arrives.
 
     Bodies are never parsed as forms into ``args`` (no API here takes forms).
     """
 
-    #: Set once the request was answered 413 before its body; nothing else is processed.
-    refused_too_large = False
+    #: Set once the request was answered before its body; nothing else is processed.
+    answered_before_body = False
 
     def __init__(self, channel, *args, **kwargs):
         kwargs["parsePOSTFormSubmission"] = False
         super().__init__(channel, *args, **kwargs)
 
     def gotLength(self, length):
+        """The headers have ended (``length``: the announced body size, None when chunked).
+
+        Before a body byte is read: the header guard of the path (authentication), the size cap
+        (413), then the listener's budget of body bytes in flight (503).  A request without a
+        body goes on to its resource, which decides as before (nothing to protect).
+        """
         site = getattr(self.channel, "site", None)
-        limit = MAX_BODY_BYTES
-        if isinstance(site, FrontendSite):
-            limit = site.body_limit_for(_request_target(self.channel))
+        site = site if isinstance(site, FrontendSite) else None
+        target = _request_target(self.channel)
+        limit = site.body_limit_for(target) if site is not None else MAX_BODY_BYTES
         self.content = _CappedBody(limit)
-        if length is not None and length > limit:
-            self._refuse_too_large(limit)
+        if length == 0:
+            return
+        try:
+            if site is not None:
+                site.guard_before_body(self, target)
+            if length is not None and length > limit:
+                raise too_large(limit)
+            if site is not None:
+                release = site.reserve_body_bytes(limit if length is None else length)
+                self.notifyFinish().addBoth(lambda _: release())
+        except Exception as refusal:
+            self.answer_before_body(_as_early_answer(refusal))
 
     def handleContentChunk(self, data):
-        if self.refused_too_large:
+        if self.answered_before_body:
             return
         if not self.content.accepts(len(data)):
-            self._refuse_too_large(self.content.limit)
+            self.answer_before_body(too_large(self.content.limit))
             return
         self.content.write(data)
 
     def requestReceived(self, command, path, version):
-        if self.refused_too_large:
+        if self.answered_before_body:
             return  # already answered; the connection is closing
         super().requestReceived(command, path, version)
 
-    def _refuse_too_large(self, limit: int) -> None:
-        """Answer 413 on the raw transport before the body, then stop reading and close."""
-        self.refused_too_large = True
+    def answer_before_body(self, answer) -> None:
+        """Answer ``answer`` (an :class:`APIError`-like refusal) on the raw transport before the
+        (rest of the) body, then stop reading and close."""
+        if self.answered_before_body:
+            return
+        self.answered_before_body = True
         self.content.close()
         # The channel answers "Expect: 100-continue" right after gotLength; after a final
         # answer that would be a second response.
         self.requestHeaders.removeHeader(b"expect")
-        channel = self.channel
-        if channel is None or channel.transport is None:
+        if self.channel is not None:
+            _answer_and_close(self.channel, answer.status, answer.body(), answer.headers)
+
+
+def request_timeout(what: str, seconds: float) -> APIError:
+    return APIError(408, f"the request {what} did not arrive within {seconds:g} seconds",
+                    "request_timeout", code="request_timeout")
+
+
+class FrontendChannel(HTTPChannel):
+    """An HTTP/1.1 connection whose request head and body each have a total deadline.
+
+    ``twisted.web``'s own timer is an *idle* timer, restarted by every byte: a client sending
+    one byte a second holds the connection (and its buffers) for ever.  Here the head of each
+    request must be complete within ``site.headers_deadline`` seconds (counted from the opening
+    of the connection for the first request, from its first byte for the next ones; the wait
+    between requests stays under the idle timer), and its body within ``site.body_deadline``
+    seconds of the head.  A late request is answered 408 and the connection closed.  The
+    deadlines stop when the body is complete: answering may take as long as it takes.
+    """
+
+    _deadline = None
+    _between_requests = False
+
+    def connectionMade(self):
+        super().connectionMade()
+        self._start_deadline("head")
+
+    def dataReceived(self, data):
+        if self._between_requests:  # the first byte of the next request
+            self._between_requests = False
+            self._start_deadline("head")
+        super().dataReceived(data)
+
+    def allHeadersReceived(self):
+        self._cancel_deadline()
+        super().allHeadersReceived()
+        request = self.requests[-1] if self.requests else None
+        if self.length != 0 and request is not None and not request.answered_before_body:
+            self._start_deadline("body")  # cancelled in allContentReceived
+
+    def allContentReceived(self):
+        self._cancel_deadline()
+        super().allContentReceived()
+
+    def requestDone(self, request):
+        self._between_requests = True  # before the channel replays pipelined bytes
+        super().requestDone(request)
+
+    def connectionLost(self, reason):
+        self._cancel_deadline()
+        super().connectionLost(reason)
+
+    def _start_deadline(self, what: str) -> None:
+        self._cancel_deadline()
+        site = getattr(self, "site", None)
+        seconds = (getattr(site, "headers_deadline", HEADERS_DEADLINE_SECONDS) if what == "head"
+                   else getattr(site, "body_deadline", BODY_DEADLINE_SECONDS))
+        if seconds is not None:
+            self._deadline = self.callLater(seconds, self._deadline_passed, what, seconds)
+
+    def _cancel_deadline(self) -> None:
+        deadline, self._deadline = self._deadline, None
+        if deadline is not None and deadline.active():
+            deadline.cancel()
+
+    def _deadline_passed(self, what: str, seconds: float) -> None:
+        self._deadline = None
+        if self.transport is None:
+            return  # the connection was handed over (a WebSocket) or is gone
+        site = getattr(self, "site", None)
+        if isinstance(site, FrontendSite):
+            site.late_requests.note(what=what, seconds=seconds)
+        answer = request_timeout(what, seconds)
+        request = self.requests[-1] if self.requests else None
+        if isinstance(request, FrontendRequest) and what == "body":
+            request.answer_before_body(answer)
+        else:
+            if isinstance(request, FrontendRequest):
+                request.answered_before_body = True
+            _answer_and_close(self, answer.status, answer.body(), answer.headers)
+        # A client that does not read even the answer is dropped (as twisted.web does after
+        # its idle timeout).
+        if self.abortTimeout is not None and self._abortingCall is None:
+            self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
+
+
+class _ListenerConnection(ProtocolWrapper):
+    """One accepted connection, counted by its site from its opening to its closing.
+
+    A wrapper rather than a count kept by the HTTP channel: a tunnel or peer dial that becomes
+    a WebSocket replaces the channel (``tunnel.websocket`` swaps this wrapper's
+    ``wrappedProtocol``), and the connection must stay counted until the socket closes.
+    """
+
+
+class EventsPerInterval:
+    """One log line per ``interval`` seconds at most for a repeated event (the first at once,
+    later ones counted into the next line), so an attack cannot flood the log."""
+
+    def __init__(self, clock, message: str, interval: float = 60.0):
+        self._clock = clock
+        self._message = message
+        self._interval = interval
+        self._last: float | None = None
+        self._count = 0
+
+    def note(self, **fields) -> None:
+        self._count += 1
+        now = self._clock.seconds()
+        if self._last is not None and now - self._last < self._interval:
             return
-        channel.persistent = False
-        body = json.dumps(too_large(limit).body()).encode("utf-8")
-        head = [b"HTTP/1.1 413 " + RESPONSES.get(413, b"Request Entity Too Large")]
-        head += [name + b": " + value for name, value in JSON_HEADERS]
-        head += [b"content-length: %d" % len(body), b"connection: close"]
-        channel.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
-        producer = IPushProducer(channel.transport, None)
-        if producer is not None:
-            try:
-                producer.pauseProducing()  # read no more of the oversized body
-            except Exception:
-                pass
-        channel.loseConnection()
+        log.warn(self._message, count=self._count, **fields)
+        self._last, self._count = now, 0
 
 
 class FrontendSite(server.Site):
-    """The frontend's ``Site``: requests are :class:`FrontendRequest`.
+    """The frontend's ``Site``: requests are :class:`FrontendRequest`, connections
+    :class:`FrontendChannel`, and the listener serving it is bounded:
+
+    - at most ``max_connections`` connections at once (tunnels and peer links included); one
+      more is closed as soon as it is accepted, before a byte is read;
+    - at most ``max_body_bytes_in_flight`` bytes of request bodies held at once (announced
+      lengths, reserved when the headers end and released when the request ends); a request
+      that would pass it is answered 503 with ``Retry-After`` before its body is read;
+    - a request with a body is first put to the *header guard* of its path: authentication is
+      decided when the headers end, and a refused request never has a byte of its body read;
+    - deadlines for each request's head and body (:class:`FrontendChannel`).
+
+    Refusals are logged at most once a minute per kind, with a count.
 
     :param body_limits: raw path prefix -> body cap in bytes, for routes that take more than
         :data:`MAX_BODY_BYTES` (the longest matching prefix wins).
     :param default_limit: the cap of every other path.
+    :param header_guards: path prefix (``b"/v1"``, matched by whole segments, as routed) ->
+        ``guard(request)``, which sees only the headers and raises an :class:`APIError`-like
+        refusal (``status``, ``body()``, ``headers``) to refuse.  The longest prefix wins.
+        Resources check again when they answer: the guard only moves the refusal earlier.
     """
 
     requestFactory = FrontendRequest
+    protocol = FrontendChannel
 
     def __init__(self, resource, *, body_limits: Mapping[bytes, int] | None = None,
-                 default_limit: int = MAX_BODY_BYTES, **kwargs):
+                 default_limit: int = MAX_BODY_BYTES,
+                 header_guards: Mapping[bytes, Callable[[Any], None]] | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT,
+                 headers_deadline: float | None = HEADERS_DEADLINE_SECONDS,
+                 body_deadline: float | None = BODY_DEADLINE_SECONDS, **kwargs):
         super().__init__(resource, **kwargs)
+        self.header_guards: list[tuple[tuple[bytes, ...], Callable[[Any], None]]] = []
+        for prefix, guard in (header_guards or {}).items():
+            self.add_header_guard(prefix, guard)
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.max_body_bytes_in_flight = max_body_bytes_in_flight
+        self.body_bytes_in_flight = 0
+        self.headers_deadline = headers_deadline
+        self.body_deadline = body_deadline
+        self.refused_connections = EventsPerInterval(
+            self.reactor, "refused {count} connection(s) since the last such line: this "
+            "listener already holds {limit} (the connection cap)")
+        self.refused_bodies = EventsPerInterval(
+            self.reactor, "answered 503 to {count} request(s) since the last such line: "
+            "{limit} bytes of request bodies were already in flight")
+        self.late_requests = EventsPerInterval(
+            self.reactor, "closed {count} connection(s) since the last such line whose request "
+            "{what} took longer than {seconds:g} s to arrive")
         self.default_limit = default_limit
         self.body_limits = sorted((body_limits or {}).items(), key=lambda kv: len(kv[0]),
                                   reverse=True)
@@ -296,6 +525,55 @@ class FrontendSite(server.Site):
             if path.startswith(prefix):
                 return limit
         return self.default_limit
+
+    # -- when the headers end ---------------------------------------------------------------
+
+    def add_header_guard(self, prefix: bytes, guard: Callable[[Any], None]) -> None:
+        """Guard the paths under ``prefix`` (see ``header_guards`` above)."""
+        self.header_guards.append((_segments_of(prefix.rstrip(b"/")), guard))
+        self.header_guards.sort(key=lambda kv: len(kv[0]), reverse=True)
+
+    def guard_before_body(self, request, target: bytes | None) -> None:
+        """Run the header guard of ``target``'s path, if any (raises its refusal).  An unknown
+        target (a Twisted that moved its internals) runs no guard: the resource still checks,
+        only later, and the default body cap applies meanwhile."""
+        if target is None or not self.header_guards:
+            return
+        segments = _segments_of(target)
+        for prefix, guard in self.header_guards:
+            if segments[:len(prefix)] == prefix:
+                guard(request)
+                return
+
+    # -- listener bounds --------------------------------------------------------------------
+
+    def reserve_body_bytes(self, size: int) -> Callable[[], None]:
+        """Count ``size`` body bytes as in flight; the returned callable (idempotent) gives
+        them back.  :raises APIError: 503 when they would pass ``max_body_bytes_in_flight``."""
+        if self.body_bytes_in_flight + size > self.max_body_bytes_in_flight:
+            self.refused_bodies.note(limit=self.max_body_bytes_in_flight)
+            raise bodies_busy()
+        self.body_bytes_in_flight += size
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.body_bytes_in_flight -= size
+
+        return release
+
+    def buildProtocol(self, addr):
+        if self.open_connections >= self.max_connections:
+            self.refused_connections.note(limit=self.max_connections)
+            return None  # the listening port closes the socket at once
+        return _ListenerConnection(self, super().buildProtocol(addr))
+
+    def registerProtocol(self, connection) -> None:
+        self.open_connections += 1
+
+    def unregisterProtocol(self, connection) -> None:
+        self.open_connections -= 1
 
 
 def read_json_object(request, *, required: bool = True) -> dict:

@@ -116,6 +116,11 @@ class WorkerRegistrationResource(JSONResource):
         return (Route("POST", ("register",), self.register),
                 Route("POST", ("{node_id}", "heartbeat"), self.heartbeat))
 
+    def guard(self, request) -> None:
+        """From the headers alone (``FrontendSite`` also runs it when the headers of a request
+        with a body end): 503 while the frontend starts, 401 without the registration token."""
+        self._check_token(resolve(self._parts), request)
+
     @staticmethod
     def _check_token(parts, request) -> str | None:
         presented = bearer_token(request)

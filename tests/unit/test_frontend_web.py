@@ -3,7 +3,9 @@
 import json
 
 import pytest
+from twisted.internet import task
 from twisted.internet.testing import StringTransport
+from twisted.web import server
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
@@ -93,3 +95,42 @@ def test_the_request_path_is_known_before_the_body():
     refused = feed(site, b"POST /small HTTP/1.1\r\n" + head)
     assert refused.startswith(b"HTTP/1.1 413 ")
     assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "request_too_large"
+
+
+class Pending(Resource):
+    """Answers only when the test says so (a long generation)."""
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.requests = []
+
+    def render(self, request):
+        self.requests.append(request)
+        return server.NOT_DONE_YET
+
+
+def test_deadlines_stop_while_answering_and_start_again_with_the_next_request():
+    """The head and body deadlines bound how long a request takes to *arrive*; answering it
+    may take longer (a slow generation), and a keep-alive connection's next request gets a
+    deadline of its own from its first byte."""
+    clock = task.Clock()
+    resource = Pending()
+    site = FrontendSite(resource, reactor=clock, headers_deadline=30, body_deadline=120)
+    channel = site.buildProtocol(None)
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    channel.dataReceived(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    clock.advance(1000)  # still answering
+    assert not transport.disconnecting and transport.value() == b""
+    resource.requests[0].write(b"done")
+    resource.requests[0].finish()
+    assert b" 200 " in transport.value() and site.body_bytes_in_flight == 0
+    clock.advance(29)  # waiting between requests is the idle timer's business (60 s)
+    channel.dataReceived(b"GET /b HTT")  # the next request starts...
+    clock.advance(29)
+    assert not transport.disconnecting
+    clock.advance(2)  # ...and its head is 31 s late
+    assert transport.disconnecting
+    assert transport.value().split(b"done\r\n0\r\n\r\n", 1)[1].startswith(b"HTTP/1.1 408 ")

@@ -1,0 +1,289 @@
+"""A frontend listener under attack: raw sockets against a real ``FrontendService`` (real
+PostgreSQL).  Each test plays one attack from issue 9 §3 and checks the listener's bound:
+authentication decided when the headers end, a connection cap, deadlines for a request's head
+and body, and a cap on the body bytes in flight."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import pytest_twisted
+from twisted.internet import defer, endpoints, protocol, reactor, task
+from twisted.logger import formatEvent, globalLogPublisher
+
+from localai_tw.frontend.service import FrontendService
+
+from .test_frontend_service import ADMIN, TOKEN, Client, eventually, options
+
+
+class RawClient(protocol.Protocol):
+    """A TCP client that sends exactly the bytes it is told to and records what comes back."""
+
+    def __init__(self):
+        self.received = b""
+        self.lost = defer.Deferred()
+
+    def dataReceived(self, data):
+        self.received += data
+
+    def connectionLost(self, reason):
+        self.lost.callback(None)
+
+    @property
+    def closed(self) -> bool:
+        return self.lost.called
+
+    def send(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def complete_response(self):
+        """(status, headers, decoded JSON body) once a whole response has arrived, else None."""
+        head, sep, body = self.received.partition(b"\r\n\r\n")
+        if not sep:
+            return None
+        lines = head.split(b"\r\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.decode("latin-1").partition(": ")
+            headers[name.lower()] = value
+        if len(body) < int(headers.get("content-length", "0")):
+            return None
+        return int(lines[0].split()[1]), headers, json.loads(body) if body else None
+
+    async def response(self, timeout: float = 5.0):
+        for _ in range(int(timeout / 0.02)):
+            answer = self.complete_response()
+            if answer is not None:
+                return answer
+            if self.closed:
+                raise AssertionError(f"closed without a whole response: {self.received[:200]!r}")
+            await task.deferLater(reactor, 0.02, lambda: None)
+        raise AssertionError(f"no response within {timeout} s: {self.received[:200]!r}")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.transport.abortConnection()
+
+
+async def connect(port: int) -> RawClient:
+    endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port)
+    return await endpoints.connectProtocol(endpoint, RawClient())
+
+
+def head(method: str, path: str, length: int | None, authorization: str | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: frontend", "Content-Type: application/json"]
+    if authorization is not None:
+        lines.append(f"Authorization: {authorization}")
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+@pytest_twisted.async_yield_fixture
+async def frontend(pg_dsn):
+    """Starts a replica (registration token and admin key set) and closes every raw client."""
+    services, clients = [], []
+
+    async def start(**overrides):
+        service = FrontendService(options(pg_dsn, **overrides), reactor=reactor)
+        service.startService()
+        services.append(service)
+        await service.whenReady().addTimeout(30, reactor)
+        return service
+
+    async def dial(service) -> RawClient:
+        client = await connect(service.listener.tcp_port())
+        clients.append(client)
+        return client
+
+    start.dial = dial
+    yield start
+    for client in clients:
+        client.close()
+    for service in services:
+        if service.running:
+            await service.stopService()
+
+
+async def silent_for(client: RawClient, seconds: float) -> None:
+    await task.deferLater(reactor, seconds, lambda: None)
+    assert client.received == b"" and not client.closed
+
+
+# -- authentication when the headers end --------------------------------------------------------
+
+
+REFUSED_BEFORE_THE_BODY = [
+    # (path, Authorization, announced length, what the 401 says)
+    ("/v1/chat/completions", None, 8_000_000, "invalid_api_key"),
+    ("/v1/chat/completions", "Bearer sk-wrong", 8_000_000, "invalid_api_key"),
+    ("/%761/embeddings", "Bearer sk-wrong", 8_000_000, "invalid_api_key"),  # routed as /v1
+    ("/api/nodes/some-node/approve", "Bearer sk-wrong", 60_000, "unauthorized"),
+    ("/api/nodes/scheduling", None, 60_000, "unauthorized"),
+    ("/api/node/register", "Bearer wrong-token", 60_000, "unauthorized"),
+    ("/api/node/some-node/heartbeat", None, 60_000, "unauthorized"),
+]
+
+
+@pytest.mark.parametrize("path, authorization, length, kind", REFUSED_BEFORE_THE_BODY)
+@pytest_twisted.ensureDeferred
+async def test_a_client_without_the_credential_is_refused_before_its_body(
+        frontend, path, authorization, length, kind):
+    """The attack: announce a big body with no or a wrong credential.  The answer comes when
+    the headers end, before a body byte is sent; the connection is closed and nothing was
+    reserved for the body."""
+    service = await frontend()
+    client = await frontend.dial(service)
+    client.send(head("POST", path, length, authorization))
+    status, headers, body = await client.response()
+    assert status == 401 and headers["www-authenticate"] == "Bearer"
+    assert kind in (body["error"].get("code"), body["error"]["type"])
+    await client.lost.addTimeout(5, reactor)
+    assert service.site.body_bytes_in_flight == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_right_credential_still_sends_its_body(frontend):
+    service = await frontend()
+    client = await frontend.dial(service)
+    body = json.dumps({"name": "w1", "node_key": "k" * 64}).encode()
+    client.send(head("POST", "/api/node/register", len(body), f"Bearer {TOKEN}"))
+    await silent_for(client, 0.3)  # waiting for the body, as it should
+    assert service.site.body_bytes_in_flight == len(body)
+    client.send(body)
+    status, _, answer = await client.response()
+    assert status == 201 and answer["tunnel_token"]
+    await eventually(lambda: service.site.body_bytes_in_flight == 0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_an_api_key_the_openai_api_stays_open(frontend):
+    """Documented: with no --api-key the OpenAI API is open (the admin API is then closed)."""
+    service = await frontend(**{"api-key": []})
+    client = await frontend.dial(service)
+    body = json.dumps({"model": "no-such-model",
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    client.send(head("POST", "/v1/chat/completions", len(body)))
+    await silent_for(client, 0.3)
+    client.send(body)
+    status, _, answer = await client.response(timeout=10)
+    assert status != 401, answer
+    admin = await frontend.dial(service)
+    admin.send(head("POST", "/api/nodes/x/approve", 10, "Bearer anything"))
+    status, _, answer = await admin.response()
+    assert status == 401 and "--api-key" in answer["error"]["message"]
+
+
+# -- the connection cap -----------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_connections_beyond_the_cap_are_closed_at_once(frontend):
+    service = await frontend()
+    service.site.max_connections = 4
+    holders = [await frontend.dial(service) for _ in range(4)]
+    await eventually(lambda: service.site.open_connections == 4)
+    lines = []
+    observer = lambda event: lines.append(formatEvent(event))  # noqa: E731
+    globalLogPublisher.addObserver(observer)
+    try:
+        extra = [await frontend.dial(service) for _ in range(3)]
+        for client in extra:
+            await client.lost.addTimeout(5, reactor)
+            assert client.received == b""  # closed before a byte was read or written
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert not any(client.closed for client in holders)
+    assert service.site.open_connections == 4
+    refusals = [line for line in lines if "connection cap" in line]
+    assert refusals == ["refused 1 connection(s) since the last such line: this listener "
+                        "already holds 4 (the connection cap)"]  # one line, not one each
+
+    # Once two holders leave, a client is served again.
+    holders[0].close()
+    holders[1].close()
+    await eventually(lambda: service.site.open_connections == 2)
+    status, instances = await Client(
+        f"http://127.0.0.1:{service.listener.tcp_port()}").call(
+            "GET", "/api/cluster/instances", token=ADMIN)
+    assert status == 200 and instances["instances"]
+
+
+# -- deadlines for the head and the body --------------------------------------------------------
+
+
+async def dribble(client: RawClient, data: bytes, every: float, until: float) -> float:
+    """Send ``data`` one byte per ``every`` seconds until the server closes; the seconds it
+    took (fails after ``until`` seconds)."""
+    started = reactor.seconds()
+    for byte in data:
+        if client.closed:
+            break
+        if reactor.seconds() - started > until:
+            raise AssertionError(f"still open after {until} s: the deadline did not cut it")
+        client.send(bytes([byte]))
+        await task.deferLater(reactor, every, lambda: None)
+    await client.lost.addTimeout(until, reactor)
+    return reactor.seconds() - started
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_slowloris_head_is_cut_at_the_headers_deadline(frontend):
+    service = await frontend()
+    service.site.headers_deadline = 1.0
+    client = await frontend.dial(service)
+    took = await dribble(client, head("POST", "/api/node/register", 100, f"Bearer {TOKEN}"),
+                         every=0.1, until=4.0)
+    assert 0.9 <= took < 3.0
+    assert client.received.startswith(b"HTTP/1.1 408 ")
+    assert b"request_timeout" in client.received
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_silent_connection_is_cut_at_the_headers_deadline(frontend):
+    service = await frontend()
+    service.site.headers_deadline = 1.0
+    client = await frontend.dial(service)
+    await client.lost.addTimeout(4, reactor)
+    assert client.received.startswith(b"HTTP/1.1 408 ")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_dribbled_body_is_cut_at_the_body_deadline(frontend):
+    service = await frontend()
+    service.site.body_deadline = 1.0
+    client = await frontend.dial(service)
+    client.send(head("POST", "/api/node/register", 1000, f"Bearer {TOKEN}"))
+    took = await dribble(client, b"{" + b" " * 998 + b"}", every=0.1, until=4.0)
+    assert 0.9 <= took < 3.0
+    status, _, answer = client.complete_response()
+    assert status == 408 and answer["error"]["code"] == "request_timeout"
+    assert service.site.body_bytes_in_flight == 0
+
+
+# -- request bodies in flight ------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_bodies_beyond_the_in_flight_cap_get_503_before_they_are_read(frontend):
+    service = await frontend()
+    service.site.max_body_bytes_in_flight = 100_000
+    first = await frontend.dial(service)
+    first.send(head("POST", "/api/node/register", 60_000, f"Bearer {TOKEN}"))
+    await eventually(lambda: service.site.body_bytes_in_flight == 60_000)
+
+    second = await frontend.dial(service)
+    second.send(head("POST", "/api/node/register", 60_000, f"Bearer {TOKEN}"))
+    status, headers, answer = await second.response()
+    assert status == 503 and headers["retry-after"] == "5"
+    assert answer["error"]["code"] == "too_many_bodies_in_flight"
+    await second.lost.addTimeout(5, reactor)
+
+    first.close()  # its reservation goes back
+    await eventually(lambda: service.site.body_bytes_in_flight == 0)
+    third = await frontend.dial(service)
+    body = json.dumps({"name": "w1", "node_key": "k" * 64}).encode().ljust(60_000)
+    third.send(head("POST", "/api/node/register", len(body), f"Bearer {TOKEN}") + body)
+    status, _, answer = await third.response()
+    assert status == 201, answer
