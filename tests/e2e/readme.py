@@ -35,3 +35,10 @@ def main_twistd_args() -> list[str]:
     """The arguments of the main command's ``twistd`` step (after the word ``twistd``)."""
     step = next(step for step in parts("main-command") if step.startswith("twistd "))
     return shlex.split(step)[1:]
+
+
+def doc_command(document: str, marker: str) -> str:
+    """The one-line command after ``<!-- marker -->`` in ``docs/<document>``."""
+    lines = (REPO_ROOT / "docs" / document).read_text().splitlines()
+    at = lines.index(f"<!-- {marker} -->")
+    return next(line for line in lines[at + 1:] if line.strip() and not line.startswith("```"))
