@@ -68,6 +68,7 @@ from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
+from localai_tw.tunnel.peertls import published_address
 from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
@@ -209,6 +210,7 @@ class FrontendService(MultiService):
         self._advertise_option = options.get("advertise-address")
         self._single_host = bool(options.get("single-host"))
         self._registration_token = _option(options, "registration-token", "")
+        self._peer_ca_file = options.get("peer-ca-file")
         self._require_approval = bool(options.get("require-approval"))
         self.reconnect_grace = _option(options, "reconnect-grace")
         data_dir = options.get("data-dir")
@@ -368,11 +370,14 @@ class FrontendService(MultiService):
         self.fence = OwnershipFence(db)
         advertised = await self._advertised_address(db)
         self._check_running()
-        self.identity = dataclasses.replace(self._identity_seed, advertised_addr=advertised)
+        self.identity = dataclasses.replace(  # wss://host:port when --listen is ssl:
+            self._identity_seed, advertised_addr=published_address(advertised,
+                                                                   self.listener.description))
 
         self.tunnels = TunnelRegistry(self.fence, self.instance_id, reactor)
         self.peer_links = AcceptedPeerLinks(db, self.tunnels, self._registration_token, reactor)
-        self.peer_pool = PeerPool(db, self.identity, self._registration_token, reactor)
+        self.peer_pool = PeerPool(db, self.identity, self._registration_token, reactor,
+                                  ca_file=self._peer_ca_file)
         self.dialer = WorkerDialer(self.tunnels, self.fence, self.peer_pool, self.instance_id,
                                    grace, reactor)
         self.worker_http = WorkerHTTPClient(self.dialer, reactor)

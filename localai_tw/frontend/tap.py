@@ -39,6 +39,7 @@ from twisted.web.server import NOT_DONE_YET
 
 from localai_tw import config
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
+from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
 
 log = Logger()
 
@@ -76,6 +77,11 @@ SETTINGS = (
                  "host:port other replicas dial to reach this one.",
                  parse=config.parse_host_port, default_doc="discovered from the route to the "
                  "database"),
+    config.value("peer-ca-file", "LOCALAI_PEER_CA_FILE",
+                 "PEM CA certificate that other replicas' TLS certificates must chain to; "
+                 "a replica whose --listen is ssl: advertises wss://host:port and is dialled "
+                 "over TLS, with the certificate checked against this CA.",
+                 parse=peer_ca_file, default_doc="the system trust store"),
     config.flag("single-host", "LOCALAI_SINGLE_HOST",
                 "All replicas run on this machine: allow a loopback --advertise-address."),
     config.value("registration-token", "LOCALAI_REGISTRATION_TOKEN",

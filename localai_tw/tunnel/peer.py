@@ -24,6 +24,11 @@ session would not carry a stream -> ``relay-unavailable``), answers ``relay-ok``
 two streams.  The tunnel request frame the caller pipelined behind the relay frame passes through
 to the worker untouched, and so does the worker's reply.
 
+TLS: an owner that listens on ``ssl:`` publishes ``wss://host:port`` (see
+:mod:`~localai_tw.tunnel.peertls`); the pool then dials ``wss://`` only, checks the certificate
+against ``--peer-ca-file`` (else the system trust store) and the advertised host, and a refused
+certificate is a ``PeerUnreachable`` with one error line saying why.
+
 Peer links advertise a 4 MiB receive window per stream (ref §1.3: bulk and peer links use bigger
 windows).  Each end advertises its own window, so both ends use :func:`peer_session_config`.
 
@@ -38,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from typing import Callable
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -54,6 +59,7 @@ from localai_tw.mux.session import Session, SessionConfig
 from localai_tw.splice import HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
 from localai_tw.tunnel.connect import OpenNotifyingSession
+from localai_tw.tunnel.peertls import PeerTrust, split_published
 from localai_tw.tunnel.registry import NotHeldHere
 from localai_tw.tunnel.websocket import (
     ConnectRefused,
@@ -339,14 +345,17 @@ class PeerPool:
     :param db: a started ``Database`` (for the peer's advertised address, read at dial time).
     :param identity: this replica's ``InstanceIdentity`` (its id and plaintext peer secret).
     :param registration_token: the shared token sent as ``Authorization: Bearer``.
+    :param ca_file: a PEM CA that ``wss://`` peers' certificates must chain to (None: the
+        system trust store).
     """
 
     def __init__(self, db, identity: InstanceIdentity, registration_token: str, reactor=None, *,
                  liveness: float = INSTANCE_LIVENESS,
                  handshake_timeout: float = PEER_HANDSHAKE_TIMEOUT,
-                 connect: Callable = connectWebSocket):
+                 connect: Callable = connectWebSocket, ca_file: str | None = None):
         if reactor is None:
             from twisted.internet import reactor
+        self._trust = PeerTrust(ca_file)
         self._db = db
         self._identity = identity
         self._registration_token = registration_token
@@ -418,7 +427,13 @@ class PeerPool:
         address = rows[0][0]
         if not address:
             raise errors.PeerUnreachable(peer_id, "it publishes no advertised address")
-        url = f"ws://{address}{PEER_PATH}?id={quote(self.instance_id, safe='')}"
+        try:
+            tls, hostport = split_published(address)
+        except ValueError as e:
+            raise errors.PeerUnreachable(peer_id, str(e), e) from e
+        scheme = "wss" if tls else "ws"
+        url = f"{scheme}://{hostport}{PEER_PATH}?id={quote(self.instance_id, safe='')}"
+        creator = self._trust.creator(urlsplit(url).hostname) if tls else None
         headers = {PEER_TOKEN_HEADER: self._identity.peer_secret}
         if self._registration_token:
             headers["Authorization"] = f"Bearer {self._registration_token}"
@@ -429,17 +444,19 @@ class PeerPool:
 
         try:
             session = await self._connect(self._reactor, url, build, headers=headers,
-                                          handshake_timeout=self._handshake_timeout)
-        except HandshakeFailed as e:
-            if e.status in (401, 403):
-                log.error("peer link to replica {peer} at {addr} refused ({status}); this is "
-                          + _CONFIG_HINT, peer=peer_id, addr=address, status=e.status)
-                raise errors.PeerRejected(peer_id, f"refused our credentials ({e.status}); "
-                                          + _CONFIG_HINT, e) from e
-            raise errors.PeerUnreachable(peer_id, f"handshake with {address} failed: {e}",
-                                         e) from e
+                                          handshake_timeout=self._handshake_timeout,
+                                          tls_options=creator)
         except Exception as e:
-            raise errors.PeerUnreachable(peer_id, f"cannot connect to {address}: {e}", e) from e
+            why = creator.refused if creator is not None else None
+            if why is None:
+                raise self._unreachable(peer_id, address, e) from e
+            # A peer's certificate is a fact about that replica, never about a worker.
+            log.error("peer link to replica {peer} at {addr}: its TLS certificate was refused "
+                      "({why}; checked against {source}); check --peer-ca-file and that "
+                      "replica's certificate", peer=peer_id, addr=address, why=why,
+                      source=self._trust.source)
+            raise errors.PeerUnreachable(
+                peer_id, f"TLS certificate of {address} refused: {why}", e) from e
         if self._closed:
             session.loseConnection()
             raise errors.PoolClosed()
@@ -450,6 +467,18 @@ class PeerPool:
         if old is not None and old is not session:
             old.loseConnection()
         return session
+
+    @staticmethod
+    def _unreachable(peer_id: str, address: str, e: Exception) -> Exception:
+        """The error for a dial that failed for a reason other than a refused certificate."""
+        if isinstance(e, HandshakeFailed):
+            if e.status in (401, 403):
+                log.error("peer link to replica {peer} at {addr} refused ({status}); this is "
+                          + _CONFIG_HINT, peer=peer_id, addr=address, status=e.status)
+                return errors.PeerRejected(peer_id, f"refused our credentials ({e.status}); "
+                                           + _CONFIG_HINT, e)
+            return errors.PeerUnreachable(peer_id, f"handshake with {address} failed: {e}", e)
+        return errors.PeerUnreachable(peer_id, f"cannot connect to {address}: {e}", e)
 
     def _drop(self, peer_id: str, session: Session) -> None:
         if self._sessions.get(peer_id) is session:

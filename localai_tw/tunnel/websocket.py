@@ -53,6 +53,7 @@ from twisted.internet import defer, endpoints, error
 from twisted.internet.interfaces import IConsumer, IPushProducer, ITransport
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper
+from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
@@ -880,6 +881,11 @@ class TunnelWebSocketResource(Resource):
         request.channel.transport = None
         if isinstance(transport, ProtocolWrapper):  # TLS wraps the protocol
             transport.wrappedProtocol = websocket
+            if isinstance(transport.transport, TLSMemoryBIOProtocol):
+                # A wrapper above TLS (the site's connection count) claims TLS's interfaces,
+                # but Autobahn reads the TLS channel from the TLS protocol itself: write to
+                # that directly; reads still pass through the wrapper.
+                transport = transport.transport
         elif isinstance(getattr(transport, "protocol", None), ProtocolWrapper):
             transport.protocol.wrappedProtocol = websocket
         else:
