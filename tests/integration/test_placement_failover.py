@@ -14,7 +14,7 @@ from twisted.web.client import HTTPConnectionPool
 
 from localai_tw.backends import backend_pb2
 
-from .inference_harness import ADMIN, TOKEN, Cluster
+from .inference_harness import ADMIN, TOKEN, Cluster, eventually
 
 COLD_LOADS = 10
 
@@ -113,3 +113,40 @@ async def test_a_cold_load_that_meets_a_routing_fact_tries_the_next_node(cluster
     ghost_node_now = await frontend.nodes.get_node(ghost)
     assert ghost_node_now.status.value == "healthy"
     assert [r for r in await cluster.rows() if r[0] == ghost] == []
+
+
+async def presence_of(frontend, node_id: str, expected: str) -> bool:
+    return (await frontend.fence.presence(node_id)).presence.value == expected
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_model_on_an_absent_worker_is_served_by_another_and_its_rows_stay(cluster):
+    cluster.write_model("away.yaml", "name: away\nbackend: echo\n")
+    frontend = await cluster.frontend("replica-a")
+    first = await cluster.worker("w1", frontend)
+    second = await cluster.worker("w2", frontend)
+    served = await frontend.inference.predict("away", backend_pb2.PredictOptions(Prompt="x"))
+    a, b = (first, second) if served.served_by == first.node_id else (second, first)
+    [row_on_a] = await cluster.rows("away")
+    assert row_on_a[0] == a.node_id and row_on_a[2] == "loaded"
+
+    # A's tunnel goes away (its heartbeats go on): presence "reconnecting", within the grace.
+    await a.dialer.stopService()
+    await eventually(lambda: not frontend.tunnels.holds(a.node_id), what="A detached")
+    await eventually(lambda: presence_of(frontend, a.node_id, "reconnecting"),
+                     what="A reconnecting")
+
+    started = reactor.seconds()
+    served = await frontend.inference.predict(
+        "away", backend_pb2.PredictOptions(Prompt="from b"), deadline=reactor.seconds() + 30)
+    assert served.value.message == b"from b" and served.served_by == b.node_id
+    assert reactor.seconds() - started < 10  # a cold load on B, not a wait for A
+    # and the next one goes straight to B, now loaded there
+    again = await frontend.inference.predict("away", backend_pb2.PredictOptions(Prompt="again"))
+    assert again.served_by == b.node_id
+
+    # the absent worker's rows were not touched, nor its status
+    rows = await cluster.rows("away")
+    assert row_on_a in rows
+    assert [(r[0], r[2]) for r in rows if r[0] == b.node_id] == [(b.node_id, "loaded")]
+    assert (await frontend.nodes.get_node(a.node_id)).status.value == "healthy"
