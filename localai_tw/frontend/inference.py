@@ -19,12 +19,13 @@ said the backend port is not there)        retry once: the call never reached a 
 ``BackendAnswer`` ``UNAVAILABLE`` (no      reap the row and raise: the backend died under the
 dial error: the backend went away mid-call) call; the next request reloads
 any other ``BackendAnswer``                raise; the row stays (a bad request, a backend bug)
-a routing fact at the dial                 raise nothing yet: skip that node (``WorkerGone``:
-                                           mark it unhealthy, status only) and try another
-                                           node once; never reap
-absence within grace, an unreachable       raise; never reap, never demote
-peer, a transport failure, the caller's
-deadline, a cancellation
+a routing fact or an absence within the     raise nothing yet: skip that node (``WorkerGone``:
+grace at the dial (the worker's tunnel is  mark it unhealthy, status only) and serve from
+gone, reconnecting, or never dialled)      another node, cold-loading there if needed (up
+                                           to ``MAX_SKIPS`` nodes); never reap, and the
+                                           skipped node's rows stay for its return
+an unreachable peer, a transport failure,  raise; never reap, never demote
+the caller's deadline, a cancellation
 =========================================  ==================================================
 
 Retries happen only when the call is known not to have run: a dial failure (the splice was
@@ -56,8 +57,10 @@ from .scheduler import Placement, Scheduler
 
 log = Logger()
 
-#: Attempts per request: the first, plus one after a reap or a skipped node.
+#: Attempts per request on the worker's answer: the first, plus one after a reap.
 MAX_ATTEMPTS = 2
+#: Nodes one request may skip because it cannot reach them (routing fact, absence).
+MAX_SKIPS = 4
 #: What a call asks of a model (its name in errors) and the use cases that allow it.
 _GENERATION = ("text generation (chat or completion)", frozenset({CHAT, COMPLETION}))
 _EMBEDDING = (EMBEDDINGS, frozenset({EMBEDDINGS}))
@@ -175,7 +178,8 @@ class InferenceRouter:
                     hook(name)
         exclude: set[str] = set()
         last_error: BaseException | None = None
-        for attempt in range(MAX_ATTEMPTS):
+        reloads = 0
+        while True:  # ends: each reload is counted, each skip excludes one more node
             if deadline is not None and self._reactor.seconds() >= deadline:
                 raise errors.CallerDeadlineExceeded(f"serving model {config.name}")
             try:
@@ -196,7 +200,8 @@ class InferenceRouter:
                 if isinstance(e, errors.StreamRefused) or _reloadable(e):
                     await self.scheduler.reap(placement, e)
                     last_error = e
-                    if retry_allowed() and attempt + 1 < MAX_ATTEMPTS:
+                    if retry_allowed() and reloads + 1 < MAX_ATTEMPTS:
+                        reloads += 1
                         log.info("model {model} on node {node}: {err}; reloading and retrying "
                                  "once", model=config.name, node=placement.node_id, err=e)
                         continue
@@ -204,17 +209,20 @@ class InferenceRouter:
                 if isinstance(e, errors.BackendAnswer) and e.code == "UNAVAILABLE":
                     await self.scheduler.reap(placement, e)
                 raise
-            except errors.RoutingFact as e:
-                # No route to that node now: skip it for this request; never reap.
+            except (errors.RoutingFact, errors.AbsentWithinGrace) as e:
+                # No route to that node now, or it is away within the grace: the call never
+                # reached a backend, so serve from another node (loading there if needed).
+                # Acts on nothing: the node's rows stay for its return (WorkerGone alone
+                # demotes it, status only).
                 if isinstance(e, errors.WorkerGone):
                     await self.scheduler.mark_gone(placement.node_id)
                 exclude.add(placement.node_id)
                 last_error = e
-                if retry_allowed() and attempt + 1 < MAX_ATTEMPTS:
-                    log.info("model {model}: no route to node {node} ({err}); trying another "
-                             "node", model=config.name, node=placement.node_id, err=e)
+                if retry_allowed() and len(exclude) < MAX_SKIPS:
+                    log.info("model {model}: node {node} cannot be reached ({err}); serving "
+                             "from another node", model=config.name, node=placement.node_id,
+                             err=e)
                     continue
                 raise
             self.scheduler.touch(placement)
             return Served(value, placement.node_id)
-        raise last_error  # pragma: no cover - the loop always returns or raises

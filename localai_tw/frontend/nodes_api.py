@@ -29,10 +29,12 @@ GET /api/cluster/instances         ``{"instances": [{"id", "version", "advertise
 
 A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
 "gpu_vendor", "max_replicas_per_model", "last_heartbeat", "created_at", "owner": {"replica",
-"epoch"} | null, "presence", "models": [{"model_name", "replica_index", "state", "in_flight",
-"backend_type"}]}``.  ``owner`` is the *live* replica holding the node's tunnel (null when none
-does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or ``gone``, and when the
-presence query failed it is ``unknown`` with ``presence_error`` set.  Unknown ids are 404, bad
+"epoch"} | null, "presence", "never_connected", "models": [{"model_name", "replica_index",
+"state", "in_flight", "backend_type"}]}``.  ``owner`` is the *live* replica holding the node's
+tunnel (null when none does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or
+``gone``, and when the presence query failed it is ``unknown`` with ``presence_error`` set.
+``never_connected`` is true when no tunnel of the node is on record (it never dialled in, or its
+last departure is older than the departure retention), false otherwise and on a failed query.  Unknown ids are 404, bad
 input 400 naming the field, every refusal ``{"error": {"message", "type", ...}}``.
 
 The three routes that ask the worker go through this replica's tunnel or the relay to the
@@ -66,7 +68,7 @@ from localai_tw.cluster.nodes import (
     NodeType,
     NotPending,
 )
-from localai_tw.cluster.ownership import NoConnection
+from localai_tw.cluster.ownership import NoConnection, Presence
 
 from .web import (
     APIError,
@@ -240,6 +242,10 @@ class NodesAdminResource(JSONResource):
             "created_at": _iso(node.created_at),
             "owner": owner,
             "presence": reading.presence.value,
+            # No connection record at all (not a failed query): it never dialled in, or its
+            # last departure outlived the departure retention.  A node that heartbeats with
+            # this true is registered but not reachable (docs/routing.md).
+            "never_connected": reading.presence is Presence.UNKNOWN and reading.error is None,
             "models": models,
         }
         if reading.error is not None:

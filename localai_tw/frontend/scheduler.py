@@ -5,9 +5,13 @@ Node choice (:meth:`Scheduler.candidates`): healthy ``backend`` nodes whose labe
 pair of the model's selector -- the YAML ``node_selector`` with the ``model_scheduling_configs``
 row (``POST /api/nodes/scheduling``) on top (the row wins per key).  Nodes where the model is
 ``loaded`` come first; among equals the choice is random (cold loads prefer nodes holding fewer
-models, then random).  Before a cold load the picked node's presence is read: ``gone`` ->
-``mark_unhealthy`` (status only, reversible) and pick again; ``reconnecting``/``unknown`` stay
-eligible (nobody acts on absence within the grace).
+models, then random).  Connected nodes (tunnel held by a live replica, read in the same query)
+come before the others, both for a loaded replica and for a cold load: a node that heartbeats
+but never dials holds no models and would otherwise win every cold load.  Before a cold load
+the picked node's presence is read: ``gone`` -> ``mark_unhealthy`` (status only, reversible)
+and pick again; ``reconnecting``/``unknown`` stay eligible (nobody acts on absence within the
+grace).  A cold load that meets a routing fact or an absence within the grace moves on to the
+next candidate, touching nothing (no row, no status) on the node it leaves.
 
 Cold load (:meth:`Scheduler.load`), one at a time per model across every replica:
 
@@ -61,7 +65,11 @@ from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
-from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
+from localai_tw.cluster.clock import (
+    CONNECTION_IS_HELD_SQL,
+    INSTANCE_IS_LIVE_SQL,
+    INSTANCE_LIVENESS,
+)
 from localai_tw.cluster.ownership import Presence
 from localai_tw.staging_client import sha256_of_file
 from localai_tw.tunnel.endpoint import upload_file
@@ -98,6 +106,7 @@ class Candidate:
     models_held: int
     loaded_address: str | None  # address of a loaded replica of the model here, if any
     loaded_model: str = ""      # its ModelOptions.Model
+    connected: bool = False     # a live replica holds its tunnel now (read with the rows)
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,11 @@ _CANDIDATES_SQL = (
     " (SELECT m.address FROM node_models m WHERE m.node_id = n.id AND m.model_name = %(model)s"
     "   AND m.state = 'loaded' ORDER BY m.replica_index LIMIT 1),"
     " (SELECT m.loaded_model FROM node_models m WHERE m.node_id = n.id"
-    "   AND m.model_name = %(model)s AND m.state = 'loaded' ORDER BY m.replica_index LIMIT 1)"
+    "   AND m.model_name = %(model)s AND m.state = 'loaded' ORDER BY m.replica_index LIMIT 1),"
+    " EXISTS (SELECT 1 FROM node_connections JOIN instances"
+    "   ON instances.id = node_connections.owner_instance_id"
+    f"   AND {INSTANCE_IS_LIVE_SQL.replace('%s', '%(live)s')}"
+    f"   WHERE node_connections.node_id = n.id AND {CONNECTION_IS_HELD_SQL})"
     " FROM backend_nodes n"
     " WHERE n.status = 'healthy' AND n.node_type = 'backend'"
     " AND NOT EXISTS (SELECT 1 FROM jsonb_each_text(%(selector)s::jsonb) s"
@@ -201,9 +214,10 @@ class Scheduler:
         import json
 
         selector = merged_selector(model, await self.configured_selector(model.name))
-        rows = await self._db.runQuery(_CANDIDATES_SQL, {"model": model.name,
-                                                         "selector": json.dumps(selector)})
-        return [Candidate(r[0], int(r[1]), r[2], r[3] or "") for r in rows]
+        rows = await self._db.runQuery(_CANDIDATES_SQL, {
+            "model": model.name, "selector": json.dumps(selector),
+            "live": float(self._liveness)})
+        return [Candidate(r[0], int(r[1]), r[2], r[3] or "", bool(r[4])) for r in rows]
 
     def _shuffled(self, items: list) -> list:
         items = list(items)
@@ -212,12 +226,14 @@ class Scheduler:
 
     async def loaded_placement(self, model: ModelConfig,
                                exclude: frozenset[str] = frozenset()) -> Placement | None:
-        """A loaded replica of ``model`` on a node that still matches, random among equals."""
+        """A loaded replica of ``model`` on a node that still matches: on a connected node
+        when there is one, random among equals."""
         loaded = [c for c in await self.candidates(model)
                   if c.loaded_address and c.node_id not in exclude]
         if not loaded:
             return None
-        chosen = self._shuffled(loaded)[0]
+        connected = [c for c in loaded if c.connected]
+        chosen = self._shuffled(connected or loaded)[0]
         return Placement(model.name, chosen.node_id, chosen.loaded_address,
                          chosen.loaded_model or self.model_id(model, None))
 
@@ -257,6 +273,9 @@ class Scheduler:
             candidates = [c for c in await self.candidates(model) if c.node_id not in excluded]
             if not candidates:
                 break
+            # Connected nodes first: a node that heartbeats but holds no tunnel (never dialled,
+            # or reconnecting) holds no models either, and would otherwise win every cold load.
+            candidates = [c for c in candidates if c.connected] or candidates
             fewest = min(c.models_held for c in candidates)
             chosen = self._shuffled([c for c in candidates if c.models_held == fewest])[0]
             if await self._usable(chosen.node_id):
@@ -398,11 +417,7 @@ class Scheduler:
             existing = await self.loaded_placement(model, exclude)
             if existing is not None:
                 return existing
-            node_id = await self.pick_for_load(model, exclude)
-            try:
-                return await self._load_on(model, node_id, attempt)
-            except ModelLoadFailed as e:
-                raise self._remember_failure(model, e) from e
+            return await self._load_somewhere(model, exclude, attempt)
         finally:
             if heartbeat.running:
                 heartbeat.stop()
@@ -411,6 +426,34 @@ class Scheduler:
             except Exception as e:
                 log.warn("releasing the load lock of {model} failed (it goes stale): {err}",
                          model=model.name, err=e)
+
+    async def _load_somewhere(self, model: ModelConfig, exclude: frozenset[str],
+                              attempt: str) -> Placement:
+        """Cold-load on the best node; when the load meets a routing fact or an absence
+        within the grace, try the next candidate (at most ``MAX_PICKS`` nodes).  Nothing is
+        acted on: the skipped node keeps its status and its rows (``WorkerGone`` alone demotes,
+        status only); the condition itself is raised when no candidate is left."""
+        excluded = set(exclude)
+        last: BaseException | None = None
+        for _ in range(MAX_PICKS):
+            try:
+                node_id = await self.pick_for_load(model, frozenset(excluded))
+            except NoNodeAvailable:
+                if last is not None:
+                    raise last from None
+                raise
+            try:
+                return await self._load_on(model, node_id, attempt)
+            except ModelLoadFailed as e:
+                raise self._remember_failure(model, e) from e
+            except (errors.RoutingFact, errors.AbsentWithinGrace) as e:
+                if isinstance(e, errors.WorkerGone):
+                    await self.mark_gone(node_id)
+                log.info("cold load of model {model}: node {node} cannot be reached ({err}); "
+                         "trying another node", model=model.name, node=node_id, err=e)
+                excluded.add(node_id)
+                last = e
+        raise last  # MAX_PICKS nodes met a routing fact or an absence
 
     def _beat(self, model_name: str, attempt: str) -> defer.Deferred:
         return defer.ensureDeferred(self._progress(model_name, attempt)).addErrback(

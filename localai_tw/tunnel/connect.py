@@ -35,6 +35,7 @@ from zope.interface import implementer
 from localai_tw.cluster.nodes import NodeStatus, Unauthorized
 from localai_tw.logsafe import untrusted
 from localai_tw.mux.session import Session, SessionConfig
+from localai_tw.tunnel.keepalive import tunnel_keepalive
 from localai_tw.tunnel.websocket import (
     ConnectRefused,
     IConnectAuthorizer,
@@ -55,8 +56,9 @@ def tunnel_session_config() -> SessionConfig:
     streams by contract; one RST and one log line per SYN would let a worker flood us with
     answers it never reads).  The receive window is the protocol default (256 KiB per stream):
     each end advertises its own, so the worker's choice does not have to match (see
-    docs/routing.md)."""
-    return SessionConfig(accept_streams=False, forbid_inbound_streams=True)
+    docs/routing.md).  The keepalive is the tunnel's (``keepalive.py``): a silent carrier is
+    declared dead within 10 s, so requests stop being routed to it."""
+    return SessionConfig(accept_streams=False, forbid_inbound_streams=True, **tunnel_keepalive())
 
 
 class OpenNotifyingSession(Session):

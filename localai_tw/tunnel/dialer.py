@@ -10,7 +10,7 @@ each registration rotates the credential; with no credential it does not dial at
 
 Reconnecting uses equal-jitter backoff (ref §1.6): the d-th wait is ``d/2 + random[0, d/2]``
 where ``d = min(30 s, 0.5 s * 2**attempt)``.  The attempt counter goes back to zero only after a
-session that lasted at least :data:`STABLE_SESSION_SECONDS` (the keepalive interval): a frontend
+session that lasted at least :data:`STABLE_SESSION_SECONDS` (30 s): a frontend
 that accepts and then drops the tunnel at once (a rolling restart, a replica that dies) does not
 turn a thousand workers into a reconnect storm.
 
@@ -47,6 +47,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from localai_tw.mux.session import Session, SessionConfig
+from localai_tw.tunnel.keepalive import tunnel_keepalive
 from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 
 log = Logger()
@@ -121,6 +122,12 @@ class DialState(enum.Enum):
     BACKING_OFF = "backing-off"
 
 
+def worker_session_config() -> SessionConfig:
+    """The worker's end of its tunnel: the tunnel keepalive (``keepalive.py``), so a silent
+    carrier is dropped and redialled within 10 s instead of 40."""
+    return SessionConfig(**tunnel_keepalive())
+
+
 #: ``credentials() -> (node_id, tunnel_credential)`` or None before the first registration.
 CredentialSource = Callable[[], "tuple[str, str] | None"]
 
@@ -161,7 +168,7 @@ class TunnelDialer(Service):
         *,
         reauthorize: Callable[[], object] | None = None,
         node_name: str = "",
-        session_config: Callable[[], SessionConfig] = SessionConfig,
+        session_config: Callable[[], SessionConfig] = worker_session_config,
         connect: Callable[..., defer.Deferred] = connectWebSocket,
         random_fraction: Callable[[], float] = random.random,
         base_delay: float = BACKOFF_BASE_SECONDS,
