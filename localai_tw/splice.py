@@ -40,6 +40,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from localai_tw import errors
+from localai_tw.deferreds import OneShotObserver
 from localai_tw.mux.errors import SessionFailed, StreamReset
 
 _log = Logger()
@@ -212,6 +213,20 @@ class SpliceHalf(Protocol):
         else:
             transport.loseConnection()
 
+    def _abort(self) -> None:
+        """Abort this side's transport even if a gentle close is under way (a sink that stopped
+        reading would hold that close open forever); nothing to do once it is lost."""
+        if self.lost or not self.connected_once or self.transport is None:
+            return
+        self.closed_by_splice = True
+        self.closing = True
+        transport = self.transport
+        self._unregisterPartner()
+        if hasattr(transport, "abortConnection"):
+            transport.abortConnection()
+        else:
+            transport.loseConnection()
+
     def _halfClose(self) -> None:
         """Half-close this side's output after its partner's input ended; close it when the
         transport cannot half-close."""
@@ -237,7 +252,8 @@ class Splice:
 
     Connect ``a`` and ``b`` in any order (or hand an already connected transport to one of them
     through :class:`HandoffProtocol`); a side that connects first is paused until its partner
-    arrives.  If a partner will never arrive (its dial failed), call :meth:`abandon`.
+    arrives.  If a partner will never arrive (its dial failed), call :meth:`abandon`; to end
+    the join from outside (shutting down), call :meth:`abort`.
     """
 
     def __init__(self) -> None:
@@ -248,18 +264,14 @@ class Splice:
         self._joined = False
         self._abandoned: Failure | None = None
         self._ending: SpliceEnding | None = None
-        self._waiters: list[defer.Deferred] = []
+        self._done = OneShotObserver()
 
     # -- public API ---------------------------------------------------------------------------
 
     def whenDone(self) -> defer.Deferred:
         """A Deferred firing with the :class:`SpliceEnding` once both sides are gone.  It never
         errbacks: a transport failure is a classification, not an exception here."""
-        if self._ending is not None:
-            return defer.succeed(self._ending)
-        waiter: defer.Deferred = defer.Deferred()
-        self._waiters.append(waiter)
-        return waiter
+        return self._done.when()
 
     def abandon(self, reason: Failure | BaseException | str) -> None:
         """The partner of a connected side will never connect (its dial failed): abort what is
@@ -274,6 +286,15 @@ class Splice:
                 half.closed_by_splice = True
                 half._close(abort=True)
         self._maybeDone()
+
+    def abort(self) -> None:
+        """End the join now, from outside (the owner is shutting down): abort every connected
+        side that is not lost yet, including one already closing gently.  The sides end as
+        closed by the splice, so the ending is normal unless a transport failed on its own
+        first; :meth:`whenDone` fires once both sides are gone.  A partner still dialing is not
+        touched: abandon the splice when its dial is given up."""
+        for half in (self.a, self.b):
+            half._abort()
 
     # -- events from the halves ----------------------------------------------------------------
 
@@ -370,9 +391,7 @@ class Splice:
         else:
             ending = SpliceEnding(EndingKind.NORMAL, endings)
         self._ending = ending
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            waiter.callback(ending)
+        self._done.fire(ending)
 
 
 @implementer(IHalfCloseableProtocol)
