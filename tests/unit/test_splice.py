@@ -16,7 +16,7 @@ from localai_tw.mux.errors import (
     StreamClosed,
     StreamReset,
 )
-from localai_tw.splice import EndingKind, HandoffProtocol, Splice, SpliceEnding
+from localai_tw.splice import EndingKind, HalfState, HandoffProtocol, Splice, SpliceEnding
 
 
 @implementer(ITransport, IPushProducer)
@@ -399,3 +399,23 @@ def test_abort_leaves_a_partner_still_dialing_to_abandon():
     splice.abandon("dial cancelled")
     ending = ending_of(splice)
     assert ending.kind is EndingKind.TRANSPORT_FAILURE and "never connected" in ending.cause
+
+
+def test_a_side_moves_new_connected_closing_lost_and_stays_lost():
+    splice = Splice()
+    a, b = FakeSideTransport(), FakeSideTransport()
+    slow_to_close(b)
+    assert splice.a.state is HalfState.NEW and splice.b.state is HalfState.NEW
+    a.connect(splice.a)
+    assert splice.a.state is HalfState.CONNECTED
+    b.connect(splice.b)
+    a.lose(error.ConnectionDone())  # a ended normally: b is closed gently, once
+    assert splice.a.state is HalfState.LOST and splice.b.state is HalfState.CLOSING
+    assert b.closes == ["lose"]
+    splice.a.connectionLost(Failure(error.ConnectionLost("late")))  # ignored
+    b.receive(b"late bytes")  # nowhere to go: a is lost
+    assert a.buffer == b"" and splice.b.pending == []  # dropped, not kept
+    assert b.closes == ["lose"]
+    b.lose(error.ConnectionDone())
+    assert splice.b.state is HalfState.LOST
+    assert ending_of(splice).kind is EndingKind.NORMAL
