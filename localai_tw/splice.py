@@ -141,6 +141,12 @@ class HalfState(enum.Enum):
     LOST = "lost"            # connectionLost came: nothing more happens to this side
 
 
+# For the per-chunk path: a module global is a dict lookup, ``HalfState.CONNECTED`` goes through
+# the Enum class's attribute machinery (about 70 ns each on Python 3.11).
+_NEW = HalfState.NEW
+_CONNECTED = HalfState.CONNECTED
+
+
 @implementer(IHalfCloseableProtocol)
 class SpliceHalf(Protocol):
     """One side of a :class:`Splice`: the protocol of one of the two joined connections.
@@ -174,12 +180,12 @@ class SpliceHalf(Protocol):
             return
         partner = self.partner
         state = partner.state
-        if state is HalfState.CONNECTED and partner.output_open:
+        if state is _CONNECTED and partner.output_open:
             try:
                 partner.transport.write(data)
             except Exception:
                 self._splice._copyFailed(self, Failure())
-        elif state is HalfState.NEW:
+        elif state is _NEW:
             self.pending.append(data)
         # otherwise nowhere to deliver: the join is ending and this side is being closed
 
