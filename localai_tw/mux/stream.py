@@ -56,6 +56,11 @@ class StreamState(enum.Enum):
     CLOSED = "closed"                          # FIN both ways, or the session ended
     RESET = "reset"                            # RST either way
 
+    # Members are singletons compared by identity, so identity hashing is correct, and it is
+    # C code where Enum's own __hash__ is Python: TRANSITIONS is looked up on every handshake
+    # and ending.
+    __hash__ = object.__hash__
+
 
 class StreamEvent(enum.Enum):
     """What moves a stream from one :class:`StreamState` to another."""
@@ -66,6 +71,8 @@ class StreamEvent(enum.Enum):
     FIN_RECEIVED = "fin-received"
     RESET = "reset"                  # RST sent or received
     SESSION_ENDED = "session-ended"
+
+    __hash__ = object.__hash__  # as StreamState's
 
 
 def _table() -> dict[tuple[StreamState, StreamEvent], StreamState]:
@@ -105,9 +112,8 @@ class IllegalTransition(RuntimeError):
 
 
 def _accepting(event: StreamEvent) -> tuple[StreamState, ...]:
-    # Tuples, not sets: membership is then an identity check in C, where a set would call
-    # Enum.__hash__ (Python code) on every test of the per-frame path.  OPEN comes first: it is
-    # the state nearly every frame finds.
+    # Tuples, not sets: membership is then an identity check in C, the cheapest test on the
+    # per-frame path.  OPEN comes first: it is the state nearly every frame finds.
     order = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE, StreamState.HALF_CLOSED_LOCAL,
              StreamState.SYN_SENT, StreamState.SYN_RECEIVED, StreamState.IDLE,
              StreamState.CLOSED, StreamState.RESET)
