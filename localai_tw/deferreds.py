@@ -9,6 +9,9 @@ connection back while PostgreSQL is still answering on it):
 
 In both, a late outcome has nobody left to tell and is dropped, so it is never logged as an
 unhandled error.  Neither ever cancels the Deferred it is given.
+
+And one for the other side of waiting: :class:`OneShotObserver`, "one outcome, many waiters",
+which every "when ... is done" method otherwise writes by hand as a list of Deferreds.
 """
 
 from __future__ import annotations
@@ -58,3 +61,51 @@ def shielded(d: defer.Deferred) -> defer.Deferred:
 
     d.addBoth(finished)
     return out
+
+
+class OneShotObserver:
+    """One outcome, told to any number of waiters: before it, each :meth:`when` is a new
+    pending Deferred; :meth:`fire` gives every one of them the outcome; after it, :meth:`when`
+    has the outcome at once.
+
+    Each waiter gets its own Deferred, so one waiter's callbacks never change what another
+    sees, and cancelling one only stops that waiter.  Firing twice is a bug in the caller and
+    raises ``defer.AlreadyCalledError``: an outcome that could change would be no outcome.
+    """
+
+    __slots__ = ("_waiters", "_fired", "_result")
+
+    def __init__(self) -> None:
+        self._waiters: list[defer.Deferred] = []
+        self._fired = False
+        self._result = None
+
+    @property
+    def fired(self) -> bool:
+        return self._fired
+
+    def when(self) -> defer.Deferred:
+        """A new Deferred with the outcome; already fired when the outcome is known."""
+        if self._fired:
+            result = self._result
+            return defer.fail(result) if isinstance(result, Failure) else defer.succeed(result)
+        d: defer.Deferred = defer.Deferred(self._forget)
+        self._waiters.append(d)
+        return d
+
+    def fire(self, result) -> None:
+        """Set the outcome (a value, or a :class:`Failure` to errback with) and tell every
+        waiter, in the order they asked."""
+        if self._fired:
+            raise defer.AlreadyCalledError(f"{self!r} already fired")
+        self._fired = True
+        self._result = result
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            _relay_into(d, result)
+
+    def _forget(self, d: defer.Deferred) -> None:
+        # cancelled by its waiter: nothing to tell it any more (the Deferred errbacks with
+        # CancelledError on its own)
+        if d in self._waiters:
+            self._waiters.remove(d)

@@ -88,6 +88,7 @@ from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
 from localai_tw.backends.ledger import ProcessLedger
 from localai_tw.backends.ports import NoFreePort, PortAllocator
+from localai_tw.deferreds import OneShotObserver
 
 log = Logger()
 
@@ -252,36 +253,12 @@ def _is_unimplemented(failure: Failure) -> bool:
         exc.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-class _SharedOutcome:
-    """One internal Deferred's outcome handed to any number of callers, each with a fresh
-    Deferred, so one caller's callbacks never change what another sees."""
-
-    def __init__(self, source: defer.Deferred):
-        self._done = False
-        self._result: Any = None
-        self._waiters: list[defer.Deferred] = []
-        source.addBoth(self._fire)
-
-    def _fire(self, result):
-        self._done, self._result = True, result
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            self._deliver(waiter)
-        return None
-
-    def _deliver(self, waiter: defer.Deferred) -> None:
-        if isinstance(self._result, Failure):
-            waiter.errback(self._result)
-        else:
-            waiter.callback(self._result)
-
-    def wait(self) -> defer.Deferred:
-        waiter: defer.Deferred = defer.Deferred()
-        if self._done:
-            self._deliver(waiter)
-        else:
-            self._waiters.append(waiter)
-        return waiter
+def _shared_outcome(source: defer.Deferred) -> OneShotObserver:
+    """``source``'s outcome handed to any number of callers, each with a fresh Deferred, so
+    one caller's callbacks never change what another sees."""
+    outcome = OneShotObserver()
+    source.addBoth(outcome.fire)
+    return outcome
 
 
 # -- one backend ----------------------------------------------------------------------------------
@@ -308,12 +285,12 @@ class BackendProcess:
         self._transport = None
         self._server = None  # in-process grpc.Server
         self._client: BackendClient | None = None
-        self._end_waiters: list[defer.Deferred] = []
+        self._end_waiters = OneShotObserver()
         self._ended = False
         self._start: defer.Deferred | None = None
-        self._start_outcome: _SharedOutcome | None = None
+        self._start_outcome: OneShotObserver | None = None
         self._stop: defer.Deferred | None = None
-        self._stop_outcome: _SharedOutcome | None = None
+        self._stop_outcome: OneShotObserver | None = None
         self._final_state = STOPPED
         self._liveness: LoopingCall | None = None
         self._probing = False
@@ -326,10 +303,7 @@ class BackendProcess:
         """Fires (with this record) when the process has exited.  Cancellable."""
         if self._ended:
             return defer.succeed(self)
-        waiter: defer.Deferred = defer.Deferred(
-            lambda d: self._end_waiters.remove(d) if d in self._end_waiters else None)
-        self._end_waiters.append(waiter)
-        return waiter
+        return self._end_waiters.when()
 
     def exit_description(self) -> str:
         if self.exit_signal is not None:
@@ -522,15 +496,15 @@ class BackendSupervisor(Service):
                                                     "once it has stopped", existing))
             if existing.state == READY:
                 return defer.succeed(existing)
-            return existing._start_outcome.wait()
+            return existing._start_outcome.when()
         output = OutputRing(*self._log_limits)
         record = BackendProcess(key, model, backend, output)
         record.started_at = time.time()
         self._live[key] = record
         record._start = defer.ensureDeferred(self._start_backend(record, dict(options or {}),
                                                                  load))
-        record._start_outcome = _SharedOutcome(record._start)
-        return record._start_outcome.wait()
+        record._start_outcome = _shared_outcome(record._start)
+        return record._start_outcome.when()
 
     async def _start_backend(self, record: BackendProcess, options: dict, load):
         try:
@@ -765,13 +739,13 @@ class BackendSupervisor(Service):
             if starting and record._start is not None:
                 record._start.cancel()
             self._stop_process(record, free=not force and not starting)
-        return record._stop_outcome.wait()
+        return record._stop_outcome.when()
 
     def _stop_process(self, record: BackendProcess, *, free: bool) -> defer.Deferred:
         if record._stop is None:
             record._stop = defer.ensureDeferred(self._terminate(record, free))
-            record._stop_outcome = _SharedOutcome(record._stop)
-        return record._stop_outcome.wait()
+            record._stop_outcome = _shared_outcome(record._stop)
+        return record._stop_outcome.when()
 
     async def _terminate(self, record: BackendProcess, free: bool) -> BackendProcess:
         if record._liveness is not None and record._liveness.running:
@@ -862,9 +836,7 @@ class BackendSupervisor(Service):
         self._forget(record)
         # Listeners first: a waiter's callbacks may run a whole coroutine onward.
         self._notify(record)
-        waiters, record._end_waiters = record._end_waiters, []
-        for waiter in waiters:
-            waiter.callback(record)
+        record._end_waiters.fire(record)
 
     def _release(self, record: BackendProcess) -> None:
         if record.port is not None:

@@ -187,14 +187,7 @@ class GrpcBridge:
         for dialing in list(self._dials):
             dialing.cancel()
         for splice in list(self._splices):
-            for half in (splice.a, splice.b):
-                transport = getattr(half, "transport", None)
-                if half.connected_once and not half.lost and transport is not None:
-                    half.closed_by_splice = True
-                    if hasattr(transport, "abortConnection"):
-                        transport.abortConnection()
-                    else:
-                        transport.loseConnection()
+            splice.abort()
         listening, self._listening = self._listening, None
         stopping = defer.maybeDeferred(listening.stopListening) if listening is not None \
             else defer.succeed(None)

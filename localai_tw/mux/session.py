@@ -34,6 +34,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from localai_tw.deferreds import OneShotObserver
 from localai_tw.mux.errors import (
     FrameError,
     KeepaliveTimeout,
@@ -159,7 +160,7 @@ class Session(Protocol):
         self._next_id = 1 if client else 2
         self._backlog: deque[Stream] = deque()
         self._accept_waiters: deque[defer.Deferred] = deque()
-        self._closed_waiters: list[defer.Deferred] = []
+        self._closed = OneShotObserver()
         self._paused = False
         self._owed = 0              # bytes of answers written since the carrier paused us
         self._reading_paused = False  # we paused the carrier's reading: the peer is not reading
@@ -266,11 +267,7 @@ class Session(Protocol):
 
     def whenClosed(self) -> defer.Deferred:
         """Fires (callback) with the ending exception once the session ended."""
-        if self.state is SessionState.ENDED:
-            return defer.succeed(self._ending)
-        d = defer.Deferred()
-        self._closed_waiters.append(d)
-        return d
+        return self._closed.when()
 
     # -- Protocol -------------------------------------------------------------------------
 
@@ -637,9 +634,7 @@ class Session(Protocol):
         waiters, self._accept_waiters = self._accept_waiters, deque()
         for d in waiters:
             d.errback(Failure(reason))
-        closed, self._closed_waiters = self._closed_waiters, []
-        for d in closed:
-            d.callback(reason)
+        self._closed.fire(reason)
 
 
 def _goAwayName(code: int) -> str:

@@ -56,13 +56,72 @@ class StreamState(enum.Enum):
     CLOSED = "closed"                          # FIN both ways, or the session ended
     RESET = "reset"                            # RST either way
 
+    # Members are singletons compared by identity, so identity hashing is correct, and it is
+    # C code where Enum's own __hash__ is Python: TRANSITIONS is looked up on every handshake
+    # and ending.
+    __hash__ = object.__hash__
 
-# Tuples, not sets: membership is then an identity check in C, where a set would call
-# Enum.__hash__ (Python code) on every test of the per-frame path.
-_LOCAL_OPEN = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE, StreamState.SYN_SENT,
-               StreamState.SYN_RECEIVED)
-_REMOTE_OPEN = (StreamState.OPEN, StreamState.HALF_CLOSED_LOCAL, StreamState.SYN_SENT,
-                StreamState.SYN_RECEIVED)
+
+class StreamEvent(enum.Enum):
+    """What moves a stream from one :class:`StreamState` to another."""
+
+    ACK_SENT = "ack-sent"
+    ACK_RECEIVED = "ack-received"
+    FIN_SENT = "fin-sent"
+    FIN_RECEIVED = "fin-received"
+    RESET = "reset"                  # RST sent or received
+    SESSION_ENDED = "session-ended"
+
+    __hash__ = object.__hash__  # as StreamState's
+
+
+def _table() -> dict[tuple[StreamState, StreamEvent], StreamState]:
+    S, E = StreamState, StreamEvent
+    live = (S.SYN_SENT, S.SYN_RECEIVED, S.OPEN, S.HALF_CLOSED_LOCAL, S.HALF_CLOSED_REMOTE)
+    table = {}
+    for state in (*live, S.CLOSED, S.RESET):
+        # The first frame we send on an accepted stream carries its ACK; a late ACK either
+        # way (after a FIN or an ending) changes nothing.
+        table[state, E.ACK_SENT] = S.OPEN if state is S.SYN_RECEIVED else state
+        table[state, E.ACK_RECEIVED] = S.OPEN if state is S.SYN_SENT else state
+    for state in live:
+        if state is not S.HALF_CLOSED_LOCAL:
+            table[state, E.FIN_SENT] = (S.CLOSED if state is S.HALF_CLOSED_REMOTE
+                                        else S.HALF_CLOSED_LOCAL)
+        if state is not S.HALF_CLOSED_REMOTE:
+            table[state, E.FIN_RECEIVED] = (S.CLOSED if state is S.HALF_CLOSED_LOCAL
+                                            else S.HALF_CLOSED_REMOTE)
+    for state in (*live, S.CLOSED):
+        # CLOSED -> RESET: FIN went both ways but the protocol still had bytes to take.
+        table[state, E.RESET] = S.RESET
+        table[state, E.SESSION_ENDED] = S.CLOSED
+    # A reset stays reset, even if the session ends while the RST is being written.
+    table[S.RESET, E.SESSION_ENDED] = S.RESET
+    return table
+
+
+#: Every allowed (state, event) pair and the state it leads to; a pair not in here is refused
+#: (``IllegalTransition``).  ``IDLE`` is the state before any event and has none of its own.
+#: Only endings and the SYN/ACK/FIN handshake go through it, never a Data frame.
+TRANSITIONS: dict[tuple[StreamState, StreamEvent], StreamState] = _table()
+
+
+class IllegalTransition(RuntimeError):
+    """A (state, event) pair the table refuses: a bug in the caller, never the peer's doing
+    (the peer's wrong FIN is a ``ProtocolError`` found before the table is asked)."""
+
+
+def _accepting(event: StreamEvent) -> tuple[StreamState, ...]:
+    # Tuples, not sets: membership is then an identity check in C, the cheapest test on the
+    # per-frame path.  OPEN comes first: it is the state nearly every frame finds.
+    order = (StreamState.OPEN, StreamState.HALF_CLOSED_REMOTE, StreamState.HALF_CLOSED_LOCAL,
+             StreamState.SYN_SENT, StreamState.SYN_RECEIVED, StreamState.IDLE,
+             StreamState.CLOSED, StreamState.RESET)
+    return tuple(state for state in order if (state, event) in TRANSITIONS)
+
+
+_LOCAL_OPEN = _accepting(StreamEvent.FIN_SENT)        # we may still write and send FIN
+_REMOTE_OPEN = _accepting(StreamEvent.FIN_RECEIVED)   # the peer may still send data and FIN
 _FINISHED = (StreamState.CLOSED, StreamState.RESET)
 
 
@@ -252,7 +311,7 @@ class Stream:
             return FLAG_SYN
         if self._ack_pending:
             self._ack_pending = False
-            self._transition(ack_sent=True)
+            self._move(StreamEvent.ACK_SENT)
             return FLAG_ACK
         return 0
 
@@ -304,7 +363,7 @@ class Stream:
     def _finSent(self) -> None:
         # A registered producer stays registered (as on a half-closed TCP transport); it is
         # stopped when the stream ends.
-        self._transition(fin_sent=True)
+        self._move(StreamEvent.FIN_SENT)
         if (not self.disconnecting and not self._write_lost_delivered and self.connected
                 and IHalfCloseableProtocol.providedBy(self.protocol)):
             self._write_lost_delivered = True
@@ -387,8 +446,7 @@ class Stream:
         self._updateProducer()
 
     def _receiveAck(self) -> None:
-        if self.state is StreamState.SYN_SENT:
-            self.state = StreamState.OPEN
+        self._move(StreamEvent.ACK_RECEIVED)
 
     def _receiveData(self, payload: bytes) -> None:
         if self.state not in _REMOTE_OPEN:
@@ -410,7 +468,7 @@ class Stream:
     def _receiveFin(self) -> None:
         if self.state not in _REMOTE_OPEN:
             raise ProtocolError(f"second FIN on stream {self.id}")
-        self._transition(fin_received=True)
+        self._move(StreamEvent.FIN_RECEIVED)
         self._deliver()
         self._maybeFinish()
 
@@ -421,7 +479,7 @@ class Stream:
         """The whole session is gone: drop everything and tell the protocol why."""
         if self.state in _FINISHED and self._ending is not None:
             return
-        self.state = StreamState.CLOSED
+        self._move(StreamEvent.SESSION_ENDED)
         self._clearBuffers()
         self._end(reason)
 
@@ -482,17 +540,12 @@ class Stream:
 
     # -- endings ---------------------------------------------------------------------------
 
-    def _transition(self, *, fin_sent: bool = False, fin_received: bool = False,
-                    ack_sent: bool = False) -> None:
-        s = self.state
-        if ack_sent and s is StreamState.SYN_RECEIVED:
-            self.state = StreamState.OPEN
-        elif fin_sent:
-            self.state = (StreamState.CLOSED if s is StreamState.HALF_CLOSED_REMOTE
-                          else StreamState.HALF_CLOSED_LOCAL)
-        elif fin_received:
-            self.state = (StreamState.CLOSED if s is StreamState.HALF_CLOSED_LOCAL
-                          else StreamState.HALF_CLOSED_REMOTE)
+    def _move(self, event: StreamEvent) -> None:
+        """The one place the state changes: as :data:`TRANSITIONS` says, or not at all."""
+        new = TRANSITIONS.get((self.state, event))
+        if new is None:
+            raise IllegalTransition(f"{self!r}: {event.value} is not allowed")
+        self.state = new
 
     def _maybeFinish(self) -> None:
         """FIN went both ways (and the protocol saw all bytes), or we closed and our FIN went:
@@ -511,7 +564,7 @@ class Stream:
                 self.state is StreamState.CLOSED and self._ending is not None):
             return
         wire_live = self.state is not StreamState.CLOSED
-        self.state = StreamState.RESET
+        self._move(StreamEvent.RESET)
         self._clearBuffers()
         if not remote and wire_live:
             self.session._sendFrame(Frame.window_update(self.id, 0, FLAG_RST))

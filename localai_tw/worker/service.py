@@ -39,6 +39,7 @@ from localai_tw.cluster.nodekey import (
     node_key_hash,
 )
 from localai_tw.config import PortRange
+from localai_tw.deferreds import OneShotObserver
 from localai_tw.tunnel.dialer import TunnelDialer
 from localai_tw.worker.capacity import HostCapacity
 from localai_tw.worker.control import (
@@ -106,7 +107,7 @@ class NodeRegistrar(Service):
         self.heartbeat_failures = 0
         self._attempt: defer.Deferred | None = None
         self._attempt_running = False
-        self._attempt_waiters: list[defer.Deferred] = []
+        self._attempt_outcome: OneShotObserver | None = None  # of the attempt running
         self._retry_call = None
         self._retry_failures = 0
         self._retrying = False
@@ -152,26 +153,22 @@ class NodeRegistrar(Service):
         :class:`Registration` or fails with a :class:`RegistrationError`."""
         if not self.running:
             return defer.fail(RegistrationError(None, "the worker is stopping"))
-        waiter: defer.Deferred = defer.Deferred()
-        self._attempt_waiters.append(waiter)  # before starting: the attempt may fire at once
-        if not self._attempt_running:
-            self._attempt_running = True
-            attempt = self.client.register()
-            self._attempt = attempt
-            attempt.addBoth(self._attemptDone)
+        if self._attempt_running:
+            return self._attempt_outcome.when()
+        outcome = self._attempt_outcome = OneShotObserver()
+        waiter = outcome.when()  # before starting: the attempt may fire at once
+        self._attempt_running = True
+        attempt = self.client.register()
+        self._attempt = attempt
+        attempt.addBoth(self._attemptDone, outcome)
         return waiter
 
-    def _attemptDone(self, result) -> None:
+    def _attemptDone(self, result, outcome: OneShotObserver) -> None:
         self._attempt_running = False
         self._attempt = None
         if not isinstance(result, Failure):
             self._installRegistration(result)
-        waiters, self._attempt_waiters = self._attempt_waiters, []
-        for waiter in waiters:
-            if isinstance(result, Failure):
-                waiter.errback(result)
-            else:
-                waiter.callback(result)
+        outcome.fire(result)
 
     def _installRegistration(self, registration: Registration) -> None:
         previous = self.registration

@@ -16,7 +16,7 @@ from localai_tw.mux.errors import (
     StreamClosed,
     StreamReset,
 )
-from localai_tw.splice import EndingKind, HandoffProtocol, Splice, SpliceEnding
+from localai_tw.splice import EndingKind, HalfState, HandoffProtocol, Splice, SpliceEnding
 
 
 @implementer(ITransport, IPushProducer)
@@ -356,3 +356,66 @@ def test_raise_if_failed():
     splice2, a2, b2 = joined()
     a2.lose(error.ConnectionDone())
     ending_of(splice2).raiseIfFailed()
+
+
+def slow_to_abort(transport):
+    """An abort whose connectionLost comes on a later reactor turn, as TCP's does."""
+    transport.abortConnection = lambda: transport.closes.append("abort")
+
+
+def test_abort_ends_a_live_join_at_once_each_side_closed_once_and_the_ending_is_normal():
+    splice, a, b = joined()
+    slow_to_abort(a)
+    slow_to_abort(b)
+    a.receive(b"request")
+    b.receive(b"half an answer")
+    splice.abort()
+    assert a.closes == ["abort"] and b.closes == ["abort"]
+    assert a.producer is None and b.producer is None  # nothing holds a close open
+    a.lose(error.ConnectionAborted())
+    b.lose(error.ConnectionAborted())
+    assert ending_of(splice).kind is EndingKind.NORMAL  # we ended it: not a route failure
+    splice.abort()  # both sides are gone: nothing more to close
+    assert a.closes == ["abort"] and b.closes == ["abort"]
+
+
+def test_abort_escalates_a_gentle_close_a_stalled_sink_holds_open():
+    splice, a, b = joined()
+    slow_to_close(a)
+    b.lose(error.ConnectionDone())  # a is now closed gently, and its sink never drains
+    assert a.closes == ["lose"] and ending_of(splice) is None
+    splice.abort()
+    assert a.closes == ["lose", "abort"]
+    assert ending_of(splice).kind is EndingKind.NORMAL
+
+
+def test_abort_leaves_a_partner_still_dialing_to_abandon():
+    splice = Splice()
+    a = FakeSideTransport()
+    a.connect(splice.a)
+    splice.abort()
+    assert a.closes == ["abort"]
+    assert ending_of(splice) is None  # the dial is still out: its outcome decides
+    splice.abandon("dial cancelled")
+    ending = ending_of(splice)
+    assert ending.kind is EndingKind.TRANSPORT_FAILURE and "never connected" in ending.cause
+
+
+def test_a_side_moves_new_connected_closing_lost_and_stays_lost():
+    splice = Splice()
+    a, b = FakeSideTransport(), FakeSideTransport()
+    slow_to_close(b)
+    assert splice.a.state is HalfState.NEW and splice.b.state is HalfState.NEW
+    a.connect(splice.a)
+    assert splice.a.state is HalfState.CONNECTED
+    b.connect(splice.b)
+    a.lose(error.ConnectionDone())  # a ended normally: b is closed gently, once
+    assert splice.a.state is HalfState.LOST and splice.b.state is HalfState.CLOSING
+    assert b.closes == ["lose"]
+    splice.a.connectionLost(Failure(error.ConnectionLost("late")))  # ignored
+    b.receive(b"late bytes")  # nowhere to go: a is lost
+    assert a.buffer == b"" and splice.b.pending == []  # dropped, not kept
+    assert b.closes == ["lose"]
+    b.lose(error.ConnectionDone())
+    assert splice.b.state is HalfState.LOST
+    assert ending_of(splice).kind is EndingKind.NORMAL
