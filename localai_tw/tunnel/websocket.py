@@ -25,6 +25,10 @@ Backpressure goes through both ways (see ``docs/tunnel.md``): the TCP transport'
 pauses the producer the inner protocol registered with the carrier, and the inner protocol
 pausing the carrier stops reading from TCP.
 
+Plain binary frames are built and parsed by the codec mixed into the carrier's protocols
+(``tunnel/wsframes.py``); every use of Autobahn's internals goes through
+``tunnel/autobahn_compat.py``.
+
 What this module must never do: upgrade a request its authorizer did not accept; accept a message
 or frame above the bound (Autobahn enforces it and fails the connection); buffer inbound data
 without bound while the inner protocol is paused; let a text message reach the byte stream.  It
@@ -36,8 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-import struct
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -47,8 +49,6 @@ from autobahn.twisted.websocket import (
     WebSocketServerFactory,
     WebSocketServerProtocol,
 )
-from autobahn.websocket.protocol import WebSocketProtocol
-from autobahn.websocket.xormasker import create_xor_masker
 from twisted.internet import defer, endpoints, error
 from twisted.internet.interfaces import IConsumer, IPushProducer, ITransport
 from twisted.logger import Logger
@@ -58,6 +58,9 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 from zope.interface import Interface, implementer
+
+from localai_tw.tunnel import autobahn_compat as ab
+from localai_tw.tunnel.wsframes import FastBinaryFrames
 
 _log = Logger()
 
@@ -162,54 +165,6 @@ def _as_authorizer(authorizer) -> Callable[[Any], Any]:
     if callable(authorizer):
         return authorizer
     raise TypeError(f"{authorizer!r} is neither an IConnectAuthorizer nor a callable")
-
-
-# -- binary data frames, sent without Autobahn's per-message machinery ---------------------------
-
-try:  # Autobahn's NVX C extension (the XOR masker it uses itself), called without its wrapper
-    from _nvx_xormasker import ffi as _nvx_ffi, lib as _nvx_lib
-except ImportError:  # pragma: no cover - Autobahn without its C extension
-    _nvx_ffi = _nvx_lib = None
-
-# Below this many bytes the XOR through Python ints is cheaper than a C masker's setup.
-_SMALL_MASK = 256
-
-
-def _mask_in_place(buf: bytearray, start: int, key: bytes) -> None:
-    """XOR ``buf[start:]`` with the 4-byte WebSocket masking ``key`` (RFC 6455 5.3), in place."""
-    n = len(buf) - start
-    if n <= 0:
-        return
-    if n <= _SMALL_MASK or _nvx_lib is None:
-        if n > _SMALL_MASK:  # no C extension: Autobahn's own fallback
-            buf[start:] = create_xor_masker(key, n).process(bytes(buf[start:]))
-            return
-        keys = int.from_bytes((key * (n // 4 + 1))[:n], "little")
-        buf[start:] = (int.from_bytes(buf[start:], "little") ^ keys).to_bytes(n, "little")
-        return
-    masker = _nvx_lib.nvx_xormask_new(_nvx_ffi.new("uint8_t[4]", key))  # copies the key
-    try:
-        _nvx_lib.nvx_xormask_set_impl(masker, 2)  # SSE2, as Autobahn's own masker does
-        with _nvx_ffi.from_buffer("uint8_t[]", buf, require_writable=True) as data:
-            _nvx_lib.nvx_xormask_process(masker, data + start, n)
-    finally:
-        _nvx_lib.nvx_xormask_free(masker)
-
-
-_B0_BINARY_FINAL = 0x82  # FIN, no RSV bits, opcode 2 (binary)
-_LEN16 = struct.Struct("!BBH")
-_LEN64 = struct.Struct("!BBQ")
-
-
-def _binary_frame_header(length: int, masked: bool) -> bytes:
-    """The header of one final, uncompressed binary frame (RFC 6455 5.2), minimal length form;
-    without the masking key."""
-    bit = 0x80 if masked else 0
-    if length <= 125:
-        return bytes((_B0_BINARY_FINAL, bit | length))
-    if length <= 0xFFFF:
-        return _LEN16.pack(_B0_BINARY_FINAL, bit | 126, length)
-    return _LEN64.pack(_B0_BINARY_FINAL, bit | 127, length)
 
 
 # -- the transport the inner protocol sees ------------------------------------------------------
@@ -344,7 +299,7 @@ class WebSocketCarrier:
         self.disconnecting = True
         if self._local_ending is None:
             self._local_ending = error.ConnectionAborted("WebSocket aborted by our side")
-        self._ws.dropConnection(abort=True)
+        ab.drop(self._ws)
 
     def getPeer(self):
         return self._ws.transport.getPeer()
@@ -455,7 +410,7 @@ class WebSocketCarrier:
             self._local_ending = ending
         self._dropOut()
         self.disconnecting = True
-        self._ws.dropConnection(abort=True)
+        ab.drop(self._ws)
 
     def _closed(self, was_clean: bool, code, reason) -> None:
         if not self.connected:
@@ -475,8 +430,9 @@ class WebSocketCarrier:
         self.protocol.connectionLost(Failure(ending))
 
 
-class _CarrierMixin:
-    """What the server and client WebSocket protocols share: the carrier and its inner protocol."""
+class _CarrierMixin(FastBinaryFrames):
+    """What the server and client WebSocket protocols share: the carrier and its inner protocol,
+    and the binary frame codec (``tunnel/wsframes.py``) that feeds it."""
 
     carrier: WebSocketCarrier | None = None
     inner_factory: Callable[[], Any] | None = None
@@ -488,230 +444,16 @@ class _CarrierMixin:
             inner = self.inner_factory()
         except Exception:
             _log.failure("the inner protocol factory failed; dropping the WebSocket")
-            self.dropConnection(abort=True)
+            ab.drop(self)
             return None
         if inner is None:
-            self.dropConnection(abort=True)
+            ab.drop(self)
             return None
         self.carrier = carrier
         carrier.protocol = inner
         self.transport.registerProducer(_WritePressureRelay(carrier), True)
         inner.makeConnection(carrier)
         return inner
-
-    # Autobahn's own dataReceived and sendData format a debug line (click.style through hltype
-    # and hlval) on every read and every write, even with debug logging off: 15-20 % of each
-    # side's CPU in the transport benchmark.  These two do the same work without it.
-
-    #: The start of a binary frame whose header is not complete yet, held by the fast receive
-    #: path (Autobahn's ``data`` is empty meanwhile); at most one header (14 bytes).
-    _rx: bytearray | None = None
-    #: Payload bytes still to come of the frame the fast path is in the middle of (its header
-    #: was accepted and the payload so far delivered), its masking key (None: not masked), how
-    #: far into the payload we are (the key's offset), and its length (for the statistics).
-    _rx_left: int = 0
-    _rx_key: bytes | None = None
-    _rx_done: int = 0
-    _rx_length: int = 0
-
-    def dataReceived(self, data: bytes) -> None:
-        carrier = self.carrier
-        if carrier is None:
-            self._dataReceived(data)
-            return
-        carrier._startBatch()  # what the inner protocol writes in answer goes out as one message
-        try:
-            if self._rx_left or self._fastReceivable():
-                self._receiveFast(data)
-            else:
-                if self._rx:  # the fast path held the start of a frame: Autobahn takes it
-                    self.data, self._rx = bytes(self._rx), None
-                self._dataReceived(data)
-        finally:
-            carrier._endBatch()
-
-    def _fastReceivable(self) -> bool:
-        """Open, at a message boundary, nothing negotiated or logged that needs Autobahn's own
-        frame handling."""
-        carrier = self.carrier
-        return (self.state == WebSocketProtocol.STATE_OPEN and self.current_frame is None
-                and not self.inside_message and self._perMessageCompress is None
-                and not self.logFrames and not self.logOctets and not self.trackedTimings
-                and not self.autoPingTimeoutCall and carrier is not None and carrier.connected)
-
-    def _receiveFast(self, data: bytes) -> None:
-        """Deliver the final binary frames of ``data`` straight to the carrier.
-
-        Only a frame that Autobahn would accept as a whole binary message takes this path: FIN
-        set, no RSV bits, opcode 2, masked exactly when this side requires it (the client's
-        frames are, the server's are not), minimal length encoding, length within the frame and
-        message bounds and non-zero.  Its payload is unmasked and delivered as it arrives: each
-        read's part of it at once, at the running offset of the masking key, never collected
-        into a whole message; there are no frame or message objects, no future and no log line.
-        At the first frame that is anything else (a control frame, a fragment, text, a
-        violation) the rest of the read goes to Autobahn's own parser, which handles or refuses
-        it as before; an incomplete header is held (``_rx``) for the next read."""
-        self.trafficStats.incomingOctetsWireLevel += len(data)
-        if self.data:  # Autobahn holds the start of a frame (came with the handshake)
-            data, self.data = self.data + data, b""
-        pos = 0
-        if self._rx_left:
-            with memoryview(data) as view:
-                pos = min(self._rx_left, len(view))
-                self._fastPayload(view, 0, pos)
-            if self._rx_left:
-                return  # the whole read was payload of that frame
-            if not self._fastReceivable():  # closing meanwhile: Autobahn takes what follows
-                if self._rx:
-                    self.data, self._rx = bytes(self._rx), None
-                self._dataReceived(data[pos:])
-                return
-        rx = self._rx
-        if rx:
-            rx += memoryview(data)[pos:]
-            buf = rx
-            pos = 0
-        else:
-            buf = data
-        carrier = self.carrier
-        masked = bool(self.factory.isServer)
-        if masked and not (self.requireMaskedClientFrames and self.applyMask):
-            masked = None  # an unusual configuration: Autobahn decides every frame
-        max_frame = self.maxFramePayloadSize
-        max_message = self.maxMessagePayloadSize
-        end = len(buf)
-        handover = False
-        with memoryview(buf) as view:
-            while end - pos >= 2:
-                b1 = view[pos + 1]
-                if view[pos] != _B0_BINARY_FINAL or masked is None or bool(b1 & 0x80) != masked:
-                    handover = True
-                    break
-                length = b1 & 0x7F
-                start = pos + 2
-                if length == 126:
-                    if end - start < 2:
-                        break
-                    length = int.from_bytes(view[start:start + 2], "big")
-                    start += 2
-                    if length < 126:
-                        handover = True
-                        break
-                elif length == 127:
-                    if end - start < 8:
-                        break
-                    length = int.from_bytes(view[start:start + 8], "big")
-                    start += 8
-                    if length <= 0xFFFF or length > 0x7FFFFFFFFFFFFFFF:
-                        handover = True
-                        break
-                if (not length or (max_frame and length > max_frame)
-                        or (max_message and length > max_message)):
-                    handover = True
-                    break
-                if masked:
-                    if end - start < 4:
-                        break
-                    self._rx_key = view[start:start + 4].tobytes()
-                    start += 4
-                else:
-                    self._rx_key = None
-                self._rx_left, self._rx_done, self._rx_length = length, 0, length
-                pos = min(start + length, end)
-                self._fastPayload(view, start, pos)
-                if self._rx_left:
-                    break  # the rest of the payload comes with the next reads
-                if self.state != WebSocketProtocol.STATE_OPEN or not carrier.connected:
-                    handover = True  # closing: Autobahn handles what follows
-                    break
-            rest = view[pos:].tobytes() if handover else None
-            if not handover and pos < end and buf is not rx:
-                self._rx = bytearray(view[pos:])
-        if handover:
-            self._rx = None
-            self.data = rest
-            if rest:
-                self.consumeData()
-        elif buf is rx:
-            if pos == end:
-                self._rx = None
-            else:
-                del rx[:pos]
-        elif pos == end:
-            self._rx = None
-
-    def _fastPayload(self, view: memoryview, start: int, stop: int) -> None:
-        """Unmask ``view[start:stop]``, the next bytes of the current frame's payload, and hand
-        them to the carrier (dropped once it is gone); count the frame once it is whole."""
-        n = stop - start
-        if n > 0:
-            key = self._rx_key
-            if key is None:
-                payload = view[start:stop].tobytes()
-            else:
-                shift = self._rx_done & 3
-                if shift:
-                    key = key[shift:] + key[:shift]
-                piece = bytearray(view[start:stop])
-                _mask_in_place(piece, 0, key)
-                payload = bytes(piece)
-            self._rx_left -= n
-            self._rx_done += n
-        if not self._rx_left:  # counted before the last bytes are handed over
-            length = self._rx_length
-            stats = self.trafficStats
-            stats.incomingWebSocketFrames += 1
-            stats.incomingWebSocketMessages += 1
-            stats.incomingOctetsWebSocketLevel += length
-            stats.incomingOctetsAppLevel += length
-        if n > 0:
-            carrier = self.carrier
-            if carrier is not None and carrier.connected:
-                carrier._messageReceived(payload)
-
-    def sendData(self, data: bytes, sync: bool = False, chopsize: int | None = None) -> None:
-        carrier = self.carrier
-        if carrier is not None and carrier._out:
-            carrier._flushOut()  # a frame of Autobahn's own (close, pong) never overtakes data
-        if sync or chopsize or self.send_queue or self.logOctets:
-            super().sendData(data, sync, chopsize)
-            return
-        self.transport.write(data)
-        if self.state == WebSocketProtocol.STATE_OPEN:
-            self.trafficStats.outgoingOctetsWireLevel += len(data)
-        elif self.state in (WebSocketProtocol.STATE_CONNECTING,
-                            WebSocketProtocol.STATE_PROXY_CONNECTING):
-            self.trafficStats.preopenOutgoingOctetsWireLevel += len(data)
-
-    def _sendBinary(self, chunks: list[bytes], size: int) -> None:
-        """Send ``chunks`` (``size`` bytes in all, within the message bound) as one binary
-        message.  In the plain case (open, no compression, no sync queue, no frame logging)
-        the frame is built here: one final binary frame, masked with a fresh random key on
-        the client side (RFC 6455 5.3), two copies of the payload instead of Autobahn's five
-        and none of its per-message objects.  Otherwise Autobahn's ``sendMessage`` does it."""
-        if self.state != WebSocketProtocol.STATE_OPEN:
-            return  # closing: Autobahn would refuse it too; the peer is not reading any more
-        masked = self.maskServerFrames if self.factory.isServer else self.maskClientFrames
-        if (self._perMessageCompress is not None or self.send_queue or self.logFrames
-                or self.logOctets or self.trackedTimings or (masked and not self.applyMask)
-                or self.send_state != WebSocketProtocol.SEND_STATE_GROUND):
-            self.sendMessage(b"".join(chunks), isBinary=True)
-            return
-        header = _binary_frame_header(size, masked)
-        if masked:
-            key = os.urandom(4)
-            frame = bytearray().join([header, key, *chunks])
-            _mask_in_place(frame, len(header) + 4, key)
-            raw = bytes(frame)
-        else:
-            raw = b"".join([header, *chunks])
-        self.transport.write(raw)
-        stats = self.trafficStats
-        stats.outgoingWebSocketMessages += 1
-        stats.outgoingWebSocketFrames += 1
-        stats.outgoingOctetsAppLevel += size
-        stats.outgoingOctetsWebSocketLevel += size
-        stats.outgoingOctetsWireLevel += len(raw)
 
     def onPing(self, payload: bytes) -> None:
         carrier = self.carrier
@@ -755,10 +497,9 @@ class _CarrierClientProtocol(_CarrierMixin, WebSocketClientProtocol):
     _refusal_reason: str = ""
 
     def failHandshake(self, reason):
-        status_line = getattr(self, "http_status_line", "") or ""
-        fields = status_line.split()
-        if len(fields) >= 2 and fields[1].isdigit() and fields[1] != "101":
-            self._refusal_status = int(fields[1])
+        status = ab.refusal_status(self)
+        if status is not None:
+            self._refusal_status = status
         self._refusal_reason = reason
         return super().failHandshake(reason)
 

@@ -17,7 +17,7 @@ from twisted.internet.task import deferLater
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from localai_tw.tunnel import websocket as ws
+from localai_tw.tunnel import wsframes
 from localai_tw.tunnel.websocket import (
     DEFAULT_COALESCE_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -96,7 +96,7 @@ def test_masking_in_place_matches_autobahns_masker(size, start):
     payload = payload[:size]
     key = os.urandom(4)
     buf = bytearray(b"h" * start + payload)
-    ws._mask_in_place(buf, start, key)
+    wsframes.mask_in_place(buf, start, key)
     expected = create_xor_masker(key, size).process(payload) if size else b""
     assert bytes(buf) == b"h" * start + expected
 
@@ -106,8 +106,8 @@ def test_masking_in_place_matches_autobahns_masker(size, start):
     (65_535, b"\x82\x7e\xff\xff"), (65_536, b"\x82\x7f" + struct.pack("!Q", 65_536)),
 ])
 def test_binary_frame_headers_use_the_minimal_length_form(length, header):
-    assert ws._binary_frame_header(length, False) == header
-    masked = ws._binary_frame_header(length, True)
+    assert wsframes.binary_frame_header(length, False) == header
+    masked = wsframes.binary_frame_header(length, True)
     assert masked[0] == header[0] and masked[1] == header[1] | 0x80 and masked[2:] == header[2:]
 
 
