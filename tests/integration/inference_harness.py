@@ -10,27 +10,18 @@ import itertools
 import os
 import random
 
-from twisted.internet import reactor, task
+from twisted.internet import reactor
 
 from localai_tw.config import PortRange
 from localai_tw.frontend.service import FrontendService
 from localai_tw.worker.service import makeWorkerService
 
+from .support import eventually
+
 TOKEN = "inference-registration-token"
 ADMIN = "sk-inference-admin"
 # A random block per test process: other suites (and other checkouts) use fixed ranges.
 _ports = itertools.count(random.randrange(34000, 60000, 20), 20)
-
-
-async def eventually(predicate, timeout=20.0, what="condition"):
-    for _ in range(int(timeout / 0.05)):
-        value = predicate()
-        if hasattr(value, "__await__"):
-            value = await value
-        if value:
-            return value
-        await task.deferLater(reactor, 0.05, lambda: None)
-    raise AssertionError(f"{what} not met in {timeout}s")
 
 
 def sha256_hex(data: bytes) -> str:
@@ -84,8 +75,9 @@ class Cluster:
         self.workers.append(worker)
         node_id = await eventually(lambda: worker.registrar.registration
                                    and worker.registrar.registration.node_id,
-                                   what=f"{name} registered")
-        await eventually(lambda: via.tunnels.holds(node_id), what=f"{name} tunnel held")
+                                   timeout=20, what=f"{name} registered")
+        await eventually(lambda: via.tunnels.holds(node_id), timeout=20,
+                         what=f"{name} tunnel held")
         worker.node_id = node_id
         worker.data_dir = data_dir
         return worker

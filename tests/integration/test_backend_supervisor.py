@@ -14,7 +14,6 @@ import grpc
 import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor
-from twisted.internet.task import deferLater
 from zope.interface import implementer
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc, builtin
@@ -29,6 +28,8 @@ from localai_tw.backends.process import (
     BackendStartError,
     BackendSupervisor,
 )
+
+from .support import eventually
 
 MISBEHAVING = os.path.join(os.path.dirname(__file__), "..", "fixtures", "backends",
                            "misbehaving.py")
@@ -62,15 +63,6 @@ def process_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
-
-
-async def wait_until(predicate, timeout=10.0, step=0.05):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        await deferLater(reactor, step)
-    return True
 
 
 @pytest.fixture
@@ -175,13 +167,13 @@ async def test_echo_start_ready_predict_stop(make_supervisor):
 async def test_a_child_of_the_backend_is_gone_after_stop(make_supervisor, child_pidfile):
     supervisor = make_supervisor()
     record = await supervisor.start("spawn-child", "kids")
-    assert await wait_until(lambda: os.path.exists(child_pidfile)
-                            and open(child_pidfile).read().strip())
+    await eventually(lambda: os.path.exists(child_pidfile)
+                     and open(child_pidfile).read().strip())
     child = int(open(child_pidfile).read())
     assert os.getpgid(child) == record.pid  # the child shares the backend's group
     await supervisor.stop("kids")
     # The child ignores SIGTERM; the sweep after the backend exited kills it.
-    assert await wait_until(lambda: process_gone(child), timeout=5)
+    await eventually(lambda: process_gone(child), timeout=5)
 
 
 @pytest_twisted.ensureDeferred
@@ -228,7 +220,7 @@ async def test_load_failure_surfaces_with_the_backends_message(make_supervisor):
             "Model": "broken", "Options": ["echo.fail_load:weights are corrupt"]})
     assert "LoadModel of broken#0 failed: weights are corrupt" in str(e.value)
     record = e.value.record
-    assert await wait_until(lambda: record.ended)
+    await eventually(lambda: record.ended)
     assert record.state == FAILED
     assert process_gone(record.pid)
     assert [r.state for r in exits] == [FAILED]
@@ -240,7 +232,7 @@ async def test_never_ready_fails_with_grpc_service_not_ready(make_supervisor):
     with pytest.raises(BackendStartError, match="grpc service not ready"):
         await supervisor.start("never-ready", "slowpoke")
     record = supervisor.find("slowpoke")
-    assert await wait_until(lambda: record.ended)
+    await eventually(lambda: record.ended)
     assert record.state == FAILED
     assert "pretending to import torch forever" in supervisor.logs("slowpoke")
 
@@ -252,7 +244,7 @@ async def test_a_crash_after_ready_is_noticed_and_reported(make_supervisor):
     supervisor.add_exit_listener(exits.append)
     record = await supervisor.start("echo", "victim")
     os.kill(record.pid, signal.SIGKILL)
-    assert await wait_until(lambda: bool(exits))
+    await eventually(lambda: bool(exits))
     assert exits[0] is record
     assert record.state == CRASHED and record.exit_signal == signal.SIGKILL
     assert "killed by signal SIGKILL" in record.error
@@ -274,7 +266,7 @@ async def test_slow_health_during_predict_is_not_death(make_supervisor):
         predicting = deferToThread(stub.Predict, backend_pb2.PredictOptions(Prompt="x y"),
                                    timeout=10)
         # The probes time out while the only server thread runs the Predict ...
-        assert await wait_until(lambda: record.health_misses >= 2, timeout=3)
+        await eventually(lambda: record.health_misses >= 2, timeout=3)
         assert record.state == READY and not record.ended
         reply = await predicting
         assert reply.message == b"x y"
@@ -282,7 +274,7 @@ async def test_slow_health_during_predict_is_not_death(make_supervisor):
         channel.close()
     # ... and nobody killed the backend for it; the next probe answers again.
     assert record.state == READY and not record.ended
-    assert await wait_until(lambda: record.health_misses == 0, timeout=3)
+    await eventually(lambda: record.health_misses == 0, timeout=3)
 
 
 @pytest_twisted.ensureDeferred
@@ -301,7 +293,7 @@ async def test_concurrent_starts_share_one_process_and_a_different_backend_is_re
 async def test_stop_during_start_stops_the_process(make_supervisor):
     supervisor = make_supervisor()
     starting = supervisor.start("never-ready", "cancelled")
-    assert await wait_until(lambda: supervisor.find("cancelled").pid is not None)
+    await eventually(lambda: supervisor.find("cancelled").pid is not None)
     record = supervisor.find("cancelled")
     stopped = await supervisor.stop("cancelled")
     assert stopped.state == STOPPED

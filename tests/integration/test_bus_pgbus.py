@@ -7,7 +7,7 @@ import random
 import psycopg2
 import pytest
 import pytest_twisted
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer
 
 from localai_tw.bus import pgbus
 from localai_tw.bus.pgbus import (
@@ -21,18 +21,7 @@ from localai_tw.bus.pgbus import (
 )
 from localai_tw.db.pool import Database
 
-
-async def sleep(seconds: float) -> None:
-    await task.deferLater(reactor, seconds, lambda: None)
-
-
-async def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
-    waited = 0.0
-    while not predicate():
-        if waited >= timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await sleep(0.01)
-        waited += 0.01
+from .support import eventually, within
 
 
 @pytest_twisted.async_yield_fixture
@@ -84,13 +73,13 @@ async def test_envelope_of_7999_bytes_goes_inline_and_8000_spills(pair):
 
     at_7999 = payload_for_envelope_size(subject, 7999)
     await pub.publish(subject, at_7999)
-    await wait_for(lambda: len(inbox.items) == 1, what="the 7999-byte envelope")
+    await eventually(lambda: len(inbox.items) == 1, timeout=5, what="the 7999-byte envelope")
     assert inbox.items[0] == (subject, at_7999)
     assert await spill_rows(db) == 0, "a 7999-byte envelope must be notified inline"
 
     at_8000 = payload_for_envelope_size(subject, 8000)
     await pub.publish(subject, at_8000)
-    await wait_for(lambda: len(inbox.items) == 2, what="the 8000-byte envelope")
+    await eventually(lambda: len(inbox.items) == 2, timeout=5, what="the 8000-byte envelope")
     assert inbox.items[1] == (subject, at_8000)
     assert await spill_rows(db) == 1, "an 8000-byte envelope must spill to bus_messages"
     # fits_inline answers with the same encoder and comparison
@@ -114,7 +103,7 @@ async def test_9000_byte_payload_arrives_byte_identical_through_the_spill_row(pa
     assert len(payload.encode("utf-8")) == 9000
 
     await pub.publish("gallery.op7.progress", payload)
-    await wait_for(lambda: inbox.items, what="the spilled message")
+    await eventually(lambda: inbox.items, timeout=5, what="the spilled message")
     ((subject, got),) = inbox.items
     assert subject == "gallery.op7.progress"
     assert got.encode("utf-8") == payload.encode("utf-8")
@@ -134,7 +123,7 @@ async def test_order_is_kept_between_inline_and_spilled_messages(pair):
         payload = {"n": i, "pad": "p" * (9000 if big else 10)}
         sent.append(payload)
         await pub.publish("jobs.ordered.progress", payload)
-    await wait_for(lambda: len(inbox.items) == len(sent), what="all 40 messages")
+    await eventually(lambda: len(inbox.items) == len(sent), timeout=5, what="all 40 messages")
     assert [p["n"] for _, p in inbox.items] == list(range(40))
     assert [p for _, p in inbox.items] == sent
     assert await spill_rows(db) > 0
@@ -151,7 +140,8 @@ async def test_wildcards_match_exactly_one_token(pair):
                     "jobs.a.b.progress", "gallery.x", "gallery.x.y", "jobs.progress"):
         await pub.publish(subject, subject)
     await pub.publish("gallery.end", "end")
-    await wait_for(lambda: ("gallery.end", "end") in other_root.items, what="the end marker")
+    await eventually(lambda: ("gallery.end", "end") in other_root.items, timeout=5,
+                     what="the end marker")
     assert [s for s, _ in star.items] == ["jobs.a.progress", "jobs.b.progress"]
     assert [s for s, _ in exact.items] == ["jobs.a.progress"]
     assert [s for s, _ in other_root.items] == ["gallery.x", "gallery.end"]
@@ -198,14 +188,14 @@ async def test_full_subscriber_queue_drops_and_counts_without_hurting_others(pai
     await sub.subscribe("cache.invalidate.*", fast)
     total = pgbus.SUBSCRIBER_QUEUE_LIMIT + 44
     await defer.gatherResults([pub.publish("cache.invalidate.models", i) for i in range(total)])
-    await wait_for(lambda: len(fast.items) == total, what="the fast subscriber")
+    await eventually(lambda: len(fast.items) == total, timeout=5, what="the fast subscriber")
     # one message in the handler, 256 queued, the rest dropped and counted
     assert len(stuck_seen) == 1
     assert slow_sub.dropped == total - 1 - pgbus.SUBSCRIBER_QUEUE_LIMIT == 43
     assert sub.dropped["subscriber"] == 43
     gate.callback(None)
-    await wait_for(lambda: len(stuck_seen) == 1 + pgbus.SUBSCRIBER_QUEUE_LIMIT,
-                   what="the queued messages")
+    await eventually(lambda: len(stuck_seen) == 1 + pgbus.SUBSCRIBER_QUEUE_LIMIT,
+                     timeout=5, what="the queued messages")
     # concurrent publishes on a pool commit in any order; all of them reach the fast one
     assert sorted(p for _, p in fast.items) == list(range(total))
 
@@ -223,8 +213,8 @@ async def test_full_inbound_queue_drops_and_counts(db):
         await db.runOperation(
             "SELECT pg_notify('localai_state', '{\"s\":\"state.x\",\"d\":' || g || '}')"
             " FROM generate_series(1, 10) g")
-        await wait_for(lambda: len(inbox.items) + bus.dropped["inbound"] == 10,
-                       what="the burst")
+        await eventually(lambda: len(inbox.items) + bus.dropped["inbound"] == 10,
+                         timeout=5, what="the burst")
         assert bus.dropped["inbound"] == 7
         assert [p for _, p in inbox.items] == [1, 2, 3]
     finally:
@@ -306,11 +296,11 @@ async def _killed_backend_scenario(pub, sub, pg_dsn):
     sub.onReconnect(good_callback)
 
     await pub.publish("responses.r1.cancel", "before")
-    await wait_for(lambda: inbox.items, what="delivery before the kill")
+    await eventually(lambda: inbox.items, timeout=5, what="delivery before the kill")
 
     old_pid = terminate_backend_by_application_name(pg_dsn, sub.applicationName)
-    await wait_for(lambda: not sub.isConnected, timeout=3, what="the loss to be noticed")
-    await _wait(reconnected, 10)
+    await eventually(lambda: not sub.isConnected, timeout=3, what="the loss to be noticed")
+    await within(reconnected, 10)
     assert sub.isConnected
     assert sub.reconnects == 1
     assert sorted(calls) == ["failing", "good"]
@@ -318,13 +308,8 @@ async def _killed_backend_scenario(pub, sub, pg_dsn):
     assert sorted(await listening_channels(sub)) == ["localai_agent", "localai_responses"]
 
     await pub.publish("responses.r2.cancel", "after")
-    await wait_for(lambda: ("responses.r2.cancel", "after") in inbox.items,
-                   what="delivery after the reconnect")
-
-
-async def _wait(d: defer.Deferred, timeout: float):
-    d.addTimeout(timeout, reactor)
-    return await d
+    await eventually(lambda: ("responses.r2.cancel", "after") in inbox.items,
+                     timeout=5, what="delivery after the reconnect")
 
 
 @pytest_twisted.ensureDeferred

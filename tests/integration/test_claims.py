@@ -7,7 +7,7 @@ import collections
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer
 
 from localai_tw.bus.claims import (
     EXHAUSTED,
@@ -24,24 +24,7 @@ from localai_tw.bus.pgbus import PgBus
 from localai_tw.db.pool import Database
 from localai_tw.errors import TransportFailure
 
-
-async def sleep(seconds: float) -> None:
-    await task.deferLater(reactor, seconds, lambda: None)
-
-
-async def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    waited = 0.0
-    while not (await predicate() if callable(predicate) and _is_async(predicate)
-               else predicate()):
-        if waited >= timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await sleep(0.02)
-        waited += 0.02
-
-
-def _is_async(fn) -> bool:
-    import inspect
-    return inspect.iscoroutinefunction(fn)
+from .support import eventually, sleep, within
 
 
 # Until a test needs more, an instance row is (id, last_seen), written with the DB clock.
@@ -280,7 +263,7 @@ async def test_consumer_settles_by_outcome(db, consumers):
 
     c = consumers(q, "r1", ["task"], handler, poll_interval=0.2,
                   on_exhausted=exhausted.append)
-    await wait_for(lambda: c.stats["claimed"] == 5 and c.inFlight == 0, what="five outcomes")
+    await eventually(lambda: c.stats["claimed"] == 5 and c.inFlight == 0, what="five outcomes")
     assert await row(db, ok) is None
     claimed_by, held, attempts, failures, delay = await row(db, transport)
     assert (claimed_by, held, attempts, failures) == ("", False, 1, 0) and 1 < delay <= 2
@@ -299,7 +282,7 @@ async def test_consumer_releases_its_own_leftovers_at_start(db, consumers):
     done = []
     c = consumers(q, "r1", ["task"], done.append, poll_interval=0.2)
     await c.whenStarted()
-    await wait_for(lambda: done, what="the leftover to run again")
+    await eventually(lambda: done, what="the leftover to run again")
     assert done[0].id == work and done[0].attempts == 1
 
 
@@ -320,8 +303,8 @@ async def test_consumer_cancels_a_handler_whose_claim_was_lost(db, consumers):
     # Taken away behind its back (as a reap during a stall would): the row moves on.
     await db.runOperation("UPDATE work_claims SET claimed_by = 'r2', attempts = attempts + 1"
                           " WHERE id = %s", (work,))
-    assert (await _within(cancelled, 3)).id == claim.id
-    await wait_for(lambda: c.inFlight == 0, what="the handler to end")
+    assert (await within(cancelled, 3)).id == claim.id
+    await eventually(lambda: c.inFlight == 0, what="the handler to end")
     assert (await row(db, work))[:3] == ("r2", True, 1)  # nothing settled by the loser
     assert c.stats["lost"] == 1
 
@@ -341,8 +324,8 @@ async def test_consumer_of_a_replica_that_stops_being_live_cancels_and_releases(
     c = consumers(q, "r1", ["task"], handler, poll_interval=0.2)
     await running
     await make_stale(db, "r1")
-    await _within(cancelled, 3)
-    await wait_for(lambda: c.inFlight == 0, what="the handler to end")
+    await within(cancelled, 3)
+    await eventually(lambda: c.inFlight == 0, what="the handler to end")
     assert (await row(db, work))[:3] == ("", False, 1)
 
 
@@ -357,18 +340,13 @@ async def test_wake_hint_picks_up_work_before_the_poll(db, consumers):
         done = []
         c = consumers(q, "r1", ["agent-run"], done.append, bus=bus, poll_interval=30)
         await c.whenStarted()
-        await wait_for(lambda: c._wake_sub is not None, what="the wake subscription")
+        await eventually(lambda: c._wake_sub is not None, what="the wake subscription")
         await sleep(0.1)  # the first (immediate) poll has run and found nothing
         await q.enqueue("agent-run", b"now")
-        await wait_for(lambda: done, timeout=3, what="the hinted pickup (poll is 30 s)")
+        await eventually(lambda: done, timeout=3, what="the hinted pickup (poll is 30 s)")
         assert done[0].payload == b"now"
     finally:
         await bus.stopService()
-
-
-async def _within(d: defer.Deferred, seconds: float):
-    d.addTimeout(seconds, reactor)
-    return await d
 
 
 @pytest_twisted.ensureDeferred
@@ -417,7 +395,7 @@ async def test_eight_consumers_on_separate_pools_drain_2000_jobs_exactly_once(db
         async def drained():
             return (await db.runQuery("SELECT count(*) FROM work_claims"))[0][0] == 0
 
-        await wait_for(drained, timeout=45, what="the queue to drain")
+        await eventually(drained, timeout=45, what="the queue to drain")
     finally:
         for c in consumers_:
             await c.stopService()

@@ -21,7 +21,8 @@ from localai_tw.bus.claims import (
 )
 from localai_tw.db.pool import Database, DatabaseUnavailable
 
-from .test_claims import consumers, make_live, make_stale, row, sleep, wait_for  # noqa: F401
+from .support import eventually, sleep
+from .test_claims import consumers, make_live, make_stale, row  # noqa: F401
 
 
 async def insert_jobs(db, total: int, kind: str = "task", prefix: str = "job-") -> list[str]:
@@ -259,7 +260,7 @@ async def test_consumer_claims_its_free_slots_in_one_statement_and_completes_in_
         done[claim.id] += 1
 
     c = ref[0] = consumers(q, "r1", ["task"], handler, max_in_flight=bound, poll_interval=0.5)
-    await wait_for(lambda: c.stats["completed"] == total, timeout=30, what="the drain")
+    await eventually(lambda: c.stats["completed"] == total, timeout=30, what="the drain")
     assert set(done.values()) == {1} and len(done) == total
     assert peak[0] <= bound
     # every claim asked for exactly the slots free when it was sent, never more
@@ -283,7 +284,7 @@ async def test_handlers_that_finish_together_cost_one_claim_and_one_complete_per
     q = RecordingQueue(db, ref)
     c = ref[0] = consumers(q, "r1", ["task"], lambda claim: None, max_in_flight=bound,
                            poll_interval=0.5)
-    await wait_for(lambda: c.stats["completed"] == total, timeout=30, what="the drain")
+    await eventually(lambda: c.stats["completed"] == total, timeout=30, what="the drain")
     # the freed slots of one batch are refilled by one statement: about total / bound each
     # (a little slack for the first, partial and empty claims)
     assert c.stats["claim_statements"] <= total / bound + 5, c.stats
@@ -307,7 +308,7 @@ async def test_a_failed_batch_complete_is_retried_and_nothing_runs_twice(db, con
     async def drained():
         return (await db.runQuery("SELECT count(*) FROM work_claims"))[0][0] == 0
 
-    await wait_for(drained, timeout=10, what="the retried completes")
+    await eventually(drained, timeout=10, what="the retried completes")
     assert sum(q.complete_sizes) == total, (q.complete_sizes, c.stats)
     # held (not released) while the complete waited for its retry, so no row ran twice
     assert set(done.values()) == {1} and len(done) == total
@@ -328,7 +329,7 @@ async def test_a_batch_complete_that_never_answers_does_not_hold_up_later_batche
     async def drained():
         return (await db.runQuery("SELECT count(*) FROM work_claims"))[0][0] == 0
 
-    await wait_for(drained, timeout=10, what="completes after the hung one")
+    await eventually(drained, timeout=10, what="completes after the hung one")
     assert q.hang_completes == 0
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 
 from localai_tw.cluster import membership, ownership
 from localai_tw.cluster.clock import LIVE_INSTANCE_IDS_SQL, departure_retention
@@ -24,6 +24,8 @@ from localai_tw.cluster.membership import (
 )
 from localai_tw.cluster.ownership import NoConnection, OwnershipFence, Presence
 
+from .support import eventually
+
 
 async def _age(db, instance_id, interval="1 hour"):
     await db.runOperation(
@@ -33,16 +35,6 @@ async def _age(db, instance_id, interval="1 hour"):
 
 async def _instance_ids(db):
     return sorted(r[0] for r in await db.runQuery("SELECT id FROM instances"))
-
-
-async def _eventually(predicate, timeout=5.0):
-    """Wait on the real reactor until ``await predicate()`` is true."""
-    waited = 0.0
-    while not await predicate():
-        if waited > timeout:
-            raise AssertionError("condition not reached")
-        await task.deferLater(reactor, 0.02, lambda: None)
-        waited += 0.02
 
 
 # -- register / heartbeat -------------------------------------------------------------------
@@ -168,7 +160,7 @@ async def test_service_registers_ticks_and_deregisters(db):
 
     async def dead_reaped():
         return await _instance_ids(db) == ["svc"]
-    await _eventually(dead_reaped)
+    await eventually(dead_reaped, timeout=5)
     await svc.stopService()
     assert await _instance_ids(db) == []
 

@@ -21,7 +21,8 @@ from twisted.web.client import HTTPConnectionPool
 
 from localai_tw.db.pool import CHECKOUT_TIMEOUT_SECONDS
 
-from .inference_harness import ADMIN, TOKEN, Cluster, eventually
+from .inference_harness import ADMIN, TOKEN
+from .support import eventually
 
 #: Slack on top of the pool's checkout deadline for one answer (a loaded 2-core machine).
 SLACK_SECONDS = 3.0
@@ -58,14 +59,14 @@ def captured():
     globalLogPublisher.removeObserver(observer)
 
 
-@pytest_twisted.async_yield_fixture
-async def cluster(pg_dsn, tmp_path):
-    c = Cluster(pg_dsn, str(tmp_path))
+@pytest.fixture
+def cluster(cluster, pg_dsn):
+    """The shared cluster, with connections to the test's database allowed again before it
+    closes, whatever the test left."""
     try:
-        yield c
+        yield cluster
     finally:
         set_allow_connections(pg_dsn, True)
-        await c.close()
 
 
 def set_allow_connections(dsn: str, allowed: bool) -> None:

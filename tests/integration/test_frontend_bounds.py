@@ -14,7 +14,8 @@ from twisted.logger import formatEvent, globalLogPublisher
 
 from localai_tw.frontend.service import FrontendService
 
-from .test_frontend_service import ADMIN, TOKEN, Client, eventually, options
+from .support import eventually
+from .test_frontend_service import ADMIN, TOKEN, Client, options
 
 
 class RawClient(protocol.Protocol):

@@ -6,12 +6,14 @@ import json
 
 import pytest_twisted
 import treq
-from twisted.internet import reactor, task
+from twisted.internet import reactor
 from twisted.web.client import HTTPConnectionPool
 
 from localai_tw.frontend.service import FrontendService
 from localai_tw.mux.session import Session
 from localai_tw.tunnel.websocket import connectWebSocket
+
+from .support import eventually
 
 TOKEN = "service-registration-token"
 ADMIN = "sk-service-admin"
@@ -24,14 +26,6 @@ def options(pg_dsn, **overrides):
             "require-approval": False}
     base.update(overrides)
     return base
-
-
-async def eventually(predicate, timeout=10.0):
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await task.deferLater(reactor, 0.05, lambda: None)
-    raise AssertionError("condition not met in time")
 
 
 class Client:

@@ -11,7 +11,7 @@ import json
 
 import pytest_twisted
 import treq
-from twisted.internet import reactor, task
+from twisted.internet import reactor
 from twisted.web.client import HTTPConnectionPool
 
 from localai_tw.config import PortRange
@@ -19,19 +19,10 @@ from localai_tw.frontend.service import FrontendService
 from localai_tw.tunnel.endpoint import worker_url
 from localai_tw.worker.service import WorkerService
 
+from .support import eventually
+
 TOKEN = "joint-registration-token"
 ADMIN = "sk-joint-admin"
-
-
-async def eventually(predicate, timeout=15.0):
-    for _ in range(int(timeout / 0.05)):
-        value = predicate()
-        if hasattr(value, "__await__"):
-            value = await value
-        if value:
-            return value
-        await task.deferLater(reactor, 0.05, lambda: None)
-    raise AssertionError("condition not met in time")
 
 
 @pytest_twisted.ensureDeferred
@@ -54,8 +45,8 @@ async def test_worker_registers_dials_and_is_reachable_through_the_frontend(pg_d
         worker.startService()
 
         first_id = await eventually(lambda: worker.registrar.registration
-                                    and worker.registrar.registration.node_id)
-        await eventually(lambda: frontend.tunnels.holds(first_id))
+                                    and worker.registrar.registration.node_id, timeout=15)
+        await eventually(lambda: frontend.tunnels.holds(first_id), timeout=15)
         node = await frontend.nodes.get_node(first_id)
         assert node.name == "joint-1" and node.labels == {"zone": "lab"}
 
@@ -71,8 +62,8 @@ async def test_worker_registers_dials_and_is_reachable_through_the_frontend(pg_d
         second_id = await eventually(
             lambda: worker.registrar.registration
             and worker.registrar.registration.node_id != first_id
-            and worker.registrar.registration.node_id)
-        await eventually(lambda: frontend.tunnels.holds(second_id))
+            and worker.registrar.registration.node_id, timeout=15)
+        await eventually(lambda: frontend.tunnels.holds(second_id), timeout=15)
         assert (await frontend.nodes.get_node(second_id)).name == "joint-1"
     finally:
         if worker is not None:

@@ -15,16 +15,7 @@ from twisted.internet import defer, reactor, task
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
 
-from .inference_harness import Cluster, eventually
-
-
-@pytest_twisted.async_yield_fixture
-async def cluster(pg_dsn, tmp_path):
-    c = Cluster(pg_dsn, str(tmp_path))
-    try:
-        yield c
-    finally:
-        await c.close()
+from .support import eventually
 
 
 async def started_backend(frontend, node_id, model="m", options=None):
@@ -83,7 +74,7 @@ async def test_with_the_tunnel_gone_the_call_fails_with_the_route_condition(clus
     # away: its tunnel goes and nothing redials it.
     await frontend.backend_clients.drop(worker.node_id, port)
     await worker.stopService()
-    await eventually(lambda: not frontend.tunnels.holds(worker.node_id))
+    await eventually(lambda: not frontend.tunnels.holds(worker.node_id), timeout=20)
 
     client = frontend.backend_clients.client(worker.node_id, port)
     with pytest.raises(errors.AbsentWithinGrace):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import psycopg2
 import pytest
 import pytest_twisted
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
@@ -17,6 +17,8 @@ from localai_tw.cluster.membership import InstanceIdentity, register_instance
 from localai_tw.cluster.nodes import NodeRegistry, NodeStatus
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.pool import Database
+
+from .support import sleep, within
 
 TOKEN = "health-test-token"
 GRACE = 90.0
@@ -257,13 +259,13 @@ async def test_the_clock_drives_ticks_and_stop_waits(db, world):
     monitor.startService()
     try:
         clock.advance(14)
-        await deferLater(0.05)
+        await sleep(0.05)
         assert monitor.last_report is None
         clock.advance(1)
         for _ in range(100):
             if monitor.last_report is not None:
                 break
-            await deferLater(0.02)
+            await sleep(0.02)
         assert monitor.last_report.marked_offline == [node]
     finally:
         await monitor.stopService()
@@ -290,10 +292,10 @@ async def test_two_replicas_at_the_same_moment_run_one_pass(db, pg_dsn, world, d
             cur.execute("LOCK TABLE backend_nodes IN ACCESS EXCLUSIVE MODE")
         tick_a, tick_b = monitor_a.tick(), monitor_b.tick()
         first = await within(defer.DeferredList([tick_a, tick_b], fireOnOneCallback=True,
-                                                consumeErrors=True))
+                                                consumeErrors=True), 10)
         assert first[0] is False  # the loser returned at once; the winner is still blocked
         blocker.commit()
-        results = [await within(tick_a), await within(tick_b)]
+        results = [await within(tick_a, 10), await within(tick_b, 10)]
     finally:
         blocker.close()
         other_db.close()
@@ -417,9 +419,3 @@ async def test_partition_longer_than_the_grace_goes_offline_then_comes_back(db, 
     assert departures.calls == []
 
 
-def deferLater(seconds):
-    return task.deferLater(reactor, seconds, lambda: None)
-
-
-def within(d, seconds=10.0):
-    return d.addTimeout(seconds, reactor)

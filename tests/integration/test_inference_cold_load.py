@@ -16,18 +16,9 @@ from localai_tw.frontend.interfaces import (
     NoNodeAvailable,
 )
 
-from .inference_harness import Cluster, sha256_hex
+from .inference_harness import sha256_hex
 
 WEIGHTS = b"tiny weights " * 1000
-
-
-@pytest_twisted.async_yield_fixture
-async def cluster(pg_dsn, tmp_path):
-    c = Cluster(pg_dsn, str(tmp_path))
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def tiny_model(digest: str, name: str = "tiny", extra: str = "") -> str:

@@ -36,19 +36,10 @@ from localai_tw.frontend.localworker import (
 from localai_tw.frontend.service import FrontendService
 from localai_tw.frontend.tap import Options
 
+from .support import eventually
+
 TOKEN = "local-worker-registration-token"
 ADMIN = "sk-local-admin"
-
-
-async def eventually(predicate, timeout=30.0):
-    for _ in range(int(timeout / 0.05)):
-        value = predicate()
-        if hasattr(value, "__await__"):
-            value = await value
-        if value:
-            return value
-        await task.deferLater(reactor, 0.05, lambda: None)
-    raise AssertionError("condition not met in time")
 
 
 @pytest_twisted.async_yield_fixture
@@ -78,11 +69,11 @@ async def one_machine(pg_dsn, tmp_path):
 @pytest_twisted.ensureDeferred
 async def test_local_worker_registers_holds_a_tunnel_and_is_listed(one_machine):
     frontend, local, base, pool = one_machine
-    worker = await eventually(lambda: local.worker)
+    worker = await eventually(lambda: local.worker, timeout=30)
     assert worker.node_name == "testhost-local"
     node_id = await eventually(lambda: worker.registrar.registration
-                               and worker.registrar.registration.node_id)
-    await eventually(lambda: frontend.tunnels.holds(node_id))
+                               and worker.registrar.registration.node_id, timeout=30)
+    await eventually(lambda: frontend.tunnels.holds(node_id), timeout=30)
     assert worker.readiness() is None  # registered and holding its tunnel session
     assert local.data_dir == os.path.join(frontend.models_dir.rsplit(os.sep, 1)[0],
                                           "local-worker")
@@ -126,10 +117,10 @@ async def test_readyz_waits_for_the_local_workers_tunnel(one_machine):
 @pytest_twisted.ensureDeferred
 async def test_missing_embeddings_extra_is_named_in_the_answer(one_machine, monkeypatch):
     frontend, local, base, pool = one_machine
-    worker = await eventually(lambda: local.worker)
+    worker = await eventually(lambda: local.worker, timeout=30)
     node_id = await eventually(lambda: worker.registrar.registration
-                               and worker.registrar.registration.node_id)
-    await eventually(lambda: frontend.tunnels.holds(node_id))
+                               and worker.registrar.registration.node_id, timeout=30)
+    await eventually(lambda: frontend.tunnels.holds(node_id), timeout=30)
     await local.default_model_checked
 
     real_find_spec = importlib.util.find_spec

@@ -13,17 +13,6 @@ from localai_tw.backends import backend_pb2
 from localai_tw.frontend.interfaces import ModelLoadFailed, ModelUsecaseUnsupported
 from localai_tw.frontend.scheduler import DEFAULT_FAILED_LOAD_MEMORY
 
-from .inference_harness import Cluster
-
-
-@pytest_twisted.async_yield_fixture
-async def cluster(pg_dsn, tmp_path):
-    c = Cluster(pg_dsn, str(tmp_path))
-    try:
-        yield c
-    finally:
-        await c.close()
-
 
 class CountingControl:
     """The replica's real control client, counting the verbs it sends to workers."""

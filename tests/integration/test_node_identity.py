@@ -14,7 +14,7 @@ import json
 import pytest
 import pytest_twisted
 import treq
-from twisted.internet import reactor, task
+from twisted.internet import reactor
 from twisted.web.client import HTTPConnectionPool
 
 from localai_tw import errors
@@ -25,24 +25,11 @@ from localai_tw.tunnel.endpoint import ControlClient
 from localai_tw.worker.registration import RegistrationClient, RegistrationRejected
 from localai_tw.worker.service import WorkerService
 
+from .support import eventually, sleep
+
 TOKEN = "identity-registration-token"
 ADMIN = "sk-identity-admin"
 TIMEOUT = 30.0
-
-
-async def eventually(predicate, timeout=TIMEOUT, what="condition"):
-    for _ in range(int(timeout / 0.05)):
-        value = predicate()
-        if hasattr(value, "__await__"):
-            value = await value
-        if value:
-            return value
-        await task.deferLater(reactor, 0.05, lambda: None)
-    raise AssertionError(f"{what} not met in {timeout}s")
-
-
-async def pause(seconds: float) -> None:
-    await task.deferLater(reactor, seconds, lambda: None)
 
 
 @pytest_twisted.async_yield_fixture
@@ -88,7 +75,7 @@ class Cluster:
     async def registered(self, worker) -> str:
         return await eventually(lambda: worker.registrar.registration
                                 and worker.registrar.registration.node_id,
-                                what=f"{worker.node_name} to register")
+                                timeout=TIMEOUT, what=f"{worker.node_name} to register")
 
     async def api(self, method: str, path: str, *, body=None, token=ADMIN):
         response = await treq.request(
@@ -103,7 +90,8 @@ class Cluster:
 
 async def tunnel_up(cluster, worker, node_id):
     await eventually(lambda: cluster.frontend.tunnels.holds(node_id)
-                     and worker.readiness() is None, what="the tunnel to be up")
+                     and worker.readiness() is None, timeout=TIMEOUT,
+                     what="the tunnel to be up")
     return cluster.frontend.tunnels.held(node_id)
 
 
@@ -144,7 +132,7 @@ async def test_the_shared_token_and_a_name_do_not_take_a_node_over(cluster, tmp_
     assert "--node-name" in refused.value.hint and "DELETE /api/nodes" in refused.value.hint
 
     # The real worker kept everything: credential, approval, the very same tunnel.
-    await pause(0.5)
+    await sleep(0.5)
     assert frontend.tunnels.held(node_id) is held and real.readiness() is None
     assert real.registrar.registration.tunnel_token == credential
     await frontend.nodes.verify_tunnel_credential(node_id, credential)
@@ -176,7 +164,7 @@ async def test_a_worker_that_lost_its_data_directory_registers_anew_once_removed
     assert not (tmp_path / "new" / NODE_KEY_FILE).exists()
     lost = cluster.worker("w2", tmp_path / "new")
     assert lost.node_key != first.node_key
-    await pause(1.0)
+    await sleep(1.0)
     assert lost.registrar.registration is None
     node = await cluster.frontend.nodes.get_node(node_id)
     assert node.approved and node.name == "w2"

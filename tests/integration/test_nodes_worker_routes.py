@@ -14,7 +14,7 @@ from localai_tw.config import PortRange
 from localai_tw.frontend.service import FrontendService
 from localai_tw.worker.service import WorkerService
 
-from .test_frontend_with_worker import eventually
+from .support import eventually
 
 TOKEN = "routes-registration-token"
 ADMIN = "sk-routes-admin"
@@ -44,8 +44,8 @@ async def test_worker_questions_answer_through_the_tunnel_and_name_each_conditio
              "labels": {}}, reactor)
         worker.startService()
         node_id = await eventually(lambda: worker.registrar.registration
-                                   and worker.registrar.registration.node_id)
-        await eventually(lambda: frontend.tunnels.holds(node_id))
+                                   and worker.registrar.registration.node_id, timeout=15)
+        await eventually(lambda: frontend.tunnels.holds(node_id), timeout=15)
 
         # The worker's own answer, through the tunnel.
         code, body = await get_json(pool, f"{base}/api/nodes/{node_id}/status")

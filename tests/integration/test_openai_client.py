@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import pytest_twisted
-from twisted.internet import reactor, task, threads
+from twisted.internet import reactor, threads
 
 from localai_tw.frontend.interfaces import NoNodeAvailable
 from localai_tw.frontend.web import APIKeyGuard
 
+from tests.integration.support import eventually
 from tests.unit.test_openai_fakes import FakeRouter, make_site, model_config
 
 openai = pytest.importorskip("openai")
@@ -45,14 +46,6 @@ def client(base_url: str, key: str = "sk-test"):
 
 def in_thread(fn, *args, **kwargs):
     return threads.deferToThread(fn, *args, **kwargs)
-
-
-async def eventually(predicate, timeout=10.0):
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await task.deferLater(reactor, 0.02, lambda: None)
-    raise AssertionError("condition not met in time")
 
 
 @pytest_twisted.ensureDeferred

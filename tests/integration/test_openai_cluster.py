@@ -8,20 +8,11 @@ import pytest
 import pytest_twisted
 from twisted.internet import threads
 
-from .inference_harness import ADMIN, Cluster, sha256_hex
+from .inference_harness import ADMIN, sha256_hex
 
 openai = pytest.importorskip("openai")
 
 WEIGHTS = b"echo weights " * 100
-
-
-@pytest_twisted.async_yield_fixture
-async def cluster(pg_dsn, tmp_path):
-    c = Cluster(pg_dsn, str(tmp_path))
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 @pytest_twisted.ensureDeferred

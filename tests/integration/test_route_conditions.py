@@ -16,15 +16,8 @@ from localai_tw.db.pool import Database
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.tunnel import preamble
 from localai_tw.tunnel.route import WorkerDialer, deadline_after
-from tests.integration.test_tunnel_harness import (  # noqa: F401  (fixtures)
-    TOKEN,
-    eventually,
-    frontends,
-    real_worker,
-    scripted,
-    within,
-    workers,
-)
+from tests.integration.support import eventually, within
+from tests.integration.test_tunnel_harness import scripted
 
 
 class Collect(protocol.Protocol):

@@ -16,18 +16,10 @@ from twisted.web.client import HTTPConnectionPool
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
 
-from .inference_harness import ADMIN, Cluster, eventually, sha256_hex, supervisor_of
+from .inference_harness import ADMIN, sha256_hex, supervisor_of
+from .support import eventually
 
 WEIGHTS = b"relay weights " * 4000
-
-
-@pytest_twisted.async_yield_fixture
-async def cluster(pg_dsn, tmp_path):
-    c = Cluster(pg_dsn, str(tmp_path))
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def echo_model(name, extra=""):
@@ -142,7 +134,8 @@ async def test_backend_crash_reaps_only_on_the_workers_answer_and_reloads(cluste
     else:
         assert rows_after == [row]
     # the next request reloads (a new backend process) and is served
-    await eventually(lambda: supervisor.find("crash#0").ended, what="crash recorded")
+    await eventually(lambda: supervisor.find("crash#0").ended, timeout=20,
+                     what="crash recorded")
     served = await router.predict("crash", backend_pb2.PredictOptions(Prompt="again"))
     assert served.value.message == b"again"
     [reloaded] = await cluster.rows("crash")
@@ -160,7 +153,7 @@ async def test_a_route_failure_never_reaps_a_row(cluster):
     port = int(row[3].rsplit(":", 1)[1])
     await frontend.backend_clients.drop(worker.node_id, port)
     await worker.stopService()
-    await eventually(lambda: not frontend.tunnels.holds(worker.node_id))
+    await eventually(lambda: not frontend.tunnels.holds(worker.node_id), timeout=20)
     with pytest.raises(errors.AbsentWithinGrace):
         await frontend.inference.predict("keep", backend_pb2.PredictOptions(Prompt="x"),
                                          deadline=reactor.seconds() + 10)

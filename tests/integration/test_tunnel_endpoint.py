@@ -16,14 +16,8 @@ from localai_tw.tunnel.endpoint import (
     worker_url,
 )
 from localai_tw.worker.control import NoFreeSlot, VerbRequestSchema
-from tests.integration.test_tunnel_harness import (  # noqa: F401  (fixtures)
-    TOKEN,
-    eventually,
-    frontends,
-    real_worker,
-    within,
-    workers,
-)
+from tests.integration.support import eventually, within
+from tests.integration.test_tunnel_harness import TOKEN
 from tests.integration.test_route_conditions import failure_of, only_condition
 
 

@@ -21,13 +21,8 @@ from twisted.internet import defer, reactor, task, threads
 from twisted.internet.protocol import Protocol
 
 from localai_tw.mux.frame import FLAG_SYN, Frame, encode
-from tests.integration.test_tunnel_harness import (  # noqa: F401  (fixtures)
-    EchoBackend,
-    eventually,
-    frontends,
-    within,
-    workers,
-)
+from tests.integration.support import eventually, within
+from tests.integration.test_tunnel_harness import EchoBackend
 
 MiB = 1024 * 1024
 FLOOD_SECONDS = 5.0

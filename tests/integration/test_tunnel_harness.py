@@ -8,6 +8,9 @@ a PeerPool, a WorkerDialer and a WorkerHTTPClient.  Several share one real datab
 A :class:`TestWorker` dials a frontend with ``connectWebSocket`` and runs a yamux client session
 whose acceptor is either the real worker stream router (``localai_tw.worker.streams``) or a
 scripted answer.  Nothing here mocks PostgreSQL, yamux or the WebSocket layer.
+
+The fixtures that build and stop them (``frontends``, ``workers``, ``real_worker``) are in
+``conftest.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-import pytest
-import pytest_twisted
-from twisted.internet import defer, reactor, task
+from twisted.internet import reactor
 from twisted.internet.protocol import Factory, Protocol
 from twisted.web.resource import Resource
 from twisted.web.server import Site
@@ -39,33 +40,10 @@ from localai_tw.worker.control import ControlAuth, ControlVerbs, build_worker_si
 from localai_tw.worker.staging import FileStaging, StagingRoots
 from localai_tw.worker.streams import StreamRouter
 
+from .support import eventually, within
+
 TOKEN = "shared-registration-token"
 MiB = 1024 * 1024
-
-
-async def eventually(predicate, timeout: float = 10.0, what: str = "condition"):
-    """Poll ``predicate`` (may return a Deferred/coroutine) until true, on the real reactor."""
-    deadline = reactor.seconds() + timeout
-    while True:
-        value = predicate()
-        if hasattr(value, "__await__"):
-            value = await value
-        if value:
-            return value
-        if reactor.seconds() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await task.deferLater(reactor, 0.02, lambda: None)
-
-
-def within(d, seconds: float = 20.0):
-    """Fail a test instead of hanging it."""
-    return defer.ensureDeferred(_within(d, seconds))
-
-
-async def _within(d, seconds):
-    d = defer.ensureDeferred(d) if not isinstance(d, defer.Deferred) else d
-    d.addTimeout(seconds, reactor)
-    return await d
 
 
 class Frontend:
@@ -233,42 +211,6 @@ class RealWorkerParts:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-@pytest.fixture
-def frontends(db):
-    """``await make(name, **kw)`` builds and starts a Frontend on the test's database."""
-    made = []
-
-    async def make(name, **kwargs):
-        frontend = Frontend(db, name, **kwargs)
-        made.append(frontend)
-        return await frontend.start()
-
-    yield make
-    for frontend in reversed(made):
-        pytest_twisted.blockon(defer.ensureDeferred(frontend.stop()))
-
-
-@pytest.fixture
-def workers():
-    made = []
-
-    async def make(nodes, name, acceptor, **kwargs):
-        worker = await TestWorker.register(nodes, name, acceptor, **kwargs)
-        made.append(worker)
-        return worker
-
-    yield make
-    for worker in made:
-        worker.close()
-
-
-@pytest.fixture
-def real_worker(tmp_path):
-    parts = RealWorkerParts(tmp_path)
-    yield parts
-    pytest_twisted.blockon(defer.maybeDeferred(parts.stop))
 
 
 def random_bytes(n: int) -> bytes:

@@ -15,17 +15,8 @@ from localai_tw.tunnel import preamble
 from localai_tw.tunnel.endpoint import upload_file
 from localai_tw.tunnel.peer import PEER_MAX_WINDOW, PeerPool
 from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
-from tests.integration.test_tunnel_harness import (  # noqa: F401  (fixtures)
-    TOKEN,
-    MiB,
-    eventually,
-    frontends,
-    real_worker,
-    scripted,
-    sha256_hex,
-    within,
-    workers,
-)
+from tests.integration.support import eventually, within
+from tests.integration.test_tunnel_harness import TOKEN, MiB, scripted, sha256_hex
 from tests.integration.test_route_conditions import Collect, failure_of
 
 

@@ -17,7 +17,7 @@ import os
 import psutil
 import pytest
 import pytest_twisted
-from twisted.internet import defer, protocol, reactor, task
+from twisted.internet import defer, protocol, reactor
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
@@ -32,22 +32,11 @@ from localai_tw.tunnel.websocket import (
 )
 from localai_tw.worker.service import WorkerService
 
+from .support import eventually, within
+
 REGISTRATION_TOKEN = "REG-TOKEN-for-tests"
 TIMEOUT = 20
 FIVE_MIB = 5 * 1024 * 1024
-
-
-def within(d, seconds=TIMEOUT):
-    return d.addTimeout(seconds, reactor)
-
-
-async def eventually(predicate, seconds=TIMEOUT, step=0.02):
-    """Wait on the real reactor until ``predicate()`` is true."""
-    deadline = reactor.seconds() + seconds
-    while not predicate():
-        if reactor.seconds() > deadline:
-            raise AssertionError(f"condition not met within {seconds}s")
-        await task.deferLater(reactor, step, lambda: None)
 
 
 # -- the minimal frontend -----------------------------------------------------------------------
@@ -270,7 +259,7 @@ async def test_the_worker_registers_dials_and_serves_every_kind_of_stream(
     assert frontend.registrations[0]["name"] == "worker-a"
     assert frontend.registrations[0]["labels"] == {"zone": "test"}
     assert frontend.dials == [("node-1", "cred-1")]
-    await eventually(lambda: worker.dialer.isConnected)
+    await eventually(lambda: worker.dialer.isConnected, timeout=TIMEOUT)
     assert worker.readiness() is None
 
     # http: node.status through the control plane, with the control token a frontend derives
@@ -384,7 +373,7 @@ async def test_a_401_re_registers_once_per_wait_and_the_next_dial_uses_the_new_c
     frontend.refusals = [401, 401]
     worker = worker_for(frontend, tmp_path, cleanup, random_fraction=lambda: 0.0)
     await within(frontend.session_arrived)
-    await eventually(lambda: worker.dialer.isConnected)
+    await eventually(lambda: worker.dialer.isConnected, timeout=TIMEOUT)
     # dial 1 (cred-1) refused -> re-register (cred-2); dial 2 (cred-2) refused -> re-register
     # (cred-3); dial 3 uses cred-3 and is accepted.
     assert frontend.dials == [("node-1", "cred-1"), ("node-1", "cred-2"), ("node-1", "cred-3")]
@@ -408,7 +397,7 @@ async def test_a_rotated_credential_is_refused_and_recovered_by_re_registering(
     assert second is not first
     assert [c for _, c in frontend.dials] == ["cred-1", "cred-1", "cred-2"]
     assert len(frontend.registrations) == 2
-    await eventually(lambda: worker.dialer.isConnected)
+    await eventually(lambda: worker.dialer.isConnected, timeout=TIMEOUT)
 
 
 @pytest_twisted.ensureDeferred
@@ -416,13 +405,13 @@ async def test_the_worker_reconnects_with_backoff_when_the_frontend_goes_away(
         frontend, tmp_path, cleanup):
     worker = worker_for(frontend, tmp_path, cleanup, random_fraction=lambda: 1.0)
     await within(frontend.session_arrived)
-    await eventually(lambda: worker.dialer.isConnected)
+    await eventually(lambda: worker.dialer.isConnected, timeout=TIMEOUT)
     port_number = frontend.port.getHost().port
     await frontend.stop()
-    await eventually(lambda: not worker.dialer.isConnected)
+    await eventually(lambda: not worker.dialer.isConnected, timeout=TIMEOUT)
     assert worker.readiness() is not None
     # Down for a while: refused dials, each wait twice the one before.
-    await eventually(lambda: len(worker.dialer.delays) >= 4, seconds=30)
+    await eventually(lambda: len(worker.dialer.delays) >= 4, timeout=30)
     assert worker.dialer.delays[:4] == [0.5, 1, 2, 4]
     # Back on the same address: the worker comes back by itself.
     revived = FakeFrontend(port_number)
@@ -431,7 +420,7 @@ async def test_the_worker_reconnects_with_backoff_when_the_frontend_goes_away(
     revived.ids.update(frontend.ids)
     session = await within(revived.session_arrived, 40)
     assert revived.dials == [("node-1", "cred-1")]
-    await eventually(lambda: worker.dialer.isConnected)
+    await eventually(lambda: worker.dialer.isConnected, timeout=TIMEOUT)
     healthy = open_stream(session, "http", "", b"GET /healthz HTTP/1.1\r\nHost: w\r\n"
                                                b"Connection: close\r\n\r\n")
     await within(healthy.ended)
@@ -448,7 +437,7 @@ async def test_the_worker_starts_while_the_frontend_is_down(tmp_path, cleanup):
     down = type("Down", (), {"url": f"http://127.0.0.1:{port_number}"})()
     worker = worker_for(down, tmp_path, cleanup)
     assert worker.running
-    await eventually(lambda: worker.registrar._retry_call is not None, seconds=10)
+    await eventually(lambda: worker.registrar._retry_call is not None, timeout=10)
     assert worker.readiness() == "not registered with the frontend yet"
     revived = FakeFrontend(port_number)
     cleanup.append(revived.stop)
@@ -460,11 +449,11 @@ async def test_the_worker_starts_while_the_frontend_is_down(tmp_path, cleanup):
 async def test_heartbeat_404_re_registers(frontend, tmp_path, cleanup):
     worker = worker_for(frontend, tmp_path, cleanup, registrar={"heartbeat_interval": 0.2})
     await within(frontend.session_arrived)
-    await eventually(lambda: len(frontend.heartbeats) >= 1)
+    await eventually(lambda: len(frontend.heartbeats) >= 1, timeout=TIMEOUT)
     del frontend.credentials["node-1"]  # the frontend forgot the node
-    await eventually(lambda: len(frontend.registrations) == 2)
+    await eventually(lambda: len(frontend.registrations) == 2, timeout=TIMEOUT)
     assert worker.registrar.registration.tunnel_token == "cred-2"
     # The heartbeat goes on for the node the frontend knows again.
     count = len(frontend.heartbeats)
-    await eventually(lambda: len(frontend.heartbeats) > count + 1)
+    await eventually(lambda: len(frontend.heartbeats) > count + 1, timeout=TIMEOUT)
     assert frontend.heartbeats[-1] == "node-1"

@@ -1,0 +1,38 @@
+"""Waiting in integration tests, on the real reactor: one way to poll for a condition and one way
+to bound a Deferred, so that a test fails with a message instead of hanging, and every suite
+waits the same way (``docs/testing.md``)."""
+
+from __future__ import annotations
+
+import inspect
+
+from twisted.internet import defer, reactor, task
+
+
+def sleep(seconds: float) -> defer.Deferred:
+    """Let the reactor run for ``seconds``."""
+    return task.deferLater(reactor, seconds, lambda: None)
+
+
+async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02,
+                     what: str = "condition"):
+    """Poll ``predicate()`` (it may return an awaitable) until it is truthy, and return that value.
+
+    The deadline is on the reactor's clock.  The predicate is asked once more when the deadline
+    has passed, so a slow last poll never fails a condition that did become true in time.
+    """
+    deadline = reactor.seconds() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if reactor.seconds() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await sleep(interval)
+
+
+def within(d, seconds: float = 20.0) -> defer.Deferred:
+    """``d`` (a Deferred or a coroutine) failing with ``defer.TimeoutError`` after ``seconds``."""
+    return defer.ensureDeferred(d).addTimeout(seconds, reactor)
