@@ -17,7 +17,8 @@ from localai_tw.mux.session import Session
 from localai_tw.tunnel.websocket import connectWebSocket
 from tests.integration.test_frontend_service import TOKEN, options
 from tests.integration.test_route_conditions import Collect, failure_of, only_condition
-from tests.integration.test_tunnel_harness import TestWorker, eventually, scripted, within
+from tests.integration.support import eventually, within
+from tests.integration.test_tunnel_harness import TestWorker, scripted
 from tests.integration.tlscerts import make_ca_and_server
 
 

@@ -14,18 +14,10 @@ from twisted.web.client import HTTPConnectionPool
 
 from localai_tw.backends import backend_pb2
 
-from .inference_harness import ADMIN, TOKEN, Cluster, eventually
+from .inference_harness import ADMIN, TOKEN
+from .support import eventually
 
 COLD_LOADS = 10
-
-
-@pytest_twisted.async_yield_fixture
-async def cluster(pg_dsn, tmp_path):
-    c = Cluster(pg_dsn, str(tmp_path))
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def write_models(cluster, count: int) -> list[str]:
@@ -132,8 +124,9 @@ async def test_a_model_on_an_absent_worker_is_served_by_another_and_its_rows_sta
 
     # A's tunnel goes away (its heartbeats go on): presence "reconnecting", within the grace.
     await a.dialer.stopService()
-    await eventually(lambda: not frontend.tunnels.holds(a.node_id), what="A detached")
-    await eventually(lambda: presence_of(frontend, a.node_id, "reconnecting"),
+    await eventually(lambda: not frontend.tunnels.holds(a.node_id), timeout=20,
+                     what="A detached")
+    await eventually(lambda: presence_of(frontend, a.node_id, "reconnecting"), timeout=20,
                      what="A reconnecting")
 
     started = reactor.seconds()

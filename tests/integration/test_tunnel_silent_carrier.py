@@ -16,7 +16,8 @@ from localai_tw.config import PortRange
 from localai_tw.tunnel.keepalive import DEAD_TUNNEL_DETECTION
 from localai_tw.worker.service import makeWorkerService
 
-from .inference_harness import TOKEN, Cluster, _ports, eventually
+from .inference_harness import TOKEN, _ports
+from .support import eventually
 
 
 class _Half(protocol.Protocol):
@@ -87,15 +88,6 @@ class SilenceableProxy(protocol.Factory):
                 half.transport.abortConnection()
 
 
-@pytest_twisted.async_yield_fixture
-async def cluster(pg_dsn, tmp_path):
-    c = Cluster(pg_dsn, str(tmp_path))
-    try:
-        yield c
-    finally:
-        await c.close()
-
-
 @pytest_twisted.ensureDeferred
 async def test_a_silent_tunnel_is_declared_dead_within_10_seconds(cluster):
     frontend = await cluster.frontend("replica-a")
@@ -111,8 +103,8 @@ async def test_a_silent_tunnel_is_declared_dead_within_10_seconds(cluster):
     cluster.workers.append(worker)
     try:
         node_id = await eventually(lambda: worker.registrar.registration
-                                   and worker.registrar.registration.node_id)
-        await eventually(lambda: frontend.tunnels.holds(node_id), what="tunnel held")
+                                   and worker.registrar.registration.node_id, timeout=20)
+        await eventually(lambda: frontend.tunnels.holds(node_id), timeout=20, what="tunnel held")
 
         proxy.freeze()
         await eventually(lambda: not frontend.tunnels.holds(node_id), timeout=30,
