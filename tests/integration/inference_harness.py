@@ -85,7 +85,7 @@ class Cluster:
         node_id = await eventually(lambda: worker.registrar.registration
                                    and worker.registrar.registration.node_id,
                                    what=f"{name} registered")
-        await eventually(lambda: via.tunnels.holds(node_id), what=f"{name} tunnel held")
+        await eventually(lambda: via.replica.tunnels.holds(node_id), what=f"{name} tunnel held")
         worker.node_id = node_id
         worker.data_dir = data_dir
         return worker
