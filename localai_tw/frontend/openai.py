@@ -789,6 +789,23 @@ def _reply_usage(reply: backend_pb2.Reply) -> _Usage:
 # -- the resource ----------------------------------------------------------------------------------
 
 
+def check_api_key(api_keys: APIKeyGuard | None, request) -> None:
+    """The OpenAI API's key check (also the listener's header guard of ``/v1`` while the
+    replica starts).  :raises OpenAIError: 401 when keys are configured and this is none."""
+    if api_keys is None or not api_keys.configured:
+        return  # no key configured: the OpenAI API is open (docs/openai-api.md)
+    if bearer_token(request) is None:
+        raise OpenAIError(401, "this API requires Authorization: Bearer <API key>",
+                          "authentication_error", code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"})
+    try:
+        api_keys.check(request)
+    except APIError:
+        raise OpenAIError(401, "the API key is not valid", "authentication_error",
+                          code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"}) from None
+
+
 class OpenAIResource(Resource):
     """``/v1``: the OpenAI-compatible API over an ``IInferenceRouter`` (module docstring).
 
@@ -859,19 +876,7 @@ class OpenAIResource(Resource):
         self._check_key(request)
 
     def _check_key(self, request) -> None:
-        guard = self._api_keys
-        if guard is None or not guard.configured:
-            return  # no key configured: the OpenAI API is open (docs/openai-api.md)
-        if bearer_token(request) is None:
-            raise OpenAIError(401, "this API requires Authorization: Bearer <API key>",
-                              "authentication_error", code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
-        try:
-            guard.check(request)
-        except APIError:
-            raise OpenAIError(401, "the API key is not valid", "authentication_error",
-                              code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"}) from None
+        check_api_key(self._api_keys, request)
 
     def router(self) -> IInferenceRouter:
         return self._router

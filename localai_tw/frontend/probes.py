@@ -3,8 +3,8 @@ until the replica is built.
 
 The listener opens at once (a load balancer sees ``/healthz`` answer while the database starts);
 :class:`StartingGate` is its root.  Until :meth:`StartingGate.open` hands it the replica's
-resource tree, it answers only the probes and the index, and 503 ``Retry-After: 5`` everywhere
-else: OpenAI-shaped under ``/v1`` (``service_unavailable``, code ``starting``), the project's
+resource tree, it answers only the probes and the index; elsewhere the listener's header guards still
+refuse a missing API key (401), and everything else is 503 ``Retry-After: 5``: OpenAI-shaped under ``/v1`` (``service_unavailable``, code ``starting``), the project's
 ``not_ready`` shape elsewhere.  This module holds no replica state: ``/readyz`` asks an object
 with ``readiness()`` and ``database`` (the ``FrontendService``, or a ``DatabaseService`` alone).
 """
@@ -111,7 +111,8 @@ class _OpenAIStarting:
 
 
 class _Starting(Resource):
-    """Everything but the probes while the replica starts: 503 with ``Retry-After``."""
+    """Everything but the probes while the replica starts: the listener's header guards (a
+    missing API key is still a 401), then 503 with ``Retry-After``."""
 
     isLeaf = True
 
@@ -120,6 +121,15 @@ class _Starting(Resource):
         self._openai = openai
 
     def render(self, request):
+        # The listener's header guards (API keys) decide first, as the APIs themselves would.
+        guard = getattr(getattr(request, "site", None), "guard_before_body", None)
+        if guard is not None:
+            try:
+                guard(request, request.uri)
+            except Exception as refusal:
+                if not callable(getattr(refusal, "body", None)):
+                    raise
+                return render_error(request, refusal)
         if self._openai:
             error: Any = _OpenAIStarting()
         else:

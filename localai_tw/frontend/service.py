@@ -86,7 +86,7 @@ from localai_tw.tunnel.route import WorkerDialer
 from .backend_client import BackendClients
 from .interfaces import IInferenceRouter
 from .nodes_api import InstancesResource, NodesAdminResource
-from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource
+from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
 from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
 from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
@@ -593,7 +593,9 @@ class FrontendService(InOrderMultiService):
             b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
         self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
         self.site = FrontendSite(self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
-        # The admin API refuses a missing key before anything else, even while starting.
+        # Authentication decided when the headers end, before a body byte is read (and, while
+        # starting, before the gate's 503): the API keys now, registration once wired.
+        self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
         for prefix in (b"/api/nodes", b"/api/cluster/instances"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
@@ -632,8 +634,7 @@ class FrontendService(InOrderMultiService):
         cluster.putChild(b"connect", connect_resource(replica.nodes, replica.tunnels,
                                                       self._reactor))
         cluster.putChild(b"peer", replica.peer_links.resource())
-        # Authentication decided when the headers end, before a body byte is read.
-        self.site.add_header_guard(b"/v1", openai.guard)
+        # The registration token is checked by the registry, which exists from now on.
         self.site.add_header_guard(b"/api/node", registration.guard)
         return root
 

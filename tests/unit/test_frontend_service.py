@@ -96,6 +96,18 @@ def test_the_openai_api_is_503_starting_until_wired():
     assert response.header("retry-after") == "5"
 
 
+def test_a_missing_api_key_is_refused_while_starting_too():
+    from tests.unit.test_openai_fakes import call
+
+    service, _ = frontend()
+    openai = call(service.site, "GET", "/v1/models")
+    assert openai.status == 401 and openai.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/api/nodes", "/api/cluster/instances"):
+        assert call(service.site, "GET", path).status == 401
+        assert call(service.site, "GET", path, headers={"Authorization": "Bearer k"}).status \
+            == 503
+
+
 def test_the_peer_secret_is_minted_once_and_kept_out_of_repr():
     service, _ = frontend()
     seed = service.config.identity_seed
