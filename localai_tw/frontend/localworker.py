@@ -214,7 +214,8 @@ def _report_default_model(outcome: tuple[str, str, str | None]) -> None:
 class LocalWorkerService(MultiService):
     """Runs one worker in this process once ``frontend`` is ready (see the module docstring).
 
-    :param frontend: the ``FrontendService`` (``whenReady()``, ``listener``, ``models_dir``).
+    :param frontend: the ``FrontendService`` (``whenReady()``, ``listener``, ``models_dir``,
+        ``readiness_gates``, ``replica``).
     :param options: the frontend's options (``registration-token``, ``data-dir``,
         ``require-approval``).
     :param make_worker: builds the worker from worker options and the reactor
@@ -273,9 +274,9 @@ class LocalWorkerService(MultiService):
             return None
         worker = self.worker
         registration = getattr(getattr(worker, "registrar", None), "registration", None)
-        tunnels = getattr(self._frontend, "tunnels", None)
-        if registration is not None and tunnels is not None and \
-                tunnels.holds(registration.node_id):
+        # Asked only once the frontend is ready, so its replica exists.
+        if registration is not None and \
+                self._frontend.replica.tunnels.holds(registration.node_id):
             self._first_tunnel_seen = True
             self._cancel_gate_expiry()
             return None
@@ -343,19 +344,3 @@ class LocalWorkerService(MultiService):
             return result
 
         return stopping.addBoth(forget)
-
-
-class InOrderMultiService(MultiService):
-    """A ``MultiService`` that stops its children one at a time, last added first, each after
-    the previous one has finished stopping (the local worker leaves before its frontend)."""
-
-    def stopService(self):
-        Service.stopService(self)
-        return defer.ensureDeferred(self._stop_in_order())
-
-    async def _stop_in_order(self) -> None:
-        for service in reversed(list(self)):
-            try:
-                await defer.maybeDeferred(service.stopService)
-            except Exception:
-                log.failure("stopping {name} failed", name=getattr(service, "name", service))

@@ -73,6 +73,7 @@ from localai_tw.cluster.ownership import NoConnection, Presence
 from .web import (
     APIError,
     APIKeyGuard,
+    ClusterParts,
     JSONResource,
     Route,
     bad_request,
@@ -82,7 +83,6 @@ from .web import (
     printable,
     read_json_object,
     reject_unknown_fields,
-    resolve,
 )
 from .worker_api import valid_node_id
 
@@ -140,11 +140,11 @@ def worker_call_error(error: errors.ClusterError) -> APIError:
 class NodesAdminResource(JSONResource):
     """``/api/nodes``: list, inspect, label, approve, drain, resume and delete workers.
 
-    :param parts: a ``ClusterParts`` or a callable returning one (None while starting: 503).
+    :param parts: the replica's ``ClusterParts``.
     :param guard: the :class:`APIKeyGuard` every request must pass.
     """
 
-    def __init__(self, parts, guard: APIKeyGuard):
+    def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
         super().__init__()
         self._parts = parts
         self._guard = guard
@@ -170,7 +170,7 @@ class NodesAdminResource(JSONResource):
     # -- reads ---------------------------------------------------------------------------------
 
     async def list_nodes(self, request) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         status = _query_arg(request, b"status")
         node_type = _query_arg(request, b"node_type")
         if status is not None and status not in {s.value for s in NodeStatus}:
@@ -183,12 +183,12 @@ class NodesAdminResource(JSONResource):
         return 200, {"nodes": await self._views(parts, nodes)}
 
     async def get_node(self, request, node_id: str) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         node = await self._node(parts, node_id)
         return 200, (await self._views(parts, [node]))[0]
 
     async def get_labels(self, request, node_id: str) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         node = await self._node(parts, node_id)
         return 200, {"id": node.id, "labels": dict(node.labels)}
 
@@ -255,7 +255,7 @@ class NodesAdminResource(JSONResource):
     # -- changes -------------------------------------------------------------------------------
 
     async def put_labels(self, request, node_id: str) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         node_id = (await self._node(parts, node_id)).id
         body = read_json_object(request)
         reject_unknown_fields(body, ("labels",))
@@ -275,7 +275,7 @@ class NodesAdminResource(JSONResource):
         return 200, {"id": node_id, "labels": labels}
 
     async def approve(self, request, node_id: str) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         node = await self._node(parts, node_id)
         try:
             await parts.nodes.approve(node.id)
@@ -290,7 +290,7 @@ class NodesAdminResource(JSONResource):
         return 200, {"id": node.id, "status": (await self._node(parts, node_id)).status.value}
 
     async def drain(self, request, node_id: str) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         node = await self._node(parts, node_id)
         try:
             changed = await parts.nodes.drain(node.id)
@@ -307,7 +307,7 @@ class NodesAdminResource(JSONResource):
         return 200, {"id": node.id, "status": current.status.value}
 
     async def resume(self, request, node_id: str) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         node = await self._node(parts, node_id)
         if node.status is not NodeStatus.DRAINING:
             raise conflict(f"node {printable(node_id)!r} is not draining (status "
@@ -333,7 +333,7 @@ class NodesAdminResource(JSONResource):
         return 200, await self._ask_worker(node_id, "backend.logs", {"model": model})
 
     async def _ask_worker(self, node_id: str, verb: str, body: dict) -> dict:
-        parts = resolve(self._parts)
+        parts = self._parts
         node = await self._node(parts, node_id)
         if parts.control is None:
             raise APIError(503, "this replica cannot call workers yet (starting)",
@@ -346,7 +346,7 @@ class NodesAdminResource(JSONResource):
         return {"id": node.id, "answer": answer}
 
     async def delete_node(self, request, node_id: str) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         node_id = (await self._node(parts, node_id)).id
         try:
             await parts.nodes.delete_node(node_id)
@@ -360,7 +360,7 @@ class NodesAdminResource(JSONResource):
 class InstancesResource(JSONResource):
     """``/api/cluster/instances``: the live replicas, as the database clock sees them."""
 
-    def __init__(self, parts, guard: APIKeyGuard):
+    def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
         super().__init__()
         self._parts = parts
         self._guard = guard
@@ -372,7 +372,7 @@ class InstancesResource(JSONResource):
         return (Route("GET", (), self.list_instances),)
 
     async def list_instances(self, request) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         instances = await live_instances(parts.db)
         return 200, {"instances": [
             {"id": i.id, "version": i.version, "advertised_addr": i.advertised_addr,

@@ -789,14 +789,28 @@ def _reply_usage(reply: backend_pb2.Reply) -> _Usage:
 # -- the resource ----------------------------------------------------------------------------------
 
 
-RouterSource = Any  # an IInferenceRouter provider, or a callable returning one (or None)
+def check_api_key(api_keys: APIKeyGuard | None, request) -> None:
+    """The OpenAI API's key check (also the listener's header guard of ``/v1`` while the
+    replica starts).  :raises OpenAIError: 401 when keys are configured and this is none."""
+    if api_keys is None or not api_keys.configured:
+        return  # no key configured: the OpenAI API is open (docs/openai-api.md)
+    if bearer_token(request) is None:
+        raise OpenAIError(401, "this API requires Authorization: Bearer <API key>",
+                          "authentication_error", code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"})
+    try:
+        api_keys.check(request)
+    except APIError:
+        raise OpenAIError(401, "the API key is not valid", "authentication_error",
+                          code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"}) from None
 
 
 class OpenAIResource(Resource):
     """``/v1``: the OpenAI-compatible API over an ``IInferenceRouter`` (module docstring).
 
-    :param router: an ``IInferenceRouter`` provider, or a zero-argument callable returning
-        one or ``None`` (looked up per request; ``None`` answers 503 while the frontend starts).
+    :param router: the replica's ``IInferenceRouter`` (the listener's starting gate answers
+        503 until the replica, and so the router, exists).
     :param api_keys: the frontend's :class:`APIKeyGuard`; checked only when it has keys.
     :param deadline_seconds: per-request deadline handed to the router (None: its default).
     :param reactor: the clock for deadlines (``seconds()``); ``now`` gives ``created`` stamps.
@@ -806,7 +820,7 @@ class OpenAIResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, router: RouterSource, *, api_keys: APIKeyGuard | None = None,
+    def __init__(self, router: IInferenceRouter, *, api_keys: APIKeyGuard | None = None,
                  deadline_seconds: float | None = None, reactor=None,
                  now: Callable[[], float] = time.time,
                  node_names: Callable[[str], Any] | None = None):
@@ -862,29 +876,10 @@ class OpenAIResource(Resource):
         self._check_key(request)
 
     def _check_key(self, request) -> None:
-        guard = self._api_keys
-        if guard is None or not guard.configured:
-            return  # no key configured: the OpenAI API is open (docs/openai-api.md)
-        if bearer_token(request) is None:
-            raise OpenAIError(401, "this API requires Authorization: Bearer <API key>",
-                              "authentication_error", code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
-        try:
-            guard.check(request)
-        except APIError:
-            raise OpenAIError(401, "the API key is not valid", "authentication_error",
-                              code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"}) from None
+        check_api_key(self._api_keys, request)
 
-    def router(self) -> Any:
-        source = self._router
-        router = source if IInferenceRouter.providedBy(source) or not callable(source) \
-            else source()
-        if router is None:
-            raise OpenAIError(503, "the inference router is not available yet: the frontend "
-                              "is starting; try again", "service_unavailable",
-                              code="starting", headers={"Retry-After": "5"})
-        return router
+    def router(self) -> IInferenceRouter:
+        return self._router
 
     def _deadline(self) -> float | None:
         if self._deadline_seconds is None:

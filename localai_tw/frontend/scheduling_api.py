@@ -27,6 +27,7 @@ from twisted.web.resource import Resource
 
 from .web import (
     APIKeyGuard,
+    ClusterParts,
     JSONResource,
     Route,
     bad_request,
@@ -34,7 +35,6 @@ from .web import (
     printable,
     read_json_object,
     reject_unknown_fields,
-    resolve,
 )
 
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -55,10 +55,9 @@ def _model_name(raw, field="model_name") -> str:
 
 
 class SchedulingResource(JSONResource):
-    """``/api/nodes/scheduling``.  :param parts: ``ClusterParts`` or a provider (503 while
-    starting)."""
+    """``/api/nodes/scheduling``.  :param parts: the replica's ``ClusterParts``."""
 
-    def __init__(self, parts, guard: APIKeyGuard):
+    def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
         super().__init__()
         self._parts = parts
         self._guard = guard
@@ -75,13 +74,13 @@ class SchedulingResource(JSONResource):
         )
 
     async def list_configs(self, request):
-        db = resolve(self._parts).db
+        db = self._parts.db
         rows = await db.runQuery(f"SELECT {_COLUMNS} FROM model_scheduling_configs"
                                  " ORDER BY model_name")
         return 200, {"configs": [_row(r) for r in rows]}
 
     async def get_config(self, request, model_name):
-        db = resolve(self._parts).db
+        db = self._parts.db
         rows = await db.runQuery(f"SELECT {_COLUMNS} FROM model_scheduling_configs"
                                  " WHERE model_name = %s", (model_name,))
         if not rows:
@@ -89,7 +88,7 @@ class SchedulingResource(JSONResource):
         return 200, _row(rows[0])
 
     async def delete_config(self, request, model_name):
-        db = resolve(self._parts).db
+        db = self._parts.db
         rows = await db.runQuery("DELETE FROM model_scheduling_configs WHERE model_name = %s"
                                  " RETURNING model_name", (model_name,))
         if not rows:
@@ -99,7 +98,7 @@ class SchedulingResource(JSONResource):
     async def upsert(self, request):
         import json
 
-        db = resolve(self._parts).db
+        db = self._parts.db
         body = read_json_object(request)
         reject_unknown_fields(body, ("model_name", "node_selector", "min_replicas",
                                      "max_replicas"))

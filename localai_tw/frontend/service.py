@@ -1,10 +1,24 @@
-"""The frontend replica's service tree: database, membership, tunnels, health and the web root.
+"""The frontend replica as a service tree: its order is the start and stop order.
 
-:class:`FrontendService` is built from the ``localai-frontend`` options.  At construction it
-creates what needs no database: the ``DatabaseService``, the HTTP listener and the resource tree
-(every API answers 503 until the replica is wired).  On start it listens at once (``/healthz``
-answers, ``/readyz`` says why it is not ready), and once the database is ready it wires, in
-order:
+::
+
+    FrontendService            children start in order, stop one at a time, last first
+      DatabaseService          stops last
+      ReplicaService           waits for the database, builds a Replica (build_replica),
+                               starts its services in order, then opens the gate
+        HealthMonitor
+        MembershipService      a failed first registration fails startup
+        WorkerClientsService   the per-node HTTP pools and gRPC bridges
+        PeerService            the accepted peer links and the peer pool
+        TunnelRegistryService  the worker tunnels held here (their claims)
+      ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
+                               503 elsewhere); stops first: accept nothing new
+
+So stopping runs: listener; tunnels (releasing their claims), peer links, worker pools, all
+*before* leaving ``instances``; deregister; health; database.  The state of the start is a
+:class:`StartupState`, which ``/readyz`` reports.
+
+:func:`build_replica` makes every long-lived part once the database is ready:
 
 1. ``NodeRegistry`` and ``OwnershipFence`` on the database;
 2. the advertised peer address: ``--advertise-address`` if given (loopback only with
@@ -13,37 +27,34 @@ order:
    otherwise the replica publishes no address (it works alone; other replicas cannot relay to
    it, which they report as an unreachable peer, never as a statement about a worker);
 3. ``TunnelRegistry``, the accepted peer links, the ``PeerPool``, the ``WorkerDialer`` and the
-   per-node ``WorkerHTTPClient``; then the inference core (``self.inference``, an
-   ``IInferenceRouter``: model YAML from ``--models-dir``, gRPC bridges under
-   ``<data-dir>/run``, the scheduler);
+   per-node ``WorkerHTTPClient``; the inference core (an ``IInferenceRouter``: model YAML from
+   ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the scheduler);
 4. ``MembershipService`` with the ``InstanceIdentity`` (whose peer secret is minted once per
-   process and never leaves it); a failed first registration fails startup;
-5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscribers drop this process's
-   per-node HTTP connection pools and gRPC bridges;
-6. the APIs and the tunnel endpoints go live; ``/readyz`` turns 200 (database ready *and*
-   membership registered).
+   process and never leaves it);
+5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscriber drops this process's
+   per-node HTTP connection pools and gRPC bridges.
 
-Routes: ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
+The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
+``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
-``/api/cluster/instances`` (admin, ``--api-key``),
-``/api/cluster/connect`` (worker tunnels), ``/api/cluster/peer`` (replica links), and the
-OpenAI-compatible ``/v1/...`` (``frontend/openai.py``; open unless ``--api-key`` is set).
+``/api/cluster/instances`` (admin, ``--api-key``), ``/api/cluster/connect`` (worker tunnels),
+``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
+(``frontend/openai.py``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
+gate is open (database ready *and* membership registered, and every readiness gate passed).
 
-Stopping runs in this order: stop accepting connections; close the tunnels (releasing their
-claims), the peer links and the worker HTTP pools *before* leaving ``instances``; deregister
-membership; stop the health monitor; close the database.  Tunnel events are logged by the tunnel
-modules with node, replica and epoch; this module logs the replica's lifecycle.
-
-This module only composes: it must not grow protocol logic, never log a secret (registration
-token, API keys, peer secret), and never block the reactor (address discovery runs in a thread).
+Tunnel events are logged by the tunnel modules with node, replica and epoch; this module logs
+the replica's lifecycle.  It only composes: it must not grow protocol logic, never log a secret
+(registration token, API keys, peer secret), and never block the reactor (address discovery
+runs in a thread).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import enum
 import os
-
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from twisted.application.service import MultiService, Service
 from twisted.internet import defer, endpoints
@@ -64,18 +75,22 @@ from localai_tw.cluster.membership import (
 )
 from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
+from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.connect import connect_resource
-from localai_tw.tunnel.endpoint import WorkerHTTPClient
+from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
 from localai_tw.tunnel.peertls import published_address
 from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
+from .backend_client import BackendClients
+from .interfaces import IInferenceRouter
 from .nodes_api import InstancesResource, NodesAdminResource
-from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource
+from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
+from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
-from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory, LateResource
+from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
 from .worker_api import WorkerRegistrationResource
 
 log = Logger()
@@ -98,6 +113,36 @@ class FrontendStartupError(Exception):
 
 class FrontendStopped(Exception):
     """The service was stopped before it was wired."""
+
+
+class StartupState(enum.Enum):
+    """Where the replica's start is; ``/readyz`` reports the name, the value is its reason."""
+
+    NOT_STARTED = "not started"
+    STARTING_DATABASE = "waiting for the database"
+    JOINING = "joining the cluster (registering this replica)"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "startup failed"
+
+
+class InOrderMultiService(MultiService):
+    """A ``MultiService`` that stops its children one at a time, last added first, each after
+    the previous one has finished stopping (the listener before the replica's parts, these
+    before the database; the local worker before its frontend)."""
+
+    def stopService(self):
+        Service.stopService(self)
+        return defer.ensureDeferred(self._stop_in_order())
+
+    async def _stop_in_order(self) -> None:
+        for service in reversed(list(self)):
+            if not service.running:
+                continue
+            try:
+                await defer.maybeDeferred(service.stopService)
+            except Exception:
+                log.failure("stopping {name} failed", name=getattr(service, "name", service))
 
 
 class ListeningService(Service):
@@ -159,30 +204,359 @@ class ListeningService(Service):
         return defer.maybeDeferred(port.stopListening)
 
 
-class _Readiness:
-    """What ``ReadinessResource`` asks: ready = database ready AND membership registered."""
-
-    def __init__(self, frontend: "FrontendService"):
-        self._frontend = frontend
-
-    @property
-    def database(self):
-        return self._frontend.database_service.database
-
-    def readiness(self) -> tuple[bool, str]:
-        ready, reason = self._frontend.database_service.readiness()
-        if not ready:
-            return False, reason
-        return self._frontend.readiness()
-
-
 def _option(options: Mapping[str, Any], name: str, default=None):
     value = options.get(name, default)
     return default if value is None else value
 
 
-class FrontendService(MultiService):
-    """One frontend replica.
+@dataclasses.dataclass(frozen=True)
+class ReplicaConfig:
+    """What :func:`build_replica` needs from the options (read once, at construction)."""
+
+    instance_id: str
+    identity_seed: InstanceIdentity
+    advertise_address: tuple[str, int] | None
+    single_host: bool
+    registration_token: str
+    peer_ca_file: str | None
+    require_approval: bool
+    reconnect_grace: float | None
+    models_dir: str
+    run_dir: str | None
+    health_interval: float
+    stale_after: float
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
+                     stale_after: float) -> "ReplicaConfig":
+        instance_id = resolve_instance_id(_option(options, "instance-id"))
+        data_dir = options.get("data-dir")
+        return cls(
+            instance_id=instance_id,
+            # The peer secret is minted here, once per process; only its hash is published,
+            # and the identity's repr leaves it out.
+            identity_seed=InstanceIdentity(instance_id, version),
+            advertise_address=options.get("advertise-address"),
+            single_host=bool(options.get("single-host")),
+            registration_token=_option(options, "registration-token", ""),
+            peer_ca_file=options.get("peer-ca-file"),
+            require_approval=bool(options.get("require-approval")),
+            reconnect_grace=_option(options, "reconnect-grace"),
+            models_dir=_option(options, "models-dir") or os.path.join(data_dir or ".",
+                                                                       "models"),
+            run_dir=os.path.join(data_dir, "run") if data_dir else None,
+            health_interval=health_interval, stale_after=stale_after)
+
+
+# -- the long-lived parts as services --------------------------------------------------------
+
+
+class TunnelRegistryService(Service):
+    """The worker tunnels held here: stopping closes them, releasing their claims."""
+
+    name = "tunnels"
+
+    def __init__(self, tunnels: TunnelRegistry, instance_id: str):
+        self.tunnels = tunnels
+        self._instance_id = instance_id
+
+    def stopService(self) -> defer.Deferred:
+        super().stopService()
+        log.info("frontend replica {replica} stopping: closing {count} tunnels",
+                 replica=self._instance_id, count=len(self.tunnels.held_nodes()))
+        return self.tunnels.close()
+
+
+class PeerService(Service):
+    """The replica links: those other replicas dialed here, and those dialed from here."""
+
+    name = "peers"
+
+    def __init__(self, accepted: AcceptedPeerLinks, pool: PeerPool):
+        self.accepted = accepted
+        self.pool = pool
+
+    def stopService(self) -> None:
+        super().stopService()
+        self.accepted.close()
+        self.pool.close()
+
+
+class WorkerClientsService(Service):
+    """This process's per-node connections: the gRPC bridges and the worker HTTP pools."""
+
+    name = "worker-clients"
+
+    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient):
+        self.backend_clients = backend_clients
+        self.worker_http = worker_http
+
+    def stopService(self) -> defer.Deferred:
+        super().stopService()
+        return defer.ensureDeferred(self._close())
+
+    async def _close(self) -> None:
+        for what, closing in (("the gRPC bridges", self.backend_clients),
+                              ("the worker HTTP pools", self.worker_http)):
+            try:
+                await defer.maybeDeferred(closing.close)
+            except Exception:
+                log.failure("closing {what} failed", Failure(), what=what)
+
+
+# -- the replica -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Replica:
+    """Every long-lived part of a wired replica, real and wired (see :func:`build_replica`)."""
+
+    instance_id: str
+    reconnect_grace: float | None
+    db: Database
+    nodes: NodeRegistry
+    fence: OwnershipFence
+    identity: InstanceIdentity
+    tunnels: TunnelRegistry
+    peer_links: AcceptedPeerLinks
+    peer_pool: PeerPool
+    dialer: WorkerDialer
+    worker_http: WorkerHTTPClient
+    control: ControlClient
+    backend_clients: BackendClients
+    inference: IInferenceRouter
+    notifier: DepartureNotifier
+    membership: MembershipService
+    health: HealthMonitor
+
+    def services(self) -> list[Service]:
+        """The replica's children in start order (they stop in the reverse order)."""
+        return [self.health, self.membership,
+                WorkerClientsService(self.backend_clients, self.worker_http),
+                PeerService(self.peer_links, self.peer_pool),
+                TunnelRegistryService(self.tunnels, self.instance_id)]
+
+    def cluster_parts(self) -> ClusterParts:
+        """What the admin and worker APIs work with."""
+        return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
+                            instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
+                            on_registered=self.node_registered, on_deleted=self.node_deleted,
+                            control=self.control)
+
+    def node_registered(self, node_id: str) -> None:
+        """The node's credential was just rotated: a tunnel held here with the old one goes."""
+        if self.tunnels.disconnect(node_id):
+            log.info("node {node} registered again: closed the tunnel replica {replica} held "
+                     "with its previous credential", node=node_id, replica=self.instance_id)
+
+    def node_deleted(self, node_id: str) -> defer.Deferred:
+        self.tunnels.disconnect(node_id)
+        self.backend_clients.forget(node_id)
+        return self.worker_http.forget(node_id)
+
+    async def node_name(self, node_id: str) -> str | None:
+        """The name of a node, for the ``X-LocalAI-Node`` header (None when it is unknown)."""
+        try:
+            return (await self.nodes.get_node(node_id)).name
+        except NodeNotFound:
+            return None
+
+
+async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
+                        reactor, listen_description: str = "") -> Replica:
+    """Every part of the replica, wired on the ready database (module docstring, steps 1-5).
+    Nothing is started here: :class:`ReplicaService` starts the services."""
+    from .grpcbridge import GrpcBridges
+    from .inference import InferenceRouter
+    from .models import ModelCatalog
+    from .scheduler import Scheduler
+
+    grace = config.reconnect_grace
+    nodes = NodeRegistry(db, registration_token=config.registration_token,
+                         require_approval=config.require_approval)
+    fence = OwnershipFence(db)
+    advertised = await advertised_address(config, db, port)
+    identity = dataclasses.replace(  # wss://host:port when --listen is ssl:
+        config.identity_seed, advertised_addr=published_address(advertised, listen_description))
+
+    tunnels = TunnelRegistry(fence, config.instance_id, reactor)
+    peer_links = AcceptedPeerLinks(db, tunnels, config.registration_token, reactor)
+    peer_pool = PeerPool(db, identity, config.registration_token, reactor,
+                         ca_file=config.peer_ca_file)
+    dialer = WorkerDialer(tunnels, fence, peer_pool, config.instance_id, grace, reactor)
+    worker_http = WorkerHTTPClient(dialer, reactor)
+    # Control calls carry each node's own control token, never the registration token.
+    control = ControlClient(worker_http, reactor=reactor, token_for=nodes.control_token)
+    backend_clients = BackendClients(
+        GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
+        config.registration_token or None)
+    scheduler = Scheduler(db, nodes, fence, control, worker_http, backend_clients,
+                          config.instance_id, config.models_dir, reactor, grace=grace)
+    inference = InferenceRouter(ModelCatalog(config.models_dir), scheduler, backend_clients,
+                                reactor)
+    # One subscriber drops every per-node connection of this process when a node departs:
+    # the HTTP pools and the gRPC bridges (their sockets and channels).
+    notifier = DepartureNotifier({
+        "worker-http-connections": functools.partial(forget_worker_connections, worker_http,
+                                                     backend_clients)})
+    membership = MembershipService(db, identity, reactor=reactor,
+                                   reconnect_grace=grace or 0, on_reregistered=tunnels.reclaim)
+    health = HealthMonitor(db, nodes, fence, notifier, reactor,
+                           interval=config.health_interval, stale_after=config.stale_after,
+                           grace=grace)
+    return Replica(
+        instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
+        identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
+        dialer=dialer, worker_http=worker_http, control=control,
+        backend_clients=backend_clients, inference=inference, notifier=notifier,
+        membership=membership, health=health)
+
+
+def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,
+                              node_id: str) -> defer.Deferred:
+    """Drop every per-node connection of this process: HTTP pools and gRPC bridges."""
+    return defer.DeferredList([worker_http.forget(node_id), backend_clients.forget(node_id)],
+                              consumeErrors=True)
+
+
+async def advertised_address(config: ReplicaConfig, db: Database, port: int | None) -> str:
+    """The peer address to publish ('' when there is none other replicas could dial)."""
+    if config.advertise_address is not None:
+        host, configured_port = config.advertise_address
+        text = f"[{host}]:{configured_port}" if ":" in host else f"{host}:{configured_port}"
+        try:
+            return check_advertised_address(text, single_host=config.single_host)
+        except AdvertiseAddressError as e:
+            raise FrontendStartupError(str(e)) from None
+    if port is None:
+        log.warn("frontend replica {replica} listens on no TCP port, so it advertises no "
+                 "peer address; other replicas cannot relay through it. Set "
+                 "--advertise-address", replica=config.instance_id)
+        return ""
+    try:
+        return await discover_advertised_address_async(db.dsn, port,
+                                                       single_host=config.single_host)
+    except AdvertiseAddressError as e:
+        if config.single_host:
+            address = f"127.0.0.1:{port}"
+            log.info("single-host mode: advertising {addr} ({why})", addr=address, why=e)
+            return address
+        log.warn("frontend replica {replica} advertises no peer address: {why}. It works "
+                 "alone, but other replicas cannot relay to the workers it holds",
+                 replica=config.instance_id, why=e)
+        return ""
+
+
+class ReplicaService(InOrderMultiService):
+    """Waits for the database, builds the :class:`Replica`, starts its services in order (the
+    first registration must succeed), then opens the gate: the replica's resource tree serves.
+
+    :param open_gate: called with the wired ``Replica`` once it is registered.
+    """
+
+    name = "replica"
+
+    def __init__(self, config: ReplicaConfig, database_service: DatabaseService,
+                 listener: ListeningService, open_gate: Callable[[Replica], None], reactor):
+        super().__init__()
+        self.config = config
+        self._database_service = database_service
+        self._listener = listener
+        self._open_gate = open_gate
+        self._reactor = reactor
+        self.state = StartupState.NOT_STARTED
+        self.failure: Failure | None = None
+        self._replica: Replica | None = None
+        self._outcome: Any = None
+        self._waiters: list[defer.Deferred] = []
+
+    @property
+    def replica(self) -> Replica:
+        """The wired replica.  :raises FrontendStartupError: before it is built."""
+        if self._replica is None:
+            raise FrontendStartupError(f"the replica is not built yet ({self.state.value})")
+        return self._replica
+
+    def startService(self) -> None:
+        Service.startService(self)  # the children exist only once the replica is built
+        self.state = StartupState.STARTING_DATABASE
+        self.failure = None
+        starting = defer.ensureDeferred(self._start())
+        starting.addCallbacks(self._started, self._start_failed)
+
+    def _check_running(self) -> None:
+        if not self.running:
+            raise FrontendStopped("the frontend was stopped while starting")
+
+    async def _start(self) -> Replica:
+        await self._listener.whenListening()
+        try:
+            db = await self._database_service.whenReady()
+        except DatabaseServiceStopped:
+            raise FrontendStopped("the frontend was stopped while starting") from None
+        self._check_running()
+        self.state = StartupState.JOINING
+        replica = await build_replica(self.config, db, self._listener.tcp_port(),
+                                      self._reactor, self._listener.description)
+        self._check_running()
+        self._replica = replica
+        for service in replica.services():
+            service.setServiceParent(self)  # we are running: this starts it
+            if service is replica.membership:
+                await replica.membership.whenRegistered()
+                self._check_running()
+        self._open_gate(replica)
+        return replica
+
+    def _started(self, replica: Replica) -> None:
+        self.state = StartupState.READY
+        log.info("frontend replica {replica} ready (version {version}, advertised "
+                 "{addr}, port {port})", replica=self.config.instance_id,
+                 version=self.config.identity_seed.version,
+                 addr=replica.identity.advertised_addr or "<none>",
+                 port=self._listener.tcp_port())
+        self._settle(replica)
+
+    def _start_failed(self, failure: Failure) -> None:
+        if not failure.check(FrontendStopped):
+            self.state = StartupState.FAILED
+            self.failure = failure
+            log.error("frontend replica {replica} could not start: {reason}",
+                      replica=self.config.instance_id,
+                      reason=" ".join(failure.getErrorMessage().split()))
+        self._settle(failure)
+
+    def _settle(self, outcome) -> None:
+        self._outcome = outcome
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            d.errback(outcome) if isinstance(outcome, Failure) else d.callback(outcome)
+
+    def whenReady(self) -> defer.Deferred:
+        """Fires with the ``Replica`` once built and registered; fails with the startup error
+        or ``FrontendStopped``."""
+        if self._outcome is not None:
+            return defer.fail(self._outcome) if isinstance(self._outcome, Failure) \
+                else defer.succeed(self._outcome)
+        d = defer.Deferred()
+        self._waiters.append(d)
+        return d
+
+    def stopService(self) -> defer.Deferred:
+        if self.state is not StartupState.FAILED:
+            self.state = StartupState.STOPPING
+        stopping = super().stopService()
+
+        def stopped(result):
+            if self._outcome is None:
+                self._settle(Failure(FrontendStopped("the frontend was stopped while starting")))
+            return result
+
+        return stopping.addBoth(stopped)
+
+
+class FrontendService(InOrderMultiService):
+    """One frontend replica (the tree in the module docstring).
 
     :param options: the parsed ``localai-frontend`` options (a mapping: ``listen``,
         ``database-url``, ``data-dir``, ``instance-id``, ``advertise-address``,
@@ -206,83 +580,52 @@ class FrontendService(MultiService):
             reactor = _reactor
         self._reactor = reactor
         self.version = version
-        self.instance_id = resolve_instance_id(_option(options, "instance-id"))
-        self._advertise_option = options.get("advertise-address")
-        self._single_host = bool(options.get("single-host"))
-        self._registration_token = _option(options, "registration-token", "")
-        self._peer_ca_file = options.get("peer-ca-file")
-        self._require_approval = bool(options.get("require-approval"))
-        self.reconnect_grace = _option(options, "reconnect-grace")
-        data_dir = options.get("data-dir")
+        self.config = ReplicaConfig.from_options(options, version, health_interval,
+                                                 stale_after)
+        self.instance_id = self.config.instance_id
         #: Model YAML files (``--models-dir``, default ``<data-dir>/models``).
-        self.models_dir = _option(options, "models-dir") or os.path.join(data_dir or ".",
-                                                                        "models")
-        #: Where the gRPC bridge sockets live (None: a private temporary directory).
-        self.run_dir = os.path.join(data_dir, "run") if data_dir else None
-        self._health_interval = health_interval
-        self._stale_after = stale_after
-        # The peer secret is minted here, once per process; only its hash is published, and
-        # the identity's repr leaves it out.
-        self._identity_seed = InstanceIdentity(self.instance_id, version)
+        self.models_dir = self.config.models_dir
+        self.api_keys = APIKeyGuard(options.get("api-key") or [])
+        #: Further conditions of ``/readyz`` once wired: callables answering None (ready) or
+        #: the reason (the local worker's first tunnel, ``frontend/localworker.py``).
+        self.readiness_gates: list[Callable[[], str | None]] = []
 
         self.database_service = database_service or DatabaseService(
             options.get("database-url"), options.get("data-dir"),
             application_name="localai_frontend", reactor=reactor)
+        self._probe_resources: dict[bytes, Resource] = {
+            b"healthz": LivenessResource(),
+            b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
+        self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
+        self.site = FrontendSite(self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
+        # Authentication decided when the headers end, before a body byte is read (and, while
+        # starting, before the gate's 503): the API keys now, registration once wired.
+        self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
+        for prefix in (b"/api/nodes", b"/api/cluster/instances"):
+            self.site.add_header_guard(prefix, self.api_keys.check)
+        self.listener = ListeningService(
+            reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
+        self.replica_service = ReplicaService(self.config, self.database_service,
+                                              self.listener, self._open, reactor)
+        # The order of the tree is the start order, and (reversed) the stop order.
         self.database_service.setServiceParent(self)
-
-        #: Set once wired: what the APIs work with (None = 503 "starting").
-        self.parts: ClusterParts | None = None
-        self.nodes: NodeRegistry | None = None
-        self.fence: OwnershipFence | None = None
-        self.tunnels: TunnelRegistry | None = None
-        self.peer_links: AcceptedPeerLinks | None = None
-        self.peer_pool: PeerPool | None = None
-        self.dialer: WorkerDialer | None = None
-        self.worker_http: WorkerHTTPClient | None = None
-        self.notifier: DepartureNotifier | None = None
-        self.membership: MembershipService | None = None
-        self.health: HealthMonitor | None = None
-        self.identity: InstanceIdentity | None = None
-        #: The inference core (``IInferenceRouter``), set once wired; see frontend/inference.py.
-        self.inference = None
-        self.backend_clients = None
-        self.control = None
-
-        self.api_keys = APIKeyGuard(options.get("api-key") or [])
-        self._connect_slot = LateResource("the worker tunnel endpoint")
-        self._peer_slot = LateResource("the replica peer endpoint")
-        self.root = self._build_root()
-        self.site = FrontendSite(self.root, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
-        self.listener = ListeningService(reactor, _option(options, "listen",
-                                                          "tcp:8080:interface=127.0.0.1"),
-                                         self.site)
+        self.replica_service.setServiceParent(self)
         self.listener.setServiceParent(self)
-        for prefix, guard in self._header_guards.items():
-            self.site.add_header_guard(prefix, guard)
-
-        #: Further conditions of ``/readyz`` once wired: callables answering None (ready) or
-        #: the reason (the local worker's first tunnel, ``frontend/localworker.py``).
-        self.readiness_gates: list = []
-
-        self._state = "not started"
-        self._failure: Failure | None = None
-        self._wiring: defer.Deferred | None = None
-        self._ready_waiters: list[defer.Deferred] = []
-        self._outcome: Any = None
 
     # -- the web root ----------------------------------------------------------------------
 
-    def _build_root(self) -> Resource:
-        from .tap import LivenessResource, ReadinessResource  # tap imports this module lazily
+    def _open(self, replica: Replica) -> None:
+        """The replica is registered: its tree serves from now on (and its header guards)."""
+        self.gate.open(self._build_root(replica))
 
-        parts = lambda: self.parts  # noqa: E731 -- read at request time
+    def _build_root(self, replica: Replica) -> Resource:
+        """The resource tree of a wired replica (tests/e2e/cluster/probe.py wraps this)."""
+        parts = replica.cluster_parts()
         root = JSONDirectory(index=ROOT_INDEX)
-        root.putChild(b"healthz", LivenessResource())
-        root.putChild(b"readyz", ReadinessResource(_Readiness(self), self._reactor))
-        # The OpenAI API finds the inference router at request time (503 until it is wired).
-        openai = OpenAIResource(lambda: getattr(self, "inference", None),
-                                api_keys=self.api_keys, reactor=self._reactor,
-                                node_names=self._node_name)
+        for name, probe in self._probe_resources.items():
+            root.putChild(name, probe)  # the same /healthz and /readyz
+        openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
+                                reactor=self._reactor, node_names=replica.node_name)
         root.putChild(b"v1", openai)
         api = JSONDirectory()
         root.putChild(b"api", api)
@@ -293,31 +636,39 @@ class FrontendService(MultiService):
         cluster = JSONDirectory()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))
-        cluster.putChild(b"connect", self._connect_slot)
-        cluster.putChild(b"peer", self._peer_slot)
-        # Authentication decided when the headers end, before a body byte is read (FrontendSite).
-        self._header_guards = {b"/v1": openai.guard, b"/api/node": registration.guard,
-                               b"/api/nodes": self.api_keys.check,
-                               b"/api/cluster/instances": self.api_keys.check}
+        cluster.putChild(b"connect", connect_resource(replica.nodes, replica.tunnels,
+                                                      self._reactor))
+        cluster.putChild(b"peer", replica.peer_links.resource())
+        # The registration token is checked by the registry, which exists from now on.
+        self.site.add_header_guard(b"/api/node", registration.guard)
         return root
 
-    async def _node_name(self, node_id: str) -> str | None:
-        """The name of a node, for the ``X-LocalAI-Node`` header (None when it is unknown)."""
-        if self.parts is None:
-            return None
-        try:
-            return (await self.parts.nodes.get_node(node_id)).name
-        except NodeNotFound:
-            return None
+    # -- what the replica is -----------------------------------------------------------------
 
-    # -- readiness and startup outcome -------------------------------------------------------
+    @property
+    def replica(self) -> Replica:
+        """The wired replica (its parts: ``nodes``, ``tunnels``, ``inference``...).
+        :raises FrontendStartupError: before it is built."""
+        return self.replica_service.replica
+
+    @property
+    def state(self) -> StartupState:
+        return self.replica_service.state
+
+    @property
+    def database(self) -> Database | None:
+        return self.database_service.database
 
     def readiness(self) -> tuple[bool, str]:
-        """(ready, reason) of the replica itself (the database is checked by the caller)."""
-        if self._failure is not None:
-            return False, f"startup failed: {self._failure.getErrorMessage()}"
-        if self.parts is None:
-            return False, self._state
+        """(ready, reason): the database ready, the replica registered, every gate passed."""
+        ready, reason = self.database_service.readiness()
+        if not ready:
+            return False, reason
+        state, failure = self.replica_service.state, self.replica_service.failure
+        if failure is not None:
+            return False, f"startup failed: {failure.getErrorMessage()}"
+        if state is not StartupState.READY:
+            return False, state.value
         for gate in self.readiness_gates:
             reason = gate()
             if reason:
@@ -328,220 +679,10 @@ class FrontendService(MultiService):
         """Fires with this service once wired and registered; fails with the startup error
         (``DatabaseStartupError``, ``FrontendStartupError``, a listen error) or
         ``FrontendStopped``."""
-        if self._outcome is not None:
-            return defer.fail(self._outcome) if isinstance(self._outcome, Failure) \
-                else defer.succeed(self._outcome)
-        d = defer.Deferred()
-        self._ready_waiters.append(d)
-        return d
-
-    def _settle(self, outcome) -> None:
-        self._outcome = outcome
-        if isinstance(outcome, Failure) and not outcome.check(FrontendStopped):
-            self._failure = outcome
-        waiters, self._ready_waiters = self._ready_waiters, []
-        for d in waiters:
-            d.errback(outcome) if isinstance(outcome, Failure) else d.callback(outcome)
-
-    # -- start ----------------------------------------------------------------------------------
-
-    def startService(self) -> None:
-        super().startService()  # database and listener start now
-        self._state = "waiting for the database"
-        self._wiring = defer.ensureDeferred(self._wire())
-        self._wiring.addCallbacks(self._wired, self._wiring_failed)
-
-    def _check_running(self) -> None:
-        if not self.running:
-            raise FrontendStopped("the frontend was stopped while starting")
-
-    async def _wire(self) -> None:
-        await self.listener.whenListening()
-        try:
-            db = await self.database_service.whenReady()
-        except DatabaseServiceStopped:
-            raise FrontendStopped("the frontend was stopped while starting") from None
-        self._check_running()
-        reactor, grace = self._reactor, self.reconnect_grace
-
-        self._state = "wiring the cluster layer"
-        self.nodes = NodeRegistry(db, registration_token=self._registration_token,
-                                  require_approval=self._require_approval)
-        self.fence = OwnershipFence(db)
-        advertised = await self._advertised_address(db)
-        self._check_running()
-        self.identity = dataclasses.replace(  # wss://host:port when --listen is ssl:
-            self._identity_seed, advertised_addr=published_address(advertised,
-                                                                   self.listener.description))
-
-        self.tunnels = TunnelRegistry(self.fence, self.instance_id, reactor)
-        self.peer_links = AcceptedPeerLinks(db, self.tunnels, self._registration_token, reactor)
-        self.peer_pool = PeerPool(db, self.identity, self._registration_token, reactor,
-                                  ca_file=self._peer_ca_file)
-        self.dialer = WorkerDialer(self.tunnels, self.fence, self.peer_pool, self.instance_id,
-                                   grace, reactor)
-        self.worker_http = WorkerHTTPClient(self.dialer, reactor)
-        self._wire_inference(db, reactor, grace)
-        # One subscriber drops every per-node connection of this process: the HTTP pools and
-        # the gRPC bridges (their sockets and channels).
-        self.notifier = DepartureNotifier({
-            "worker-http-connections": self._forget_worker_connections,
-        })
-
-        self._state = "joining the cluster (registering this replica)"
-        self.membership = MembershipService(db, self.identity, reactor=reactor,
-                                            reconnect_grace=grace or 0,
-                                            on_reregistered=self.tunnels.reclaim)
-        self.membership.setServiceParent(self)
-        await self.membership.whenRegistered()
-        self._check_running()
-
-        self.health = HealthMonitor(db, self.nodes, self.fence, self.notifier, reactor,
-                                    interval=self._health_interval,
-                                    stale_after=self._stale_after, grace=grace)
-        self.health.setServiceParent(self)
-
-        self._connect_slot.target = connect_resource(self.nodes, self.tunnels, reactor)
-        self._peer_slot.target = self.peer_links.resource()
-        self.parts = ClusterParts(db=db, nodes=self.nodes, fence=self.fence,
-                                  instance_id=self.instance_id, reconnect_grace=grace,
-                                  on_registered=self._node_registered,
-                                  on_deleted=self._node_deleted, control=self.control)
-
-    def _forget_worker_connections(self, node_id: str) -> defer.Deferred:
-        forgetting = [self.worker_http.forget(node_id)]
-        if self.backend_clients is not None:
-            forgetting.append(self.backend_clients.forget(node_id))
-        return defer.DeferredList(forgetting, consumeErrors=True)
-
-    def _wire_inference(self, db, reactor, grace) -> None:
-        from localai_tw.tunnel.endpoint import ControlClient
-
-        from .backend_client import BackendClients
-        from .grpcbridge import GrpcBridges
-        from .inference import InferenceRouter
-        from .models import ModelCatalog
-        from .scheduler import Scheduler
-
-        # Control calls carry each node's own control token, never the registration token.
-        self.control = ControlClient(self.worker_http, reactor=reactor,
-                                     token_for=self.nodes.control_token)
-        self.backend_clients = BackendClients(
-            GrpcBridges(self.dialer, self.run_dir, self.instance_id, reactor), reactor,
-            self._registration_token or None)
-        catalog = ModelCatalog(self.models_dir)
-        scheduler = Scheduler(db, self.nodes, self.fence, self.control, self.worker_http,
-                              self.backend_clients, self.instance_id, self.models_dir, reactor,
-                              grace=grace)
-        self.inference = InferenceRouter(catalog, scheduler, self.backend_clients, reactor)
-
-    def _wired(self, _) -> None:
-        self._state = "ready"
-        log.info("frontend replica {replica} ready (version {version}, advertised "
-                 "{addr}, port {port})", replica=self.instance_id, version=self.version,
-                 addr=self.identity.advertised_addr or "<none>", port=self.listener.tcp_port())
-        self._settle(self)
-
-    def _wiring_failed(self, failure: Failure) -> None:
-        if failure.check(FrontendStopped):
-            self._settle(failure)
-            return
-        self._state = "startup failed"
-        log.error("frontend replica {replica} could not start: {reason}",
-                  replica=self.instance_id, reason=" ".join(failure.getErrorMessage().split()))
-        self._settle(failure)
-
-    async def _advertised_address(self, db) -> str:
-        """The peer address to publish ('' when there is none other replicas could dial)."""
-        port = self.listener.tcp_port()
-        if self._advertise_option is not None:
-            host, configured_port = self._advertise_option
-            text = f"[{host}]:{configured_port}" if ":" in host else f"{host}:{configured_port}"
-            try:
-                return check_advertised_address(text, single_host=self._single_host)
-            except AdvertiseAddressError as e:
-                raise FrontendStartupError(str(e)) from None
-        if port is None:
-            log.warn("frontend replica {replica} listens on no TCP port, so it advertises no "
-                     "peer address; other replicas cannot relay through it. Set "
-                     "--advertise-address", replica=self.instance_id)
-            return ""
-        try:
-            return await discover_advertised_address_async(db.dsn, port,
-                                                           single_host=self._single_host)
-        except AdvertiseAddressError as e:
-            if self._single_host:
-                address = f"127.0.0.1:{port}"
-                log.info("single-host mode: advertising {addr} ({why})", addr=address,
-                         why=e)
-                return address
-            log.warn("frontend replica {replica} advertises no peer address: {why}. It works "
-                     "alone, but other replicas cannot relay to the workers it holds",
-                     replica=self.instance_id, why=e)
-            return ""
-
-    # -- lifecycle hooks of the APIs ---------------------------------------------------------------
-
-    def _node_registered(self, node_id: str) -> None:
-        """The node's credential was just rotated: a tunnel held here with the old one goes."""
-        if self.tunnels is not None and self.tunnels.disconnect(node_id):
-            log.info("node {node} registered again: closed the tunnel replica {replica} held "
-                     "with its previous credential", node=node_id, replica=self.instance_id)
-
-    def _node_deleted(self, node_id: str) -> defer.Deferred | None:
-        if self.tunnels is not None:
-            self.tunnels.disconnect(node_id)
-        if self.backend_clients is not None:
-            self.backend_clients.forget(node_id)
-        if self.worker_http is not None:
-            return self.worker_http.forget(node_id)
-        return None
-
-    # -- stop -----------------------------------------------------------------------------------
+        return self.replica_service.whenReady().addCallback(lambda _: self)
 
     def stopService(self) -> defer.Deferred:
-        Service.stopService(self)  # children are stopped below, in our order
-        return defer.ensureDeferred(self._stop())
-
-    async def _stop(self) -> None:
-        log.info("frontend replica {replica} stopping: closing {count} tunnels",
-                 replica=self.instance_id,
-                 count=len(self.tunnels.held_nodes()) if self.tunnels is not None else 0)
-        self.parts = None
-        stopped: set[int] = set()
-
-        async def stop(service) -> None:
-            if service is None or id(service) in stopped:
-                return
-            stopped.add(id(service))
-            if not service.running:
-                return
-            try:
-                await defer.maybeDeferred(service.stopService)
-            except Exception:
-                log.failure("stopping {name} failed", Failure(), name=service.name)
-
-        await stop(self.listener)                   # 1. accept nothing new
-        if self.tunnels is not None:                # 2. tunnels before leaving instances
-            await self.tunnels.close()
-        for closing in (self.peer_links, self.peer_pool):
-            if closing is not None:
-                closing.close()
-        if self.backend_clients is not None:
-            try:
-                await self.backend_clients.close()
-            except Exception:
-                log.failure("closing the gRPC bridges failed", Failure())
-        if self.worker_http is not None:
-            try:
-                await self.worker_http.close()
-            except Exception:
-                log.failure("closing the worker HTTP pools failed", Failure())
-        await stop(self.membership)                 # 3. deregister
-        await stop(self.health)                     # 4. health
-        await stop(self.database_service)           # 5. the database last
-        for service in reversed(list(self)):
-            await stop(service)
-        if self._outcome is None:
-            self._settle(Failure(FrontendStopped("the frontend was stopped while starting")))
-        log.info("frontend replica {replica} stopped", replica=self.instance_id)
+        self.gate.close()  # a request on a kept-alive connection finds the replica stopping
+        stopping = super().stopService()
+        return stopping.addCallback(
+            lambda _: log.info("frontend replica {replica} stopped", replica=self.instance_id))

@@ -16,14 +16,13 @@ Under twistd the options also move twistd's default pidfile into ``<data-dir>`` 
 ``config.EnvOptions``), and ``makeService`` reads or makes ``<data-dir>/instance-id`` and logs,
 once ready, one line saying who can use what (``exposure_line``).
 
-This module also defines ``/healthz`` and ``/readyz`` (used by the service's resource tree).  It
-only parses options and composes services; it must not grow protocol logic of its own.
+``/healthz`` and ``/readyz`` live in ``frontend/probes.py``.  This module only parses options
+and composes services; it must not grow protocol logic of its own.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import secrets
 import sys
@@ -35,11 +34,12 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET
 
 from localai_tw import config
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
+
+from .probes import LivenessResource, ReadinessResource
 
 log = Logger()
 
@@ -165,77 +165,6 @@ class Options(config.EnvOptions):
 # -- the HTTP tree ------------------------------------------------------------------------
 
 
-class LivenessResource(Resource):
-    """``/healthz``: 200 ``ok`` while the process serves HTTP at all."""
-
-    isLeaf = True
-
-    def render_GET(self, request) -> bytes:
-        request.setHeader(b"content-type", b"text/plain; charset=utf-8")
-        request.setHeader(b"cache-control", b"no-store")
-        return b"ok"
-
-
-class ReadinessResource(Resource):
-    """``/readyz``: 200 when the database is ready and answers ``SELECT 1``; else 503.
-
-    The body is JSON: ``{"ready": true}`` or ``{"ready": false, "reason": "..."}``.  The probe
-    query is bounded by ``probe_timeout`` so a hung pool shows as not ready instead of hanging
-    the load balancer's check.
-    """
-
-    isLeaf = True
-
-    def __init__(self, database_service: DatabaseService, reactor: Any = None,
-                 probe_timeout: float = 2.0):
-        super().__init__()
-        if reactor is None:
-            from twisted.internet import reactor as _reactor
-            reactor = _reactor
-        self._database_service = database_service
-        self._reactor = reactor
-        self._probe_timeout = probe_timeout
-
-    def render_GET(self, request):
-        request.setHeader(b"content-type", b"application/json")
-        request.setHeader(b"cache-control", b"no-store")
-        ready, reason = self._database_service.readiness()
-        database = self._database_service.database
-        if not ready or database is None:
-            return self._answer(request, False, reason)
-
-        client_gone: list[bool] = []
-        probe: defer.Deferred | None = None
-
-        def gone(_):
-            client_gone.append(True)
-            if probe is not None:
-                probe.cancel()
-
-        # Registered before the probe, which may answer (and finish the request) at once.
-        request.notifyFinish().addErrback(gone)
-        probe = database.runQuery("SELECT 1")
-        probe.addTimeout(self._probe_timeout, self._reactor)
-        probe.addCallbacks(
-            lambda _: self._finish(request, client_gone, True, "ready"),
-            lambda f: self._finish(request, client_gone, False,
-                                   f"database query failed: {f.getErrorMessage()}"),
-        )
-        return NOT_DONE_YET
-
-    @staticmethod
-    def _answer(request, ready: bool, reason: str) -> bytes:
-        request.setResponseCode(200 if ready else 503)
-        body = {"ready": True} if ready else {"ready": False, "reason": reason}
-        return json.dumps(body).encode()
-
-    def _finish(self, request, client_gone: list[bool], ready: bool, reason: str) -> None:
-        if client_gone:
-            return
-        request.write(self._answer(request, ready, reason))
-        request.finish()
-
-
 def build_http_root(database_service: DatabaseService) -> Resource:
     """A tree with only ``/healthz`` and ``/readyz`` on ``database_service``.  The replica's
     full tree is built by ``FrontendService``; this stays for tools that need the probes alone."""
@@ -326,8 +255,8 @@ def makeService(options: Options) -> MultiService:
     from localai_tw import logs
 
     logs.quiet_grpc_core()  # before the inference core imports grpc
-    from .localworker import InOrderMultiService, LocalWorkerService
-    from .service import FrontendService  # it imports this module's probe resources
+    from .localworker import LocalWorkerService
+    from .service import FrontendService, InOrderMultiService
 
     if options.get("instance-id") is None:
         try:

@@ -39,7 +39,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from twisted.internet import defer
 from twisted.internet.interfaces import IPushProducer
@@ -51,6 +51,12 @@ from twisted.web.http import RESPONSES, HTTPChannel, unquote
 from twisted.web.resource import Resource
 
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
+
+if TYPE_CHECKING:  # the parts' types only: web.py serves them, it never builds them
+    from localai_tw.cluster.nodes import NodeRegistry
+    from localai_tw.cluster.ownership import OwnershipFence
+    from localai_tw.db.pool import Database
+    from localai_tw.tunnel.endpoint import ControlClient
 
 log = Logger()
 
@@ -911,30 +917,9 @@ class JSONDirectory(Resource):
         return b"" if request.method == b"HEAD" else body
 
 
-class LateResource(Resource):
-    """A leaf that serves ``target`` once it is set, and 503 (JSON) until then.
-
-    Used for resources that need the database or the tunnel registry, which exist only after
-    the database is ready.
-    """
-
-    isLeaf = True
-
-    def __init__(self, what: str):
-        super().__init__()
-        self.what = what
-        self.target: Resource | None = None
-
-    def render(self, request):
-        if self.target is not None:
-            return self.target.render(request)
-        return render_error(request, not_ready(
-            f"{self.what} is not available yet: the frontend is starting"))
-
-
 @dataclass
 class ClusterParts:
-    """What the frontend's APIs work with once the database is ready.
+    """What the admin and worker APIs work with (built from the wired replica).
 
     :param db: the started ``Database``.
     :param nodes: the ``NodeRegistry``.
@@ -945,25 +930,17 @@ class ClusterParts:
         answer: the credential changed, so a tunnel held with the old one must go.
     :param on_deleted: called with a node id after an admin deleted the node.
     :param control: the ``ControlClient`` that calls a worker's control verbs through the
-        tunnel (locally held or relayed); None until inference is wired.
+        tunnel (locally held or relayed); None where no worker is reached (API tests).
     """
 
-    db: Any
-    nodes: Any
-    fence: Any
+    db: Database
+    nodes: NodeRegistry
+    fence: OwnershipFence
     instance_id: str
     reconnect_grace: float | None = None
-    on_registered: Callable[[str], Any] | None = None
-    on_deleted: Callable[[str], Any] | None = None
-    control: Any = None
-
-
-def resolve(parts_or_provider):
-    """``parts_or_provider`` itself, or the value of calling it; a 503 while it is None."""
-    parts = parts_or_provider() if callable(parts_or_provider) else parts_or_provider
-    if parts is None:
-        raise not_ready("the frontend is starting (the database is not ready yet); try again")
-    return parts
+    on_registered: Callable[[str], object] | None = None
+    on_deleted: Callable[[str], object] | None = None
+    control: ControlClient | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:

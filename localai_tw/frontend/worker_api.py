@@ -53,6 +53,7 @@ from localai_tw.cluster.nodes import (
 )
 
 from .web import (
+    ClusterParts,
     JSONResource,
     Route,
     bad_request,
@@ -63,7 +64,6 @@ from .web import (
     printable,
     read_json_object,
     reject_unknown_fields,
-    resolve,
     unauthorized,
 )
 
@@ -104,11 +104,10 @@ def parse_capacity(value: Any) -> NodeCapacity | None:
 class WorkerRegistrationResource(JSONResource):
     """``/api/node``: register and heartbeat.
 
-    :param parts: a :class:`~localai_tw.frontend.web.ClusterParts`, or a callable returning
-        one (None while the frontend is starting: 503).
+    :param parts: the replica's :class:`~localai_tw.frontend.web.ClusterParts`.
     """
 
-    def __init__(self, parts):
+    def __init__(self, parts: ClusterParts):
         super().__init__()
         self._parts = parts
 
@@ -118,8 +117,8 @@ class WorkerRegistrationResource(JSONResource):
 
     def guard(self, request) -> None:
         """From the headers alone (``FrontendSite`` also runs it when the headers of a request
-        with a body end): 503 while the frontend starts, 401 without the registration token."""
-        self._check_token(resolve(self._parts), request)
+        with a body end): 401 without the registration token."""
+        self._check_token(self._parts, request)
 
     @staticmethod
     def _check_token(parts, request) -> str | None:
@@ -131,7 +130,7 @@ class WorkerRegistrationResource(JSONResource):
         return presented
 
     async def register(self, request) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         presented = self._check_token(parts, request)
         body = read_json_object(request)
         reject_unknown_fields(body, REGISTER_FIELDS)
@@ -165,7 +164,7 @@ class WorkerRegistrationResource(JSONResource):
                      "tunnel_token": registration.tunnel_credential}
 
     async def heartbeat(self, request, node_id: str) -> tuple[int, dict]:
-        parts = resolve(self._parts)
+        parts = self._parts
         self._check_token(parts, request)
         unknown = not_found(f"unknown node {printable(node_id)!r}; register again")
         if not valid_node_id(node_id):

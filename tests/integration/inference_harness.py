@@ -76,7 +76,7 @@ class Cluster:
         node_id = await eventually(lambda: worker.registrar.registration
                                    and worker.registrar.registration.node_id,
                                    timeout=20, what=f"{name} registered")
-        await eventually(lambda: via.tunnels.holds(node_id), timeout=20,
+        await eventually(lambda: via.replica.tunnels.holds(node_id), timeout=20,
                          what=f"{name} tunnel held")
         worker.node_id = node_id
         worker.data_dir = data_dir

@@ -18,6 +18,7 @@ from localai_tw.cluster.membership import InstanceIdentity, register_instance
 from localai_tw.cluster.nodes import NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.frontend.nodes_api import InstancesResource, NodesAdminResource
+from localai_tw.frontend.probes import StartingGate
 from localai_tw.frontend.web import MAX_BODY_BYTES, APIKeyGuard, ClusterParts, FrontendSite
 from localai_tw.frontend.worker_api import WorkerRegistrationResource
 
@@ -379,8 +380,8 @@ async def test_wrong_method_and_unknown_path(frontend, http):
 
 @pytest_twisted.ensureDeferred
 async def test_503_while_the_frontend_is_starting(db, http):
-    port = reactor.listenTCP(0, FrontendSite(build_root(lambda: None, APIKeyGuard([ADMIN]))),
-                             interface="127.0.0.1")
+    # what the listener serves until the replica is built (frontend/probes.py)
+    port = reactor.listenTCP(0, FrontendSite(StartingGate({}, {})), interface="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{port.getHost().port}"
         status, answer, response = await http.call("POST", url + "/api/node/register",

@@ -81,7 +81,7 @@ async def test_a_replica_serves_probes_apis_and_tunnels_and_stops_in_order(start
         reactor, f"ws://127.0.0.1:{port}/api/cluster/connect?id={node['id']}",
         lambda: Session(client=True),
         headers={"Authorization": f"Bearer {node['tunnel_token']}"}).addTimeout(10, reactor)
-    await eventually(lambda: service.tunnels.holds(node["id"]))
+    await eventually(lambda: service.replica.tunnels.holds(node["id"]))
     status, view = await client.call("GET", f"/api/nodes/{node['id']}", token=ADMIN)
     assert view["presence"] == "connected" and view["owner"]["replica"] == "replica-a"
 
@@ -91,14 +91,14 @@ async def test_a_replica_serves_probes_apis_and_tunnels_and_stops_in_order(start
                                       {"name": "w1", "node_key": w1_key}, token=TOKEN)
     assert status == 201 and again["id"] == node["id"]
     await session.whenClosed().addTimeout(10, reactor)
-    await eventually(lambda: not service.tunnels.holds(node["id"]))
+    await eventually(lambda: not service.replica.tunnels.holds(node["id"]))
 
     # a new tunnel with the new credential, then a clean stop in the documented order
     await connectWebSocket(
         reactor, f"ws://127.0.0.1:{port}/api/cluster/connect?id={node['id']}",
         lambda: Session(client=True),
         headers={"Authorization": f"Bearer {again['tunnel_token']}"}).addTimeout(10, reactor)
-    await eventually(lambda: service.tunnels.holds(node["id"]))
+    await eventually(lambda: service.replica.tunnels.holds(node["id"]))
     order = []
 
     def record(name, fn):
@@ -107,13 +107,18 @@ async def test_a_replica_serves_probes_apis_and_tunnels_and_stops_in_order(start
             return fn(*args, **kwargs)
         return wrapper
 
+    replica = service.replica
     service.listener.stopService = record("listener", service.listener.stopService)
-    service.tunnels.close = record("tunnels", service.tunnels.close)
-    service.membership.stopService = record("membership", service.membership.stopService)
-    service.health.stopService = record("health", service.health.stopService)
+    replica.tunnels.close = record("tunnels", replica.tunnels.close)
+    replica.peer_links.close = record("peer links", replica.peer_links.close)
+    replica.peer_pool.close = record("peer pool", replica.peer_pool.close)
+    replica.backend_clients.close = record("grpc bridges", replica.backend_clients.close)
+    replica.worker_http.close = record("worker http pools", replica.worker_http.close)
+    replica.membership.stopService = record("membership", replica.membership.stopService)
+    replica.health.stopService = record("health", replica.health.stopService)
     db = service.database_service.database
     row_after_tunnels = []
-    original_close = service.tunnels.close
+    original_close = replica.tunnels.close
 
     async def close_then_look():
         await original_close()
@@ -122,11 +127,12 @@ async def test_a_replica_serves_probes_apis_and_tunnels_and_stops_in_order(start
             (node["id"],)))
         row_after_tunnels.extend(await db.runQuery("SELECT id FROM instances"))
 
-    service.tunnels.close = close_then_look
+    replica.tunnels.close = close_then_look
     service.database_service.stopService = record("database",
                                                   service.database_service.stopService)
     await service.stopService()
-    assert order == ["listener", "tunnels", "membership", "health", "database"]
+    assert order == ["listener", "tunnels", "peer links", "peer pool", "grpc bridges",
+                     "worker http pools", "membership", "health", "database"]
     # the tunnel was released (departure recorded) while this replica was still a member
     assert row_after_tunnels == [("",), ("replica-a",)]
 
@@ -134,7 +140,8 @@ async def test_a_replica_serves_probes_apis_and_tunnels_and_stops_in_order(start
 @pytest_twisted.ensureDeferred
 async def test_without_a_dialable_address_the_replica_still_starts(started, pg_dsn):
     service, client = await started(**{"single-host": False, "instance-id": "replica-x"})
-    assert service.identity.advertised_addr == ""  # loopback database: nothing to advertise
+    # loopback database: nothing to advertise
+    assert service.replica.identity.advertised_addr == ""
     assert await client.call("GET", "/readyz") == (200, {"ready": True})
 
 
@@ -149,6 +156,7 @@ async def test_a_configured_address_is_published(started):
 @pytest_twisted.ensureDeferred
 async def test_departure_subscribers_include_the_worker_http_pools(started):
     service, _ = await started(**{"instance-id": "replica-d"})
-    assert set(service.notifier.subscribers) == {"worker-http-connections"}
-    assert service.identity.peer_secret == service._identity_seed.peer_secret  # minted once
-    assert service.health.grace == 90.0
+    assert set(service.replica.notifier.subscribers) == {"worker-http-connections"}
+    # minted once
+    assert service.replica.identity.peer_secret == service.config.identity_seed.peer_secret
+    assert service.replica.health.grace == 90.0

@@ -46,12 +46,13 @@ async def test_worker_registers_dials_and_is_reachable_through_the_frontend(pg_d
 
         first_id = await eventually(lambda: worker.registrar.registration
                                     and worker.registrar.registration.node_id, timeout=15)
-        await eventually(lambda: frontend.tunnels.holds(first_id), timeout=15)
-        node = await frontend.nodes.get_node(first_id)
+        await eventually(lambda: frontend.replica.tunnels.holds(first_id), timeout=15)
+        node = await frontend.replica.nodes.get_node(first_id)
         assert node.name == "joint-1" and node.labels == {"zone": "lab"}
 
         # the frontend reaches the worker's own site through the tunnel
-        response = await frontend.worker_http.get(worker_url(first_id, "/healthz")).addTimeout(
+        worker_http = frontend.replica.worker_http
+        response = await worker_http.get(worker_url(first_id, "/healthz")).addTimeout(
             10, reactor)
         assert response.code == 200
 
@@ -63,8 +64,8 @@ async def test_worker_registers_dials_and_is_reachable_through_the_frontend(pg_d
             lambda: worker.registrar.registration
             and worker.registrar.registration.node_id != first_id
             and worker.registrar.registration.node_id, timeout=15)
-        await eventually(lambda: frontend.tunnels.holds(second_id), timeout=15)
-        assert (await frontend.nodes.get_node(second_id)).name == "joint-1"
+        await eventually(lambda: frontend.replica.tunnels.holds(second_id), timeout=15)
+        assert (await frontend.replica.nodes.get_node(second_id)).name == "joint-1"
     finally:
         if worker is not None:
             await worker.stopService()

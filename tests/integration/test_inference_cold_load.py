@@ -32,7 +32,7 @@ async def test_cold_load_stages_loads_and_serves_on_the_owner(cluster):
     cluster.write_file("tiny.bin", WEIGHTS)
     cluster.write_model("tiny.yaml", tiny_model(sha256_hex(WEIGHTS)))
     frontend = await cluster.frontend("replica-a")
-    router = frontend.inference
+    router = frontend.replica.inference
     assert IInferenceRouter.providedBy(router)
     assert [m.name for m in router.models()] == ["tiny"]
     worker = await cluster.worker("w1", frontend)
@@ -79,7 +79,7 @@ async def test_unknown_model_no_node_and_failed_load(cluster):
     cluster.write_model("bad.yaml", "name: bad\nbackend: echo\noptions: ['echo.fail_load:no "
                                     "weights here']\n")
     frontend = await cluster.frontend("replica-a")
-    router = frontend.inference
+    router = frontend.replica.inference
     with pytest.raises(ModelNotFound):
         await router.predict("nope", backend_pb2.PredictOptions())
     with pytest.raises(NoNodeAvailable, match="no healthy backend node"):
@@ -102,7 +102,7 @@ async def test_a_file_that_does_not_match_its_sha256_is_not_staged(cluster):
     frontend = await cluster.frontend("replica-a")
     await cluster.worker("w1", frontend)
     with pytest.raises(ModelFileMismatch, match="the config says 0000"):
-        await frontend.inference.predict("tiny", backend_pb2.PredictOptions(Prompt="x"))
+        await frontend.replica.inference.predict("tiny", backend_pb2.PredictOptions(Prompt="x"))
     assert await cluster.rows("tiny") == []
 
 
@@ -121,5 +121,5 @@ async def test_a_model_file_that_is_a_symlink_out_of_the_models_dir_is_not_stage
     frontend = await cluster.frontend("replica-a")
     await cluster.worker("w1", frontend)
     with pytest.raises(ModelFileMismatch, match="resolves outside the models directory"):
-        await frontend.inference.predict("tiny", backend_pb2.PredictOptions(Prompt="x"))
+        await frontend.replica.inference.predict("tiny", backend_pb2.PredictOptions(Prompt="x"))
     assert await cluster.rows("tiny") == []

@@ -29,11 +29,10 @@ from localai_tw.frontend.localworker import (
     DEFAULT_EMBEDDINGS_FILE,
     GENERATED_MARKER,
     HUB_ID,
-    InOrderMultiService,
     LocalWorkerService,
     ensure_default_embeddings_model,
 )
-from localai_tw.frontend.service import FrontendService
+from localai_tw.frontend.service import FrontendService, InOrderMultiService
 from localai_tw.frontend.tap import Options
 
 from .support import eventually
@@ -73,7 +72,7 @@ async def test_local_worker_registers_holds_a_tunnel_and_is_listed(one_machine):
     assert worker.node_name == "testhost-local"
     node_id = await eventually(lambda: worker.registrar.registration
                                and worker.registrar.registration.node_id, timeout=30)
-    await eventually(lambda: frontend.tunnels.holds(node_id), timeout=30)
+    await eventually(lambda: frontend.replica.tunnels.holds(node_id), timeout=30)
     assert worker.readiness() is None  # registered and holding its tunnel session
     assert local.data_dir == os.path.join(frontend.models_dir.rsplit(os.sep, 1)[0],
                                           "local-worker")
@@ -110,7 +109,7 @@ async def test_readyz_waits_for_the_local_workers_tunnel(one_machine):
     assert response.code == 200, seen
     # ready means a request finds the worker: its tunnel is attached here already
     node_id = local.worker.registrar.registration.node_id
-    assert frontend.tunnels.holds(node_id)
+    assert frontend.replica.tunnels.holds(node_id)
     assert set(seen[:-1]) <= {"waiting for the local worker to register and connect its tunnel"}
 
 
@@ -120,7 +119,7 @@ async def test_missing_embeddings_extra_is_named_in_the_answer(one_machine, monk
     worker = await eventually(lambda: local.worker, timeout=30)
     node_id = await eventually(lambda: worker.registrar.registration
                                and worker.registrar.registration.node_id, timeout=30)
-    await eventually(lambda: frontend.tunnels.holds(node_id), timeout=30)
+    await eventually(lambda: frontend.replica.tunnels.holds(node_id), timeout=30)
     await local.default_model_checked
 
     real_find_spec = importlib.util.find_spec

@@ -27,7 +27,7 @@ class CountingControl:
 
 
 def count_control(frontend) -> CountingControl:
-    scheduler = frontend.inference.scheduler
+    scheduler = frontend.replica.inference.scheduler
     counting = CountingControl(scheduler._control)
     scheduler._control = counting
     return counting
@@ -40,7 +40,7 @@ async def test_a_wrong_request_is_refused_before_any_load_and_unloads_nothing(cl
     frontend = await cluster.frontend("replica-a")
     await cluster.worker("w1", frontend)
     control = count_control(frontend)
-    router = frontend.inference
+    router = frontend.replica.inference
 
     with pytest.raises(ModelUsecaseUnsupported, match="it supports: embeddings"):
         await router.predict("vec", backend_pb2.PredictOptions(Prompt="x"))
@@ -68,7 +68,7 @@ async def test_a_failed_load_is_remembered_then_retried(cluster):
     frontend = await cluster.frontend("replica-a")
     await cluster.worker("w1", frontend)
     control = count_control(frontend)
-    router = frontend.inference
+    router = frontend.replica.inference
     scheduler = router.scheduler
     assert scheduler.failed_load_memory == DEFAULT_FAILED_LOAD_MEMORY == 30.0
 
@@ -95,7 +95,7 @@ async def test_a_failed_load_is_remembered_then_retried(cluster):
 
     # a changed config is a new model: tried at once
     cluster.write_model("bad.yaml", BAD.format(why="still broken"))
-    frontend.inference.catalog.refresh()
+    frontend.replica.inference.catalog.refresh()
     with pytest.raises(ModelLoadFailed, match="still broken"):
         await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
     assert control.verbs.count("backend.start") == 3
@@ -107,7 +107,7 @@ async def test_requests_waiting_for_a_failing_load_share_its_failure(cluster):
     frontend = await cluster.frontend("replica-a")
     await cluster.worker("w1", frontend)
     control = count_control(frontend)
-    router = frontend.inference
+    router = frontend.replica.inference
 
     results = await defer.DeferredList(
         [router.predict("bad", backend_pb2.PredictOptions(Prompt="x")) for _ in range(4)],

@@ -89,10 +89,10 @@ class Cluster:
 
 
 async def tunnel_up(cluster, worker, node_id):
-    await eventually(lambda: cluster.frontend.tunnels.holds(node_id)
+    await eventually(lambda: cluster.frontend.replica.tunnels.holds(node_id)
                      and worker.readiness() is None, timeout=TIMEOUT,
                      what="the tunnel to be up")
-    return cluster.frontend.tunnels.held(node_id)
+    return cluster.frontend.replica.tunnels.held(node_id)
 
 
 @pytest_twisted.ensureDeferred
@@ -133,12 +133,12 @@ async def test_the_shared_token_and_a_name_do_not_take_a_node_over(cluster, tmp_
 
     # The real worker kept everything: credential, approval, the very same tunnel.
     await sleep(0.5)
-    assert frontend.tunnels.held(node_id) is held and real.readiness() is None
+    assert frontend.replica.tunnels.held(node_id) is held and real.readiness() is None
     assert real.registrar.registration.tunnel_token == credential
-    await frontend.nodes.verify_tunnel_credential(node_id, credential)
-    node = await frontend.nodes.get_node(node_id)
+    await frontend.replica.nodes.verify_tunnel_credential(node_id, credential)
+    node = await frontend.replica.nodes.get_node(node_id)
     assert (node.name, node.status.value, node.approved) == ("w1", "healthy", True)
-    assert len(await frontend.nodes.list_nodes()) == 1
+    assert len(await frontend.replica.nodes.list_nodes()) == 1
 
     # Restarted on its own data directory, the real worker re-registers: same id, approval
     # kept (healthy at once under --require-approval), tunnel back.
@@ -166,7 +166,7 @@ async def test_a_worker_that_lost_its_data_directory_registers_anew_once_removed
     assert lost.node_key != first.node_key
     await sleep(1.0)
     assert lost.registrar.registration is None
-    node = await cluster.frontend.nodes.get_node(node_id)
+    node = await cluster.frontend.replica.nodes.get_node(node_id)
     assert node.approved and node.name == "w2"
 
     # The documented recovery: an administrator removes the node; the worker registers anew as
@@ -175,7 +175,7 @@ async def test_a_worker_that_lost_its_data_directory_registers_anew_once_removed
     assert code == 200 and body["deleted"], body
     new_id = await cluster.registered(lost)
     assert new_id != node_id and lost.registrar.registration.status == "pending"
-    node = await cluster.frontend.nodes.get_node(new_id)
+    node = await cluster.frontend.replica.nodes.get_node(new_id)
     assert (node.name, node.status.value, node.approved) == ("w2", "pending", False)
     await cluster.approve(new_id)
     await tunnel_up(cluster, lost, new_id)
@@ -198,7 +198,7 @@ async def test_control_calls_carry_the_nodes_own_token_never_the_registration_to
         return check(request)
 
     worker.control_auth.refusal_for = recording
-    reply = await frontend.control.call(node_id, "node.status", {}, timeout=10)
+    reply = await frontend.replica.control.call(node_id, "node.status", {}, timeout=10)
     assert reply["node_name"] == "w3"
     expected = control_token(node_key_hash(worker.node_key))
     assert seen and all(values == [f"Bearer {expected}".encode()] for values in seen)
@@ -206,5 +206,5 @@ async def test_control_calls_carry_the_nodes_own_token_never_the_registration_to
 
     # and the worker does not accept the shared registration token as a control credential
     with pytest.raises(errors.TunnelProtocolError):
-        await ControlClient(frontend.worker_http, TOKEN, reactor).call(
+        await ControlClient(frontend.replica.worker_http, TOKEN, reactor).call(
             node_id, "node.status", {}, timeout=10)

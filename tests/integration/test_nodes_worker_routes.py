@@ -45,7 +45,7 @@ async def test_worker_questions_answer_through_the_tunnel_and_name_each_conditio
         worker.startService()
         node_id = await eventually(lambda: worker.registrar.registration
                                    and worker.registrar.registration.node_id, timeout=15)
-        await eventually(lambda: frontend.tunnels.holds(node_id), timeout=15)
+        await eventually(lambda: frontend.replica.tunnels.holds(node_id), timeout=15)
 
         # The worker's own answer, through the tunnel.
         code, body = await get_json(pool, f"{base}/api/nodes/{node_id}/status")

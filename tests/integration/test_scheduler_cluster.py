@@ -36,21 +36,24 @@ async def test_first_request_on_the_non_owner_crosses_the_relay(cluster):
     other = await cluster.frontend("replica-other")
     worker = await cluster.worker("w1", owner)
     assert await cluster.owner_of(worker.node_id) == "replica-owner"
-    assert not other.tunnels.holds(worker.node_id)
+    assert not other.replica.tunnels.holds(worker.node_id)
 
-    served = await other.inference.predict("relay", backend_pb2.PredictOptions(Prompt="via relay"))
+    served = await other.replica.inference.predict("relay",
+                                                   backend_pb2.PredictOptions(Prompt="via relay"))
     assert served.value.message == b"via relay" and served.served_by == worker.node_id
     # the owner did not change: backend start, staging, load and predict all went through it
     assert await cluster.owner_of(worker.node_id) == "replica-owner"
-    assert not other.tunnels.holds(worker.node_id)
-    assert owner.backend_clients.bridges.bridges_of(worker.node_id) == []  # owner made no call
-    assert len(other.backend_clients.bridges.bridges_of(worker.node_id)) == 1
+    assert not other.replica.tunnels.holds(worker.node_id)
+    # owner made no call
+    assert owner.replica.backend_clients.bridges.bridges_of(worker.node_id) == []
+    assert len(other.replica.backend_clients.bridges.bridges_of(worker.node_id)) == 1
     rows = await cluster.rows("relay")
     assert [(r[0], r[2]) for r in rows] == [(worker.node_id, "loaded")]
     with open(rows[0][4], "rb") as f:
         assert f.read() == WEIGHTS  # staged through the relay, intact
     # the owner's warm path uses the same row: no second load
-    again = await owner.inference.predict("relay", backend_pb2.PredictOptions(Prompt="owner"))
+    again = await owner.replica.inference.predict("relay",
+                                                  backend_pb2.PredictOptions(Prompt="owner"))
     assert again.value.message == b"owner" and len(await cluster.rows("relay")) == 1
 
 
@@ -83,9 +86,9 @@ async def test_two_models_pinned_by_labels_to_two_workers(cluster):
         assert json.loads(await treq.content(nodes))["id"] == alpha.node_id
 
         for _ in range(3):
-            a = await frontend.inference.predict("alpha-model", backend_pb2.PredictOptions(
+            a = await frontend.replica.inference.predict("alpha-model", backend_pb2.PredictOptions(
                 Prompt="a"))
-            b = await frontend.inference.predict("beta-model", backend_pb2.PredictOptions(
+            b = await frontend.replica.inference.predict("beta-model", backend_pb2.PredictOptions(
                 Prompt="b"))
             assert (a.served_by, b.served_by) == (alpha.node_id, beta.node_id)
         rows = await cluster.rows()
@@ -108,7 +111,7 @@ async def test_backend_crash_reaps_only_on_the_workers_answer_and_reloads(cluste
     cluster.write_model("crash.yaml", echo_model("crash", "options: ['echo.delay_ms:50']\n"))
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
-    router = frontend.inference
+    router = frontend.replica.inference
     await router.predict("crash", backend_pb2.PredictOptions(Prompt="warm"))
     [row] = await cluster.rows("crash")
     supervisor = supervisor_of(worker)
@@ -148,14 +151,14 @@ async def test_a_route_failure_never_reaps_a_row(cluster):
     cluster.write_model("keep.yaml", echo_model("keep"))
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
-    await frontend.inference.predict("keep", backend_pb2.PredictOptions(Prompt="x"))
+    await frontend.replica.inference.predict("keep", backend_pb2.PredictOptions(Prompt="x"))
     [row] = await cluster.rows("keep")
     port = int(row[3].rsplit(":", 1)[1])
-    await frontend.backend_clients.drop(worker.node_id, port)
+    await frontend.replica.backend_clients.drop(worker.node_id, port)
     await worker.stopService()
-    await eventually(lambda: not frontend.tunnels.holds(worker.node_id), timeout=20)
+    await eventually(lambda: not frontend.replica.tunnels.holds(worker.node_id), timeout=20)
     with pytest.raises(errors.AbsentWithinGrace):
-        await frontend.inference.predict("keep", backend_pb2.PredictOptions(Prompt="x"),
+        await frontend.replica.inference.predict("keep", backend_pb2.PredictOptions(Prompt="x"),
                                          deadline=reactor.seconds() + 10)
     assert await cluster.rows("keep") == [row]
     # and the scheduler refuses to reap on anything but the worker's answer
@@ -167,7 +170,7 @@ async def test_a_route_failure_never_reaps_a_row(cluster):
                       errors.PeerUnreachable("p", "x"), errors.TransportFailure("x"),
                       errors.CallerDeadlineExceeded("x")):
         with pytest.raises(ValueError, match="not the worker's answer"):
-            await frontend.inference.scheduler.reap(placement, condition)
+            await frontend.replica.inference.scheduler.reap(placement, condition)
     assert await cluster.rows("keep") == [row]
 
 
@@ -178,26 +181,26 @@ async def test_one_load_at_a_time_across_replicas(cluster):
     b = await cluster.frontend("replica-b")
     worker = await cluster.worker("w1", a)
     starts = []
-    original = a.control.call
+    original = a.replica.control.call
 
     def counting(node_id, verb, body=None, **kw):
         if verb == "backend.start":
             starts.append("a")
         return original(node_id, verb, body, **kw)
 
-    a.control.call = counting
-    original_b = b.control.call
+    a.replica.control.call = counting
+    original_b = b.replica.control.call
 
     def counting_b(node_id, verb, body=None, **kw):
         if verb == "backend.start":
             starts.append("b")
         return original_b(node_id, verb, body, **kw)
 
-    b.control.call = counting_b
+    b.replica.control.call = counting_b
     results = await defer.gatherResults([
-        a.inference.predict("slow", backend_pb2.PredictOptions(Prompt="1")),
-        b.inference.predict("slow", backend_pb2.PredictOptions(Prompt="2")),
-        a.inference.predict("slow", backend_pb2.PredictOptions(Prompt="3")),
+        a.replica.inference.predict("slow", backend_pb2.PredictOptions(Prompt="1")),
+        b.replica.inference.predict("slow", backend_pb2.PredictOptions(Prompt="2")),
+        a.replica.inference.predict("slow", backend_pb2.PredictOptions(Prompt="3")),
     ], consumeErrors=True)
     assert [r.value.message for r in results] == [b"1", b"2", b"3"]
     assert len(starts) == 1  # one cold load; the others waited for its row
@@ -213,15 +216,16 @@ async def test_a_dead_loaders_lock_is_taken_over(cluster):
     # a lock left by a replica that is not live (never registered)
     await db.runOperation("INSERT INTO model_load_jobs (model_name, owner_instance_id, attempt)"
                           " VALUES ('orphan', 'dead-replica', 'old-attempt')")
-    served = await frontend.inference.predict("orphan", backend_pb2.PredictOptions(Prompt="ok"))
+    served = await frontend.replica.inference.predict("orphan",
+                                                      backend_pb2.PredictOptions(Prompt="ok"))
     assert served.value.message == b"ok"
     # a live owner with a fresh heartbeat is NOT taken over: the waiter gives up after load_wait
     await db.runOperation("INSERT INTO model_load_jobs (model_name, owner_instance_id, attempt)"
                           " VALUES ('other', 'replica-a', 'held-attempt')")
     cluster.write_model("other.yaml", echo_model("other"))
-    frontend.inference.catalog.refresh()
-    frontend.inference.scheduler.load_wait = 0.5
+    frontend.replica.inference.catalog.refresh()
+    frontend.replica.inference.scheduler.load_wait = 0.5
     from localai_tw.frontend.interfaces import NoNodeAvailable
 
     with pytest.raises(NoNodeAvailable, match="another load of it is in progress"):
-        await frontend.inference.predict("other", backend_pb2.PredictOptions(Prompt="x"))
+        await frontend.replica.inference.predict("other", backend_pb2.PredictOptions(Prompt="x"))

@@ -1,13 +1,16 @@
-"""FrontendService without I/O: readiness combines the database and membership; the route tree."""
+"""FrontendService without I/O: readiness combines the database and membership; the starting
+gate; the route tree of a wired replica."""
+
+from types import SimpleNamespace
 
 import pytest
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
-from twisted.web.test.requesthelper import DummyRequest
+from twisted.web.resource import Resource
 
-from localai_tw.frontend.service import FrontendService, FrontendStartupError, _Readiness
+from localai_tw.frontend.service import FrontendService, FrontendStartupError, StartupState
 from localai_tw.frontend.web import ClusterParts
 
 
@@ -32,34 +35,84 @@ def frontend():
     return service, db
 
 
+def wired():
+    """A service whose gate is open on a replica of stand-ins (the tree only routes here)."""
+    service, db = frontend()
+    replica = SimpleNamespace(
+        cluster_parts=lambda: ClusterParts(db=None, nodes=None, fence=None,
+                                           instance_id="replica-u"),
+        inference=object(), node_name=lambda node_id: None, nodes=None, tunnels=None,
+        peer_links=SimpleNamespace(resource=Resource))
+    service._open(replica)
+    return service
+
+
 def test_ready_only_when_the_database_is_ready_and_membership_registered():
     service, db = frontend()
-    readiness = _Readiness(service)
-    assert readiness.readiness() == (False, "starting the embedded PostgreSQL")
+    assert service.readiness() == (False, "starting the embedded PostgreSQL")
     db.state = (True, "ready")
-    service._state = "joining the cluster (registering this replica)"
-    assert readiness.readiness() == (False, "joining the cluster (registering this replica)")
-    service.parts = ClusterParts(db=None, nodes=None, fence=None, instance_id="replica-u")
-    assert readiness.readiness() == (True, "ready")
-    service._settle(Failure(FrontendStartupError("advertised address 'x': bad")))
-    ready, reason = readiness.readiness()
+    service.replica_service.state = StartupState.JOINING
+    assert service.readiness() == (False, "joining the cluster (registering this replica)")
+    service.replica_service.state = StartupState.READY
+    assert service.readiness() == (True, "ready")
+    service.replica_service._start_failed(
+        Failure(FrontendStartupError("advertised address 'x': bad")))
+    ready, reason = service.readiness()
     assert not ready and "startup failed" in reason and "advertised address" in reason
+    assert service.state is StartupState.FAILED
+
+
+def test_readyz_reports_the_startup_state():
+    from tests.unit.test_openai_fakes import call
+
+    service, db = frontend()
+    db.state = (True, "ready")
+    service.replica_service.state = StartupState.JOINING
+    response = call(service.site, "GET", "/readyz")
+    assert response.status == 503
+    assert response.json() == {"ready": False, "state": "joining",
+                               "reason": "joining the cluster (registering this replica)"}
 
 
 def test_routes_answer_503_json_until_wired():
+    from tests.unit.test_openai_fakes import call
+
     service, _ = frontend()
-    for path in (b"connect", b"peer"):
-        resource = service.root.children[b"api"].children[b"cluster"].children[path]
-        request = DummyRequest([b""])
-        body = resource.render(request)
-        assert request.responseCode == 503 and b"not_ready" in body
+    for path in ("/api/cluster/connect", "/api/cluster/peer", "/api/node/register", "/nope"):
+        response = call(service.site, "GET", path)
+        assert response.status == 503 and response.json()["error"]["type"] == "not_ready"
+        assert response.header("retry-after") == "5"
+    assert call(service.site, "GET", "/healthz").status == 200
+
+
+def test_the_openai_api_is_503_starting_until_wired():
+    from tests.unit.test_openai_fakes import call
+
+    service, _ = frontend()
+    response = call(service.site, "GET", "/v1/models", headers={"Authorization": "Bearer k"})
+    assert response.status == 503
+    assert response.json()["error"]["type"] == "service_unavailable"
+    assert response.json()["error"]["code"] == "starting"
+    assert response.header("retry-after") == "5"
+
+
+def test_a_missing_api_key_is_refused_while_starting_too():
+    from tests.unit.test_openai_fakes import call
+
+    service, _ = frontend()
+    openai = call(service.site, "GET", "/v1/models")
+    assert openai.status == 401 and openai.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/api/nodes", "/api/cluster/instances"):
+        assert call(service.site, "GET", path).status == 401
+        assert call(service.site, "GET", path, headers={"Authorization": "Bearer k"}).status \
+            == 503
 
 
 def test_the_peer_secret_is_minted_once_and_kept_out_of_repr():
     service, _ = frontend()
-    seed = service._identity_seed
+    seed = service.config.identity_seed
     assert len(seed.peer_secret) >= 22 and seed.peer_secret not in repr(seed)
-    assert frontend()[0]._identity_seed.peer_secret != seed.peer_secret  # per process
+    assert frontend()[0].config.identity_seed.peer_secret != seed.peer_secret  # per process
 
 
 def test_the_root_says_where_the_apis_are():
@@ -85,7 +138,7 @@ def test_the_root_says_where_the_apis_are():
 def test_unknown_paths_are_json_404_in_the_project_shape(method, path):
     from tests.unit.test_openai_fakes import call
 
-    service, _ = frontend()
+    service = wired()
     response = call(service.site, method, path)
     assert response.status == 404, response.raw_body
     assert response.header("content-type") == "application/json"
@@ -96,7 +149,7 @@ def test_unknown_paths_are_json_404_in_the_project_shape(method, path):
 def test_unknown_paths_under_v1_are_json_404_in_the_openai_shape():
     from tests.unit.test_openai_fakes import call
 
-    service, _ = frontend()
+    service = wired()
     response = call(service.site, "GET", "/v1/nope", headers={"Authorization": "Bearer k"})
     assert response.status == 404
     assert response.json() == {"error": {

@@ -237,13 +237,6 @@ def test_without_keys_the_api_is_open(router):
     assert call(site, "POST", "/v1/chat/completions", chat()).status == 200
 
 
-def test_router_not_wired_yet_is_503_starting():
-    site = make_site(lambda: None)
-    response = call(site, "GET", "/v1/models")
-    assert_error(response, 503, "service_unavailable", code="starting")
-    assert response.header("retry-after") == "5"
-
-
 # -- chat -------------------------------------------------------------------------------------
 
 

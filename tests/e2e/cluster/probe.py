@@ -9,7 +9,7 @@ on a worker.  The cluster harness therefore starts each frontend as
 
 i.e. the real ``twistd`` runner, the real plugin, options and service tree, plus ONE extra
 resource mounted at ``/e2e-probe`` (behind the replica's own ``--api-key`` guard).  The probe calls
-only public library objects of *this* replica (``FrontendService.worker_http``, which rides its
+only public library objects of *this* replica (``Replica.worker_http``, which rides its
 ``WorkerDialer``), so a probe request exercises exactly the path a real caller in the replica
 would: the local tunnel when the replica holds it, otherwise the relay through the owner's peer
 link.  Nothing in the library is patched except ``FrontendService._build_root``, wrapped to add
@@ -38,7 +38,7 @@ def _error(e: BaseException) -> dict:
             "message": str(e)}
 
 
-def _resource(frontend):
+def _resource(frontend, replica):
     from localai_tw.frontend.web import JSONResource, Route, read_json_object
     from localai_tw.tunnel.endpoint import upload_file
 
@@ -51,11 +51,8 @@ def _resource(frontend):
                     Route("POST", ("upload", "{node}"), self.upload))
 
         def _base(self, node: str) -> dict:
-            if frontend.worker_http is None:
-                return {"replica": frontend.instance_id, "error": {
-                    "type": "NotWired", "condition": "none", "message": "replica not wired"}}
             return {"replica": frontend.instance_id,
-                    "held_here_before": frontend.tunnels.holds(node)}
+                    "held_here_before": replica.tunnels.holds(node)}
 
         async def control(self, request, node: str, verb: str):
             body = read_json_object(request)
@@ -64,10 +61,10 @@ def _resource(frontend):
                 return 200, answer
             try:
                 # the replica's own control client: each node's control token, as in production
-                answer["reply"] = await frontend.control.call(node, verb, body, timeout=TIMEOUT)
+                answer["reply"] = await replica.control.call(node, verb, body, timeout=TIMEOUT)
             except Exception as e:  # every outcome is data for the test
                 answer["error"] = _error(e)
-            answer["held_here_after"] = frontend.tunnels.holds(node)
+            answer["held_here_after"] = replica.tunnels.holds(node)
             return 200, answer
 
         async def upload(self, request, node: str):
@@ -76,15 +73,15 @@ def _resource(frontend):
             if "error" in answer:
                 return 200, answer
             try:
-                token = await frontend.nodes.control_token(node)
-                staged = await upload_file(frontend.worker_http, node, body["key"], body["path"],
+                token = await replica.nodes.control_token(node)
+                staged = await upload_file(replica.worker_http, node, body["key"], body["path"],
                                            token=token, timeout=TIMEOUT)
                 answer["staged"] = {"key": staged.key, "size": staged.size,
                                     "sha256": staged.sha256, "skipped": staged.skipped,
                                     "local_path": staged.local_path}
             except Exception as e:
                 answer["error"] = _error(e)
-            answer["held_here_after"] = frontend.tunnels.holds(node)
+            answer["held_here_after"] = replica.tunnels.holds(node)
             return 200, answer
 
     return ProbeResource()
@@ -99,9 +96,9 @@ def install() -> None:
     if getattr(original, "_e2e_probe", False):
         return
 
-    def build_root(self):
-        root = original(self)
-        root.putChild(PROBE_PATH, _resource(self))
+    def build_root(self, replica):
+        root = original(self, replica)
+        root.putChild(PROBE_PATH, _resource(self, replica))
         return root
 
     build_root._e2e_probe = True
