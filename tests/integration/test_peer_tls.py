@@ -55,7 +55,7 @@ def log_lines():
 
 async def attach_worker_over_tls(owner, certs, host: str = "127.0.0.1") -> TestWorker:
     """A worker holding its tunnel on ``owner``, dialled over wss:// (the listener is TLS-only)."""
-    worker = await TestWorker.register(owner.nodes, "w-1", scripted(("echo",)),
+    worker = await TestWorker.register(owner.replica.nodes, "w-1", scripted(("echo",)),
                                        token=TOKEN)
     port = owner.listener.tcp_port()
     trust = Certificate.loadPEM(certs.ca.read_bytes())
@@ -65,7 +65,7 @@ async def attach_worker_over_tls(owner, certs, host: str = "127.0.0.1") -> TestW
         headers={"Authorization": f"Bearer {worker.credential}"},
         tls_options=optionsForClientTLS(host, trustRoot=trust)))
     worker.sessions.append(session)
-    await eventually(lambda: owner.tunnels.held(worker.node_id) is not None,
+    await eventually(lambda: owner.replica.tunnels.held(worker.node_id) is not None,
                      what="the owner to hold the worker's tunnel")
     return worker
 
@@ -84,18 +84,18 @@ async def test_a_relay_to_a_tls_only_replica_goes_over_wss_checked_against_the_n
     certs = make_ca_and_server(tmp_path / "tls")
     owner = await replicas("replica-a", listen=certs.listen())
     port = owner.listener.tcp_port()
-    assert owner.identity.advertised_addr == f"wss://127.0.0.1:{port}"
+    assert owner.replica.identity.advertised_addr == f"wss://127.0.0.1:{port}"
     other = await replicas("replica-b", **{"peer-ca-file": str(certs.ca)})
     worker = await attach_worker_over_tls(owner, certs)
     try:
         caller = Collect(11)
-        await within(other.dialer.open(worker.node_id, "http", "", caller))
+        await within(other.replica.dialer.open(worker.node_id, "http", "", caller))
         caller.transport.write(b"hello relay")
         assert await within(caller.done) == b"hello relay"
         # The relay went through the owner's TLS-only listener: no plain ws:// was possible.
-        assert other.peer_pool.cached_peers() == ["replica-a"]
-        assert not other.tunnels.holds(worker.node_id)
-        assert list(owner.peer_links.sessions()) == ["replica-b"]
+        assert other.replica.peer_pool.cached_peers() == ["replica-a"]
+        assert not other.replica.tunnels.holds(worker.node_id)
+        assert list(owner.replica.peer_links.sessions()) == ["replica-b"]
     finally:
         worker.close()
 
@@ -109,7 +109,7 @@ async def test_a_peer_certificate_from_another_ca_is_an_unreachable_peer_with_a_
     other = await replicas("replica-b", **{"peer-ca-file": str(stranger.ca)})
     worker = await attach_worker_over_tls(owner, certs)
     try:
-        error = await failure_of(other.dialer.open(worker.node_id, "http", "", Collect(1)))
+        error = await failure_of(other.replica.dialer.open(worker.node_id, "http", "", Collect(1)))
         only_condition(error, errors.PeerUnreachable)
         assert not isinstance(error, errors.PeerRejected)
         assert "TLS certificate" in str(error)
@@ -117,8 +117,8 @@ async def test_a_peer_certificate_from_another_ca_is_an_unreachable_peer_with_a_
         assert refused, "\n".join(log_lines[-20:])
         assert "replica-a" in refused[0] and str(stranger.ca) in refused[0]
         assert "not signed by the trusted CA" in refused[0]
-        assert other.peer_pool.cached_peers() == []
-        assert not owner.peer_links.sessions()
+        assert other.replica.peer_pool.cached_peers() == []
+        assert not owner.replica.peer_links.sessions()
     finally:
         worker.close()
 
@@ -131,10 +131,10 @@ async def test_a_peer_certificate_for_another_name_is_refused_even_from_the_name
     other = await replicas("replica-b", **{"peer-ca-file": str(certs.ca)})
     worker = await attach_worker_over_tls(owner, certs, host="peer.example")
     try:
-        error = await failure_of(other.dialer.open(worker.node_id, "http", "", Collect(1)))
+        error = await failure_of(other.replica.dialer.open(worker.node_id, "http", "", Collect(1)))
         only_condition(error, errors.PeerUnreachable)
         refused = [line for line in log_lines if "its TLS certificate was refused" in line]
         assert refused and "does not name 127.0.0.1" in refused[0], "\n".join(log_lines[-20:])
-        assert not owner.peer_links.sessions()
+        assert not owner.replica.peer_links.sessions()
     finally:
         worker.close()

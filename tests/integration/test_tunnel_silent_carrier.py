@@ -104,16 +104,16 @@ async def test_a_silent_tunnel_is_declared_dead_within_10_seconds(cluster):
     try:
         node_id = await eventually(lambda: worker.registrar.registration
                                    and worker.registrar.registration.node_id, timeout=20)
-        await eventually(lambda: frontend.tunnels.holds(node_id), timeout=20, what="tunnel held")
+        await eventually(lambda: frontend.replica.tunnels.holds(node_id), timeout=20, what="tunnel held")
 
         proxy.freeze()
-        await eventually(lambda: not frontend.tunnels.holds(node_id), timeout=30,
+        await eventually(lambda: not frontend.replica.tunnels.holds(node_id), timeout=30,
                          what="silent tunnel dropped")
         took = reactor.seconds() - proxy.frozen_at
         # the bound, plus what a real reactor adds (timer lateness, the 50 ms poll)
         assert took <= DEAD_TUNNEL_DETECTION + 0.5, f"silent tunnel seen after {took:.1f}s"
         # the worker saw it too and dialled again (through the proxy, which forwards anew)
-        await eventually(lambda: frontend.tunnels.holds(node_id), timeout=30,
+        await eventually(lambda: frontend.replica.tunnels.holds(node_id), timeout=30,
                          what="worker redialled")
     finally:
         await worker.stopService()
