@@ -201,6 +201,7 @@ TOP_LEVEL_FIELDS = frozenset({
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
 MAX_LIST = 256
 MAX_STOPWORDS = 32
+MAX_WARNINGS = 32
 
 
 class ModelConfigError(ValueError):
@@ -534,7 +535,14 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
                        node_selector=clean_selector, description=description[:1024],
                        source=source, known_usecases=known, roles=dict(roles),
                        system_prompt=system_prompt, model_options=model_options,
-                       predict_options=predict_options, warnings=tuple(warnings))
+                       predict_options=predict_options, warnings=_bounded(warnings))
+
+
+def _bounded(warnings: list[str]) -> tuple[str, ...]:
+    """At most ``MAX_WARNINGS`` lines a file can make the log carry, then a count."""
+    if len(warnings) <= MAX_WARNINGS:
+        return tuple(warnings)
+    return (*warnings[:MAX_WARNINGS], f"... and {len(warnings) - MAX_WARNINGS} more ignored keys")
 
 
 def _known_usecases(source: str, raw) -> tuple[str, ...] | None:

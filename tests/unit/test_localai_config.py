@@ -228,3 +228,9 @@ def test_models_lists_the_broken_configs_beside_the_good_ones(broken_site):
         {"garbled": "garbled.yaml", "typed": "typed.yaml"}
     missing = call(broken_site, "POST", "/v1/completions", {"model": "nope", "prompt": "x"})
     assert (missing.status, missing.json()["error"]["code"]) == (404, "model_not_found")
+
+
+def test_the_warnings_a_file_can_cause_are_bounded():
+    config = parse(**{f"key{i}": i for i in range(500)})
+    assert len(config.warnings) == 33
+    assert config.warnings[-1] == "... and 468 more ignored keys"
