@@ -98,6 +98,12 @@ class InferenceRouter:
     def model(self, name: str) -> ModelConfig | None:
         return self.catalog.get(name)
 
+    def model_error(self, name: str):
+        return self.catalog.error(name)
+
+    def model_errors(self) -> dict[str, str]:
+        return {name: str(e) for name, e in self.catalog.broken().items()}
+
     def predict(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
                            lambda client, req, dl: client.call("Predict", req, dl),

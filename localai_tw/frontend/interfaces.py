@@ -8,6 +8,8 @@ the database; the core must never know about HTTP.
 Failures (every returned Deferred fails with exactly one of these):
 
 - ``ModelNotFound(name)`` - no model config by that name (HTTP 404 ``model_not_found``).
+- ``ModelConfigInvalid(name, problem)`` - the file meant to define it cannot load (HTTP 500
+  ``model_config_invalid``, naming the file and the reason).
 - ``ModelUsecaseUnsupported(name, asked, supported)`` - the model's config says it is not for
   this call (``predict*`` needs ``chat`` or ``completion``, ``embed`` needs ``embeddings``; the
   rule is ``models.usecases``).  Decided before any load or backend call (HTTP 400).
@@ -72,6 +74,20 @@ class ModelNotFound(ClusterError):
         super().__init__(f"model {name!r} is not configured")
 
 
+class ModelConfigInvalid(ClusterError):
+    """A file in the models directory was meant to define ``name`` but cannot load (bad YAML, a
+    known key of the wrong type); ``problem`` names the file and the field.  Not a cluster
+    condition: the operator fixes the file."""
+
+    actionable = False
+    condition = "model-config-invalid"
+
+    def __init__(self, name: str, problem: str):
+        self.name = name
+        self.problem = problem
+        super().__init__(f"model {name!r} has an invalid config: {problem}")
+
+
 class ModelLoadFailed(WorkerAnswer):
     """The worker answered that the model could not be started or loaded (``backend.start``
     error, ``LoadModel`` returned success=false, or a failed file stage answered by the worker).
@@ -129,6 +145,16 @@ class IInferenceRouter(Interface):
     def model(name):
         """Return the ``ModelConfig`` called ``name``, or ``None`` (the caller answers
         ``model_not_found``).  Synchronous."""
+
+    def model_error(name):
+        """Return why the config file meant to define ``name`` cannot load (a
+        ``ModelConfigError``; its text names the file and the field), or ``None``: a request for
+        it is then answered with that reason, not "does not exist".  Synchronous.  Optional:
+        callers treat a router without it as having no broken configs."""
+
+    def model_errors():
+        """Return ``{name: reason}`` for every config file that cannot load (``/v1/models``
+        lists them under ``errors``).  Optional, like :meth:`model_error`."""
 
     def predict(name, options, deadline=None):
         """``Predict`` on a node serving ``name`` (loading it first if needed).

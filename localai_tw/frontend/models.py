@@ -25,8 +25,17 @@ A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
     options: ["echo.dim:16"]        # ModelOptions.Options, passed through
     node_selector: {gpu: "yes"}     # labels a node must carry (AND of all pairs)
 
-Validation errors name the file and the field (``models/tiny.yaml: files[0].path: ...``); an
-invalid file is skipped (and logged once per change), never fatal to the others.  Two files
+LocalAI's own keys are read as LocalAI reads them (``docs/models.md``): those that map to a
+``ModelOptions`` or ``PredictOptions`` field are carried in :attr:`ModelConfig.model_options` /
+:attr:`ModelConfig.predict_options` (tables :data:`MODEL_OPTIONS`, :data:`PREDICT_OPTIONS`, ...);
+LocalAI keys this project does not act on, and keys nobody knows, are warnings
+(:attr:`ModelConfig.warnings`, logged once per change) and the model is kept.  ``name`` may be
+left out: the file name without ``.yaml`` is used (LocalAI's gallery configs carry none).
+
+Validation errors name the file and the field (``models/tiny.yaml: files[0].path: ...``); a
+known key of the wrong type refuses the file.  An invalid file is skipped (and logged once per
+change), never fatal to the others, and :meth:`ModelCatalog.error` keeps why, under the name it
+meant to define, so a request for it is answered with the reason.  Two files
 with the same ``name``: the first by file name wins and the other is reported.
 
 What a model is for (:func:`usecases`), decided from the config alone so that a request the
@@ -51,6 +60,7 @@ YAML (``yaml.safe_load`` only); raise from :meth:`ModelCatalog.models` because o
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -70,7 +80,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _BACKEND_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_USECASE_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_USECASE_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
 MAX_USECASES = 32
 
 CHAT, COMPLETION, EMBEDDINGS = "chat", "completion", "embeddings"
@@ -97,11 +107,101 @@ PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
     "frequency_penalty": (int, float),
     "batch": (int,),
 }
-TEMPLATE_FIELDS = ("chat", "chat_message", "completion", "use_tokenizer_template")
+
+# LocalAI's model config keys (core/config ModelConfig, LLMConfig, schema.PredictionOptions),
+# by what happens to them here.  A value of a key below is checked against its kind ("bool",
+# "int" (int32), "float", "str", "strs" (list of strings), "floats", "map"); a wrong kind
+# refuses the file naming the key, as LocalAI's YAML decoder does.
+
+#: Top-level keys sent to the backend in ``ModelOptions`` at LoadModel: key -> (kind, field).
+MODEL_OPTIONS: dict[str, tuple[str, str]] = {
+    "f16": ("bool", "F16Memory"), "threads": ("int", "Threads"),
+    "gpu_layers": ("int", "NGPULayers"), "mmap": ("bool", "MMap"), "mmlock": ("bool", "MLock"),
+    "low_vram": ("bool", "LowVRAM"), "numa": ("bool", "NUMA"), "type": ("str", "Type"),
+    "main_gpu": ("str", "MainGPU"), "tensor_split": ("str", "TensorSplit"),
+    "rms_norm_eps": ("float", "RMSNormEps"), "ngqa": ("int", "NGQA"),
+    "mmproj": ("str", "MMProj"), "draft_model": ("str", "DraftModel"),
+    "quantization": ("str", "Quantization"), "load_format": ("str", "LoadFormat"),
+    "gpu_memory_utilization": ("float", "GPUMemoryUtilization"),
+    "trust_remote_code": ("bool", "TrustRemoteCode"), "enforce_eager": ("bool", "EnforceEager"),
+    "swap_space": ("int", "SwapSpace"), "max_model_len": ("int", "MaxModelLen"),
+    "tensor_parallel_size": ("int", "TensorParallelSize"),
+    "disable_log_stats": ("bool", "DisableLogStatus"), "dtype": ("str", "DType"),
+    "flash_attention": ("str", "FlashAttention"), "no_kv_offloading": ("bool", "NoKVOffload"),
+    "cache_type_k": ("str", "CacheTypeKey"), "cache_type_v": ("str", "CacheTypeValue"),
+    "rope_scaling": ("str", "RopeScaling"), "yarn_ext_factor": ("float", "YarnExtFactor"),
+    "yarn_attn_factor": ("float", "YarnAttnFactor"), "yarn_beta_fast": ("float", "YarnBetaFast"),
+    "yarn_beta_slow": ("float", "YarnBetaSlow"), "cfg_scale": ("float", "CFGScale"),
+    "cuda": ("bool", "CUDA"), "lora_adapter": ("str", "LoraAdapter"),
+    "lora_base": ("str", "LoraBase"), "lora_scale": ("float", "LoraScale"),
+    "lora_adapters": ("strs", "LoraAdapters"), "lora_scales": ("floats", "LoraScales"),
+    "no_mulmatq": ("bool", "NoMulMatQ"), "audio_path": ("str", "AudioPath"),
+    "overrides": ("strs", "Overrides"), "reranking": ("bool", "Reranking"),
+}
+#: Top-level keys sent in every request's ``PredictOptions``: key -> (kind, field).  ``f16``,
+#: ``threads``, ``mmap``, ``mmlock``, ``main_gpu`` and ``tensor_split`` go to both messages, as
+#: LocalAI sends them.
+PREDICT_OPTIONS: dict[str, tuple[str, str]] = {
+    "stopwords": ("strs", "StopPrompts"), "f16": ("bool", "F16KV"),
+    "threads": ("int", "Threads"), "mmap": ("bool", "MMap"), "mmlock": ("bool", "MLock"),
+    "main_gpu": ("str", "MainGPU"), "tensor_split": ("str", "TensorSplit"),
+    "grammar": ("str", "Grammar"), "n_draft": ("int", "NDraft"),
+    "prompt_cache_path": ("str", "PromptCachePath"),
+    "prompt_cache_all": ("bool", "PromptCacheAll"), "prompt_cache_ro": ("bool", "PromptCacheRO"),
+    "mirostat": ("int", "Mirostat"), "mirostat_eta": ("float", "MirostatETA"),
+    "mirostat_tau": ("float", "MirostatTAU"), "debug": ("bool", "Debug"),
+}
+#: ``parameters`` keys (beyond :data:`PARAMETER_TYPES`) sent in ``PredictOptions``.
+PARAMETER_PREDICT: dict[str, tuple[str, str]] = {
+    "repeat_last_n": ("int", "Repeat"), "n_keep": ("int", "NKeep"),
+    "tfz": ("float", "TailFreeSamplingZ"), "typical_p": ("float", "TypicalP"),
+    "ignore_eos": ("bool", "IgnoreEOS"), "rope_freq_base": ("float", "RopeFreqBase"),
+    "rope_freq_scale": ("float", "RopeFreqScale"), "negative_prompt": ("str", "NegativePrompt"),
+    "negative_prompt_scale": ("float", "NegativePromptScale"),
+}
+#: ``parameters`` keys also sent in ``ModelOptions``.
+PARAMETER_MODEL: dict[str, tuple[str, str]] = {
+    "rope_freq_base": ("float", "RopeFreqBase"), "rope_freq_scale": ("float", "RopeFreqScale"),
+    "tokenizer": ("str", "Tokenizer"),
+}
+#: ``diffusers`` keys sent in ``ModelOptions``.
+DIFFUSERS_OPTIONS: dict[str, tuple[str, str]] = {
+    "cuda": ("bool", "CUDA"), "pipeline_type": ("str", "PipelineType"),
+    "scheduler_type": ("str", "SchedulerType"), "img2img": ("bool", "IMG2IMG"),
+    "clip_skip": ("int", "CLIPSkip"), "clip_model": ("str", "CLIPModel"),
+    "clip_subfolder": ("str", "CLIPSubfolder"), "control_net": ("str", "ControlNet"),
+}
+#: ``limit_mm_per_prompt`` keys sent in ``ModelOptions``.
+LIMIT_OPTIONS: dict[str, tuple[str, str]] = {
+    "image": ("int", "LimitImagePerPrompt"), "video": ("int", "LimitVideoPerPrompt"),
+    "audio": ("int", "LimitAudioPerPrompt"),
+}
+#: LocalAI keys accepted and not acted on here (a warning says so): features of LocalAI's own
+#: API server (function calling, agents, pipelines, routing, ...) this project does not have.
+LOCALAI_IGNORED = frozenset({
+    "alias", "artifacts", "known_input_modalities", "known_output_modalities", "pipeline",
+    "function", "reasoning", "compression", "reasoning_effort", "chat_template_kwargs",
+    "feature_flags", "step", "grpc", "tts", "download_files", "disabled", "pinned",
+    "concurrency_groups", "mcp", "agent", "pii", "pii_detection", "router", "proxy", "mitm",
+    "limits", "cutstrings", "extract_regex", "trimspace", "trimsuffix",
+})
+PARAMETER_IGNORED = frozenset({
+    "echo", "n", "logprobs", "top_logprobs", "language", "translate", "pooling",
+    "pooling_half_life_tokens", "clip_skip", "encoding_format", "logit_bias",
+})
+TEMPLATE_FIELDS = ("chat", "chat_message", "completion", "use_tokenizer_template",
+                   "join_chat_messages_by_character")
+TEMPLATE_IGNORED = frozenset({"function", "edit", "multimodal", "reply_prefix", "image",
+                              "audio", "video"})
 TOP_LEVEL_FIELDS = frozenset({
     "name", "backend", "model", "parameters", "files", "template", "context_size",
     "embeddings", "options", "node_selector", "description", "known_usecases", "usage",
-})
+    "roles", "system_prompt", "engine_args", "diffusers", "limit_mm_per_prompt",
+}) | set(MODEL_OPTIONS) | set(PREDICT_OPTIONS)
+INT32 = (-(2 ** 31), 2 ** 31 - 1)
+MAX_LIST = 256
+MAX_STOPWORDS = 32
+MAX_WARNINGS = 32
 
 
 class ModelConfigError(ValueError):
@@ -111,6 +211,7 @@ class ModelConfigError(ValueError):
         self.source = source
         self.field = field_name
         self.problem = problem
+        self.model_name: str | None = None  # the name it would have had (set by the loader)
         where = f"{source}: {field_name}: " if field_name else f"{source}: "
         super().__init__(where + problem)
 
@@ -147,6 +248,7 @@ class ModelTemplate:
     chat_message: str = ""
     completion: str = ""
     use_tokenizer_template: bool = False
+    join_chat_messages_by_character: str | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +268,14 @@ class ModelConfig:
     description: str = ""
     source: str = ""
     known_usecases: tuple[str, ...] | None = None
+    roles: Mapping[str, str] = field(default_factory=dict)
+    system_prompt: str = ""
+    #: ``ModelOptions`` fields from the config (LoadModel); see :data:`MODEL_OPTIONS`.
+    model_options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``PredictOptions`` fields from the config (every request); see :data:`PREDICT_OPTIONS`.
+    predict_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Keys accepted but not acted on, or not known at all (logged once per file change).
+    warnings: tuple[str, ...] = ()
 
     def file_for_model(self) -> ModelFile | None:
         """The staged file ``model`` names, if it names one."""
@@ -202,15 +312,80 @@ def _worker_key(source: str, fieldname: str, raw) -> str:
     return normal
 
 
+_KIND_TEXT = {"bool": "true or false", "int": "an integer", "float": "a number",
+              "str": "a string", "strs": "a list of strings", "floats": "a list of numbers",
+              "map": "a mapping"}
+
+
+def _typed(source: str, fieldname: str, value, kind: str):
+    """``value`` checked as ``kind`` (see :data:`MODEL_OPTIONS`), in its proto type.
+    :raises ModelConfigError: naming ``fieldname``."""
+    def bad(extra: str = "") -> ModelConfigError:
+        return ModelConfigError(source, fieldname, f"must be {_KIND_TEXT[kind]}{extra}")
+
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise bad()
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+        if not INT32[0] <= value <= INT32[1]:
+            raise bad(" that fits 32 bits")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad()
+        return float(value)
+    if kind == "str":  # a YAML scalar read into a Go string: numbers and booleans as text
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if not isinstance(value, (str, int, float)):
+            raise bad()
+        return str(value)
+    if kind in ("strs", "floats"):
+        item = str if kind == "strs" else (int, float)
+        if not isinstance(value, list) or len(value) > MAX_LIST or \
+                not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+            raise bad(f" (at most {MAX_LIST})")
+        return [v if kind == "strs" else float(v) for v in value]
+    if not isinstance(value, dict):
+        raise bad()
+    return value
+
+
+def _sub_options(source: str, data: dict, key: str, table: dict, model_options: dict,
+                 warnings: list) -> None:
+    raw = data.get(key)
+    if raw is None:
+        return
+    if not isinstance(raw, dict):
+        raise ModelConfigError(source, key, "must be a mapping")
+    for sub, value in raw.items():
+        entry = table.get(sub)
+        if entry is None:
+            warnings.append(f"{key}.{str(sub)[:64]}: not used by localai-tw; ignored")
+            continue
+        if value is not None:
+            model_options[entry[1]] = _typed(source, f"{key}.{sub}", value, entry[0])
+
+
 def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     """Validate one decoded YAML document.  :raises ModelConfigError:"""
     if not isinstance(data, dict):
         raise ModelConfigError(source, None, "the file must hold a YAML mapping")
+    warnings: list[str] = []
     for key in data:
-        if key not in TOP_LEVEL_FIELDS:
-            raise ModelConfigError(source, str(key)[:64],
-                                   f"unknown field; expected one of {', '.join(sorted(TOP_LEVEL_FIELDS))}")
+        if key in TOP_LEVEL_FIELDS:
+            continue
+        shown = str(key)[:64]
+        if key in LOCALAI_IGNORED:
+            warnings.append(f"{shown}: a LocalAI key localai-tw does not act on; ignored")
+        else:
+            warnings.append(f"{shown}: unknown key; ignored")
     name = data.get("name")
+    if name is None and source.endswith((".yaml", ".yml")):
+        name = posixpath.basename(source).rsplit(".", 1)[0]  # LocalAI's gallery omits it
     if not isinstance(name, str) or not name:
         raise ModelConfigError(source, "name", "is required (a non-empty string)")
     if len(name) > MAX_NAME or not _NAME_RE.match(name) or ".." in name:
@@ -224,24 +399,62 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     if not isinstance(parameters, dict):
         raise ModelConfigError(source, "parameters", "must be a mapping")
     model = parameters.get("model", data.get("model"))
-    if model is None:
-        model = name
+    if model is None or model == "":
+        model = name  # LocalAI's gallery writes model: "" for backends that fetch their own
     if not isinstance(model, str) or not model or len(model) > 1024:
         raise ModelConfigError(source, "parameters.model", "must be a non-empty string")
     defaults: dict[str, Any] = {}
+    model_options: dict[str, Any] = {}
+    predict_options: dict[str, Any] = {}
     for key, value in parameters.items():
-        if key == "model":
+        if key == "model" or value is None:
             continue
+        where = f"parameters.{str(key)[:64]}"
         types = PARAMETER_TYPES.get(key)
-        if types is None:
-            raise ModelConfigError(source, f"parameters.{key}",
-                                   f"unknown parameter; expected one of {', '.join(sorted(PARAMETER_TYPES))}")
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise ModelConfigError(source, f"parameters.{key}",
-                                   f"must be {' or '.join(t.__name__ for t in types)}")
-        if key == "stop" and isinstance(value, list) and not all(isinstance(s, str) for s in value):
-            raise ModelConfigError(source, "parameters.stop", "must be strings")
-        defaults[key] = value
+        if types is not None:
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise ModelConfigError(source, where,
+                                       f"must be {' or '.join(t.__name__ for t in types)}")
+            if key == "stop" and isinstance(value, list) and \
+                    not all(isinstance(s, str) for s in value):
+                raise ModelConfigError(source, "parameters.stop", "must be strings")
+            defaults[key] = value
+        elif key in PARAMETER_PREDICT or key in PARAMETER_MODEL:
+            for table, out in ((PARAMETER_PREDICT, predict_options),
+                               (PARAMETER_MODEL, model_options)):
+                if key in table:
+                    out[table[key][1]] = _typed(source, where, value, table[key][0])
+        elif key in PARAMETER_IGNORED:
+            warnings.append(f"{where}: a LocalAI key localai-tw does not act on; ignored")
+        else:
+            warnings.append(f"{where}: unknown parameter; ignored")
+    for key, (kind, proto) in MODEL_OPTIONS.items():
+        if data.get(key) is not None:
+            model_options[proto] = _typed(source, key, data[key], kind)
+    for key, (kind, proto) in PREDICT_OPTIONS.items():
+        if data.get(key) is not None:
+            predict_options[proto] = _typed(source, key, data[key], kind)
+    if len(predict_options.get("StopPrompts", ())) > MAX_STOPWORDS:
+        raise ModelConfigError(source, "stopwords", f"at most {MAX_STOPWORDS} are accepted")
+    _sub_options(source, data, "diffusers", DIFFUSERS_OPTIONS, model_options, warnings)
+    _sub_options(source, data, "limit_mm_per_prompt", LIMIT_OPTIONS, model_options, warnings)
+    if model_options.get("CUDA") is False and data.get("cuda") is True:
+        model_options["CUDA"] = True  # LocalAI: cuda || diffusers.cuda
+    engine_args = data.get("engine_args")
+    if engine_args is not None:
+        _typed(source, "engine_args", engine_args, "map")
+        try:
+            model_options["EngineArgs"] = json.dumps(engine_args, separators=(",", ":"),
+                                                     sort_keys=True, default=str)
+        except (TypeError, ValueError):
+            raise ModelConfigError(source, "engine_args", "cannot be written as JSON") from None
+    roles = data.get("roles") or {}
+    if not isinstance(roles, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in roles.items()):
+        raise ModelConfigError(source, "roles", "must map role names to strings")
+    system_prompt = data.get("system_prompt") or ""
+    if not isinstance(system_prompt, str):
+        raise ModelConfigError(source, "system_prompt", "must be a string")
 
     files_raw = data.get("files") or []
     if not isinstance(files_raw, list):
@@ -275,14 +488,20 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     template_raw = data.get("template") or {}
     if not isinstance(template_raw, dict):
         raise ModelConfigError(source, "template", "must be a mapping")
+    template_kept = {}
     for key, value in template_raw.items():
         if key not in TEMPLATE_FIELDS:
-            raise ModelConfigError(source, f"template.{key}",
-                                   f"unknown field; expected one of {', '.join(TEMPLATE_FIELDS)}")
+            what = "a LocalAI key localai-tw does not act on" if key in TEMPLATE_IGNORED \
+                else "unknown key"
+            warnings.append(f"template.{str(key)[:64]}: {what}; ignored")
+            continue
+        if value is None:
+            continue
         expected = bool if key == "use_tokenizer_template" else str
         if not isinstance(value, expected):
             raise ModelConfigError(source, f"template.{key}", f"must be a {expected.__name__}")
-    template = ModelTemplate(**template_raw)
+        template_kept[key] = value
+    template = ModelTemplate(**template_kept)
 
     context_size = data.get("context_size", 0) or 0
     if isinstance(context_size, bool) or not isinstance(context_size, int) or \
@@ -314,7 +533,16 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
                        parameters=defaults, template=template, context_size=context_size,
                        embeddings=embeddings, options=tuple(options),
                        node_selector=clean_selector, description=description[:1024],
-                       source=source, known_usecases=known)
+                       source=source, known_usecases=known, roles=dict(roles),
+                       system_prompt=system_prompt, model_options=model_options,
+                       predict_options=predict_options, warnings=_bounded(warnings))
+
+
+def _bounded(warnings: list[str]) -> tuple[str, ...]:
+    """At most ``MAX_WARNINGS`` lines a file can make the log carry, then a count."""
+    if len(warnings) <= MAX_WARNINGS:
+        return tuple(warnings)
+    return (*warnings[:MAX_WARNINGS], f"... and {len(warnings) - MAX_WARNINGS} more ignored keys")
 
 
 def _known_usecases(source: str, raw) -> tuple[str, ...] | None:
@@ -344,9 +572,33 @@ def usecases(config: ModelConfig) -> frozenset[str]:
     return BACKEND_USECASES.get(config.backend, ALL_USECASES)
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``\\'`` in a double-quoted string as ``'``, as Go's
+    YAML decoder (libyaml's rules) does: LocalAI's gallery has ``key: "\\'"`` in two files."""
+
+    ESCAPE_REPLACEMENTS = {**yaml.SafeLoader.ESCAPE_REPLACEMENTS, "'": "'"}
+
+
+def _name_guess(data: Any, source: str) -> str:
+    """The model name a file was meant to define, for answering requests about it when it
+    cannot load: its ``name`` if readable, else the file name without ``.yaml``."""
+    if isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"]:
+        return data["name"][:MAX_NAME]
+    return posixpath.basename(source).rsplit(".", 1)[0]
+
+
 def load_model_file(path: str, source: str | None = None) -> ModelConfig:
-    """Read and validate one YAML file.  :raises ModelConfigError:"""
+    """Read and validate one YAML file.  :raises ModelConfigError: with ``model_name`` set."""
     source = source or path
+    try:
+        return _load_model_file(path, source)
+    except ModelConfigError as e:
+        if e.model_name is None:
+            e.model_name = _name_guess(None, source)
+        raise
+
+
+def _load_model_file(path: str, source: str) -> ModelConfig:
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_FILE_BYTES + 1)
@@ -355,7 +607,7 @@ def load_model_file(path: str, source: str | None = None) -> ModelConfig:
     if len(raw) > MAX_FILE_BYTES:
         raise ModelConfigError(source, None, f"is larger than {MAX_FILE_BYTES} bytes")
     try:
-        data = yaml.safe_load(raw)
+        data = yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -366,6 +618,9 @@ def load_model_file(path: str, source: str | None = None) -> ModelConfig:
         raise ModelConfigError(source, None, "nests too deeply to be a model config") from None
     try:
         return parse_model_config(data, source)
+    except ModelConfigError as e:
+        e.model_name = _name_guess(data, source)
+        raise
     except RecursionError:
         raise ModelConfigError(source, None, "nests too deeply to be a model config") from None
 
@@ -392,6 +647,7 @@ class ModelCatalog:
         self._entries: dict[str, _Entry] = {}
         self._by_name: dict[str, ModelConfig] = {}
         self.errors: dict[str, str] = {}
+        self._broken: dict[str, ModelConfigError] = {}  # meant model name -> why it failed
 
     def models(self) -> list[ModelConfig]:
         self._refresh()
@@ -400,6 +656,18 @@ class ModelCatalog:
     def get(self, name: str) -> ModelConfig | None:
         self._refresh()
         return self._by_name.get(name)
+
+    def error(self, name: str) -> ModelConfigError | None:
+        """Why the file meant to define model ``name`` could not load (its ``name``, or its
+        file name without ``.yaml`` when even that cannot be read), or ``None``: lets a request
+        for it be answered with the reason instead of "does not exist"."""
+        self._refresh()
+        return None if name in self._by_name else self._broken.get(name)
+
+    def broken(self) -> dict[str, ModelConfigError]:
+        """Every model name whose config failed to load, with the error (sorted by name)."""
+        self._refresh()
+        return {n: self._broken[n] for n in sorted(self._broken) if n not in self._by_name}
 
     def refresh(self) -> None:
         """Re-scan now, whatever the interval."""
@@ -441,6 +709,8 @@ class ModelCatalog:
                 try:
                     cfg = load_model_file(os.path.join(self.models_dir, fname), fname)
                     self._entries[fname] = _Entry(stamp, cfg, None)
+                    for warning in cfg.warnings:
+                        log.warn("model config {file}: {warning}", file=fname, warning=warning)
                 except ModelConfigError as e:
                     self._entries[fname] = _Entry(stamp, None, e)
                     log.warn("model config skipped: {err}", err=str(e))
@@ -451,10 +721,12 @@ class ModelCatalog:
             return
         by_name: dict[str, ModelConfig] = {}
         errors: dict[str, str] = {}
+        broken: dict[str, ModelConfigError] = {}
         for fname in sorted(self._entries):
             entry = self._entries[fname]
             if entry.error is not None:
                 errors[fname] = str(entry.error)
+                broken.setdefault(entry.error.model_name or fname, entry.error)
                 continue
             cfg = entry.config
             if cfg.name in by_name:
@@ -467,3 +739,4 @@ class ModelCatalog:
             by_name[cfg.name] = cfg
         self._by_name = by_name
         self.errors = errors
+        self._broken = broken

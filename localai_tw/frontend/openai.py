@@ -84,6 +84,7 @@ from localai_tw.errors import (
 
 from .interfaces import (
     IInferenceRouter,
+    ModelConfigInvalid,
     ModelLoadFailed,
     ModelNotFound,
     ModelUsecaseUnsupported,
@@ -210,6 +211,10 @@ def error_for(error: BaseException) -> OpenAIError:
     if isinstance(error, ModelNotFound):
         return OpenAIError(404, f"the model {printable(error.name)!r} does not exist",
                            "invalid_request_error", param="model", code="model_not_found")
+    if isinstance(error, ModelConfigInvalid):
+        return OpenAIError(500, f"the model {printable(error.name)!r} is configured but its "
+                           f"config cannot be loaded: {printable(error.problem, 1024)}",
+                           "server_error", param="model", code="model_config_invalid")
     if isinstance(error, ModelUsecaseUnsupported):
         return OpenAIError(400, _detail(error), "invalid_request_error", param="model",
                            code="unsupported_by_model")
@@ -395,6 +400,7 @@ class _Model:
     name: str
     parameters: Mapping[str, Any]
     templates: PromptTemplates
+    predict: Mapping[str, Any] = field(default_factory=dict)  # config's PredictOptions fields
 
     @classmethod
     def of(cls, config: Any) -> "_Model":
@@ -404,7 +410,8 @@ class _Model:
             system_prompt=_config_value(config, "system_prompt", ""))
         return cls(name=str(_config_value(config, "name", "")),
                    parameters=dict(_config_value(config, "parameters", {}) or {}),
-                   templates=templates)
+                   templates=templates,
+                   predict=dict(_config_value(config, "predict_options", {}) or {}))
 
 
 @dataclass
@@ -418,9 +425,15 @@ class Sampling:
         return backend_pb2.PredictOptions(**self.values, **more)
 
 
-def merge_sampling(parameters: Mapping[str, Any], body: _Fields) -> Sampling:
+def merge_sampling(parameters: Mapping[str, Any], body: _Fields,
+                   model_predict: Mapping[str, Any] | None = None) -> Sampling:
     """``PredictOptions`` sampling fields: request over model ``parameters`` over LocalAI's
-    defaults.  A seed nobody set is a fresh random int32 per request."""
+    defaults.  A seed nobody set is a fresh random int32 per request.  ``model_predict``: the
+    config's own ``PredictOptions`` fields (``ModelConfig.predict_options``: ``stopwords``,
+    ``threads``, ``f16``, ...); its stop words come first, then ``parameters.stop``, then the
+    request's ``stop``, as LocalAI appends them."""
+    model_predict = dict(model_predict or {})
+    stopwords = list(model_predict.pop("StopPrompts", ()))
 
     def pick(request_value, name, default=None):
         if request_value is not None:
@@ -450,6 +463,7 @@ def merge_sampling(parameters: Mapping[str, Any], body: _Fields) -> Sampling:
     if len(stop) > MAX_STOP:
         raise invalid(f"at most {MAX_STOP} stop sequences are accepted (model defaults "
                       "included)", "stop", code="invalid_value")
+    stop = list(dict.fromkeys(stopwords + stop))  # the config's (bounded when it loads) first
     values = dict(
         Temperature=float(temperature), TopP=float(top_p), TopK=int(top_k), MinP=float(min_p),
         Tokens=int(max_tokens), Seed=seed, PresencePenalty=float(presence),
@@ -458,6 +472,7 @@ def merge_sampling(parameters: Mapping[str, Any], body: _Fields) -> Sampling:
         TypicalP=SAMPLING_DEFAULTS["typical_p"], MirostatETA=SAMPLING_DEFAULTS["mirostat_eta"],
         MirostatTAU=SAMPLING_DEFAULTS["mirostat_tau"],
     )
+    values.update(model_predict)  # over LocalAI's defaults (TypicalP, Mirostat*, ...)
     if isinstance(parameters.get("repeat_penalty"), (int, float)):
         values["Penalty"] = float(parameters["repeat_penalty"])
     if isinstance(parameters.get("batch"), int) and not isinstance(parameters["batch"], bool):
@@ -934,7 +949,7 @@ class OpenAIResource(Resource):
         name = body.string("model", required=True, nonempty=True)
         config = router.model(name)
         if config is None:
-            raise error_for(ModelNotFound(name))
+            raise error_for(_missing(router, name))
         supported = usecases(config)
         if usecase not in supported:  # from the config: no backend is called, nothing reaped
             raise error_for(ModelUsecaseUnsupported(name, usecase, supported))
@@ -948,12 +963,18 @@ class OpenAIResource(Resource):
     async def _models(self, request, exchange: _Exchange) -> None:
         router = self.router()
         data = [_model_entry(config) for config in router.models()]
-        exchange.send_json(200, {"object": "list", "data": data})
+        listing: dict[str, Any] = {"object": "list", "data": data}
+        errors = getattr(router, "model_errors", dict)()  # optional in IInferenceRouter
+        if errors:  # an extra key OpenAI clients ignore; operators see what failed and why
+            listing["errors"] = [{"id": name, "error": printable(reason, 1024)}
+                                 for name, reason in sorted(errors.items())]
+        exchange.send_json(200, listing)
 
     async def _model(self, request, exchange: _Exchange, name: str) -> None:
-        config = self.router().model(name)
+        router = self.router()
+        config = router.model(name)
         if config is None:
-            raise error_for(ModelNotFound(name))
+            raise error_for(_missing(router, name))
         exchange.send_json(200, _model_entry(config))
 
     # -- /v1/chat/completions ----------------------------------------------------------------------
@@ -969,7 +990,7 @@ class OpenAIResource(Resource):
             raise invalid("streaming answers one choice; set 'n' to 1", "n",
                           code="invalid_value")
         include_usage = _include_usage(body, stream)
-        sampling = merge_sampling(model.parameters, body)
+        sampling = merge_sampling(model.parameters, body, model.predict)
         extra: dict[str, Any] = {}
         if images:
             extra["Images"] = images
@@ -1027,7 +1048,7 @@ class OpenAIResource(Resource):
             raise invalid("streaming answers exactly one prompt", "prompt",
                           code="invalid_value")
         include_usage = _include_usage(body, stream)
-        sampling = merge_sampling(model.parameters, body)
+        sampling = merge_sampling(model.parameters, body, model.predict)
         completion_id, created = self._ids("cmpl")
         if stream:
             options = sampling.options(Prompt=render_completion(model.templates, prompts[0]))
@@ -1171,7 +1192,7 @@ class OpenAIResource(Resource):
         if body.has("dimensions"):
             raise invalid("'dimensions' is not supported: the model decides the vector size",
                           "dimensions", code="unsupported_parameter")
-        sampling = merge_sampling(model.parameters, _Fields({}))
+        sampling = merge_sampling(model.parameters, _Fields({}), model.predict)
         data, prompt_tokens = [], 0
         tokenizer = _Tokenizer(router, exchange, name, self._deadline)
         for index, item in enumerate(inputs):
@@ -1230,6 +1251,13 @@ class _AlreadyAnswered(Exception):
 
 def _path_text(request) -> str:
     return (request.path or b"").decode("utf-8", "replace")
+
+
+def _missing(router, name: str) -> ClusterError:
+    """Why ``name`` has no config: its file failed to load (the reason), or there is none."""
+    lookup = getattr(router, "model_error", None)  # optional in IInferenceRouter
+    problem = lookup(name) if lookup is not None else None
+    return ModelConfigInvalid(name, str(problem)) if problem is not None else ModelNotFound(name)
 
 
 def _model_entry(config: Any) -> dict:

@@ -561,10 +561,14 @@ class Scheduler:
                           worker_paths: Mapping[str, str]) -> None:
         staged = model.file_for_model()
         model_file = worker_paths.get(staged.key, "") if staged is not None else ""
-        options = backend_pb2.ModelOptions(
-            Model=model_id, ContextSize=model.context_size, Embeddings=model.embeddings,
-            Options=list(model.options), ModelFile=model_file,
-            ModelPath=posixpath.dirname(model_file) if model_file else "")
+        # The config's LocalAI keys (f16, threads, gpu_layers, mmap, type, ...; models.py
+        # MODEL_OPTIONS) first, then what this loader decides (model, paths, context).
+        options = backend_pb2.ModelOptions(**{
+            **model.model_options,
+            "Model": model_id, "ContextSize": model.context_size,
+            "Embeddings": model.embeddings, "Options": list(model.options),
+            "ModelFile": model_file,
+            "ModelPath": posixpath.dirname(model_file) if model_file else ""})
         port = int(address.rsplit(":", 1)[1])
         client = self._clients.client(node_id, port)
         deadline = self._reactor.seconds() + self.load_timeout

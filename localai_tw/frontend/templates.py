@@ -14,26 +14,36 @@ A model config's ``template`` block says how a request becomes backend input
 Templates are written in a **small subset of Go text/template**, the language of LocalAI model
 files, so existing templates work unchanged:
 
-- output: ``{{.Field}}``, string literals (``"..."`` or raw ```...```), integers,
-  ``true``/``false``;
+- output: ``{{.Field}}``, field chains (``{{.FunctionCall.Name}}``), ``{{.}}``, variables
+  (``{{$x}}``, ``$`` is the top-level data), string literals (``"..."`` or raw ```...```),
+  integers, ``true``/``false``/``nil``;
 - ``{{if COND}} ... {{else if COND}} ... {{else}} ... {{end}}``, nestable;
-- conditions: a field or literal (Go truthiness: empty string, 0, false and nil are false),
-  ``eq A B [C ...]`` (A equals any of the rest), ``ne A B``, ``not A``, ``and A B ...``,
-  ``or A B ...``, and parentheses;
+- ``{{range [$i,] [$v :=] X}} ... [{{else}} ...] {{end}}`` over a list, a mapping (keys in
+  order, as Go) or an integer; ``{{with X}} ... [{{else}} ...] {{end}}``;
+- ``{{$x := EXPR}}`` declares, ``{{$x = EXPR}}`` assigns (scoped to the enclosing block, as Go);
+- functions: ``eq A B [C ...]`` (A equals any of the rest), ``ne``, ``lt``, ``le``, ``gt``,
+  ``ge``, ``not``, ``and``, ``or`` (Go truthiness: empty, 0, false and nil are false), ``len``,
+  ``index``, ``print`` (``fmt.Sprint``), and the Sprig helpers LocalAI's gallery calls:
+  ``toJson`` (``json.Marshal``: compact, map keys sorted, ``<>&`` escaped) and ``add1``;
+  parentheses;
 - ``{{/* comments */}}`` and the whitespace trimming markers ``{{- `` and `` -}}``.
 
 Fields of a chat message: ``.RoleName`` (the role as sent), ``.Role`` (its prefix from
-``roles``), ``.Content``, ``.FunctionName`` (``name``), ``.FunctionCall`` (tool calls as JSON,
-or nil), ``.MessageIndex``, ``.LastMessage``, ``.Function`` (always false here),
-``.SystemPrompt``.  Fields of a chat or completion prompt: ``.Input``, ``.SystemPrompt``,
-``.SuppressSystemPrompt`` (the request carries its own system message), ``.Instruction``,
-``.Functions`` (nil), ``.MessageIndex`` (0), ``.ReasoningEffort``, ``.Metadata``.
+``roles``), ``.Content``, ``.FunctionName`` (``name``), ``.FunctionCall`` (the tool calls as a
+list that prints as their JSON text, or nil), ``.MessageIndex``, ``.LastMessage``,
+``.Function`` (always false here), ``.SystemPrompt``.  Fields of a chat or completion prompt:
+``.Input``, ``.SystemPrompt``, ``.SuppressSystemPrompt`` (the request carries its own system
+message), ``.Instruction``, ``.Functions`` (nil), ``.MessageIndex`` (0), ``.ReasoningEffort``,
+``.Metadata``.  A field of a nested mapping that is missing is nil (Go's zero value); a field
+the top level does not have is an error.
 
-What this module must never do: evaluate code (no ``eval``/``exec``, no attribute or item
-access beyond the fixed fields above, no function other than those listed), read files, or
+What this module must never do: evaluate code (no ``eval``/``exec``, no attribute access:
+fields are read from mappings only, no function other than those listed), read files, or
 touch the network.  An unsupported construct is a :class:`TemplateError` naming it, raised when
-the template is compiled; an unknown field is a :class:`TemplateError` when rendered.  Every
-function here is pure and runs in time linear in the template and the input.
+the template is compiled; an unknown field or a function applied to the wrong kind of value is
+a :class:`TemplateError` when rendered.  Compiling is linear in the template; a rendering runs
+at most ``MAX_STEPS`` actions and produces at most ``MAX_OUTPUT_CHARS`` characters (``range``
+can multiply work), else it is a :class:`TemplateError`.
 """
 
 from __future__ import annotations
@@ -56,10 +66,66 @@ class TemplateError(ValueError):
 
 # -- the template language ----------------------------------------------------------------------
 
-_ACTION = re.compile(r"\{\{(-[ \t\r\n])?(.*?)([ \t\r\n]-)?\}\}", re.DOTALL)
+_SPACE = " \t\r\n"
+
+
+def _actions(text: str):
+    """Each action of ``text`` as ``(start, end, trim_left, body, trim_right)``, found in one
+    linear pass: quoted strings inside an action are whole units (``{{`{{x}}`}}`` holds a raw
+    string with braces), as Go's lexer reads them.  :raises TemplateError: an action or a string
+    in one is not closed."""
+    pos = 0
+    while True:
+        start = text.find("{{", pos)
+        if start < 0:
+            return
+        i = start + 2
+        trim_left = text.startswith("-", i) and i + 1 < len(text) and text[i + 1] in _SPACE
+        if trim_left:
+            i += 2
+        body_start = i
+        if text.startswith("/*", i):
+            close = text.find("*/", i + 2)
+            if close < 0:
+                raise TemplateError("a comment must be {{/* ... */}}")
+            i = close + 2
+        while True:
+            if i >= len(text):
+                raise TemplateError("an action '{{' is not closed with '}}'")
+            c = text[i]
+            if c == '"':
+                i += 1
+                while i < len(text) and text[i] not in '"\n':
+                    i += 2 if text[i] == "\\" else 1
+                if i >= len(text) or text[i] != '"':
+                    raise TemplateError("a string in an action is not closed")
+                i += 1
+            elif c == "`":
+                close = text.find("`", i + 1)
+                if close < 0:
+                    raise TemplateError("a raw string in an action is not closed")
+                i = close + 1
+            elif text.startswith("}}", i):
+                break
+            else:
+                i += 1
+        body_end = i
+        trim_right = body_end - 2 >= body_start and text[body_end - 1] == "-" and \
+            text[body_end - 2] in _SPACE
+        if trim_right:
+            body_end -= 2
+        yield start, i + 2, trim_left, text[body_start:body_end], trim_right
+        pos = i + 2
+
+
 _TOKEN = re.compile(
     r"""\s*(?:
-        (?P<field>\.[A-Za-z_][A-Za-z0-9_]*)
+        (?P<declare>:=)
+      | (?P<assign>=)
+      | (?P<comma>,)
+      | (?P<var>\$[A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)
+      | (?P<field>(?:\.[A-Za-z_][A-Za-z0-9_]*)+)
+      | (?P<dot>\.)
       | (?P<string>"(?:[^"\\\n]|\\.)*")
       | (?P<raw>`[^`]*`)
       | (?P<number>-?[0-9]+)
@@ -71,12 +137,25 @@ _TOKEN = re.compile(
 )
 _STRING_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'",
                    "0": "\0", "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
-_FUNCTIONS = frozenset({"eq", "ne", "not", "and", "or"})
+#: The functions templates may call: name -> (fewest, most) arguments (None: no limit).  Go's
+#: built-ins, and the Sprig helpers LocalAI's gallery templates call (``toJson``, ``add1``).
+_FUNCTIONS: dict[str, tuple[int, int | None]] = {
+    "eq": (2, None), "ne": (2, 2), "lt": (2, 2), "le": (2, 2), "gt": (2, 2), "ge": (2, 2),
+    "not": (1, 1), "and": (1, None), "or": (1, None), "len": (1, 1), "index": (1, None),
+    "print": (0, None), "toJson": (1, 1), "add1": (1, 1),
+}
+#: Most output one rendering may produce, and most actions it may run (``range`` multiplies).
+MAX_OUTPUT_CHARS = 4 * 1024 * 1024
+MAX_STEPS = 200_000
 
 
 @dataclass(frozen=True)
 class _Field:
-    name: str
+    """``.A.B`` (``path`` ("A", "B")) from the dot, or from variable ``var`` (``$`` is the data);
+    ``.`` alone is the empty path."""
+
+    path: tuple
+    var: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +173,32 @@ class _Call:
 class _If:
     branches: list  # [(condition, body)]
     otherwise: list | None = None
+
+
+@dataclass
+class _Range:
+    """``{{range [$i,] [$v :=] EXPR}} body {{else}} otherwise {{end}}``."""
+
+    names: tuple  # () or (value,) or (index, value): variable names without "$"
+    expression: Any
+    body: list = field(default_factory=list)
+    otherwise: list | None = None
+
+
+@dataclass
+class _With:
+    expression: Any
+    body: list = field(default_factory=list)
+    otherwise: list | None = None
+
+
+@dataclass(frozen=True)
+class _Set:
+    """``{{$x := EXPR}}`` (``declare``) or ``{{$x = EXPR}}``; prints nothing."""
+
+    name: str
+    expression: Any
+    declare: bool
 
 
 @dataclass(frozen=True)
@@ -132,8 +237,13 @@ def _tokens(source: str) -> list[tuple[str, str]]:
     return tokens
 
 
+def _variable(text: str) -> _Field:
+    name, *path = text[1:].split(".")
+    return _Field(tuple(path), var=name)
+
+
 class _ExpressionParser:
-    """``expr := operand | FUNC operand+``; ``operand := field | literal | ( expr )``."""
+    """``expr := operand | FUNC operand*``; ``operand := field | $var | . | literal | ( expr )``."""
 
     def __init__(self, tokens: list[tuple[str, str]], action: str):
         self.tokens = tokens
@@ -154,16 +264,19 @@ class _ExpressionParser:
     def expression(self, depth: int):
         if depth > MAX_NESTING:
             raise self.fail("expression nested too deeply")
+        if self.pos >= len(self.tokens):
+            raise self.fail("an expression ends early")
         kind, text = self.tokens[self.pos]
         if kind == "ident" and text in _FUNCTIONS:
             self.pos += 1
             args = []
             while self.pos < len(self.tokens) and self.tokens[self.pos][0] != "close":
                 args.append(self.operand(depth))
-            minimum = {"not": 1, "eq": 2, "ne": 2, "and": 1, "or": 1}[text]
-            if len(args) < minimum or (text in ("not", "ne") and len(args) != minimum):
-                raise self.fail(f"{text} takes {'exactly' if text in ('not', 'ne') else 'at least'}"
-                                f" {minimum} argument(s)")
+            fewest, most = _FUNCTIONS[text]
+            if len(args) < fewest or (most is not None and len(args) > most):
+                count = f"{fewest}" if fewest == most else \
+                    f"at least {fewest}" if most is None else f"{fewest} to {most}"
+                raise self.fail(f"{text} takes {count} argument(s)")
             return _Call(text, tuple(args))
         return self.operand(depth)
 
@@ -173,7 +286,11 @@ class _ExpressionParser:
         kind, text = self.tokens[self.pos]
         self.pos += 1
         if kind == "field":
-            return _Field(text[1:])
+            return _Field(tuple(text[1:].split(".")))
+        if kind == "dot":
+            return _Field(())
+        if kind == "var":
+            return _variable(text)
         if kind == "string":
             return _Literal(_unquote(text))
         if kind == "raw":
@@ -192,12 +309,34 @@ class _ExpressionParser:
             return inner
         if kind == "ident":
             raise self.fail(f"unsupported function or keyword {text!r} (supported: "
-                            f"{', '.join(sorted(_FUNCTIONS))}, if, else, end)")
+                            f"{', '.join(sorted(_FUNCTIONS))}, if, else, end, range, with)")
         raise self.fail(f"unexpected {text!r}")
 
 
 def _parse_expression(source: str):
     return _ExpressionParser(_tokens(source), source).parse()
+
+
+def _declaration(source: str, allow_index: bool) -> tuple[tuple, Any]:
+    """``[$i ,] $v := EXPR`` -> (("i", "v"), expr); a plain ``EXPR`` -> ((), expr)."""
+    tokens = _tokens(source)
+    for names_end in ((3, 1) if allow_index else (1,)):
+        if len(tokens) > names_end and tokens[names_end][0] == "declare":
+            names = tokens[:names_end:2]
+            if names_end == 3 and tokens[1][0] != "comma":
+                break
+            if not all(k == "var" and "." not in t and len(t) > 1 for k, t in names):
+                raise TemplateError(f"a variable to declare must be $name in "
+                                    f"{{{{{source.strip()[:60]}}}}}")
+            rest = _ExpressionParser(tokens[names_end + 1:], source).parse()
+            return tuple(t[1:] for _, t in names), rest
+    if any(k in ("declare", "assign", "comma") for k, _ in tokens):
+        raise TemplateError(f"unsupported declaration in {{{{{source.strip()[:60]}}}}}")
+    return (), _ExpressionParser(tokens, source).parse()
+
+
+_KEYWORD = re.compile(r"([A-Za-z]+)(?:\s+|$)(.*)", re.DOTALL)
+_SET = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)\s*(:=|=)\s*(.*)", re.DOTALL)
 
 
 class Template:
@@ -214,40 +353,53 @@ class Template:
     @staticmethod
     def _compile(text: str) -> list:
         root: list = []
-        # stack of (node list being filled, the _If it belongs to or None)
-        stack: list[tuple[list, _If | None]] = [(root, None)]
+        # stack of (node list being filled, the block node it belongs to or None)
+        stack: list[tuple[list, Any]] = [(root, None)]
         pos = 0
         pending_trim_left = False
-        for match in _ACTION.finditer(text):
-            literal = text[pos:match.start()]
+        for start, end, trim_left, body, trim_right in _actions(text):
+            literal = text[pos:start]
             if pending_trim_left:
                 literal = literal.lstrip()
-            if match.group(1):
+            if trim_left:
                 literal = literal.rstrip()
             if literal:
                 stack[-1][0].append(literal)
-            pos = match.end()
-            pending_trim_left = bool(match.group(3))
-            action = match.group(2).strip()
+            pos = end
+            pending_trim_left = trim_right
+            action = body.strip()
             if action.startswith("/*"):
                 if not action.endswith("*/"):
                     raise TemplateError("a comment must be {{/* ... */}}")
                 continue
-            keyword, _, rest = action.partition(" ")
-            rest = rest.strip()
-            if keyword == "if":
+            keyword_match = _KEYWORD.fullmatch(action)
+            keyword, rest = (keyword_match.group(1), keyword_match.group(2).strip()) \
+                if keyword_match else ("", action)
+            if keyword in ("if", "range", "with"):
                 if len(stack) > MAX_NESTING:
-                    raise TemplateError("if blocks nested too deeply")
-                node = _If([(_parse_expression(rest), [])])
+                    raise TemplateError(f"{keyword} blocks nested too deeply")
+                if keyword == "if":
+                    node: Any = _If([(_parse_expression(rest), [])])
+                    body = node.branches[0][1]
+                elif keyword == "range":
+                    names, expression = _declaration(rest, allow_index=True)
+                    node = _Range(names, expression)
+                    body = node.body
+                else:
+                    node = _With(_parse_expression(rest))
+                    body = node.body
                 stack[-1][0].append(node)
-                stack.append((node.branches[0][1], node))
+                stack.append((body, node))
             elif keyword == "else":
                 node = stack[-1][1]
                 if node is None or node.otherwise is not None:
-                    raise TemplateError("{{else}} without a matching {{if}}")
+                    raise TemplateError("{{else}} without a matching {{if}}, {{range}} or "
+                                        "{{with}}")
                 stack.pop()
                 if rest.startswith("if ") or rest == "if":
-                    body: list = []
+                    if not isinstance(node, _If):
+                        raise TemplateError("{{else if}} belongs to an {{if}}")
+                    body = []
                     node.branches.append((_parse_expression(rest[2:].strip()), body))
                 elif rest:
                     raise TemplateError(f"unsupported {{{{else {rest[:40]}}}}}")
@@ -258,11 +410,15 @@ class Template:
                 if rest:
                     raise TemplateError("{{end}} takes nothing")
                 if stack[-1][1] is None:
-                    raise TemplateError("{{end}} without a matching {{if}}")
+                    raise TemplateError("{{end}} without a matching {{if}}, {{range}} or "
+                                        "{{with}}")
                 stack.pop()
-            elif keyword in ("range", "with", "define", "template", "block", "break",
-                             "continue"):
-                raise TemplateError(f"{{{{{keyword}}}}} is not supported (only if/else/end)")
+            elif keyword in ("define", "template", "block", "break", "continue"):
+                raise TemplateError(f"{{{{{keyword}}}}} is not supported (only if, else, end, "
+                                    "range, with and variables)")
+            elif _SET.match(action):
+                name, operator, expression = _SET.match(action).groups()
+                stack[-1][0].append(_Set(name, _parse_expression(expression), operator == ":="))
             else:
                 stack[-1][0].append(_Output(_parse_expression(action)))
         tail = text[pos:]
@@ -273,51 +429,207 @@ class Template:
         if tail:
             stack[-1][0].append(tail)
         if len(stack) != 1:
-            raise TemplateError("an {{if}} is not closed with {{end}}")
+            raise TemplateError("an {{if}}, {{range}} or {{with}} is not closed with {{end}}")
         return root
 
     def render(self, data: Mapping[str, Any]) -> str:
-        out: list[str] = []
-        self._run(self._body, data, out)
-        return "".join(out)
+        run = _Run(data)
+        run.block(self._body, data, [{}])
+        return "".join(run.out)
 
-    def _run(self, nodes: list, data: Mapping[str, Any], out: list[str]) -> None:
+
+class _Run:
+    """One rendering: the output so far and the work budget (``range`` can multiply work)."""
+
+    def __init__(self, data: Mapping[str, Any]):
+        self.data = data
+        self.out: list[str] = []
+        self.size = 0
+        self.steps = 0
+
+    def emit(self, text: str) -> None:
+        self.size += len(text)
+        if self.size > MAX_OUTPUT_CHARS:
+            raise TemplateError(f"the rendered text would exceed {MAX_OUTPUT_CHARS} characters")
+        self.out.append(text)
+
+    def block(self, nodes: list, dot, scopes: list) -> None:
+        scopes = scopes + [{}]  # variables declared inside a block end with it, as in Go
         for node in nodes:
+            self.steps += 1
+            if self.steps > MAX_STEPS:
+                raise TemplateError(f"the template runs more than {MAX_STEPS} actions")
             if isinstance(node, str):
-                out.append(node)
+                self.emit(node)
             elif isinstance(node, _Output):
-                out.append(_printed(_evaluate(node.expression, data)))
-            else:
+                self.emit(_printed(self.value(node.expression, dot, scopes)))
+            elif isinstance(node, _Set):
+                self.assign(node, self.value(node.expression, dot, scopes), scopes)
+            elif isinstance(node, _If):
                 for condition, body in node.branches:
-                    if _truthy(_evaluate(condition, data)):
-                        self._run(body, data, out)
+                    if _truthy(self.value(condition, dot, scopes)):
+                        self.block(body, dot, scopes)
                         break
                 else:
                     if node.otherwise is not None:
-                        self._run(node.otherwise, data, out)
+                        self.block(node.otherwise, dot, scopes)
+            elif isinstance(node, _With):
+                value = self.value(node.expression, dot, scopes)
+                if _truthy(value):
+                    self.block(node.body, value, scopes)
+                elif node.otherwise is not None:
+                    self.block(node.otherwise, dot, scopes)
+            else:
+                self.range(node, dot, scopes)
 
+    def range(self, node: _Range, dot, scopes: list) -> None:
+        value = self.value(node.expression, dot, scopes)
+        if isinstance(value, Mapping):
+            try:
+                items = [(k, value[k]) for k in sorted(value)]  # Go ranges maps in key order
+            except TypeError:
+                raise TemplateError("range over a mapping with unsortable keys") from None
+        elif isinstance(value, (list, tuple)):
+            items = list(enumerate(value))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            items = [(i, i) for i in range(max(0, min(value, MAX_STEPS)))]
+        elif value is None:
+            items = []
+        else:
+            raise TemplateError(f"range cannot iterate over {_kind(value)}")
+        if not items:
+            if node.otherwise is not None:
+                self.block(node.otherwise, dot, scopes)
+            return
+        for key, item in items:
+            names = dict(zip(node.names[::-1], (item, key)))  # ($v) or ($i, $v)
+            self.block(node.body, item, scopes + [names])
 
-def _evaluate(expression, data: Mapping[str, Any]):
-    if isinstance(expression, _Literal):
-        return expression.value
-    if isinstance(expression, _Field):
-        if expression.name not in data:
-            raise TemplateError(f"unknown field .{expression.name}; this template may use "
-                                f"{', '.join('.' + k for k in sorted(data))}")
-        return data[expression.name]
-    function, args = expression.function, expression.args
-    if function == "not":
-        return not _truthy(_evaluate(args[0], data))
-    if function in ("eq", "ne"):
-        first = _evaluate(args[0], data)
-        equal = any(_equal(first, _evaluate(a, data)) for a in args[1:])
-        return equal if function == "eq" else not equal
-    value = None
-    for arg in args:  # and / or: Go returns the deciding argument
-        value = _evaluate(arg, data)
-        if _truthy(value) == (function == "or"):
+    @staticmethod
+    def assign(node: _Set, value, scopes: list) -> None:
+        if node.declare:
+            scopes[-1][node.name] = value
+            return
+        for scope in reversed(scopes):
+            if node.name in scope:
+                scope[node.name] = value
+                return
+        raise TemplateError(f"undefined variable ${node.name}")
+
+    def value(self, expression, dot, scopes: list):
+        if isinstance(expression, _Literal):
+            return expression.value
+        if isinstance(expression, _Field):
+            return self.field(expression, dot, scopes)
+        function, args = expression.function, expression.args
+        if function == "not":
+            return not _truthy(self.value(args[0], dot, scopes))
+        if function in ("and", "or"):
+            value = None
+            for arg in args:  # Go returns the deciding argument and stops there
+                value = self.value(arg, dot, scopes)
+                if _truthy(value) == (function == "or"):
+                    return value
             return value
-    return value
+        values = [self.value(a, dot, scopes) for a in args]
+        try:
+            return _call(function, values)
+        except TemplateError as e:
+            raise TemplateError(f"{function}: {e}") from None
+
+    def field(self, expression: _Field, dot, scopes: list):
+        if expression.var is None:
+            value = dot
+        elif expression.var == "":
+            value = self.data
+        else:
+            for scope in reversed(scopes):
+                if expression.var in scope:
+                    value = scope[expression.var]
+                    break
+            else:
+                raise TemplateError(f"undefined variable ${expression.var}")
+        for name in expression.path:
+            if value is self.data:
+                if name not in value:
+                    raise TemplateError(f"unknown field .{name}; this template may use "
+                                        f"{', '.join('.' + k for k in sorted(value))}")
+                value = value[name]
+            elif isinstance(value, Mapping):
+                value = value.get(name)  # Go: a map's missing key is its zero value
+            elif value is None:
+                return None
+            else:
+                raise TemplateError(f"cannot read field .{name} of {_kind(value)}")
+        return value
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return "a mapping" if isinstance(value, Mapping) else "a value"
+
+
+def _call(function: str, values: list):
+    if function in ("eq", "ne"):
+        equal = any(_equal(values[0], v) for v in values[1:])
+        return equal if function == "eq" else not equal
+    if function in ("lt", "le", "gt", "ge"):
+        a, b = values
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if not numbers and not all(isinstance(v, str) for v in values):
+            raise TemplateError(f"compares two numbers or two strings, not "
+                                f"{_kind(a)} and {_kind(b)}")
+        return {"lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b}[function]
+    if function == "len":
+        if not isinstance(values[0], (str, list, tuple, Mapping)):
+            raise TemplateError(f"cannot take the length of {_kind(values[0])}")
+        return len(values[0])
+    if function == "index":
+        value = values[0]
+        for key in values[1:]:
+            if isinstance(value, Mapping):
+                value = value.get(key)
+            elif isinstance(value, (list, tuple, str)) and isinstance(key, int) and \
+                    not isinstance(key, bool):
+                if not 0 <= key < len(value):
+                    raise TemplateError(f"index {key} out of range")
+                value = value[key]
+            else:
+                raise TemplateError(f"cannot index {_kind(value)} with {_kind(key)}")
+        return value
+    if function == "print":  # fmt.Sprint: a space between operands when neither is a string
+        out = []
+        for i, value in enumerate(values):
+            if i and not isinstance(value, str) and not isinstance(values[i - 1], str):
+                out.append(" ")
+            out.append(_printed(value))
+        text = "".join(out)
+        if len(text) > MAX_OUTPUT_CHARS:  # a variable doubled in a loop never reaches emit()
+            raise TemplateError(f"the text would exceed {MAX_OUTPUT_CHARS} characters")
+        return text
+    if function == "add1":
+        value = values[0]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TemplateError(f"cannot add 1 to {_kind(value)}")
+        return value + 1
+    return _to_json(values[0])  # toJson
+
+
+def _to_json(value) -> str:
+    """Sprig's ``toJson``: Go's ``json.Marshal`` (compact, map keys sorted, ``<``, ``>`` and
+    ``&`` escaped)."""
+    try:
+        text = json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError):
+        raise TemplateError(f"cannot encode {_kind(value)}") from None
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _equal(a, b) -> bool:
@@ -335,7 +647,26 @@ def _printed(value) -> str:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, ToolCalls):
+        return str(value)
+    if isinstance(value, (list, tuple)):  # as Go's fmt prints them
+        return "[" + " ".join(_printed(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "map[" + " ".join(f"{_printed(k)}:{_printed(value[k])}"
+                                 for k in sorted(value, key=str)) + "]"
     return str(value)
+
+
+class ToolCalls(list):
+    """A message's tool calls as data (``range``, ``index``, ``toJson``) that print as the
+    compact JSON text LocalAI templates expect from ``{{.FunctionCall}}``."""
+
+    def __init__(self, calls, text: str):
+        super().__init__(calls)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @lru_cache(maxsize=256)
@@ -446,7 +777,7 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage]) -> 
             rendered = message_template.render({
                 "SystemPrompt": templates.system_prompt, "Role": prefix, "RoleName": role,
                 "Content": message.content, "FunctionName": message.name,
-                "FunctionCall": message.tool_calls or None, "MessageIndex": index,
+                "FunctionCall": _tool_calls(message.tool_calls), "MessageIndex": index,
                 "LastMessage": index == last, "Function": False,
             })
             if rendered:
@@ -477,28 +808,45 @@ def render_completion(templates: PromptTemplates, prompt: str) -> str:
 
 
 def template_fields(text: str) -> set[str]:
-    """The field names a template refers to (for diagnostics and tests)."""
+    """The top-level field names a template refers to (``.X`` where the dot is the data, and
+    ``$.X``), for diagnostics and tests."""
     found: set[str] = set()
 
-    def walk(nodes: Iterable):
+    def walk(nodes: Iterable, at_root: bool):
         for node in nodes:
-            if isinstance(node, _Output):
-                expr(node.expression)
+            if isinstance(node, (_Output, _Set)):
+                expr(node.expression, at_root)
             elif isinstance(node, _If):
                 for condition, body in node.branches:
-                    expr(condition)
-                    walk(body)
-                walk(node.otherwise or ())
+                    expr(condition, at_root)
+                    walk(body, at_root)
+                walk(node.otherwise or (), at_root)
+            elif isinstance(node, (_Range, _With)):
+                expr(node.expression, at_root)
+                walk(node.body, False)  # the dot is the element there
+                walk(node.otherwise or (), at_root)
 
-    def expr(e):
-        if isinstance(e, _Field):
-            found.add(e.name)
+    def expr(e, at_root: bool):
+        if isinstance(e, _Field) and e.path and (e.var == "" or (e.var is None and at_root)):
+            found.add(e.path[0])
         elif isinstance(e, _Call):
             for a in e.args:
-                expr(a)
+                expr(a, at_root)
 
-    walk(compile_template(text)._body)
+    walk(compile_template(text)._body, True)
     return found
+
+
+def _tool_calls(text: str):
+    """``.FunctionCall`` of a message: its tool calls as data that prints as their JSON text
+    (LocalAI passes the decoded calls; templates ``toJson``, ``range`` or print them)."""
+    if not text:
+        return None
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return text
+    return ToolCalls(calls, text) if isinstance(calls, list) else text
 
 
 def tool_calls_json(tool_calls: Any) -> str:
@@ -510,6 +858,7 @@ def tool_calls_json(tool_calls: Any) -> str:
 
 __all__ = [
     "ChatMessage",
+    "ToolCalls",
     "PromptTemplates",
     "RenderedChat",
     "Template",

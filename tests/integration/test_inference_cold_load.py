@@ -123,3 +123,20 @@ async def test_a_model_file_that_is_a_symlink_out_of_the_models_dir_is_not_stage
     with pytest.raises(ModelFileMismatch, match="resolves outside the models directory"):
         await frontend.replica.inference.predict("tiny", backend_pb2.PredictOptions(Prompt="x"))
     assert await cluster.rows("tiny") == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_config_with_localai_keys_loads_and_serves(cluster):
+    # LocalAI's keys reach the real LoadModel (f16, mmap, threads, gpu_layers, type); one it
+    # does not act on (function) and one nobody knows are warnings, not a skipped model.
+    cluster.write_file("tiny.bin", WEIGHTS)
+    cluster.write_model("tiny.yaml", tiny_model(sha256_hex(WEIGHTS), extra=(
+        "f16: true\nmmap: true\nthreads: 2\ngpu_layers: 0\ntype: EchoModel\n"
+        "stopwords: ['</s>']\nfunction: {grammar: {disable: true}}\nnot_a_localai_key: 1\n")))
+    frontend = await cluster.frontend("replica-a")
+    router = frontend.inference
+    [model] = router.models()
+    assert model.model_options["Type"] == "EchoModel"
+    worker = await cluster.worker("w1", frontend)
+    served = await router.predict("tiny", backend_pb2.PredictOptions(Prompt="still served"))
+    assert (served.served_by, served.value.message) == (worker.node_id, b"still served")
