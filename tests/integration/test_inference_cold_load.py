@@ -134,7 +134,7 @@ async def test_a_config_with_localai_keys_loads_and_serves(cluster):
         "f16: true\nmmap: true\nthreads: 2\ngpu_layers: 0\ntype: EchoModel\n"
         "stopwords: ['</s>']\nfunction: {grammar: {disable: true}}\nnot_a_localai_key: 1\n")))
     frontend = await cluster.frontend("replica-a")
-    router = frontend.inference
+    router = frontend.replica.inference
     [model] = router.models()
     assert model.model_options["Type"] == "EchoModel"
     worker = await cluster.worker("w1", frontend)
