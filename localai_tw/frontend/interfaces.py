@@ -1,6 +1,6 @@
 """The inference interface the OpenAI-compatible API programs against, and its three failures.
 
-``IInferenceRouter`` is the whole surface between ``frontend/openai.py`` (HTTP, SSE, templates,
+``IInferenceRouter`` is the whole surface between ``frontend/openai/`` (HTTP, SSE, templates,
 OpenAI-shaped errors) and the inference core (model configs, node choice, cold loads, gRPC
 through the tunnel).  The API layer must never reach past it into the scheduler, the bridges or
 the database; the core must never know about HTTP.

@@ -97,7 +97,7 @@ class ReadinessResource(Resource):
 
 
 class _OpenAIStarting:
-    """The OpenAI-shaped 503 (as ``frontend/openai.py`` spells errors; not imported here so the
+    """The OpenAI-shaped 503 (as ``openai/errors.py`` spells errors; not imported here so the
     plugin's option parsing stays free of the protobuf modules)."""
 
     status = 503

@@ -39,7 +39,7 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
 ``/api/cluster/instances`` (admin, ``--api-key``), ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
-(``frontend/openai.py``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
+(``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
 gate is open (database ready *and* membership registered, and every readiness gate passed).
 
 Tunnel events are logged by the tunnel modules with node, replica and epoch; this module logs

@@ -20,7 +20,7 @@ from localai_tw.frontend.models import (
     ModelConfigError,
     parse_model_config,
 )
-from localai_tw.frontend.openai import _Fields, merge_sampling
+from localai_tw.frontend.openai.requests import Fields, merge_sampling
 from localai_tw.frontend.scheduler import Scheduler
 
 from .test_openai_fakes import FakeRouter, call, make_site
@@ -110,7 +110,7 @@ def test_the_transformers_type_and_engine_args_reach_load_model():
 
 
 def predict_options(config, request=None) -> backend_pb2.PredictOptions:
-    return merge_sampling(config.parameters, _Fields(request or {}),
+    return merge_sampling(config.parameters, Fields(request or {}),
                           config.predict_options).options(Prompt="p")
 
 

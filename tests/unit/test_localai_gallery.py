@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from localai_tw.frontend.models import ModelCatalog, _Loader
-from localai_tw.frontend.openai import _Model
+from localai_tw.frontend.openai.requests import ModelView
 from localai_tw.frontend.templates import (
     ChatMessage,
     PromptTemplates,
@@ -128,7 +128,7 @@ def test_every_gallery_template_renders_or_is_refused_naming_the_construct(catal
 
 
 def test_a_chatml_gallery_model_renders_tool_calls_as_json(catalog):
-    templates = _Model.of(catalog.get("chatml")).templates
+    templates = ModelView.of(catalog.get("chatml")).templates
     prompt = render_chat(templates, CONVERSATION).prompt
     assert '{"function":{"arguments":"{\\"city\\":\\"Rome\\"}","name":"weather"},' \
         '"id":"c1","type":"function"}' in prompt

@@ -1,0 +1,186 @@
+"""``POST /v1/chat/completions``: the conversation is rendered by
+:mod:`localai_tw.frontend.templates` (or sent as ``Messages`` with ``UseTokenizerTemplate``);
+``stream: false`` is one ``Predict`` per choice, ``stream: true`` one ``PredictStream`` written
+as ``chat.completion.chunk`` events (the first carries ``role: assistant``, the last
+``finish_reason``, then ``[DONE]``).
+
+What this module must never do: fetch a URL a message names (images are ``data:`` URLs only),
+evaluate anything from a template or a message, or call the router for a model whose config
+rules chat out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from localai_tw.backends import backend_pb2
+
+from ..models import CHAT
+from ..templates import ChatMessage, render_chat, tool_calls_json
+from ..web import printable
+from .context import Context
+from .errors import invalid
+from .requests import (
+    MAX_CHOICES,
+    MAX_MESSAGES,
+    Fields,
+    merge_sampling,
+    read_body,
+    resolve_model,
+    usage_requested,
+)
+from .responses import Exchange, Usage, finish_reason, reply_usage
+from .sse import Chunks, stream_reply
+
+
+async def answer(context: Context, request, exchange: Exchange) -> None:
+    """``POST /v1/chat/completions``."""
+    router = context.router
+    body = read_body(request)
+    name, model = resolve_model(router, body, CHAT)
+    messages, images = parse_messages(body.raw("messages"))
+    stream = bool(body.boolean("stream"))
+    n = body.integer("n", 1, MAX_CHOICES) or 1
+    if stream and n != 1:
+        raise invalid("streaming answers one choice; set 'n' to 1", "n",
+                      code="invalid_value")
+    include_usage = usage_requested(body, stream)
+    sampling = merge_sampling(model.parameters, body, model.predict)
+    extra: dict[str, Any] = {}
+    if images:
+        extra["Images"] = images
+    tools = body.raw("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid("'tools' must be a list", "tools", code="invalid_type")
+        extra["Tools"] = json.dumps(tools, separators=(",", ":"))
+    tool_choice = body.raw("tool_choice")
+    if tool_choice is not None:
+        if not isinstance(tool_choice, (str, dict)):
+            raise invalid("'tool_choice' must be a string or an object", "tool_choice",
+                          code="invalid_type")
+        extra["ToolChoice"] = json.dumps(tool_choice, separators=(",", ":"))
+    rendered = render_chat(model.templates, messages)
+    if rendered.use_tokenizer_template:
+        extra["UseTokenizerTemplate"] = True
+        extra["Messages"] = [backend_pb2.Message(
+            role=m.role, content=m.content, name=m.name, tool_call_id=m.tool_call_id,
+            tool_calls=m.tool_calls, reasoning_content=m.reasoning_content)
+            for m in rendered.messages]
+    options = sampling.options(Prompt=rendered.prompt, **extra)
+    completion_id, created = context.ids("chatcmpl")
+    if stream:
+        await stream_reply(context, exchange, name, options, sampling, include_usage,
+                           _ChatChunks(completion_id, created, name))
+        return
+    choices, usage = [], Usage()
+    for index in range(n):
+        served = await exchange.call(router.predict(name, options, context.deadline()))
+        exchange.served_by(served.served_by)
+        reply = served.value
+        usage.add(reply_usage(reply))
+        choices.append({
+            "index": index,
+            "message": {"role": "assistant",
+                        "content": reply.message.decode("utf-8", "replace")},
+            "logprobs": None,
+            "finish_reason": finish_reason(reply, sampling.max_tokens),
+        })
+    exchange.send_json(200, {"id": completion_id, "object": "chat.completion",
+                             "created": created, "model": name, "choices": choices,
+                             "usage": usage.body()})
+
+
+def parse_messages(raw: Any) -> tuple[list[ChatMessage], list[str]]:
+    """The chat messages and the base64 images they carry (``data:`` URLs only; this frontend
+    never fetches a URL).  :raises OpenAIError: 400 naming the offending field."""
+    if not isinstance(raw, list):
+        raise invalid("'messages' must be a list of message objects", "messages",
+                      code="invalid_type")
+    if not raw:
+        raise invalid("'messages' must hold at least one message", "messages",
+                      code="invalid_value")
+    if len(raw) > MAX_MESSAGES:
+        raise invalid(f"at most {MAX_MESSAGES} messages are accepted", "messages",
+                      code="invalid_value")
+    messages, images = [], []
+    for index, item in enumerate(raw):
+        where = f"messages[{index}]"
+        if not isinstance(item, dict):
+            raise invalid(f"{where!r} must be an object", where, code="invalid_type")
+        fields = Fields(item, prefix=f"{where}.")
+        role = fields.string("role", required=True, nonempty=True)
+        content = _message_content(item.get("content"), f"{where}.content", images)
+        tool_calls = item.get("tool_calls")
+        if tool_calls is not None and not isinstance(tool_calls, list):
+            raise invalid(f"'{where}.tool_calls' must be a list", f"{where}.tool_calls",
+                          code="invalid_type")
+        messages.append(ChatMessage(
+            role=role, content=content, name=fields.string("name") or "",
+            tool_call_id=fields.string("tool_call_id") or "",
+            tool_calls=tool_calls_json(tool_calls),
+            reasoning_content=fields.string("reasoning_content") or ""))
+    return messages, images
+
+
+def _message_content(content: Any, param: str, images: list[str]) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{param!r} must be a string or a list of content parts", param,
+                      code="invalid_type")
+    texts = []
+    for index, part in enumerate(content):
+        where = f"{param}[{index}]"
+        if not isinstance(part, dict):
+            raise invalid(f"{where!r} must be an object", where, code="invalid_type")
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"'{where}.text' must be a string", f"{where}.text",
+                              code="invalid_type")
+            texts.append(text)
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url.startswith("data:") or \
+                    ";base64," not in url[:256]:
+                raise invalid(f"'{where}.image_url.url' must be a data: URL with base64 "
+                              "content (this server fetches no URLs)",
+                              f"{where}.image_url.url", code="invalid_value")
+            images.append(url.split(";base64,", 1)[1])
+        else:
+            raise invalid(f"'{where}.type' {printable(str(kind))!r} is not supported "
+                          "(text, image_url)", f"{where}.type", code="invalid_value")
+    return "".join(texts)
+
+
+@dataclass
+class _ChatChunks(Chunks):
+    id: str
+    created: int
+    model: str
+
+    def _chunk(self, choices: list, **more) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": choices, **more}
+
+    def first(self) -> dict:
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def delta(self, text: str) -> dict:
+        return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def finish(self, reason: str) -> dict:
+        return self._chunk([{"index": 0, "delta": {}, "logprobs": None,
+                             "finish_reason": reason}])
+
+    def usage(self, usage: dict) -> dict:
+        return self._chunk([], usage=usage)

@@ -1,0 +1,108 @@
+"""``POST /v1/completions``: each prompt through the model's ``completion`` template, one
+``Predict`` per prompt; streaming (``text_completion`` events) allows exactly one prompt.
+
+What this module must never do: accept token-id prompts (they are refused, not guessed at),
+evaluate anything from a template or a prompt, or call the router for a model whose config
+rules completions out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..models import COMPLETION
+from ..templates import render_completion
+from .context import Context
+from .errors import invalid
+from .requests import (
+    MAX_PROMPTS,
+    merge_sampling,
+    read_body,
+    resolve_model,
+    usage_requested,
+)
+from .responses import Exchange, Usage, finish_reason, reply_usage
+from .sse import Chunks, stream_reply
+
+
+async def answer(context: Context, request, exchange: Exchange) -> None:
+    """``POST /v1/completions``."""
+    router = context.router
+    body = read_body(request)
+    name, model = resolve_model(router, body, COMPLETION)
+    prompts = _prompts(body.raw("prompt"))
+    stream = bool(body.boolean("stream"))
+    echo = bool(body.boolean("echo"))
+    if stream and len(prompts) != 1:
+        raise invalid("streaming answers exactly one prompt", "prompt",
+                      code="invalid_value")
+    include_usage = usage_requested(body, stream)
+    sampling = merge_sampling(model.parameters, body, model.predict)
+    completion_id, created = context.ids("cmpl")
+    if stream:
+        options = sampling.options(Prompt=render_completion(model.templates, prompts[0]))
+        await stream_reply(context, exchange, name, options, sampling, include_usage,
+                           _CompletionChunks(completion_id, created, name,
+                                             prompts[0] if echo else ""))
+        return
+    choices, usage = [], Usage()
+    for index, prompt in enumerate(prompts):
+        options = sampling.options(Prompt=render_completion(model.templates, prompt))
+        served = await exchange.call(router.predict(name, options, context.deadline()))
+        exchange.served_by(served.served_by)
+        reply = served.value
+        usage.add(reply_usage(reply))
+        text = reply.message.decode("utf-8", "replace")
+        choices.append({"index": index, "text": (prompt + text) if echo else text,
+                        "logprobs": None,
+                        "finish_reason": finish_reason(reply, sampling.max_tokens)})
+    exchange.send_json(200, {"id": completion_id, "object": "text_completion",
+                             "created": created, "model": name, "choices": choices,
+                             "usage": usage.body()})
+
+
+def _prompts(raw: Any) -> list[str]:
+    if isinstance(raw, str):
+        return [raw]
+    if isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
+        if len(raw) > MAX_PROMPTS:
+            raise invalid(f"at most {MAX_PROMPTS} prompts are accepted", "prompt",
+                          code="invalid_value")
+        return list(raw)
+    if raw is None:
+        raise invalid("you must provide 'prompt'", "prompt", code="missing_required_parameter")
+    if isinstance(raw, list) and raw and all(isinstance(p, (int, list)) and
+                                             not isinstance(p, bool) for p in raw):
+        raise invalid("token-id prompts are not supported; send text", "prompt",
+                      code="unsupported_parameter")
+    raise invalid("'prompt' must be a string or a non-empty list of strings", "prompt",
+                  code="invalid_type")
+
+
+@dataclass
+class _CompletionChunks(Chunks):
+    id: str
+    created: int
+    model: str
+    echo: str = ""
+
+    def _chunk(self, choices: list, **more) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, **more}
+
+    def first(self) -> dict | None:
+        if not self.echo:
+            return None
+        return self.delta(self.echo)
+
+    def delta(self, text: str) -> dict:
+        return self._chunk([{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": None}])
+
+    def finish(self, reason: str) -> dict:
+        return self._chunk([{"index": 0, "text": "", "logprobs": None,
+                             "finish_reason": reason}])
+
+    def usage(self, usage: dict) -> dict:
+        return self._chunk([], usage=usage)
