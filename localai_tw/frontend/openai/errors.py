@@ -91,7 +91,7 @@ _BACKEND_REFUSED_INPUT = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE"})
 
 
 def error_for(error: BaseException) -> OpenAIError:
-    """The HTTP answer for a failure of the router (or of this module).  One row each, in the
+    """The HTTP answer for a failure of the router (or of this API).  One row each, in the
     order of the table in ``docs/openai-api.md``; subclasses are matched before their bases.
     Messages name the condition, never a node or replica id (those are internal; the log has
     them)."""

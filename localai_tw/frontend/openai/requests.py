@@ -170,7 +170,7 @@ def config_value(obj: Any, name: str, default=None):
 
 @dataclass(frozen=True)
 class ModelView:
-    """What this module reads of a model config."""
+    """What this API reads of a model config."""
 
     name: str
     parameters: Mapping[str, Any]
