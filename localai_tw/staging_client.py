@@ -19,7 +19,6 @@ from typing import Any, Callable
 from urllib.parse import quote, unquote_to_bytes
 
 import attr
-import treq
 from treq.client import HTTPClient
 from twisted.internet import defer, threads
 from twisted.internet.interfaces import IReactorThreads
@@ -28,6 +27,7 @@ from twisted.web.client import FileBodyProducer
 from twisted.web.iweb import IAgent
 
 from localai_tw import errors
+from localai_tw.web.readers import ResponseTooLarge, read_bounded
 
 log = Logger()
 
@@ -138,21 +138,12 @@ class _CountingFile:
 
 
 async def _bounded_body(response) -> bytes:
-    parts: list[bytes] = []
-    held = 0
-
-    def collect(data: bytes):
-        nonlocal held
-        held += len(data)
-        if held > MAX_ANSWER_BYTES:
-            raise ValueError("worker answer body too large")
-        parts.append(data)
-
+    """At most :data:`MAX_ANSWER_BYTES` of an answer's body (what came before the cap when it
+    is longer: an error message is still worth reading)."""
     try:
-        await treq.collect(response, collect)
-    except ValueError:
-        pass
-    return b"".join(parts)[:MAX_ANSWER_BYTES]
+        return await read_bounded(response, MAX_ANSWER_BYTES)
+    except ResponseTooLarge as e:
+        return e.received
 
 
 async def _answer_error(node_id: str, what: str, response) -> errors.WorkerAnswer:

@@ -35,22 +35,24 @@ and never put a traceback or an internal exception text into a response.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import hmac  # noqa: F401  (the tests spy on hmac.compare_digest through this module)
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper
 from twisted.python.failure import Failure
 from twisted.web import server
-from twisted.web.http import RESPONSES, HTTPChannel, unquote
+from twisted.web.http import HTTPChannel, unquote
 from twisted.web.resource import Resource
 
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
+from localai_tw.web import auth
+from localai_tw.web.bodies import CappedBody, answer_early, pending_request_line
+from localai_tw.web.json import JSON_HEADERS  # noqa: F401  (the OpenAI API imports it here)
+from localai_tw.web.json import COMPACT, json_body, write_json
 
 if TYPE_CHECKING:  # the parts' types only: web.py serves them, it never builds them
     from localai_tw.cluster.nodes import NodeRegistry
@@ -74,13 +76,6 @@ HEADERS_DEADLINE_SECONDS = 30.0
 BODY_DEADLINE_SECONDS = 120.0
 #: Longest path segment (node id) echoed back in an error message.
 _ECHO_MAX = 64
-
-JSON_HEADERS = (
-    (b"content-type", b"application/json"),
-    (b"cache-control", b"no-store"),
-    (b"x-content-type-options", b"nosniff"),
-)
-
 
 # -- errors --------------------------------------------------------------------------------
 
@@ -165,65 +160,6 @@ def printable(text: str, limit: int = _ECHO_MAX) -> str:
 # -- bounded request bodies ------------------------------------------------------------------
 
 
-class _CappedBody:
-    """A request body in memory up to ``limit`` bytes; the request refuses anything more."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._chunks: list[bytes] = []
-        self._size = 0
-        self._read_at = 0
-        self._data: bytes | None = None
-
-    def accepts(self, more: int) -> bool:
-        return self._size + more <= self.limit
-
-    def write(self, data: bytes) -> None:
-        if not self.accepts(len(data)):
-            raise ValueError("over the cap")  # the request checks first; this is a backstop
-        self._chunks.append(bytes(data))
-        self._size += len(data)
-        self._data = None
-
-    def _joined(self) -> bytes:
-        if self._data is None:
-            self._data = b"".join(self._chunks)
-            self._chunks = [self._data]
-        return self._data
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._joined()
-        end = len(data) if size is None or size < 0 else min(len(data), self._read_at + size)
-        out = data[self._read_at:end]
-        self._read_at = end
-        return out
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._read_at, 2: self._size}[whence]
-        self._read_at = max(0, min(self._size, base + offset))
-        return self._read_at
-
-    def tell(self) -> int:
-        return self._read_at
-
-    def getvalue(self) -> bytes:
-        return self._joined()
-
-    def close(self) -> None:
-        self._chunks, self._data, self._size, self._read_at = [], None, 0, 0
-
-
-def _request_target(channel) -> bytes | None:
-    """The raw target of the request whose headers just ended.
-
-    ``twisted.web`` gives the request its path only after the whole body has arrived; the
-    channel keeps it in ``_path`` meanwhile.  If a Twisted release renames it, this returns None
-    and the default cap applies (fail closed); a test pins that prefixes still work.
-    """
-    target = getattr(channel, "_path", None)
-    return target if isinstance(target, bytes) else None
-
-
 def _segments_of(target: bytes) -> tuple[bytes, ...]:
     """The path segments of ``target`` exactly as ``twisted.web`` will route them
     (``Request.process``: query dropped, split on ``/``, each segment percent-decoded), so a
@@ -246,33 +182,6 @@ def _as_early_answer(refusal: Exception):
         return refusal
     log.failure("a check before the request body failed; answering 500", Failure(refusal))
     return APIError(500, "internal error; see the frontend log", "internal_error")
-
-
-def _answer_and_close(channel, status: int, body: dict, headers: Mapping[str, str]) -> None:
-    """Write a whole JSON answer on ``channel``'s transport, outside ``twisted.web``'s response
-    machinery (the request has no body yet, or only part of it), stop reading and close.
-
-    Reading stops because the rest of the request will never be processed: the bytes still
-    coming would only be buffered by the kernel or by us.
-    """
-    transport = channel.transport
-    if transport is None:
-        return
-    channel.persistent = False
-    payload = json.dumps(body).encode("utf-8")
-    head = [b"HTTP/1.1 %d %s" % (status, RESPONSES.get(status, b"Unknown"))]
-    head += [name + b": " + value for name, value in JSON_HEADERS]
-    head += [name.encode("ascii") + b": " + value.encode("ascii")
-             for name, value in headers.items()]
-    head += [b"content-length: %d" % len(payload), b"connection: close"]
-    transport.write(b"\r\n".join(head) + b"\r\n\r\n" + payload)
-    producer = IPushProducer(transport, None)
-    if producer is not None:
-        try:
-            producer.pauseProducing()  # read no more of what we refused
-        except Exception:
-            pass
-    channel.loseConnection()
 
 
 class FrontendRequest(server.Request):
@@ -298,9 +207,10 @@ class FrontendRequest(server.Request):
         """
         site = getattr(self.channel, "site", None)
         site = site if isinstance(site, FrontendSite) else None
-        target = _request_target(self.channel)
+        line = pending_request_line(self.channel)
+        target = line[1] if line is not None else None
         limit = site.body_limit_for(target) if site is not None else MAX_BODY_BYTES
-        self.content = _CappedBody(limit)
+        self.content = CappedBody(limit)
         if length == 0:
             return
         try:
@@ -338,7 +248,7 @@ class FrontendRequest(server.Request):
         # answer that would be a second response.
         self.requestHeaders.removeHeader(b"expect")
         if self.channel is not None:
-            _answer_and_close(self.channel, answer.status, answer.body(), answer.headers)
+            answer_early(self.channel, answer.status, answer.body(), answer.headers)
 
 
 def request_timeout(what: str, seconds: float) -> APIError:
@@ -417,7 +327,7 @@ class FrontendChannel(HTTPChannel):
         else:
             if isinstance(request, FrontendRequest):
                 request.answered_before_body = True
-            _answer_and_close(self, answer.status, answer.body(), answer.headers)
+            answer_early(self, answer.status, answer.body(), answer.headers)
         # A client that does not read even the answer is dropped (as twisted.web does after
         # its idle timeout).
         if self.abortTimeout is not None and self._abortingCall is None:
@@ -681,31 +591,16 @@ def reject_unknown_fields(body: Mapping[str, Any], allowed: Iterable[str],
 
 
 def bearer_token(request) -> str | None:
-    """The credential of ``Authorization: Bearer <credential>``, or None (absent, repeated,
-    another scheme, empty, or not ASCII).
-
-    A repeated ``Authorization`` header is refused, not resolved: proxies and servers disagree
-    on which copy wins, so honouring either would let a request be read two ways.  The tunnel
-    endpoints (``tunnel.websocket.bearer_credential``) and the worker's control plane apply the
-    same rule.
-    """
-    values = request.requestHeaders.getRawHeaders(b"authorization") or []
-    if len(values) != 1:
-        return None
-    scheme, _, credential = values[0].strip().partition(b" ")
-    if scheme.lower() != b"bearer":
-        return None
-    credential = credential.strip()
-    if not credential:
+    """The credential of ``Authorization: Bearer <credential>`` as text, or None: absent,
+    repeated, another scheme, empty (:func:`localai_tw.web.auth.bearer_credential`, the rule
+    of every HTTP surface), or not ASCII."""
+    credential = auth.bearer_credential(request)
+    if credential is None:
         return None
     try:
         return credential.decode("ascii")
     except UnicodeDecodeError:
         return None
-
-
-def _digest(secret: str) -> bytes:
-    return hashlib.sha256(secret.encode("utf-8")).digest()
 
 
 class APIKeyGuard:
@@ -717,7 +612,7 @@ class APIKeyGuard:
     """
 
     def __init__(self, keys: Sequence[str] | None, *, what: str = "the admin API"):
-        self._digests = [_digest(k) for k in (keys or ()) if k]
+        self._digests = [auth.digest(k) for k in (keys or ()) if k]
         self._what = what
         if not self._digests:
             log.warn("no --api-key configured: {what} refuses every request until one is set",
@@ -736,11 +631,7 @@ class APIKeyGuard:
         if presented is None:
             raise unauthorized(f"{self._what} requires one Authorization: Bearer <API key> "
                                "header")
-        digest = _digest(presented)
-        matched = False
-        for expected in self._digests:
-            matched |= hmac.compare_digest(digest, expected)
-        if not matched:
+        if not auth.matches_any(presented, self._digests):
             raise unauthorized("the API key is not valid")
 
 
@@ -811,18 +702,9 @@ class JSONResource(Resource):
                         path=printable(_path_text(request)))
             status, headers = 500, {}
             body = error_body("internal error; see the frontend log", "internal_error")
-        if gone or request.finished or request.channel is None:
+        if gone:
             return  # the client left; nothing to answer
-        payload = json.dumps(body, separators=(",", ":")).encode("utf-8")
-        request.setResponseCode(status)
-        for name, value in JSON_HEADERS:
-            request.setHeader(name, value)
-        for name, value in headers.items():
-            request.setHeader(name.encode("ascii"), value.encode("ascii"))
-        request.setHeader(b"content-length", b"%d" % len(payload))
-        if request.method != b"HEAD":
-            request.write(payload)
-        request.finish()
+        write_json(request, status, body, headers, separators=COMPACT)
 
     async def _dispatch(self, request) -> tuple[int, dict]:
         self.guard(request)
@@ -864,14 +746,7 @@ def _path_text(request) -> str:
 def render_error(request, error: APIError) -> bytes:
     """Set ``error``'s status and headers on ``request`` and return its JSON body (for the
     synchronous ``render`` of plain resources)."""
-    request.setResponseCode(error.status)
-    for name, value in JSON_HEADERS:
-        request.setHeader(name, value)
-    for name, value in error.headers.items():
-        request.setHeader(name.encode("ascii"), value.encode("ascii"))
-    body = json.dumps(error.body()).encode("utf-8")
-    request.setHeader(b"content-length", b"%d" % len(body))
-    return b"" if request.method == b"HEAD" else body
+    return json_body(request, error.status, error.body(), error.headers)
 
 
 class NotFoundResource(Resource):
@@ -910,11 +785,7 @@ class JSONDirectory(Resource):
             return render_error(request, APIError(
                 405, f"method {printable(request.method.decode('ascii', 'replace'), 16)} not "
                 "allowed here; use GET", "method_not_allowed", headers={"Allow": "GET, HEAD"}))
-        body = json.dumps(self.index).encode("utf-8")
-        for name, value in JSON_HEADERS:
-            request.setHeader(name, value)
-        request.setHeader(b"content-length", b"%d" % len(body))
-        return b"" if request.method == b"HEAD" else body
+        return json_body(request, 200, self.index)
 
 
 @dataclass

@@ -51,6 +51,7 @@ from zope.interface import implementer
 
 from localai_tw import errors, staging_client
 from localai_tw.tunnel import preamble
+from localai_tw.web.readers import ResponseTooLarge, read_bounded
 
 log = Logger()
 
@@ -249,29 +250,6 @@ def with_deadline(reactor, d: defer.Deferred, timeout: float | None, what: str) 
     return d.addBoth(finished)
 
 
-async def _read_bounded(response, limit: int, what: str) -> bytes:
-    parts: list[bytes] = []
-    held = 0
-
-    class TooLarge(Exception):
-        pass
-
-    def collect(data: bytes) -> None:
-        nonlocal held
-        held += len(data)
-        if held > limit:
-            raise TooLarge()
-        parts.append(data)
-
-    finished: defer.Deferred = defer.Deferred()
-    _collect(response, collect, finished)
-    try:
-        await finished
-    except TooLarge:
-        raise errors.TunnelProtocolError(f"{what}: reply larger than {limit} bytes") from None
-    return b"".join(parts)
-
-
 def _collect(response, collect: Callable[[bytes], None], finished: defer.Deferred) -> None:
     """Deliver the body to ``collect``; ``finished`` fires at its normal end, fails with what
     ``collect`` raised or with the broken body."""
@@ -329,7 +307,11 @@ class ControlClient:
         content_type = (response.headers.getRawHeaders(b"content-type") or [b""])[0]
         if code == 200 and content_type.split(b";")[0].strip().lower() == _NDJSON:
             return await self._streamed(node_id, verb, response, on_progress, what)
-        raw = await _read_bounded(response, MAX_REPLY_BYTES, what)
+        try:
+            raw = await read_bounded(response, MAX_REPLY_BYTES)
+        except ResponseTooLarge:
+            raise errors.TunnelProtocolError(
+                f"{what}: reply larger than {MAX_REPLY_BYTES} bytes") from None
         if code == 200:
             reply = self._decode(raw, what)
             if not isinstance(reply, dict):

@@ -40,8 +40,6 @@ only ever raises ``PeerUnreachable``, ``PeerRejected``, ``PoolClosed`` or :class
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from typing import Callable
 from urllib.parse import quote, urlsplit
 
@@ -69,6 +67,7 @@ from localai_tw.tunnel.websocket import (
     bearer_credential,
     connectWebSocket,
 )
+from localai_tw.web import auth
 
 log = Logger()
 
@@ -114,10 +113,6 @@ class PeerLookupFailed(Exception):
 # -- the accepting side: authorization ------------------------------------------------------------
 
 
-def _digest(value: bytes) -> bytes:
-    return hashlib.sha256(value).digest()
-
-
 @implementer(IConnectAuthorizer)
 class PeerLinkAuthorizer:
     """Checks both peer credentials before the upgrade.  The result is the dialling replica's id.
@@ -128,7 +123,7 @@ class PeerLinkAuthorizer:
 
     def __init__(self, db, registration_token: str, liveness: float = INSTANCE_LIVENESS):
         self._db = db
-        self._token_digest = _digest(registration_token.encode("utf-8")) if registration_token \
+        self._token_digest = auth.digest(registration_token) if registration_token \
             else b""
         self._liveness = liveness
         if not registration_token:
@@ -149,7 +144,7 @@ class PeerLinkAuthorizer:
                 presented = bearer_credential(request)
             except ConnectRefused:
                 raise self._refuse(401, claimed, "missing shared bearer token") from None
-            if not hmac.compare_digest(_digest(presented), self._token_digest):
+            if not auth.matches_any(presented, [self._token_digest]):
                 raise self._refuse(401, claimed, "wrong shared registration token")
         secrets = request.requestHeaders.getRawHeaders(_PEER_TOKEN_HEADER_BYTES) or []
         if len(secrets) != 1 or not secrets[0].strip():

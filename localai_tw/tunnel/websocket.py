@@ -38,8 +38,6 @@ authorizer.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -61,6 +59,7 @@ from zope.interface import Interface, implementer
 
 from localai_tw.tunnel import autobahn_compat as ab
 from localai_tw.tunnel.wsframes import FastBinaryFrames
+from localai_tw.web import auth
 
 _log = Logger()
 
@@ -117,14 +116,12 @@ def _unauthorized(message: str) -> ConnectRefused:
 
 def bearer_credential(request) -> bytes:
     """The credential of the one ``Authorization: Bearer <credential>`` header of ``request``
-    (scheme matched case-insensitively); raises a 401 :class:`ConnectRefused` otherwise."""
-    values = request.requestHeaders.getRawHeaders(b"authorization") or []
-    if len(values) != 1:
-        raise _unauthorized("missing bearer credential" if not values else "ambiguous credential")
-    scheme, _, credential = values[0].strip().partition(b" ")
-    credential = credential.strip()
-    if scheme.lower() != b"bearer" or not credential:
-        raise _unauthorized("missing bearer credential")
+    (:func:`localai_tw.web.auth.bearer_credential`); raises a 401 :class:`ConnectRefused`
+    otherwise."""
+    credential = auth.bearer_credential(request)
+    if credential is None:
+        repeated = len(auth.authorization_headers(request)) > 1
+        raise _unauthorized("ambiguous credential" if repeated else "missing bearer credential")
     return credential
 
 
@@ -151,9 +148,7 @@ class BearerTokenAuthorizer:
         presented = bearer_credential(request)
         if not expected:
             raise _unauthorized("no credential is configured; nobody is authorized")
-        if not hmac.compare_digest(
-            hashlib.sha256(presented).digest(), hashlib.sha256(expected).digest()
-        ):
+        if not auth.matches_any(presented, [auth.digest(expected)]):
             raise _unauthorized("wrong credential")
         return None
 

@@ -24,18 +24,17 @@ What this module must never do:
 
 from __future__ import annotations
 
-import io
-import json
 from typing import Iterable, Sequence
 
 import attr
-from twisted.internet.interfaces import IAddress, IProtocol, IPushProducer, ITransport
+from twisted.internet.interfaces import IAddress, IProtocol, ITransport
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
 from twisted.web import server
-from twisted.web.http import RESPONSES
 from twisted.web.resource import IResource
 from zope.interface import Attribute, Interface, implementer
+
+from localai_tw.web.bodies import CappedBody, answer_early, pending_request_line
 
 #: Body cap for any route without a body policy (``/healthz``, ``/readyz``, unknown paths).
 DEFAULT_BODY_LIMIT = 64 * 1024
@@ -151,17 +150,11 @@ class IRequestBodyPolicy(Interface):
 
 
 @implementer(IRequestBodySink)
-class BoundedMemoryBody(io.BytesIO):
+class BoundedMemoryBody(CappedBody):
     """A request body held in memory up to ``limit`` bytes; one byte more answers 413."""
 
-    def __init__(self, limit: int):
-        super().__init__()
-        self.limit = limit
-
-    def write(self, data) -> int:  # type: ignore[override]
-        if self.tell() + len(data) > self.limit:
-            raise AnswerBeforeBody(413, too_large_body(self.limit))
-        return super().write(data)
+    def over_limit(self) -> Exception:
+        return AnswerBeforeBody(413, too_large_body(self.limit))
 
 
 @implementer(IRequestBodySink)
@@ -206,21 +199,6 @@ class BoundedMemoryBodyPolicy:
         return BoundedMemoryBody(self.limit)
 
 
-def _request_line_of(channel) -> tuple[bytes, bytes] | None:
-    """The method and raw target of the request whose headers just ended, or ``None``.
-
-    ``twisted.web`` only hands the request line to the request after the whole body arrived,
-    which is too late to choose where the body goes.  The channel holds it in ``_command`` and
-    ``_path`` meanwhile; a test pins this, and if a Twisted release renames them the policy
-    lookup fails closed (the small default cap applies) instead of buffering.
-    """
-    method = getattr(channel, "_command", None)
-    target = getattr(channel, "_path", None)
-    if isinstance(method, bytes) and isinstance(target, bytes):
-        return method, target
-    return None
-
-
 class WorkerRequest(server.Request):
     """A request whose body goes where the site's body policy says, never unbounded.
 
@@ -239,7 +217,7 @@ class WorkerRequest(server.Request):
 
     def gotLength(self, length):
         site = getattr(self.channel, "site", None)
-        line = _request_line_of(self.channel)
+        line = pending_request_line(self.channel)
         policy = None
         if line is not None and isinstance(site, WorkerSite):
             policy = site.body_policy_for(line[1])
@@ -282,30 +260,10 @@ class WorkerRequest(server.Request):
         channel = self.channel
         if channel is None:
             return
-        channel.persistent = False
-        body = json.dumps(answer.body).encode("utf-8")
-        reason = RESPONSES.get(answer.code, b"Unknown")
-        head = [b"HTTP/1.1 %d %s\r\n" % (answer.code, reason)]
-        headers = [
-            (b"Content-Type", b"application/json"),
-            (b"Content-Length", b"%d" % len(body)),
-            (b"Connection", b"close"),
-            (b"X-Content-Type-Options", b"nosniff"),
-            *answer.headers,
-        ]
-        head += [name + b": " + value + b"\r\n" for name, value in headers]
-        head.append(b"\r\n")
-        transport = channel.transport
-        transport.write(b"".join(head) + body)
+        answer_early(channel, answer.code, answer.body, answer.headers,
+                     stop_reading=answer.stop_reading)
         if answer.stop_reading:
-            producer = IPushProducer(transport, None)
-            if producer is not None:
-                try:
-                    producer.pauseProducing()
-                except Exception:  # a transport that cannot pause is still closed below
-                    pass
             self._closed_after_answer = True
-            channel.loseConnection()
 
 
 class WorkerSite(server.Site):

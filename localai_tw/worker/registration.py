@@ -32,13 +32,13 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from treq.client import HTTPClient
 from twisted.internet import defer
-from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
-from twisted.web.http import PotentialDataLoss
+from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
+
+from localai_tw.web.readers import ResponseTooLarge, read_bounded
 
 log = Logger()
 
@@ -139,43 +139,6 @@ def http_base_url(register_to: str) -> str:
 # -- bounded response bodies ------------------------------------------------------------------
 
 
-class ResponseTooLarge(Exception):
-    pass
-
-
-class _BoundedBody(Protocol):
-    """Collects a response body up to ``limit`` bytes; more aborts the connection.  Cancelling
-    ``finished`` aborts too, so a timed-out exchange does not keep reading."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.chunks: list[bytes] = []
-        self.size = 0
-        self.finished: defer.Deferred = defer.Deferred(lambda _: self._abort())
-
-    def _abort(self) -> None:
-        if self.transport is not None:
-            self.transport.stopProducing()
-
-    def dataReceived(self, data: bytes) -> None:
-        if self.finished.called:
-            return
-        self.size += len(data)
-        if self.size > self.limit:
-            self._abort()
-            self.finished.errback(ResponseTooLarge(f"response body over {self.limit} bytes"))
-            return
-        self.chunks.append(data)
-
-    def connectionLost(self, reason: Failure) -> None:
-        if self.finished.called:
-            return
-        if reason.check(ResponseDone, PotentialDataLoss):
-            self.finished.callback(b"".join(self.chunks))
-        else:
-            self.finished.errback(reason)
-
-
 @implementer(IBodyProducer)
 class _BytesBody:
     """A request body already in memory (a few hundred bytes of JSON), written at once: no
@@ -197,12 +160,6 @@ class _BytesBody:
 
     def stopProducing(self) -> None:
         pass
-
-
-def _read_body(response, limit: int = MAX_RESPONSE_BYTES) -> defer.Deferred:
-    collector = _BoundedBody(limit)
-    response.deliverBody(collector)
-    return collector.finished
 
 
 def _error_of(body: bytes) -> tuple[str, str | None]:
@@ -390,7 +347,7 @@ class RegistrationClient:
             response = await self._http.post(
                 url, json=body, headers=self._headers(), allow_redirects=False,
                 unbuffered=True, reactor=self._reactor)
-            data = await _read_body(response)
+            data = await read_bounded(response, MAX_RESPONSE_BYTES)
         except ResponseTooLarge as e:
             raise ProtocolMismatch(None, f"{what}: {e}", "is --register-to a localai-tw "
                                                           "frontend?") from None

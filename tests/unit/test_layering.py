@@ -25,15 +25,16 @@ ALLOWED: dict[str, set[str]] = {
     "db": BASE,
     "cluster": BASE | {"db"},
     "bus": BASE | {"db", "cluster"},
-    "staging_client": BASE,
+    "web": BASE,  # the HTTP pieces both servers share (bearer rule, bodies, JSON, readers)
+    "staging_client": BASE | {"web"},
     "tinychat": BASE,  # a user's tool (python -m localai_tw.tinychat): builds a local model
-    "tunnel": BASE | {"mux", "splice", "db", "cluster", "staging_client"},
+    "tunnel": BASE | {"mux", "splice", "db", "cluster", "staging_client", "web"},
     "backends": BASE | {"plugins"},  # plugins: the drop-in package IBackendFactory scans
     "plugins": BASE | {"backends"},
     "worker": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                      "staging_client", "plugins"},
+                      "staging_client", "plugins", "web"},
     "frontend": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                        "staging_client", "plugins"},
+                        "staging_client", "plugins", "web"},
 }
 
 #: The only modules outside ``worker/`` that may import from it: the frontend's in-process
