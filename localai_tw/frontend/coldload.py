@@ -1,27 +1,16 @@
-"""Where a model runs: node choice, ``node_models`` rows, the cross-replica load lock, cold
-loads, unloads, and the one rule about reaping rows.
+"""Cold loading: a model started and loaded on a node, one load at a time per model across
+every replica, and the ``node_models`` rows that record it (written here, reaped here, unloaded
+here).  Which node: :mod:`.placement`.
 
-Node choice (:meth:`Scheduler.candidates`): healthy ``backend`` nodes whose labels carry every
-pair of the model's selector -- the YAML ``node_selector`` with the ``model_scheduling_configs``
-row (``POST /api/nodes/scheduling``) on top (the row wins per key).  Nodes where the model is
-``loaded`` come first; among equals the choice is random (cold loads prefer nodes holding fewer
-models, then random).  Connected nodes (tunnel held by a live replica, read in the same query)
-come before the others, both for a loaded replica and for a cold load: a node that heartbeats
-but never dials holds no models and would otherwise win every cold load.  Before a cold load
-the picked node's presence is read: ``gone`` -> ``mark_unhealthy`` (status only, reversible)
-and pick again; ``reconnecting``/``unknown`` stay eligible (nobody acts on absence within the
-grace).  A cold load that meets a routing fact or an absence within the grace moves on to the
-next candidate, touching nothing (no row, no status) on the node it leaves.
-
-Cold load (:meth:`Scheduler.load`), one at a time per model across every replica:
+:meth:`ColdLoader.load`:
 
 1. take the ``model_load_jobs`` row for the model (insert, or take over a row whose owner is not
    a live replica or whose ``last_progress_at`` is older than ``takeover_after``, on the
    database clock); others poll (every ``poll_interval``) until the model is loaded or the lock
    is theirs, for at most ``load_wait`` seconds (then ``NoNodeAvailable``: try again later);
    the owner refreshes ``last_progress_at`` every ``heartbeat_interval`` while it works;
-2. ``backend.start`` on the node (control verb through the tunnel, relayed when another replica
-   holds it) -> ``127.0.0.1:<port>``;
+2. the node from ``NodeChooser.pick_for_load``; ``backend.start`` on it (control verb through
+   the tunnel, relayed when another replica holds it) -> ``127.0.0.1:<port>``;
 3. ``node_models`` row ``staging``; each file of the model is checked against its ``sha256``
    (locally, in a thread) and staged (``PUT /v1/files/models/...``, skipped when the worker
    holds the same digest); progress is logged;
@@ -33,6 +22,9 @@ Cold load (:meth:`Scheduler.load`), one at a time per model across every replica
    is raised as ``ModelLoadFailed`` with the backend's message, after a best-effort
    ``backend.stop``; route conditions are raised as themselves.
 
+A cold load that meets a routing fact or an absence within the grace moves on to the next
+node (at most ``MAX_PICKS``), touching nothing (no row, no status) on the node it leaves.
+
 Failed loads are remembered (per replica, in memory) for ``failed_load_memory`` seconds
 (:data:`DEFAULT_FAILED_LOAD_MEMORY`, 30 s), keyed by the model's name and its whole config: a
 request meanwhile -- a new one, or one already waiting for the lock -- fails at once with the
@@ -41,7 +33,7 @@ changed config file is a new key and is tried at once.  Without this, every retr
 that cannot load (a hub id on a machine with no hub) paid the whole failing load again.  Each
 load logs its start and its end with the time it took.
 
-Reaping (:meth:`Scheduler.reap`) deletes a ``loaded`` row, and is called by the router ONLY on
+Reaping (:meth:`ColdLoader.reap`) deletes a ``loaded`` row, and is called by the router ONLY on
 the worker's answer (``WorkerAnswer``: ``StreamRefused`` at the dial, ``BackendAnswer`` of a
 dead or wrong backend).  It asserts that: handing it a routing fact, absence, a peer failure, a
 transport failure or a caller deadline raises ``ValueError`` and deletes nothing.
@@ -55,9 +47,7 @@ the reactor thread.
 from __future__ import annotations
 
 import posixpath
-import random
 import uuid
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from twisted.internet import defer, task, threads
@@ -65,17 +55,13 @@ from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
-from localai_tw.cluster.clock import (
-    CONNECTION_IS_HELD_SQL,
-    INSTANCE_IS_LIVE_SQL,
-    INSTANCE_LIVENESS,
-)
-from localai_tw.cluster.ownership import Presence
+from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
 from localai_tw.staging_client import sha256_of_file
 from localai_tw.tunnel.endpoint import upload_file
 
 from .interfaces import ModelLoadFailed, NoNodeAvailable
 from .models import ModelConfig
+from .placement import MAX_PICKS, NodeChooser, Placement, model_identity
 
 log = Logger()
 
@@ -88,7 +74,6 @@ DEFAULT_STAGE_TIMEOUT = 3600.0
 DEFAULT_LOAD_TIMEOUT = 300.0
 #: Seconds a failed load is remembered (requests meanwhile fail at once with its error).
 DEFAULT_FAILED_LOAD_MEMORY = 30.0
-MAX_PICKS = 4
 
 LOADED, STAGING, LOADING, UNLOADING = "loaded", "staging", "loading", "unloading"
 
@@ -99,48 +84,6 @@ class ModelFileMismatch(errors.ClusterError):
 
     condition = "model-file-mismatch"
 
-
-@dataclass(frozen=True)
-class Candidate:
-    node_id: str
-    models_held: int
-    loaded_address: str | None  # address of a loaded replica of the model here, if any
-    loaded_model: str = ""      # its ModelOptions.Model
-    connected: bool = False     # a live replica holds its tunnel now (read with the rows)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A loaded model replica: where calls go."""
-
-    model_name: str
-    node_id: str
-    address: str
-    model_id: str  # ModelOptions.Model as loaded; sent as ModelIdentity
-
-    @property
-    def port(self) -> int:
-        return int(self.address.rsplit(":", 1)[1])
-
-
-_CANDIDATES_SQL = (
-    "SELECT n.id,"
-    " (SELECT count(*) FROM node_models m WHERE m.node_id = n.id),"
-    " (SELECT m.address FROM node_models m WHERE m.node_id = n.id AND m.model_name = %(model)s"
-    "   AND m.state = 'loaded' ORDER BY m.replica_index LIMIT 1),"
-    " (SELECT m.loaded_model FROM node_models m WHERE m.node_id = n.id"
-    "   AND m.model_name = %(model)s AND m.state = 'loaded' ORDER BY m.replica_index LIMIT 1),"
-    " EXISTS (SELECT 1 FROM node_connections JOIN instances"
-    "   ON instances.id = node_connections.owner_instance_id"
-    f"   AND {INSTANCE_IS_LIVE_SQL.replace('%s', '%(live)s')}"
-    f"   WHERE node_connections.node_id = n.id AND {CONNECTION_IS_HELD_SQL})"
-    " FROM backend_nodes n"
-    " WHERE n.status = 'healthy' AND n.node_type = 'backend'"
-    " AND NOT EXISTS (SELECT 1 FROM jsonb_each_text(%(selector)s::jsonb) s"
-    "   WHERE NOT EXISTS (SELECT 1 FROM node_labels l"
-    "     WHERE l.node_id = n.id AND l.key = s.key AND l.value = s.value))"
-    " ORDER BY n.id"
-)
 
 _ACQUIRE_SQL = (
     "INSERT INTO model_load_jobs (model_name, owner_instance_id, attempt)"
@@ -155,21 +98,17 @@ _ACQUIRE_SQL = (
 )
 
 
-def merged_selector(model: ModelConfig, configured: Mapping[str, str] | None) -> dict[str, str]:
-    selector = dict(model.node_selector)
-    selector.update(configured or {})
-    return selector
+class ColdLoader:
+    """Cold loads, unloads and the rows of models on workers (see the module docstring).
 
-
-class Scheduler:
-    """Placement and lifecycle of models on workers (see the module docstring).
-
-    :param control: a ``ControlClient``; :param worker_http: the ``WorkerHTTPClient`` (staging);
-    :param clients: ``BackendClients`` (LoadModel through the bridges).
+    :param chooser: the :class:`NodeChooser`; :param nodes: the ``NodeRegistry`` (each node's
+    control token); :param control: a ``ControlClient``; :param worker_http: the
+    ``WorkerHTTPClient`` (staging); :param clients: ``BackendClients`` (LoadModel through the
+    bridges).
     """
 
-    def __init__(self, db, nodes, fence, control, worker_http, clients, instance_id: str,
-                 models_dir: str, reactor, *, grace: float | None = None,
+    def __init__(self, db, chooser: NodeChooser, nodes, control, worker_http, clients,
+                 instance_id: str, models_dir: str, reactor, *,
                  load_wait: float = DEFAULT_LOAD_WAIT,
                  takeover_after: float = DEFAULT_TAKEOVER_AFTER,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT,
@@ -180,15 +119,14 @@ class Scheduler:
                  failed_load_memory: float = DEFAULT_FAILED_LOAD_MEMORY,
                  liveness: float = INSTANCE_LIVENESS):
         self._db = db
+        self._chooser = chooser
         self._nodes = nodes
-        self._fence = fence
         self._control = control
         self._http = worker_http
         self._clients = clients
         self.instance_id = instance_id
         self.models_dir = models_dir
         self._reactor = reactor
-        self._grace = grace
         self.load_wait = load_wait
         self.takeover_after = takeover_after
         self.heartbeat_interval = heartbeat_interval
@@ -200,92 +138,6 @@ class Scheduler:
         # model name -> (config fingerprint, the failure, reactor time it expires)
         self._failed: dict[str, tuple[str, ModelLoadFailed, float]] = {}
         self._liveness = liveness
-        self._random = random.Random()
-
-    # -- reads ------------------------------------------------------------------------------
-
-    async def configured_selector(self, model_name: str) -> dict[str, str]:
-        rows = await self._db.runQuery(
-            "SELECT node_selector FROM model_scheduling_configs WHERE model_name = %s",
-            (model_name,))
-        return dict(rows[0][0]) if rows else {}
-
-    async def candidates(self, model: ModelConfig) -> list[Candidate]:
-        import json
-
-        selector = merged_selector(model, await self.configured_selector(model.name))
-        rows = await self._db.runQuery(_CANDIDATES_SQL, {
-            "model": model.name, "selector": json.dumps(selector),
-            "live": float(self._liveness)})
-        return [Candidate(r[0], int(r[1]), r[2], r[3] or "", bool(r[4])) for r in rows]
-
-    def _shuffled(self, items: list) -> list:
-        items = list(items)
-        self._random.shuffle(items)
-        return items
-
-    async def loaded_placement(self, model: ModelConfig,
-                               exclude: frozenset[str] = frozenset()) -> Placement | None:
-        """A loaded replica of ``model`` on a node that still matches: on a connected node
-        when there is one, random among equals."""
-        loaded = [c for c in await self.candidates(model)
-                  if c.loaded_address and c.node_id not in exclude]
-        if not loaded:
-            return None
-        connected = [c for c in loaded if c.connected]
-        chosen = self._shuffled(connected or loaded)[0]
-        return Placement(model.name, chosen.node_id, chosen.loaded_address,
-                         chosen.loaded_model or self.model_id(model, None))
-
-    def model_id(self, model: ModelConfig, worker_paths: Mapping[str, str] | None) -> str:
-        """``ModelOptions.Model``: the worker path of the staged model file, else the
-        identifier (also the ``ModelIdentity`` of every call).  Deterministic from the config,
-        so every replica computes the same value without asking the worker."""
-        staged = model.file_for_model()
-        if staged is None:
-            return model.model
-        if worker_paths and worker_paths.get(staged.key):
-            return worker_paths[staged.key]
-        return staged.key
-
-    # -- presence ------------------------------------------------------------------------------
-
-    async def _usable(self, node_id: str) -> bool:
-        """False (and the node demoted, status only) when its presence is ``gone``."""
-        reading = await self._fence.presence(node_id, self._grace)
-        if reading.presence is Presence.GONE:
-            log.info("node {node} is gone (departed past the grace): marked unhealthy, "
-                     "skipped", node=node_id)
-            await self.mark_gone(node_id)
-            return False
-        return True
-
-    async def mark_gone(self, node_id: str) -> None:
-        try:
-            await self._nodes.mark_unhealthy(node_id)
-        except Exception as e:  # a status write failing changes nothing about the choice
-            log.warn("marking node {node} unhealthy failed: {err}", node=node_id, err=e)
-
-    async def pick_for_load(self, model: ModelConfig,
-                            exclude: frozenset[str] = frozenset()) -> str:
-        excluded = set(exclude)
-        for _ in range(MAX_PICKS):
-            candidates = [c for c in await self.candidates(model) if c.node_id not in excluded]
-            if not candidates:
-                break
-            # Connected nodes first: a node that heartbeats but holds no tunnel (never dialled,
-            # or reconnecting) holds no models either, and would otherwise win every cold load.
-            candidates = [c for c in candidates if c.connected] or candidates
-            fewest = min(c.models_held for c in candidates)
-            chosen = self._shuffled([c for c in candidates if c.models_held == fewest])[0]
-            if await self._usable(chosen.node_id):
-                return chosen.node_id
-            excluded.add(chosen.node_id)
-        selector = merged_selector(model, await self.configured_selector(model.name))
-        reason = "no healthy backend node" + (f" with labels {selector}" if selector else "")
-        if excluded - set(exclude):
-            reason += f" (skipped gone nodes: {', '.join(sorted(excluded - set(exclude)))})"
-        raise NoNodeAvailable(model.name, reason)
 
     # -- the load lock ---------------------------------------------------------------------------
 
@@ -395,7 +247,7 @@ class Scheduler:
         if deadline is not None:
             waited_until = min(waited_until, deadline)
         while True:
-            existing = await self.loaded_placement(model, exclude)
+            existing = await self._chooser.loaded_placement(model, exclude)
             if existing is not None:
                 return existing
             failed = self.remembered_failure(model)  # also for waiters: the load just failed
@@ -414,9 +266,6 @@ class Scheduler:
         heartbeat.clock = self._reactor
         heartbeat.start(self.heartbeat_interval, now=False)
         try:
-            existing = await self.loaded_placement(model, exclude)
-            if existing is not None:
-                return existing
             return await self._load_somewhere(model, exclude, attempt)
         finally:
             if heartbeat.running:
@@ -429,15 +278,19 @@ class Scheduler:
 
     async def _load_somewhere(self, model: ModelConfig, exclude: frozenset[str],
                               attempt: str) -> Placement:
-        """Cold-load on the best node; when the load meets a routing fact or an absence
-        within the grace, try the next candidate (at most ``MAX_PICKS`` nodes).  Nothing is
-        acted on: the skipped node keeps its status and its rows (``WorkerGone`` alone demotes,
-        status only); the condition itself is raised when no candidate is left."""
+        """Under the lock: the loaded placement if another replica finished meanwhile, else a
+        cold load on the best node; when the load meets a routing fact or an absence within
+        the grace, try the next candidate (at most ``MAX_PICKS`` nodes).  Nothing is acted on:
+        the skipped node keeps its status and its rows (``WorkerGone`` alone demotes, status
+        only); the condition itself is raised when no candidate is left."""
+        existing = await self._chooser.loaded_placement(model, exclude)
+        if existing is not None:
+            return existing
         excluded = set(exclude)
         last: BaseException | None = None
         for _ in range(MAX_PICKS):
             try:
-                node_id = await self.pick_for_load(model, frozenset(excluded))
+                node_id = await self._chooser.pick_for_load(model, frozenset(excluded))
             except NoNodeAvailable:
                 if last is not None:
                     raise last from None
@@ -448,7 +301,7 @@ class Scheduler:
                 raise self._remember_failure(model, e) from e
             except (errors.RoutingFact, errors.AbsentWithinGrace) as e:
                 if isinstance(e, errors.WorkerGone):
-                    await self.mark_gone(node_id)
+                    await self._chooser.mark_gone(node_id)
                 log.info("cold load of model {model}: node {node} cannot be reached ({err}); "
                          "trying another node", model=model.name, node=node_id, err=e)
                 excluded.add(node_id)
@@ -504,7 +357,7 @@ class Scheduler:
             worker_paths = await self._stage(model, node_id)
             await self._set_row(node_id, model, address, LOADING)
             await self._progress(model.name, attempt, "loading")
-            model_id = self.model_id(model, worker_paths)
+            model_id = model_identity(model, worker_paths)
             await self._load_model(model, node_id, address, model_id, worker_paths)
             await self._set_row(node_id, model, address, LOADED, model_id)
         except BaseException as e:
