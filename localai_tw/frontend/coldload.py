@@ -1,79 +1,52 @@
-"""Cold loading: a model started and loaded on a node, one load at a time per model across
-every replica, and the ``node_models`` rows that record it (written here, reaped here, unloaded
-here).  Which node: :mod:`.placement`.
+"""Cold loading on one node: ``backend.start``, staging, ``LoadModel``, and the ``node_models``
+row that records it.  Which node: :mod:`.placement`; one load per model across replicas, and
+the tries over nodes: :mod:`.loadlock`.
 
-:meth:`ColdLoader.load`:
+:meth:`ColdLoader.load_on`:
 
-1. take the ``model_load_jobs`` row for the model (insert, or take over a row whose owner is not
-   a live replica or whose ``last_progress_at`` is older than ``takeover_after``, on the
-   database clock); others poll (every ``poll_interval``) until the model is loaded or the lock
-   is theirs, for at most ``load_wait`` seconds (then ``NoNodeAvailable``: try again later);
-   the owner refreshes ``last_progress_at`` every ``heartbeat_interval`` while it works;
-2. the node from ``NodeChooser.pick_for_load``; ``backend.start`` on it (control verb through
-   the tunnel, relayed when another replica holds it) -> ``127.0.0.1:<port>``;
-3. ``node_models`` row ``staging``; each file of the model is checked against its ``sha256``
+1. ``backend.start`` on the node (control verb through the tunnel, relayed when another replica
+   holds it) -> ``127.0.0.1:<port>``;
+2. ``node_models`` row ``staging``; each file of the model is checked against its ``sha256``
    (locally, in a thread) and staged (``PUT /v1/files/models/...``, skipped when the worker
    holds the same digest); progress is logged;
-4. row ``loading``; gRPC ``LoadModel`` through the bridge with ``ModelOptions`` (``Model`` = the
+3. row ``loading``; gRPC ``LoadModel`` through the bridge with ``ModelOptions`` (``Model`` = the
    worker-side path of the staged model file, or the identifier; ``ModelFile``, ``ModelPath``,
-   ``ContextSize``, ``Embeddings``, ``Options``);
-5. row ``loaded``.  Any failure removes the row (our own unfinished load, explicit lifecycle);
+   ``ContextSize``, ``Embeddings``, ``Options``; the config's LocalAI keys first);
+4. row ``loaded``.  Any failure removes the row (our own unfinished load, explicit lifecycle);
    a failure the worker answered (``backend.start`` error, ``success=false``, a gRPC status)
    is raised as ``ModelLoadFailed`` with the backend's message, after a best-effort
    ``backend.stop``; route conditions are raised as themselves.
 
-A cold load that meets a routing fact or an absence within the grace moves on to the next
-node (at most ``MAX_PICKS``), touching nothing (no row, no status) on the node it leaves.
+Each load logs its start and its end with the time it took.  :meth:`ColdLoader.unload` is the
+explicit lifecycle: ``backend.stop``, then the row goes.
 
-Failed loads are remembered (per replica, in memory) for ``failed_load_memory`` seconds
-(:data:`DEFAULT_FAILED_LOAD_MEMORY`, 30 s), keyed by the model's name and its whole config: a
-request meanwhile -- a new one, or one already waiting for the lock -- fails at once with the
-same ``ModelLoadFailed``, whose ``retry_in`` and text say when the load is tried again.  A
-changed config file is a new key and is tried at once.  Without this, every retry of a model
-that cannot load (a hub id on a machine with no hub) paid the whole failing load again.  Each
-load logs its start and its end with the time it took.
-
-Reaping (:meth:`ColdLoader.reap`) deletes a ``loaded`` row, and is called by the router ONLY on
-the worker's answer (``WorkerAnswer``: ``StreamRefused`` at the dial, ``BackendAnswer`` of a
-dead or wrong backend).  It asserts that: handing it a routing fact, absence, a peer failure, a
-transport failure or a caller deadline raises ``ValueError`` and deletes nothing.
-
-What this module must never do: delete a ``loaded`` row on anything but the worker's answer or
-an explicit unload; compare times in Python (the database clock decides staleness and
-liveness); run two loads of one model at once across replicas (the lock row); hash a file on
-the reactor thread.
+What this module must never do: hash a file on the reactor thread; stage a file that is not
+the one checked (the contained path is the one hashed and sent); leave a row of its own
+unfinished load behind.
 """
 
 from __future__ import annotations
 
 import posixpath
-import uuid
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
-from twisted.internet import defer, task, threads
+from twisted.internet import threads
 from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
-from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
 from localai_tw.staging_client import sha256_of_file
 from localai_tw.tunnel.endpoint import upload_file
 
-from .interfaces import ModelLoadFailed, NoNodeAvailable
+from .interfaces import ModelLoadFailed
 from .models import ModelConfig
-from .placement import MAX_PICKS, NodeChooser, Placement, model_identity
+from .placement import Placement, model_identity
 
 log = Logger()
 
-DEFAULT_LOAD_WAIT = 60.0
-DEFAULT_TAKEOVER_AFTER = 30.0
-DEFAULT_HEARTBEAT = 5.0
-DEFAULT_POLL = 0.25
 DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_STAGE_TIMEOUT = 3600.0
 DEFAULT_LOAD_TIMEOUT = 300.0
-#: Seconds a failed load is remembered (requests meanwhile fail at once with its error).
-DEFAULT_FAILED_LOAD_MEMORY = 30.0
 
 LOADED, STAGING, LOADING, UNLOADING = "loaded", "staging", "loading", "unloading"
 
@@ -85,41 +58,20 @@ class ModelFileMismatch(errors.ClusterError):
     condition = "model-file-mismatch"
 
 
-_ACQUIRE_SQL = (
-    "INSERT INTO model_load_jobs (model_name, owner_instance_id, attempt)"
-    " VALUES (%(model)s, %(owner)s, %(attempt)s)"
-    " ON CONFLICT (model_name) DO UPDATE SET owner_instance_id = EXCLUDED.owner_instance_id,"
-    "  attempt = EXCLUDED.attempt, node_id = '', phase = 'choosing', started_at = now(),"
-    "  last_progress_at = now()"
-    " WHERE model_load_jobs.last_progress_at < now() - make_interval(secs => %(stale)s)"
-    "  OR NOT EXISTS (SELECT 1 FROM instances WHERE instances.id ="
-    f"   model_load_jobs.owner_instance_id AND {INSTANCE_IS_LIVE_SQL.replace('%s', '%(live)s')})"
-    " RETURNING attempt, (xmax <> 0)"
-)
-
-
 class ColdLoader:
-    """Cold loads, unloads and the rows of models on workers (see the module docstring).
+    """Loads models on the node it is told, and unloads them (see the module docstring).
 
-    :param chooser: the :class:`NodeChooser`; :param nodes: the ``NodeRegistry`` (each node's
-    control token); :param control: a ``ControlClient``; :param worker_http: the
-    ``WorkerHTTPClient`` (staging); :param clients: ``BackendClients`` (LoadModel through the
-    bridges).
+    :param nodes: the ``NodeRegistry`` (each node's control token); :param control: a
+    ``ControlClient``; :param worker_http: the ``WorkerHTTPClient`` (staging); :param clients:
+    ``BackendClients`` (LoadModel through the bridges).
     """
 
-    def __init__(self, db, chooser: NodeChooser, nodes, control, worker_http, clients,
-                 instance_id: str, models_dir: str, reactor, *,
-                 load_wait: float = DEFAULT_LOAD_WAIT,
-                 takeover_after: float = DEFAULT_TAKEOVER_AFTER,
-                 heartbeat_interval: float = DEFAULT_HEARTBEAT,
-                 poll_interval: float = DEFAULT_POLL,
+    def __init__(self, db, nodes, control, worker_http, clients, instance_id: str,
+                 models_dir: str, reactor, *,
                  start_timeout: float = DEFAULT_START_TIMEOUT,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
-                 load_timeout: float = DEFAULT_LOAD_TIMEOUT,
-                 failed_load_memory: float = DEFAULT_FAILED_LOAD_MEMORY,
-                 liveness: float = INSTANCE_LIVENESS):
+                 load_timeout: float = DEFAULT_LOAD_TIMEOUT):
         self._db = db
-        self._chooser = chooser
         self._nodes = nodes
         self._control = control
         self._http = worker_http
@@ -127,199 +79,23 @@ class ColdLoader:
         self.instance_id = instance_id
         self.models_dir = models_dir
         self._reactor = reactor
-        self.load_wait = load_wait
-        self.takeover_after = takeover_after
-        self.heartbeat_interval = heartbeat_interval
-        self.poll_interval = poll_interval
         self.start_timeout = start_timeout
         self.stage_timeout = stage_timeout
         self.load_timeout = load_timeout
-        self.failed_load_memory = failed_load_memory
-        # model name -> (config fingerprint, the failure, reactor time it expires)
-        self._failed: dict[str, tuple[str, ModelLoadFailed, float]] = {}
-        self._liveness = liveness
 
-    # -- the load lock ---------------------------------------------------------------------------
+    # -- a cold load ------------------------------------------------------------------------
 
-    async def _try_acquire(self, model_name: str, attempt: str) -> bool:
-        rows = await self._db.runQuery(_ACQUIRE_SQL, {
-            "model": model_name, "owner": self.instance_id, "attempt": attempt,
-            "stale": float(self.takeover_after), "live": float(self._liveness)})
-        if rows and rows[0][0] == attempt:
-            if rows[0][1]:
-                log.info("load of model {model}: took over a dead or stale loader's lock",
-                         model=model_name)
-            return True
-        return False
-
-    async def _progress(self, model_name: str, attempt: str, phase: str | None = None,
-                        node_id: str | None = None) -> None:
-        await self._db.runOperation(
-            "UPDATE model_load_jobs SET last_progress_at = now(),"
-            " phase = COALESCE(%s, phase), node_id = COALESCE(%s, node_id)"
-            " WHERE model_name = %s AND attempt = %s", (phase, node_id, model_name, attempt))
-
-    async def _release(self, model_name: str, attempt: str) -> None:
-        await self._db.runOperation(
-            "DELETE FROM model_load_jobs WHERE model_name = %s AND attempt = %s",
-            (model_name, attempt))
-
-    # -- node_models rows ------------------------------------------------------------------------
-
-    async def _set_row(self, node_id: str, model: ModelConfig, address: str, state: str,
-                       loaded_model: str = "") -> None:
-        await self._db.runOperation(
-            "INSERT INTO node_models (node_id, model_name, replica_index, address, state,"
-            " loading_by, backend_type, loaded_model, last_used)"
-            " VALUES (%s, %s, 0, %s, %s, %s, %s, %s, now())"
-            " ON CONFLICT (node_id, model_name, replica_index) DO UPDATE SET"
-            " address = EXCLUDED.address, state = EXCLUDED.state,"
-            " loading_by = EXCLUDED.loading_by, backend_type = EXCLUDED.backend_type,"
-            " loaded_model = EXCLUDED.loaded_model, updated_at = now()",
-            (node_id, model.name, address, state,
-             "" if state == LOADED else self.instance_id, model.backend, loaded_model))
-
-    async def _remove_row(self, node_id: str, model_name: str) -> None:
-        await self._db.runOperation(
-            "DELETE FROM node_models WHERE node_id = %s AND model_name = %s",
-            (node_id, model_name))
-
-    async def reap(self, placement: Placement, evidence: BaseException) -> bool:
-        """Delete the loaded row of ``placement`` because the worker answered ``evidence``.
-
-        :raises ValueError: ``evidence`` is not the worker's answer (nothing is deleted)."""
-        if not isinstance(evidence, errors.WorkerAnswer):
-            raise ValueError(f"refusing to reap {placement.model_name} on {placement.node_id}: "
-                             f"{errors.condition_of(evidence)} is not the worker's answer")
-        rows = await self._db.runQuery(
-            "DELETE FROM node_models WHERE node_id = %s AND model_name = %s AND address = %s"
-            " RETURNING id", (placement.node_id, placement.model_name, placement.address))
-        if rows:
-            log.info("reaped model {model} on node {node} ({address}) on the worker's answer: "
-                     "{evidence}", model=placement.model_name, node=placement.node_id,
-                     address=placement.address, evidence=evidence)
-        return bool(rows)
-
-    def touch(self, placement: Placement) -> None:
-        """Record use (LRU information); best effort, never awaited by a request."""
-        self._db.runOperation(
-            "UPDATE node_models SET last_used = now() WHERE node_id = %s AND model_name = %s",
-            (placement.node_id, placement.model_name)).addErrback(lambda _: None)
-
-    # -- failed-load memory ---------------------------------------------------------------------
-
-    def _remember_failure(self, model: ModelConfig, error: ModelLoadFailed) -> ModelLoadFailed:
-        if self.failed_load_memory <= 0:
-            return error
-        until = self._reactor.seconds() + self.failed_load_memory
-        self._failed[model.name] = (repr(model), error, until)
-        return self._recalled(model.name, error, self.failed_load_memory)
-
-    def remembered_failure(self, model: ModelConfig) -> ModelLoadFailed | None:
-        """The remembered failed load of ``model`` (this config), if still within its window."""
-        entry = self._failed.get(model.name)
-        if entry is None:
-            return None
-        fingerprint, error, until = entry
-        left = until - self._reactor.seconds()
-        if fingerprint != repr(model) or left <= 0:
-            del self._failed[model.name]
-            return None
-        return self._recalled(model.name, error, left)
-
-    @staticmethod
-    def _recalled(name: str, error: ModelLoadFailed, left: float) -> ModelLoadFailed:
-        seconds = max(1, int(left + 0.999))
-        return ModelLoadFailed(
-            name, error.node_id,
-            f"{error.detail} [localai-tw remembers this failure: the load of {name!r} is "
-            f"tried again in {seconds} s, or at once when its config file changes]",
-            retry_in=float(seconds))
-
-    # -- cold load ----------------------------------------------------------------------------------
-
-    async def load(self, model: ModelConfig, exclude: frozenset[str] = frozenset(),
-                   deadline: float | None = None) -> Placement:
-        """A loaded placement of ``model``: an existing one if another replica finished
-        meanwhile, else a cold load under the lock."""
-        attempt = str(uuid.uuid4())
-        waited_until = self._reactor.seconds() + self.load_wait
-        if deadline is not None:
-            waited_until = min(waited_until, deadline)
-        while True:
-            existing = await self._chooser.loaded_placement(model, exclude)
-            if existing is not None:
-                return existing
-            failed = self.remembered_failure(model)  # also for waiters: the load just failed
-            if failed is not None:
-                raise failed
-            if await self._try_acquire(model.name, attempt):
-                break
-            if self._reactor.seconds() >= waited_until:
-                if deadline is not None and self._reactor.seconds() >= deadline:
-                    raise errors.CallerDeadlineExceeded(f"waiting for model {model.name} to load")
-                raise NoNodeAvailable(model.name, f"another load of it is in progress; waited "
-                                      f"{self.load_wait:g}s, try again")
-            await task.deferLater(self._reactor, self.poll_interval, lambda: None)
-
-        heartbeat = task.LoopingCall(self._beat, model.name, attempt)
-        heartbeat.clock = self._reactor
-        heartbeat.start(self.heartbeat_interval, now=False)
-        try:
-            return await self._load_somewhere(model, exclude, attempt)
-        finally:
-            if heartbeat.running:
-                heartbeat.stop()
-            try:
-                await self._release(model.name, attempt)
-            except Exception as e:
-                log.warn("releasing the load lock of {model} failed (it goes stale): {err}",
-                         model=model.name, err=e)
-
-    async def _load_somewhere(self, model: ModelConfig, exclude: frozenset[str],
-                              attempt: str) -> Placement:
-        """Under the lock: the loaded placement if another replica finished meanwhile, else a
-        cold load on the best node; when the load meets a routing fact or an absence within
-        the grace, try the next candidate (at most ``MAX_PICKS`` nodes).  Nothing is acted on:
-        the skipped node keeps its status and its rows (``WorkerGone`` alone demotes, status
-        only); the condition itself is raised when no candidate is left."""
-        existing = await self._chooser.loaded_placement(model, exclude)
-        if existing is not None:
-            return existing
-        excluded = set(exclude)
-        last: BaseException | None = None
-        for _ in range(MAX_PICKS):
-            try:
-                node_id = await self._chooser.pick_for_load(model, frozenset(excluded))
-            except NoNodeAvailable:
-                if last is not None:
-                    raise last from None
-                raise
-            try:
-                return await self._load_on(model, node_id, attempt)
-            except ModelLoadFailed as e:
-                raise self._remember_failure(model, e) from e
-            except (errors.RoutingFact, errors.AbsentWithinGrace) as e:
-                if isinstance(e, errors.WorkerGone):
-                    await self._chooser.mark_gone(node_id)
-                log.info("cold load of model {model}: node {node} cannot be reached ({err}); "
-                         "trying another node", model=model.name, node=node_id, err=e)
-                excluded.add(node_id)
-                last = e
-        raise last  # MAX_PICKS nodes met a routing fact or an absence
-
-    def _beat(self, model_name: str, attempt: str) -> defer.Deferred:
-        return defer.ensureDeferred(self._progress(model_name, attempt)).addErrback(
-            lambda f: log.warn("load heartbeat of {model} failed: {err}", model=model_name,
-                               err=f.getErrorMessage()))
-
-    async def _load_on(self, model: ModelConfig, node_id: str, attempt: str) -> Placement:
+    async def load_on(self, model: ModelConfig, node_id: str,
+                      progress: Callable[..., Awaitable[None]]) -> Placement:
+        """Start, stage and load ``model`` on ``node_id`` (module docstring, steps 1-4),
+        logging its start and its end.  ``progress(phase, node_id=None)`` is told each phase
+        (the load lock records it)."""
         started = self._reactor.seconds()
         log.info("cold load of model {model} ({backend}) on node {node} by replica {replica}: "
                  "started", model=model.name, backend=model.backend, node=node_id,
                  replica=self.instance_id)
         try:
-            placement = await self._start_and_load(model, node_id, attempt)
+            placement = await self._start_and_load(model, node_id, progress)
         except BaseException as e:
             log.info("cold load of model {model} on node {node} failed after {took:.1f} s: "
                      "{err}", model=model.name, node=node_id,
@@ -331,8 +107,8 @@ class ColdLoader:
         return placement
 
     async def _start_and_load(self, model: ModelConfig, node_id: str,
-                              attempt: str) -> Placement:
-        await self._progress(model.name, attempt, "starting", node_id)
+                              progress: Callable[..., Awaitable[None]]) -> Placement:
+        await progress("starting", node_id)
         try:
             reply = await self._control.call(node_id, "backend.start",
                                              {"backend": model.backend, "model": model.name},
@@ -353,10 +129,10 @@ class ColdLoader:
         try:
             await self._set_row(node_id, model, address, STAGING)
             row_written = True
-            await self._progress(model.name, attempt, "staging")
+            await progress("staging")
             worker_paths = await self._stage(model, node_id)
             await self._set_row(node_id, model, address, LOADING)
-            await self._progress(model.name, attempt, "loading")
+            await progress("loading")
             model_id = model_identity(model, worker_paths)
             await self._load_model(model, node_id, address, model_id, worker_paths)
             await self._set_row(node_id, model, address, LOADED, model_id)
@@ -437,7 +213,27 @@ class ColdLoader:
             log.info("backend.stop of {model} on {node} after a failed load: {err}",
                      model=model_name, node=node_id, err=e)
 
-    # -- unload ----------------------------------------------------------------------------------
+    # -- node_models rows -------------------------------------------------------------------
+
+    async def _set_row(self, node_id: str, model: ModelConfig, address: str, state: str,
+                       loaded_model: str = "") -> None:
+        await self._db.runOperation(
+            "INSERT INTO node_models (node_id, model_name, replica_index, address, state,"
+            " loading_by, backend_type, loaded_model, last_used)"
+            " VALUES (%s, %s, 0, %s, %s, %s, %s, %s, now())"
+            " ON CONFLICT (node_id, model_name, replica_index) DO UPDATE SET"
+            " address = EXCLUDED.address, state = EXCLUDED.state,"
+            " loading_by = EXCLUDED.loading_by, backend_type = EXCLUDED.backend_type,"
+            " loaded_model = EXCLUDED.loaded_model, updated_at = now()",
+            (node_id, model.name, address, state,
+             "" if state == LOADED else self.instance_id, model.backend, loaded_model))
+
+    async def _remove_row(self, node_id: str, model_name: str) -> None:
+        await self._db.runOperation(
+            "DELETE FROM node_models WHERE node_id = %s AND model_name = %s",
+            (node_id, model_name))
+
+    # -- unload -----------------------------------------------------------------------------
 
     async def unload(self, model_name: str, node_id: str) -> dict[str, Any]:
         """Explicit lifecycle: ``backend.stop`` on the node, then the row goes (even when the

@@ -3,7 +3,7 @@
 For each request: the model's config (``ModelCatalog``) -> a check that the config says the
 model does what is asked (``models.usecases``; else ``ModelUsecaseUnsupported`` and nothing is
 loaded or called) -> a loaded placement (warm path, ``NodeChooser``), or a cold load under the
-cross-replica lock (``ColdLoader``) -> the gRPC call through the (node, port) bridge ->
+cross-replica lock (``LoadLock``, ``ColdLoader``) -> the gRPC call through the (node, port) bridge ->
 ``Served(value, served_by=node)``.
 
 Warm-path failures, and what may happen on each (docs/inference.md):
@@ -54,6 +54,7 @@ from .interfaces import (
 )
 from .models import CHAT, COMPLETION, EMBEDDINGS, ModelCatalog, ModelConfig, usecases
 from .coldload import ColdLoader
+from .loadlock import LoadLock
 from .placement import NodeChooser, Placement
 
 log = Logger()
@@ -79,13 +80,14 @@ def _reloadable(error: BaseException) -> bool:
 @implementer(IInferenceRouter)
 class InferenceRouter:
     """Implements ``IInferenceRouter`` over a :class:`ModelCatalog`, a :class:`NodeChooser`
-    (where a model is loaded), a :class:`ColdLoader` (loading it, and its rows) and
-    ``BackendClients``."""
+    (where a model is loaded), a :class:`LoadLock` (cold loads, one per model across
+    replicas), a :class:`ColdLoader` (unloads) and ``BackendClients``."""
 
-    def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loader: ColdLoader,
-                 clients, reactor):
+    def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
+                 loader: ColdLoader, clients, reactor):
         self.catalog = catalog
         self.chooser = chooser
+        self.loads = loads
         self.loader = loader
         self.clients = clients
         self._reactor = reactor
@@ -176,7 +178,7 @@ class InferenceRouter:
                 on_loading(config.name)
             except Exception:
                 log.failure("on_loading hook of {model} failed", model=config.name)
-        return await self.loader.load(config, exclude, deadline)
+        return await self.loads.load(config, exclude, deadline)
 
     async def _run(self, config, options, deadline, call, retry_allowed, on_loading=None):
         if on_loading is not None:
@@ -208,7 +210,7 @@ class InferenceRouter:
                 value = await call(client, request, deadline)
             except errors.WorkerAnswer as e:
                 if isinstance(e, errors.StreamRefused) or _reloadable(e):
-                    await self.loader.reap(placement, e)
+                    await self.chooser.reap(placement, e)
                     last_error = e
                     if retry_allowed() and reloads + 1 < MAX_ATTEMPTS:
                         reloads += 1
@@ -217,7 +219,7 @@ class InferenceRouter:
                         continue
                     raise
                 if isinstance(e, errors.BackendAnswer) and e.code == "UNAVAILABLE":
-                    await self.loader.reap(placement, e)
+                    await self.chooser.reap(placement, e)
                 raise
             except (errors.RoutingFact, errors.AbsentWithinGrace) as e:
                 # No route to that node now, or it is away within the grace: the call never
@@ -234,5 +236,5 @@ class InferenceRouter:
                              err=e)
                     continue
                 raise
-            self.loader.touch(placement)
+            self.chooser.touch(placement)
             return Served(value, placement.node_id)

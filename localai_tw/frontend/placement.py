@@ -1,4 +1,5 @@
-"""Node choice: which node serves a model, and which node a cold load goes to.
+"""Node choice: which node serves a model, which node a cold load goes to, and what a request
+tells of a placement it used (its use; the worker's answer that it is gone).
 
 :meth:`NodeChooser.candidates`: healthy ``backend`` nodes whose labels carry every pair of the
 model's selector -- the YAML ``node_selector`` with the ``model_scheduling_configs`` row
@@ -11,9 +12,14 @@ the picked node's presence is read: ``gone`` -> ``mark_unhealthy`` (status only,
 and pick again, at most ``MAX_PICKS`` times; ``reconnecting``/``unknown`` stay eligible (nobody
 acts on absence within the grace).
 
-What this module must never do: write a ``node_models`` row (:mod:`.coldload` owns them);
-demote a node on anything but ``gone``; compare times in Python (the database clock decides
-liveness).
+Reaping (:meth:`NodeChooser.reap`) deletes a ``loaded`` row, and is called by the router ONLY on
+the worker's answer (``WorkerAnswer``: ``StreamRefused`` at the dial, ``BackendAnswer`` of a
+dead or wrong backend).  It asserts that: handing it a routing fact, absence, a peer failure, a
+transport failure or a caller deadline raises ``ValueError`` and deletes nothing.
+
+What this module must never do: delete a ``loaded`` row on anything but the worker's answer
+(writing rows is :mod:`.coldload`'s); demote a node on anything but ``gone``; compare times in
+Python (the database clock decides liveness).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Mapping
 
 from twisted.logger import Logger
 
+from localai_tw import errors
 from localai_tw.cluster.clock import (
     CONNECTION_IS_HELD_SQL,
     INSTANCE_IS_LIVE_SQL,
@@ -103,7 +110,8 @@ def model_identity(model: ModelConfig, worker_paths: Mapping[str, str] | None) -
 
 
 class NodeChooser:
-    """Reads where a model is loaded and picks the node for a cold load (module docstring).
+    """Reads where a model is loaded, picks the node for a cold load, and hears what requests
+    learn of a placement (module docstring).
 
     :param nodes: the ``NodeRegistry`` (status only); :param fence: the ``OwnershipFence``
     (presence)."""
@@ -188,3 +196,27 @@ class NodeChooser:
         if excluded - set(exclude):
             reason += f" (skipped gone nodes: {', '.join(sorted(excluded - set(exclude)))})"
         raise NoNodeAvailable(model.name, reason)
+
+    # -- what a request tells of a placement ------------------------------------------------
+
+    async def reap(self, placement: Placement, evidence: BaseException) -> bool:
+        """Delete the loaded row of ``placement`` because the worker answered ``evidence``.
+
+        :raises ValueError: ``evidence`` is not the worker's answer (nothing is deleted)."""
+        if not isinstance(evidence, errors.WorkerAnswer):
+            raise ValueError(f"refusing to reap {placement.model_name} on {placement.node_id}: "
+                             f"{errors.condition_of(evidence)} is not the worker's answer")
+        rows = await self._db.runQuery(
+            "DELETE FROM node_models WHERE node_id = %s AND model_name = %s AND address = %s"
+            " RETURNING id", (placement.node_id, placement.model_name, placement.address))
+        if rows:
+            log.info("reaped model {model} on node {node} ({address}) on the worker's answer: "
+                     "{evidence}", model=placement.model_name, node=placement.node_id,
+                     address=placement.address, evidence=evidence)
+        return bool(rows)
+
+    def touch(self, placement: Placement) -> None:
+        """Record use (LRU information); best effort, never awaited by a request."""
+        self._db.runOperation(
+            "UPDATE node_models SET last_used = now() WHERE node_id = %s AND model_name = %s",
+            (placement.node_id, placement.model_name)).addErrback(lambda _: None)

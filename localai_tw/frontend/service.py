@@ -28,7 +28,7 @@ So stopping runs: listener; tunnels (releasing their claims), peer links, worker
    it, which they report as an unreachable peer, never as a statement about a worker);
 3. ``TunnelRegistry``, the accepted peer links, the ``PeerPool``, the ``WorkerDialer`` and the
    per-node ``WorkerHTTPClient``; the inference core (an ``IInferenceRouter``: model YAML from
-   ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the node chooser and the cold loader);
+   ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the node chooser, the load lock and the cold loader);
 4. ``MembershipService`` with the ``InstanceIdentity`` (whose peer secret is minted once per
    process and never leaves it);
 5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscriber drops this process's
@@ -369,6 +369,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from .coldload import ColdLoader
     from .grpcbridge import GrpcBridges
     from .inference import InferenceRouter
+    from .loadlock import LoadLock
     from .models import ModelCatalog
     from .placement import NodeChooser
 
@@ -392,9 +393,10 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
         config.registration_token or None)
     chooser = NodeChooser(db, nodes, fence, grace=grace)
-    loader = ColdLoader(db, chooser, nodes, control, worker_http, backend_clients,
-                        config.instance_id, config.models_dir, reactor)
-    inference = InferenceRouter(ModelCatalog(config.models_dir), chooser, loader,
+    loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
+                        config.models_dir, reactor)
+    loads = LoadLock(db, chooser, loader, config.instance_id, reactor)
+    inference = InferenceRouter(ModelCatalog(config.models_dir), chooser, loads, loader,
                                 backend_clients, reactor)
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels).

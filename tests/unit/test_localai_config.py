@@ -202,7 +202,7 @@ def broken_site(tmp_path):
     (tmp_path / "typed.yaml").write_text("name: typed\nbackend: echo\nf16: maybe\n")
     (tmp_path / "garbled.yaml").write_text("name: [unclosed\n")
     catalog = ModelCatalog(str(tmp_path), check_interval=0)
-    return make_site(InferenceRouter(catalog, None, None, None, None))
+    return make_site(InferenceRouter(catalog, None, None, None, None, None))
 
 
 @pytest.mark.parametrize("name,words", [
