@@ -22,7 +22,8 @@ explicit lifecycle: ``backend.stop``, then the row goes.
 
 What this module must never do: hash a file on the reactor thread; stage a file that is not
 the one checked (the contained path is the one hashed and sent); leave a row of its own
-unfinished load behind.
+unfinished load behind; delete a ``loaded`` row but on an explicit unload (reaping on the
+worker's answer is :mod:`.placement`'s).
 """
 
 from __future__ import annotations
