@@ -2,8 +2,8 @@
 
 For each request: the model's config (``ModelCatalog``) -> a check that the config says the
 model does what is asked (``models.usecases``; else ``ModelUsecaseUnsupported`` and nothing is
-loaded or called) -> a loaded placement (warm path), or a
-cold load through the scheduler's lock -> the gRPC call through the (node, port) bridge ->
+loaded or called) -> a loaded placement (warm path, ``NodeChooser``), or a cold load under the
+cross-replica lock (``LoadLock``, ``ColdLoader``) -> the gRPC call through the (node, port) bridge ->
 ``Served(value, served_by=node)``.
 
 Warm-path failures, and what may happen on each (docs/inference.md):
@@ -53,7 +53,9 @@ from .interfaces import (
     Served,
 )
 from .models import CHAT, COMPLETION, EMBEDDINGS, ModelCatalog, ModelConfig, usecases
-from .scheduler import Placement, Scheduler
+from .coldload import ColdLoader
+from .loadlock import LoadLock
+from .placement import NodeChooser, Placement
 
 log = Logger()
 
@@ -77,12 +79,16 @@ def _reloadable(error: BaseException) -> bool:
 
 @implementer(IInferenceRouter)
 class InferenceRouter:
-    """Implements ``IInferenceRouter`` over a :class:`ModelCatalog`, a :class:`Scheduler` and
-    ``BackendClients``."""
+    """Implements ``IInferenceRouter`` over a :class:`ModelCatalog`, a :class:`NodeChooser`
+    (where a model is loaded), a :class:`LoadLock` (cold loads, one per model across
+    replicas), a :class:`ColdLoader` (unloads) and ``BackendClients``."""
 
-    def __init__(self, catalog: ModelCatalog, scheduler: Scheduler, clients, reactor):
+    def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
+                 loader: ColdLoader, clients, reactor):
         self.catalog = catalog
-        self.scheduler = scheduler
+        self.chooser = chooser
+        self.loads = loads
+        self.loader = loader
         self.clients = clients
         self._reactor = reactor
 
@@ -142,7 +148,7 @@ class InferenceRouter:
     # -- extra (not in the interface) -------------------------------------------------------
 
     def unload(self, name: str, node_id: str) -> defer.Deferred:
-        return defer.ensureDeferred(self.scheduler.unload(name, node_id))
+        return defer.ensureDeferred(self.loader.unload(name, node_id))
 
     # -- the request path --------------------------------------------------------------------
 
@@ -164,7 +170,7 @@ class InferenceRouter:
 
     async def _placement(self, config: ModelConfig, exclude: frozenset[str],
                          deadline, on_loading=None) -> Placement:
-        placement = await self.scheduler.loaded_placement(config, exclude)
+        placement = await self.chooser.loaded_placement(config, exclude)
         if placement is not None:
             return placement
         if on_loading is not None:
@@ -172,7 +178,7 @@ class InferenceRouter:
                 on_loading(config.name)
             except Exception:
                 log.failure("on_loading hook of {model} failed", model=config.name)
-        return await self.scheduler.load(config, exclude, deadline)
+        return await self.loads.load(config, exclude, deadline)
 
     async def _run(self, config, options, deadline, call, retry_allowed, on_loading=None):
         if on_loading is not None:
@@ -204,7 +210,7 @@ class InferenceRouter:
                 value = await call(client, request, deadline)
             except errors.WorkerAnswer as e:
                 if isinstance(e, errors.StreamRefused) or _reloadable(e):
-                    await self.scheduler.reap(placement, e)
+                    await self.chooser.reap(placement, e)
                     last_error = e
                     if retry_allowed() and reloads + 1 < MAX_ATTEMPTS:
                         reloads += 1
@@ -213,7 +219,7 @@ class InferenceRouter:
                         continue
                     raise
                 if isinstance(e, errors.BackendAnswer) and e.code == "UNAVAILABLE":
-                    await self.scheduler.reap(placement, e)
+                    await self.chooser.reap(placement, e)
                 raise
             except (errors.RoutingFact, errors.AbsentWithinGrace) as e:
                 # No route to that node now, or it is away within the grace: the call never
@@ -221,7 +227,7 @@ class InferenceRouter:
                 # Acts on nothing: the node's rows stay for its return (WorkerGone alone
                 # demotes it, status only).
                 if isinstance(e, errors.WorkerGone):
-                    await self.scheduler.mark_gone(placement.node_id)
+                    await self.chooser.mark_gone(placement.node_id)
                 exclude.add(placement.node_id)
                 last_error = e
                 if retry_allowed() and len(exclude) < MAX_SKIPS:
@@ -230,5 +236,5 @@ class InferenceRouter:
                              err=e)
                     continue
                 raise
-            self.scheduler.touch(placement)
+            self.chooser.touch(placement)
             return Served(value, placement.node_id)

@@ -28,7 +28,7 @@ So stopping runs: listener; tunnels (releasing their claims), peer links, worker
    it, which they report as an unreachable peer, never as a statement about a worker);
 3. ``TunnelRegistry``, the accepted peer links, the ``PeerPool``, the ``WorkerDialer`` and the
    per-node ``WorkerHTTPClient``; the inference core (an ``IInferenceRouter``: model YAML from
-   ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the scheduler);
+   ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the node chooser, the load lock and the cold loader);
 4. ``MembershipService`` with the ``InstanceIdentity`` (whose peer secret is minted once per
    process and never leaves it);
 5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscriber drops this process's
@@ -366,10 +366,12 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                         reactor, listen_description: str = "") -> Replica:
     """Every part of the replica, wired on the ready database (module docstring, steps 1-5).
     Nothing is started here: :class:`ReplicaService` starts the services."""
+    from .coldload import ColdLoader
     from .grpcbridge import GrpcBridges
     from .inference import InferenceRouter
+    from .loadlock import LoadLock
     from .models import ModelCatalog
-    from .scheduler import Scheduler
+    from .placement import NodeChooser
 
     grace = config.reconnect_grace
     nodes = NodeRegistry(db, registration_token=config.registration_token,
@@ -390,10 +392,12 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     backend_clients = BackendClients(
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
         config.registration_token or None)
-    scheduler = Scheduler(db, nodes, fence, control, worker_http, backend_clients,
-                          config.instance_id, config.models_dir, reactor, grace=grace)
-    inference = InferenceRouter(ModelCatalog(config.models_dir), scheduler, backend_clients,
-                                reactor)
+    chooser = NodeChooser(db, nodes, fence, grace=grace)
+    loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
+                        config.models_dir, reactor)
+    loads = LoadLock(db, chooser, loader, config.instance_id, reactor)
+    inference = InferenceRouter(ModelCatalog(config.models_dir), chooser, loads, loader,
+                                backend_clients, reactor)
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels).
     notifier = DepartureNotifier({

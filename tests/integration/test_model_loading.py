@@ -11,7 +11,7 @@ from twisted.internet import defer, reactor, task
 
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.interfaces import ModelLoadFailed, ModelUsecaseUnsupported
-from localai_tw.frontend.scheduler import DEFAULT_FAILED_LOAD_MEMORY
+from localai_tw.frontend.loadlock import DEFAULT_FAILED_LOAD_MEMORY
 
 
 class CountingControl:
@@ -27,9 +27,9 @@ class CountingControl:
 
 
 def count_control(frontend) -> CountingControl:
-    scheduler = frontend.replica.inference.scheduler
-    counting = CountingControl(scheduler._control)
-    scheduler._control = counting
+    loader = frontend.replica.inference.loader
+    counting = CountingControl(loader._control)
+    loader._control = counting
     return counting
 
 
@@ -69,8 +69,8 @@ async def test_a_failed_load_is_remembered_then_retried(cluster):
     await cluster.worker("w1", frontend)
     control = count_control(frontend)
     router = frontend.replica.inference
-    scheduler = router.scheduler
-    assert scheduler.failed_load_memory == DEFAULT_FAILED_LOAD_MEMORY == 30.0
+    loads = router.loads
+    assert loads.failed_load_memory == DEFAULT_FAILED_LOAD_MEMORY == 30.0
 
     with pytest.raises(ModelLoadFailed, match="no weights here") as first:
         await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
@@ -87,7 +87,7 @@ async def test_a_failed_load_is_remembered_then_retried(cluster):
     assert control.verbs.count("backend.start") == 1
 
     # after the window the load is tried again (shortened here, on the same clock)
-    scheduler._failed["bad"] = (*scheduler._failed["bad"][:2], reactor.seconds() + 0.2)
+    loads._failed["bad"] = (*loads._failed["bad"][:2], reactor.seconds() + 0.2)
     await task.deferLater(reactor, 0.3, lambda: None)
     with pytest.raises(ModelLoadFailed, match="no weights here"):
         await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))

@@ -161,8 +161,8 @@ async def test_a_route_failure_never_reaps_a_row(cluster):
         await frontend.replica.inference.predict("keep", backend_pb2.PredictOptions(Prompt="x"),
                                          deadline=reactor.seconds() + 10)
     assert await cluster.rows("keep") == [row]
-    # and the scheduler refuses to reap on anything but the worker's answer
-    from localai_tw.frontend.scheduler import Placement
+    # and the node chooser refuses to reap on anything but the worker's answer
+    from localai_tw.frontend.placement import Placement
 
     placement = Placement("keep", worker.node_id, row[3], row[4])
     for condition in (errors.WorkerUnroutable(worker.node_id, "x"),
@@ -170,7 +170,7 @@ async def test_a_route_failure_never_reaps_a_row(cluster):
                       errors.PeerUnreachable("p", "x"), errors.TransportFailure("x"),
                       errors.CallerDeadlineExceeded("x")):
         with pytest.raises(ValueError, match="not the worker's answer"):
-            await frontend.replica.inference.scheduler.reap(placement, condition)
+            await frontend.replica.inference.chooser.reap(placement, condition)
     assert await cluster.rows("keep") == [row]
 
 
@@ -224,7 +224,7 @@ async def test_a_dead_loaders_lock_is_taken_over(cluster):
                           " VALUES ('other', 'replica-a', 'held-attempt')")
     cluster.write_model("other.yaml", echo_model("other"))
     frontend.replica.inference.catalog.refresh()
-    frontend.replica.inference.scheduler.load_wait = 0.5
+    frontend.replica.inference.loads.load_wait = 0.5
     from localai_tw.frontend.interfaces import NoNodeAvailable
 
     with pytest.raises(NoNodeAvailable, match="another load of it is in progress"):

@@ -8,6 +8,7 @@ from twisted.internet import defer
 from twisted.logger import capturedLogs
 
 from localai_tw.backends import backend_pb2
+from localai_tw.frontend.coldload import ColdLoader
 from localai_tw.frontend.inference import InferenceRouter
 from localai_tw.frontend.models import (
     DIFFUSERS_OPTIONS,
@@ -21,7 +22,6 @@ from localai_tw.frontend.models import (
     parse_model_config,
 )
 from localai_tw.frontend.openai.requests import Fields, merge_sampling
-from localai_tw.frontend.scheduler import Scheduler
 
 from .test_openai_fakes import FakeRouter, call, make_site
 
@@ -58,12 +58,12 @@ class _Reactor:
 
 
 def sent_model_options(config) -> backend_pb2.ModelOptions:
-    """What ``Scheduler._load_model`` sends to LoadModel for ``config`` (the real method, on a
+    """What ``ColdLoader._load_model`` sends to LoadModel for ``config`` (the real method, on a
     stand-in holding only what it reads)."""
     holder = type("S", (), {})()
     holder._clients, holder._reactor, holder.load_timeout = _Clients(), _Reactor(), 10.0
-    d = defer.ensureDeferred(Scheduler._load_model(holder, config, "n1", "127.0.0.1:5000",
-                                                   "models/m/m.bin", {}))
+    d = defer.ensureDeferred(ColdLoader._load_model(holder, config, "n1", "127.0.0.1:5000",
+                                                    "models/m/m.bin", {}))
     assert d.called and d.result is None
     [(method, options)] = holder._clients.one.sent
     assert method == "LoadModel"
@@ -202,7 +202,7 @@ def broken_site(tmp_path):
     (tmp_path / "typed.yaml").write_text("name: typed\nbackend: echo\nf16: maybe\n")
     (tmp_path / "garbled.yaml").write_text("name: [unclosed\n")
     catalog = ModelCatalog(str(tmp_path), check_interval=0)
-    return make_site(InferenceRouter(catalog, None, None, None))
+    return make_site(InferenceRouter(catalog, None, None, None, None, None))
 
 
 @pytest.mark.parametrize("name,words", [

@@ -1,0 +1,251 @@
+"""Cold loading on one node: ``backend.start``, staging, ``LoadModel``, and the ``node_models``
+row that records it.  Which node: :mod:`.placement`; one load per model across replicas, and
+the tries over nodes: :mod:`.loadlock`.
+
+:meth:`ColdLoader.load_on`:
+
+1. ``backend.start`` on the node (control verb through the tunnel, relayed when another replica
+   holds it) -> ``127.0.0.1:<port>``;
+2. ``node_models`` row ``staging``; each file of the model is checked against its ``sha256``
+   (locally, in a thread) and staged (``PUT /v1/files/models/...``, skipped when the worker
+   holds the same digest); progress is logged;
+3. row ``loading``; gRPC ``LoadModel`` through the bridge with ``ModelOptions`` (``Model`` = the
+   worker-side path of the staged model file, or the identifier; ``ModelFile``, ``ModelPath``,
+   ``ContextSize``, ``Embeddings``, ``Options``; the config's LocalAI keys first);
+4. row ``loaded``.  Any failure removes the row (our own unfinished load, explicit lifecycle);
+   a failure the worker answered (``backend.start`` error, ``success=false``, a gRPC status)
+   is raised as ``ModelLoadFailed`` with the backend's message, after a best-effort
+   ``backend.stop``; route conditions are raised as themselves.
+
+Each load logs its start and its end with the time it took.  :meth:`ColdLoader.unload` is the
+explicit lifecycle: ``backend.stop``, then the row goes.
+
+What this module must never do: hash a file on the reactor thread; stage a file that is not
+the one checked (the contained path is the one hashed and sent); leave a row of its own
+unfinished load behind; delete a ``loaded`` row but on an explicit unload (reaping on the
+worker's answer is :mod:`.placement`'s).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any, Awaitable, Callable, Mapping
+
+from twisted.internet import threads
+from twisted.logger import Logger
+
+from localai_tw import errors
+from localai_tw.backends import backend_pb2
+from localai_tw.staging_client import sha256_of_file
+from localai_tw.tunnel.endpoint import upload_file
+
+from .interfaces import ModelLoadFailed
+from .models import ModelConfig
+from .placement import Placement, model_identity
+
+log = Logger()
+
+DEFAULT_START_TIMEOUT = 120.0
+DEFAULT_STAGE_TIMEOUT = 3600.0
+DEFAULT_LOAD_TIMEOUT = 300.0
+
+LOADED, STAGING, LOADING, UNLOADING = "loaded", "staging", "loading", "unloading"
+
+
+class ModelFileMismatch(errors.ClusterError):
+    """A model file in this replica's models directory does not match its configured sha256
+    (or is missing).  A local configuration problem: nothing about any worker."""
+
+    condition = "model-file-mismatch"
+
+
+class ColdLoader:
+    """Loads models on the node it is told, and unloads them (see the module docstring).
+
+    :param nodes: the ``NodeRegistry`` (each node's control token); :param control: a
+    ``ControlClient``; :param worker_http: the ``WorkerHTTPClient`` (staging); :param clients:
+    ``BackendClients`` (LoadModel through the bridges).
+    """
+
+    def __init__(self, db, nodes, control, worker_http, clients, instance_id: str,
+                 models_dir: str, reactor, *,
+                 start_timeout: float = DEFAULT_START_TIMEOUT,
+                 stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
+                 load_timeout: float = DEFAULT_LOAD_TIMEOUT):
+        self._db = db
+        self._nodes = nodes
+        self._control = control
+        self._http = worker_http
+        self._clients = clients
+        self.instance_id = instance_id
+        self.models_dir = models_dir
+        self._reactor = reactor
+        self.start_timeout = start_timeout
+        self.stage_timeout = stage_timeout
+        self.load_timeout = load_timeout
+
+    # -- a cold load ------------------------------------------------------------------------
+
+    async def load_on(self, model: ModelConfig, node_id: str,
+                      progress: Callable[..., Awaitable[None]]) -> Placement:
+        """Start, stage and load ``model`` on ``node_id`` (module docstring, steps 1-4),
+        logging its start and its end.  ``progress(phase, node_id=None)`` is told each phase
+        (the load lock records it)."""
+        started = self._reactor.seconds()
+        log.info("cold load of model {model} ({backend}) on node {node} by replica {replica}: "
+                 "started", model=model.name, backend=model.backend, node=node_id,
+                 replica=self.instance_id)
+        try:
+            placement = await self._start_and_load(model, node_id, progress)
+        except BaseException as e:
+            log.info("cold load of model {model} on node {node} failed after {took:.1f} s: "
+                     "{err}", model=model.name, node=node_id,
+                     took=self._reactor.seconds() - started, err=e)
+            raise
+        log.info("cold load of model {model} on node {node} finished in {took:.1f} s "
+                 "(at {address})", model=model.name, node=node_id,
+                 took=self._reactor.seconds() - started, address=placement.address)
+        return placement
+
+    async def _start_and_load(self, model: ModelConfig, node_id: str,
+                              progress: Callable[..., Awaitable[None]]) -> Placement:
+        await progress("starting", node_id)
+        try:
+            reply = await self._control.call(node_id, "backend.start",
+                                             {"backend": model.backend, "model": model.name},
+                                             timeout=self.start_timeout)
+        except errors.ControlVerbFailed as e:
+            raise ModelLoadFailed(model.name, node_id, e.error) from e
+        if not reply or not reply.get("success"):
+            raise ModelLoadFailed(model.name, node_id,
+                                  (reply or {}).get("error") or "backend.start failed")
+        address = str(reply.get("address") or "")
+        try:
+            int(address.rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            raise errors.TunnelProtocolError(
+                f"backend.start on {node_id} answered an unusable address {address!r}") from None
+
+        row_written = False
+        try:
+            await self._set_row(node_id, model, address, STAGING)
+            row_written = True
+            await progress("staging")
+            worker_paths = await self._stage(model, node_id)
+            await self._set_row(node_id, model, address, LOADING)
+            await progress("loading")
+            model_id = model_identity(model, worker_paths)
+            await self._load_model(model, node_id, address, model_id, worker_paths)
+            await self._set_row(node_id, model, address, LOADED, model_id)
+        except BaseException as e:
+            if row_written:
+                try:
+                    await self._remove_row(node_id, model.name)
+                except Exception as cleanup:
+                    log.warn("removing the unfinished row of {model} on {node} failed: {err}",
+                             model=model.name, node=node_id, err=cleanup)
+            if isinstance(e, errors.WorkerAnswer):
+                await self._stop_quietly(node_id, model.name)
+                if not isinstance(e, ModelLoadFailed):
+                    raise ModelLoadFailed(model.name, node_id, str(e)) from e
+            raise
+        return Placement(model.name, node_id, address, model_id)
+
+    async def _stage(self, model: ModelConfig, node_id: str) -> dict[str, str]:
+        worker_paths: dict[str, str] = {}
+        for f in model.files:
+            try:  # the checked path is the one hashed and sent, so a swap cannot slip past
+                local = f.contained_path(self.models_dir)
+            except ValueError as e:
+                raise ModelFileMismatch(f"model {model.name}: {e}") from None
+            if f.sha256 is not None:
+                try:
+                    _, digest = await threads.deferToThreadPool(
+                        self._reactor, self._reactor.getThreadPool(), sha256_of_file, local)
+                except OSError as e:
+                    raise ModelFileMismatch(f"model {model.name}: file {f.path} cannot be read:"
+                                            f" {e.strerror}") from None
+                if digest != f.sha256:
+                    raise ModelFileMismatch(f"model {model.name}: file {f.path} has sha256 "
+                                            f"{digest}, the config says {f.sha256}")
+            last_logged = [0.0]
+
+            def progress(sent: int, total: int, key=f.key) -> None:
+                now = self._reactor.seconds()
+                if sent == total or now - last_logged[0] >= 5.0:
+                    last_logged[0] = now
+                    log.info("staging {key} on node {node}: {sent}/{total} bytes", key=key,
+                             node=node_id, sent=sent, total=total)
+
+            # The node's own control token (derived from its node key), never the shared one.
+            token = await self._nodes.control_token(node_id)
+            staged = await upload_file(self._http, node_id, f.key, local, token=token,
+                                       progress_cb=progress, timeout=self.stage_timeout)
+            log.info("staged {key} on node {node} ({how})", key=f.key, node=node_id,
+                     how="already present" if staged.skipped else f"{staged.size} bytes")
+            if staged.local_path:
+                worker_paths[f.key] = staged.local_path
+        return worker_paths
+
+    async def _load_model(self, model: ModelConfig, node_id: str, address: str, model_id: str,
+                          worker_paths: Mapping[str, str]) -> None:
+        staged = model.file_for_model()
+        model_file = worker_paths.get(staged.key, "") if staged is not None else ""
+        # The config's LocalAI keys (f16, threads, gpu_layers, mmap, type, ...; models.py
+        # MODEL_OPTIONS) first, then what this loader decides (model, paths, context).
+        options = backend_pb2.ModelOptions(**{
+            **model.model_options,
+            "Model": model_id, "ContextSize": model.context_size,
+            "Embeddings": model.embeddings, "Options": list(model.options),
+            "ModelFile": model_file,
+            "ModelPath": posixpath.dirname(model_file) if model_file else ""})
+        port = int(address.rsplit(":", 1)[1])
+        client = self._clients.client(node_id, port)
+        deadline = self._reactor.seconds() + self.load_timeout
+        result = await client.call("LoadModel", options, deadline)
+        if not result.success:
+            raise ModelLoadFailed(model.name, node_id, result.message or "LoadModel failed")
+
+    async def _stop_quietly(self, node_id: str, model_name: str) -> None:
+        try:
+            await self._control.call(node_id, "backend.stop", {"model": model_name},
+                                     timeout=30.0)
+        except Exception as e:
+            log.info("backend.stop of {model} on {node} after a failed load: {err}",
+                     model=model_name, node=node_id, err=e)
+
+    # -- node_models rows -------------------------------------------------------------------
+
+    async def _set_row(self, node_id: str, model: ModelConfig, address: str, state: str,
+                       loaded_model: str = "") -> None:
+        await self._db.runOperation(
+            "INSERT INTO node_models (node_id, model_name, replica_index, address, state,"
+            " loading_by, backend_type, loaded_model, last_used)"
+            " VALUES (%s, %s, 0, %s, %s, %s, %s, %s, now())"
+            " ON CONFLICT (node_id, model_name, replica_index) DO UPDATE SET"
+            " address = EXCLUDED.address, state = EXCLUDED.state,"
+            " loading_by = EXCLUDED.loading_by, backend_type = EXCLUDED.backend_type,"
+            " loaded_model = EXCLUDED.loaded_model, updated_at = now()",
+            (node_id, model.name, address, state,
+             "" if state == LOADED else self.instance_id, model.backend, loaded_model))
+
+    async def _remove_row(self, node_id: str, model_name: str) -> None:
+        await self._db.runOperation(
+            "DELETE FROM node_models WHERE node_id = %s AND model_name = %s",
+            (node_id, model_name))
+
+    # -- unload -----------------------------------------------------------------------------
+
+    async def unload(self, model_name: str, node_id: str) -> dict[str, Any]:
+        """Explicit lifecycle: ``backend.stop`` on the node, then the row goes (even when the
+        stop fails with no route: the operator asked; a still-running process is found and
+        reused by the next ``backend.start``)."""
+        await self._db.runOperation(
+            "UPDATE node_models SET state = 'unloading', updated_at = now()"
+            " WHERE node_id = %s AND model_name = %s", (node_id, model_name))
+        try:
+            reply = await self._control.call(node_id, "backend.stop", {"model": model_name},
+                                             timeout=60.0)
+        finally:
+            await self._remove_row(node_id, model_name)
+        return reply or {}

@@ -1,0 +1,221 @@
+"""One cold load per model across every replica: the ``model_load_jobs`` lock, waiting for it,
+the tries over nodes (:mod:`.placement` picks, :mod:`.coldload` loads), and the memory of
+failed loads.
+
+:meth:`LoadLock.load`: take the ``model_load_jobs`` row for the model (insert, or take over a
+row whose owner is not a live replica or whose ``last_progress_at`` is older than
+``takeover_after``, on the database clock); others poll (every ``poll_interval``) until the
+model is loaded or the lock is theirs, for at most ``load_wait`` seconds (then
+``NoNodeAvailable``: try again later); the owner refreshes ``last_progress_at`` every
+``heartbeat_interval`` while it works, and records each phase of the load.  Under the lock: the
+loaded placement if another replica finished meanwhile, else a cold load on the picked node; a
+load that meets a routing fact or an absence within the grace moves on to the next node (at
+most ``MAX_PICKS``), touching nothing (no row, no status) on the node it leaves.
+
+Failed loads are remembered (per replica, in memory) for ``failed_load_memory`` seconds
+(:data:`DEFAULT_FAILED_LOAD_MEMORY`, 30 s), keyed by the model's name and its whole config: a
+request meanwhile -- a new one, or one already waiting for the lock -- fails at once with the
+same ``ModelLoadFailed``, whose ``retry_in`` and text say when the load is tried again.  A
+changed config file is a new key and is tried at once.  Without this, every retry of a model
+that cannot load (a hub id on a machine with no hub) paid the whole failing load again.
+
+What this module must never do: run two loads of one model at once across replicas (the lock
+row); compare times in Python (the database clock decides staleness and liveness).
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+
+from twisted.internet import defer, task
+from twisted.logger import Logger
+
+from localai_tw import errors
+from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
+
+from .coldload import ColdLoader
+from .interfaces import ModelLoadFailed, NoNodeAvailable
+from .models import ModelConfig
+from .placement import MAX_PICKS, NodeChooser, Placement
+
+log = Logger()
+
+DEFAULT_LOAD_WAIT = 60.0
+DEFAULT_TAKEOVER_AFTER = 30.0
+DEFAULT_HEARTBEAT = 5.0
+DEFAULT_POLL = 0.25
+#: Seconds a failed load is remembered (requests meanwhile fail at once with its error).
+DEFAULT_FAILED_LOAD_MEMORY = 30.0
+
+_ACQUIRE_SQL = (
+    "INSERT INTO model_load_jobs (model_name, owner_instance_id, attempt)"
+    " VALUES (%(model)s, %(owner)s, %(attempt)s)"
+    " ON CONFLICT (model_name) DO UPDATE SET owner_instance_id = EXCLUDED.owner_instance_id,"
+    "  attempt = EXCLUDED.attempt, node_id = '', phase = 'choosing', started_at = now(),"
+    "  last_progress_at = now()"
+    " WHERE model_load_jobs.last_progress_at < now() - make_interval(secs => %(stale)s)"
+    "  OR NOT EXISTS (SELECT 1 FROM instances WHERE instances.id ="
+    f"   model_load_jobs.owner_instance_id AND {INSTANCE_IS_LIVE_SQL.replace('%s', '%(live)s')})"
+    " RETURNING attempt, (xmax <> 0)"
+)
+
+
+class LoadLock:
+    """Cold loads of a model, one at a time across replicas (see the module docstring).
+
+    :param chooser: the :class:`NodeChooser`; :param loader: the :class:`ColdLoader`."""
+
+    def __init__(self, db, chooser: NodeChooser, loader: ColdLoader, instance_id: str,
+                 reactor, *, load_wait: float = DEFAULT_LOAD_WAIT,
+                 takeover_after: float = DEFAULT_TAKEOVER_AFTER,
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT,
+                 poll_interval: float = DEFAULT_POLL,
+                 failed_load_memory: float = DEFAULT_FAILED_LOAD_MEMORY,
+                 liveness: float = INSTANCE_LIVENESS):
+        self._db = db
+        self._chooser = chooser
+        self._loader = loader
+        self.instance_id = instance_id
+        self._reactor = reactor
+        self.load_wait = load_wait
+        self.takeover_after = takeover_after
+        self.heartbeat_interval = heartbeat_interval
+        self.poll_interval = poll_interval
+        self.failed_load_memory = failed_load_memory
+        # model name -> (config fingerprint, the failure, reactor time it expires)
+        self._failed: dict[str, tuple[str, ModelLoadFailed, float]] = {}
+        self._liveness = liveness
+
+    # -- cold load --------------------------------------------------------------------------
+
+    async def load(self, model: ModelConfig, exclude: frozenset[str] = frozenset(),
+                   deadline: float | None = None) -> Placement:
+        """A loaded placement of ``model``: an existing one if another replica finished
+        meanwhile, else a cold load under the lock."""
+        attempt = str(uuid.uuid4())
+        waited_until = self._reactor.seconds() + self.load_wait
+        if deadline is not None:
+            waited_until = min(waited_until, deadline)
+        while True:
+            existing = await self._chooser.loaded_placement(model, exclude)
+            if existing is not None:
+                return existing
+            failed = self.remembered_failure(model)  # also for waiters: the load just failed
+            if failed is not None:
+                raise failed
+            if await self._try_acquire(model.name, attempt):
+                break
+            if self._reactor.seconds() >= waited_until:
+                if deadline is not None and self._reactor.seconds() >= deadline:
+                    raise errors.CallerDeadlineExceeded(f"waiting for model {model.name} to load")
+                raise NoNodeAvailable(model.name, f"another load of it is in progress; waited "
+                                      f"{self.load_wait:g}s, try again")
+            await task.deferLater(self._reactor, self.poll_interval, lambda: None)
+
+        heartbeat = task.LoopingCall(self._beat, model.name, attempt)
+        heartbeat.clock = self._reactor
+        heartbeat.start(self.heartbeat_interval, now=False)
+        try:
+            return await self._load_somewhere(model, exclude, attempt)
+        finally:
+            if heartbeat.running:
+                heartbeat.stop()
+            try:
+                await self._release(model.name, attempt)
+            except Exception as e:
+                log.warn("releasing the load lock of {model} failed (it goes stale): {err}",
+                         model=model.name, err=e)
+
+    async def _load_somewhere(self, model: ModelConfig, exclude: frozenset[str],
+                              attempt: str) -> Placement:
+        """Under the lock: the loaded placement if another replica finished meanwhile, else a
+        cold load on the best node; when the load meets a routing fact or an absence within
+        the grace, try the next candidate (at most ``MAX_PICKS`` nodes).  Nothing is acted on:
+        the skipped node keeps its status and its rows (``WorkerGone`` alone demotes, status
+        only); the condition itself is raised when no candidate is left."""
+        existing = await self._chooser.loaded_placement(model, exclude)
+        if existing is not None:
+            return existing
+        excluded = set(exclude)
+        last: BaseException | None = None
+        for _ in range(MAX_PICKS):
+            try:
+                node_id = await self._chooser.pick_for_load(model, frozenset(excluded))
+            except NoNodeAvailable:
+                if last is not None:
+                    raise last from None
+                raise
+            try:
+                return await self._loader.load_on(
+                    model, node_id, functools.partial(self._progress, model.name, attempt))
+            except ModelLoadFailed as e:
+                raise self._remember_failure(model, e) from e
+            except (errors.RoutingFact, errors.AbsentWithinGrace) as e:
+                if isinstance(e, errors.WorkerGone):
+                    await self._chooser.mark_gone(node_id)
+                log.info("cold load of model {model}: node {node} cannot be reached ({err}); "
+                         "trying another node", model=model.name, node=node_id, err=e)
+                excluded.add(node_id)
+                last = e
+        raise last  # MAX_PICKS nodes met a routing fact or an absence
+
+    # -- the lock row -----------------------------------------------------------------------
+
+    async def _try_acquire(self, model_name: str, attempt: str) -> bool:
+        rows = await self._db.runQuery(_ACQUIRE_SQL, {
+            "model": model_name, "owner": self.instance_id, "attempt": attempt,
+            "stale": float(self.takeover_after), "live": float(self._liveness)})
+        if rows and rows[0][0] == attempt:
+            if rows[0][1]:
+                log.info("load of model {model}: took over a dead or stale loader's lock",
+                         model=model_name)
+            return True
+        return False
+
+    async def _progress(self, model_name: str, attempt: str, phase: str | None = None,
+                        node_id: str | None = None) -> None:
+        await self._db.runOperation(
+            "UPDATE model_load_jobs SET last_progress_at = now(),"
+            " phase = COALESCE(%s, phase), node_id = COALESCE(%s, node_id)"
+            " WHERE model_name = %s AND attempt = %s", (phase, node_id, model_name, attempt))
+
+    async def _release(self, model_name: str, attempt: str) -> None:
+        await self._db.runOperation(
+            "DELETE FROM model_load_jobs WHERE model_name = %s AND attempt = %s",
+            (model_name, attempt))
+
+    def _beat(self, model_name: str, attempt: str) -> defer.Deferred:
+        return defer.ensureDeferred(self._progress(model_name, attempt)).addErrback(
+            lambda f: log.warn("load heartbeat of {model} failed: {err}", model=model_name,
+                               err=f.getErrorMessage()))
+
+    # -- failed-load memory -----------------------------------------------------------------
+
+    def _remember_failure(self, model: ModelConfig, error: ModelLoadFailed) -> ModelLoadFailed:
+        if self.failed_load_memory <= 0:
+            return error
+        until = self._reactor.seconds() + self.failed_load_memory
+        self._failed[model.name] = (repr(model), error, until)
+        return self._recalled(model.name, error, self.failed_load_memory)
+
+    def remembered_failure(self, model: ModelConfig) -> ModelLoadFailed | None:
+        """The remembered failed load of ``model`` (this config), if still within its window."""
+        entry = self._failed.get(model.name)
+        if entry is None:
+            return None
+        fingerprint, error, until = entry
+        left = until - self._reactor.seconds()
+        if fingerprint != repr(model) or left <= 0:
+            del self._failed[model.name]
+            return None
+        return self._recalled(model.name, error, left)
+
+    @staticmethod
+    def _recalled(name: str, error: ModelLoadFailed, left: float) -> ModelLoadFailed:
+        seconds = max(1, int(left + 0.999))
+        return ModelLoadFailed(
+            name, error.node_id,
+            f"{error.detail} [localai-tw remembers this failure: the load of {name!r} is "
+            f"tried again in {seconds} s, or at once when its config file changes]",
+            retry_in=float(seconds))
