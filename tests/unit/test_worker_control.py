@@ -10,8 +10,10 @@ from twisted.internet import defer, task
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
-from twisted.internet.error import ConnectionDone
+from twisted.internet.error import ConnectionClosed, ConnectionDone
+from twisted.logger import capturedLogs
 
+from localai_tw.web.streaming import PacedWriter
 from localai_tw.worker import control, httpserve
 from localai_tw.worker.control import (
     ControlAuth,
@@ -461,8 +463,7 @@ def test_streaming_progress_waits_while_the_caller_is_not_reading():
     transport, protocol = connect(site)
     protocol.dataReceived(http_request("POST", "/v1/control/slow/reader", b"{}"))
     request = protocol._channel.requests[0]
-    stream = request.producer
-    assert isinstance(stream, control.NDJSONReplyStream)
+    assert isinstance(request.producer, PacedWriter)  # the stream follows the caller's pace
     transport.producer.pauseProducing()  # the transport's send buffer is full: the caller is not reading
     gate.callback(None)
     assert len(waits) == 1 and not waits[0].called
@@ -482,7 +483,7 @@ def test_streaming_stream_dropped_when_unread_bytes_exceed_the_bound():
     request = protocol._channel.requests[0]
     stream = control.NDJSONReplyStream(request, "flood", max_unread_bytes=1000)
     stream.progress("first")
-    stream.pauseProducing()
+    transport.producer.pauseProducing()  # the caller stopped reading
     aborted = []
     transport.abortConnection = lambda: aborted.append(True)
     for _ in range(100):
@@ -512,6 +513,50 @@ def test_client_disconnect_cancels_the_handler(streaming):
     assert not cancelled
     _disconnect(protocol)
     assert cancelled == [True]
+
+
+def _install_waiting_on_a_caller_that_leaves(cancel_on_disconnect: bool) -> list:
+    """A streaming verb whose second progress line waits on a caller that stopped reading,
+    then leaves: the transport stops producing first, as a TCP transport does, then the
+    request hears of the loss.  Returns what the verb got to do and the failures logged."""
+    site, verbs = make_site()
+    steps = []
+    gate = defer.Deferred()
+
+    async def install(body, progress):
+        await progress(1)
+        await gate
+        try:
+            await progress(2)
+        except ConnectionClosed:
+            steps.append("learnt the caller left")
+            raise
+        steps.append("went on")
+        return {"success": True}
+
+    verbs.register("backend.install", install, streaming=True,
+                   cancel_on_disconnect=cancel_on_disconnect)
+    transport, protocol = connect(site)
+    protocol.dataReceived(http_request("POST", "/v1/control/backend/install", b"{}"))
+    transport.producer.pauseProducing()
+    gate.callback(None)
+    with capturedLogs() as events:
+        transport.producer.stopProducing()
+        _disconnect(protocol)
+    return steps, [e for e in events if e.get("log_failure") is not None]
+
+
+def test_a_streaming_verb_waiting_on_a_caller_that_left_learns_it_and_stops():
+    """Released instead, the verb would go on installing for nobody until the cancel."""
+    steps, failures = _install_waiting_on_a_caller_that_leaves(cancel_on_disconnect=True)
+    assert steps == ["learnt the caller left"]
+    assert failures == []  # nobody to answer, nothing went wrong on this side
+
+
+def test_a_streaming_verb_that_must_finish_goes_on_when_the_caller_leaves():
+    steps, failures = _install_waiting_on_a_caller_that_leaves(cancel_on_disconnect=False)
+    assert steps == ["went on"]
+    assert failures == []
 
 
 def test_verbs_that_must_finish_are_not_cancelled_by_a_disconnect():

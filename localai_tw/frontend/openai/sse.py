@@ -3,10 +3,12 @@ response that follows the transport's pace) and :func:`stream_reply`, which runs
 ``PredictStream`` into it for chat and completions alike (their event shapes are
 :class:`Chunks`).
 
-Backpressure: the stream registers itself as the request's push producer, and while the HTTP
-transport is paused each ``on_reply`` returns a Deferred that fires only when it resumes, so
-the router stops pulling replies from the backend.  Only complete UTF-8 characters are sent (a
-character split across replies waits for its last byte).  A stream that waits for a cold load
+Backpressure: the stream writes through the shared
+:class:`~localai_tw.web.streaming.PacedWriter` (the request's push producer), and while the
+HTTP transport is paused each ``on_reply`` returns a Deferred that fires only when it resumes,
+so the router stops pulling replies from the backend; it fails when the client leaves, which
+cancels the backend call.  Only complete UTF-8 characters are sent (a character split across
+replies waits for its last byte).  A stream that waits for a cold load
 longer than ``LOADING_NOTICE_INTERVAL`` starts then and carries ``: loading model <name> (<n>
 s)`` comments until the first reply.
 
@@ -22,13 +24,12 @@ from typing import Any
 
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionDone
-from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from localai_tw.backends import backend_pb2
 
+from ...web.streaming import PacedWriter
 from ..web import printable
 from .context import Context
 from .errors import OpenAIError, detail, error_for
@@ -42,28 +43,33 @@ log = Logger()
 LOADING_NOTICE_INTERVAL = 3.0
 
 
-@implementer(IPushProducer)
 class SSEStream:
-    """A ``text/event-stream`` response that follows the transport's pace.
+    """A ``text/event-stream`` response that follows the transport's pace: SSE framing over
+    the shared :class:`~localai_tw.web.streaming.PacedWriter`.
 
-    Registered as the request's push producer once started: while the HTTP transport is
-    paused, :meth:`send` returns a Deferred that fires when it resumes (and fails if the client
-    leaves), which the router awaits before pulling the next backend reply.
+    While the HTTP transport is paused, :meth:`send` returns a Deferred that fires when it
+    resumes and fails when the client leaves, which the router awaits before pulling the next
+    backend reply (and which cancels the backend call when it fails).
     """
 
     def __init__(self, exchange: Exchange):
         self.exchange = exchange
         self.request = exchange.request
-        self.started = False
-        self.closed = False
-        self.paused = False
-        self._waiters: list[defer.Deferred] = []
-        exchange.when_gone(self._abandon)
+        self.writer = PacedWriter(self.request, "stream of " + printable(
+            path_text(self.request)))
+
+    @property
+    def started(self) -> bool:
+        return self.writer.started
+
+    @property
+    def gone(self) -> bool:
+        """Whether the client left (learnt from the request or from the transport)."""
+        return self.exchange.gone or self.writer.gone
 
     def start(self, node: str | None) -> None:
-        if self.started:
+        if self.writer.started:
             return
-        self.started = True
         self.exchange.served_by(node)
         request = self.request
         request.setResponseCode(200)
@@ -74,61 +80,35 @@ class SSEStream:
         header = self.exchange.node_header()
         if header is not None:
             request.setHeader(NODE_HEADER, header)
-        request.registerProducer(self, True)
-        # The transport may be full already (a pause is only announced on a change).
-        self.paused = bool(getattr(request.channel, "_waitingForTransport", False))
+        self.writer.start()
 
     def comment(self, text: str) -> None:
         """Write an SSE comment line (``: text``), which clients ignore: a sign of life while
         nothing else can be sent.  Starts the stream (status 200) if it has not started."""
-        if self.exchange.gone or self.closed:
+        if self.gone or self.writer.finished:
             return
         self.start(None)
-        self.request.write(b": " + " ".join(text.split()).encode("utf-8") + b"\n\n")
+        _unawaited(self.writer.write(b": " + " ".join(text.split()).encode("utf-8") + b"\n\n"))
 
     def send(self, payload: Any) -> defer.Deferred | None:
         """Write one event (``payload`` as JSON, or a literal string such as ``[DONE]``).
-        Returns a Deferred while the transport is paused, else None."""
-        if self.exchange.gone or self.closed:
+        Returns a Deferred while the transport is paused (failed once the client left),
+        else None."""
+        if self.exchange.gone:
             return defer.fail(ConnectionDone("the client disconnected"))
         text = payload if isinstance(payload, str) else \
             json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        self.request.write(b"data: " + text.encode("utf-8") + b"\n\n")
-        if not self.paused:
-            return None
-        waiter = defer.Deferred()
-        self._waiters.append(waiter)
-        return waiter
+        return self.writer.write(b"data: " + text.encode("utf-8") + b"\n\n")
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        request = self.request
-        if self.started and request.channel is not None and request.producer is not None:
-            request.unregisterProducer()
-        if not self.exchange.gone and not request.finished:
-            request.finish()
+        self.writer.finish()
 
-    # IPushProducer
-    def pauseProducing(self) -> None:
-        self.paused = True
 
-    def resumeProducing(self) -> None:
-        self.paused = False
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.called:
-                waiter.callback(None)
-
-    def stopProducing(self) -> None:
-        self._abandon()
-
-    def _abandon(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.called:
-                waiter.errback(Failure(ConnectionDone("the client disconnected")))
+def _unawaited(waiting: defer.Deferred | None) -> None:
+    """A write whose pace is not followed (a comment, the last few small events): a pause is
+    not awaited and a departed client is handled by the exchange."""
+    if waiting is not None:
+        waiting.addErrback(lambda _: None)
 
 
 class Chunks:
@@ -183,9 +163,7 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
     def emit(payload) -> None:
         """Send without waiting (the last few small events); a pause is not awaited and
         a departed client is already handled by the exchange."""
-        waiting = stream.send(payload)
-        if waiting is not None:
-            waiting.addErrback(lambda _: None)
+        _unawaited(stream.send(payload))
 
     def on_start(node_id=None) -> None:
         quiet()
@@ -201,7 +179,7 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
             emit(first)
 
     def on_reply(reply: backend_pb2.Reply):
-        if exchange.gone:
+        if stream.gone:
             return defer.fail(ConnectionDone("the client disconnected"))
         if not begun and not exchange.named():
             return defer.ensureDeferred(exchange.name_nodes()).addCallback(
@@ -219,13 +197,13 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
             name, options, on_reply, context.deadline(), on_start=on_start,
             on_loading=on_loading))
     except defer.CancelledError:
-        if exchange.gone:
+        if stream.gone:
             stream.close()
             return
         raise _stream_failed(stream, OpenAIError(
             500, "the stream was cancelled", "server_error", code="cancelled"))
     except Exception as e:
-        if exchange.gone:
+        if stream.gone:
             stream.close()
             return
         raise _stream_failed(stream, e)
@@ -253,8 +231,6 @@ def _stream_failed(stream: SSEStream, error: BaseException) -> BaseException:
              code=answer.code, message=detail(error))
     if answer.code == "internal_error":
         log.failure("stream failure", Failure(error))
-    waiting = stream.send(answer.body())
-    if waiting is not None:
-        waiting.addErrback(lambda _: None)
+    _unawaited(stream.send(answer.body()))
     stream.close()
     return AlreadyAnswered()

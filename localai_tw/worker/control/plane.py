@@ -8,6 +8,7 @@ import json
 from typing import Iterable, Mapping
 
 from twisted.internet import defer
+from twisted.internet.error import ConnectionClosed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import resource, server
@@ -109,7 +110,10 @@ class ControlPlaneResource(resource.Resource):
 
     def _call(self, request, verb: IControlVerb, body: dict) -> None:
         stream = NDJSONReplyStream(request, verb.name) if verb.streaming else None
-        progress = stream.progress if stream is not None else None
+        progress = None
+        if stream is not None:
+            progress = (stream.progress if verb.cancel_on_disconnect
+                        else _regardless_of_the_caller(stream.progress))
         # maybeDeferred takes a plain value, a Deferred or a coroutine; cancelling ``running``
         # cancels the handler's own Deferred (or the one its coroutine awaits).
         running = defer.maybeDeferred(verb.run, body, progress)
@@ -146,8 +150,9 @@ class ControlPlaneResource(resource.Resource):
         write_json(request, 200, reply)
 
     def _failed(self, request, verb, stream, failure: Failure):
-        if failure.check(defer.CancelledError) and getattr(request, "_disconnected", False):
-            return  # the caller left and the verb was cancelled: nobody to answer
+        if failure.check(defer.CancelledError, ConnectionClosed) and (
+                getattr(request, "_disconnected", False) or (stream is not None and stream.gone)):
+            return  # the caller left and the verb was cancelled or told so: nobody to answer
         if stream is not None and stream.started:
             # The status line is out; the failure becomes the worker's answer in the reply line.
             if failure.check(NoFreeSlot):
@@ -167,6 +172,16 @@ class ControlPlaneResource(resource.Resource):
                 request, 500,
                 f"control verb {verb.name} could not be served: {failure_summary(failure)}",
             )
+
+
+def _regardless_of_the_caller(progress):
+    """``progress`` for a verb that must finish even when the caller leaves: its wait is
+    released, not failed, by the caller's departure (the lines go nowhere)."""
+
+    def progress_going_on(value):
+        return progress(value).addErrback(lambda failure: failure.trap(ConnectionClosed) and None)
+
+    return progress_going_on
 
 
 class ControlBodyPolicy:

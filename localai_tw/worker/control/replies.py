@@ -8,19 +8,16 @@ import json
 from typing import Any, Iterable
 
 from twisted.internet import defer
-from twisted.internet.interfaces import IPushProducer
-from twisted.logger import Logger
-from zope.interface import implementer
 
 from localai_tw.web import json as web_json
-
-log = Logger()
+from localai_tw.web.streaming import MAX_UNREAD_BYTES, PacedWriter
 
 #: How much of an unknown path a 404 echoes back.
 MAX_ECHOED_PATH_BYTES = 128
-#: Bytes of NDJSON a streaming verb may write while the peer is not reading before the stream
-#: is dropped (the frontend reads progress promptly; a stuck reader must not grow memory).
-MAX_UNREAD_STREAM_BYTES = 4 * 1024 * 1024
+#: Bytes of NDJSON a streaming verb may write without waiting while the peer is not reading
+#: before the stream is dropped (the frontend reads progress promptly; a stuck reader must not
+#: grow memory).
+MAX_UNREAD_STREAM_BYTES = MAX_UNREAD_BYTES
 
 JSON_TYPE = b"application/json"
 NDJSON_TYPE = b"application/x-ndjson"
@@ -64,97 +61,53 @@ def write_unknown_control_path(request):
     request.finish()
 
 
-@implementer(IPushProducer)
 class NDJSONReplyStream:
-    """The body of a streaming verb's reply: progress lines, then exactly one reply line.
+    """The body of a streaming verb's reply: progress lines, then exactly one reply line,
+    written through the shared :class:`~localai_tw.web.streaming.PacedWriter`.
 
     The status line and headers go out with the first line, so a verb that fails before its
-    first progress still gets a plain status (400, 503, 500).  Registered as the request's
-    producer, it learns when the caller stops reading: :meth:`progress` then returns a
-    Deferred that fires on resume, and writing more than :data:`MAX_UNREAD_STREAM_BYTES` while
-    paused drops the connection.
+    first progress still gets a plain status (400, 503, 500).  While the caller is not reading,
+    :meth:`progress` returns a Deferred that fires when it reads again and fails
+    (``ConnectionClosed``) when it leaves, so an awaiting verb stops; writing more than
+    :data:`MAX_UNREAD_STREAM_BYTES` without waiting drops the connection.
     """
 
     def __init__(self, request, verb: str, max_unread_bytes: int = MAX_UNREAD_STREAM_BYTES):
         self.request = request
         self.verb = verb
-        self.max_unread_bytes = max_unread_bytes
-        self.started = False
+        self.writer = PacedWriter(request, f"control verb {verb}", max_unread_bytes)
         self.replied = False
-        self.paused = False
-        self.unread_bytes = 0
-        self._resumed_waiters: list[defer.Deferred] = []
 
-    def _gone(self) -> bool:
-        return self.request.finished or getattr(self.request, "_disconnected", False)
+    @property
+    def started(self) -> bool:
+        return self.writer.started
 
-    def _start(self):
-        self.started = True
-        request = self.request
-        request.setResponseCode(200)
-        request.setHeader(b"content-type", NDJSON_TYPE)
-        request.setHeader(b"x-content-type-options", b"nosniff")
-        request.setHeader(b"cache-control", b"no-store")
-        request.registerProducer(self, True)
+    @property
+    def gone(self) -> bool:
+        """Whether the caller's connection is lost (it left, or was dropped)."""
+        return self.writer.gone
 
-    def _write_line(self, obj: dict) -> None:
+    def _write_line(self, obj: dict) -> defer.Deferred | None:
         line = json.dumps(obj).encode("utf-8") + b"\n"  # TypeError for a non-JSON value
-        if self._gone():
-            return
-        if not self.started:
-            self._start()
-        self.request.write(line)
-        if self.paused:
-            self.unread_bytes += len(line)
-            if self.unread_bytes > self.max_unread_bytes:
-                log.warn(
-                    "control verb {verb}: caller stopped reading; dropping the stream",
-                    verb=self.verb,
-                )
-                transport = self.request.channel.transport if self.request.channel else None
-                if transport is not None:
-                    abort = getattr(transport, "abortConnection", transport.loseConnection)
-                    abort()
+        if not self.writer.started and not self.writer.gone:
+            request = self.request
+            request.setResponseCode(200)
+            request.setHeader(b"content-type", NDJSON_TYPE)
+            request.setHeader(b"x-content-type-options", b"nosniff")
+            request.setHeader(b"cache-control", b"no-store")
+        return self.writer.write(line)
 
     def progress(self, value: Any) -> defer.Deferred:
         if self.replied:
             raise RuntimeError("progress after the reply line")
-        self._write_line({"progress": value})
-        if self.paused and not self._gone():
-            waiter = defer.Deferred()
-            self._resumed_waiters.append(waiter)
-            return waiter
-        return defer.succeed(None)
+        waiting = self._write_line({"progress": value})
+        return defer.succeed(None) if waiting is None else waiting
 
     def reply(self, value: Any) -> None:
         if self.replied:
             raise RuntimeError("a streaming verb replies exactly once")
-        self._write_line({"reply": {} if value is None else value})
+        waiting = self._write_line({"reply": {} if value is None else value})
+        if waiting is not None:
+            waiting.addErrback(lambda _: None)  # the last line: nothing waits on its pace
         self.replied = True
-        self._finish()
-
-    def _finish(self):
-        self._release_waiters()
-        if self._gone():
-            return
-        if self.started:
-            self.request.unregisterProducer()
-        self.request.finish()
-
-    def _release_waiters(self):
-        waiters, self._resumed_waiters = self._resumed_waiters, []
-        for waiter in waiters:
-            waiter.callback(None)
-
-    # IPushProducer: the request's channel tells us when the caller stops and starts reading.
-    def pauseProducing(self):
-        self.paused = True
-
-    def resumeProducing(self):
-        self.paused = False
-        self.unread_bytes = 0
-        self._release_waiters()
-
-    def stopProducing(self):
-        self.paused = False
-        self._release_waiters()
+        self.writer.finish()
