@@ -65,6 +65,7 @@ from twisted.web import server
 from twisted.web.resource import Resource
 from zope.interface import implementer
 
+from localai_tw import metrics
 from localai_tw.backends import backend_pb2
 from localai_tw.errors import (
     AbsentWithinGrace,
@@ -604,8 +605,10 @@ class _Exchange:
     """One HTTP request's lifetime: whether the client left, and the router calls to cancel
     when it does."""
 
-    def __init__(self, request, names: NodeNames | None = None):
+    def __init__(self, request, names: NodeNames | None = None,
+                 record: metrics.RequestRecord | None = None):
         self.request = request
+        self.record = record or metrics.DISCARD.request(())
         self.gone = False
         self.nodes: list[str] = []
         self.names = names
@@ -615,6 +618,8 @@ class _Exchange:
         request.notifyFinish().addBoth(self._finished)
 
     def _finished(self, result) -> None:
+        self.record.finished(metrics.CLIENT_GONE if isinstance(result, Failure)
+                             else self.request.code, self.nodes)
         if not isinstance(result, Failure):
             return None
         self.gone = True
@@ -670,6 +675,7 @@ class _Exchange:
         if self.gone or request.finished or request.channel is None:
             return
         payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        self.record.usage(body.get("usage"))
         request.setResponseCode(status)
         for name, value in JSON_HEADERS:
             request.setHeader(name, value)
@@ -838,8 +844,10 @@ class OpenAIResource(Resource):
     def __init__(self, router: IInferenceRouter, *, api_keys: APIKeyGuard | None = None,
                  deadline_seconds: float | None = None, reactor=None,
                  now: Callable[[], float] = time.time,
-                 node_names: Callable[[str], Any] | None = None):
+                 node_names: Callable[[str], Any] | None = None,
+                 metrics: metrics.ReplicaMetrics = metrics.DISCARD):
         super().__init__()
+        self._metrics = metrics
         self._router = router
         self._names = NodeNames(node_names) if node_names is not None else None
         self._api_keys = api_keys
@@ -856,7 +864,7 @@ class OpenAIResource(Resource):
         return server.NOT_DONE_YET
 
     async def _serve(self, request) -> None:
-        exchange = _Exchange(request, self._names)
+        exchange = _Exchange(request, self._names, self._metrics.request(request.postpath))
         try:
             await self._dispatch(request, exchange)
         except _AlreadyAnswered:
@@ -872,6 +880,7 @@ class OpenAIResource(Resource):
     def _answer_error(self, exchange: _Exchange, answer: OpenAIError,
                       cause: BaseException | None) -> None:
         request = exchange.request
+        exchange.record.failed(cause)
         if cause is not None and not isinstance(cause, (OpenAIError, APIError)):
             if answer.code == "internal_error":
                 log.failure("{method} {path} failed", Failure(cause),
@@ -983,6 +992,7 @@ class OpenAIResource(Resource):
         router = self.router()
         body = self._body(request)
         name, model = self._resolve_model(router, body, CHAT)
+        exchange.record.model = name  # a configured name: a bounded label
         messages, images = parse_messages(body.raw("messages"))
         stream = bool(body.boolean("stream"))
         n = body.integer("n", 1, MAX_CHOICES) or 1
@@ -1041,6 +1051,7 @@ class OpenAIResource(Resource):
         router = self.router()
         body = self._body(request)
         name, model = self._resolve_model(router, body, COMPLETION)
+        exchange.record.model = name  # a configured name: a bounded label
         prompts = _prompts(body.raw("prompt"))
         stream = bool(body.boolean("stream"))
         echo = bool(body.boolean("echo"))
@@ -1127,6 +1138,7 @@ class OpenAIResource(Resource):
                 return defer.ensureDeferred(exchange.name_nodes()).addCallback(
                     lambda _: on_reply(reply))
             on_start(None)
+            exchange.record.replied()
             usage.update(reply)
             last.tokens = max(last.tokens, reply.tokens)
             text = decoder.decode(reply.message)
@@ -1156,6 +1168,7 @@ class OpenAIResource(Resource):
         if tail:
             emit(chunks.delta(tail))
         emit(chunks.finish(finish_reason(last, sampling.max_tokens)))
+        exchange.record.usage(usage.body())
         if include_usage:
             emit(chunks.usage(usage.body()))
         emit("[DONE]")
@@ -1166,6 +1179,7 @@ class OpenAIResource(Resource):
         ``error`` event (what OpenAI clients raise on), without ``[DONE]``, and logged."""
         if not stream.started:
             return error
+        stream.exchange.record.failed(error)
         answer = error_for(error)
         log.info("stream of {path} failed after it started: {status} {code}: {message}",
                  path=printable(_path_text(stream.request)), status=answer.status,
@@ -1184,6 +1198,7 @@ class OpenAIResource(Resource):
         router = self.router()
         body = self._body(request)
         name, model = self._resolve_model(router, body, EMBEDDINGS)
+        exchange.record.model = name  # a configured name: a bounded label
         inputs = _embedding_inputs(body.raw("input"))
         encoding = body.string("encoding_format") or "float"
         if encoding not in ("float", "base64"):

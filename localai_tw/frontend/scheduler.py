@@ -63,7 +63,7 @@ from typing import Any, Mapping
 from twisted.internet import defer, task, threads
 from twisted.logger import Logger
 
-from localai_tw import errors
+from localai_tw import errors, metrics as replica_metrics
 from localai_tw.backends import backend_pb2
 from localai_tw.cluster.clock import (
     CONNECTION_IS_HELD_SQL,
@@ -178,8 +178,10 @@ class Scheduler:
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
                  load_timeout: float = DEFAULT_LOAD_TIMEOUT,
                  failed_load_memory: float = DEFAULT_FAILED_LOAD_MEMORY,
-                 liveness: float = INSTANCE_LIVENESS):
+                 liveness: float = INSTANCE_LIVENESS,
+                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
         self._db = db
+        self._metrics = metrics
         self._nodes = nodes
         self._fence = fence
         self._control = control
@@ -468,10 +470,12 @@ class Scheduler:
         try:
             placement = await self._start_and_load(model, node_id, attempt)
         except BaseException as e:
+            self._metrics.cold_load(model.name, self._reactor.seconds() - started, ok=False)
             log.info("cold load of model {model} on node {node} failed after {took:.1f} s: "
                      "{err}", model=model.name, node=node_id,
                      took=self._reactor.seconds() - started, err=e)
             raise
+        self._metrics.cold_load(model.name, self._reactor.seconds() - started, ok=True)
         log.info("cold load of model {model} on node {node} finished in {took:.1f} s "
                  "(at {address})", model=model.name, node=node_id,
                  took=self._reactor.seconds() - started, address=placement.address)

@@ -37,7 +37,8 @@ So stopping runs: listener; tunnels (releasing their claims), peer links, worker
 The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
-``/api/cluster/instances`` (admin, ``--api-key``), ``/api/cluster/connect`` (worker tunnels),
+``/api/cluster/instances`` and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai.py``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
 gate is open (database ready *and* membership registered, and every readiness gate passed).
@@ -77,6 +78,7 @@ from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
+from localai_tw.metrics import ReplicaMetrics
 from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
@@ -86,6 +88,7 @@ from localai_tw.tunnel.route import WorkerDialer
 
 from .backend_client import BackendClients
 from .interfaces import IInferenceRouter
+from .metrics_api import MetricsResource
 from .nodes_api import InstancesResource, NodesAdminResource
 from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
 from .probes import LivenessResource, ReadinessResource, StartingGate
@@ -328,6 +331,7 @@ class Replica:
     notifier: DepartureNotifier
     membership: MembershipService
     health: HealthMonitor
+    metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
@@ -380,6 +384,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         config.identity_seed, advertised_addr=published_address(advertised, listen_description))
 
     tunnels = TunnelRegistry(fence, config.instance_id, reactor)
+    metrics = ReplicaMetrics()  # this replica's own registry (never the process-global one)
+    metrics.watch_tunnels(tunnels)
     peer_links = AcceptedPeerLinks(db, tunnels, config.registration_token, reactor)
     peer_pool = PeerPool(db, identity, config.registration_token, reactor,
                          ca_file=config.peer_ca_file)
@@ -391,7 +397,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
         config.registration_token or None)
     scheduler = Scheduler(db, nodes, fence, control, worker_http, backend_clients,
-                          config.instance_id, config.models_dir, reactor, grace=grace)
+                          config.instance_id, config.models_dir, reactor, grace=grace,
+                          metrics=metrics)
     inference = InferenceRouter(ModelCatalog(config.models_dir), scheduler, backend_clients,
                                 reactor)
     # One subscriber drops every per-node connection of this process when a node departs:
@@ -409,7 +416,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health)
+        membership=membership, health=health, metrics=metrics)
 
 
 def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,
@@ -601,7 +608,7 @@ class FrontendService(InOrderMultiService):
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
         self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
-        for prefix in (b"/api/nodes", b"/api/cluster/instances"):
+        for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -625,8 +632,10 @@ class FrontendService(InOrderMultiService):
         for name, probe in self._probe_resources.items():
             root.putChild(name, probe)  # the same /healthz and /readyz
         openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
-                                reactor=self._reactor, node_names=replica.node_name)
+                                reactor=self._reactor, node_names=replica.node_name,
+                                metrics=replica.metrics)
         root.putChild(b"v1", openai)
+        root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys))
         api = JSONDirectory()
         root.putChild(b"api", api)
         registration = WorkerRegistrationResource(parts)

@@ -26,14 +26,15 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": BASE | {"db"},
     "bus": BASE | {"db", "cluster"},
     "staging_client": BASE,
+    "metrics": BASE,  # every Prometheus metric in one place (docs/metrics.md)
     "tinychat": BASE,  # a user's tool (python -m localai_tw.tinychat): builds a local model
     "tunnel": BASE | {"mux", "splice", "db", "cluster", "staging_client"},
     "backends": BASE | {"plugins"},  # plugins: the drop-in package IBackendFactory scans
     "plugins": BASE | {"backends"},
     "worker": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                      "staging_client", "plugins"},
+                      "staging_client", "plugins", "metrics"},
     "frontend": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                        "staging_client", "plugins"},
+                        "staging_client", "plugins", "metrics"},
 }
 
 #: The only modules outside ``worker/`` that may import from it: the frontend's in-process

@@ -1,0 +1,229 @@
+"""Every Prometheus metric of a frontend replica, defined in one place (``docs/metrics.md``).
+
+One :class:`ReplicaMetrics` per replica, each with its own ``CollectorRegistry`` (never
+``prometheus_client``'s global one), so several replicas in one process (the tests) never share
+a counter.  The serving code reports through one-line calls into this module
+(:meth:`ReplicaMetrics.request`, :meth:`RequestRecord.finished`, :meth:`ReplicaMetrics.cold_load`);
+:data:`DISCARD` takes the same calls where nothing is exposed (unit tests, tools).  Gauges of
+state the replica already holds (tunnels, open streams) are read when scraped by a custom
+collector, so nothing is counted on the per-frame path.
+
+Label values are bounded: ``endpoint`` is one of a fixed set, ``model`` is a name the replica
+has a config for (an unknown name is recorded as ``""``), ``status`` an HTTP code, ``path`` one
+of ``owner``/``relay``/``none``, ``condition`` a name from :mod:`localai_tw.errors`.
+
+This module must never import anything of ours but the base modules, block, or raise into the
+code that reports to it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from localai_tw import errors
+
+#: Content type of :func:`exposition` (Prometheus text format 0.0.4).
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: ``endpoint`` label values: the OpenAI API's routes (anything else is ``other``).
+ENDPOINTS = {
+    (b"chat", b"completions"): "chat",
+    (b"completions",): "completions",
+    (b"embeddings",): "embeddings",
+    (b"models",): "models",
+}
+
+#: A client that left before its answer was complete (nginx's code for it).
+CLIENT_GONE = "499"
+
+#: Latency buckets (seconds): from a cached short answer to a long generation.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: Cold-load buckets (seconds): a small model in a second up to a large one in minutes.
+LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+
+
+def endpoint_of(postpath: Iterable[bytes]) -> str:
+    """The bounded ``endpoint`` label of an OpenAI API path below ``/v1``."""
+    segments = [s for s in postpath if s]
+    if len(segments) >= 2 and segments[0] == b"models":
+        return "model"
+    return ENDPOINTS.get(tuple(segments), "other")
+
+
+def condition_label(error: BaseException) -> str:
+    """The ``condition`` label of an error: one of the four conditions of
+    :mod:`localai_tw.errors` (a subclass counts as its condition: ``peer-rejected`` is
+    ``peer-unreachable``), else the error's own stable name (``caller-deadline``,
+    ``transport-failure``, ``protocol-error``), ``unclassified`` for foreign exceptions."""
+    for condition in errors.CONDITIONS:
+        if isinstance(error, condition):
+            return condition.condition
+    return errors.condition_of(error)
+
+
+class RequestRecord:
+    """What one OpenAI API request reports while it runs; :meth:`finished` records it once.
+    The serving code sets ``model`` once the name resolves to a config and calls
+    :meth:`replied` on the first backend reply of a stream (time to first token)."""
+
+    __slots__ = ("_metrics", "endpoint", "model", "started", "first_reply", "prompt_tokens",
+                 "completion_tokens", "cause", "_done")
+
+    def __init__(self, metrics: "ReplicaMetrics | None", endpoint: str):
+        self._metrics = metrics
+        self.endpoint = endpoint
+        self.model = ""
+        self.started = time.monotonic()
+        self.first_reply: float | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cause: BaseException | None = None
+        self._done = False
+
+    def replied(self) -> None:
+        if self.first_reply is None:
+            self.first_reply = time.monotonic()
+
+    def usage(self, usage: dict | None) -> None:
+        """Take the token counts of an OpenAI ``usage`` object (the last one wins)."""
+        if isinstance(usage, dict):
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+
+    def failed(self, cause: BaseException | None) -> None:
+        self.cause = cause
+
+    def finished(self, status: int | str, nodes: Iterable[str] = ()) -> None:
+        """The answer is complete (``status``) or the client left (:data:`CLIENT_GONE`);
+        ``nodes`` are the workers that served it."""
+        if self._done or self._metrics is None:
+            return
+        self._done = True
+        try:
+            self._metrics._record(self, str(status), list(nodes))
+        except Exception:  # a metric must never break an answer
+            pass
+
+
+class _TunnelCollector:
+    """Gauges of the tunnels this replica holds, read from its ``TunnelRegistry`` when
+    scraped (in the reactor thread: see :func:`exposition`)."""
+
+    def __init__(self, tunnels):
+        self._tunnels = tunnels
+
+    def collect(self):
+        held = GaugeMetricFamily("localai_tunnels_held",
+                                 "Worker tunnels this replica holds now.")
+        streams = GaugeMetricFamily("localai_tunnel_streams_open",
+                                    "Streams open on the worker tunnels held here.")
+        nodes = self._tunnels.held_nodes()
+        count = 0
+        for node in nodes:
+            session = self._tunnels.session_for(node)
+            count += session.streamCount if session is not None else 0
+        held.add_metric([], len(nodes))
+        streams.add_metric([], count)
+        yield held
+        yield streams
+
+    def describe(self):
+        return []  # unchecked names: collect() reads live state, not at registration
+
+
+class ReplicaMetrics:
+    """The metrics of one frontend replica, in their own registry (a new one by default).
+    Request paths are ``owner`` until :meth:`watch_tunnels` says which tunnels are held."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._path_of: Callable[[str], str] = lambda node: "owner"
+        r = self.registry
+        self.requests = Counter(
+            "localai_requests", "OpenAI API requests answered, by endpoint, model, HTTP "
+            "status (499: the client left) and path (owner: through a tunnel held here, relay: "
+            "through the replica holding it, none: no worker served it).",
+            ["endpoint", "model", "status", "path"], registry=r)
+        self.latency = Histogram(
+            "localai_request_duration_seconds", "Time from a request's arrival to the end of "
+            "its answer.", ["endpoint", "model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token = Histogram(
+            "localai_time_to_first_token_seconds", "Streams: time from a request's arrival to "
+            "the first backend reply.", ["endpoint", "model"], buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.tokens = Counter(
+            "localai_tokens", "Tokens of answered requests as the backend reported them "
+            "(in: prompt, out: completion).", ["model", "direction"], registry=r)
+        self.errors = Counter(
+            "localai_errors", "OpenAI API requests that failed on a cluster error, by the "
+            "condition of the error (localai_tw/errors.py).", ["endpoint", "condition"],
+            registry=r)
+        self.cold_loads = Counter(
+            "localai_cold_loads", "Cold loads of a model on a worker started by this replica, "
+            "by outcome (ok, failed).", ["model", "outcome"], registry=r)
+        self.cold_load_duration = Histogram(
+            "localai_cold_load_duration_seconds", "How long cold loads took (both outcomes).",
+            ["model"], buckets=LOAD_BUCKETS, registry=r)
+
+    # -- what the serving code calls ---------------------------------------------------------
+
+    def request(self, postpath: Iterable[bytes]) -> RequestRecord:
+        """A record for an OpenAI API request to ``/v1/<postpath>``."""
+        return RequestRecord(self, endpoint_of(postpath))
+
+    def cold_load(self, model: str, seconds: float, ok: bool) -> None:
+        self.cold_loads.labels(model, "ok" if ok else "failed").inc()
+        self.cold_load_duration.labels(model).observe(max(0.0, seconds))
+
+    def watch_tunnels(self, tunnels) -> None:
+        """Expose the gauges of ``tunnels`` (a ``TunnelRegistry``) and label request paths by
+        whether it holds the serving node."""
+        self._path_of = lambda node: "owner" if tunnels.holds(node) else "relay"
+        self.registry.register(_TunnelCollector(tunnels))
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def _record(self, record: RequestRecord, status: str, nodes: list[str]) -> None:
+        now = time.monotonic()
+        endpoint, model = record.endpoint, record.model
+        path = self._path_of(nodes[-1]) if nodes else "none"
+        self.requests.labels(endpoint, model, status, path).inc()
+        self.latency.labels(endpoint, model).observe(now - record.started)
+        if record.first_reply is not None:
+            self.first_token.labels(endpoint, model).observe(record.first_reply - record.started)
+        if record.prompt_tokens:
+            self.tokens.labels(model, "in").inc(record.prompt_tokens)
+        if record.completion_tokens:
+            self.tokens.labels(model, "out").inc(record.completion_tokens)
+        if isinstance(record.cause, errors.ClusterError):  # not a refused request (OpenAIError)
+            self.errors.labels(endpoint, condition_label(record.cause)).inc()
+
+
+class _Discard(ReplicaMetrics):
+    """Takes every report and keeps nothing (where no registry is exposed)."""
+
+    def __init__(self):
+        super().__init__(CollectorRegistry())
+
+    def request(self, postpath: Iterable[bytes]) -> RequestRecord:
+        return RequestRecord(None, endpoint_of(postpath))
+
+    def cold_load(self, model: str, seconds: float, ok: bool) -> None:
+        return None
+
+
+#: The metrics of code that exposes none.
+DISCARD = _Discard()
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in the Prometheus text format.  Called in the reactor thread on purpose:
+    ``prometheus_client.twisted.MetricsResource`` would collect in the reactor's thread pool,
+    where the collectors would read the reactor's state (the tunnel table) from another
+    thread.  Collecting is a few microseconds per metric, so it does not hold the reactor."""
+    return generate_latest(registry)

@@ -1,0 +1,132 @@
+"""``/metrics`` of real replicas after real requests: two ``FrontendService`` replicas on the
+test's database, one real worker (tunnel held by replica A) with the ``echo`` backend.  A chat
+and an embeddings request on A go through the tunnel A holds (``path="owner"``), a streamed
+chat on B is relayed through A (``path="relay"``), a model whose backend does not exist fails
+its cold load (a worker answer).  The scrapes are parsed with ``prometheus_client.parser``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest_twisted
+import treq
+from prometheus_client.parser import text_string_to_metric_families
+
+from .inference_harness import ADMIN, sha256_hex
+
+WEIGHTS = b"echo weights " * 100
+
+
+def echo_model(name: str, backend: str = "echo") -> str:
+    return (f"name: {name}\nbackend: {backend}\nparameters:\n  model: echo.bin\n"
+            f"  max_tokens: 64\nfiles:\n  - path: echo.bin\n"
+            f"    sha256: '{sha256_hex(WEIGHTS)}'\n"
+            "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
+            "options: ['echo.dim:6']\n")
+
+
+async def post(url: str, body: dict, key: str = ADMIN):
+    response = await treq.post(url, json.dumps(body).encode(),
+                               headers={"Authorization": f"Bearer {key}",
+                                        "Content-Type": "application/json"})
+    return response.code, await treq.content(response)
+
+
+async def scrape(base: str, key: str | None = ADMIN):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = await treq.get(base + "/metrics", headers=headers)
+    return response, (await treq.content(response)).decode("utf-8")
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of the exposition, keyed by (sample name, labels)."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return found
+
+
+def value(found, name: str, **labels) -> float:
+    return found.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", echo_model("echo-chat"))
+    cluster.write_model("broken.yaml", echo_model("broken", backend="no-such-backend"))
+    a = await cluster.frontend("replica-ma")
+    b = await cluster.frontend("replica-mb")
+    await cluster.worker("w-metrics", a)
+    base_a, base_b = cluster.base_url(a), cluster.base_url(b)
+
+    code, _ = await post(base_a + "/v1/chat/completions", {
+        "model": "echo-chat", "messages": [{"role": "user", "content": "one two three"}]})
+    assert code == 200
+    code, _ = await post(base_a + "/v1/embeddings", {"model": "echo-chat", "input": ["x y"]})
+    assert code == 200
+    code, streamed = await post(base_b + "/v1/chat/completions", {
+        "model": "echo-chat", "stream": True,
+        "messages": [{"role": "user", "content": "four five"}]})
+    assert code == 200 and b"[DONE]" in streamed
+    code, _ = await post(base_a + "/v1/chat/completions", {
+        "model": "broken", "messages": [{"role": "user", "content": "x"}]})
+    assert code >= 500
+    code, _ = await post(base_a + "/v1/chat/completions", {
+        "model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
+    assert code == 404
+
+    response, text = await scrape(base_a)
+    assert response.code == 200
+    assert response.headers.getRawHeaders("content-type")[0].startswith("text/plain")
+    on_a = samples(text)
+    assert value(on_a, "localai_requests_total", endpoint="chat", model="echo-chat",
+                 status="200", path="owner") == 1
+    assert value(on_a, "localai_requests_total", endpoint="embeddings", model="echo-chat",
+                 status="200", path="owner") == 1
+    # An unknown name is never a label value: clients choose it.
+    assert value(on_a, "localai_requests_total", endpoint="chat", model="", status="404",
+                 path="none") == 1
+    assert value(on_a, "localai_tokens_total", model="echo-chat", direction="in") >= 3
+    assert value(on_a, "localai_tokens_total", model="echo-chat", direction="out") == 3
+    assert value(on_a, "localai_request_duration_seconds_count", endpoint="chat",
+                 model="echo-chat") == 1
+    assert value(on_a, "localai_cold_loads_total", model="echo-chat", outcome="ok") == 1
+    assert value(on_a, "localai_cold_load_duration_seconds_count", model="echo-chat") == 1
+    assert value(on_a, "localai_cold_loads_total", model="broken", outcome="failed") == 1
+    assert value(on_a, "localai_errors_total", endpoint="chat", condition="worker-answer") == 1
+    assert value(on_a, "localai_tunnels_held") == 1
+
+    _, text = await scrape(base_b)
+    on_b = samples(text)
+    assert value(on_b, "localai_requests_total", endpoint="chat", model="echo-chat",
+                 status="200", path="relay") == 1
+    assert value(on_b, "localai_time_to_first_token_seconds_count", endpoint="chat",
+                 model="echo-chat") == 1
+    assert value(on_b, "localai_tokens_total", model="echo-chat", direction="out") == 2
+    assert value(on_b, "localai_tunnels_held") == 0
+    # Each replica has its own registry: A's requests are not counted on B.
+    assert value(on_b, "localai_requests_total", endpoint="embeddings", model="echo-chat",
+                 status="200", path="owner") == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_metrics_follow_the_admin_api_key(cluster):
+    frontend = await cluster.frontend("replica-mk")
+    base = cluster.base_url(frontend)
+    for key in (None, "sk-wrong"):
+        response, text = await scrape(base, key)
+        assert response.code == 401, key
+        assert "localai_" not in text
+    response, text = await scrape(base, ADMIN)
+    assert response.code == 200
+    assert any(f.name == "localai_requests" for f in text_string_to_metric_families(text))
+
+
+@pytest_twisted.ensureDeferred
+async def test_metrics_are_closed_without_an_api_key(cluster):
+    """Like the admin API: no --api-key configured means nobody reads /metrics."""
+    frontend = await cluster.frontend("replica-mn", **{"api-key": []})
+    response, _ = await scrape(cluster.base_url(frontend), None)
+    assert response.code == 401

@@ -1,0 +1,49 @@
+"""The label rules of localai_tw/metrics.py: bounded values, the four conditions, one registry
+per replica."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from localai_tw import errors
+from localai_tw.metrics import DISCARD, ReplicaMetrics, condition_label, endpoint_of, exposition
+
+
+def test_endpoints_are_a_fixed_set():
+    assert endpoint_of([b"chat", b"completions"]) == "chat"
+    assert endpoint_of([b"embeddings", b""]) == "embeddings"
+    assert endpoint_of([b"models", b"some", b"name"]) == "model"
+    assert endpoint_of([b"anything-a-client-sends"]) == "other"
+
+
+def test_a_subclass_counts_as_its_condition():
+    assert condition_label(errors.PeerRejected("r", "x")) == "peer-unreachable"
+    assert condition_label(errors.WorkerGone("n", 90)) == "routing-fact"
+    assert condition_label(errors.BackendAnswer("n", "UNAVAILABLE", "x")) == "worker-answer"
+    assert condition_label(errors.AbsentWithinGrace("n", "reconnecting")) == \
+        "absent-within-grace"
+    assert condition_label(errors.CallerDeadlineExceeded("x")) == "caller-deadline"
+    assert condition_label(ValueError()) == "unclassified"
+
+
+def samples(metrics):
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(exposition(metrics.registry).decode())
+            for s in f.samples}
+
+
+def test_replicas_do_not_share_counters_and_discard_keeps_nothing():
+    one, two = ReplicaMetrics(), ReplicaMetrics()
+    record = one.request([b"embeddings"])
+    record.model = "m"
+    record.usage({"prompt_tokens": 4, "completion_tokens": 0})
+    record.failed(errors.WorkerAnswer("n", "no"))
+    record.finished(502, ["node-1"])
+    record.finished(502, ["node-1"])  # once only
+    DISCARD.request([b"embeddings"]).finished(200)
+    key = ("localai_requests_total", (("endpoint", "embeddings"), ("model", "m"),
+                                      ("path", "owner"), ("status", "502")))
+    assert samples(one)[key] == 1
+    assert key not in samples(two)
+    assert samples(one)[("localai_tokens_total", (("direction", "in"), ("model", "m")))] == 4
+    assert samples(one)[("localai_errors_total", (("condition", "worker-answer"),
+                                                  ("endpoint", "embeddings")))] == 1
+    assert key not in samples(DISCARD)
