@@ -22,7 +22,7 @@ import time
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from localai_tw import errors
@@ -114,23 +114,43 @@ class _TunnelCollector:
     """Gauges of the tunnels this replica holds, read from its ``TunnelRegistry`` when
     scraped (in the reactor thread: see :func:`exposition`)."""
 
-    def __init__(self, tunnels):
+    def __init__(self, tunnels, peer_links: Iterable = ()):
         self._tunnels = tunnels
+        self._peer_links = list(peer_links)
 
     def collect(self):
         held = GaugeMetricFamily("localai_tunnels_held",
                                  "Worker tunnels this replica holds now.")
         streams = GaugeMetricFamily("localai_tunnel_streams_open",
                                     "Streams open on the worker tunnels held here.")
+        moved = CounterMetricFamily(
+            "localai_tunnel_bytes", "Wire bytes through the worker tunnels this replica held "
+            "(yamux headers included; in: from workers, out: to workers).",
+            labels=["direction"])
         nodes = self._tunnels.held_nodes()
         count = 0
         for node in nodes:
             session = self._tunnels.session_for(node)
             count += session.streamCount if session is not None else 0
+        received, sent = self._tunnels.bytes.totals()
         held.add_metric([], len(nodes))
         streams.add_metric([], count)
+        moved.add_metric(["in"], received)
+        moved.add_metric(["out"], sent)
+        relayed = CounterMetricFamily(
+            "localai_relay_bytes", "Wire bytes on the peer links of this replica, both the "
+            "ones it dialled and the ones it accepted (relayed requests and their answers, "
+            "pings; in: from other replicas, out: to them).", labels=["direction"])
+        received = sent = 0
+        for links in self._peer_links:
+            more_in, more_out = links.bytes.totals()
+            received, sent = received + more_in, sent + more_out
+        relayed.add_metric(["in"], received)
+        relayed.add_metric(["out"], sent)
         yield held
         yield streams
+        yield moved
+        yield relayed
 
     def describe(self):
         return []  # unchecked names: collect() reads live state, not at registration
@@ -180,11 +200,12 @@ class ReplicaMetrics:
         self.cold_loads.labels(model, "ok" if ok else "failed").inc()
         self.cold_load_duration.labels(model).observe(max(0.0, seconds))
 
-    def watch_tunnels(self, tunnels) -> None:
-        """Expose the gauges of ``tunnels`` (a ``TunnelRegistry``) and label request paths by
-        whether it holds the serving node."""
+    def watch_tunnels(self, tunnels, peer_links: Iterable = ()) -> None:
+        """Expose the gauges and byte counts of ``tunnels`` (a ``TunnelRegistry``) and of
+        ``peer_links`` (objects with a ``bytes`` tally: the accepted links and the peer pool),
+        and label request paths by whether ``tunnels`` holds the serving node."""
         self._path_of = lambda node: "owner" if tunnels.holds(node) else "relay"
-        self.registry.register(_TunnelCollector(tunnels))
+        self.registry.register(_TunnelCollector(tunnels, peer_links))
 
     # -- recording ---------------------------------------------------------------------------
 

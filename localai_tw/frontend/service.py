@@ -384,11 +384,11 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         config.identity_seed, advertised_addr=published_address(advertised, listen_description))
 
     tunnels = TunnelRegistry(fence, config.instance_id, reactor)
-    metrics = ReplicaMetrics()  # this replica's own registry (never the process-global one)
-    metrics.watch_tunnels(tunnels)
     peer_links = AcceptedPeerLinks(db, tunnels, config.registration_token, reactor)
     peer_pool = PeerPool(db, identity, config.registration_token, reactor,
                          ca_file=config.peer_ca_file)
+    metrics = ReplicaMetrics()  # this replica's own registry (never the process-global one)
+    metrics.watch_tunnels(tunnels, (peer_links, peer_pool))
     dialer = WorkerDialer(tunnels, fence, peer_pool, config.instance_id, grace, reactor)
     worker_http = WorkerHTTPClient(dialer, reactor)
     # Control calls carry each node's own control token, never the registration token.

@@ -60,6 +60,8 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
     b = await cluster.frontend("replica-mb")
     await cluster.worker("w-metrics", a)
     base_a, base_b = cluster.base_url(a), cluster.base_url(b)
+    _, text = await scrape(base_a)
+    before = samples(text)
 
     code, _ = await post(base_a + "/v1/chat/completions", {
         "model": "echo-chat", "messages": [{"role": "user", "content": "one two three"}]})
@@ -97,6 +99,13 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
     assert value(on_a, "localai_cold_loads_total", model="broken", outcome="failed") == 1
     assert value(on_a, "localai_errors_total", endpoint="chat", condition="worker-answer") == 1
     assert value(on_a, "localai_tunnels_held") == 1
+    # The tunnel carried the requests (the embeddings vectors came back through it) and the
+    # relay link carried B's stream.
+    for direction in ("in", "out"):
+        grew = value(on_a, "localai_tunnel_bytes_total", direction=direction) - \
+            value(before, "localai_tunnel_bytes_total", direction=direction)
+        assert grew > 1000, direction
+        assert value(on_a, "localai_relay_bytes_total", direction=direction) > 0, direction
 
     _, text = await scrape(base_b)
     on_b = samples(text)
@@ -106,6 +115,9 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
                  model="echo-chat") == 1
     assert value(on_b, "localai_tokens_total", model="echo-chat", direction="out") == 2
     assert value(on_b, "localai_tunnels_held") == 0
+    assert value(on_b, "localai_tunnel_bytes_total", direction="in") == 0
+    assert value(on_b, "localai_relay_bytes_total", direction="in") > 0
+    assert value(on_b, "localai_relay_bytes_total", direction="out") > 0
     # Each replica has its own registry: A's requests are not counted on B.
     assert value(on_b, "localai_requests_total", endpoint="embeddings", model="echo-chat",
                  status="200", path="owner") == 0

@@ -47,3 +47,30 @@ def test_replicas_do_not_share_counters_and_discard_keeps_nothing():
     assert samples(one)[("localai_errors_total", (("condition", "worker-answer"),
                                                   ("endpoint", "embeddings")))] == 1
     assert key not in samples(DISCARD)
+
+
+def test_byte_tally_keeps_what_ended_sessions_carried():
+    """localai_tunnel_bytes_total and localai_relay_bytes_total are counters: a session that
+    ends (a worker reconnecting) must not take its bytes out of the total."""
+    from twisted.internet import defer
+
+    from localai_tw.mux.session import ByteTally
+
+    class Carried:
+        def __init__(self, received, sent):
+            self.bytesReceived, self.bytesSent = received, sent
+            self.closed = defer.Deferred()
+
+        def whenClosed(self):
+            return self.closed
+
+    tally, first, second = ByteTally(), Carried(100, 10), Carried(5, 1)
+    tally.watch(first)
+    tally.watch(first)  # once only
+    tally.watch(second)
+    assert tally.totals() == (105, 11)
+    first.closed.callback(None)
+    first.bytesReceived = 10**6  # read no more once ended
+    assert tally.totals() == (105, 11)
+    second.bytesReceived = 50
+    assert tally.totals() == (150, 11)
