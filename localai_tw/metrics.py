@@ -156,6 +156,39 @@ class _TunnelCollector:
         return []  # unchecked names: collect() reads live state, not at registration
 
 
+class _NodeCollector:
+    """Node counts from the last health pass this replica ran (``HealthMonitor.last_report``):
+    no query per scrape.  Only one replica runs each pass, so a replica exposes them only while
+    its last pass is recent (three intervals); aggregate across replicas with ``max``."""
+
+    def __init__(self, health, clock: Callable[[], float]):
+        self._health = health
+        self._clock = clock
+
+    def collect(self):
+        report, at = self._health.last_report, self._health.last_report_at
+        if report is None or at is None or report.list_error is not None:
+            return
+        if self._clock() - at > 3 * self._health.interval:
+            return
+        statuses = GaugeMetricFamily(
+            "localai_nodes", "Workers by status after the last health pass this replica ran.",
+            labels=["status"])
+        for status, count in sorted(report.statuses.items()):
+            statuses.add_metric([status], count)
+        presence = GaugeMetricFamily(
+            "localai_node_presence", "Workers by tunnel presence as the last health pass "
+            "this replica ran read it (draining and offline workers are not read).",
+            labels=["presence"])
+        for seen, count in sorted(report.presence.items()):
+            presence.add_metric([seen], count)
+        yield statuses
+        yield presence
+
+    def describe(self):
+        return []
+
+
 class ReplicaMetrics:
     """The metrics of one frontend replica, in their own registry (a new one by default).
     Request paths are ``owner`` until :meth:`watch_tunnels` says which tunnels are held."""
@@ -206,6 +239,11 @@ class ReplicaMetrics:
         and label request paths by whether ``tunnels`` holds the serving node."""
         self._path_of = lambda node: "owner" if tunnels.holds(node) else "relay"
         self.registry.register(_TunnelCollector(tunnels, peer_links))
+
+    def watch_health(self, health, clock: Callable[[], float]) -> None:
+        """Expose node counts from ``health`` (a ``HealthMonitor``); ``clock`` is its reactor's
+        ``seconds``."""
+        self.registry.register(_NodeCollector(health, clock))
 
     # -- recording ---------------------------------------------------------------------------
 

@@ -79,6 +79,8 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
         "model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
     assert code == 404
 
+    assert "localai_nodes" not in text  # no health pass ran yet: no counts to show
+    assert await a.replica.health.tick()  # a health pass on A (it takes the lock)
     response, text = await scrape(base_a)
     assert response.code == 200
     assert response.headers.getRawHeaders("content-type")[0].startswith("text/plain")
@@ -99,6 +101,8 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
     assert value(on_a, "localai_cold_loads_total", model="broken", outcome="failed") == 1
     assert value(on_a, "localai_errors_total", endpoint="chat", condition="worker-answer") == 1
     assert value(on_a, "localai_tunnels_held") == 1
+    assert value(on_a, "localai_nodes", status="healthy") == 1
+    assert value(on_a, "localai_node_presence", presence="connected") == 1
     # The tunnel carried the requests (the embeddings vectors came back through it) and the
     # relay link carried B's stream.
     for direction in ("in", "out"):
@@ -115,6 +119,7 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
                  model="echo-chat") == 1
     assert value(on_b, "localai_tokens_total", model="echo-chat", direction="out") == 2
     assert value(on_b, "localai_tunnels_held") == 0
+    assert value(on_b, "localai_nodes", status="healthy") == 0  # B ran no pass
     assert value(on_b, "localai_tunnel_bytes_total", direction="in") == 0
     assert value(on_b, "localai_relay_bytes_total", direction="in") > 0
     assert value(on_b, "localai_relay_bytes_total", direction="out") > 0

@@ -74,3 +74,21 @@ def test_byte_tally_keeps_what_ended_sessions_carried():
     assert tally.totals() == (105, 11)
     second.bytesReceived = 50
     assert tally.totals() == (150, 11)
+
+
+def test_node_counts_are_shown_only_while_the_last_pass_is_recent():
+    """Only the replica that ran a health pass knows its counts; an old pass (another replica
+    has been winning the lock) must not be shown as the present."""
+    from types import SimpleNamespace
+
+    from localai_tw.cluster.health import PassReport
+
+    now = [100.0]
+    report = PassReport(statuses={"healthy": 2, "offline": 1}, presence={"connected": 2})
+    health = SimpleNamespace(last_report=report, last_report_at=100.0, interval=15.0)
+    metrics = ReplicaMetrics()
+    metrics.watch_health(health, lambda: now[0])
+    assert samples(metrics)[("localai_nodes", (("status", "healthy"),))] == 2
+    assert samples(metrics)[("localai_node_presence", (("presence", "connected"),))] == 2
+    now[0] = 100.0 + 3 * 15.0 + 1
+    assert not any(name.startswith("localai_node") for name, _ in samples(metrics))
