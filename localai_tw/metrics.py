@@ -1,4 +1,5 @@
-"""Every Prometheus metric of a frontend replica, defined in one place (``docs/metrics.md``).
+"""Every Prometheus metric of a frontend replica and of a worker, defined in one place
+(``docs/metrics.md``).
 
 One :class:`ReplicaMetrics` per replica, each with its own ``CollectorRegistry`` (never
 ``prometheus_client``'s global one), so several replicas in one process (the tests) never share
@@ -6,7 +7,8 @@ a counter.  The serving code reports through one-line calls into this module
 (:meth:`ReplicaMetrics.request`, :meth:`RequestRecord.finished`, :meth:`ReplicaMetrics.cold_load`);
 :data:`DISCARD` takes the same calls where nothing is exposed (unit tests, tools).  Gauges of
 state the replica already holds (tunnels, open streams) are read when scraped by a custom
-collector, so nothing is counted on the per-frame path.
+collector, so nothing is counted on the per-frame path.  A worker's are a
+:class:`WorkerMetrics`, served as its control verb ``node.metrics``.
 
 Label values are bounded: ``endpoint`` is one of a fixed set, ``model`` is a name the replica
 has a config for (an unknown name is recorded as ``""``), ``status`` an HTTP code, ``path`` one
@@ -278,6 +280,77 @@ class _Discard(ReplicaMetrics):
 
 #: The metrics of code that exposes none.
 DISCARD = _Discard()
+
+
+class _WorkerCollector:
+    """A worker's tunnel, read from its ``TunnelDialer`` (``session``, ``isConnected``) and
+    its registrar (``heartbeat_failures``) when scraped.  A tunnel session is counted from the
+    first scrape that sees it and kept once it ends (``ByteTally``-like), so the byte counter
+    only misses sessions that came and went between two scrapes."""
+
+    def __init__(self, dialer, registrar):
+        self._dialer = dialer
+        self._registrar = registrar
+        self._seen: dict[int, tuple[object, list[int]]] = {}
+        self._ended = [0, 0]
+
+    def _bytes(self) -> tuple[int, int]:
+        session = getattr(self._dialer, "session", None)
+        if session is not None and id(session) not in self._seen:
+            for old, last in self._seen.values():  # a new session: the old ones ended
+                self._ended[0] += getattr(old, "bytesReceived", last[0])
+                self._ended[1] += getattr(old, "bytesSent", last[1])
+            self._seen = {id(session): (session, [0, 0])}
+        received, sent = self._ended
+        for live, last in self._seen.values():
+            last[:] = [getattr(live, "bytesReceived", 0), getattr(live, "bytesSent", 0)]
+            received, sent = received + last[0], sent + last[1]
+        return received, sent
+
+    def collect(self):
+        session = getattr(self._dialer, "session", None)
+        connected = GaugeMetricFamily("localai_worker_tunnel_connected",
+                                      "1 while this worker's tunnel to a replica is open.")
+        connected.add_metric([], 1 if self._dialer.isConnected else 0)
+        streams = GaugeMetricFamily("localai_worker_tunnel_streams_open",
+                                    "Streams open on this worker's tunnel.")
+        streams.add_metric([], session.streamCount if session is not None else 0)
+        moved = CounterMetricFamily(
+            "localai_worker_tunnel_bytes", "Wire bytes through this worker's tunnels (in: from "
+            "the frontend, out: to it).", labels=["direction"])
+        received, sent = self._bytes()
+        moved.add_metric(["in"], received)
+        moved.add_metric(["out"], sent)
+        failures = GaugeMetricFamily("localai_worker_heartbeat_failures",
+                                     "Heartbeats that failed in a row (0 after a success).")
+        failures.add_metric([], getattr(self._registrar, "heartbeat_failures", 0))
+        yield connected
+        yield streams
+        yield moved
+        yield failures
+
+    def describe(self):
+        return []
+
+
+class WorkerMetrics:
+    """The metrics of one worker, in their own registry.  The worker serves them as the
+    control verb ``node.metrics`` (:meth:`control_verb`); the frontend exposes them at
+    ``/api/nodes/{id}/metrics``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+
+    def watch_worker(self, dialer, registrar) -> None:
+        self.registry.register(_WorkerCollector(dialer, registrar))
+
+    def control_verb(self) -> Callable[[dict], "object"]:
+        """The handler of ``node.metrics``: the exposition as text in a JSON answer."""
+        async def node_metrics(body: dict) -> dict:
+            return {"content_type": CONTENT_TYPE,
+                    "exposition": exposition(self.registry).decode("utf-8")}
+
+        return node_metrics
 
 
 def exposition(registry: CollectorRegistry) -> bytes:

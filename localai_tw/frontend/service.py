@@ -88,7 +88,7 @@ from localai_tw.tunnel.route import WorkerDialer
 
 from .backend_client import BackendClients
 from .interfaces import IInferenceRouter
-from .metrics_api import MetricsResource
+from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, NodesAdminResource
 from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
 from .probes import LivenessResource, ReadinessResource, StartingGate
@@ -641,8 +641,9 @@ class FrontendService(InOrderMultiService):
         root.putChild(b"api", api)
         registration = WorkerRegistrationResource(parts)
         api.putChild(b"node", registration)
-        api.putChild(b"nodes", NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
-                                                   SchedulingResource(parts, self.api_keys)))
+        api.putChild(b"nodes", NodeMetricsRouting(
+            NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
+                                SchedulingResource(parts, self.api_keys)), parts, self.api_keys))
         cluster = JSONDirectory()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))

@@ -58,7 +58,7 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
     cluster.write_model("broken.yaml", echo_model("broken", backend="no-such-backend"))
     a = await cluster.frontend("replica-ma")
     b = await cluster.frontend("replica-mb")
-    await cluster.worker("w-metrics", a)
+    worker = await cluster.worker("w-metrics", a)
     base_a, base_b = cluster.base_url(a), cluster.base_url(b)
     _, text = await scrape(base_a)
     before = samples(text)
@@ -123,6 +123,26 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
     assert value(on_b, "localai_tunnel_bytes_total", direction="in") == 0
     assert value(on_b, "localai_relay_bytes_total", direction="in") > 0
     assert value(on_b, "localai_relay_bytes_total", direction="out") > 0
+    # The worker's own metrics, through its tunnel on A and relayed by B, by id or by name.
+    for base, node in ((base_a, worker.node_id), (base_b, "w-metrics")):
+        response = await treq.get(f"{base}/api/nodes/{node}/metrics",
+                                  headers={"Authorization": f"Bearer {ADMIN}"})
+        assert response.code == 200, base
+        assert response.headers.getRawHeaders("content-type")[0].startswith("text/plain")
+        of_worker = samples((await treq.content(response)).decode())
+        assert value(of_worker, "localai_worker_tunnel_connected") == 1
+        assert value(of_worker, "localai_worker_tunnel_streams_open") >= 1  # this very call
+        assert value(of_worker, "localai_worker_tunnel_bytes_total", direction="out") > 1000
+    response = await treq.get(f"{base_a}/api/nodes/{worker.node_id}/metrics")
+    assert response.code == 401
+    response = await treq.get(f"{base_a}/api/nodes/no-such-node/metrics",
+                              headers={"Authorization": f"Bearer {ADMIN}"})
+    assert response.code == 404
+    # The rest of /api/nodes is still there.
+    response = await treq.get(f"{base_a}/api/nodes/{worker.node_id}",
+                              headers={"Authorization": f"Bearer {ADMIN}"})
+    assert response.code == 200
+    assert (await treq.json_content(response))["name"] == "w-metrics"
     # Each replica has its own registry: A's requests are not counted on B.
     assert value(on_b, "localai_requests_total", endpoint="embeddings", model="echo-chat",
                  status="200", path="owner") == 0
