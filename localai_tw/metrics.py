@@ -353,6 +353,48 @@ class WorkerMetrics:
         return node_metrics
 
 
+class _Gathered:
+    """A one-shot collector of families already built (:func:`gathered_exposition`)."""
+
+    def __init__(self, families):
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
+
+
+def gathered_exposition(answers: Iterable[tuple[str, str | None]]) -> bytes:
+    """One exposition of several workers' (``(node_id, exposition or None)``): every sample
+    gains a ``node`` label, and ``localai_worker_scrape_ok{node}`` says whose answer was read
+    (0: the call failed or the answer did not parse)."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    merged: dict[str, Metric] = {}
+    scraped = GaugeMetricFamily("localai_worker_scrape_ok", "1 when this worker's metrics "
+                                "were read through its tunnel for this scrape.",
+                                labels=["node"])
+    for node, text in answers:
+        ok = 0
+        if text is not None:
+            try:
+                families = list(text_string_to_metric_families(text))
+            except Exception:
+                families = None
+            if families is not None:
+                ok = 1
+                for family in families:
+                    into = merged.setdefault(family.name, Metric(
+                        family.name, family.documentation, family.type))
+                    for sample in family.samples:
+                        into.add_sample(sample.name, {**sample.labels, "node": node},
+                                        sample.value, sample.timestamp)
+        scraped.add_metric([node], ok)
+    registry = CollectorRegistry()
+    registry.register(_Gathered([*merged.values(), scraped]))
+    return generate_latest(registry)
+
+
 def exposition(registry: CollectorRegistry) -> bytes:
     """The registry in the Prometheus text format.  Called in the reactor thread on purpose:
     ``prometheus_client.twisted.MetricsResource`` would collect in the reactor's thread pool,

@@ -19,7 +19,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from localai_tw import errors
-from localai_tw.metrics import CONTENT_TYPE, ReplicaMetrics, exposition
+from localai_tw.metrics import CONTENT_TYPE, ReplicaMetrics, exposition, gathered_exposition
 
 from .nodes_api import WORKER_CALL_TIMEOUT, NodesAdminResource, worker_call_error
 from .web import APIError, APIKeyGuard, ClusterParts, render_error
@@ -27,15 +27,26 @@ from .web import APIError, APIKeyGuard, ClusterParts, render_error
 log = Logger()
 
 
+#: Seconds a worker has to answer ``node.metrics`` for ``/metrics/workers``.
+WORKER_METRICS_TIMEOUT = 10.0
+#: Largest worker exposition passed on (a worker's metrics are a few KiB).
+MAX_WORKER_EXPOSITION = 4 * 1024 * 1024
+
+
 class MetricsResource(Resource):
-    """The exposition of ``metrics.registry`` to GET and HEAD, after ``api_keys.check``."""
+    """The exposition of ``metrics.registry`` to GET and HEAD, after ``api_keys.check``; and
+    at ``/metrics/workers`` those of every worker whose tunnel ``tunnels`` holds, gathered
+    through ``control`` (each sample labelled with its ``node``)."""
 
     isLeaf = True
 
-    def __init__(self, metrics: ReplicaMetrics, api_keys: APIKeyGuard):
+    def __init__(self, metrics: ReplicaMetrics, api_keys: APIKeyGuard, tunnels=None,
+                 control=None):
         super().__init__()
         self._metrics = metrics
         self._api_keys = api_keys
+        self._tunnels = tunnels
+        self._control = control
 
     def render(self, request) -> bytes:
         try:
@@ -43,17 +54,50 @@ class MetricsResource(Resource):
         except APIError as e:
             return render_error(request, e)
         if request.method not in (b"GET", b"HEAD"):
-            return render_error(request, APIError(405, "use GET on /metrics", "method_not_allowed",
+            return render_error(request, APIError(405, "use GET on /metrics",
+                                                  "method_not_allowed",
                                                   headers={"Allow": "GET, HEAD"}))
-        body = exposition(self._metrics.registry)
+        path = [s for s in request.postpath if s]
+        if path == [b"workers"] and self._tunnels is not None and self._control is not None:
+            gathering = defer.ensureDeferred(self._gather())
+            gathering.addErrback(self._gather_failed)
+            gathering.addCallback(lambda body: self._send_later(request, body))
+            return NOT_DONE_YET
+        if path:
+            return render_error(request, APIError(404, "no such metrics (/metrics, "
+                                                  "/metrics/workers)", "not_found"))
+        return self._with_headers(request, exposition(self._metrics.registry))
+
+    async def _gather(self) -> bytes:
+        nodes = self._tunnels.held_nodes()
+        calls = [defer.ensureDeferred(self._control.call(node, "node.metrics", {},
+                                                         timeout=WORKER_METRICS_TIMEOUT))
+                 for node in nodes]
+        results = await defer.DeferredList(calls, consumeErrors=True)
+        answers = []
+        for node, (ok, answer) in zip(nodes, results):
+            text = answer.get("exposition") if ok and isinstance(answer, dict) else None
+            if isinstance(text, str) and len(text) > MAX_WORKER_EXPOSITION:
+                text = None
+            answers.append((node, text if isinstance(text, str) else None))
+        return gathered_exposition(answers)
+
+    def _gather_failed(self, failure) -> bytes:
+        log.failure("gathering the metrics of the workers held here failed", failure)
+        return gathered_exposition([])
+
+    @staticmethod
+    def _with_headers(request, body: bytes) -> bytes:
         request.setHeader(b"content-type", CONTENT_TYPE.encode("ascii"))
         request.setHeader(b"cache-control", b"no-store")
         request.setHeader(b"content-length", b"%d" % len(body))
         return b"" if request.method == b"HEAD" else body
 
-
-#: Largest worker exposition passed on (a worker's metrics are a few KiB).
-MAX_WORKER_EXPOSITION = 4 * 1024 * 1024
+    def _send_later(self, request, body: bytes) -> None:
+        if request.finished or request.channel is None:
+            return  # the scraper left (its timeout is shorter than the workers' calls)
+        request.write(self._with_headers(request, body))
+        request.finish()
 
 
 class NodeMetricsRouting(Resource):

@@ -636,7 +636,8 @@ class FrontendService(InOrderMultiService):
                                 reactor=self._reactor, node_names=replica.node_name,
                                 metrics=replica.metrics)
         root.putChild(b"v1", openai)
-        root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys))
+        root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
+                                                  replica.tunnels, replica.control))
         api = JSONDirectory()
         root.putChild(b"api", api)
         registration = WorkerRegistrationResource(parts)

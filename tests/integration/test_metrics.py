@@ -32,9 +32,9 @@ async def post(url: str, body: dict, key: str = ADMIN):
     return response.code, await treq.content(response)
 
 
-async def scrape(base: str, key: str | None = ADMIN):
+async def scrape(base: str, key: str | None = ADMIN, path: str = "/metrics"):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    response = await treq.get(base + "/metrics", headers=headers)
+    response = await treq.get(base + path, headers=headers)
     return response, (await treq.content(response)).decode("utf-8")
 
 
@@ -143,6 +143,14 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
                               headers={"Authorization": f"Bearer {ADMIN}"})
     assert response.code == 200
     assert (await treq.json_content(response))["name"] == "w-metrics"
+    # Every worker A holds, gathered in one scrape, each sample labelled with its node.
+    response, text = await scrape(base_a, path="/metrics/workers")
+    assert response.code == 200
+    gathered = samples(text)
+    assert value(gathered, "localai_worker_scrape_ok", node=worker.node_id) == 1
+    assert value(gathered, "localai_worker_tunnel_connected", node=worker.node_id) == 1
+    _, text = await scrape(base_b, path="/metrics/workers")
+    assert not any(name.startswith("localai_worker_tunnel") for name, _ in samples(text))
     # Each replica has its own registry: A's requests are not counted on B.
     assert value(on_b, "localai_requests_total", endpoint="embeddings", model="echo-chat",
                  status="200", path="owner") == 0
@@ -153,9 +161,10 @@ async def test_metrics_follow_the_admin_api_key(cluster):
     frontend = await cluster.frontend("replica-mk")
     base = cluster.base_url(frontend)
     for key in (None, "sk-wrong"):
-        response, text = await scrape(base, key)
-        assert response.code == 401, key
-        assert "localai_" not in text
+        for path in ("/metrics", "/metrics/workers"):
+            response, text = await scrape(base, key, path)
+            assert response.code == 401, (key, path)
+            assert "localai_" not in text
     response, text = await scrape(base, ADMIN)
     assert response.code == 200
     assert any(f.name == "localai_requests" for f in text_string_to_metric_families(text))

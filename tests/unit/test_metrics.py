@@ -92,3 +92,23 @@ def test_node_counts_are_shown_only_while_the_last_pass_is_recent():
     assert samples(metrics)[("localai_node_presence", (("presence", "connected"),))] == 2
     now[0] = 100.0 + 3 * 15.0 + 1
     assert not any(name.startswith("localai_node") for name, _ in samples(metrics))
+
+
+def test_gathered_workers_are_labelled_by_node_and_failures_show():
+    from localai_tw.metrics import WorkerMetrics, gathered_exposition
+
+    replica = ReplicaMetrics()
+    replica.cold_load("m", 2.0, ok=True)
+    one = exposition(replica.registry).decode()  # any valid exposition
+    worker = WorkerMetrics()
+    text = gathered_exposition([("n1", one), ("n2", None), ("n3", "not { an exposition"),
+                                ("n4", exposition(worker.registry).decode())])
+    found = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    ok = {labels[0][1]: v for (name, labels), v in found.items()
+          if name == "localai_worker_scrape_ok"}
+    assert ok == {"n1": 1, "n2": 0, "n3": 0, "n4": 1}
+    assert found[("localai_cold_loads_total", (("model", "m"), ("node", "n1"),
+                                               ("outcome", "ok")))] == 1
+    assert all(("node", "n1") in labels or ("node", "n4") in labels
+               for (name, labels) in found if name != "localai_worker_scrape_ok")
