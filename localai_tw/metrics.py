@@ -191,6 +191,53 @@ class _NodeCollector:
         return []
 
 
+class _BusCollector:
+    """The counters a ``PgBus`` and ``ClaimConsumer`` keep anyway (``published``,
+    ``spilled``, ``dropped``, ``reconnects``; ``stats``, ``inFlight``), read when scraped."""
+
+    def __init__(self, bus=None, consumers: Iterable = ()):
+        self._bus = bus
+        self._consumers = list(consumers)
+
+    def collect(self):
+        bus = self._bus
+        if bus is not None:
+            published = CounterMetricFamily(
+                "localai_bus_messages_published", "Broadcasts this replica published "
+                "(PostgreSQL took them), by how: inline in the NOTIFY or spilled to a row.",
+                labels=["how"])
+            published.add_metric(["inline"], bus.published - bus.spilled)
+            published.add_metric(["spilled"], bus.spilled)
+            dropped = CounterMetricFamily(
+                "localai_bus_messages_dropped", "Broadcasts this replica received but dropped, "
+                "by stage (inbound, decode, resolve, subscriber).", labels=["stage"])
+            for stage, count in sorted(bus.dropped.items()):
+                dropped.add_metric([stage], count)
+            reconnects = CounterMetricFamily(
+                "localai_bus_reconnects", "Times the bus's LISTEN connection was re-made.")
+            reconnects.add_metric([], bus.reconnects)
+            yield published
+            yield dropped
+            yield reconnects
+        if not self._consumers:
+            return
+        claims = CounterMetricFamily(
+            "localai_claims", "Work claims this replica's consumers handled, by outcome "
+            "(claimed; then completed, released: backed off after a transport failure or "
+            "cancelled, failed, kept, lost, exhausted).", labels=["outcome"])
+        for outcome in ("claimed", "completed", "released", "failed", "kept", "lost",
+                        "exhausted"):
+            claims.add_metric([outcome], sum(c.stats.get(outcome, 0) for c in self._consumers))
+        in_flight = GaugeMetricFamily("localai_claims_in_flight",
+                                      "Claims this replica's consumers hold now.")
+        in_flight.add_metric([], sum(c.inFlight for c in self._consumers))
+        yield claims
+        yield in_flight
+
+    def describe(self):
+        return []
+
+
 class ReplicaMetrics:
     """The metrics of one frontend replica, in their own registry (a new one by default).
     Request paths are ``owner`` until :meth:`watch_tunnels` says which tunnels are held."""
@@ -241,6 +288,11 @@ class ReplicaMetrics:
         and label request paths by whether ``tunnels`` holds the serving node."""
         self._path_of = lambda node: "owner" if tunnels.holds(node) else "relay"
         self.registry.register(_TunnelCollector(tunnels, peer_links))
+
+    def watch_bus(self, bus=None, consumers: Iterable = ()) -> None:
+        """Expose the counters of ``bus`` (a ``PgBus``) and of ``consumers``
+        (each a ``ClaimConsumer``).  Not wired yet: the frontend runs no bus so far."""
+        self.registry.register(_BusCollector(bus, consumers))
 
     def watch_health(self, health, clock: Callable[[], float]) -> None:
         """Expose node counts from ``health`` (a ``HealthMonitor``); ``clock`` is its reactor's

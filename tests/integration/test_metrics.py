@@ -176,3 +176,51 @@ async def test_metrics_are_closed_without_an_api_key(cluster):
     frontend = await cluster.frontend("replica-mn", **{"api-key": []})
     response, _ = await scrape(cluster.base_url(frontend), None)
     assert response.code == 401
+
+
+@pytest_twisted.ensureDeferred
+async def test_bus_and_claim_counters_reach_the_exposition(db):
+    """The collectors of a PgBus and a ClaimConsumer (not wired into the frontend yet) read
+    the counters those keep: published inline and spilled, claims by outcome."""
+    from localai_tw.bus.claims import ClaimConsumer, ClaimQueue
+    from localai_tw.bus.pgbus import PgBus
+    from localai_tw.errors import TransportFailure
+    from localai_tw.metrics import ReplicaMetrics, exposition
+
+    from .support import eventually
+    from .test_claims import make_live
+
+    bus = PgBus(db, health_interval=0.5)
+    bus.startService()
+    queue = ClaimQueue(db)
+    await make_live(db, "r-metrics")
+
+    async def handler(claim):
+        if claim.payload == b"transport":
+            raise TransportFailure("reset under a live copy")
+        return "done"
+
+    consumer = ClaimConsumer(queue, "r-metrics", ["task"], handler, poll_interval=0.2)
+    try:
+        await bus.whenConnected()
+        metrics = ReplicaMetrics()
+        metrics.watch_bus(bus, [consumer])
+        await bus.publish("jobs.j1.result", "small")
+        await bus.publish("jobs.j1.result", "x" * 9000)
+        await queue.enqueue("task", b"ok")
+        await queue.enqueue("task", b"transport")
+        consumer.startService()
+        await eventually(lambda: consumer.stats["claimed"] == 2 and consumer.inFlight == 0,
+                         what="two claims settled")
+        found = samples(exposition(metrics.registry).decode())
+        assert value(found, "localai_bus_messages_published_total", how="inline") == 1
+        assert value(found, "localai_bus_messages_published_total", how="spilled") == 1
+        assert value(found, "localai_bus_messages_dropped_total", stage="subscriber") == 0
+        assert value(found, "localai_claims_total", outcome="claimed") == 2
+        assert value(found, "localai_claims_total", outcome="completed") == 1
+        assert value(found, "localai_claims_total", outcome="released") == 1  # the backoff
+        assert value(found, "localai_claims_in_flight") == 0
+    finally:
+        if consumer.running:
+            await consumer.stopService()
+        await bus.stopService()
