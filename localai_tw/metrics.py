@@ -161,17 +161,21 @@ class _TunnelCollector:
 class _NodeCollector:
     """Node counts from the last health pass this replica ran (``HealthMonitor.last_report``):
     no query per scrape.  Only one replica runs each pass, so a replica exposes them only while
-    its last pass is recent (three intervals); aggregate across replicas with ``max``."""
+    its last pass is recent (one of its last three ticks); aggregate across replicas with
+    ``max``."""
 
-    def __init__(self, health, clock: Callable[[], float]):
+    #: A pass older than this many ticks (health intervals) is not shown.
+    RECENT_TICKS = 3
+
+    def __init__(self, health):
         self._health = health
-        self._clock = clock
 
     def collect(self):
-        report, at = self._health.last_report, self._health.last_report_at
-        if report is None or at is None or report.list_error is not None:
+        health = self._health
+        report = health.last_report
+        if report is None or report.list_error is not None:
             return
-        if self._clock() - at > 3 * self._health.interval:
+        if health.ticks - health.last_report_tick >= self.RECENT_TICKS:
             return
         statuses = GaugeMetricFamily(
             "localai_nodes", "Workers by status after the last health pass this replica ran.",
@@ -294,10 +298,9 @@ class ReplicaMetrics:
         (each a ``ClaimConsumer``).  Not wired yet: the frontend runs no bus so far."""
         self.registry.register(_BusCollector(bus, consumers))
 
-    def watch_health(self, health, clock: Callable[[], float]) -> None:
-        """Expose node counts from ``health`` (a ``HealthMonitor``); ``clock`` is its reactor's
-        ``seconds``."""
-        self.registry.register(_NodeCollector(health, clock))
+    def watch_health(self, health) -> None:
+        """Expose node counts from ``health`` (a ``HealthMonitor``)."""
+        self.registry.register(_NodeCollector(health))
 
     # -- recording ---------------------------------------------------------------------------
 

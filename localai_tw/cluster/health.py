@@ -147,10 +147,11 @@ class HealthMonitor(Service):
         self._model_probe = model_probe
         self._loop: task.LoopingCall | None = None
         self._loop_done: defer.Deferred | None = None
-        #: The report of the last pass this replica ran (None before the first), and when
-        #: (``reactor.seconds()``).
+        #: The report of the last pass this replica ran (None before the first), and the
+        #: number of the tick that ran it (ticks count from 1; no clock is read for this).
         self.last_report: PassReport | None = None
-        self.last_report_at: float | None = None
+        self.ticks = 0
+        self.last_report_tick = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -184,6 +185,8 @@ class HealthMonitor(Service):
         return defer.ensureDeferred(self._tick())
 
     async def _tick(self) -> bool:
+        self.ticks += 1
+        tick = self.ticks
         try:
             ran, report = await self._db.tryWithAdvisoryLock(LOCK_HEALTH_CHECK, self.run_pass)
         except (DatabaseUnavailable, PoolClosed) as e:
@@ -196,7 +199,7 @@ class HealthMonitor(Service):
             return False
         if ran:
             self.last_report = report
-            self.last_report_at = self._reactor.seconds()
+            self.last_report_tick = tick
         return ran
 
     def run_pass(self) -> defer.Deferred:

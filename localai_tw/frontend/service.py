@@ -411,7 +411,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     health = HealthMonitor(db, nodes, fence, notifier, reactor,
                            interval=config.health_interval, stale_after=config.stale_after,
                            grace=grace)
-    metrics.watch_health(health, reactor.seconds)
+    metrics.watch_health(health)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,

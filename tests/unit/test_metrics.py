@@ -83,14 +83,15 @@ def test_node_counts_are_shown_only_while_the_last_pass_is_recent():
 
     from localai_tw.cluster.health import PassReport
 
-    now = [100.0]
     report = PassReport(statuses={"healthy": 2, "offline": 1}, presence={"connected": 2})
-    health = SimpleNamespace(last_report=report, last_report_at=100.0, interval=15.0)
+    health = SimpleNamespace(last_report=report, last_report_tick=7, ticks=7)
     metrics = ReplicaMetrics()
-    metrics.watch_health(health, lambda: now[0])
+    metrics.watch_health(health)
     assert samples(metrics)[("localai_nodes", (("status", "healthy"),))] == 2
     assert samples(metrics)[("localai_node_presence", (("presence", "connected"),))] == 2
-    now[0] = 100.0 + 3 * 15.0 + 1
+    health.ticks = 9  # two ticks another replica won: still shown
+    assert samples(metrics)[("localai_nodes", (("status", "offline"),))] == 1
+    health.ticks = 10  # three: too old
     assert not any(name.startswith("localai_node") for name, _ in samples(metrics))
 
 
