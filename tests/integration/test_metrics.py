@@ -10,7 +10,10 @@ import json
 
 import pytest_twisted
 import treq
+from twisted.internet import defer
 from prometheus_client.parser import text_string_to_metric_families
+
+from localai_tw.db.pool import LOCK_HEALTH_CHECK
 
 from .inference_harness import ADMIN, sha256_hex
 
@@ -80,7 +83,21 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
     assert code == 404
 
     assert "localai_nodes" not in text  # no health pass ran yet: no counts to show
-    assert await a.replica.health.tick()  # a health pass on A (it takes the lock)
+
+    async def ticks_of_a_while_b_holds_the_health_lock():
+        for _ in range(3):
+            assert not await a.replica.health.tick()
+        return samples((await scrape(base_a))[1])
+
+    async def while_b_holds_the_health_lock():
+        held, result = await b.database_service.database.tryWithAdvisoryLock(
+            LOCK_HEALTH_CHECK, lambda: defer.ensureDeferred(
+                ticks_of_a_while_b_holds_the_health_lock()))
+        assert held
+        return result
+
+    await while_b_holds_the_health_lock()  # B won A's first ticks
+    assert await a.replica.health.tick()  # then a health pass on A (it takes the lock)
     response, text = await scrape(base_a)
     assert response.code == 200
     assert response.headers.getRawHeaders("content-type")[0].startswith("text/plain")
@@ -120,6 +137,10 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
     assert value(on_b, "localai_tokens_total", model="echo-chat", direction="out") == 2
     assert value(on_b, "localai_tunnels_held") == 0
     assert value(on_b, "localai_nodes", status="healthy") == 0  # B ran no pass
+
+    # While another replica wins the health lock, A's own last pass ages out of its metrics.
+    aged = await while_b_holds_the_health_lock()
+    assert value(aged, "localai_nodes", status="healthy") == 0
     assert value(on_b, "localai_tunnel_bytes_total", direction="in") == 0
     assert value(on_b, "localai_relay_bytes_total", direction="in") > 0
     assert value(on_b, "localai_relay_bytes_total", direction="out") > 0
