@@ -81,6 +81,9 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
     code, _ = await post(base_a + "/v1/chat/completions", {
         "model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
     assert code == 404
+    refused = await treq.get(base_a + "/v1/models", headers={"Authorization": "Bearer sk-no"})
+    assert refused.code == 401
+    await treq.content(refused)
 
     assert "localai_nodes" not in text  # no health pass ran yet: no counts to show
 
@@ -108,6 +111,8 @@ async def test_metrics_count_requests_paths_tokens_loads_and_errors(cluster):
                  status="200", path="owner") == 1
     # An unknown name is never a label value: clients choose it.
     assert value(on_a, "localai_requests_total", endpoint="chat", model="", status="404",
+                 path="none") == 1
+    assert value(on_a, "localai_requests_total", endpoint="models", model="", status="401",
                  path="none") == 1
     assert value(on_a, "localai_tokens_total", model="echo-chat", direction="in") >= 3
     assert value(on_a, "localai_tokens_total", model="echo-chat", direction="out") == 3
