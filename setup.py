@@ -40,6 +40,8 @@ setup(
         "PyYAML>=6,<7",
         "platformdirs>=4,<5",
         "psutil>=5.9,<8",
+        # /metrics (localai_tw/metrics.py); 0.26 is what the tests ran against.
+        "prometheus_client>=0.20,<1",
     ],
     extras_require={
         "test": [

@@ -370,6 +370,9 @@ class PgBus(service.Service):
         #: resolve (spill row missing or fetch failed), subscriber (a subscriber queue full).
         self.dropped = {"inbound": 0, "decode": 0, "resolve": 0, "subscriber": 0}
         self.reconnects = 0
+        #: Messages PostgreSQL took from ``publish``, and how many of them were spilled.
+        self.published = 0
+        self.spilled = 0
         self.listener_pid: int | None = None
 
     # -- introspection (logs and tests only) ----------------------------------------------------
@@ -614,7 +617,12 @@ class PgBus(service.Service):
                 self.checkNow()
             return f
 
-        return d.addErrback(failed)
+        def taken(result):
+            self.published += 1
+            self.spilled += 0 if plan.inline else 1
+            return result
+
+        return d.addCallbacks(taken, failed)
 
     # -- subscribe ------------------------------------------------------------------------------
 

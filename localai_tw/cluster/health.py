@@ -100,6 +100,10 @@ class PassReport:
     left_alone: list[str] = field(default_factory=list)  # presence read failed
     failed: list[str] = field(default_factory=list)      # a status change failed
     list_error: BaseException | None = None
+    #: Nodes by status once the pass is done, and by the presence it read (``read-failed``
+    #: when the read failed; draining and already-offline nodes are not read): for metrics.
+    statuses: dict[str, int] = field(default_factory=dict)
+    presence: dict[str, int] = field(default_factory=dict)
 
 
 class HealthMonitor(Service):
@@ -143,8 +147,11 @@ class HealthMonitor(Service):
         self._model_probe = model_probe
         self._loop: task.LoopingCall | None = None
         self._loop_done: defer.Deferred | None = None
-        #: The report of the last pass this replica ran (None before the first).
+        #: The report of the last pass this replica ran (None before the first), and the
+        #: number of the tick that ran it (ticks count from 1; no clock is read for this).
         self.last_report: PassReport | None = None
+        self.ticks = 0
+        self.last_report_tick = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -178,6 +185,8 @@ class HealthMonitor(Service):
         return defer.ensureDeferred(self._tick())
 
     async def _tick(self) -> bool:
+        self.ticks += 1
+        tick = self.ticks
         try:
             ran, report = await self._db.tryWithAdvisoryLock(LOCK_HEALTH_CHECK, self.run_pass)
         except (DatabaseUnavailable, PoolClosed) as e:
@@ -190,6 +199,7 @@ class HealthMonitor(Service):
             return False
         if ran:
             self.last_report = report
+            self.last_report_tick = tick
         return ran
 
     def run_pass(self) -> defer.Deferred:
@@ -217,6 +227,7 @@ class HealthMonitor(Service):
                 report.failed.append(node_id)
                 log.warn("health pass: node {node} ({name}) not updated ({err}); the next pass "
                          "retries", node=node_id, name=name, err=f"{type(e).__name__}: {e}")
+        _count_statuses(report, rows)
         if self._model_probe is not None:
             try:
                 await defer.maybeDeferred(_awaitable, self._model_probe.probe_nodes,
@@ -236,6 +247,8 @@ class HealthMonitor(Service):
             return False  # already offline: nothing to read or repeat
 
         reading = await self._fence.presence(node_id, self.grace)
+        seen = "read-failed" if reading.error is not None else reading.presence.value
+        report.presence[seen] = report.presence.get(seen, 0) + 1
         if reading.error is not None:
             report.left_alone.append(node_id)
             return False  # a failed read is not a statement about the worker
@@ -272,6 +285,16 @@ class HealthMonitor(Service):
                      node=node_id, name=name)
             status = NodeStatus.HEALTHY
         return status is NodeStatus.HEALTHY
+
+
+def _count_statuses(report: PassReport, rows) -> None:
+    """``report.statuses``: each node's status as read, changed by what the pass did."""
+    changed = {**{n: NodeStatus.OFFLINE.value for n in report.marked_offline},
+               **{n: NodeStatus.UNHEALTHY.value for n in report.marked_unhealthy},
+               **{n: NodeStatus.HEALTHY.value for n in report.marked_healthy}}
+    for node_id, _name, status_text, _stale in rows:
+        status = changed.get(node_id, status_text)
+        report.statuses[status] = report.statuses.get(status, 0) + 1
 
 
 def _awaitable(fn, *args):

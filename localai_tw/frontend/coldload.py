@@ -35,6 +35,7 @@ from twisted.internet import threads
 from twisted.logger import Logger
 
 from localai_tw import errors
+from localai_tw import metrics as replica_metrics
 from localai_tw.backends import backend_pb2
 from localai_tw.staging_client import sha256_of_file
 from localai_tw.tunnel.endpoint import upload_file
@@ -71,8 +72,10 @@ class ColdLoader:
                  models_dir: str, reactor, *,
                  start_timeout: float = DEFAULT_START_TIMEOUT,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
-                 load_timeout: float = DEFAULT_LOAD_TIMEOUT):
+                 load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
         self._db = db
+        self._metrics = metrics
         self._nodes = nodes
         self._control = control
         self._http = worker_http
@@ -98,10 +101,12 @@ class ColdLoader:
         try:
             placement = await self._start_and_load(model, node_id, progress)
         except BaseException as e:
+            self._metrics.cold_load(model.name, self._reactor.seconds() - started, ok=False)
             log.info("cold load of model {model} on node {node} failed after {took:.1f} s: "
                      "{err}", model=model.name, node=node_id,
                      took=self._reactor.seconds() - started, err=e)
             raise
+        self._metrics.cold_load(model.name, self._reactor.seconds() - started, ok=True)
         log.info("cold load of model {model} on node {node} finished in {took:.1f} s "
                  "(at {address})", model=model.name, node=node_id,
                  took=self._reactor.seconds() - started, address=placement.address)

@@ -37,7 +37,8 @@ So stopping runs: listener; tunnels (releasing their claims), peer links, worker
 The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
-``/api/cluster/instances`` (admin, ``--api-key``), ``/api/cluster/connect`` (worker tunnels),
+``/api/cluster/instances`` and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
 gate is open (database ready *and* membership registered, and every readiness gate passed).
@@ -77,6 +78,7 @@ from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
+from localai_tw.metrics import ReplicaMetrics
 from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
@@ -86,6 +88,7 @@ from localai_tw.tunnel.route import WorkerDialer
 
 from .backend_client import BackendClients
 from .interfaces import IInferenceRouter
+from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, NodesAdminResource
 from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
 from .probes import LivenessResource, ReadinessResource, StartingGate
@@ -328,6 +331,7 @@ class Replica:
     notifier: DepartureNotifier
     membership: MembershipService
     health: HealthMonitor
+    metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
@@ -385,6 +389,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     peer_links = AcceptedPeerLinks(db, tunnels, config.registration_token, reactor)
     peer_pool = PeerPool(db, identity, config.registration_token, reactor,
                          ca_file=config.peer_ca_file)
+    metrics = ReplicaMetrics()  # this replica's own registry (never the process-global one)
+    metrics.watch_tunnels(tunnels, (peer_links, peer_pool))
     dialer = WorkerDialer(tunnels, fence, peer_pool, config.instance_id, grace, reactor)
     worker_http = WorkerHTTPClient(dialer, reactor)
     # Control calls carry each node's own control token, never the registration token.
@@ -394,7 +400,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         config.registration_token or None)
     chooser = NodeChooser(db, nodes, fence, grace=grace)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
-                        config.models_dir, reactor)
+                        config.models_dir, reactor, metrics=metrics)
     loads = LoadLock(db, chooser, loader, config.instance_id, reactor)
     inference = InferenceRouter(ModelCatalog(config.models_dir), chooser, loads, loader,
                                 backend_clients, reactor)
@@ -408,12 +414,13 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     health = HealthMonitor(db, nodes, fence, notifier, reactor,
                            interval=config.health_interval, stale_after=config.stale_after,
                            grace=grace)
+    metrics.watch_health(health)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health)
+        membership=membership, health=health, metrics=metrics)
 
 
 def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,
@@ -605,7 +612,7 @@ class FrontendService(InOrderMultiService):
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
         self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
-        for prefix in (b"/api/nodes", b"/api/cluster/instances"):
+        for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -629,14 +636,18 @@ class FrontendService(InOrderMultiService):
         for name, probe in self._probe_resources.items():
             root.putChild(name, probe)  # the same /healthz and /readyz
         openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
-                                reactor=self._reactor, node_names=replica.node_name)
+                                reactor=self._reactor, node_names=replica.node_name,
+                                metrics=replica.metrics)
         root.putChild(b"v1", openai)
+        root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
+                                                  replica.tunnels, replica.control))
         api = JSONDirectory()
         root.putChild(b"api", api)
         registration = WorkerRegistrationResource(parts)
         api.putChild(b"node", registration)
-        api.putChild(b"nodes", NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
-                                                   SchedulingResource(parts, self.api_keys)))
+        api.putChild(b"nodes", NodeMetricsRouting(
+            NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
+                                SchedulingResource(parts, self.api_keys)), parts, self.api_keys))
         cluster = JSONDirectory()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))

@@ -171,6 +171,10 @@ class Session(Protocol):
         self._lingering: dict[int, object] = {}
         self._reading = 0           # > 0 while a read's frames are handled
         self._grants: dict[Stream, None] = {}  # streams whose window grant waits for its end
+        # Wire bytes (headers included) read from and written to the carrier, for metrics:
+        # one addition per read and per write call, never per stream.
+        self.bytesReceived = 0
+        self.bytesSent = 0
 
     # -- public API -----------------------------------------------------------------------
 
@@ -289,6 +293,7 @@ class Session(Protocol):
         grants are decided once, after the whole read was handled."""
         if self.state is not SessionState.OPEN:
             return
+        self.bytesReceived += len(data)
         try:
             frames = self._decoder.decode(data)
         except FrameError as e:
@@ -502,6 +507,7 @@ class Session(Protocol):
     def _sendFrame(self, frame: Frame) -> None:
         if self.state is not SessionState.OPEN or self.transport is None:
             return
+        self.bytesSent += HEADER_SIZE + len(frame.payload)
         self.transport.write(encode(frame))
 
     def _sendReply(self, frame: Frame) -> None:
@@ -533,6 +539,7 @@ class Session(Protocol):
         one): the header and the pieces are joined once, with no intermediate payload copy."""
         if self.state is not SessionState.OPEN or self.transport is None:
             return
+        self.bytesSent += HEADER_SIZE + length
         self.transport.write(b"".join([HEADER.pack(VERSION, TYPE_DATA, flags, stream_id, length),
                                        *parts]))
 
@@ -635,6 +642,37 @@ class Session(Protocol):
         for d in waiters:
             d.errback(Failure(reason))
         self._closed.fire(reason)
+
+
+class ByteTally:
+    """Wire bytes of a set of sessions, live and ended (for a metric that must never go down
+    when a session ends)."""
+
+    def __init__(self):
+        self._live: set[Session] = set()
+        self._ended = [0, 0]
+
+    def watch(self, session: Session) -> None:
+        """Count ``session`` (anything without ``whenClosed``, a test's stand-in, is not)."""
+        when_closed = getattr(session, "whenClosed", None)
+        if session in self._live or when_closed is None:
+            return
+        self._live.add(session)
+        when_closed().addBoth(lambda _: self._ended_session(session))
+
+    def _ended_session(self, session: Session) -> None:
+        if session in self._live:
+            self._live.discard(session)
+            self._ended[0] += getattr(session, "bytesReceived", 0)
+            self._ended[1] += getattr(session, "bytesSent", 0)
+
+    def totals(self) -> tuple[int, int]:
+        """(received, sent) by every session watched, ended ones included."""
+        received, sent = self._ended
+        for session in self._live:
+            received += getattr(session, "bytesReceived", 0)
+            sent += getattr(session, "bytesSent", 0)
+        return received, sent
 
 
 def _goAwayName(code: int) -> str:

@@ -53,7 +53,7 @@ from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS, in
 from localai_tw.cluster.membership import InstanceIdentity, peer_token_hash, secret_matches_hash
 from localai_tw.logsafe import untrusted
 from localai_tw.mux.errors import MuxError
-from localai_tw.mux.session import Session, SessionConfig
+from localai_tw.mux.session import ByteTally, Session, SessionConfig
 from localai_tw.splice import HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
 from localai_tw.tunnel.connect import OpenNotifyingSession
@@ -271,6 +271,8 @@ class AcceptedPeerLinks:
         self._reactor = reactor
         self._authorizer = PeerLinkAuthorizer(db, registration_token, liveness)
         self._sessions: dict[str, Session] = {}
+        #: Wire bytes of the accepted links (relay traffic and pings), for metrics.
+        self.bytes = ByteTally()
 
     def sessions(self) -> dict[str, Session]:
         return dict(self._sessions)
@@ -290,6 +292,7 @@ class AcceptedPeerLinks:
     def _opened(self, peer_id: str, session: Session) -> None:
         old = self._sessions.get(peer_id)
         self._sessions[peer_id] = session
+        self.bytes.watch(session)
         log.info("peer link from replica {peer} accepted by replica {me}", peer=peer_id,
                  me=self._registry.instance_id)
         session.whenClosed().addCallback(lambda _: self._forget(peer_id, session))
@@ -360,6 +363,8 @@ class PeerPool:
         self._connect = connect
         self._sessions: dict[str, Session] = {}
         self._dialing: dict[str, _SharedDial] = {}
+        #: Wire bytes of the links dialled from here (relay traffic and pings), for metrics.
+        self.bytes = ByteTally()
         self._closed = False
 
     @property
@@ -458,6 +463,7 @@ class PeerPool:
         log.info("peer link to replica {peer} at {addr} open", peer=peer_id, addr=address)
         old = self._sessions.get(peer_id)
         self._sessions[peer_id] = session
+        self.bytes.watch(session)
         session.whenClosed().addCallback(lambda _: self._drop(peer_id, session))
         if old is not None and old is not session:
             old.loseConnection()

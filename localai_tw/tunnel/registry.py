@@ -38,6 +38,7 @@ from twisted.logger import Logger
 from localai_tw.deferreds import wait_at_most
 from localai_tw.cluster.ownership import NoConnection
 from localai_tw.mux.errors import MuxError
+from localai_tw.mux.session import ByteTally
 
 log = Logger()
 
@@ -121,6 +122,8 @@ class TunnelRegistry:
         self._claim_timeout = claim_timeout
         self._release_timeout = release_timeout
         self._held: dict[str, HeldTunnel] = {}
+        #: Wire bytes of every tunnel held here, ended ones included, for metrics.
+        self.bytes = ByteTally()
         self._gates = _NodeGates()
         self._closed = False
 
@@ -179,6 +182,7 @@ class TunnelRegistry:
             if previous is not None:
                 replaced.append(previous)
             self._held[node_id] = HeldTunnel(node_id, session, epoch, epoch)
+            self.bytes.watch(session)
             return epoch
 
         try:

@@ -40,6 +40,7 @@ from localai_tw.cluster.nodekey import (
 )
 from localai_tw.config import PortRange
 from localai_tw.deferreds import OneShotObserver
+from localai_tw.metrics import WorkerMetrics
 from localai_tw.tunnel.dialer import TunnelDialer
 from localai_tw.worker.capacity import HostCapacity
 from localai_tw.worker.control import (
@@ -348,6 +349,10 @@ class WorkerService(MultiService):
             reauthorize=self.registrar.register_once, node_name=self.node_name,
             **dict(dialer_options or {}))
         self.dialer.setServiceParent(self)
+        #: This worker's metrics, served as the control verb ``node.metrics`` (docs/metrics.md).
+        self.metrics = WorkerMetrics()
+        self.metrics.watch_worker(self.dialer, self.registrar)
+        self.verbs.register("node.metrics", self.metrics.control_verb())
 
     def _node_key(self) -> str:
         """This node's key: kept in the data directory (small file I/O, once, before the reactor

@@ -12,6 +12,7 @@ from twisted.web.resource import Resource
 
 from localai_tw.frontend.service import FrontendService, FrontendStartupError, StartupState
 from localai_tw.frontend.web import ClusterParts
+from localai_tw.metrics import ReplicaMetrics
 
 
 class StubDatabaseService(Service):
@@ -42,7 +43,7 @@ def wired():
         cluster_parts=lambda: ClusterParts(db=None, nodes=None, fence=None,
                                            instance_id="replica-u"),
         inference=object(), node_name=lambda node_id: None, nodes=None, tunnels=None,
-        peer_links=SimpleNamespace(resource=Resource))
+        peer_links=SimpleNamespace(resource=Resource), metrics=ReplicaMetrics(), control=None)
     service._open(replica)
     return service
 

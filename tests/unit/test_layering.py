@@ -27,14 +27,15 @@ ALLOWED: dict[str, set[str]] = {
     "bus": BASE | {"db", "cluster"},
     "web": BASE,  # the HTTP pieces both servers share (bearer rule, bodies, JSON, readers)
     "staging_client": BASE | {"web"},
+    "metrics": BASE,  # every Prometheus metric in one place (docs/metrics.md)
     "tinychat": BASE,  # a user's tool (python -m localai_tw.tinychat): builds a local model
     "tunnel": BASE | {"mux", "splice", "db", "cluster", "staging_client", "web"},
     "backends": BASE | {"plugins"},  # plugins: the drop-in package IBackendFactory scans
     "plugins": BASE | {"backends"},
     "worker": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                      "staging_client", "plugins", "web"},
+                      "staging_client", "plugins", "web", "metrics"},
     "frontend": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                        "staging_client", "plugins", "web"},
+                        "staging_client", "plugins", "web", "metrics"},
 }
 
 #: The only modules outside ``worker/`` that may import from it: the frontend's in-process

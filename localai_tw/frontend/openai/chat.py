@@ -40,6 +40,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     router = context.router
     body = read_body(request)
     name, model = resolve_model(router, body, CHAT)
+    exchange.record.model = name  # a configured name: a bounded label
     messages, images = parse_messages(body.raw("messages"))
     stream = bool(body.boolean("stream"))
     n = body.integer("n", 1, MAX_CHOICES) or 1

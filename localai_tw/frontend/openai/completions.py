@@ -31,6 +31,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     router = context.router
     body = read_body(request)
     name, model = resolve_model(router, body, COMPLETION)
+    exchange.record.model = name  # a configured name: a bounded label
     prompts = _prompts(body.raw("prompt"))
     stream = bool(body.boolean("stream"))
     echo = bool(body.boolean("echo"))

@@ -39,6 +39,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     router = context.router
     body = read_body(request)
     name, model = resolve_model(router, body, EMBEDDINGS)
+    exchange.record.model = name  # a configured name: a bounded label
     inputs = _embedding_inputs(body.raw("input"))
     encoding = body.string("encoding_format") or "float"
     if encoding not in ("float", "base64"):

@@ -24,6 +24,8 @@ from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.resource import Resource
 
+from localai_tw import metrics as replica_metrics
+
 from ..interfaces import IInferenceRouter
 from ..web import APIError, APIKeyGuard, bearer_token, printable
 from . import chat, completions, embeddings, models
@@ -77,8 +79,10 @@ class OpenAIResource(Resource):
     def __init__(self, router: IInferenceRouter, *, api_keys: APIKeyGuard | None = None,
                  deadline_seconds: float | None = None, reactor=None,
                  now: Callable[[], float] = time.time,
-                 node_names: Callable[[str], Any] | None = None):
+                 node_names: Callable[[str], Any] | None = None,
+                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
         super().__init__()
+        self._metrics = metrics
         self._context = Context(router, deadline_seconds, reactor, now)
         self._names = NodeNames(node_names) if node_names is not None else None
         self._api_keys = api_keys
@@ -90,7 +94,7 @@ class OpenAIResource(Resource):
         return server.NOT_DONE_YET
 
     async def _serve(self, request) -> None:
-        exchange = Exchange(request, self._names)
+        exchange = Exchange(request, self._names, self._metrics.request(request.postpath))
         try:
             await self._dispatch(request, exchange)
         except AlreadyAnswered:
@@ -106,6 +110,7 @@ class OpenAIResource(Resource):
     def _answer_error(self, exchange: Exchange, answer: OpenAIError,
                       cause: BaseException | None) -> None:
         request = exchange.request
+        exchange.record.failed(cause)
         if cause is not None and not isinstance(cause, (OpenAIError, APIError)):
             if answer.code == "internal_error":
                 log.failure("{method} {path} failed", Failure(cause),

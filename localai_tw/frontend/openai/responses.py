@@ -16,6 +16,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from localai_tw import metrics
 from localai_tw.backends import backend_pb2
 
 from ..interfaces import Served
@@ -63,8 +64,10 @@ class Exchange:
     """One HTTP request's lifetime: whether the client left, and the router calls to cancel
     when it does."""
 
-    def __init__(self, request, names: NodeNames | None = None):
+    def __init__(self, request, names: NodeNames | None = None,
+                 record: metrics.RequestRecord | None = None):
         self.request = request
+        self.record = record or metrics.DISCARD.request(())
         self.gone = False
         self.nodes: list[str] = []
         self.names = names
@@ -74,6 +77,8 @@ class Exchange:
         request.notifyFinish().addBoth(self._finished)
 
     def _finished(self, result) -> None:
+        self.record.finished(metrics.CLIENT_GONE if isinstance(result, Failure)
+                             else self.request.code, self.nodes)
         if not isinstance(result, Failure):
             return None
         self.gone = True
@@ -129,6 +134,7 @@ class Exchange:
         if self.gone or request.finished or request.channel is None:
             return
         payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        self.record.usage(body.get("usage"))
         request.setResponseCode(status)
         for name, value in JSON_HEADERS:
             request.setHeader(name, value)

@@ -185,6 +185,7 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
             return defer.ensureDeferred(exchange.name_nodes()).addCallback(
                 lambda _: on_reply(reply))
         on_start(None)
+        exchange.record.replied()
         usage.update(reply)
         last.tokens = max(last.tokens, reply.tokens)
         text = decoder.decode(reply.message)
@@ -214,6 +215,7 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
     if tail:
         emit(chunks.delta(tail))
     emit(chunks.finish(finish_reason(last, sampling.max_tokens)))
+    exchange.record.usage(usage.body())
     if include_usage:
         emit(chunks.usage(usage.body()))
     emit("[DONE]")
@@ -225,6 +227,7 @@ def _stream_failed(stream: SSEStream, error: BaseException) -> BaseException:
     ``error`` event (what OpenAI clients raise on), without ``[DONE]``, and logged."""
     if not stream.started:
         return error
+    stream.exchange.record.failed(error)
     answer = error_for(error)
     log.info("stream of {path} failed after it started: {status} {code}: {message}",
              path=printable(path_text(stream.request)), status=answer.status,

@@ -1,0 +1,458 @@
+"""Every Prometheus metric of a frontend replica and of a worker, defined in one place
+(``docs/metrics.md``).
+
+One :class:`ReplicaMetrics` per replica, each with its own ``CollectorRegistry`` (never
+``prometheus_client``'s global one), so several replicas in one process (the tests) never share
+a counter.  The serving code reports through one-line calls into this module
+(:meth:`ReplicaMetrics.request`, :meth:`RequestRecord.finished`, :meth:`ReplicaMetrics.cold_load`);
+:data:`DISCARD` takes the same calls where nothing is exposed (unit tests, tools).  Gauges of
+state the replica already holds (tunnels, open streams) are read when scraped by a custom
+collector, so nothing is counted on the per-frame path.  A worker's are a
+:class:`WorkerMetrics`, served as its control verb ``node.metrics``.
+
+Label values are bounded: ``endpoint`` is one of a fixed set, ``model`` is a name the replica
+has a config for (an unknown name is recorded as ``""``), ``status`` an HTTP code, ``path`` one
+of ``owner``/``relay``/``none``, ``condition`` a name from :mod:`localai_tw.errors`.
+
+This module must never import anything of ours but the base modules, block, or raise into the
+code that reports to it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from localai_tw import errors
+
+#: Content type of :func:`exposition` (Prometheus text format 0.0.4).
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+#: ``endpoint`` label values: the OpenAI API's routes (anything else is ``other``).
+ENDPOINTS = {
+    (b"chat", b"completions"): "chat",
+    (b"completions",): "completions",
+    (b"embeddings",): "embeddings",
+    (b"models",): "models",
+}
+
+#: A client that left before its answer was complete (nginx's code for it).
+CLIENT_GONE = "499"
+
+#: Latency buckets (seconds): from a cached short answer to a long generation.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: Cold-load buckets (seconds): a small model in a second up to a large one in minutes.
+LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+
+
+def endpoint_of(postpath: Iterable[bytes]) -> str:
+    """The bounded ``endpoint`` label of an OpenAI API path below ``/v1``."""
+    segments = [s for s in postpath if s]
+    if len(segments) >= 2 and segments[0] == b"models":
+        return "model"
+    return ENDPOINTS.get(tuple(segments), "other")
+
+
+def condition_label(error: BaseException) -> str:
+    """The ``condition`` label of an error: one of the four conditions of
+    :mod:`localai_tw.errors` (a subclass counts as its condition: ``peer-rejected`` is
+    ``peer-unreachable``), else the error's own stable name (``caller-deadline``,
+    ``transport-failure``, ``protocol-error``), ``unclassified`` for foreign exceptions."""
+    for condition in errors.CONDITIONS:
+        if isinstance(error, condition):
+            return condition.condition
+    return errors.condition_of(error)
+
+
+class RequestRecord:
+    """What one OpenAI API request reports while it runs; :meth:`finished` records it once.
+    The serving code sets ``model`` once the name resolves to a config and calls
+    :meth:`replied` on the first backend reply of a stream (time to first token)."""
+
+    __slots__ = ("_metrics", "endpoint", "model", "started", "first_reply", "prompt_tokens",
+                 "completion_tokens", "cause", "_done")
+
+    def __init__(self, metrics: "ReplicaMetrics | None", endpoint: str):
+        self._metrics = metrics
+        self.endpoint = endpoint
+        self.model = ""
+        self.started = time.monotonic()
+        self.first_reply: float | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cause: BaseException | None = None
+        self._done = False
+
+    def replied(self) -> None:
+        if self.first_reply is None:
+            self.first_reply = time.monotonic()
+
+    def usage(self, usage: dict | None) -> None:
+        """Take the token counts of an OpenAI ``usage`` object (the last one wins)."""
+        if isinstance(usage, dict):
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+
+    def failed(self, cause: BaseException | None) -> None:
+        self.cause = cause
+
+    def finished(self, status: int | str, nodes: Iterable[str] = ()) -> None:
+        """The answer is complete (``status``) or the client left (:data:`CLIENT_GONE`);
+        ``nodes`` are the workers that served it."""
+        if self._done or self._metrics is None:
+            return
+        self._done = True
+        try:
+            self._metrics._record(self, str(status), list(nodes))
+        except Exception:  # a metric must never break an answer
+            pass
+
+
+class _TunnelCollector:
+    """Gauges of the tunnels this replica holds, read from its ``TunnelRegistry`` when
+    scraped (in the reactor thread: see :func:`exposition`)."""
+
+    def __init__(self, tunnels, peer_links: Iterable = ()):
+        self._tunnels = tunnels
+        self._peer_links = list(peer_links)
+
+    def collect(self):
+        held = GaugeMetricFamily("localai_tunnels_held",
+                                 "Worker tunnels this replica holds now.")
+        streams = GaugeMetricFamily("localai_tunnel_streams_open",
+                                    "Streams open on the worker tunnels held here.")
+        moved = CounterMetricFamily(
+            "localai_tunnel_bytes", "Wire bytes through the worker tunnels this replica held "
+            "(yamux headers included; in: from workers, out: to workers).",
+            labels=["direction"])
+        nodes = self._tunnels.held_nodes()
+        count = 0
+        for node in nodes:
+            session = self._tunnels.session_for(node)
+            count += session.streamCount if session is not None else 0
+        received, sent = self._tunnels.bytes.totals()
+        held.add_metric([], len(nodes))
+        streams.add_metric([], count)
+        moved.add_metric(["in"], received)
+        moved.add_metric(["out"], sent)
+        relayed = CounterMetricFamily(
+            "localai_relay_bytes", "Wire bytes on the peer links of this replica, both the "
+            "ones it dialled and the ones it accepted (relayed requests and their answers, "
+            "pings; in: from other replicas, out: to them).", labels=["direction"])
+        received = sent = 0
+        for links in self._peer_links:
+            more_in, more_out = links.bytes.totals()
+            received, sent = received + more_in, sent + more_out
+        relayed.add_metric(["in"], received)
+        relayed.add_metric(["out"], sent)
+        yield held
+        yield streams
+        yield moved
+        yield relayed
+
+    def describe(self):
+        return []  # unchecked names: collect() reads live state, not at registration
+
+
+class _NodeCollector:
+    """Node counts from the last health pass this replica ran (``HealthMonitor.last_report``):
+    no query per scrape.  Only one replica runs each pass, so a replica exposes them only while
+    its last pass is recent (one of its last three ticks); aggregate across replicas with
+    ``max``."""
+
+    #: A pass older than this many ticks (health intervals) is not shown.
+    RECENT_TICKS = 3
+
+    def __init__(self, health):
+        self._health = health
+
+    def collect(self):
+        health = self._health
+        report = health.last_report
+        if report is None or report.list_error is not None:
+            return
+        if health.ticks - health.last_report_tick >= self.RECENT_TICKS:
+            return
+        statuses = GaugeMetricFamily(
+            "localai_nodes", "Workers by status after the last health pass this replica ran.",
+            labels=["status"])
+        for status, count in sorted(report.statuses.items()):
+            statuses.add_metric([status], count)
+        presence = GaugeMetricFamily(
+            "localai_node_presence", "Workers by tunnel presence as the last health pass "
+            "this replica ran read it (draining and offline workers are not read).",
+            labels=["presence"])
+        for seen, count in sorted(report.presence.items()):
+            presence.add_metric([seen], count)
+        yield statuses
+        yield presence
+
+    def describe(self):
+        return []
+
+
+class _BusCollector:
+    """The counters a ``PgBus`` and ``ClaimConsumer`` keep anyway (``published``,
+    ``spilled``, ``dropped``, ``reconnects``; ``stats``, ``inFlight``), read when scraped."""
+
+    def __init__(self, bus=None, consumers: Iterable = ()):
+        self._bus = bus
+        self._consumers = list(consumers)
+
+    def collect(self):
+        bus = self._bus
+        if bus is not None:
+            published = CounterMetricFamily(
+                "localai_bus_messages_published", "Broadcasts this replica published "
+                "(PostgreSQL took them), by how: inline in the NOTIFY or spilled to a row.",
+                labels=["how"])
+            published.add_metric(["inline"], bus.published - bus.spilled)
+            published.add_metric(["spilled"], bus.spilled)
+            dropped = CounterMetricFamily(
+                "localai_bus_messages_dropped", "Broadcasts this replica received but dropped, "
+                "by stage (inbound, decode, resolve, subscriber).", labels=["stage"])
+            for stage, count in sorted(bus.dropped.items()):
+                dropped.add_metric([stage], count)
+            reconnects = CounterMetricFamily(
+                "localai_bus_reconnects", "Times the bus's LISTEN connection was re-made.")
+            reconnects.add_metric([], bus.reconnects)
+            yield published
+            yield dropped
+            yield reconnects
+        if not self._consumers:
+            return
+        claims = CounterMetricFamily(
+            "localai_claims", "Work claims this replica's consumers handled, by outcome "
+            "(claimed; then completed, released: backed off after a transport failure or "
+            "cancelled, failed, kept, lost, exhausted).", labels=["outcome"])
+        for outcome in ("claimed", "completed", "released", "failed", "kept", "lost",
+                        "exhausted"):
+            claims.add_metric([outcome], sum(c.stats.get(outcome, 0) for c in self._consumers))
+        in_flight = GaugeMetricFamily("localai_claims_in_flight",
+                                      "Claims this replica's consumers hold now.")
+        in_flight.add_metric([], sum(c.inFlight for c in self._consumers))
+        yield claims
+        yield in_flight
+
+    def describe(self):
+        return []
+
+
+class ReplicaMetrics:
+    """The metrics of one frontend replica, in their own registry (a new one by default).
+    Request paths are ``owner`` until :meth:`watch_tunnels` says which tunnels are held."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._path_of: Callable[[str], str] = lambda node: "owner"
+        r = self.registry
+        self.requests = Counter(
+            "localai_requests", "OpenAI API requests answered, by endpoint, model, HTTP "
+            "status (499: the client left) and path (owner: through a tunnel held here, relay: "
+            "through the replica holding it, none: no worker served it).",
+            ["endpoint", "model", "status", "path"], registry=r)
+        self.latency = Histogram(
+            "localai_request_duration_seconds", "Time from a request's arrival to the end of "
+            "its answer.", ["endpoint", "model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token = Histogram(
+            "localai_time_to_first_token_seconds", "Streams: time from a request's arrival to "
+            "the first backend reply.", ["endpoint", "model"], buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.tokens = Counter(
+            "localai_tokens", "Tokens of answered requests as the backend reported them "
+            "(in: prompt, out: completion).", ["model", "direction"], registry=r)
+        self.errors = Counter(
+            "localai_errors", "OpenAI API requests that failed on a cluster error, by the "
+            "condition of the error (localai_tw/errors.py).", ["endpoint", "condition"],
+            registry=r)
+        self.cold_loads = Counter(
+            "localai_cold_loads", "Cold loads of a model on a worker started by this replica, "
+            "by outcome (ok, failed).", ["model", "outcome"], registry=r)
+        self.cold_load_duration = Histogram(
+            "localai_cold_load_duration_seconds", "How long cold loads took (both outcomes).",
+            ["model"], buckets=LOAD_BUCKETS, registry=r)
+
+    # -- what the serving code calls ---------------------------------------------------------
+
+    def request(self, postpath: Iterable[bytes]) -> RequestRecord:
+        """A record for an OpenAI API request to ``/v1/<postpath>``."""
+        return RequestRecord(self, endpoint_of(postpath))
+
+    def cold_load(self, model: str, seconds: float, ok: bool) -> None:
+        self.cold_loads.labels(model, "ok" if ok else "failed").inc()
+        self.cold_load_duration.labels(model).observe(max(0.0, seconds))
+
+    def watch_tunnels(self, tunnels, peer_links: Iterable = ()) -> None:
+        """Expose the gauges and byte counts of ``tunnels`` (a ``TunnelRegistry``) and of
+        ``peer_links`` (objects with a ``bytes`` tally: the accepted links and the peer pool),
+        and label request paths by whether ``tunnels`` holds the serving node."""
+        self._path_of = lambda node: "owner" if tunnels.holds(node) else "relay"
+        self.registry.register(_TunnelCollector(tunnels, peer_links))
+
+    def watch_bus(self, bus=None, consumers: Iterable = ()) -> None:
+        """Expose the counters of ``bus`` (a ``PgBus``) and of ``consumers``
+        (each a ``ClaimConsumer``).  Not wired yet: the frontend runs no bus so far."""
+        self.registry.register(_BusCollector(bus, consumers))
+
+    def watch_health(self, health) -> None:
+        """Expose node counts from ``health`` (a ``HealthMonitor``)."""
+        self.registry.register(_NodeCollector(health))
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def _record(self, record: RequestRecord, status: str, nodes: list[str]) -> None:
+        now = time.monotonic()
+        endpoint, model = record.endpoint, record.model
+        path = self._path_of(nodes[-1]) if nodes else "none"
+        self.requests.labels(endpoint, model, status, path).inc()
+        self.latency.labels(endpoint, model).observe(now - record.started)
+        if record.first_reply is not None:
+            self.first_token.labels(endpoint, model).observe(record.first_reply - record.started)
+        if record.prompt_tokens:
+            self.tokens.labels(model, "in").inc(record.prompt_tokens)
+        if record.completion_tokens:
+            self.tokens.labels(model, "out").inc(record.completion_tokens)
+        if isinstance(record.cause, errors.ClusterError):  # not a refused request (OpenAIError)
+            self.errors.labels(endpoint, condition_label(record.cause)).inc()
+
+
+class _Discard(ReplicaMetrics):
+    """Takes every report and keeps nothing (where no registry is exposed)."""
+
+    def __init__(self):
+        super().__init__(CollectorRegistry())
+
+    def request(self, postpath: Iterable[bytes]) -> RequestRecord:
+        return RequestRecord(None, endpoint_of(postpath))
+
+    def cold_load(self, model: str, seconds: float, ok: bool) -> None:
+        return None
+
+
+#: The metrics of code that exposes none.
+DISCARD = _Discard()
+
+
+class _WorkerCollector:
+    """A worker's tunnel, read from its ``TunnelDialer`` (``session``, ``isConnected``) and
+    its registrar (``heartbeat_failures``) when scraped.  A tunnel session is counted from the
+    first scrape that sees it and kept once it ends (``ByteTally``-like), so the byte counter
+    only misses sessions that came and went between two scrapes."""
+
+    def __init__(self, dialer, registrar):
+        self._dialer = dialer
+        self._registrar = registrar
+        self._seen: dict[int, tuple[object, list[int]]] = {}
+        self._ended = [0, 0]
+
+    def _bytes(self) -> tuple[int, int]:
+        session = getattr(self._dialer, "session", None)
+        if session is not None and id(session) not in self._seen:
+            for old, last in self._seen.values():  # a new session: the old ones ended
+                self._ended[0] += getattr(old, "bytesReceived", last[0])
+                self._ended[1] += getattr(old, "bytesSent", last[1])
+            self._seen = {id(session): (session, [0, 0])}
+        received, sent = self._ended
+        for live, last in self._seen.values():
+            last[:] = [getattr(live, "bytesReceived", 0), getattr(live, "bytesSent", 0)]
+            received, sent = received + last[0], sent + last[1]
+        return received, sent
+
+    def collect(self):
+        session = getattr(self._dialer, "session", None)
+        connected = GaugeMetricFamily("localai_worker_tunnel_connected",
+                                      "1 while this worker's tunnel to a replica is open.")
+        connected.add_metric([], 1 if self._dialer.isConnected else 0)
+        streams = GaugeMetricFamily("localai_worker_tunnel_streams_open",
+                                    "Streams open on this worker's tunnel.")
+        streams.add_metric([], session.streamCount if session is not None else 0)
+        moved = CounterMetricFamily(
+            "localai_worker_tunnel_bytes", "Wire bytes through this worker's tunnels (in: from "
+            "the frontend, out: to it).", labels=["direction"])
+        received, sent = self._bytes()
+        moved.add_metric(["in"], received)
+        moved.add_metric(["out"], sent)
+        failures = GaugeMetricFamily("localai_worker_heartbeat_failures",
+                                     "Heartbeats that failed in a row (0 after a success).")
+        failures.add_metric([], getattr(self._registrar, "heartbeat_failures", 0))
+        yield connected
+        yield streams
+        yield moved
+        yield failures
+
+    def describe(self):
+        return []
+
+
+class WorkerMetrics:
+    """The metrics of one worker, in their own registry.  The worker serves them as the
+    control verb ``node.metrics`` (:meth:`control_verb`); the frontend exposes them at
+    ``/api/nodes/{id}/metrics``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+
+    def watch_worker(self, dialer, registrar) -> None:
+        self.registry.register(_WorkerCollector(dialer, registrar))
+
+    def control_verb(self) -> Callable[[dict], "object"]:
+        """The handler of ``node.metrics``: the exposition as text in a JSON answer."""
+        async def node_metrics(body: dict) -> dict:
+            return {"content_type": CONTENT_TYPE,
+                    "exposition": exposition(self.registry).decode("utf-8")}
+
+        return node_metrics
+
+
+class _Gathered:
+    """A one-shot collector of families already built (:func:`gathered_exposition`)."""
+
+    def __init__(self, families):
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
+
+
+def gathered_exposition(answers: Iterable[tuple[str, str | None]]) -> bytes:
+    """One exposition of several workers' (``(node_id, exposition or None)``): every sample
+    gains a ``node`` label, and ``localai_worker_scrape_ok{node}`` says whose answer was read
+    (0: the call failed or the answer did not parse)."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    merged: dict[str, Metric] = {}
+    scraped = GaugeMetricFamily("localai_worker_scrape_ok", "1 when this worker's metrics "
+                                "were read through its tunnel for this scrape.",
+                                labels=["node"])
+    for node, text in answers:
+        ok = 0
+        if text is not None:
+            try:
+                families = list(text_string_to_metric_families(text))
+            except Exception:
+                families = None
+            if families is not None:
+                ok = 1
+                for family in families:
+                    into = merged.setdefault(family.name, Metric(
+                        family.name, family.documentation, family.type))
+                    for sample in family.samples:
+                        into.add_sample(sample.name, {**sample.labels, "node": node},
+                                        sample.value, sample.timestamp)
+        scraped.add_metric([node], ok)
+    registry = CollectorRegistry()
+    registry.register(_Gathered([*merged.values(), scraped]))
+    return generate_latest(registry)
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in the Prometheus text format.  Called in the reactor thread on purpose:
+    ``prometheus_client.twisted.MetricsResource`` would collect in the reactor's thread pool,
+    where the collectors would read the reactor's state (the tunnel table) from another
+    thread.  Collecting is a few microseconds per metric, so it does not hold the reactor."""
+    return generate_latest(registry)
