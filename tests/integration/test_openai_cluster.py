@@ -63,3 +63,54 @@ async def test_openai_client_through_frontend_worker_and_echo_backend(cluster):
     assert [len(d.embedding) for d in embedded.data] == [6, 6]
     assert embedded.data[0].embedding != embedded.data[1].embedding
     assert refused == 401
+
+
+@pytest_twisted.ensureDeferred
+async def test_what_the_backend_cannot_honour_is_a_bad_request_for_the_official_client(
+        cluster):
+    # An agent or a structured-output caller must learn at once that its tools / JSON mode /
+    # logprobs are not honoured, instead of getting plain text it cannot use.
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", (
+        "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n"
+        f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
+        "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"))
+    frontend = await cluster.frontend("replica-r")
+    await cluster.worker("w-refuse", frontend)
+    base = cluster.base_url(frontend) + "/v1"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    asks = {
+        "tools": dict(tools=[tool]),
+        "response_format": dict(response_format={"type": "json_object"}),
+        "logprobs": dict(logprobs=True, top_logprobs=2),
+    }
+
+    def use_the_api():
+        client = openai.OpenAI(base_url=base, api_key=ADMIN, max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "weather in Paris?"}]
+        refused = {}
+        for param, extra in asks.items():
+            try:
+                client.chat.completions.create(model="echo-chat", messages=messages,
+                                               **extra)
+                refused[param] = None
+            except openai.BadRequestError as e:
+                refused[param] = (e.status_code, e.code, e.param, e.message)
+        try:
+            client.completions.create(model="echo-chat", prompt="a b", logprobs=1)
+            refused["completions.logprobs"] = None
+        except openai.BadRequestError as e:
+            refused["completions.logprobs"] = (e.status_code, e.code, e.param, e.message)
+        fine = client.chat.completions.create(
+            model="echo-chat", messages=messages, tools=[], tool_choice="none",
+            response_format={"type": "text"})
+        return refused, fine
+
+    refused, fine = await threads.deferToThread(use_the_api)
+    for param in ("tools", "response_format", "logprobs", "completions.logprobs"):
+        status, code, where, message = refused[param]
+        assert (status, code) == (400, "unsupported_parameter"), refused[param]
+        assert where == param.split(".")[-1]
+        assert "'echo-chat'" in message and "cannot honour" in message
+    assert fine.choices[0].message.content == "weather in Paris?"

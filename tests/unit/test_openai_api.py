@@ -163,6 +163,55 @@ def test_wrong_types_are_400_naming_the_param(site, router, field, value, param)
     assert router.calls == []
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "function",
+                                              "function": {"name": "f"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [TOOL["function"]]}, "functions"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"suffix": "tail"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_cannot_be_honoured_is_refused_naming_field_and_model(site, router, path,
+                                                                   extra, param, stream):
+    body = chat(**extra) if path.endswith("chat/completions") else \
+        {"model": "chatty", "prompt": "hi", **extra}
+    body["stream"] = stream
+    error = assert_error(call(site, "POST", path, body), 400, "invalid_request_error",
+                         param=param, code="unsupported_parameter")
+    assert "'chatty'" in error["message"] and "cannot honour" in error["message"]
+    assert router.calls == []
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/chat/completions", {"tools": [], "tool_choice": "none", "logprobs": False,
+                              "response_format": {"type": "text"}, "top_logprobs": 0,
+                              "user": "u-1", "service_tier": "auto", "store": False,
+                              "parallel_tool_calls": False, "modalities": ["text"]}),
+    ("/v1/completions", {"response_format": {"type": "text"}, "best_of": 1, "suffix": "",
+                         "user": "u-1"}),
+])
+def test_harmless_spellings_and_metadata_are_accepted(site, router, path, extra):
+    body = chat(**extra) if path.endswith("chat/completions") else \
+        {"model": "chatty", "prompt": "hi", **extra}
+    assert call(site, "POST", path, body).status == 200
+    assert len(router.calls) == 1
+
+
 def test_streaming_more_than_one_choice_is_400(site):
     assert_error(call(site, "POST", "/v1/chat/completions", chat(stream=True, n=2)), 400,
                  param="n")
@@ -292,7 +341,7 @@ def test_chat_with_tokenizer_template_sends_messages(site, router):
                                      {"type": "text", "text": "here"},
                                      {"type": "image_url",
                                       "image_url": {"url": "data:image/png;base64,AAAA"}}]},
-    ], tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto")
+    ], tools=[], tool_choice="none", response_format={"type": "text"}, logprobs=False)
     response = call(site, "POST", "/v1/chat/completions", body)
     assert response.status == 200
     (_, _, options), = router.calls
@@ -300,8 +349,7 @@ def test_chat_with_tokenizer_template_sends_messages(site, router):
     assert [(m.role, m.content) for m in options.Messages] == [("system", "sys"),
                                                                ("user", "look here")]
     assert list(options.Images) == ["AAAA"]
-    assert json.loads(options.Tools)[0]["function"]["name"] == "f"
-    assert json.loads(options.ToolChoice) == "auto"
+    assert options.Tools == "" and options.ToolChoice == ""
     assert response.json()["choices"][0]["message"]["content"] == "look here"
 
 

@@ -11,7 +11,6 @@ rules chat out.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ from .requests import (
     Fields,
     merge_sampling,
     read_body,
+    refuse_unhonoured,
     resolve_model,
     usage_requested,
 )
@@ -41,6 +41,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     body = read_body(request)
     name, model = resolve_model(router, body, CHAT)
     exchange.record.model = name  # a configured name: a bounded label
+    refuse_unhonoured(body, name, chat=True)
     messages, images = parse_messages(body.raw("messages"))
     stream = bool(body.boolean("stream"))
     n = body.integer("n", 1, MAX_CHOICES) or 1
@@ -52,17 +53,6 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     extra: dict[str, Any] = {}
     if images:
         extra["Images"] = images
-    tools = body.raw("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise invalid("'tools' must be a list", "tools", code="invalid_type")
-        extra["Tools"] = json.dumps(tools, separators=(",", ":"))
-    tool_choice = body.raw("tool_choice")
-    if tool_choice is not None:
-        if not isinstance(tool_choice, (str, dict)):
-            raise invalid("'tool_choice' must be a string or an object", "tool_choice",
-                          code="invalid_type")
-        extra["ToolChoice"] = json.dumps(tool_choice, separators=(",", ":"))
     rendered = render_chat(model.templates, messages)
     if rendered.use_tokenizer_template:
         extra["UseTokenizerTemplate"] = True

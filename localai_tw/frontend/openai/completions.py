@@ -19,6 +19,7 @@ from .requests import (
     MAX_PROMPTS,
     merge_sampling,
     read_body,
+    refuse_unhonoured,
     resolve_model,
     usage_requested,
 )
@@ -32,6 +33,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     body = read_body(request)
     name, model = resolve_model(router, body, COMPLETION)
     exchange.record.model = name  # a configured name: a bounded label
+    refuse_unhonoured(body, name, chat=False)
     prompts = _prompts(body.raw("prompt"))
     stream = bool(body.boolean("stream"))
     echo = bool(body.boolean("echo"))
