@@ -353,10 +353,45 @@ def test_chat_with_tokenizer_template_sends_messages(site, router):
     assert response.json()["choices"][0]["message"]["content"] == "look here"
 
 
-def test_chat_n_choices_are_n_calls(site, router):
-    response = call(site, "POST", "/v1/chat/completions", chat(n=3))
+def test_chat_n_choices_are_n_calls_with_distinct_seeds(site, router):
+    # n choices at temperature 1 must be n samples, not n copies of one.
+    response = call(site, "POST", "/v1/chat/completions", chat(n=3, temperature=1))
     assert [c["index"] for c in response.json()["choices"]] == [0, 1, 2]
     assert len(router.calls) == 3
+    assert len({options.Seed for _, _, options in router.calls}) == 3
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", chat(n=3, seed=2**31 - 2)),
+    ("/v1/completions", {"model": "chatty", "prompt": "hi", "n": 3, "seed": 2**31 - 2}),
+])
+def test_a_given_seed_gives_choice_i_seed_plus_i(site, router, path, body):
+    # Reproducible: the same request gives the same n answers (wrapped to int32).
+    call(site, "POST", path, body)
+    assert [options.Seed for _, _, options in router.calls] == [2**31 - 2, 2**31 - 1, -2**31]
+
+
+def test_completions_n_is_n_choices_per_prompt(site, router):
+    body = {"model": "chatty", "prompt": ["one", "two words"], "n": 2}
+    response = call(site, "POST", "/v1/completions", body)
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices] == ["Q: one\nA:"] * 2 + ["Q: two words\nA:"] * 2
+    assert [options.Prompt for _, _, options in router.calls] == \
+        ["Q: one\nA:"] * 2 + ["Q: two words\nA:"] * 2
+    seeds = [options.Seed for _, _, options in router.calls]
+    assert seeds[0] != seeds[1] and seeds[2] != seeds[3]  # distinct samples of each prompt
+    assert response.json()["usage"]["completion_tokens"] == 3 + 3 + 4 + 4  # summed
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "chatty", "prompt": "hi", "n": 2, "stream": True},
+    {"model": "chatty", "prompt": ["p"] * 40, "n": 2},
+])
+def test_completions_n_bounds(site, router, body):
+    assert_error(call(site, "POST", "/v1/completions", body), 400, param="n",
+                 code="invalid_value")
+    assert router.calls == []
 
 
 def test_invalid_model_template_is_500_template_error(router):

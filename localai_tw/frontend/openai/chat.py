@@ -67,8 +67,11 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
                            _ChatChunks(completion_id, created, name))
         return
     choices, usage = [], Usage()
-    for index in range(n):
-        served = await exchange.call(router.predict(name, options, context.deadline()))
+    for index, seed in enumerate(sampling.seeds(n)):
+        choice = backend_pb2.PredictOptions()
+        choice.CopyFrom(options)
+        choice.Seed = seed  # n distinct samples, not n copies of one
+        served = await exchange.call(router.predict(name, choice, context.deadline()))
         exchange.served_by(served.served_by)
         reply = served.value
         usage.add(reply_usage(reply))

@@ -1,5 +1,5 @@
 """``POST /v1/completions``: each prompt through the model's ``completion`` template, one
-``Predict`` per prompt; streaming (``text_completion`` events) allows exactly one prompt.
+``Predict`` per prompt and choice (``n``, each with its own seed); streaming (``text_completion`` events) allows exactly one prompt.
 
 What this module must never do: accept token-id prompts (they are refused, not guessed at),
 evaluate anything from a template or a prompt, or call the router for a model whose config
@@ -16,6 +16,7 @@ from ..templates import render_completion
 from .context import Context
 from .errors import invalid
 from .requests import (
+    MAX_CHOICES,
     MAX_PROMPTS,
     merge_sampling,
     read_body,
@@ -40,6 +41,13 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     if stream and len(prompts) != 1:
         raise invalid("streaming answers exactly one prompt", "prompt",
                       code="invalid_value")
+    n = body.integer("n", 1, MAX_CHOICES) or 1
+    if stream and n != 1:
+        raise invalid("streaming answers one choice; set 'n' to 1", "n",
+                      code="invalid_value")
+    if len(prompts) * n > MAX_PROMPTS:
+        raise invalid(f"at most {MAX_PROMPTS} choices are answered (prompts times 'n')", "n",
+                      code="invalid_value")
     include_usage = usage_requested(body, stream)
     sampling = merge_sampling(model.parameters, body, model.predict)
     completion_id, created = context.ids("cmpl")
@@ -50,16 +58,18 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
                                              prompts[0] if echo else ""))
         return
     choices, usage = [], Usage()
-    for index, prompt in enumerate(prompts):
-        options = sampling.options(Prompt=render_completion(model.templates, prompt))
-        served = await exchange.call(router.predict(name, options, context.deadline()))
-        exchange.served_by(served.served_by)
-        reply = served.value
-        usage.add(reply_usage(reply))
-        text = reply.message.decode("utf-8", "replace")
-        choices.append({"index": index, "text": (prompt + text) if echo else text,
-                        "logprobs": None,
-                        "finish_reason": finish_reason(reply, sampling.max_tokens)})
+    for prompt in prompts:  # OpenAI's order: the n choices of each prompt in turn
+        rendered = render_completion(model.templates, prompt)
+        for seed in sampling.seeds(n):
+            options = sampling.options(Prompt=rendered, Seed=seed)
+            served = await exchange.call(router.predict(name, options, context.deadline()))
+            exchange.served_by(served.served_by)
+            reply = served.value
+            usage.add(reply_usage(reply))
+            text = reply.message.decode("utf-8", "replace")
+            choices.append({"index": len(choices), "text": (prompt + text) if echo else text,
+                            "logprobs": None,
+                            "finish_reason": finish_reason(reply, sampling.max_tokens)})
     exchange.send_json(200, {"id": completion_id, "object": "text_completion",
                              "created": created, "model": name, "choices": choices,
                              "usage": usage.body()})

@@ -278,9 +278,28 @@ class Sampling:
 
     max_tokens: int = 0
     values: dict = field(default_factory=dict)  # PredictOptions keyword arguments
+    seed_fixed: bool = False  # the request or the model config set the seed
 
     def options(self, **more) -> backend_pb2.PredictOptions:
-        return backend_pb2.PredictOptions(**self.values, **more)
+        return backend_pb2.PredictOptions(**{**self.values, **more})
+
+    def seeds(self, n: int) -> list[int]:
+        """One seed per choice, so ``n`` choices are ``n`` distinct samples: a set seed ``s``
+        gives ``s, s+1, ...`` (reproducible), else each choice draws its own."""
+        first = self.values["Seed"]
+        if self.seed_fixed:
+            return [_int32(first + i) for i in range(n)]
+        seeds = [first]
+        while len(seeds) < n:
+            seed = _seed_source.randint(0, INT32_MAX)
+            if seed not in seeds:
+                seeds.append(seed)
+        return seeds
+
+
+def _int32(value: int) -> int:
+    """OpenAI seeds are int64; the backend's are int32 (wrapped around)."""
+    return ((int(value) + 2**31) % 2**32) - 2**31
 
 
 def merge_sampling(parameters: Mapping[str, Any], body: Fields,
@@ -311,9 +330,10 @@ def merge_sampling(parameters: Mapping[str, Any], body: Fields,
     seed = body.integer("seed", -(2**63), 2**63 - 1)
     if seed is None:
         seed = pick(None, "seed")
+    seed_fixed = seed is not None
     if seed is None:
         seed = _seed_source.randint(0, INT32_MAX)
-    seed = ((int(seed) + 2**31) % 2**32) - 2**31  # OpenAI seeds are int64; the backend's int32
+    seed = _int32(seed)
     presence = pick(body.number("presence_penalty", -2.0, 2.0), "presence_penalty", 0.0)
     frequency = pick(body.number("frequency_penalty", -2.0, 2.0), "frequency_penalty", 0.0)
     stop = _stop_list(parameters.get("stop"), "parameters.stop") + \
@@ -345,4 +365,4 @@ def merge_sampling(parameters: Mapping[str, Any], body: Fields,
     logit_bias = body.mapping("logit_bias")
     if logit_bias is not None:
         values["LogitBias"] = json.dumps(logit_bias, separators=(",", ":"))
-    return Sampling(max_tokens=int(max_tokens), values=values)
+    return Sampling(max_tokens=int(max_tokens), values=values, seed_fixed=seed_fixed)
