@@ -110,6 +110,35 @@ async def test_transformers_loads_a_tiny_model_and_generates(supervisor, tmp_pat
     await supervisor.stop("tiny-gpt2")
 
 
+def _stream(address, request):
+    channel = grpc.insecure_channel(address)
+    try:
+        return list(backend_pb2_grpc.BackendStub(channel).PredictStream(request, timeout=60))
+    finally:
+        channel.close()
+
+
+@needs_transformers
+@pytest_twisted.ensureDeferred
+async def test_transformers_stream_counts_the_same_tokens_as_predict(supervisor, tmp_path):
+    # Usage of a streamed answer must equal the non-streamed one for the same output: the
+    # stream counts generated tokens, not the streamer's text pieces.
+    model_dir = str(tmp_path / "tiny-gpt2")
+    await deferToThread(build_tiny_gpt2, model_dir)
+    record = await supervisor.start("transformers", "tiny-gpt2", load={
+        "Model": "tiny-gpt2", "ModelFile": model_dir, "Type": "AutoModelForCausalLM"})
+    for tokens in (1, 3, 8):
+        request = backend_pb2.PredictOptions(Prompt="the cat sat on the", Tokens=tokens,
+                                             Temperature=0)
+        whole = await deferToThread(_call, record.address, "Predict", request)
+        replies = await deferToThread(_stream, record.address, request)
+        assert b"".join(r.message for r in replies) == whole.message
+        assert max(r.tokens for r in replies) == whole.tokens, tokens
+        assert replies[-1].tokens == whole.tokens
+        assert {r.prompt_tokens for r in replies} == {whole.prompt_tokens}
+    await supervisor.stop("tiny-gpt2")
+
+
 @needs_transformers
 @pytest_twisted.ensureDeferred
 async def test_transformers_reports_a_bad_model_as_load_failure(supervisor, tmp_path):

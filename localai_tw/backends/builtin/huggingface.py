@@ -307,8 +307,20 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         try:
             inputs = self._prompt_ids(request)
             prompt_len = inputs["input_ids"].shape[-1]
-            streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True,
-                                            skip_special_tokens=True)
+            class CountingStreamer(TextIteratorStreamer):
+                """Counts the generated tokens (its text pieces are not tokens: a piece may
+                hold several, and the last flush none), so a stream's usage equals
+                ``Predict``'s for the same output."""
+
+                generated = 0
+
+                def put(self, value):
+                    if not (self.skip_prompt and self.next_tokens_are_prompt):
+                        self.generated += int(value.numel())
+                    super().put(value)
+
+            streamer = CountingStreamer(self.tokenizer, skip_prompt=True,
+                                        skip_special_tokens=True)
             kwargs = self._generate_kwargs(request, inputs)
             kwargs["streamer"] = streamer
             kwargs["stopping_criteria"] = StoppingCriteriaList([StopWhenAbandoned(abandoned)])
@@ -327,11 +339,10 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
             worker = threading.Thread(target=generate, name="generate", daemon=True)
             worker.start()
             produced = ""
-            count = 0
             for piece in streamer:
                 if not context.is_active():
                     break
-                count += 1
+                count = streamer.generated  # tokens generated so far (never fewer than shown)
                 combined = produced + piece
                 kept = self._cut_at_stop(combined, request.StopPrompts)
                 delta = kept[len(produced):]
