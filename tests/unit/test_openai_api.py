@@ -212,6 +212,23 @@ def test_harmless_spellings_and_metadata_are_accepted(site, router, path, extra)
     assert len(router.calls) == 1
 
 
+@pytest.mark.parametrize("role", ["bot", "User", "narrator\u0007"])
+def test_an_unknown_role_is_400_naming_it_and_the_roles(site, router, role):
+    body = chat(messages=[{"role": "system", "content": "x"}, {"role": role, "content": "y"}])
+    error = assert_error(call(site, "POST", "/v1/chat/completions", body), 400,
+                         "invalid_request_error", param="messages[1].role",
+                         code="invalid_value")
+    assert repr(role.replace("\u0007", "?")) in error["message"]
+    assert "system, developer, user, assistant, tool, function" in error["message"]
+    assert router.calls == []
+
+
+def test_every_openai_role_is_accepted(site, router):
+    body = chat(messages=[{"role": r, "content": r} for r in
+                          ("system", "developer", "user", "assistant", "tool", "function")])
+    assert call(site, "POST", "/v1/chat/completions", body).status == 200
+
+
 def test_streaming_more_than_one_choice_is_400(site):
     assert_error(call(site, "POST", "/v1/chat/completions", chat(stream=True, n=2)), 400,
                  param="n")

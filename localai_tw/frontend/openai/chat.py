@@ -35,6 +35,11 @@ from .responses import Exchange, Usage, finish_reason, reply_usage
 from .sse import Chunks, stream_reply
 
 
+#: The message roles OpenAI's chat API accepts (``function`` is its legacy spelling of
+#: ``tool``); any other is refused rather than rendered into a prompt with no prefix.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 async def answer(context: Context, request, exchange: Exchange) -> None:
     """``POST /v1/chat/completions``."""
     router = context.router
@@ -106,6 +111,9 @@ def parse_messages(raw: Any) -> tuple[list[ChatMessage], list[str]]:
             raise invalid(f"{where!r} must be an object", where, code="invalid_type")
         fields = Fields(item, prefix=f"{where}.")
         role = fields.string("role", required=True, nonempty=True)
+        if role not in ROLES:
+            raise invalid(f"'{where}.role' {printable(role)!r} is not a role; the roles are "
+                          f"{', '.join(ROLES)}", f"{where}.role", code="invalid_value")
         content = _message_content(item.get("content"), f"{where}.content", images)
         tool_calls = item.get("tool_calls")
         if tool_calls is not None and not isinstance(tool_calls, list):
