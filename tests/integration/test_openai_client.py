@@ -188,6 +188,34 @@ async def test_routing_failure_is_503_and_stream_error_event_raises(server, rout
 
 
 @pytest_twisted.ensureDeferred
+async def test_the_client_does_not_retry_a_deterministic_failure(server, router):
+    # The official client retries every 5xx twice by default: a failure the same request
+    # would meet again must reach the caller at once, a transient one is still retried.
+    from localai_tw.errors import BackendAnswer
+    from localai_tw.frontend.interfaces import ModelLoadFailed
+
+    def ask():
+        retrying = openai.OpenAI(base_url=server, api_key="sk-test", timeout=10)  # 2 retries
+        try:
+            retrying.chat.completions.create(
+                model="chatty", messages=[{"role": "user", "content": "x"}])
+        except openai.APIStatusError as e:
+            return e.status_code, e.code
+
+    for error, status, code in [
+            (BackendAnswer("n1", "UNKNOWN", "Unexpected ValueError: boom"), 500, "backend_error"),
+            (ModelLoadFailed("chatty", "n1", "weights corrupt", retry_in=30), 500,
+             "model_load_failed")]:
+        router.fail_with, router.calls = error, []
+        assert await in_thread(ask) == (status, code)
+        assert len(router.calls) == 1, code
+
+    router.fail_with, router.calls = BackendAnswer("n1", "UNAVAILABLE", "restarting"), []
+    assert await in_thread(ask) == (503, "backend_unavailable")
+    assert len(router.calls) == 3  # retried twice, honouring Retry-After: 1
+
+
+@pytest_twisted.ensureDeferred
 async def test_client_closing_the_stream_cancels_the_backend_call(server, router):
     router.manual_streams = True
     got_first = []

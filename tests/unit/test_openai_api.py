@@ -600,8 +600,9 @@ def test_embeddings_token_arrays_go_in_embedding_tokens(site, router):
 
 def test_per_token_embeddings_are_refused(site, router):
     router.embedding_layout = backend_pb2.EMBEDDING_LAYOUT_PER_TOKEN
-    assert_error(call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": "x"}),
-                 502, code="unsupported_embedding_layout")
+    response = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": "x"})
+    assert_error(response, 500, code="unsupported_embedding_layout")
+    assert response.header("x-should-retry") == "false"  # the backend would answer the same
 
 
 # -- models --------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ CASES = [
     (PeerUnreachable("r2", "connection refused"), 503, "service_unavailable",
      "peer_unreachable", "2", "retry"),
     (PoolClosed(), 503, "service_unavailable", "peer_unreachable", "2", "shutting down"),
-    (PeerRejected("r2", "401"), 503, "service_unavailable", "peer_rejected", None,
+    (PeerRejected("r2", "401"), 500, "server_error", "peer_rejected", None,
      "configuration"),
     (ModelLoadFailed("m", "n1", "out of memory loading weights"), 500, "server_error",
      "model_load_failed", None, "out of memory loading weights"),
@@ -49,12 +49,20 @@ CASES = [
      "not_implemented_by_backend", None, "no Embedding"),
     (BackendAnswer("n1", "DEADLINE_EXCEEDED", "slow"), 504, "timeout_error", "timeout", None,
      "slow"),
-    (BackendAnswer("n1", "UNKNOWN", "Unexpected <class 'ValueError'>: boom"), 502,
-     "upstream_error", "backend_error", None, "boom"),
+    (BackendAnswer("n1", "UNKNOWN", "Unexpected <class 'ValueError'>: boom"), 500,
+     "server_error", "backend_error", None, "boom"),
+    (BackendAnswer("n1", "FAILED_PRECONDITION", "model not loaded"), 500,
+     "server_error", "backend_error", None, "model not loaded"),
+    (BackendAnswer("n1", "UNAVAILABLE", "socket closed"), 503, "service_unavailable",
+     "backend_unavailable", "1", "socket closed"),
+    (BackendAnswer("n1", "RESOURCE_EXHAUSTED", "queue full"), 503, "service_unavailable",
+     "backend_unavailable", "1", "queue full"),
     (WorkerBusy("n1"), 503, "service_unavailable", "worker_busy", "1", "no free slot"),
     (StreamRefused("n1", "unavailable", "backend port closed"), 502, "upstream_error",
      "worker_error", None, "backend port closed"),
-    (ControlVerbFailed("n1", "backend.start", "no such backend"), 502, "upstream_error",
+    (StreamRefused("n1", "bad-request", "malformed stream header"), 500, "server_error",
+     "worker_error", None, "malformed stream header"),
+    (ControlVerbFailed("n1", "backend.start", "no such backend"), 500, "server_error",
      "worker_error", None, "no such backend"),
     (CallerDeadlineExceeded("waiting for the model to load"), 504, "timeout_error",
      "timeout", None, "deadline"),
@@ -79,6 +87,23 @@ def test_error_for(error, status, type_, code, retry, text):
     assert (answer.status, answer.type, answer.code) == (status, type_, code)
     assert answer.headers.get("Retry-After") == retry
     assert text in answer.message
+
+
+#: Answers the same request would get again: the official clients must not retry them.
+DETERMINISTIC = {"model_load_failed", "not_implemented_by_backend", "backend_error",
+                 "peer_rejected", "model_config_invalid", "template_error"}
+
+
+@pytest.mark.parametrize("error, status, type_, code, retry, text", CASES,
+                         ids=[type(c[0]).__name__ + "-" + str(c[3]) for c in CASES])
+def test_deterministic_failures_tell_clients_not_to_retry(error, status, type_, code, retry,
+                                                          text):
+    # Both official SDKs retry every 5xx twice unless X-Should-Retry says false; a transient
+    # condition (no route, reconnecting, busy, unreachable peer) must stay retryable.
+    answer = error_for(error)
+    deterministic = code in DETERMINISTIC or (code == "worker_error" and status == 500)
+    assert answer.headers.get("X-Should-Retry") == ("false" if deterministic else None)
+    assert deterministic or status != 500 or code == "internal_error"
 
 
 def test_internal_errors_never_leak_their_text():

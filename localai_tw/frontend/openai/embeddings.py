@@ -20,7 +20,7 @@ from localai_tw.errors import ClusterError
 
 from ..models import EMBEDDINGS
 from .context import Context
-from .errors import OpenAIError, detail, invalid
+from .errors import NO_RETRY, OpenAIError, detail, invalid
 from .requests import (
     INT32_MAX,
     MAX_EMBEDDING_INPUTS,
@@ -143,13 +143,14 @@ def _embedding_inputs(raw: Any) -> list[str | list[int]]:
 
 def _pooled_vector(result: backend_pb2.EmbeddingResult) -> list[float]:
     if result.layout == backend_pb2.EMBEDDING_LAYOUT_PER_TOKEN or result.tokens > 1:
-        raise OpenAIError(502, "the backend answered per-token embeddings; this frontend "
+        raise OpenAIError(500, "the backend answered per-token embeddings; this frontend "
                           "serves pooled vectors only (configure the model to pool)",
-                          "upstream_error", code="unsupported_embedding_layout")
+                          "server_error", code="unsupported_embedding_layout",
+                          headers=NO_RETRY)
     vector = list(result.embeddings)
     if not vector:
-        raise OpenAIError(502, "the backend answered an empty embedding", "upstream_error",
-                          code="empty_embedding")
+        raise OpenAIError(500, "the backend answered an empty embedding", "server_error",
+                          code="empty_embedding", headers=NO_RETRY)
     return vector
 
 

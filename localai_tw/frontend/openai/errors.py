@@ -21,6 +21,7 @@ from localai_tw.errors import (
     PeerUnreachable,
     PoolClosed,
     RoutingFact,
+    StreamRefused,
     TransportFailure,
     TunnelProtocolError,
     WorkerAnswer,
@@ -88,6 +89,12 @@ def _worker_words(error: WorkerAnswer) -> str:
 
 #: gRPC status names of a backend answer that mean the request itself was refused.
 _BACKEND_REFUSED_INPUT = frozenset({"INVALID_ARGUMENT", "OUT_OF_RANGE"})
+#: gRPC status names of a backend answer that may not recur (the one retryable backend row).
+_BACKEND_TRANSIENT = frozenset({"UNAVAILABLE", "ABORTED", "RESOURCE_EXHAUSTED"})
+
+#: On an answer that the same request would get again: the official OpenAI clients retry
+#: every 5xx (twice by default) unless the server says not to with this header.
+NO_RETRY = {"X-Should-Retry": "false"}
 
 
 def error_for(error: BaseException) -> OpenAIError:
@@ -110,13 +117,15 @@ def error_for(error: BaseException) -> OpenAIError:
     if isinstance(error, ModelConfigInvalid):
         return OpenAIError(500, f"the model {printable(error.name)!r} is configured but its "
                            f"config cannot be loaded: {printable(error.problem, 1024)}",
-                           "server_error", param="model", code="model_config_invalid")
+                           "server_error", param="model", code="model_config_invalid",
+                           headers=NO_RETRY)
     if isinstance(error, ModelUsecaseUnsupported):
         return OpenAIError(400, detail(error), "invalid_request_error", param="model",
                            code="unsupported_by_model")
     if isinstance(error, TemplateError):
         return OpenAIError(500, f"the model's prompt template cannot be rendered: "
-                           f"{detail(error)}", "server_error", code="template_error")
+                           f"{detail(error)}", "server_error", code="template_error",
+                           headers=NO_RETRY)
     if isinstance(error, NoNodeAvailable):
         return OpenAIError(503, f"no route: no node can serve model "
                            f"{printable(error.name)!r} now: {_public(error.reason)}",
@@ -133,9 +142,9 @@ def error_for(error: BaseException) -> OpenAIError:
                            "within the grace; retry", "service_unavailable",
                            code="worker_reconnecting", headers={"Retry-After": "5"})
     if isinstance(error, PeerRejected):
-        return OpenAIError(503, "the replica holding the worker's tunnel refused this "
+        return OpenAIError(500, "the replica holding the worker's tunnel refused this "
                            "replica's credentials (a replica configuration problem)",
-                           "service_unavailable", code="peer_rejected")
+                           "server_error", code="peer_rejected", headers=NO_RETRY)
     if isinstance(error, PoolClosed):
         return OpenAIError(503, "this replica is shutting down; retry", "service_unavailable",
                            code="peer_unreachable", headers={"Retry-After": "2"})
@@ -144,10 +153,10 @@ def error_for(error: BaseException) -> OpenAIError:
                            "service_unavailable", code="peer_unreachable",
                            headers={"Retry-After": "2"})
     if isinstance(error, ModelLoadFailed):
-        retry = {"Retry-After": str(int(error.retry_in))} if error.retry_in else None
+        retry = {"Retry-After": str(int(error.retry_in))} if error.retry_in else {}
         return OpenAIError(500, f"model {printable(error.name)!r} failed to load: "
                            f"{_public(error.detail)}", "server_error",
-                           code="model_load_failed", headers=retry)
+                           code="model_load_failed", headers={**retry, **NO_RETRY})
     if isinstance(error, BackendAnswer):
         if error.code in _BACKEND_REFUSED_INPUT:
             return OpenAIError(400, f"the backend refused the request: "
@@ -156,18 +165,25 @@ def error_for(error: BaseException) -> OpenAIError:
         if error.code == "UNIMPLEMENTED":
             return OpenAIError(501, f"the model's backend does not implement this call: "
                                f"{_public(error.details)}", "server_error",
-                               code="not_implemented_by_backend")
+                               code="not_implemented_by_backend", headers=NO_RETRY)
         answered = f"the backend answered {printable(error.code, 32)}: {_public(error.details)}"
         if error.code == "DEADLINE_EXCEEDED":
             return OpenAIError(504, answered, "timeout_error", code="timeout")
-        return OpenAIError(502, answered, "upstream_error", code="backend_error")
+        if error.code in _BACKEND_TRANSIENT:
+            return OpenAIError(503, answered, "service_unavailable",
+                               code="backend_unavailable", headers={"Retry-After": "1"})
+        return OpenAIError(500, answered, "server_error", code="backend_error",
+                           headers=NO_RETRY)
     if isinstance(error, WorkerBusy):
         return OpenAIError(503, f"the worker is busy: {_worker_words(error)}",
                            "service_unavailable", code="worker_busy",
                            headers={"Retry-After": "1"})
-    if isinstance(error, WorkerAnswer):
+    if isinstance(error, StreamRefused) and error.code == "unavailable":
         return OpenAIError(502, f"the worker answered: {_worker_words(error)}",
                            "upstream_error", code="worker_error")
+    if isinstance(error, WorkerAnswer):
+        return OpenAIError(500, f"the worker answered: {_worker_words(error)}",
+                           "server_error", code="worker_error", headers=NO_RETRY)
     if isinstance(error, CallerDeadlineExceeded):
         return OpenAIError(504, "the deadline of this request ran out before the answer",
                            "timeout_error", code="timeout")
