@@ -162,7 +162,7 @@ class WorkerTunnelAcceptor:
         log.info("tunnel node={node} ({name}) replica={replica}: session open from {peer}, "
                  "claiming", node=node_id, name=name, replica=replica,
                  peer=getattr(peer, "host", peer))
-        attaching = self._registry.attach(node_id, session)
+        attaching = self._registry.attach(node_id, session, name)
 
         def attached(token: int):
             log.info("tunnel node={node} ({name}) replica={replica} epoch={epoch}: attached",

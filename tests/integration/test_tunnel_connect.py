@@ -261,3 +261,25 @@ async def test_repeated_refused_peer_links_are_summarised(db, frontends):
         globalLogPublisher.removeObserver(events.append)
     ours = [e for e in events if "peer link" in (formatEvent(e) or "")]
     assert len(ours) < 30, [formatEvent(e) for e in ours]
+
+
+@pytest_twisted.ensureDeferred
+async def test_tunnel_lines_name_the_node_by_its_name(db, frontends, workers):
+    """An operator reads names, not uuids: every line about a tunnel's life carries both."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    frontend = await frontends("replica-a")
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        worker = await workers(frontend.nodes, "w-named", scripted(("echo",)))
+        await worker.attach_to(frontend)
+        assert frontend.registry.disconnect(worker.node_id)
+        await eventually(lambda: any("departure recorded" in formatEvent(e) for e in events))
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    lines = [formatEvent(e) for e in events if "tunnel node=" in formatEvent(e)]
+    for what in ("session open", "attached", "disconnecting", "session ended",
+                 "departure recorded"):
+        line = next(line for line in lines if what in line)
+        assert f"node={worker.node_id} (w-named)" in line, line
