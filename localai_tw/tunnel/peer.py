@@ -193,8 +193,10 @@ class RelayStreamProtocol(HandoffProtocol):
     tunnel held here, answer, splice.  Exactly one hop."""
 
     def __init__(self, registry, reactor, peer_id: str,
-                 header_timeout: float = RELAY_HEADER_TIMEOUT):
+                 header_timeout: float = RELAY_HEADER_TIMEOUT,
+                 refusals: RateLimitedLog | None = None):
         self._registry = registry
+        self._refusals = refusals
         self._reactor = reactor
         self._peer_id = peer_id
         self._header_timeout = header_timeout
@@ -250,18 +252,21 @@ class RelayStreamProtocol(HandoffProtocol):
         log.debug("relaying a stream from replica {peer} to node={node}", peer=self._peer_id,
                   node=request.node_id)
         self.handOff(splice.a, leftover)
+        held = self._registry.held(request.node_id)
+        name = held.name if held is not None else "-"
         splice.whenDone().addCallback(
             lambda ending: None if ending.normal else log.info(
-                "relayed stream from replica {peer} to node={node} ended: {cause}",
-                peer=self._peer_id, node=request.node_id, cause=ending.cause))
+                "relayed stream from replica {peer} to node={node} ({name}) ended: {cause}",
+                peer=self._peer_id, node=request.node_id, name=name, cause=ending.cause))
 
     def _refuse(self, code: str, text: str, node_id: str) -> None:
         if self._answered:
             return
         self._answered = True
         self._cancelTimer()
-        log.info("relay from replica {peer} for node={node} refused: {code} ({text})",
-                 peer=self._peer_id, node=node_id, code=code, text=text)
+        if self._refusals is None or self._refusals.allow(self._peer_id):
+            log.info("relay from replica {peer} for node={node} refused: {code} ({text})",
+                     peer=self._peer_id, node=node_id, code=code, text=text)
         self.transport.write(preamble.encode_relay_refused(code, text))
         self.transport.loseConnection()
 
@@ -285,6 +290,9 @@ class AcceptedPeerLinks:
         self._registry = registry
         self._reactor = reactor
         self._authorizer = PeerLinkAuthorizer(db, registration_token, liveness, reactor)
+        self._relay_refusals = RateLimitedLog(
+            "refused {count} relayed streams from replica {source} in the last {seconds:g} s "
+            "({suppressed} of them not logged one by one)", clock=reactor)
         self._sessions: dict[str, Session] = {}
         #: Wire bytes of the accepted links (relay traffic and pings), for metrics.
         self.bytes = ByteTally()
@@ -298,7 +306,8 @@ class AcceptedPeerLinks:
 
     def _build(self, request, peer_id: str) -> Session:
         def accept(stream):
-            return RelayStreamProtocol(self._registry, self._reactor, peer_id)
+            return RelayStreamProtocol(self._registry, self._reactor, peer_id,
+                                       refusals=self._relay_refusals)
 
         return OpenNotifyingSession(
             client=False, config=peer_session_config(accepting=True), acceptor=accept,
