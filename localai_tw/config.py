@@ -470,6 +470,51 @@ def log_level_setting() -> Setting:
                  default="info", parse=choice_parser("debug", "info", "warn", "error"))
 
 
+def log_settings() -> tuple[Setting, ...]:
+    """The log options shared by both plugins (``localai_tw.logs`` applies them)."""
+    return (
+        log_level_setting(),
+        value("log-format", "LOCALAI_LOG_FORMAT",
+              "Log lines as text, or as json (one JSON object per line, for machine readers).",
+              default="text", parse=choice_parser("text", "json")),
+        value("log-max-bytes", "LOCALAI_LOG_MAX_BYTES",
+              "When twistd logs to a file (not with -n): rotate it at this size (bytes, or "
+              "with a K, M or G suffix).",
+              default="10M", parse=parse_byte_size),
+        value("log-max-files", "LOCALAI_LOG_MAX_FILES",
+              "When twistd logs to a file: rotated files kept beside it (older ones are "
+              "deleted).",
+              default="5", parse=parse_count),
+    )
+
+
+_SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+
+
+def parse_byte_size(raw: str, option: str) -> int:
+    """A positive size in bytes: ``1048576``, ``1024K``, ``10M``, ``1G``."""
+    text = raw.strip().upper().removesuffix("B").removesuffix("I")
+    number, suffix = (text[:-1], text[-1]) if text and text[-1] in "KMG" else (text, "")
+    try:
+        size = int(number) * _SIZE_SUFFIXES[suffix]
+    except ValueError:
+        raise _fail(option, f"{raw!r} is not a size (bytes, or with K, M or G)") from None
+    if size < 1:
+        raise _fail(option, f"{raw!r} is not a positive size")
+    return size
+
+
+def parse_count(raw: str, option: str) -> int:
+    """A whole number of at least 1."""
+    try:
+        count = int(raw.strip())
+    except ValueError:
+        raise _fail(option, f"{raw!r} is not a whole number") from None
+    if count < 1:
+        raise _fail(option, f"{count} is less than 1")
+    return count
+
+
 def parse_secret(raw: str, option: str) -> str:
     """A non-blank secret.  The value never appears in the error."""
     if not raw.strip():

@@ -6,7 +6,14 @@ plugin's ``makeService`` and before starting the service tree, and it uses the a
 service a plugin returns, sets that component when twistd attaches it to the application:
 twistd's own default observer, wrapped in a ``FilteringLogObserver`` that drops events below
 ``--log-level``.  A ``--logger`` given to twistd wins and is not filtered (it is the
-operator's explicit choice).
+operator's explicit choice).  ``--log-format json`` writes one JSON object per line
+(``twisted.logger.jsonFileLogObserver``); when twistd logs to a file (not ``-n``), the file is
+rotated at ``--log-max-bytes`` and only ``--log-max-files`` rotated files are kept (twistd's own
+default keeps every file).
+
+:class:`RateLimitedLog` keeps log volume independent of what an attacker sends: events one
+source repeats (refused requests, refused dials) are logged one by one only up to a small burst
+per window, then counted and told in one summary line when the window closes.
 
 This module must never change what a library logs, only which of it is shown; and it never
 overrides ``GRPC_VERBOSITY``/``GRPC_TRACE`` an operator set.
@@ -15,6 +22,9 @@ overrides ``GRPC_VERBOSITY``/``GRPC_TRACE`` an operator set.
 from __future__ import annotations
 
 import os
+import sys
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any
 
 from twisted.application.service import MultiService
@@ -23,7 +33,12 @@ from twisted.logger import (
     ILogObserver,
     LogLevel,
     LogLevelFilterPredicate,
+    Logger,
+    formatEvent,
+    jsonFileLogObserver,
+    textFileLogObserver,
 )
+from twisted.python import logfile
 from twisted.python.components import Componentized
 
 LEVELS = {
@@ -33,6 +48,9 @@ LEVELS = {
     "error": LogLevel.error,
 }
 DEFAULT_LEVEL = "info"
+FORMATS = ("text", "json")
+DEFAULT_MAX_BYTES = 10 * 1024 * 1024
+DEFAULT_MAX_FILES = 5
 
 
 def quiet_grpc_core(environ: Any = os.environ) -> None:
@@ -57,6 +75,44 @@ def twistd_default_observer(server_options) -> Any:
     return _SomeApplicationRunner.loggerFactory(server_options)._getLogObserver()
 
 
+def twistd_observer(server_options, log_format: str = "text",
+                    max_bytes: int = DEFAULT_MAX_BYTES,
+                    max_files: int = DEFAULT_MAX_FILES) -> Any:
+    """Where twistd would log (stdout with ``-n``, else ``--logfile``, default ``twistd.log``;
+    ``--syslog`` is left to twistd), written as ``log_format``, a file rotated at ``max_bytes``
+    keeping ``max_files`` rotated files.  ``SIGUSR1`` rotates the file, as under twistd."""
+    name = server_options.get("logfile")
+    nodaemon = server_options.get("nodaemon")
+    if server_options.get("syslog") or (name == "-" and not nodaemon):
+        return twistd_default_observer(server_options)  # syslog, or twistd's own refusal
+    if name == "-" or (nodaemon and not name):
+        out = sys.stdout
+    else:
+        out = logfile.LogFile.fromFullPath(name or "twistd.log", rotateLength=max_bytes,
+                                           maxRotatedFiles=max_files)
+        _rotate_on_sigusr1(out)
+    if log_format != "json":
+        return textFileLogObserver(out)
+    lines = jsonFileLogObserver(out, recordSeparator="")  # JSON Lines, not RFC 7464 records
+
+    def json_line(event: dict) -> None:
+        lines(dict(event, text=formatEvent(event)))  # the line a person would read, too
+
+    return json_line
+
+
+def _rotate_on_sigusr1(out) -> None:
+    import signal
+
+    if hasattr(signal, "SIGUSR1") and not signal.getsignal(signal.SIGUSR1):
+        def rotate(signum, frame):
+            from twisted.internet import reactor
+
+            reactor.callFromThread(out.rotate)
+
+        signal.signal(signal.SIGUSR1, rotate)
+
+
 class LevelledMultiService(MultiService):
     """A plugin's root service; under twistd, it makes the log honour ``log_level``.
 
@@ -64,16 +120,90 @@ class LevelledMultiService(MultiService):
         None outside twistd (tests), where nothing is changed.
     """
 
-    def __init__(self, log_level: str = DEFAULT_LEVEL, server_options=None):
+    def __init__(self, log_level: str = DEFAULT_LEVEL, server_options=None, *,
+                 log_format: str = "text", max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_files: int = DEFAULT_MAX_FILES):
         super().__init__()
         self.log_level = log_level
+        self.log_format = log_format
+        self.max_bytes = max_bytes
+        self.max_files = max_files
         self._server_options = server_options
+
+    @classmethod
+    def from_options(cls, options) -> "LevelledMultiService":
+        """The root service for a plugin's parsed options (``config.log_settings``)."""
+        return cls(options.get("log-level") or DEFAULT_LEVEL, getattr(options, "parent", None),
+                   log_format=options.get("log-format") or "text",
+                   max_bytes=options.get("log-max-bytes") or DEFAULT_MAX_BYTES,
+                   max_files=options.get("log-max-files") or DEFAULT_MAX_FILES)
 
     def setServiceParent(self, parent) -> None:
         options = self._server_options
         if (options is not None and isinstance(parent, Componentized)
                 and options.get("logger") is None
                 and parent.getComponent(ILogObserver, None) is None):
-            parent.setComponent(ILogObserver,
-                                level_filter(twistd_default_observer(options), self.log_level))
+            observer = twistd_observer(options, self.log_format, self.max_bytes,
+                                       self.max_files)
+            parent.setComponent(ILogObserver, level_filter(observer, self.log_level))
         super().setServiceParent(parent)
+
+
+class RateLimitedLog:
+    """Bounds the log lines one source can cause with a repeated event.
+
+    ``allow(key)`` counts one event of ``key`` (a source: an address, a node) and says whether
+    to log it one by one: yes for the first ``burst`` events of a window of ``window`` seconds
+    (which opens at the key's first event), no for the rest.  When a window in which events
+    were held back closes, one ``summary`` line is logged, with fields ``source`` (the key),
+    ``count`` (events in the window, all of them), ``suppressed`` (not logged one by one) and
+    ``seconds`` (the window).  At most ``max_keys`` keys are tracked (least recently seen
+    dropped first, its summary logged then), so memory is bounded too.
+    """
+
+    def __init__(self, summary: str, *, clock=None, window: float = 10.0, burst: int = 5,
+                 max_keys: int = 1024, logger: Logger | None = None,
+                 level: LogLevel = LogLevel.info):
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self._clock = clock
+        self._summary = summary
+        self.window = window
+        self.burst = burst
+        self.max_keys = max_keys
+        self._log = logger or Logger()
+        self._level = level
+        self._windows: OrderedDict[Hashable, list] = OrderedDict()  # key -> [start, count, call]
+
+    def allow(self, key: Hashable) -> bool:
+        """Count one event of ``key``; True if the caller should log it one by one."""
+        now = self._clock.seconds()
+        entry = self._windows.get(key)
+        if entry is None or now >= entry[0] + self.window:
+            if entry is not None:
+                self._close(key)
+            entry = self._windows[key] = [now, 0, None]
+            while len(self._windows) > self.max_keys:
+                self._close(next(iter(self._windows)))
+        self._windows.move_to_end(key)
+        entry[1] += 1
+        if entry[1] <= self.burst:
+            return True
+        if entry[2] is None:
+            entry[2] = self._clock.callLater(max(0.0, entry[0] + self.window - now),
+                                             self._close, key)
+        return False
+
+    def flush(self) -> None:
+        """Log every pending summary now (when the listener stops)."""
+        for key in list(self._windows):
+            self._close(key)
+
+    def _close(self, key: Hashable) -> None:
+        start, count, call = self._windows.pop(key)
+        if call is None:
+            return
+        if call.active():
+            call.cancel()
+        self._log.emit(self._level, self._summary, source=key, count=count,
+                       suppressed=count - self.burst, seconds=self.window)

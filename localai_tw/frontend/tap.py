@@ -116,7 +116,7 @@ SETTINGS = (
                 "for it. Mints a registration token when none is set."),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
-    config.log_level_setting(),
+    *config.log_settings(),
 )
 
 
@@ -265,8 +265,7 @@ def makeService(options: Options) -> MultiService:
             sys.stderr.write(f"{PROGRAM}: {e}\n")
             raise SystemExit(1) from None
         options.sources["instance-id"] = "data-dir"
-    root = logs.LevelledMultiService(options.get("log-level") or logs.DEFAULT_LEVEL,
-                                     getattr(options, "parent", None))
+    root = logs.LevelledMultiService.from_options(options)
     replica = InOrderMultiService() if options.get("local-worker") else MultiService()
     replica.setServiceParent(root)
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(replica)

@@ -49,6 +49,7 @@ from twisted.web.http import HTTPChannel, unquote
 from twisted.web.resource import Resource
 
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
+from localai_tw.logs import RateLimitedLog
 from localai_tw.web import auth
 from localai_tw.web.bodies import CappedBody, answer_early, pending_request_line
 from localai_tw.web.json import JSON_HEADERS  # noqa: F401  (the OpenAI API imports it here)
@@ -363,6 +364,12 @@ class EventsPerInterval:
         self._last, self._count = now, 0
 
 
+def _client_host(request) -> str:
+    """The address a request came from, the key of per-source log limits."""
+    address = request.getClientAddress()
+    return str(getattr(address, "host", address))
+
+
 class FrontendSite(server.Site):
     """The frontend's ``Site``: requests are :class:`FrontendRequest`, connections
     :class:`FrontendChannel`, and the listener serving it is bounded:
@@ -376,7 +383,10 @@ class FrontendSite(server.Site):
       decided when the headers end, and a refused request never has a byte of its body read;
     - deadlines for each request's head and body (:class:`FrontendChannel`).
 
-    Refusals are logged at most once a minute per kind, with a count.
+    Refusals are logged at most once a minute per kind, with a count.  Access lines of
+    requests answered with a 4xx status are rate-limited per client address
+    (:attr:`refused_access`): a prober's thousands of refused requests make a few lines and a
+    summary, not a line each.
 
     :param body_limits: raw path prefix -> body cap in bytes, for routes that take more than
         :data:`MAX_BODY_BYTES` (the longest matching prefix wins).
@@ -416,6 +426,9 @@ class FrontendSite(server.Site):
         self.late_requests = EventsPerInterval(
             self.reactor, "closed {count} connection(s) since the last such line whose request "
             "{what} took longer than {seconds:g} s to arrive")
+        self.refused_access = RateLimitedLog(
+            "answered {count} requests from {source} with a 4xx status in the last "
+            "{seconds:g} s ({suppressed} of them not logged one by one)", clock=self.reactor)
         self.default_limit = default_limit
         self.body_limits = sorted((body_limits or {}).items(), key=lambda kv: len(kv[0]),
                                   reverse=True)
@@ -424,14 +437,21 @@ class FrontendSite(server.Site):
         """The access log, without the lines nobody reads: the load balancer's ``/healthz``
         and ``/readyz`` probes (a 503 there is the normal "not ready yet" answer; the replica
         logs why itself) and successful worker heartbeats (one per worker every 10 s).  Every
-        API request, and any heartbeat that failed, is still logged."""
+        API request, and any heartbeat that failed, is still logged, but refused ones (4xx)
+        only up to a burst per client address, then summarised (:attr:`refused_access`)."""
         path = request.path or b""
         if path in (b"/healthz", b"/readyz"):
             return
-        if path.startswith(b"/api/node/") and path.endswith(b"/heartbeat") \
-                and (request.code or 200) < 400:
+        code = request.code or 200
+        if path.startswith(b"/api/node/") and path.endswith(b"/heartbeat") and code < 400:
+            return
+        if 400 <= code < 500 and not self.refused_access.allow(_client_host(request)):
             return
         super().log(request)
+
+    def stopFactory(self) -> None:
+        self.refused_access.flush()
+        super().stopFactory()
 
     def body_limit_for(self, target: bytes | None) -> int:
         if target is None:

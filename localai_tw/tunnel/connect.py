@@ -17,7 +17,8 @@ but unread stream would pin a window of memory, and an RST per SYN is an answer 
 worker can make us pile up).  Once the session is open the node is attached in the
 :class:`~localai_tw.tunnel.registry.TunnelRegistry` (claim in the database, then install), and
 when it closes it is detached with the token the attach returned.  Every tunnel event is logged
-with node, replica and epoch.
+with node (id and name), replica and epoch.  Refused dials are logged one by one only up to a
+burst per source address, then summarised (:class:`~localai_tw.logs.RateLimitedLog`).
 
 What this module must never do: upgrade a dial the authorizer did not accept; log or echo the
 credential; accept a stream opened by the worker; detach with anything but the attach's own
@@ -33,6 +34,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from localai_tw.cluster.nodes import NodeStatus, Unauthorized
+from localai_tw.logs import RateLimitedLog
 from localai_tw.logsafe import untrusted
 from localai_tw.mux.session import Session, SessionConfig
 from localai_tw.tunnel.keepalive import tunnel_keepalive
@@ -87,6 +89,11 @@ def _single_arg(request, name: bytes) -> str | None:
         return ""
 
 
+def _source(request) -> str:
+    address = request.getClientAddress()
+    return str(getattr(address, "host", address))
+
+
 @implementer(IConnectAuthorizer)
 class ConnectAuthorizer:
     """Authorizes a worker's tunnel dial (ref §1.1 order).  The result is the ``Node``.
@@ -94,8 +101,11 @@ class ConnectAuthorizer:
     :param nodes: a ``NodeRegistry``, or None when distributed mode is not wired (503).
     """
 
-    def __init__(self, nodes):
+    def __init__(self, nodes, clock=None):
         self._nodes = nodes
+        self.refusals = RateLimitedLog(
+            "refused {count} tunnel dials from {source} in the last {seconds:g} s "
+            "({suppressed} of them not logged one by one)", clock=clock)
 
     async def _authorize(self, request):
         credential = bearer_credential(request)  # 401 first, before anything else
@@ -110,8 +120,10 @@ class ConnectAuthorizer:
             node = await self._nodes.verify_tunnel_credential(
                 node_id, credential.decode("utf-8", "replace"))
         except Unauthorized:
-            log.info("tunnel dial refused (401): node={node} unknown or credential not current "
-                     "(re-register the worker)", node=untrusted(node_id) or "<invalid>")
+            if self.refusals.allow(_source(request)):
+                log.info("tunnel dial refused (401): node={node} unknown or credential not "
+                         "current (re-register the worker)",
+                         node=untrusted(node_id) or "<invalid>")
             raise ConnectRefused(401, "unknown node or wrong credential",
                                  {"WWW-Authenticate": "Bearer"}) from None
         except Exception as e:
@@ -119,7 +131,9 @@ class ConnectAuthorizer:
                      node=untrusted(node_id), err=type(e).__name__)
             raise ConnectRefused(500, "node lookup failed; try again") from None
         if node.status is NodeStatus.PENDING:
-            log.info("tunnel dial refused (403): node={node} awaits approval", node=node_id)
+            if self.refusals.allow(_source(request)):
+                log.info("tunnel dial refused (403): node={node} ({name}) awaits approval",
+                         node=node_id, name=node.name)
             raise ConnectRefused(403, "node awaiting approval")
         return node
 
@@ -141,27 +155,30 @@ class WorkerTunnelAcceptor:
         peer = request.getClientAddress()
         return OpenNotifyingSession(
             client=False, config=self._config_factory(), acceptor=None, reactor=self._reactor,
-            on_open=lambda session: self._opened(session, node.id, peer))
+            on_open=lambda session: self._opened(session, node.id, peer, node.name))
 
-    def _opened(self, session: Session, node_id: str, peer) -> None:
+    def _opened(self, session: Session, node_id: str, peer, name: str = "") -> None:
         replica = self._registry.instance_id
-        log.info("tunnel node={node} replica={replica}: session open from {peer}, claiming",
-                 node=node_id, replica=replica, peer=getattr(peer, "host", peer))
-        attaching = self._registry.attach(node_id, session)
+        log.info("tunnel node={node} ({name}) replica={replica}: session open from {peer}, "
+                 "claiming", node=node_id, name=name, replica=replica,
+                 peer=getattr(peer, "host", peer))
+        attaching = self._registry.attach(node_id, session, name)
 
         def attached(token: int):
-            log.info("tunnel node={node} replica={replica} epoch={epoch}: attached",
-                     node=node_id, replica=replica, epoch=token)
+            log.info("tunnel node={node} ({name}) replica={replica} epoch={epoch}: attached",
+                     node=node_id, name=name, replica=replica, epoch=token)
             session.whenClosed().addCallback(closed, token)
 
         def closed(ending, token: int):
-            log.info("tunnel node={node} replica={replica} epoch={epoch}: session ended ({why})",
-                     node=node_id, replica=replica, epoch=token, why=ending)
+            log.info("tunnel node={node} ({name}) replica={replica} epoch={epoch}: session "
+                     "ended ({why})", node=node_id, name=name, replica=replica, epoch=token,
+                     why=ending)
             return self._registry.detach(node_id, token)
 
         def failed(failure):
-            log.warn("tunnel node={node} replica={replica}: attach failed, session closed "
-                     "({err})", node=node_id, replica=replica, err=failure.getErrorMessage())
+            log.warn("tunnel node={node} ({name}) replica={replica}: attach failed, session "
+                     "closed ({err})", node=node_id, name=name, replica=replica,
+                     err=failure.getErrorMessage())
 
         attaching.addCallbacks(attached, failed)
 
@@ -170,7 +187,7 @@ def connect_resource(nodes, registry, reactor=None, *,
                      config_factory=tunnel_session_config) -> TunnelWebSocketResource:
     """The resource to mount at ``/api/cluster/connect``.  ``nodes`` or ``registry`` None: every
     authenticated dial is answered 503."""
-    authorizer = ConnectAuthorizer(nodes if registry is not None else None)
+    authorizer = ConnectAuthorizer(nodes if registry is not None else None, reactor)
     acceptor = WorkerTunnelAcceptor(registry, reactor, config_factory) if registry else None
 
     def protocol_factory(request, node):

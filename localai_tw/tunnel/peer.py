@@ -44,13 +44,14 @@ from typing import Callable
 from urllib.parse import quote, urlsplit
 
 from twisted.internet import defer
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from localai_tw import errors
 from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS, interval_seconds
 from localai_tw.cluster.membership import InstanceIdentity, peer_token_hash, secret_matches_hash
+from localai_tw.logs import RateLimitedLog
 from localai_tw.logsafe import untrusted
 from localai_tw.mux.errors import MuxError
 from localai_tw.mux.session import ByteTally, Session, SessionConfig
@@ -113,6 +114,11 @@ class PeerLookupFailed(Exception):
 # -- the accepting side: authorization ------------------------------------------------------------
 
 
+def _source(request) -> str:
+    address = request.getClientAddress()
+    return str(getattr(address, "host", address))
+
+
 @implementer(IConnectAuthorizer)
 class PeerLinkAuthorizer:
     """Checks both peer credentials before the upgrade.  The result is the dialling replica's id.
@@ -121,8 +127,13 @@ class PeerLinkAuthorizer:
     dialler's published hash (unknown or not live 401, database error 500, empty or mismatch 401).
     """
 
-    def __init__(self, db, registration_token: str, liveness: float = INSTANCE_LIVENESS):
+    def __init__(self, db, registration_token: str, liveness: float = INSTANCE_LIVENESS,
+                 clock=None):
         self._db = db
+        self.refusals = RateLimitedLog(
+            "refused {count} peer links from {source} in the last {seconds:g} s "
+            "({suppressed} of them not logged one by one)", clock=clock,
+            level=LogLevel.error)
         self._token_digest = auth.digest(registration_token) if registration_token \
             else b""
         self._liveness = liveness
@@ -130,9 +141,11 @@ class PeerLinkAuthorizer:
             log.warn("no registration token configured: peer links are authorized by the peer "
                      "secret alone")
 
-    def _refuse(self, status: int, peer_id: str, why: str) -> ConnectRefused:
-        log.error("peer link from replica {peer} refused ({status}): {why}; this is " + _CONFIG_HINT,
-                  peer=untrusted(peer_id) or "<unnamed>", status=status, why=why)
+    def _refuse(self, request, status: int, peer_id: str, why: str) -> ConnectRefused:
+        if self.refusals.allow(_source(request)):
+            log.error("peer link from replica {peer} refused ({status}): {why}; this is "
+                      + _CONFIG_HINT, peer=untrusted(peer_id) or "<unnamed>", status=status,
+                      why=why)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
         return ConnectRefused(status, why, headers)
 
@@ -143,12 +156,13 @@ class PeerLinkAuthorizer:
             try:
                 presented = bearer_credential(request)
             except ConnectRefused:
-                raise self._refuse(401, claimed, "missing shared bearer token") from None
+                raise self._refuse(request, 401, claimed,
+                                   "missing shared bearer token") from None
             if not auth.matches_any(presented, [self._token_digest]):
-                raise self._refuse(401, claimed, "wrong shared registration token")
+                raise self._refuse(request, 401, claimed, "wrong shared registration token")
         secrets = request.requestHeaders.getRawHeaders(_PEER_TOKEN_HEADER_BYTES) or []
         if len(secrets) != 1 or not secrets[0].strip():
-            raise self._refuse(401, claimed, f"missing {PEER_TOKEN_HEADER}")
+            raise self._refuse(request, 401, claimed, f"missing {PEER_TOKEN_HEADER}")
         if not raw_id:
             raise ConnectRefused(400, "missing id")
         try:
@@ -161,9 +175,10 @@ class PeerLinkAuthorizer:
         # Always compare (an absent hash compares against a dummy) so timing says nothing.
         matched = secret_matches_hash(secret, stored or "0" * 64)
         if stored is None:
-            raise self._refuse(401, claimed, "unknown or non-live replica id")
+            raise self._refuse(request, 401, claimed, "unknown or non-live replica id")
         if not stored or not matched:
-            raise self._refuse(401, claimed, "peer secret does not match the published hash")
+            raise self._refuse(request, 401, claimed,
+                               "peer secret does not match the published hash")
         return claimed
 
     def authorize(self, request):
@@ -178,8 +193,10 @@ class RelayStreamProtocol(HandoffProtocol):
     tunnel held here, answer, splice.  Exactly one hop."""
 
     def __init__(self, registry, reactor, peer_id: str,
-                 header_timeout: float = RELAY_HEADER_TIMEOUT):
+                 header_timeout: float = RELAY_HEADER_TIMEOUT,
+                 refusals: RateLimitedLog | None = None):
         self._registry = registry
+        self._refusals = refusals
         self._reactor = reactor
         self._peer_id = peer_id
         self._header_timeout = header_timeout
@@ -235,18 +252,21 @@ class RelayStreamProtocol(HandoffProtocol):
         log.debug("relaying a stream from replica {peer} to node={node}", peer=self._peer_id,
                   node=request.node_id)
         self.handOff(splice.a, leftover)
+        held = self._registry.held(request.node_id)
+        name = held.name if held is not None else "-"
         splice.whenDone().addCallback(
             lambda ending: None if ending.normal else log.info(
-                "relayed stream from replica {peer} to node={node} ended: {cause}",
-                peer=self._peer_id, node=request.node_id, cause=ending.cause))
+                "relayed stream from replica {peer} to node={node} ({name}) ended: {cause}",
+                peer=self._peer_id, node=request.node_id, name=name, cause=ending.cause))
 
     def _refuse(self, code: str, text: str, node_id: str) -> None:
         if self._answered:
             return
         self._answered = True
         self._cancelTimer()
-        log.info("relay from replica {peer} for node={node} refused: {code} ({text})",
-                 peer=self._peer_id, node=node_id, code=code, text=text)
+        if self._refusals is None or self._refusals.allow(self._peer_id):
+            log.info("relay from replica {peer} for node={node} refused: {code} ({text})",
+                     peer=self._peer_id, node=node_id, code=code, text=text)
         self.transport.write(preamble.encode_relay_refused(code, text))
         self.transport.loseConnection()
 
@@ -269,7 +289,10 @@ class AcceptedPeerLinks:
             from twisted.internet import reactor
         self._registry = registry
         self._reactor = reactor
-        self._authorizer = PeerLinkAuthorizer(db, registration_token, liveness)
+        self._authorizer = PeerLinkAuthorizer(db, registration_token, liveness, reactor)
+        self._relay_refusals = RateLimitedLog(
+            "refused {count} relayed streams from replica {source} in the last {seconds:g} s "
+            "({suppressed} of them not logged one by one)", clock=reactor)
         self._sessions: dict[str, Session] = {}
         #: Wire bytes of the accepted links (relay traffic and pings), for metrics.
         self.bytes = ByteTally()
@@ -283,7 +306,8 @@ class AcceptedPeerLinks:
 
     def _build(self, request, peer_id: str) -> Session:
         def accept(stream):
-            return RelayStreamProtocol(self._registry, self._reactor, peer_id)
+            return RelayStreamProtocol(self._registry, self._reactor, peer_id,
+                                       refusals=self._relay_refusals)
 
         return OpenNotifyingSession(
             client=False, config=peer_session_config(accepting=True), acceptor=accept,

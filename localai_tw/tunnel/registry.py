@@ -74,12 +74,13 @@ class RegistryClosed(Exception):
 @dataclass
 class HeldTunnel:
     """One held tunnel.  ``token`` names this attach (fixed); ``claim_epoch`` is the epoch of the
-    current database claim (changes on ``reclaim``)."""
+    current database claim (changes on ``reclaim``); ``name`` is the node's name, for logs."""
 
     node_id: str
     session: Any
     token: int
     claim_epoch: int
+    name: str = "-"
 
 
 class _NodeGates:
@@ -161,13 +162,14 @@ class TunnelRegistry:
 
     # -- attach / detach -----------------------------------------------------------------------
 
-    def attach(self, node_id: str, session) -> defer.Deferred:
-        """Claim ``node_id`` for this replica and install ``session``; fires with the token that
-        ``detach`` must present.  On any failure the session is closed and nothing is published.
+    def attach(self, node_id: str, session, name: str = "-") -> defer.Deferred:
+        """Claim ``node_id`` (named ``name``, for logs) for this replica and install ``session``;
+        fires with the token that ``detach`` must present.  On any failure the session is closed
+        and nothing is published.
         """
-        return defer.ensureDeferred(self._attach(node_id, session))
+        return defer.ensureDeferred(self._attach(node_id, session, name))
 
-    async def _attach(self, node_id: str, session) -> int:
+    async def _attach(self, node_id: str, session, name: str = "-") -> int:
         replaced: list[HeldTunnel] = []
 
         async def claim_and_install() -> int:
@@ -176,12 +178,12 @@ class TunnelRegistry:
             epoch = await self._claim(node_id)
             if not session.isOpen:
                 # The worker left while we claimed: record the departure at once.
-                await self._release(node_id, epoch)
+                await self._release(node_id, epoch, name)
                 raise ConnectionError(f"the session of node {node_id} ended during its claim")
             previous = self._held.get(node_id)
             if previous is not None:
                 replaced.append(previous)
-            self._held[node_id] = HeldTunnel(node_id, session, epoch, epoch)
+            self._held[node_id] = HeldTunnel(node_id, session, epoch, epoch, name)
             self.bytes.watch(session)
             return epoch
 
@@ -191,9 +193,9 @@ class TunnelRegistry:
             session.loseConnection()
             raise
         for old in replaced:
-            log.info("tunnel node={node} replica={replica}: epoch {new} replaces epoch {old}; "
-                     "closing the older session", node=node_id, replica=self.instance_id,
-                     new=token, old=old.claim_epoch)
+            log.info("tunnel node={node} ({name}) replica={replica}: epoch {new} replaces epoch "
+                     "{old}; closing the older session", node=node_id, name=name,
+                     replica=self.instance_id, new=token, old=old.claim_epoch)
             old.session.loseConnection()
         return token
 
@@ -237,10 +239,10 @@ class TunnelRegistry:
             return False
         # Outside the gate: the release is fenced by the epoch, so a newer attach that claims
         # meanwhile cannot be undone by it.
-        await self._release(node_id, held.claim_epoch)
+        await self._release(node_id, held.claim_epoch, held.name)
         return True
 
-    async def _release(self, node_id: str, epoch: int) -> None:
+    async def _release(self, node_id: str, epoch: int, name: str = "-") -> None:
         """Release one claim, bounded; never raises.  ``FencedOut`` is normal."""
         try:
             await wait_at_most(self._reactor,
@@ -248,16 +250,16 @@ class TunnelRegistry:
                                                                    epoch)),
                           self._release_timeout, f"releasing node {node_id}")
         except NoConnection:  # includes FencedOut
-            log.info("tunnel node={node} replica={replica} epoch={epoch}: release fenced out "
-                     "(the worker already moved)", node=node_id, replica=self.instance_id,
-                     epoch=epoch)
+            log.info("tunnel node={node} ({name}) replica={replica} epoch={epoch}: release "
+                     "fenced out (the worker already moved)", node=node_id, name=name,
+                     replica=self.instance_id, epoch=epoch)
         except Exception as e:
-            log.warn("tunnel node={node} replica={replica} epoch={epoch}: release failed ({err}); "
-                     "the next claim or the membership sweep settles it", node=node_id,
-                     replica=self.instance_id, epoch=epoch, err=e)
+            log.warn("tunnel node={node} ({name}) replica={replica} epoch={epoch}: release "
+                     "failed ({err}); the next claim or the membership sweep settles it",
+                     node=node_id, name=name, replica=self.instance_id, epoch=epoch, err=e)
         else:
-            log.info("tunnel node={node} replica={replica} epoch={epoch}: departure recorded",
-                     node=node_id, replica=self.instance_id, epoch=epoch)
+            log.info("tunnel node={node} ({name}) replica={replica} epoch={epoch}: departure "
+                     "recorded", node=node_id, name=name, replica=self.instance_id, epoch=epoch)
 
     def disconnect(self, node_id: str) -> bool:
         """Close ``node_id``'s session (node deleted, credential replaced).  Its detach follows
@@ -265,8 +267,9 @@ class TunnelRegistry:
         held = self._held.get(node_id)
         if held is None:
             return False
-        log.info("tunnel node={node} replica={replica} epoch={epoch}: disconnecting",
-                 node=node_id, replica=self.instance_id, epoch=held.claim_epoch)
+        log.info("tunnel node={node} ({name}) replica={replica} epoch={epoch}: disconnecting",
+                 node=node_id, name=held.name, replica=self.instance_id,
+                 epoch=held.claim_epoch)
         held.session.loseConnection()
         return True
 
@@ -294,14 +297,15 @@ class TunnelRegistry:
         try:
             epoch = await self._claim(node_id)
         except Exception as e:
-            log.warn("tunnel node={node} replica={replica}: re-claim failed ({err})",
-                     node=node_id, replica=self.instance_id, err=e)
+            log.warn("tunnel node={node} ({name}) replica={replica}: re-claim failed ({err})",
+                     node=node_id, name=held.name, replica=self.instance_id, err=e)
             return False
         if self._held.get(node_id) is not held:
-            await self._release(node_id, epoch)  # the entry vanished mid-claim
+            await self._release(node_id, epoch, held.name)  # the entry vanished mid-claim
             return False
-        log.info("tunnel node={node} replica={replica}: re-claimed, epoch {old} -> {new}",
-                 node=node_id, replica=self.instance_id, old=held.claim_epoch, new=epoch)
+        log.info("tunnel node={node} ({name}) replica={replica}: re-claimed, epoch {old} -> "
+                 "{new}", node=node_id, name=held.name, replica=self.instance_id,
+                 old=held.claim_epoch, new=epoch)
         held.claim_epoch = epoch
         return True
 
@@ -312,7 +316,8 @@ class TunnelRegistry:
         held, self._held = list(self._held.values()), {}
         for entry in held:
             entry.session.loseConnection()  # its detach then finds no entry: a no-op
-        releases = [defer.ensureDeferred(self._release(e.node_id, e.claim_epoch)) for e in held]
+        releases = [defer.ensureDeferred(self._release(e.node_id, e.claim_epoch, e.name))
+                    for e in held]
         everything = defer.DeferredList(releases, consumeErrors=True)
         waiting = wait_at_most(self._reactor, everything, self._release_timeout,
                           "releasing the tunnels at shutdown")

@@ -45,6 +45,7 @@ from twisted.python.failure import Failure
 
 from localai_tw import errors
 from localai_tw.config import PortRange
+from localai_tw.logs import RateLimitedLog
 from localai_tw.splice import HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
 from localai_tw.worker.httpserve import serve_http_on_transport
@@ -270,8 +271,9 @@ class WorkerStreamProtocol(HandoffProtocol):
     def _refuse(self, code: str, text: str) -> None:
         self._cancelHeaderTimer()
         self.phase = StreamPhase.REFUSED
-        log.info("refused tunnel stream {stream} ({request}): {code} {text}", stream=self,
-                 request=self._describeRequest(), code=code, text=text)
+        if self.router.refusals.allow(code):
+            log.info("refused tunnel stream {stream} ({request}): {code} {text}", stream=self,
+                     request=self._describeRequest(), code=code, text=text)
         self.transport.write(preamble.encode_refused(code, text))
         self.transport.loseConnection()
 
@@ -409,6 +411,10 @@ class StreamRouter:
         self.header_timeout = header_timeout
         self.connect_timeout = connect_timeout
         self.connect_backend = connect_backend or self._connectLoopback
+        #: A frontend opening stream after stream that is refused gets a few lines and a count.
+        self.refusals = RateLimitedLog(
+            "refused {count} tunnel streams with {source} in the last {seconds:g} s "
+            "({suppressed} of them not logged one by one)", clock=reactor)
 
     def _connectLoopback(self, port: int, protocol) -> defer.Deferred:
         endpoint = TCP4ClientEndpoint(self.reactor, BACKEND_HOST, port,

@@ -62,7 +62,7 @@ SETTINGS = (
                       parse=config.parse_label),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
-    config.log_level_setting(),
+    *config.log_settings(),
 )
 
 
@@ -142,8 +142,7 @@ def makeService(options: Options) -> MultiService:
     from localai_tw.worker.service import makeWorkerService
 
     warn_if_unencrypted(options["register-to"])
-    worker = logs.LevelledMultiService(options.get("log-level") or logs.DEFAULT_LEVEL,
-                                       getattr(options, "parent", None))
+    worker = logs.LevelledMultiService.from_options(options)
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(worker)
     PortRangeCheck(options["backend-port-range"]).setServiceParent(worker)
     makeWorkerService(options).setServiceParent(worker)

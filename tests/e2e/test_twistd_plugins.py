@@ -207,6 +207,26 @@ def test_log_level_warn_leaves_out_info(twistd, data_dir):
     assert "#info]" not in log, log
 
 
+def test_log_format_json_writes_one_json_object_per_line(twistd, pg_dsn):
+    """For machine readers: every line of the log is one JSON object with the event's fields
+    and its text, the configuration report and access lines included."""
+    port = free_port()
+    proc = twistd(["-n", "--pidfile=", "localai-frontend",
+                   "--listen", f"tcp:{port}:interface=127.0.0.1",
+                   "--database-url", pg_dsn, "--api-key", "sk-e2e-secret"],
+                  env={"LOCALAI_LOG_FORMAT": "json"}, wait=False)
+    wait_until_ready(proc, port)
+    assert get(f"http://127.0.0.1:{port}/v1/models")[0] == 401
+    stop(proc)
+    lines = proc.log_path.read_text().splitlines()
+    events = [json.loads(line) for line in lines]  # every line, or this fails
+    texts = [event["text"] for event in events]
+    assert all(isinstance(event["log_time"], float) for event in events)
+    assert "localai-frontend --log-format = json (env)" in texts
+    assert any('"GET /v1/models HTTP/1.1" 401' in text for text in texts), texts
+    assert any(text.startswith("localai-frontend listening on") for text in texts)
+
+
 def test_frontend_embedded_database_end_to_end(twistd, data_dir):
     port = free_port()
     proc = twistd(["-n", "--pidfile=", "localai-frontend",

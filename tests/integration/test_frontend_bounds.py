@@ -288,3 +288,42 @@ async def test_bodies_beyond_the_in_flight_cap_get_503_before_they_are_read(fron
     third.send(head("POST", "/api/node/register", len(body), f"Bearer {TOKEN}") + body)
     status, _, answer = await third.response()
     assert status == 201, answer
+
+
+# -- log volume -------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_thousands_of_refused_requests_make_a_few_log_lines_and_a_true_count(frontend):
+    """The attack: 5000 requests with a wrong API key from one address.  The log gets the first
+    few access lines of each window and one summary with the true count, not 5000 lines."""
+    service = await frontend()
+    limiter = service.site.refused_access
+    limiter.window = 3.0
+    events = []
+
+    def access_lines():
+        return [e for e in events if '"GET /v1/models HTTP/1.1" 401' in formatEvent(e)]
+
+    def summaries():
+        return [e for e in events if "with a 4xx status in the last" in formatEvent(e)]
+
+    def told() -> int:
+        """Refusals the log accounts for: each summary's count (its window's logged lines
+        included) and the lines of windows that needed no summary."""
+        summarised = sum(e["count"] for e in summaries())
+        return summarised + len(access_lines()) - limiter.burst * len(summaries())
+
+    globalLogPublisher.addObserver(events.append)
+    try:
+        client = await frontend.dial(service)
+        request = head("GET", "/v1/models", None, "Bearer sk-wrong")
+        for _ in range(50):  # pipelined, 100 at a time
+            before = client.received.count(b"HTTP/1.1 401 ")
+            client.send(request * 100)
+            await eventually(lambda: client.received.count(b"HTTP/1.1 401 ") == before + 100)
+        await eventually(lambda: told() == 5000, timeout=10)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert len(events) < 50, [formatEvent(e) for e in events]
+    assert summaries() and all(e["source"] == "127.0.0.1" for e in summaries())

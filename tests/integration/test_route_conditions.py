@@ -282,3 +282,36 @@ async def test_pool_closed_surfaces_as_itself(db, frontends, workers):
     b.pool.close()
     error = await failure_of(b.dialer.open(worker.node_id, "http", "", Collect(1)))
     only_condition(error, errors.PoolClosed)
+
+
+@pytest_twisted.ensureDeferred
+async def test_repeated_relay_refusals_are_summarised_per_peer(db, frontends, workers):
+    """A replica relaying stream after stream that is refused (here: the database names B as
+    owner, but B holds no tunnel) makes a few lines on B and a summary with the true count."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    a = await frontends("replica-a")
+    b = await frontends("replica-b")
+    worker = await workers(a.nodes, "w-1", scripted(("echo",)))
+    await a.fence.claim(worker.node_id, "replica-b")
+    refusals = b.accepted._relay_refusals
+    refusals.window = 2.0
+    events = []
+
+    def told() -> int:
+        lines = [e for e in events if "relay from replica" in formatEvent(e)]
+        summaries = [e for e in events if "relayed streams from replica" in formatEvent(e)]
+        return (sum(e["count"] for e in summaries) + len(lines)
+                - refusals.burst * len(summaries))
+
+    globalLogPublisher.addObserver(events.append)
+    try:
+        for _ in range(60):
+            error = await failure_of(a.dialer.open(worker.node_id, "http", "", Collect(1)))
+            assert preamble.RELAY_NOT_OWNER in str(error)
+        await eventually(lambda: told() == 60, timeout=10)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    ours = [e for e in events if "relay" in (formatEvent(e) or "") and "replica-a" in
+            formatEvent(e)]
+    assert len(ours) < 20, [formatEvent(e) for e in ours]

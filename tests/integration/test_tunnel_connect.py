@@ -195,3 +195,91 @@ async def test_crlf_in_an_anonymous_id_cannot_forge_log_lines(db, frontends, wor
     # 16 KiB request-line cap) is not ours to cut.
     ours = [line for line in text.splitlines() if ' HTTP/1.1" ' not in line]
     assert all("x" * 200 not in line for line in ours)
+
+
+@pytest_twisted.ensureDeferred
+async def test_repeated_refused_dials_are_summarised_with_the_true_count(db, frontends, workers):
+    """A worker (or prober) dialling again and again with a wrong credential: the log gets a
+    few refusal lines per window and a summary with the true count, not a line per dial."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    frontend = await frontends("replica-a")
+    worker = await workers(frontend.nodes, "w-flood", scripted(("echo",)))
+    connect = frontend.port.factory.resource.children[b"api"].children[b"cluster"] \
+        .children[b"connect"]
+    refusals = connect._authorize.__self__.refusals
+    refusals.window = 2.0
+    events = []
+
+    def told() -> int:
+        lines = [e for e in events if "tunnel dial refused (401)" in formatEvent(e)]
+        summaries = [e for e in events if "tunnel dials from" in formatEvent(e)]
+        assert all(e["source"] == "127.0.0.1" for e in summaries)
+        return (sum(e["count"] for e in summaries) + len(lines)
+                - refusals.burst * len(summaries))
+
+    globalLogPublisher.addObserver(events.append)
+    try:
+        for _ in range(300):
+            status, _ = await http_status(frontend, f"?id={worker.node_id}",
+                                          {"Authorization": "Bearer wrong"})
+            assert status == 401
+        await eventually(lambda: told() == 300, timeout=10)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    ours = [e for e in events if "tunnel dial" in (formatEvent(e) or "")]
+    assert len(ours) < 30, [formatEvent(e) for e in ours]
+
+
+@pytest_twisted.ensureDeferred
+async def test_repeated_refused_peer_links_are_summarised(db, frontends):
+    """The same bound for ``/api/cluster/peer``: its refusals are errors (a misconfigured
+    replica), so one source must not turn them into a line per dial."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    frontend = await frontends("replica-a")
+    refusals = frontend.accepted._authorizer.refusals
+    refusals.window = 2.0
+    events = []
+
+    def told() -> int:
+        lines = [e for e in events if "peer link from replica" in formatEvent(e)]
+        summaries = [e for e in events if "peer links from" in formatEvent(e)]
+        return (sum(e["count"] for e in summaries) + len(lines)
+                - refusals.burst * len(summaries))
+
+    globalLogPublisher.addObserver(events.append)
+    try:
+        for _ in range(100):
+            url = f"http://{frontend.address}/api/cluster/peer?id=replica-x"
+            response = await within(treq.get(url, headers={
+                **UPGRADE, "Authorization": "Bearer wrong"}))
+            await treq.content(response)
+            assert response.code == 401
+        await eventually(lambda: told() == 100, timeout=10)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    ours = [e for e in events if "peer link" in (formatEvent(e) or "")]
+    assert len(ours) < 30, [formatEvent(e) for e in ours]
+
+
+@pytest_twisted.ensureDeferred
+async def test_tunnel_lines_name_the_node_by_its_name(db, frontends, workers):
+    """An operator reads names, not uuids: every line about a tunnel's life carries both."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    frontend = await frontends("replica-a")
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        worker = await workers(frontend.nodes, "w-named", scripted(("echo",)))
+        await worker.attach_to(frontend)
+        assert frontend.registry.disconnect(worker.node_id)
+        await eventually(lambda: any("departure recorded" in formatEvent(e) for e in events))
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    lines = [formatEvent(e) for e in events if "tunnel node=" in formatEvent(e)]
+    for what in ("session open", "attached", "disconnecting", "session ended",
+                 "departure recorded"):
+        line = next(line for line in lines if what in line)
+        assert f"node={worker.node_id} (w-named)" in line, line

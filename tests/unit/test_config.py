@@ -521,6 +521,11 @@ def test_access_log_leaves_out_heartbeats_and_probes():
         def __init__(self, path, code=200):
             self.path, self.code = path, code
 
+        def getClientAddress(self):
+            return IPv4Address("TCP", "127.0.0.1", 40000)
+
+    from twisted.internet.address import IPv4Address
+
     lines = []
     site = FrontendSite(None, logFormatter=lambda now, request: request.path.decode())
     site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line.strip())})()

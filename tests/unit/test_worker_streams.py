@@ -390,3 +390,26 @@ def test_the_acceptor_gives_every_stream_its_own_protocol(clock):
     router = make_router(clock)
     first, second = router(object()), router.acceptor(object())
     assert first is not second
+
+
+def test_many_refused_streams_make_a_few_lines_and_one_summary(clock):
+    """A frontend opening stream after stream this worker refuses (here: an unknown tag) gets a
+    few log lines and one summary with the true count, not a line per stream."""
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    router = make_router(clock)
+    worker, frontend, pump = pair(router)
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        for _ in range(300):
+            recorder = Recorder()
+            frontend.openStream(recorder, preamble.encode_request("ssh", "127.0.0.1:22"))
+            pump.flush()
+            assert reply_of(recorder.received)[0].code == preamble.UNKNOWN_TAG
+        clock.advance(router.refusals.window)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    lines = [formatEvent(e) for e in events if "tunnel stream" in formatEvent(e)]
+    assert len(lines) == router.refusals.burst + 1, lines
+    assert lines[-1].startswith(f"refused 300 tunnel streams with {preamble.UNKNOWN_TAG} ")

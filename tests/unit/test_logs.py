@@ -1,0 +1,87 @@
+"""``localai_tw.logs``: refusals one source repeats are summarised, not logged one by one; the
+log file twistd writes is rotated and bounded; ``--log-format json`` writes JSON lines."""
+
+from __future__ import annotations
+
+import json
+
+from twisted.internet import task
+from twisted.logger import LogPublisher, Logger, formatEvent
+
+from localai_tw import logs
+
+SUMMARY = "refused {count} requests from {source} in the last {seconds:g} s"
+
+
+def limited(**kwargs):
+    clock = task.Clock()
+    events = []
+    publisher = LogPublisher(events.append)
+    limiter = logs.RateLimitedLog(SUMMARY, clock=clock, logger=Logger(observer=publisher),
+                                  **kwargs)
+    return clock, events, limiter
+
+
+def test_a_burst_is_logged_then_the_rest_is_one_summary_with_the_true_count():
+    clock, events, limiter = limited(window=10, burst=3)
+    allowed = [limiter.allow("10.0.0.9") for _ in range(10432)]
+    assert allowed[:3] == [True] * 3 and not any(allowed[3:])
+    assert events == []  # the summary waits for the window to close
+    clock.advance(10)
+    assert [formatEvent(e) for e in events] == [
+        "refused 10432 requests from 10.0.0.9 in the last 10 s"]
+    assert events[0]["suppressed"] == 10429
+
+
+def test_sources_are_counted_apart_and_a_quiet_source_gets_no_summary():
+    clock, events, limiter = limited(window=10, burst=2)
+    assert [limiter.allow("a") for _ in range(3)] == [True, True, False]
+    assert [limiter.allow("b") for _ in range(2)] == [True, True]
+    clock.advance(10)
+    assert [formatEvent(e) for e in events] == ["refused 3 requests from a in the last 10 s"]
+    assert limiter.allow("a")  # a new window logs again
+
+
+def test_the_number_of_sources_tracked_is_bounded():
+    """Memory does not grow with the number of sources an attacker uses: the least recently
+    seen is dropped, its summary logged at once."""
+    clock, events, limiter = limited(window=10, burst=1, max_keys=2)
+    for source in ("a", "a", "b", "c"):
+        limiter.allow(source)
+    assert len(limiter._windows) == 2
+    assert [formatEvent(e) for e in events] == ["refused 2 requests from a in the last 10 s"]
+    assert not clock.getDelayedCalls()  # a's window end was cancelled with it
+    limiter.flush()
+    assert clock.getDelayedCalls() == []
+
+
+def options(**values):
+    base = {"logfile": None, "nodaemon": False, "syslog": False}
+    base.update(values)
+    return base
+
+
+def test_the_log_file_is_rotated_and_only_max_files_are_kept(tmp_path):
+    path = tmp_path / "twistd.log"
+    observer = logs.twistd_observer(options(logfile=str(path)), "text", max_bytes=1000,
+                                    max_files=2)
+    log = Logger(observer=observer)
+    for i in range(200):
+        log.info("line {i} " + "x" * 50, i=i)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["twistd.log", "twistd.log.1", "twistd.log.2"]
+    assert all(p.stat().st_size <= 1000 + 200 for p in tmp_path.iterdir())
+    assert "line 199 " in path.read_text()
+
+
+def test_json_format_writes_one_object_per_line(tmp_path):
+    path = tmp_path / "twistd.log"
+    log = Logger(observer=logs.twistd_observer(options(logfile=str(path)), "json"))
+    log.info("refused {count} requests from {source}", count=3, source="10.0.0.9")
+    log.warn("a second line\nwith a newline inside")
+    lines = path.read_text().split("\n")
+    assert len(lines) == 3 and lines[2] == ""
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    assert first["text"] == formatEvent(first) == "refused 3 requests from 10.0.0.9"
+    assert second["text"] == "a second line\nwith a newline inside"
+    assert first["log_level"]["name"] == "info" and first["source"] == "10.0.0.9"
