@@ -560,13 +560,17 @@ def bridge_socket(fe: dict, node_id: str, port: int) -> str:
     raise RuntimeError(f"no bridge socket {name} at {fe['name']}")
 
 
-def setup(bench: Bench) -> dict:
+def setup(bench: Bench, model_options: tuple[str, ...] = ()) -> dict:
+    """The cluster, warmed up, and a load client per ``bench.args.paths``.  ``model_options``:
+    the echo model's ``options`` (``bench_streaming.py`` paces the backend with them)."""
     args = bench.args
     bench.create_database()
     models_dir = os.path.join(bench.workdir, "models")
     os.makedirs(models_dir)
     with open(os.path.join(models_dir, f"{MODEL}.yaml"), "w") as f:
         f.write(f"name: {MODEL}\nbackend: echo\nparameters:\n  model: {MODEL_IDENTIFIER}\n")
+        if model_options:
+            f.write(f"options: {json.dumps(list(model_options))}\n")
     a = bench.start_frontend("frontend-a", models_dir)
     bench.wait_ready(a)  # A first: it migrates the fresh database
     b = bench.start_frontend("frontend-b", models_dir)

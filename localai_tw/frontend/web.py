@@ -50,6 +50,7 @@ from twisted.web.resource import Resource
 
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.logs import RateLimitedLog
+from localai_tw.tunnel.sockets import set_no_delay
 from localai_tw.web import auth
 from localai_tw.web.bodies import CappedBody, answer_early, pending_request_line
 from localai_tw.web.json import JSON_HEADERS  # noqa: F401  (the OpenAI API imports it here)
@@ -341,7 +342,15 @@ class _ListenerConnection(ProtocolWrapper):
     A wrapper rather than a count kept by the HTTP channel: a tunnel or peer dial that becomes
     a WebSocket replaces the channel (``tunnel.websocket`` swaps this wrapper's
     ``wrappedProtocol``), and the connection must stay counted until the socket closes.
+
+    Every accepted socket gets ``TCP_NODELAY`` (``tunnel/sockets.py``): streamed tokens leave
+    here as small writes, to API clients, to relaying replicas and, over a worker's tunnel, as
+    yamux frames.
     """
+
+    def makeConnection(self, transport) -> None:
+        set_no_delay(transport)
+        super().makeConnection(transport)
 
 
 class EventsPerInterval:

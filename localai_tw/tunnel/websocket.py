@@ -58,6 +58,7 @@ from twisted.web.server import NOT_DONE_YET
 from zope.interface import Interface, implementer
 
 from localai_tw.tunnel import autobahn_compat as ab
+from localai_tw.tunnel.sockets import set_no_delay
 from localai_tw.tunnel.wsframes import FastBinaryFrames
 from localai_tw.web import auth
 
@@ -490,6 +491,12 @@ class _CarrierClientProtocol(_CarrierMixin, WebSocketClientProtocol):
     opened: defer.Deferred | None = None
     _refusal_status: int | None = None
     _refusal_reason: str = ""
+
+    def connectionMade(self):
+        # A worker's tunnel and a replica's peer link: every streamed token crosses as a small
+        # write, which Nagle would hold for the peer's delayed ACK (``tunnel/sockets.py``).
+        set_no_delay(self.transport)
+        return super().connectionMade()
 
     def failHandshake(self, reason):
         status = ab.refusal_status(self)

@@ -48,6 +48,7 @@ from localai_tw.config import PortRange
 from localai_tw.logs import RateLimitedLog
 from localai_tw.splice import HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
+from localai_tw.tunnel.sockets import set_no_delay
 from localai_tw.worker.httpserve import serve_http_on_transport
 
 log = Logger()
@@ -419,7 +420,15 @@ class StreamRouter:
     def _connectLoopback(self, port: int, protocol) -> defer.Deferred:
         endpoint = TCP4ClientEndpoint(self.reactor, BACKEND_HOST, port,
                                       timeout=self.connect_timeout)
-        return connectProtocol(endpoint, protocol)
+
+        def connected(protocol):
+            # The gRPC requests and their flow-control frames are small writes (the backend's
+            # own gRPC server sets TCP_NODELAY on its side); fires before the first write
+            # leaves, since Twisted sends on the next reactor iteration.
+            set_no_delay(protocol.transport)
+            return protocol
+
+        return connectProtocol(endpoint, protocol).addCallback(connected)
 
     def acceptor(self, stream) -> WorkerStreamProtocol:
         return WorkerStreamProtocol(self)

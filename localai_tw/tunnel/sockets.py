@@ -1,0 +1,39 @@
+"""Socket options for every TCP connection that carries tunnel, relay or API traffic.
+
+``TCP_NODELAY``: with Nagle's algorithm a small write waits while an earlier small write is
+unacknowledged, and the peer delays its ACK (36-40 ms measured on Linux loopback).  A streamed
+token is such a small write on every hop (worker -> owner over the tunnel, owner -> relaying
+replica over the peer link, replica -> client), so Nagle put a delayed ACK between tokens.  The
+batching Nagle stood in for is done above TCP: the WebSocket carrier coalesces the writes of one
+reactor turn into one message (``tunnel/websocket.py``), and ``splice`` writes what one read
+brought.
+
+What this module must never do: fail a connection because an option cannot be set (a Unix
+socket, a yamux stream, a test transport, a socket already closed): it then does nothing.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from twisted.internet import tcp
+from twisted.protocols.policies import ProtocolWrapper
+
+_TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+
+
+def set_no_delay(transport) -> bool:
+    """Turn ``TCP_NODELAY`` on for the TCP socket under ``transport``: the TCP transport itself,
+    or one under protocol wrappers (TLS, the listener's connection count).  Returns whether it
+    was set (False for anything that is not a TCP socket)."""
+    while isinstance(transport, ProtocolWrapper):
+        transport = transport.transport
+    if not isinstance(transport, tcp.Connection):
+        return False
+    try:
+        if transport.getHandle().family not in _TCP_FAMILIES:  # unix.Server is a tcp.Server
+            return False
+        transport.setTcpNoDelay(True)
+    except OSError:  # closed meanwhile: nothing to speed up
+        return False
+    return True
