@@ -35,6 +35,7 @@ So stopping runs: listener; tunnels (releasing their claims), peer links, worker
    per-node HTTP connection pools and gRPC bridges.
 
 The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
+``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
 ``/api/cluster/instances`` and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
@@ -87,6 +88,7 @@ from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
 from .backend_client import BackendClients
+from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, NodesAdminResource
@@ -632,7 +634,8 @@ class FrontendService(InOrderMultiService):
     def _build_root(self, replica: Replica) -> Resource:
         """The resource tree of a wired replica (tests/e2e/cluster/probe.py wraps this)."""
         parts = replica.cluster_parts()
-        root = JSONDirectory(index=ROOT_INDEX)
+        root = RootWithDashboard(ROOT_INDEX)  # the page for a browser, JSON for the rest
+        root.putChild(b"dashboard", dashboard_files())
         for name, probe in self._probe_resources.items():
             root.putChild(name, probe)  # the same /healthz and /readyz
         openai = OpenAIResource(replica.inference, api_keys=self.api_keys,

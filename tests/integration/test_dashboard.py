@@ -1,0 +1,157 @@
+"""The dashboard (``/dashboard/``, and ``/`` for a browser) driven in headless Chromium against
+a real in-process frontend and a real worker with the ``echo`` backend: the operator types the
+API key once, sees the node and its presence, approves a pending node with the button, and runs
+a chat in the playground that streams the echo reply into the page."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import pytest_twisted
+import treq
+
+from localai_tw.cluster.nodes import NodeStatus
+from localai_tw.config import PortRange
+from localai_tw.worker.service import makeWorkerService
+
+from .browser import Browser, require_browser
+from .inference_harness import ADMIN, TOKEN, _ports, sha256_hex
+from .support import eventually
+
+WEIGHTS = b"echo weights " * 100
+
+ECHO_MODEL = (
+    "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n  max_tokens: 64\n"
+    f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
+    "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
+    "options: ['echo.dim:6']\n")
+
+
+@pytest_twisted.async_yield_fixture
+async def browser():
+    require_browser()
+    b = await Browser.start()
+    try:
+        yield b
+    finally:
+        await b.stop()
+
+
+def by_css(selector):
+    from selenium.webdriver.common.by import By
+
+    def find(driver):
+        found = driver.find_elements(By.CSS_SELECTOR, selector)
+        return found[0] if found else None
+    return find
+
+
+def text_of(selector):
+    find = by_css(selector)
+
+    def read(driver):
+        element = find(driver)
+        return element.text if element is not None else ""
+    return read
+
+
+async def open_with_key(browser, url):
+    """Load the page and type the admin key into its form, as an operator does once."""
+    await browser.call(lambda d: d.get(url))
+    field = await browser.wait_for(by_css("#api-key"), what="the key field")
+    await browser.call(lambda d: (field.send_keys(ADMIN), d.find_element(
+        "css selector", "#key-save").click()))
+
+
+@pytest_twisted.ensureDeferred
+async def test_root_is_the_page_for_a_browser_and_json_for_api_clients(cluster):
+    frontend = await cluster.frontend("replica-r")
+    base = cluster.base_url(frontend)
+    page = await treq.get(base + "/", headers={
+        "Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"})
+    html = await page.text()
+    assert page.code == 200 and page.headers.getRawHeaders("content-type")[0].startswith(
+        "text/html")
+    assert "<title>localai-tw dashboard</title>" in html
+    assert ADMIN not in html  # the page is static: no secret in it
+    assert "frame-ancestors 'none'" in page.headers.getRawHeaders("content-security-policy")[0]
+    for accept in (None, "*/*", "application/json"):
+        answer = await treq.get(base + "/", headers={"Accept": accept} if accept else {})
+        assert answer.code == 200
+        assert json.loads(await answer.content())["admin_api"] == "/api/nodes"
+    script = await treq.get(base + "/dashboard/app.js")
+    assert script.code == 200 and "getReader" in (await script.text())
+    listing = await treq.get(base + "/dashboard/../")
+    assert listing.code in (200, 404)  # normalised to / or refused, never a file listing
+    missing = await treq.get(base + "/dashboard/nope.js")
+    assert missing.code == 404
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_dashboard_shows_the_node_and_streams_a_chat(cluster, browser):
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", ECHO_MODEL)
+    cluster.write_model("broken.yaml", "name: [unclosed\n")
+    frontend = await cluster.frontend("replica-d")
+    await cluster.worker("w-dash", frontend)
+    await open_with_key(browser, cluster.base_url(frontend) + "/")
+
+    presence = await browser.wait_for(
+        lambda d: "connected" in text_of('tr[data-node="w-dash"] .presence')(d) and
+        text_of('tr[data-node="w-dash"] .presence')(d), what="the node, connected")
+    assert presence == "connected"
+    replica = await browser.wait_for(text_of('tr[data-replica="replica-d"]'),
+                                     what="the replica row")
+    assert "w-dash" in replica  # the worker it holds
+    await browser.wait_for(text_of('tr[data-model="echo-chat"]'), what="the model")
+    errors = await browser.wait_for(text_of("#model-errors"), what="the failed config")
+    assert "broken.yaml" in errors
+
+    def ask(driver):
+        driver.find_element("css selector", "#play-input").send_keys("one two three")
+        driver.find_element("css selector", "#play-send").click()
+    await browser.call(ask)
+    reply = await browser.wait_for(
+        lambda d: text_of("#play-status")(d).startswith(("finished", "done")) and
+        text_of("#play-output")(d), timeout=60, what="the streamed reply")
+    assert reply == "one two three"
+    # The chat cold-loaded the model on the worker: the page says where it is loaded.
+    loaded = await browser.wait_for(
+        lambda d: "w-dash" in text_of('tr[data-model="echo-chat"]')(d) and
+        text_of('tr[data-model="echo-chat"]')(d), what="where the model is loaded")
+    assert "not loaded" not in loaded
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_pending_node_is_approved_with_the_button(cluster, browser):
+    frontend = await cluster.frontend("replica-p", **{"require-approval": True})
+    first = next(_ports)
+    worker = makeWorkerService(
+        {"register-to": cluster.base_url(frontend), "registration-token": TOKEN,
+         "node-name": "w-pending", "node-type": "backend",
+         "backend-port-range": PortRange(first, first + 15), "labels": {},
+         "data-dir": os.path.join(cluster.base_dir, "w-pending")}, frontend._reactor)
+    worker.startService()
+    cluster.workers.append(worker)
+    node_id = await eventually(lambda: worker.registrar.registration
+                               and worker.registrar.registration.node_id,
+                               timeout=20, what="w-pending registered")
+    await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+
+    approval = await browser.wait_for(text_of('tr[data-node="w-pending"] .approval'),
+                                      what="the pending node")
+    assert approval == "pending"
+    await browser.call(lambda d: by_css('button.approve[data-node="w-pending"]')(d).click())
+    nodes = frontend.replica.nodes
+
+    async def healthy():
+        node = await nodes.get_node(node_id)
+        return node if node.status is NodeStatus.HEALTHY else None
+    node = await eventually(healthy, timeout=20, what="w-pending healthy in the database")
+    assert node.approved
+    await browser.wait_for(lambda d: text_of('tr[data-node="w-pending"] .approval')(d)
+                           == "healthy", what="the page showing it healthy")
