@@ -33,6 +33,8 @@ A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacit
 "state", "in_flight", "backend_type"}]}``.  ``owner`` is the *live* replica holding the node's
 tunnel (null when none does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or
 ``gone``, and when the presence query failed it is ``unknown`` with ``presence_error`` set.
+``reconnect_grace_left`` is the seconds of the reconnect grace left to a ``reconnecting`` node
+whose departure is recorded (null otherwise).
 ``never_connected`` is true when no tunnel of the node is on record (it never dialled in, or its
 last departure is older than the departure retention), false otherwise and on a failed query.  Unknown ids are 404, bad
 input 400 naming the field, every refusal ``{"error": {"message", "type", ...}}``.
@@ -68,9 +70,11 @@ from localai_tw.cluster.nodes import (
     NodeType,
     NotPending,
 )
+from localai_tw.cluster.clock import effective_grace
 from localai_tw.cluster.ownership import NoConnection, Presence
 
 from .web import (
+    DATABASE_DOWN,
     APIError,
     APIKeyGuard,
     ClusterParts,
@@ -91,6 +95,13 @@ log = Logger()
 _MODELS_SQL = (
     "SELECT node_id, model_name, replica_index, state, in_flight, backend_type"
     " FROM node_models WHERE node_id = ANY(%s) ORDER BY model_name, replica_index"
+)
+
+#: Seconds of the reconnect grace a departed tunnel has left (database clock), for a node whose
+#: presence is ``reconnecting``; no row when its departure is not recorded.
+_GRACE_LEFT_SQL = (
+    "SELECT GREATEST(0, %s - EXTRACT(EPOCH FROM now() - disconnected_at))::float"
+    " FROM node_connections WHERE node_id = %s AND disconnected_at IS NOT NULL"
 )
 
 
@@ -248,6 +259,15 @@ class NodesAdminResource(JSONResource):
             "never_connected": reading.presence is Presence.UNKNOWN and reading.error is None,
             "models": models,
         }
+        view["reconnect_grace_left"] = None
+        if reading.presence is Presence.RECONNECTING:
+            try:
+                rows = await parts.db.runQuery(_GRACE_LEFT_SQL,
+                                               (effective_grace(parts.reconnect_grace), node.id))
+            except DATABASE_DOWN:
+                rows = []  # the view still answers; only this detail is missing
+            if rows:
+                view["reconnect_grace_left"] = round(rows[0][0], 1)
         if reading.error is not None:
             view["presence_error"] = f"presence query failed ({type(reading.error).__name__})"
         return view

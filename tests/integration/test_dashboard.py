@@ -155,3 +155,22 @@ async def test_pending_node_is_approved_with_the_button(cluster, browser):
     assert node.approved
     await browser.wait_for(lambda d: text_of('tr[data-node="w-pending"] .approval')(d)
                            == "healthy", what="the page showing it healthy")
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_a_departed_worker_is_reconnecting_with_the_grace_left_never_failed(
+        cluster, browser):
+    frontend = await cluster.frontend("replica-g")
+    worker = await cluster.worker("w-away", frontend)
+    await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+    await browser.wait_for(lambda d: text_of('tr[data-node="w-away"] .presence')(d)
+                           == "connected", what="the node, connected")
+    await worker.stopService()  # its tunnel leaves; the grace (90 s) starts
+    presence = await browser.wait_for(
+        lambda d: "reconnecting" in text_of('tr[data-node="w-away"] .presence')(d) and
+        text_of('tr[data-node="w-away"] .presence')(d), what="the node, reconnecting")
+    left = int(presence.split("(")[1].split(" s ")[0])
+    assert 60 < left <= 90, presence
+    row = await browser.call(text_of('tr[data-node="w-away"]'))
+    assert "fail" not in row.lower()  # away within the grace is not a failure

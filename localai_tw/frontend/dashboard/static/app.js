@@ -65,7 +65,10 @@ function presence(node) {
   switch (node.presence) {
     case "connected": return badge("connected", "connected");
     case "reconnecting":
-      return badge("reconnecting (away, within the grace)", "reconnecting");
+      return badge(node.reconnect_grace_left === null || node.reconnect_grace_left === undefined
+                   ? "reconnecting (away, within the grace)"
+                   : "reconnecting (" + Math.round(node.reconnect_grace_left)
+                     + " s of the grace left)", "reconnecting");
     case "gone": return badge("gone (away longer than the grace)", "gone");
     default:
       if (node.presence_error) return badge("unknown (" + node.presence_error + ")", "unknown");
