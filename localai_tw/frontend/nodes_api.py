@@ -25,6 +25,9 @@ GET /api/nodes/{id}/backend-logs/{model}
 GET /api/cluster/instances         ``{"instances": [{"id", "version", "advertised_addr",
                                    "last_seen", "registered_at", "self"}]}`` (live replicas;
                                    no credential material)
+GET /api/cluster/loads             ``{"loads": [{"model", "node_id", "phase", "replica",
+                                   "started_at", "seconds", "seconds_since_progress"}]}``
+                                   (cold loads in progress anywhere)
 =================================  =============================================================
 
 A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
@@ -399,3 +402,36 @@ class InstancesResource(JSONResource):
              "last_seen": _iso(i.last_seen), "registered_at": _iso(i.registered_at),
              "self": i.id == parts.instance_id}
             for i in instances]}
+
+
+#: The cold loads in progress anywhere (one ``model_load_jobs`` row per model being loaded).
+_LOADS_SQL = (
+    "SELECT model_name, node_id, phase, owner_instance_id, started_at,"
+    " EXTRACT(EPOCH FROM now() - started_at)::float,"
+    " EXTRACT(EPOCH FROM now() - last_progress_at)::float"
+    " FROM model_load_jobs ORDER BY started_at, model_name"
+)
+
+
+class LoadsResource(JSONResource):
+    """``/api/cluster/loads``: the cold loads in progress across the cluster (the load lock's
+    rows): model, node, phase (``choosing``, ``starting``, ``staging``, ``loading``), the
+    replica driving it, and seconds since it started and since its last progress."""
+
+    def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
+        super().__init__()
+        self._parts = parts
+        self._guard = guard
+
+    def guard(self, request) -> None:
+        self._guard.check(request)
+
+    def routes(self):
+        return (Route("GET", (), self.list_loads),)
+    async def list_loads(self, request) -> tuple[int, dict]:
+        rows = await self._parts.db.runQuery(_LOADS_SQL)
+        return 200, {"loads": [
+            {"model": model, "node_id": node_id or None, "phase": phase, "replica": owner,
+             "started_at": _iso(started), "seconds": round(age, 1),
+             "seconds_since_progress": round(quiet, 1)}
+            for model, node_id, phase, owner, started, age, quiet in rows]}

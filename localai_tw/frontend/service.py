@@ -38,7 +38,7 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
-``/api/cluster/instances`` and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/cluster/instances``, ``/api/cluster/loads`` and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
@@ -91,7 +91,7 @@ from .backend_client import BackendClients
 from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
 from .metrics_api import MetricsResource, NodeMetricsRouting
-from .nodes_api import InstancesResource, NodesAdminResource
+from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
 from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
@@ -614,7 +614,8 @@ class FrontendService(InOrderMultiService):
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
         self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
-        for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/metrics"):
+        for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
+                       b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -654,6 +655,7 @@ class FrontendService(InOrderMultiService):
         cluster = JSONDirectory()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))
+        cluster.putChild(b"loads", LoadsResource(parts, self.api_keys))
         cluster.putChild(b"connect", connect_resource(replica.nodes, replica.tunnels,
                                                       self._reactor))
         cluster.putChild(b"peer", replica.peer_links.resource())

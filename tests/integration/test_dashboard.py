@@ -174,3 +174,42 @@ async def test_a_departed_worker_is_reconnecting_with_the_grace_left_never_faile
     assert 60 < left <= 90, presence
     row = await browser.call(text_of('tr[data-node="w-away"]'))
     assert "fail" not in row.lower()  # away within the grace is not a failure
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_a_cold_load_shows_its_progress_until_the_model_is_loaded(cluster, browser):
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("slow.yaml", ECHO_MODEL.replace("echo-chat", "echo-slow").replace(
+        "options: ['echo.dim:6']", "options: ['echo.dim:6', 'echo.load_delay_ms:6000']"))
+    frontend = await cluster.frontend("replica-c")
+    await cluster.worker("w-cold", frontend)
+    await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+    await browser.wait_for(text_of('tr[data-model="echo-slow"]'), what="the model listed")
+
+    def ask(driver):
+        driver.find_element("css selector", "#play-input").send_keys("warm up")
+        driver.find_element("css selector", "#play-send").click()
+    await browser.call(ask)  # the first request cold-loads the model
+    load = await browser.wait_for(
+        lambda d: "loading" in text_of('[data-load="echo-slow"]')(d) and
+        text_of('[data-load="echo-slow"]')(d), what="the cold load in progress")
+    assert "w-cold" in load and "step 4 of 4" in load
+    bar = await browser.call(lambda d: by_css('[data-load="echo-slow"] progress')(d)
+                             .get_attribute("value"))
+    assert bar == "4"
+    reply = await browser.wait_for(
+        lambda d: text_of("#play-status")(d).startswith(("finished", "done")) and
+        text_of("#play-output")(d), timeout=60, what="the reply after the load")
+    assert reply == "warm up"
+    await browser.wait_for(lambda d: text_of("#loads")(d) == "none", what="the load gone")
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_loads_route_the_page_polls_needs_the_admin_key(cluster):
+    frontend = await cluster.frontend("replica-k")
+    url = cluster.base_url(frontend) + "/api/cluster/loads"
+    refused = await treq.get(url)
+    assert refused.code == 401
+    answer = await treq.get(url, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert answer.code == 200 and json.loads(await answer.content()) == {"loads": []}

@@ -168,6 +168,24 @@ function renderModels(models, nodes) {
   }
 }
 
+// The load lock's phases, in order: the bar shows how far a cold load has come.
+const PHASES = ["choosing", "starting", "staging", "loading"];
+
+function renderLoads(loads, nodes) {
+  const names = Object.fromEntries(nodes.map(n => [n.id, n.name]));
+  const box = document.getElementById("loads");
+  if (!loads.length) { box.replaceChildren(el("p", {class: "small"}, "none")); return; }
+  box.replaceChildren(...loads.map(l => {
+    const step = PHASES.indexOf(l.phase) + 1;
+    return el("div", {class: "load", "data-load": l.model},
+      el("strong", {}, l.model),
+      el("span", {}, "on " + (l.node_id ? (names[l.node_id] || l.node_id) : "(choosing a node)")),
+      el("progress", {max: PHASES.length, value: step}),
+      el("span", {class: "phase"}, l.phase + " (step " + step + " of " + PHASES.length + ")"),
+      el("span", {class: "small"}, Math.round(l.seconds) + " s, by " + l.replica));
+  }));
+}
+
 let polling = false;
 async function poll() {
   if (polling) return;
@@ -176,11 +194,13 @@ async function poll() {
   try {
     let nodes = [];
     try {
-      const [n, inst] = await Promise.all([getJSON("/api/nodes"),
-                                           getJSON("/api/cluster/instances")]);
+      const [n, inst, loads] = await Promise.all([getJSON("/api/nodes"),
+                                                  getJSON("/api/cluster/instances"),
+                                                  getJSON("/api/cluster/loads")]);
       nodes = n.nodes;
       renderNodes(nodes);
       renderReplicas(inst.instances, nodes);
+      renderLoads(loads.loads, nodes);
       status.textContent = "updated " + new Date().toLocaleTimeString();
       status.className = "";
     } catch (e) {
