@@ -5,7 +5,8 @@ It starts what the browser tests start: a real frontend and a real worker with t
 backend, in this process, on a new database of the PostgreSQL at ``$LOCALAI_TEST_DSN``
 (default ``postgresql://postgres@127.0.0.1:5432/postgres``; the database is dropped at the
 end), plus a model config that fails to load; then headless Chromium (``.ci/install-browser``)
-opens the dashboard, types the API key, runs a chat in the playground and saves the PNGs.
+opens the dashboard, types the API key, runs a chat in the playground, starts a slow cold
+load (shown in progress) and saves the PNGs.
 
     python docs/screenshots/make.py
 """
@@ -49,6 +50,10 @@ async def shoot(dsn: str, base_dir: str) -> None:
             f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
             "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
             "options: ['echo.dim:6']\n"))
+        cluster.write_model("slow.yaml", (
+            "name: echo-slow\nbackend: echo\nparameters:\n  model: echo.bin\n"
+            f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
+            "options: ['echo.load_delay_ms:8000']\n"))
         cluster.write_model("broken.yaml", "name: [unclosed\n")
         frontend = await cluster.frontend("replica-a")
         await cluster.worker("gpu-box-1", frontend, labels={"zone": "lab"})
@@ -76,12 +81,27 @@ async def shoot(dsn: str, base_dir: str) -> None:
                                                     'tr[data-model="echo-chat"]').text,
             what="the model loaded")
 
+        def slow_load(driver):  # a cold load the Models section shows in progress
+            driver.execute_script(
+                "fetch('/v1/embeddings', {method: 'POST', headers: {'Content-Type':"
+                " 'application/json', 'Authorization': 'Bearer ' +"
+                " sessionStorage.getItem('localai-tw-api-key')},"
+                " body: JSON.stringify({model: 'echo-slow', input: 'x'})});")
+        await browser.call(slow_load)
+        await browser.wait_for(
+            lambda d: "loading" in d.find_element("css selector", "#loads").text,
+            what="the slow load in progress")
+
         def save(driver):
+            driver.set_window_size(1400, 1500)  # every section whole, in one viewport
             for name in SECTIONS:
                 element = driver.find_element("css selector", f"#{name}")
                 element.screenshot(os.path.join(HERE, f"{name}.png"))
             driver.save_screenshot(os.path.join(HERE, "dashboard.png"))
         await browser.call(save)
+        await browser.wait_for(
+            lambda d: d.find_element("css selector", "#loads").text == "none", timeout=60,
+            what="the slow load finished")
     finally:
         if browser is not None:
             await browser.stop()

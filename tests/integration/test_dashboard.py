@@ -194,10 +194,10 @@ async def test_a_cold_load_shows_its_progress_until_the_model_is_loaded(cluster,
     load = await browser.wait_for(
         lambda d: "loading" in text_of('[data-load="echo-slow"]')(d) and
         text_of('[data-load="echo-slow"]')(d), what="the cold load in progress")
-    assert "w-cold" in load and "step 4 of 4" in load
+    assert "w-cold" in load and "phase 4 of 4" in load
     bar = await browser.call(lambda d: by_css('[data-load="echo-slow"] progress')(d)
                              .get_attribute("value"))
-    assert bar == "4"
+    assert bar == "3"  # three phases done: full only once loaded
     reply = await browser.wait_for(
         lambda d: text_of("#play-status")(d).startswith(("finished", "done")) and
         text_of("#play-output")(d), timeout=60, what="the reply after the load")

@@ -180,8 +180,9 @@ function renderLoads(loads, nodes) {
     return el("div", {class: "load", "data-load": l.model},
       el("strong", {}, l.model),
       el("span", {}, "on " + (l.node_id ? (names[l.node_id] || l.node_id) : "(choosing a node)")),
-      el("progress", {max: PHASES.length, value: step}),
-      el("span", {class: "phase"}, l.phase + " (step " + step + " of " + PHASES.length + ")"),
+      // Full only once loaded: the bar counts the phases already done.
+      el("progress", {max: PHASES.length, value: step - 1}),
+      el("span", {class: "phase"}, l.phase + " (phase " + step + " of " + PHASES.length + ")"),
       el("span", {class: "small"}, Math.round(l.seconds) + " s, by " + l.replica));
   }));
 }
