@@ -49,12 +49,37 @@ def by_css(selector):
 
 
 def text_of(selector):
+    """The element's text, or "" while it is missing or being replaced (every poll re-renders
+    the tables, so an element found a moment ago may be stale)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     find = by_css(selector)
 
     def read(driver):
-        element = find(driver)
-        return element.text if element is not None else ""
+        try:
+            element = find(driver)
+            return element.text if element is not None else ""
+        except StaleElementReferenceException:
+            return ""
     return read
+
+
+def click(selector):
+    """Click the element, trying again when a poll replaced it between finding and clicking."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    find = by_css(selector)
+
+    def act(driver):
+        try:
+            element = find(driver)
+            if element is None:
+                return False
+            element.click()
+            return True
+        except StaleElementReferenceException:
+            return False
+    return act
 
 
 async def open_with_key(browser, url):
@@ -93,7 +118,9 @@ async def test_root_is_the_page_for_a_browser_and_json_for_api_clients(cluster):
 @pytest_twisted.ensureDeferred
 async def test_dashboard_shows_the_node_and_streams_a_chat(cluster, browser):
     cluster.write_file("echo.bin", WEIGHTS)
-    cluster.write_model("echo.yaml", ECHO_MODEL)
+    # 150 ms per word: slow enough to see the reply arrive word by word.
+    cluster.write_model("echo.yaml", ECHO_MODEL.replace(
+        "options: ['echo.dim:6']", "options: ['echo.dim:6', 'echo.delay_ms:150']"))
     cluster.write_model("broken.yaml", "name: [unclosed\n")
     frontend = await cluster.frontend("replica-d")
     await cluster.worker("w-dash", frontend)
@@ -111,13 +138,20 @@ async def test_dashboard_shows_the_node_and_streams_a_chat(cluster, browser):
     assert "broken.yaml" in errors
 
     def ask(driver):
-        driver.find_element("css selector", "#play-input").send_keys("one two three")
+        driver.find_element("css selector", "#play-input").send_keys(
+            "one two three four five six")
         driver.find_element("css selector", "#play-send").click()
     await browser.call(ask)
+    # Streamed: part of the reply is on the page while the rest is still coming.
+    partial = await browser.wait_for(
+        lambda d: not text_of("#play-status")(d).startswith(("finished", "done")) and
+        text_of("#play-output")(d), timeout=60, what="the first words of the reply")
+    assert "one two three four five six".startswith(partial) and partial != \
+        "one two three four five six"
     reply = await browser.wait_for(
         lambda d: text_of("#play-status")(d).startswith(("finished", "done")) and
         text_of("#play-output")(d), timeout=60, what="the streamed reply")
-    assert reply == "one two three"
+    assert reply == "one two three four five six"
     # The chat cold-loaded the model on the worker: the page says where it is loaded.
     loaded = await browser.wait_for(
         lambda d: "w-dash" in text_of('tr[data-model="echo-chat"]')(d) and
@@ -145,7 +179,7 @@ async def test_pending_node_is_approved_with_the_button(cluster, browser):
     approval = await browser.wait_for(text_of('tr[data-node="w-pending"] .approval'),
                                       what="the pending node")
     assert approval == "pending"
-    await browser.call(lambda d: by_css('button.approve[data-node="w-pending"]')(d).click())
+    await browser.wait_for(click('button.approve[data-node="w-pending"]'), what="the click")
     nodes = frontend.replica.nodes
 
     async def healthy():
@@ -195,9 +229,9 @@ async def test_a_cold_load_shows_its_progress_until_the_model_is_loaded(cluster,
         lambda d: "loading" in text_of('[data-load="echo-slow"]')(d) and
         text_of('[data-load="echo-slow"]')(d), what="the cold load in progress")
     assert "w-cold" in load and "phase 4 of 4" in load
-    bar = await browser.call(lambda d: by_css('[data-load="echo-slow"] progress')(d)
-                             .get_attribute("value"))
-    assert bar == "3"  # three phases done: full only once loaded
+    bar = await browser.call(lambda d: d.execute_script(
+        "return document.querySelector('[data-load=\"echo-slow\"] progress').value"))
+    assert bar == 3  # three phases done: full only once loaded
     reply = await browser.wait_for(
         lambda d: text_of("#play-status")(d).startswith(("finished", "done")) and
         text_of("#play-output")(d), timeout=60, what="the reply after the load")
