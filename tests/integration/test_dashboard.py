@@ -174,6 +174,13 @@ async def test_pending_node_is_approved_with_the_button(cluster, browser):
     node_id = await eventually(lambda: worker.registrar.registration
                                and worker.registrar.registration.node_id,
                                timeout=20, what="w-pending registered")
+    # Without the key the page shows nothing of the cluster, and says why.
+    await browser.call(lambda d: d.get(cluster.base_url(frontend) + "/dashboard/"))
+    status = await browser.wait_for(
+        lambda d: "API key" in text_of("#status")(d) and text_of("#status")(d),
+        what="the request for the key")
+    assert "enter the admin API key" in status
+    assert "w-pending" not in await browser.call(text_of("#nodes-body"))
     await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
 
     approval = await browser.wait_for(text_of('tr[data-node="w-pending"] .approval'),
@@ -189,6 +196,14 @@ async def test_pending_node_is_approved_with_the_button(cluster, browser):
     assert node.approved
     await browser.wait_for(lambda d: text_of('tr[data-node="w-pending"] .approval')(d)
                            == "healthy", what="the page showing it healthy")
+    # Drain: no new work for it, in the database too.
+    await browser.wait_for(click('button.drain[data-node="w-pending"]'), what="the drain click")
+
+    async def draining():
+        return (await nodes.get_node(node_id)).status is NodeStatus.DRAINING
+    await eventually(draining, timeout=20, what="w-pending draining in the database")
+    await browser.wait_for(lambda d: text_of('tr[data-node="w-pending"] .approval')(d)
+                           == "draining", what="the page showing it draining")
 
 
 @pytest.mark.browser
