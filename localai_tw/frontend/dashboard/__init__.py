@@ -4,9 +4,8 @@ browser), shipped in the package, nothing built at install time (``docs/operator
 
 The page holds no secret and reads nothing on the server side: it calls the admin API
 (``/api/nodes``, ``/api/cluster/instances``, ``/api/cluster/loads``) and the OpenAI API
-(``/v1/...``) from the browser
-with the API key the operator types, so those routes keep enforcing the key exactly as for any
-other client.  This module only serves files and decides, from ``Accept``, whether ``GET /`` is
+(``/v1/...``) from the browser with the API key the operator types, so those routes keep
+enforcing the key exactly as for any other client.  This module only serves files and decides, from ``Accept``, whether ``GET /`` is
 a browser (the page) or an API client (the JSON index).  It must never put a secret or any
 server-side state into what it serves, and never list a directory.
 """
