@@ -14,6 +14,7 @@ load (shown in progress) and saves the PNGs.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -121,6 +122,7 @@ def main(reactor) -> defer.Deferred:
 
     def drop(result):
         admin(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        shutil.rmtree(base_dir, ignore_errors=True)
         print("saved", ", ".join(f"{s}.png" for s in SECTIONS + ("dashboard",)), "in", HERE)
         return result
     return defer.ensureDeferred(shoot(dsn, base_dir)).addBoth(drop)
