@@ -23,6 +23,7 @@ setup(
     package_data={
         "localai_tw.db": ["migrations/*.sql"],
         "localai_tw.backends": ["backend.proto"],
+        "localai_tw.frontend.dashboard": ["static/*.html", "static/*.css", "static/*.js"],
     },
     include_package_data=True,
     install_requires=[
@@ -51,6 +52,8 @@ setup(
             "grpcio-tools>=1.85.1,<2",
             "openai>=1.50,<4",
             "pytest-timeout>=2.3,<3",
+            # The dashboard's browser tests drive Debian's chromium-driver (.ci/install-browser).
+            "selenium>=4.20,<5",
         ],
         # Heavy inference backends run in their own processes; the base install never imports
         # these.  CPU builds of torch are enough for the tests.

@@ -25,6 +25,9 @@ GET /api/nodes/{id}/backend-logs/{model}
 GET /api/cluster/instances         ``{"instances": [{"id", "version", "advertised_addr",
                                    "last_seen", "registered_at", "self"}]}`` (live replicas;
                                    no credential material)
+GET /api/cluster/loads             ``{"loads": [{"model", "node_id", "phase", "replica",
+                                   "started_at", "seconds", "seconds_since_progress"}]}``
+                                   (cold loads in progress anywhere)
 =================================  =============================================================
 
 A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
@@ -33,6 +36,8 @@ A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacit
 "state", "in_flight", "backend_type"}]}``.  ``owner`` is the *live* replica holding the node's
 tunnel (null when none does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or
 ``gone``, and when the presence query failed it is ``unknown`` with ``presence_error`` set.
+``reconnect_grace_left`` is the seconds of the reconnect grace left to a ``reconnecting`` node
+whose departure is recorded (null otherwise).
 ``never_connected`` is true when no tunnel of the node is on record (it never dialled in, or its
 last departure is older than the departure retention), false otherwise and on a failed query.  Unknown ids are 404, bad
 input 400 naming the field, every refusal ``{"error": {"message", "type", ...}}``.
@@ -68,9 +73,11 @@ from localai_tw.cluster.nodes import (
     NodeType,
     NotPending,
 )
+from localai_tw.cluster.clock import effective_grace
 from localai_tw.cluster.ownership import NoConnection, Presence
 
 from .web import (
+    DATABASE_DOWN,
     APIError,
     APIKeyGuard,
     ClusterParts,
@@ -91,6 +98,13 @@ log = Logger()
 _MODELS_SQL = (
     "SELECT node_id, model_name, replica_index, state, in_flight, backend_type"
     " FROM node_models WHERE node_id = ANY(%s) ORDER BY model_name, replica_index"
+)
+
+#: Seconds of the reconnect grace a departed tunnel has left (database clock), for a node whose
+#: presence is ``reconnecting``; no row when its departure is not recorded.
+_GRACE_LEFT_SQL = (
+    "SELECT GREATEST(0, %s - EXTRACT(EPOCH FROM now() - disconnected_at))::float"
+    " FROM node_connections WHERE node_id = %s AND disconnected_at IS NOT NULL"
 )
 
 
@@ -248,6 +262,15 @@ class NodesAdminResource(JSONResource):
             "never_connected": reading.presence is Presence.UNKNOWN and reading.error is None,
             "models": models,
         }
+        view["reconnect_grace_left"] = None
+        if reading.presence is Presence.RECONNECTING:
+            try:
+                rows = await parts.db.runQuery(_GRACE_LEFT_SQL,
+                                               (effective_grace(parts.reconnect_grace), node.id))
+            except DATABASE_DOWN:
+                rows = []  # the view still answers; only this detail is missing
+            if rows:
+                view["reconnect_grace_left"] = round(rows[0][0], 1)
         if reading.error is not None:
             view["presence_error"] = f"presence query failed ({type(reading.error).__name__})"
         return view
@@ -379,3 +402,36 @@ class InstancesResource(JSONResource):
              "last_seen": _iso(i.last_seen), "registered_at": _iso(i.registered_at),
              "self": i.id == parts.instance_id}
             for i in instances]}
+
+
+#: The cold loads in progress anywhere (one ``model_load_jobs`` row per model being loaded).
+_LOADS_SQL = (
+    "SELECT model_name, node_id, phase, owner_instance_id, started_at,"
+    " EXTRACT(EPOCH FROM now() - started_at)::float,"
+    " EXTRACT(EPOCH FROM now() - last_progress_at)::float"
+    " FROM model_load_jobs ORDER BY started_at, model_name"
+)
+
+
+class LoadsResource(JSONResource):
+    """``/api/cluster/loads``: the cold loads in progress across the cluster (the load lock's
+    rows): model, node, phase (``choosing``, ``starting``, ``staging``, ``loading``), the
+    replica driving it, and seconds since it started and since its last progress."""
+
+    def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
+        super().__init__()
+        self._parts = parts
+        self._guard = guard
+
+    def guard(self, request) -> None:
+        self._guard.check(request)
+
+    def routes(self):
+        return (Route("GET", (), self.list_loads),)
+    async def list_loads(self, request) -> tuple[int, dict]:
+        rows = await self._parts.db.runQuery(_LOADS_SQL)
+        return 200, {"loads": [
+            {"model": model, "node_id": node_id or None, "phase": phase, "replica": owner,
+             "started_at": _iso(started), "seconds": round(age, 1),
+             "seconds_since_progress": round(quiet, 1)}
+            for model, node_id, phase, owner, started, age, quiet in rows]}

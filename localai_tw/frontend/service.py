@@ -35,9 +35,10 @@ So stopping runs: listener; tunnels (releasing their claims), peer links, worker
    per-node HTTP connection pools and gRPC bridges.
 
 The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
+``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
-``/api/cluster/instances`` and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/cluster/instances``, ``/api/cluster/loads`` and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
@@ -87,9 +88,10 @@ from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
 from .backend_client import BackendClients
+from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
 from .metrics_api import MetricsResource, NodeMetricsRouting
-from .nodes_api import InstancesResource, NodesAdminResource
+from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
 from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
@@ -612,7 +614,8 @@ class FrontendService(InOrderMultiService):
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
         self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
-        for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/metrics"):
+        for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
+                       b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -632,7 +635,8 @@ class FrontendService(InOrderMultiService):
     def _build_root(self, replica: Replica) -> Resource:
         """The resource tree of a wired replica (tests/e2e/cluster/probe.py wraps this)."""
         parts = replica.cluster_parts()
-        root = JSONDirectory(index=ROOT_INDEX)
+        root = RootWithDashboard(ROOT_INDEX)  # the page for a browser, JSON for the rest
+        root.putChild(b"dashboard", dashboard_files())
         for name, probe in self._probe_resources.items():
             root.putChild(name, probe)  # the same /healthz and /readyz
         openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
@@ -651,6 +655,7 @@ class FrontendService(InOrderMultiService):
         cluster = JSONDirectory()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))
+        cluster.putChild(b"loads", LoadsResource(parts, self.api_keys))
         cluster.putChild(b"connect", connect_resource(replica.nodes, replica.tunnels,
                                                       self._reactor))
         cluster.putChild(b"peer", replica.peer_links.resource())

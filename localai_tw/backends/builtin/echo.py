@@ -5,7 +5,8 @@ benchmarks.  Run as ``python -m localai_tw.backends.builtin.echo --addr 127.0.0.
 - ``LoadModel`` succeeds and records ``ModelOptions.Model``, unless ``Options`` holds
   ``echo.fail_load:<message>``: then ``success=false`` with that message (as Python backends
   report a failed load).  Other options: ``echo.delay_ms:<n>`` (sleep per generated word),
-  ``echo.dim:<n>`` (embedding width, default 8).
+  ``echo.dim:<n>`` (embedding width, default 8), ``echo.load_delay_ms:<n>`` (a slow load,
+  at most 60 s: the dashboard's test watches a cold load in progress).
 - ``Predict`` answers the prompt (or the last message when ``UseTokenizerTemplate``) word by
   word, at most ``Tokens`` words when ``Tokens`` > 0; ``tokens`` / ``prompt_tokens`` count
   words.  ``PredictStream`` yields one word per reply (with its trailing space) and the running
@@ -93,6 +94,12 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
         failure = options.get("echo.fail_load")
         if failure is not None:
             return backend_pb2.Result(success=False, message=failure or "load refused")
+        try:
+            load_delay = min(max(int(options.get("echo.load_delay_ms", "0")), 0), 60000) / 1000
+        except ValueError:
+            return backend_pb2.Result(success=False, message="echo.load_delay_ms must be an "
+                                      "integer number of milliseconds")
+        time.sleep(load_delay)
         self.options = options
         self.loaded = True
         self.identity.loaded = request.Model

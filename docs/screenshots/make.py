@@ -1,0 +1,132 @@
+"""Regenerate the dashboard's screenshots in docs/screenshots/ (one PNG per section, and the
+whole page).
+
+It starts what the browser tests start: a real frontend and a real worker with the ``echo``
+backend, in this process, on a new database of the PostgreSQL at ``$LOCALAI_TEST_DSN``
+(default ``postgresql://postgres@127.0.0.1:5432/postgres``; the database is dropped at the
+end), plus a model config that fails to load; then headless Chromium (``.ci/install-browser``)
+opens the dashboard, types the API key, runs a chat in the playground, starts a slow cold
+load (shown in progress) and saves the PNGs.
+
+    python docs/screenshots/make.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the checkout: localai_tw, tests
+
+import psycopg2  # noqa: E402
+from twisted.internet import defer, task  # noqa: E402
+
+from tests.integration.browser import Browser, missing  # noqa: E402
+from tests.integration.inference_harness import ADMIN, Cluster, sha256_hex  # noqa: E402
+
+SECTIONS = ("replicas", "nodes", "models", "playground")
+WEIGHTS = b"echo weights " * 100
+
+
+def admin(dsn: str, sql: str) -> None:
+    connection = psycopg2.connect(dsn)
+    connection.autocommit = True
+    try:
+        connection.cursor().execute(sql)
+    finally:
+        connection.close()
+
+
+async def shoot(dsn: str, base_dir: str) -> None:
+    cluster = Cluster(dsn, base_dir)
+    browser = None
+    try:
+        cluster.write_file("echo.bin", WEIGHTS)
+        cluster.write_model("echo.yaml", (
+            "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n"
+            f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
+            "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
+            "options: ['echo.dim:6']\n"))
+        cluster.write_model("slow.yaml", (
+            "name: echo-slow\nbackend: echo\nparameters:\n  model: echo.bin\n"
+            f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
+            "options: ['echo.load_delay_ms:8000']\n"))
+        cluster.write_model("broken.yaml", "name: [unclosed\n")
+        frontend = await cluster.frontend("replica-a")
+        await cluster.worker("gpu-box-1", frontend, labels={"zone": "lab"})
+        browser = await Browser.start()
+
+        def open_page(driver):
+            driver.get(cluster.base_url(frontend) + "/")
+            driver.find_element("css selector", "#api-key").send_keys(ADMIN)
+            driver.find_element("css selector", "#key-save").click()
+        await browser.call(open_page)
+        await browser.wait_for(
+            lambda d: "connected" in d.find_element("css selector", "#nodes-body").text,
+            what="the node")
+
+        def chat(driver):
+            driver.find_element("css selector", "#play-input").send_keys(
+                "hello from the playground")
+            driver.find_element("css selector", "#play-send").click()
+        await browser.call(chat)
+        await browser.wait_for(
+            lambda d: d.find_element("css selector", "#play-status").text.startswith(("done", "finished")),
+            timeout=60, what="the chat reply")
+        await browser.wait_for(
+            lambda d: "gpu-box-1" in d.find_element("css selector",
+                                                    'tr[data-model="echo-chat"]').text,
+            what="the model loaded")
+
+        def slow_load(driver):  # a cold load the Models section shows in progress
+            driver.execute_script(
+                "fetch('/v1/embeddings', {method: 'POST', headers: {'Content-Type':"
+                " 'application/json', 'Authorization': 'Bearer ' +"
+                " sessionStorage.getItem('localai-tw-api-key')},"
+                " body: JSON.stringify({model: 'echo-slow', input: 'x'})});")
+        await browser.call(slow_load)
+        await browser.wait_for(
+            lambda d: "loading" in d.find_element("css selector", "#loads").text,
+            what="the slow load in progress")
+
+        def save(driver):
+            driver.set_window_size(1400, 1500)  # every section whole, in one viewport
+            for name in SECTIONS:
+                element = driver.find_element("css selector", f"#{name}")
+                element.screenshot(os.path.join(HERE, f"{name}.png"))
+            driver.save_screenshot(os.path.join(HERE, "dashboard.png"))
+        await browser.call(save)
+        await browser.wait_for(
+            lambda d: d.find_element("css selector", "#loads").text == "none", timeout=60,
+            what="the slow load finished")
+    finally:
+        if browser is not None:
+            await browser.stop()
+        await cluster.close()
+
+
+def main(reactor) -> defer.Deferred:
+    gaps = missing()
+    if gaps:
+        sys.exit(f"make.py needs {', '.join(gaps)}: bash .ci/install-browser")
+    admin_dsn = os.environ.get("LOCALAI_TEST_DSN",
+                               "postgresql://postgres@127.0.0.1:5432/postgres")
+    name = "ltw_shots_" + uuid.uuid4().hex[:12]
+    admin(admin_dsn, f'CREATE DATABASE "{name}"')
+    dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=name)
+    base_dir = tempfile.mkdtemp(prefix="localai-shots-")
+
+    def drop(result):
+        admin(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        shutil.rmtree(base_dir, ignore_errors=True)
+        print("saved", ", ".join(f"{s}.png" for s in SECTIONS + ("dashboard",)), "in", HERE)
+        return result
+    return defer.ensureDeferred(shoot(dsn, base_dir)).addBoth(drop)
+
+
+if __name__ == "__main__":
+    task.react(main)

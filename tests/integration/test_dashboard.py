@@ -1,0 +1,264 @@
+"""The dashboard (``/dashboard/``, and ``/`` for a browser) driven in headless Chromium against
+a real in-process frontend and a real worker with the ``echo`` backend: the operator types the
+API key once, sees the node and its presence, approves a pending node with the button, and runs
+a chat in the playground that streams the echo reply into the page."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import pytest_twisted
+import treq
+
+from localai_tw.cluster.nodes import NodeStatus
+from localai_tw.config import PortRange
+from localai_tw.worker.service import makeWorkerService
+
+from .browser import Browser, require_browser
+from .inference_harness import ADMIN, TOKEN, _ports, sha256_hex
+from .support import eventually
+
+WEIGHTS = b"echo weights " * 100
+
+ECHO_MODEL = (
+    "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n  max_tokens: 64\n"
+    f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
+    "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
+    "options: ['echo.dim:6']\n")
+
+
+@pytest_twisted.async_yield_fixture
+async def browser():
+    require_browser()
+    b = await Browser.start()
+    try:
+        yield b
+    finally:
+        await b.stop()
+
+
+def by_css(selector):
+    from selenium.webdriver.common.by import By
+
+    def find(driver):
+        found = driver.find_elements(By.CSS_SELECTOR, selector)
+        return found[0] if found else None
+    return find
+
+
+def text_of(selector):
+    """The element's text, or "" while it is missing or being replaced (every poll re-renders
+    the tables, so an element found a moment ago may be stale)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    find = by_css(selector)
+
+    def read(driver):
+        try:
+            element = find(driver)
+            return element.text if element is not None else ""
+        except StaleElementReferenceException:
+            return ""
+    return read
+
+
+def click(selector):
+    """Click the element, trying again when a poll replaced it between finding and clicking."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    find = by_css(selector)
+
+    def act(driver):
+        try:
+            element = find(driver)
+            if element is None:
+                return False
+            element.click()
+            return True
+        except StaleElementReferenceException:
+            return False
+    return act
+
+
+async def open_with_key(browser, url):
+    """Load the page and type the admin key into its form, as an operator does once."""
+    await browser.call(lambda d: d.get(url))
+    field = await browser.wait_for(by_css("#api-key"), what="the key field")
+    await browser.call(lambda d: (field.send_keys(ADMIN), d.find_element(
+        "css selector", "#key-save").click()))
+
+
+@pytest_twisted.ensureDeferred
+async def test_root_is_the_page_for_a_browser_and_json_for_api_clients(cluster):
+    frontend = await cluster.frontend("replica-r")
+    base = cluster.base_url(frontend)
+    page = await treq.get(base + "/", headers={
+        "Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"})
+    html = await page.text()
+    assert page.code == 200 and page.headers.getRawHeaders("content-type")[0].startswith(
+        "text/html")
+    assert "<title>localai-tw dashboard</title>" in html
+    assert ADMIN not in html  # the page is static: no secret in it
+    assert "frame-ancestors 'none'" in page.headers.getRawHeaders("content-security-policy")[0]
+    for accept in (None, "*/*", "application/json"):
+        answer = await treq.get(base + "/", headers={"Accept": accept} if accept else {})
+        assert answer.code == 200
+        assert json.loads(await answer.content())["admin_api"] == "/api/nodes"
+    script = await treq.get(base + "/dashboard/app.js")
+    assert script.code == 200 and "getReader" in (await script.text())
+    listing = await treq.get(base + "/dashboard/../")
+    assert listing.code in (200, 404)  # normalised to / or refused, never a file listing
+    missing = await treq.get(base + "/dashboard/nope.js")
+    assert missing.code == 404
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_dashboard_shows_the_node_and_streams_a_chat(cluster, browser):
+    cluster.write_file("echo.bin", WEIGHTS)
+    # 150 ms per word: slow enough to see the reply arrive word by word.
+    cluster.write_model("echo.yaml", ECHO_MODEL.replace(
+        "options: ['echo.dim:6']", "options: ['echo.dim:6', 'echo.delay_ms:150']"))
+    cluster.write_model("broken.yaml", "name: [unclosed\n")
+    frontend = await cluster.frontend("replica-d")
+    await cluster.worker("w-dash", frontend)
+    await open_with_key(browser, cluster.base_url(frontend) + "/")
+
+    presence = await browser.wait_for(
+        lambda d: "connected" in text_of('tr[data-node="w-dash"] .presence')(d) and
+        text_of('tr[data-node="w-dash"] .presence')(d), what="the node, connected")
+    assert presence == "connected"
+    replica = await browser.wait_for(text_of('tr[data-replica="replica-d"]'),
+                                     what="the replica row")
+    assert "w-dash" in replica  # the worker it holds
+    await browser.wait_for(text_of('tr[data-model="echo-chat"]'), what="the model")
+    errors = await browser.wait_for(text_of("#model-errors"), what="the failed config")
+    assert "broken.yaml" in errors
+
+    def ask(driver):
+        driver.find_element("css selector", "#play-input").send_keys(
+            "one two three four five six")
+        driver.find_element("css selector", "#play-send").click()
+    await browser.call(ask)
+    # Streamed: part of the reply is on the page while the rest is still coming.
+    partial = await browser.wait_for(
+        lambda d: not text_of("#play-status")(d).startswith(("finished", "done")) and
+        text_of("#play-output")(d), timeout=60, what="the first words of the reply")
+    assert "one two three four five six".startswith(partial) and partial != \
+        "one two three four five six"
+    reply = await browser.wait_for(
+        lambda d: text_of("#play-status")(d).startswith(("finished", "done")) and
+        text_of("#play-output")(d), timeout=60, what="the streamed reply")
+    assert reply == "one two three four five six"
+    # The chat cold-loaded the model on the worker: the page says where it is loaded.
+    loaded = await browser.wait_for(
+        lambda d: "w-dash" in text_of('tr[data-model="echo-chat"]')(d) and
+        text_of('tr[data-model="echo-chat"]')(d), what="where the model is loaded")
+    assert "not loaded" not in loaded
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_pending_node_is_approved_with_the_button(cluster, browser):
+    frontend = await cluster.frontend("replica-p", **{"require-approval": True})
+    first = next(_ports)
+    worker = makeWorkerService(
+        {"register-to": cluster.base_url(frontend), "registration-token": TOKEN,
+         "node-name": "w-pending", "node-type": "backend",
+         "backend-port-range": PortRange(first, first + 15), "labels": {},
+         "data-dir": os.path.join(cluster.base_dir, "w-pending")}, frontend._reactor)
+    worker.startService()
+    cluster.workers.append(worker)
+    node_id = await eventually(lambda: worker.registrar.registration
+                               and worker.registrar.registration.node_id,
+                               timeout=20, what="w-pending registered")
+    # Without the key the page shows nothing of the cluster, and says why.
+    await browser.call(lambda d: d.get(cluster.base_url(frontend) + "/dashboard/"))
+    status = await browser.wait_for(
+        lambda d: "API key" in text_of("#status")(d) and text_of("#status")(d),
+        what="the request for the key")
+    assert "enter the admin API key" in status
+    assert "w-pending" not in await browser.call(text_of("#nodes-body"))
+    await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+
+    approval = await browser.wait_for(text_of('tr[data-node="w-pending"] .approval'),
+                                      what="the pending node")
+    assert approval == "pending"
+    await browser.wait_for(click('button.approve[data-node="w-pending"]'), what="the click")
+    nodes = frontend.replica.nodes
+
+    async def healthy():
+        node = await nodes.get_node(node_id)
+        return node if node.status is NodeStatus.HEALTHY else None
+    node = await eventually(healthy, timeout=20, what="w-pending healthy in the database")
+    assert node.approved
+    await browser.wait_for(lambda d: text_of('tr[data-node="w-pending"] .approval')(d)
+                           == "healthy", what="the page showing it healthy")
+    # Drain: no new work for it, in the database too.
+    await browser.wait_for(click('button.drain[data-node="w-pending"]'), what="the drain click")
+
+    async def draining():
+        return (await nodes.get_node(node_id)).status is NodeStatus.DRAINING
+    await eventually(draining, timeout=20, what="w-pending draining in the database")
+    await browser.wait_for(lambda d: text_of('tr[data-node="w-pending"] .approval')(d)
+                           == "draining", what="the page showing it draining")
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_a_departed_worker_is_reconnecting_with_the_grace_left_never_failed(
+        cluster, browser):
+    frontend = await cluster.frontend("replica-g")
+    worker = await cluster.worker("w-away", frontend)
+    await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+    await browser.wait_for(lambda d: text_of('tr[data-node="w-away"] .presence')(d)
+                           == "connected", what="the node, connected")
+    await worker.stopService()  # its tunnel leaves; the grace (90 s) starts
+    presence = await browser.wait_for(
+        lambda d: "reconnecting" in text_of('tr[data-node="w-away"] .presence')(d) and
+        text_of('tr[data-node="w-away"] .presence')(d), what="the node, reconnecting")
+    left = int(presence.split("(")[1].split(" s ")[0])
+    assert 60 < left <= 90, presence
+    row = await browser.call(text_of('tr[data-node="w-away"]'))
+    assert "fail" not in row.lower()  # away within the grace is not a failure
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_a_cold_load_shows_its_progress_until_the_model_is_loaded(cluster, browser):
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("slow.yaml", ECHO_MODEL.replace("echo-chat", "echo-slow").replace(
+        "options: ['echo.dim:6']", "options: ['echo.dim:6', 'echo.load_delay_ms:6000']"))
+    frontend = await cluster.frontend("replica-c")
+    await cluster.worker("w-cold", frontend)
+    await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+    await browser.wait_for(text_of('tr[data-model="echo-slow"]'), what="the model listed")
+
+    def ask(driver):
+        driver.find_element("css selector", "#play-input").send_keys("warm up")
+        driver.find_element("css selector", "#play-send").click()
+    await browser.call(ask)  # the first request cold-loads the model
+    load = await browser.wait_for(
+        lambda d: "loading" in text_of('[data-load="echo-slow"]')(d) and
+        text_of('[data-load="echo-slow"]')(d), what="the cold load in progress")
+    assert "w-cold" in load and "phase 4 of 4" in load
+    bar = await browser.call(lambda d: d.execute_script(
+        "return document.querySelector('[data-load=\"echo-slow\"] progress').value"))
+    assert bar == 3  # three phases done: full only once loaded
+    reply = await browser.wait_for(
+        lambda d: text_of("#play-status")(d).startswith(("finished", "done")) and
+        text_of("#play-output")(d), timeout=60, what="the reply after the load")
+    assert reply == "warm up"
+    await browser.wait_for(lambda d: text_of("#loads")(d) == "none", what="the load gone")
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_loads_route_the_page_polls_needs_the_admin_key(cluster):
+    frontend = await cluster.frontend("replica-k")
+    url = cluster.base_url(frontend) + "/api/cluster/loads"
+    refused = await treq.get(url)
+    assert refused.code == 401
+    answer = await treq.get(url, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert answer.code == 200 and json.loads(await answer.content()) == {"loads": []}
