@@ -249,6 +249,10 @@ class ReplicaMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         self._path_of: Callable[[str], str] = lambda node: "owner"
+        #: Called with every finished request as ``(record, status, nodes, path, ended)``
+        #: (``ended``: ``time.monotonic()``), after the metrics: the trace ring
+        #: (``frontend/traces.py``).  A listener that raises is ignored.
+        self.listeners: list[Callable[[RequestRecord, str, list[str], str, float], None]] = []
         r = self.registry
         self.requests = Counter(
             "localai_requests", "OpenAI API requests answered, by endpoint, model, HTTP "
@@ -318,6 +322,11 @@ class ReplicaMetrics:
             self.tokens.labels(model, "out").inc(record.completion_tokens)
         if isinstance(record.cause, errors.ClusterError):  # not a refused request (OpenAIError)
             self.errors.labels(endpoint, condition_label(record.cause)).inc()
+        for listener in self.listeners:
+            try:
+                listener(record, status, nodes, path, now)
+            except Exception:  # a trace must never break an answer nor the other listeners
+                pass
 
 
 class _Discard(ReplicaMetrics):

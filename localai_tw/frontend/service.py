@@ -38,7 +38,7 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
-``/api/cluster/instances``, ``/api/cluster/loads`` and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
@@ -92,6 +92,7 @@ from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
+from .traces import TraceRing, TracesResource
 from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
 from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
@@ -615,7 +616,7 @@ class FrontendService(InOrderMultiService):
         # starting, before the gate's 503): the API keys now, registration once wired.
         self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
-                       b"/metrics"):
+                       b"/api/traces", b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -649,6 +650,9 @@ class FrontendService(InOrderMultiService):
         root.putChild(b"api", api)
         registration = WorkerRegistrationResource(parts)
         api.putChild(b"node", registration)
+        traces = TraceRing()  # the recent requests, from the metrics' records
+        traces.watch(replica.metrics)
+        api.putChild(b"traces", TracesResource(traces, self.api_keys))
         api.putChild(b"nodes", NodeMetricsRouting(
             NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
                                 SchedulingResource(parts, self.api_keys)), parts, self.api_keys))
