@@ -157,6 +157,12 @@ async def test_dashboard_shows_the_node_and_streams_a_chat(cluster, browser):
         lambda d: "w-dash" in text_of('tr[data-model="echo-chat"]')(d) and
         text_of('tr[data-model="echo-chat"]')(d), what="where the model is loaded")
     assert "not loaded" not in loaded
+    # The streamed chat is the newest of the recent requests (/api/traces), without its prompt.
+    trace = await browser.wait_for(
+        lambda d: "echo-chat" in text_of("#traces-body tr")(d) and text_of("#traces-body tr")(d),
+        what="the chat among the recent requests")
+    assert "chat" in trace and "w-dash" in trace and "owner" in trace and "200" in trace
+    assert "one two" not in await browser.call(text_of("#traces-body"))
 
 
 @pytest.mark.browser

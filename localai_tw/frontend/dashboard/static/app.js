@@ -187,6 +187,21 @@ function renderLoads(loads, nodes) {
   }));
 }
 
+// This replica's last requests (/api/traces): what was asked of whom and how it went.
+function renderTraces(traces, nodes) {
+  const names = Object.fromEntries(nodes.map(n => [n.id, n.name]));
+  const body = document.getElementById("traces-body");
+  body.replaceChildren(...traces.map(t => el("tr", {"data-trace": t.id},
+    el("td", {}, new Date(t.time * 1000).toLocaleTimeString()),
+    el("td", {}, t.endpoint), el("td", {}, t.model),
+    el("td", {}, t.nodes.map(id => names[id] || id).join(", ")), el("td", {}, t.path),
+    el("td", {}, t.status, t.condition ? " " : null,
+       t.condition ? badge(t.condition, "error") : null),
+    el("td", {}, t.seconds.toFixed(3) + " s"),
+    el("td", {}, t.first_token_seconds === null ? "" : t.first_token_seconds.toFixed(3) + " s"),
+    el("td", {}, t.prompt_tokens + " / " + t.completion_tokens))));
+}
+
 let polling = false;
 async function poll() {
   if (polling) return;
@@ -195,13 +210,14 @@ async function poll() {
   try {
     let nodes = [];
     try {
-      const [n, inst, loads] = await Promise.all([getJSON("/api/nodes"),
-                                                  getJSON("/api/cluster/instances"),
-                                                  getJSON("/api/cluster/loads")]);
+      const [n, inst, loads, traces] = await Promise.all([
+        getJSON("/api/nodes"), getJSON("/api/cluster/instances"),
+        getJSON("/api/cluster/loads"), getJSON("/api/traces?limit=50")]);
       nodes = n.nodes;
       renderNodes(nodes);
       renderReplicas(inst.instances, nodes);
       renderLoads(loads.loads, nodes);
+      renderTraces(traces.traces, nodes);
       status.textContent = "updated " + new Date().toLocaleTimeString();
       status.className = "";
     } catch (e) {
