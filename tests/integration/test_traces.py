@@ -31,7 +31,8 @@ async def test_traces_list_recent_requests_newest_first_without_prompts(cluster)
     refused = await treq.get(base + "/api/traces")
     assert refused.code == 401
     await treq.content(refused)
-    bad = await treq.get(base + "/api/traces?limit=0", headers={"Authorization": f"Bearer {ADMIN}"})
+    bad = await treq.get(base + "/api/traces?limit=0",
+                         headers={"Authorization": f"Bearer {ADMIN}"})
     assert bad.code == 400
     await treq.content(bad)
     answer = await treq.get(base + "/api/traces?limit=5",
