@@ -750,3 +750,30 @@ def test_a_backend_that_cannot_count_gives_zero_usage_not_a_failure(site, router
     assert response.status == 200 and len(response.json()["data"]) == 2
     assert response.json()["usage"] == {"prompt_tokens": 0, "total_tokens": 0}
     assert asked == ["a"]  # asked once per request
+
+
+# -- tokenize -----------------------------------------------------------------------------------
+
+
+def test_tokenize_is_one_tokenize_string_call_in_localais_shape(site, router):
+    response = call(site, "POST", "/v1/tokenize", {"model": "chatty", "content": "a b c"})
+    assert response.status == 200, response.raw_body
+    assert response.json() == {"tokens": [0, 1, 2]}
+    assert [(verb, name, o.Prompt) for verb, name, o in router.calls] == \
+        [("tokenize", "chatty", "a b c")]
+    assert response.header("x-localai-node") == "node-a"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"content": "x"}, 400, "model"),
+    ({"model": "chatty"}, 400, "content"),
+    ({"model": "chatty", "content": ["x"]}, 400, "content"),
+    ({"model": "nope", "content": "x"}, 404, "model"),
+])
+def test_tokenize_bad_requests_never_reach_the_router(site, router, body, status, param):
+    assert_error(call(site, "POST", "/v1/tokenize", body), status, param=param)
+    assert router.calls == []
+
+
+def test_tokenize_is_post_only(site):
+    assert_error(call(site, "GET", "/v1/tokenize"), 405, code="method_not_allowed")
