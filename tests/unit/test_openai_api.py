@@ -777,3 +777,60 @@ def test_tokenize_bad_requests_never_reach_the_router(site, router, body, status
 
 def test_tokenize_is_post_only(site):
     assert_error(call(site, "GET", "/v1/tokenize"), 405, code="method_not_allowed")
+
+
+# -- rerank -------------------------------------------------------------------------------------
+
+
+def test_rerank_answers_the_jina_shape_best_first_with_the_request_texts(site, router):
+    body = {"model": "embedder", "query": "q", "documents": ["aa", "a", "aaa"], "top_n": 2}
+    response = call(site, "POST", "/v1/rerank", body)
+    assert response.status == 200, response.raw_body
+    assert response.json() == {
+        "model": "embedder",
+        "results": [{"index": 2, "document": {"text": "aaa"}, "relevance_score": 0.75},
+                    {"index": 0, "document": {"text": "aa"}, "relevance_score": 0.5}],
+        "usage": {"total_tokens": 9, "prompt_tokens": 9}}
+    [(verb, name, sent)] = router.calls
+    assert (verb, name, sent.query, list(sent.documents), sent.top_n) == \
+        ("rerank", "embedder", "q", ["aa", "a", "aaa"], 2)
+    assert response.header("x-localai-node") == "node-a"
+
+
+def test_rerank_without_top_n_ranks_every_document_and_clamps_a_large_one(site, router):
+    call(site, "POST", "/v1/rerank", {"model": "embedder", "query": "q", "documents": ["a", "b"]})
+    call(site, "POST", "/v1/rerank",
+         {"model": "embedder", "query": "q", "documents": ["a", "b"], "top_n": 50})
+    assert [sent.top_n for _, _, sent in router.calls] == [2, 2]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"query": "q", "documents": ["a"]}, "model"),
+    ({"model": "embedder", "documents": ["a"]}, "query"),
+    ({"model": "embedder", "query": "", "documents": ["a"]}, "query"),
+    ({"model": "embedder", "query": "q"}, "documents"),
+    ({"model": "embedder", "query": "q", "documents": []}, "documents"),
+    ({"model": "embedder", "query": "q", "documents": "a"}, "documents"),
+    ({"model": "embedder", "query": "q", "documents": ["a", 3]}, "documents[1]"),
+    ({"model": "embedder", "query": "q", "documents": ["a", ""]}, "documents[1]"),
+    ({"model": "embedder", "query": "q", "documents": ["a"] * 1025}, "documents"),
+    ({"model": "embedder", "query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+])
+def test_rerank_bad_requests_are_400_and_never_reach_the_router(site, router, body, param):
+    assert_error(call(site, "POST", "/v1/rerank", body), 400, param=param)
+    assert router.calls == []
+
+
+def test_rerank_on_a_model_that_cannot_rerank_is_unsupported_by_model():
+    router = FakeRouter([model_config("gen", backend="transformers")])
+    body = {"model": "gen", "query": "q", "documents": ["a"]}
+    assert_error(call(make_site(router), "POST", "/v1/rerank", body), 400, param="model",
+                 code="unsupported_by_model")
+    assert router.calls == []
+
+
+def test_a_backend_index_the_request_did_not_have_is_a_500_not_a_crash(site, router):
+    router.rerank_answer = [backend_pb2.DocumentResult(index=7, relevance_score=1.0)]
+    response = call(site, "POST", "/v1/rerank",
+                    {"model": "embedder", "query": "q", "documents": ["a"]})
+    assert_error(response, 500, code="bad_backend_answer")
