@@ -41,9 +41,10 @@ with the same ``name``: the first by file name wins and the other is reported.
 What a model is for (:func:`usecases`), decided from the config alone so that a request the
 model cannot serve is refused before any backend is called:
 
-1. ``known_usecases`` when given (LocalAI's key; ``chat``, ``completion``, ``embeddings``, other
-   LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is dropped);
-2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only;
+1. ``known_usecases`` when given (LocalAI's key; ``chat``, ``completion``, ``embeddings``,
+   ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
+   dropped);
+2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
 3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
    completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
    table (``external``, plugins) is asked for anything and answers for itself.
