@@ -49,8 +49,8 @@ model cannot serve is refused before any backend is called:
    completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
    table (``external``, plugins) is asked for anything and answers for itself.
 4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
-   this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``echo``); any other backend
-   reranks only when ``known_usecases`` lists ``rerank``.
+   this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
+   ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
 
 Reloading: :class:`ModelCatalog` re-reads on access at most every ``check_interval`` seconds,
 and then only the files whose (mtime, size) changed; the directory is listed with
@@ -90,8 +90,8 @@ MAX_USECASES = 32
 CHAT, COMPLETION, EMBEDDINGS, RERANK = "chat", "completion", "embeddings", "rerank"
 ALL_USECASES = frozenset({CHAT, COMPLETION, EMBEDDINGS})
 #: Backends whose ``Rerank`` this package ships: an embeddings model on one of them also reranks
-#: (bi-encoder cosine in ``bert-numpy``; word overlap in ``echo``).
-RERANK_BACKENDS = frozenset({"bert-numpy", "echo"})
+#: (bi-encoder cosine in ``bert-numpy`` and ``sentence-transformers``; word overlap in ``echo``).
+RERANK_BACKENDS = frozenset({"bert-numpy", "sentence-transformers", "echo"})
 #: What the backends this package knows can be asked for when a config says nothing
 #: (``embeddings: true`` or ``known_usecases`` take precedence; see the module docstring).
 BACKEND_USECASES: dict[str, frozenset[str]] = {

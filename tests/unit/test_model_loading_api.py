@@ -47,7 +47,7 @@ def chat(model="chatty", **more):
 
 @pytest.mark.parametrize("data, expected", [
     ({"backend": "transformers"}, {"chat", "completion"}),
-    ({"backend": "sentence-transformers"}, {"embeddings"}),
+    ({"backend": "sentence-transformers"}, {"embeddings", "rerank"}),
     ({"backend": "echo"}, {"chat", "completion", "embeddings", "rerank"}),
     ({"backend": "bert-numpy"}, {"chat", "completion", "embeddings", "rerank"}),
     ({"backend": "bert-numpy", "embeddings": True}, {"embeddings", "rerank"}),
