@@ -52,7 +52,7 @@ from .interfaces import (
     NoNodeAvailable,
     Served,
 )
-from .models import CHAT, COMPLETION, EMBEDDINGS, ModelCatalog, ModelConfig, usecases
+from .models import CHAT, COMPLETION, EMBEDDINGS, RERANK, ModelCatalog, ModelConfig, usecases
 from .coldload import ColdLoader
 from .loadlock import LoadLock
 from .placement import NodeChooser, Placement
@@ -66,6 +66,7 @@ MAX_SKIPS = 4
 #: What a call asks of a model (its name in errors) and the use cases that allow it.
 _GENERATION = ("text generation (chat or completion)", frozenset({CHAT, COMPLETION}))
 _EMBEDDING = (EMBEDDINGS, frozenset({EMBEDDINGS}))
+_RERANK = (RERANK, frozenset({RERANK}))
 
 
 def _reloadable(error: BaseException) -> bool:
@@ -123,6 +124,11 @@ class InferenceRouter:
     def tokenize(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
                            lambda client, req, dl: client.call("TokenizeString", req, dl))
+
+    def rerank(self, name, request, deadline=None) -> defer.Deferred:
+        return self._serve(name, request, deadline,
+                           lambda client, req, dl: client.call("Rerank", req, dl),
+                           needs=_RERANK)
 
     def predict_stream(self, name, options, on_reply, deadline=None,
                        on_start=None, on_loading=None) -> defer.Deferred:

@@ -179,6 +179,11 @@ class IInferenceRouter(Interface):
     def tokenize(name, options, deadline=None):
         """``TokenizeString``: returns ``Deferred[Served[backend_pb2.TokenizationResponse]]``."""
 
+    def rerank(name, request, deadline=None):
+        """``Rerank`` of a ``backend_pb2.RerankRequest``: returns
+        ``Deferred[Served[backend_pb2.RerankResult]]``; refused (``ModelUsecaseUnsupported``)
+        for a model whose config rules reranking out."""
+
 
 __all__ = [
     "IInferenceRouter",

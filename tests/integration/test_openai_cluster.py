@@ -114,3 +114,62 @@ async def test_what_the_backend_cannot_honour_is_a_bad_request_for_the_official_
         assert where == param.split(".")[-1]
         assert "'echo-chat'" in message and "cannot honour" in message
     assert fine.choices[0].message.content == "weather in Paris?"
+
+
+@pytest_twisted.ensureDeferred
+async def test_tokenize_reaches_the_backends_tokenize_string_through_the_router(cluster):
+    import json
+    import urllib.request
+
+    from localai_tw.backends.builtin.echo import token_id
+
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", (
+        "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n"
+        f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"))
+    frontend = await cluster.frontend("replica-t")
+    await cluster.worker("w-tokenize", frontend)
+    url = cluster.base_url(frontend) + "/v1/tokenize"
+
+    def tokenize():
+        request = urllib.request.Request(
+            url, data=json.dumps({"model": "echo-chat", "content": "héllo wörld"}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.headers.get("x-localai-node"), json.loads(response.read())
+
+    node, answer = await threads.deferToThread(tokenize)
+    assert node == "w-tokenize"
+    assert answer == {"tokens": [token_id("héllo"), token_id("wörld")]}
+
+
+@pytest_twisted.ensureDeferred
+async def test_rerank_reaches_the_backends_rerank_through_the_router(cluster):
+    import json
+    import urllib.request
+
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", (
+        "name: echo-rank\nbackend: echo\nparameters:\n  model: echo.bin\n"
+        f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"))
+    frontend = await cluster.frontend("replica-r")
+    await cluster.worker("w-rerank", frontend)
+    url = cluster.base_url(frontend) + "/v1/rerank"
+    body = {"model": "echo-rank", "query": "red apple", "top_n": 2,
+            "documents": ["green pear", "red apple pie", "a red car"]}
+
+    def rerank():
+        request = urllib.request.Request(
+            url, data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.headers.get("x-localai-node"), json.loads(response.read())
+
+    node, answer = await threads.deferToThread(rerank)
+    assert node == "w-rerank"
+    # echo scores the share of the query's words a document holds
+    assert answer["results"] == [
+        {"index": 1, "document": {"text": "red apple pie"}, "relevance_score": 1.0},
+        {"index": 2, "document": {"text": "a red car"}, "relevance_score": 0.5}]
+    assert answer["model"] == "echo-rank"
+    assert answer["usage"] == {"prompt_tokens": 10, "total_tokens": 10}

@@ -182,6 +182,13 @@ CONTRACT_FIELDS = {
     "TokenizationResponse": {"length": (1, INT32, False), "tokens": (2, INT32, True)},
     "StatusResponse": {"state": (1, ENUM, False), "memory": (2, MESSAGE, False)},
     "MemoryUsageData": {"total": (1, UINT64, False), "breakdown": (2, MESSAGE, True)},
+    # §2.9
+    "RerankRequest": {"query": (1, STRING, False), "documents": (2, STRING, True),
+                      "top_n": (3, INT32, False), "ModelIdentity": (4, STRING, False)},
+    "RerankResult": {"usage": (1, MESSAGE, False), "results": (2, MESSAGE, True)},
+    "Usage": {"total_tokens": (1, INT32, False), "prompt_tokens": (2, INT32, False)},
+    "DocumentResult": {"index": (1, INT32, False), "text": (2, STRING, False),
+                       "relevance_score": (3, FLOAT, False)},
     "GrammarTrigger": {"word": (1, STRING, False)},
     "ProxyOptions": {
         "upstream_url": (1, STRING, False), "mode": (2, STRING, False),
@@ -201,6 +208,7 @@ CONTRACT_RPCS = [
     ("Embedding", "PredictOptions", "EmbeddingResult", False),
     ("TokenizeString", "PredictOptions", "TokenizationResponse", False),
     ("Status", "HealthMessage", "StatusResponse", False),
+    ("Rerank", "RerankRequest", "RerankResult", False),
 ]
 
 

@@ -47,8 +47,11 @@ def chat(model="chatty", **more):
 
 @pytest.mark.parametrize("data, expected", [
     ({"backend": "transformers"}, {"chat", "completion"}),
-    ({"backend": "sentence-transformers"}, {"embeddings"}),
-    ({"backend": "echo"}, {"chat", "completion", "embeddings"}),
+    ({"backend": "sentence-transformers"}, {"embeddings", "rerank"}),
+    ({"backend": "echo"}, {"chat", "completion", "embeddings", "rerank"}),
+    ({"backend": "bert-numpy"}, {"chat", "completion", "embeddings", "rerank"}),
+    ({"backend": "bert-numpy", "embeddings": True}, {"embeddings", "rerank"}),
+    ({"backend": "external", "known_usecases": ["rerank"]}, {"rerank"}),
     ({"backend": "external"}, {"chat", "completion", "embeddings"}),  # the backend decides
     ({"backend": "transformers", "embeddings": True}, {"embeddings"}),
     ({"backend": "external", "embeddings": True}, {"embeddings"}),

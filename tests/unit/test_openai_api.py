@@ -750,3 +750,87 @@ def test_a_backend_that_cannot_count_gives_zero_usage_not_a_failure(site, router
     assert response.status == 200 and len(response.json()["data"]) == 2
     assert response.json()["usage"] == {"prompt_tokens": 0, "total_tokens": 0}
     assert asked == ["a"]  # asked once per request
+
+
+# -- tokenize -----------------------------------------------------------------------------------
+
+
+def test_tokenize_is_one_tokenize_string_call_in_localais_shape(site, router):
+    response = call(site, "POST", "/v1/tokenize", {"model": "chatty", "content": "a b c"})
+    assert response.status == 200, response.raw_body
+    assert response.json() == {"tokens": [0, 1, 2]}
+    assert [(verb, name, o.Prompt) for verb, name, o in router.calls] == \
+        [("tokenize", "chatty", "a b c")]
+    assert response.header("x-localai-node") == "node-a"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"content": "x"}, 400, "model"),
+    ({"model": "chatty"}, 400, "content"),
+    ({"model": "chatty", "content": ["x"]}, 400, "content"),
+    ({"model": "nope", "content": "x"}, 404, "model"),
+])
+def test_tokenize_bad_requests_never_reach_the_router(site, router, body, status, param):
+    assert_error(call(site, "POST", "/v1/tokenize", body), status, param=param)
+    assert router.calls == []
+
+
+def test_tokenize_is_post_only(site):
+    assert_error(call(site, "GET", "/v1/tokenize"), 405, code="method_not_allowed")
+
+
+# -- rerank -------------------------------------------------------------------------------------
+
+
+def test_rerank_answers_the_jina_shape_best_first_with_the_request_texts(site, router):
+    body = {"model": "embedder", "query": "q", "documents": ["aa", "a", "aaa"], "top_n": 2}
+    response = call(site, "POST", "/v1/rerank", body)
+    assert response.status == 200, response.raw_body
+    assert response.json() == {
+        "model": "embedder",
+        "results": [{"index": 2, "document": {"text": "aaa"}, "relevance_score": 0.75},
+                    {"index": 0, "document": {"text": "aa"}, "relevance_score": 0.5}],
+        "usage": {"total_tokens": 9, "prompt_tokens": 9}}
+    [(verb, name, sent)] = router.calls
+    assert (verb, name, sent.query, list(sent.documents), sent.top_n) == \
+        ("rerank", "embedder", "q", ["aa", "a", "aaa"], 2)
+    assert response.header("x-localai-node") == "node-a"
+
+
+def test_rerank_without_top_n_ranks_every_document_and_clamps_a_large_one(site, router):
+    call(site, "POST", "/v1/rerank", {"model": "embedder", "query": "q", "documents": ["a", "b"]})
+    call(site, "POST", "/v1/rerank",
+         {"model": "embedder", "query": "q", "documents": ["a", "b"], "top_n": 50})
+    assert [sent.top_n for _, _, sent in router.calls] == [2, 2]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"query": "q", "documents": ["a"]}, "model"),
+    ({"model": "embedder", "documents": ["a"]}, "query"),
+    ({"model": "embedder", "query": "", "documents": ["a"]}, "query"),
+    ({"model": "embedder", "query": "q"}, "documents"),
+    ({"model": "embedder", "query": "q", "documents": []}, "documents"),
+    ({"model": "embedder", "query": "q", "documents": "a"}, "documents"),
+    ({"model": "embedder", "query": "q", "documents": ["a", 3]}, "documents[1]"),
+    ({"model": "embedder", "query": "q", "documents": ["a", ""]}, "documents[1]"),
+    ({"model": "embedder", "query": "q", "documents": ["a"] * 1025}, "documents"),
+    ({"model": "embedder", "query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+])
+def test_rerank_bad_requests_are_400_and_never_reach_the_router(site, router, body, param):
+    assert_error(call(site, "POST", "/v1/rerank", body), 400, param=param)
+    assert router.calls == []
+
+
+def test_rerank_on_a_model_that_cannot_rerank_is_unsupported_by_model():
+    router = FakeRouter([model_config("gen", backend="transformers")])
+    body = {"model": "gen", "query": "q", "documents": ["a"]}
+    assert_error(call(make_site(router), "POST", "/v1/rerank", body), 400, param="model",
+                 code="unsupported_by_model")
+    assert router.calls == []
+
+
+def test_a_backend_index_the_request_did_not_have_is_a_500_not_a_crash(site, router):
+    router.rerank_answer = [backend_pb2.DocumentResult(index=7, relevance_score=1.0)]
+    response = call(site, "POST", "/v1/rerank",
+                    {"model": "embedder", "query": "q", "documents": ["a"]})
+    assert_error(response, 500, code="bad_backend_answer")

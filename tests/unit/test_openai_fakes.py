@@ -173,6 +173,19 @@ class FakeRouter:
             return self._held("embed", served)
         return defer.succeed(served)
 
+    def rerank(self, name, request, deadline=None):
+        """Longer documents rank higher; ``rerank_answer`` replaces the results when set."""
+        self._record("rerank", name, request)
+        order = sorted(range(len(request.documents)),
+                       key=lambda i: (-len(request.documents[i]), i))[:request.top_n]
+        results = getattr(self, "rerank_answer", None) or [
+            backend_pb2.DocumentResult(index=i, text=request.documents[i],
+                                       relevance_score=len(request.documents[i]) / 4)
+            for i in order]
+        return defer.succeed(Served(backend_pb2.RerankResult(
+            usage=backend_pb2.Usage(total_tokens=9, prompt_tokens=9), results=results),
+            self.node))
+
     def tokenize(self, name, options, deadline=None):
         self._record("tokenize", name, options)
         words = options.Prompt.split()

@@ -24,7 +24,12 @@ RPCs: ``Health``, ``LoadModel`` (``ModelFile`` when it exists, else ``Model``: a
 directory; a failed load is ``success=false`` with the reason), ``Embedding`` (text in
 ``Embeddings`` or ``Prompt``, or token ids in ``EmbeddingTokens``; one pooled vector, layout
 FINAL, ``prompt_tokens`` = tokens evaluated), ``TokenizeString`` (ids without special tokens,
-not truncated, so a caller can count), ``Status``, ``Free``.
+not truncated, so a caller can count), ``Rerank`` (see below), ``Status``, ``Free``.
+
+``Rerank`` is bi-encoder reranking: the cosine similarity of the query's embedding and each
+document's, documents best first.  That is a legitimate reranker (sentence-transformers'
+semantic search does exactly this), though a cross-encoder, which reads query and document
+together, usually ranks better; scores are cosines in [-1, 1], not probabilities.
 
 numpy, tokenizers and safetensors are imported inside this process only (the worker's factory
 merely asks whether they could be imported).  What this program must never do: import torch,
@@ -48,6 +53,8 @@ from localai_tw.backends.builtin import serving
 TRANSFORMER_MODULE = "sentence_transformers.models.Transformer"
 POOLING_MODULE = "sentence_transformers.models.Pooling"
 NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
+#: Texts encoded in one forward pass by ``Rerank`` (query and documents), to bound memory.
+RERANK_BATCH = 32
 
 
 class ModelDirectoryError(ValueError):
@@ -359,6 +366,31 @@ class BertNumpyServicer(backend_pb2_grpc.BackendServicer):
     def TokenizeString(self, request, context):
         ids = self._loaded(context).count(request.Prompt)
         return backend_pb2.TokenizationResponse(length=len(ids), tokens=ids)
+
+    def Rerank(self, request, context):
+        """Bi-encoder reranking (module docstring): cosine of query and document embeddings,
+        documents encoded ``RERANK_BATCH`` at a time to bound memory."""
+        import numpy as np
+
+        encoder = self._loaded(context)
+        documents = list(request.documents)
+        with self._lock:
+            self._busy += 1
+        try:
+            ids = encoder.tokenize([request.query] + documents)
+            if any(len(i) <= 2 for i in ids):  # [CLS] [SEP] alone: an empty text
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "the query and every document must have text")
+            vectors = np.concatenate([encoder.encode_ids(ids[start:start + RERANK_BATCH])
+                                      for start in range(0, len(ids), RERANK_BATCH)])
+            norms = np.maximum(np.linalg.norm(vectors, axis=1), 1e-12)
+            unit = vectors / norms[:, None]
+            scores = (unit[1:] @ unit[0]).tolist()
+            return serving.rerank_result(documents, scores, request.top_n,
+                                         sum(len(i) for i in ids))
+        finally:
+            with self._lock:
+                self._busy -= 1
 
 
 def main(argv=None) -> None:

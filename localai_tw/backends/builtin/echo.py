@@ -12,7 +12,8 @@ benchmarks.  Run as ``python -m localai_tw.backends.builtin.echo --addr 127.0.0.
   words.  ``PredictStream`` yields one word per reply (with its trailing space) and the running
   ``tokens`` total.
 - ``Embedding``: a unit vector derived from SHA-256 of the input text (or token ids), layout
-  FINAL.  ``TokenizeString``: one stable id per word.
+  FINAL.  ``TokenizeString``: one stable id per word.  ``Rerank``: each document's score is
+  the share of the query's distinct words it contains (deterministic, for tests).
 - ``Status``: BUSY while a request runs, READY when loaded, else UNINITIALIZED.  ``Free``
   forgets the model.
 - Before ``LoadModel``, inference RPCs fail ``FAILED_PRECONDITION`` ``model not loaded``.
@@ -198,6 +199,13 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
         self._require_loaded(context)
         tokens = [token_id(w) for w in words_of(request.Prompt)]
         return backend_pb2.TokenizationResponse(length=len(tokens), tokens=tokens)
+
+    def Rerank(self, request, context):
+        self._require_loaded(context)
+        query = set(words_of(request.query))
+        scores = [len(query & set(words_of(d))) / max(1, len(query)) for d in request.documents]
+        tokens = len(words_of(request.query)) + sum(len(words_of(d)) for d in request.documents)
+        return serving.rerank_result(list(request.documents), scores, request.top_n, tokens)
 
 
 def main(argv=None) -> None:

@@ -18,6 +18,8 @@ frontend reap and reload the model).  ``Predict``/``PredictStream`` generate fro
 honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
 ``TopK``, ``Seed`` and ``StopPrompts``.  ``Embedding`` answers one pooled vector (layout FINAL):
 the sentence-transformers encoding, or the attention-mask mean of the last hidden state.
+``Rerank`` (sentence-transformers models only) is bi-encoder reranking: the cosine similarity
+of the query's and each document's embedding, best first (as ``bert-numpy`` ranks).
 
 torch, transformers and sentence-transformers are imported inside this process only, lazily,
 so the worker's base install never needs them.  The worker-side factories check that they are
@@ -215,6 +217,28 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
     def _busy_exit(self):
         with self._lock:
             self._busy -= 1
+
+    def Rerank(self, request, context):
+        """Bi-encoder reranking (module docstring); ``UNIMPLEMENTED`` on a transformers model
+        (never "model not loaded", which would make the frontend reload it)."""
+        model = self.sentence_model
+        if model is None:
+            if self.model is not None:
+                context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                              "rerank needs a sentence-transformers model; this backend holds "
+                              "a transformers model")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
+        from sentence_transformers import util
+
+        texts = [request.query] + list(request.documents)
+        self._busy_enter()
+        try:
+            vectors = model.encode(texts, convert_to_tensor=True)
+            scores = util.cos_sim(vectors[0:1], vectors[1:])[0].tolist()
+            evaluated = int(model.tokenize(texts)["attention_mask"].sum())
+        finally:
+            self._busy_exit()
+        return serving.rerank_result(texts[1:], scores, request.top_n, evaluated)
 
     def _require_generator(self, context):
         if self.sentence_model is not None:

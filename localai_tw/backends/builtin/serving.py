@@ -30,7 +30,7 @@ from concurrent import futures
 
 import grpc
 
-from localai_tw.backends import backend_pb2_grpc
+from localai_tw.backends import backend_pb2, backend_pb2_grpc
 
 MAX_MESSAGE_BYTES = 50 * 1024 * 1024
 SERVER_OPTIONS = [
@@ -47,8 +47,20 @@ MAX_WORKERS_ENV = "PYTHON_GRPC_MAX_WORKERS"
 #: Methods whose request carries ``ModelIdentity`` (PredictOptions) and is checked.
 IDENTITY_CHECKED = frozenset(
     f"/backend.Backend/{name}" for name in ("Predict", "PredictStream", "Embedding",
-                                            "TokenizeString"))
+                                            "TokenizeString", "Rerank"))
 LOAD_METHOD = "/backend.Backend/LoadModel"
+
+
+def rerank_result(documents, scores, top_n: int, prompt_tokens: int):
+    """The ``RerankResult`` of ``scores`` (one per document): best first, ties by index, the
+    first ``top_n`` (0 or less: all), as LocalAI's rerankers answer."""
+    order = sorted(range(len(documents)), key=lambda i: (-scores[i], i))
+    if top_n > 0:
+        order = order[:top_n]
+    return backend_pb2.RerankResult(
+        usage=backend_pb2.Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+        results=[backend_pb2.DocumentResult(index=i, text=documents[i],
+                                            relevance_score=float(scores[i])) for i in order])
 
 
 def parse_interval(raw: str, default: float = 2.0) -> float:

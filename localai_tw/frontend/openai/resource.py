@@ -1,6 +1,6 @@
 """``/v1`` as one Twisted resource: :class:`OpenAIResource` checks the API key, routes each
 path and method to its endpoint family (``chat``, ``completions``, ``embeddings``,
-``models``), and turns whatever a family raises into an OpenAI-shaped answer.
+``models``, ``tokenize``, ``rerank``), and turns whatever a family raises into an OpenAI-shaped answer.
 
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
 :class:`~localai_tw.frontend.web.APIKeyGuard` (constant time) **only when a key is
@@ -28,7 +28,7 @@ from localai_tw import metrics as replica_metrics
 
 from ..interfaces import IInferenceRouter
 from ..web import APIError, APIKeyGuard, bearer_token, printable
-from . import chat, completions, embeddings, models
+from . import chat, completions, embeddings, models, rerank, tokenize
 from .context import Context
 from .errors import OpenAIError, detail, error_for
 from .responses import Exchange, NodeNames, path_text
@@ -42,6 +42,8 @@ ROUTES = {
     (b"completions",): (b"POST", completions.answer),
     (b"embeddings",): (b"POST", embeddings.answer),
     (b"models",): (b"GET", models.answer_list),
+    (b"tokenize",): (b"POST", tokenize.answer),
+    (b"rerank",): (b"POST", rerank.answer),
 }
 
 
