@@ -38,6 +38,8 @@ ENDPOINTS = {
     (b"completions",): "completions",
     (b"embeddings",): "embeddings",
     (b"models",): "models",
+    (b"tokenize",): "tokenize",
+    (b"rerank",): "rerank",
 }
 
 #: A client that left before its answer was complete (nginx's code for it).
