@@ -36,6 +36,19 @@ def sleep(seconds: float) -> defer.Deferred:
     return deferLater(reactor, seconds, lambda: None)
 
 
+async def eventually(predicate, seconds: float, what: str, interval: float = 0.02):
+    """Poll ``predicate`` on the reactor until it is true; fail naming ``what`` after
+    ``seconds`` (it is checked once more at the deadline)."""
+    from twisted.internet import reactor
+
+    deadline = reactor.seconds() + seconds
+    while not predicate():
+        if reactor.seconds() >= deadline:
+            assert predicate(), f"timed out after {seconds}s waiting for {what}"
+            return
+        await sleep(interval)
+
+
 async def within(d, seconds: float, what: str):
     """Await ``d`` (Deferred or coroutine) for at most ``seconds``; a clear error otherwise."""
     d = defer.ensureDeferred(d) if not isinstance(d, defer.Deferred) else d
