@@ -77,11 +77,11 @@ from localai_tw.cluster.clock import effective_grace
 from localai_tw.cluster.ownership import NoConnection, Presence
 
 from .web import (
+    AdminResource,
     DATABASE_DOWN,
     APIError,
     APIKeyGuard,
     ClusterParts,
-    JSONResource,
     Route,
     bad_request,
     call_hook,
@@ -151,7 +151,7 @@ def worker_call_error(error: errors.ClusterError) -> APIError:
     return APIError(502, message, "upstream_error", code=error.condition)
 
 
-class NodesAdminResource(JSONResource):
+class NodesAdminResource(AdminResource):
     """``/api/nodes``: list, inspect, label, approve, drain, resume and delete workers.
 
     :param parts: the replica's ``ClusterParts``.
@@ -159,12 +159,8 @@ class NodesAdminResource(JSONResource):
     """
 
     def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
-        super().__init__()
+        super().__init__(guard)
         self._parts = parts
-        self._guard = guard
-
-    def guard(self, request) -> None:
-        self._guard.check(request)
 
     def routes(self):
         return (
@@ -380,16 +376,12 @@ class NodesAdminResource(JSONResource):
         return 200, {"id": node_id, "deleted": True}
 
 
-class InstancesResource(JSONResource):
+class InstancesResource(AdminResource):
     """``/api/cluster/instances``: the live replicas, as the database clock sees them."""
 
     def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
-        super().__init__()
+        super().__init__(guard)
         self._parts = parts
-        self._guard = guard
-
-    def guard(self, request) -> None:
-        self._guard.check(request)
 
     def routes(self):
         return (Route("GET", (), self.list_instances),)
@@ -413,18 +405,14 @@ _LOADS_SQL = (
 )
 
 
-class LoadsResource(JSONResource):
+class LoadsResource(AdminResource):
     """``/api/cluster/loads``: the cold loads in progress across the cluster (the load lock's
     rows): model, node, phase (``choosing``, ``starting``, ``staging``, ``loading``), the
     replica driving it, and seconds since it started and since its last progress."""
 
     def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
-        super().__init__()
+        super().__init__(guard)
         self._parts = parts
-        self._guard = guard
-
-    def guard(self, request) -> None:
-        self._guard.check(request)
 
     def routes(self):
         return (Route("GET", (), self.list_loads),)

@@ -26,9 +26,9 @@ import re
 from twisted.web.resource import Resource
 
 from .web import (
+    AdminResource,
     APIKeyGuard,
     ClusterParts,
-    JSONResource,
     Route,
     bad_request,
     not_found,
@@ -54,16 +54,12 @@ def _model_name(raw, field="model_name") -> str:
     return raw
 
 
-class SchedulingResource(JSONResource):
+class SchedulingResource(AdminResource):
     """``/api/nodes/scheduling``.  :param parts: the replica's ``ClusterParts``."""
 
     def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
-        super().__init__()
+        super().__init__(guard)
         self._parts = parts
-        self._guard = guard
-
-    def guard(self, request) -> None:
-        self._guard.check(request)
 
     def routes(self):
         return (

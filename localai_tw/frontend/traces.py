@@ -18,7 +18,7 @@ from typing import Iterable
 from localai_tw import errors
 from localai_tw.metrics import RequestRecord, condition_label
 
-from .web import APIKeyGuard, JSONResource, Route, bad_request
+from .web import AdminResource, APIKeyGuard, Route, bad_request
 
 #: How many requests a replica remembers (the oldest is dropped first): about 300 bytes each.
 CAPACITY = 1000
@@ -79,17 +79,13 @@ class TraceRing:
         return list(itertools.islice(reversed(self._ring), max(0, limit)))
 
 
-class TracesResource(JSONResource):
+class TracesResource(AdminResource):
     """``/api/traces?limit=N`` (admin, ``--api-key``): ``{"traces": [...], "capacity": N}``,
     newest first; ``limit`` from 1 to the capacity (default :data:`DEFAULT_LIMIT`)."""
 
     def __init__(self, ring: TraceRing, guard: APIKeyGuard):
-        super().__init__()
+        super().__init__(guard)
         self._ring = ring
-        self._guard = guard
-
-    def guard(self, request) -> None:
-        self._guard.check(request)
 
     def routes(self):
         return (Route("GET", (), self.list_traces),)

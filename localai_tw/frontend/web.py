@@ -756,6 +756,18 @@ class JSONResource(Resource):
         raise not_found("no such resource")
 
 
+class AdminResource(JSONResource):
+    """A :class:`JSONResource` behind the admin API key: every request passes ``guard`` (an
+    :class:`APIKeyGuard`) before any route runs."""
+
+    def __init__(self, guard: APIKeyGuard):
+        super().__init__()
+        self._guard = guard
+
+    def guard(self, request) -> None:
+        self._guard.check(request)
+
+
 def _segments(request) -> list[str] | None:
     """The path below this resource as text segments (a trailing slash ignored), or None when a
     segment is not UTF-8."""
