@@ -93,6 +93,7 @@ T = FieldDescriptor
 STRING, BYTES, BOOL, INT32, UINT64, FLOAT, DOUBLE, ENUM, MESSAGE = (
     T.TYPE_STRING, T.TYPE_BYTES, T.TYPE_BOOL, T.TYPE_INT32, T.TYPE_UINT64, T.TYPE_FLOAT,
     T.TYPE_DOUBLE, T.TYPE_ENUM, T.TYPE_MESSAGE)
+UINT32, INT64 = T.TYPE_UINT32, T.TYPE_INT64
 
 #: message -> {field name: (number, type, repeated)} from backend-grpc-contract.md §2.
 CONTRACT_FIELDS = {
@@ -196,6 +197,39 @@ CONTRACT_FIELDS = {
         "api_key_file": (5, STRING, False), "upstream_model": (6, STRING, False),
         "request_timeout_seconds": (7, INT32, False), "cache_prompt": (8, BOOL, False),
     },
+    # Not on the contract sheet: read off LocalAI's backend/backend.proto at 82c191af.
+    "DetokenizeRequest": {"tokens": (1, INT32, True)},
+    "DetokenizeResponse": {"content": (1, STRING, False)},
+    "GenerateImageRequest": {
+        "height": (1, INT32, False), "width": (2, INT32, False), "step": (4, INT32, False),
+        "seed": (5, INT32, False), "positive_prompt": (6, STRING, False),
+        "negative_prompt": (7, STRING, False), "dst": (8, STRING, False),
+        "src": (9, STRING, False), "EnableParameters": (10, STRING, False),
+        "CLIPSkip": (11, INT32, False), "ref_images": (12, STRING, True),
+        "ModelIdentity": (13, STRING, False),
+    },
+    "TTSRequest": {
+        "text": (1, STRING, False), "model": (2, STRING, False), "dst": (3, STRING, False),
+        "voice": (4, STRING, False), "language": (5, STRING, False),
+        "instructions": (6, STRING, False), "params": (7, MESSAGE, True),
+        "ModelIdentity": (8, STRING, False),
+    },
+    "TranscriptRequest": {
+        "dst": (2, STRING, False), "language": (3, STRING, False),
+        "threads": (4, UINT32, False), "translate": (5, BOOL, False),
+        "diarize": (6, BOOL, False), "prompt": (7, STRING, False),
+        "temperature": (8, FLOAT, False), "timestamp_granularities": (9, STRING, True),
+        "stream": (10, BOOL, False), "ModelIdentity": (11, STRING, False),
+    },
+    "TranscriptResult": {"segments": (1, MESSAGE, True), "text": (2, STRING, False),
+                         "language": (3, STRING, False), "duration": (4, FLOAT, False),
+                         "eou": (5, BOOL, False)},
+    "TranscriptSegment": {"id": (1, INT32, False), "start": (2, INT64, False),
+                          "end": (3, INT64, False), "text": (4, STRING, False),
+                          "tokens": (5, INT32, True), "speaker": (6, STRING, False),
+                          "words": (7, MESSAGE, True)},
+    "TranscriptWord": {"start": (1, INT64, False), "end": (2, INT64, False),
+                       "text": (3, STRING, False)},
 }
 
 #: (rpc, request, response, server streaming) from the contract sheet §1.
@@ -209,6 +243,11 @@ CONTRACT_RPCS = [
     ("TokenizeString", "PredictOptions", "TokenizationResponse", False),
     ("Status", "HealthMessage", "StatusResponse", False),
     ("Rerank", "RerankRequest", "RerankResult", False),
+    # Not on the contract sheet: LocalAI's backend.proto at 82c191af.
+    ("Detokenize", "DetokenizeRequest", "DetokenizeResponse", False),
+    ("GenerateImage", "GenerateImageRequest", "Result", False),
+    ("TTS", "TTSRequest", "Result", False),
+    ("AudioTranscription", "TranscriptRequest", "TranscriptResult", False),
 ]
 
 
