@@ -88,6 +88,17 @@ class ModelConfigInvalid(ClusterError):
         super().__init__(f"model {name!r} has an invalid config: {problem}")
 
 
+class ModelFileMismatch(ClusterError):
+    """A model's files on this replica are not what its config says: a file or folder it
+    names is missing or unreadable, a digest does not match, a folder is too large or holds a
+    link out of it, a download failed.  Found before any worker is asked (nothing was started
+    or staged), the message names the file; a local configuration problem, nothing about any
+    worker, and nothing may act on it."""
+
+    actionable = False
+    condition = "model-file-mismatch"
+
+
 class ModelLoadFailed(WorkerAnswer):
     """The worker answered that the model could not be started or loaded (``backend.start``
     error, ``LoadModel`` returned success=false, or a failed file stage answered by the worker).

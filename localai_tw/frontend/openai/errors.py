@@ -31,6 +31,7 @@ from localai_tw.errors import (
 
 from ..interfaces import (
     ModelConfigInvalid,
+    ModelFileMismatch,
     ModelLoadFailed,
     ModelNotFound,
     ModelUsecaseUnsupported,
@@ -118,6 +119,10 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(500, f"the model {printable(error.name)!r} is configured but its "
                            f"config cannot be loaded: {printable(error.problem, 1024)}",
                            "server_error", param="model", code="model_config_invalid",
+                           headers=NO_RETRY)
+    if isinstance(error, ModelFileMismatch):  # this replica's models dir, before any worker
+        return OpenAIError(500, f"the model's files cannot be used: {_public(str(error))}",
+                           "server_error", param="model", code="model_file_mismatch",
                            headers=NO_RETRY)
     if isinstance(error, ModelUsecaseUnsupported):
         return OpenAIError(400, detail(error), "invalid_request_error", param="model",
