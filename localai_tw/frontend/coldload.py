@@ -34,6 +34,7 @@ worker's answer is :mod:`.placement`'s).
 
 from __future__ import annotations
 
+import os
 import posixpath
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -45,6 +46,7 @@ from localai_tw import metrics as replica_metrics
 from localai_tw.backends import backend_pb2
 from localai_tw.tunnel.endpoint import upload_file
 
+from .downloads import ModelDownloads
 from .interfaces import ModelFileMismatch, ModelLoadFailed
 from .modelfiles import DigestCache, StageEntry, StagePlan, plan_blocking, worker_folder
 from .models import ModelConfig
@@ -90,6 +92,39 @@ class ColdLoader:
         self.load_timeout = load_timeout
         #: digests of the models directory's files, so an unchanged file is hashed once
         self.digests = DigestCache()
+        self._downloads: ModelDownloads | None = None
+
+    @property
+    def downloads(self) -> ModelDownloads:
+        """This replica's downloads into the models directory (made on first use)."""
+        if self._downloads is None:
+            self._downloads = ModelDownloads(self.models_dir, self._reactor, self.digests)
+        return self._downloads
+
+    async def download(self, model: ModelConfig) -> None:
+        """The files ``model`` downloads (``download_files``, a URL ``parameters.model``)
+        present and verified in the models directory; several requests share one download.
+        Before the load lock: a long download holds no lock other replicas wait on."""
+        if model.downloads:
+            await self.downloads.ensure(model)
+
+    def files_stamp(self, model: ModelConfig) -> tuple:
+        """(path, size, mtime) of each top-level file or folder the model names: a remembered
+        failed load is forgotten when one of them changes.  A few stats (on the caller's
+        thread, as the catalog's)."""
+        paths = [f.path for f in model.files] + [d.filename for d in model.downloads]
+        paths.append(model.model)
+        stamp = []
+        for path in paths:
+            if path.startswith("/") or "://" in path:
+                continue
+            try:
+                st = os.stat(os.path.join(self.models_dir, path))
+            except (OSError, ValueError):
+                stamp.append((path, None))
+                continue
+            stamp.append((path, st.st_size, st.st_mtime_ns))
+        return tuple(stamp)
 
     # -- a cold load ------------------------------------------------------------------------
 

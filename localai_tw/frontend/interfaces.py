@@ -99,6 +99,14 @@ class ModelFileMismatch(ClusterError):
     condition = "model-file-mismatch"
 
 
+class ModelDownloadFailed(ModelFileMismatch):
+    """A file the model's config asks this replica to download (``download_files``, a URL
+    ``parameters.model``) could not be fetched: an HTTP status, a timeout, a connection that
+    broke, the size cap.  Nothing was kept; the next request tries again."""
+
+    condition = "model-download-failed"
+
+
 class ModelLoadFailed(WorkerAnswer):
     """The worker answered that the model could not be started or loaded (``backend.start``
     error, ``LoadModel`` returned success=false, or a failed file stage answered by the worker).

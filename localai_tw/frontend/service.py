@@ -348,7 +348,12 @@ class Replica:
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control)
+                            control=self.control, downloads=self.downloads_in_progress)
+
+    def downloads_in_progress(self) -> list:
+        """This replica's model downloads in progress (``/api/cluster/loads``)."""
+        loader = getattr(self.inference, "loader", None)
+        return loader.downloads.in_progress() if loader is not None else []
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""

@@ -843,6 +843,8 @@ class ClusterParts:
     :param on_deleted: called with a node id after an admin deleted the node.
     :param control: the ``ControlClient`` that calls a worker's control verbs through the
         tunnel (locally held or relayed); None where no worker is reached (API tests).
+    :param downloads: this replica's model downloads in progress (``downloads.py``
+        ``ModelDownloads.in_progress``); None where there are none.
     """
 
     db: Database
@@ -853,6 +855,7 @@ class ClusterParts:
     on_registered: Callable[[str], object] | None = None
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
+    downloads: Callable[[], list] | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:
