@@ -603,7 +603,7 @@ def _filename_from_url(uri: str) -> str:
 
     base = posixpath.basename(unquote(urlsplit(uri.split("@", 1)[0]).path))
     if not base or base in (".", "..") or "\\" in base or "\x00" in base or len(base) > 200:
-        return hashlib.md5(uri.encode("utf-8")).hexdigest()  # noqa: S324 - a name, not security
+        return hashlib.md5(uri.encode("utf-8")).hexdigest()  # a name, not security
     return base
 
 
