@@ -128,3 +128,28 @@ async def test_a_link_out_of_a_folder_is_refused(cluster, tmp_path):
     with pytest.raises(ModelFileMismatch, match="leaky/tokenizer.json is a symbolic link out"):
         await frontend.replica.inference.predict("leaky", backend_pb2.PredictOptions(Prompt="x"))
     assert await cluster.rows("leaky") == []
+
+
+@pytest.mark.heavy
+@pytest_twisted.ensureDeferred
+async def test_a_transformers_folder_loads_on_a_remote_worker_and_completes(cluster):
+    """The project's ``transformers`` backend, a tiny GPT-2 folder the test writes
+    (``localai_tw.tinychat``: weights, config, tokenizer files) named by ``parameters.model``."""
+    _require("torch", "transformers", "tokenizers",
+             what="the transformers extra (torch, transformers)")
+    from twisted.internet.threads import deferToThread
+
+    from localai_tw.tinychat import build
+
+    await deferToThread(build, os.path.join(cluster.models_dir, "tiny-gpt2"))
+    cluster.write_model("chat.yaml", "name: chat\nbackend: transformers\nparameters:\n"
+                                     "  model: tiny-gpt2\n  max_tokens: 4\n")
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    served = await frontend.replica.inference.predict(
+        "chat", backend_pb2.PredictOptions(Prompt="hello", Tokens=4, Temperature=0.0))
+    assert served.served_by == worker.node_id
+    assert served.value.tokens > 0
+    [(_, _, _, _, loaded)] = await cluster.rows("chat")
+    assert loaded.startswith(worker.data_dir) and loaded.endswith("/chat/tiny-gpt2")
+    assert _tree(loaded) == _tree(os.path.join(cluster.models_dir, "tiny-gpt2"))
