@@ -127,6 +127,9 @@ class Download:
         self.done = OneShotObserver()
         self.waiters = 1
         self.logged_at = started
+        #: stops the transfer now (set while one runs); ``stopping`` tells a file copy
+        self.stop = None
+        self.stopping = False
 
     def rate(self, now: float) -> float:
         elapsed = now - self.started
@@ -176,6 +179,7 @@ class ModelDownloads:
         self._agent = agent
         #: downloads running, by real target path
         self._active: dict[str, Download] = {}
+        self._closed = False
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -199,15 +203,25 @@ class ModelDownloads:
 
     async def _ensure_one(self, model: ModelConfig, item: ModelDownload) -> None:
         target = self._target(model, item)
-        running = self._active.get(target)
-        if running is None:
+        for _ in range(3):
+            running = self._active.get(target)
+            if running is not None:
+                running.waiters += 1
+                await running.done.when()
+                continue  # then checked against this config's own sha256 (cached: cheap)
             if await self._present(model, item, target):
                 return
-            running = self._active.get(target)  # another request may have started it meanwhile
-        if running is not None:
-            running.waiters += 1
-            await running.done.when()
+            if self._active.get(target) is not None:
+                continue  # another request started it while this one looked
+            await self._start(model, item, target)
             return
+        raise ModelDownloadFailed(f"model {model.name}: {item.filename} was downloaded for "
+                                  f"another config with another sha256 meanwhile; try again")
+
+    async def _start(self, model: ModelConfig, item: ModelDownload, target: str) -> None:
+        if self._closed:
+            raise ModelDownloadFailed(f"model {model.name}: this replica is stopping; "
+                                      f"{item.filename} is not downloaded")
         download = Download(model.name, item, target, resolve_url(item.uri),
                             self._reactor.seconds())
         self._active[target] = download
@@ -222,6 +236,15 @@ class ModelDownloads:
 
         defer.ensureDeferred(self._fetch(model, download)).addBoth(finished)
         await download.done.when()
+
+    def close(self) -> None:
+        """Stop every download in progress (the replica is stopping): each removes its
+        temporary file and fails its waiters; no new one starts."""
+        self._closed = True
+        for download in list(self._active.values()):
+            download.stopping = True
+            if download.stop is not None:
+                download.stop()
 
     def _target(self, model: ModelConfig, item: ModelDownload) -> str:
         root = os.path.realpath(self.models_dir)
@@ -334,6 +357,9 @@ class ModelDownloads:
                         f"model {model.name}: {path} is larger than the download cap of "
                         f"{self.max_bytes} bytes")
                 while True:
+                    if download.stopping:
+                        raise ModelDownloadFailed(f"model {model.name}: the replica stopped "
+                                                  f"while copying {path}")
                     chunk = source.read(COPY_CHUNK)
                     if not chunk:
                         break
@@ -355,10 +381,13 @@ class ModelDownloads:
             raise ModelDownloadFailed(f"{what}: the URL must be ASCII (percent-encode it)") \
                 from None
         asked = self._agent.request(b"GET", url, Headers({b"user-agent": [USER_AGENT]}))
+        download.stop = asked.cancel
         timer = self._reactor.callLater(self.idle_timeout, asked.cancel)
         try:
             response = await asked
         except defer.CancelledError:
+            if download.stopping:
+                raise ModelDownloadFailed(f"{what}: the replica is stopping") from None
             raise ModelDownloadFailed(f"{what}: no answer within {self.idle_timeout:g} s") \
                 from None
         except Exception as e:
@@ -366,6 +395,10 @@ class ModelDownloads:
         finally:
             if timer.active():
                 timer.cancel()
+        download.stop = None
+        if download.stopping:
+            response.deliverBody(_Discard())
+            raise ModelDownloadFailed(f"{what}: the replica is stopping")
         if response.code != 200:
             response.deliverBody(_Discard())
             raise ModelDownloadFailed(f"{what}: the server answered HTTP {response.code} "
@@ -377,8 +410,13 @@ class ModelDownloads:
                                           f"download cap of {self.max_bytes} bytes")
             download.total = response.length
         body = _BodyToFile(self, download, fd, what)
+        download.stop = lambda: body._abort(ModelDownloadFailed(f"{what}: the replica is "
+                                                                f"stopping"))
         response.deliverBody(body)
-        return await body.finished
+        try:
+            return await body.finished
+        finally:
+            download.stop = None
 
 
 def _reason(error: BaseException) -> str:
@@ -437,6 +475,7 @@ class _BodyToFile(protocol.Protocol):
         self.finished: defer.Deferred = defer.Deferred()
         self.error: BaseException | None = None
         self.timer = None
+        self.transport = None
 
     def connectionMade(self) -> None:
         self.timer = self.owner._reactor.callLater(self.owner.idle_timeout, self._idle)
@@ -447,7 +486,7 @@ class _BodyToFile(protocol.Protocol):
             f"{self.download.received} bytes"))
 
     def _abort(self, error: BaseException) -> None:
-        if self.error is None:
+        if self.error is None and self.transport is not None:
             self.error = error
             self.transport.stopProducing()
 

@@ -289,19 +289,24 @@ class PeerService(Service):
 
 
 class WorkerClientsService(Service):
-    """This process's per-node connections: the gRPC bridges and the worker HTTP pools."""
+    """This process's per-node connections: the gRPC bridges and the worker HTTP pools; and
+    its model downloads (``downloads.py``), stopped with them."""
 
     name = "worker-clients"
 
-    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient):
+    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient,
+                 downloads=None):
         self.backend_clients = backend_clients
         self.worker_http = worker_http
+        self.downloads = downloads
 
     def stopService(self) -> defer.Deferred:
         super().stopService()
         return defer.ensureDeferred(self._close())
 
     async def _close(self) -> None:
+        if self.downloads is not None:
+            self.downloads.close()
         for what, closing in (("the gRPC bridges", self.backend_clients),
                               ("the worker HTTP pools", self.worker_http)):
             try:
@@ -339,7 +344,8 @@ class Replica:
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
         return [self.health, self.membership,
-                WorkerClientsService(self.backend_clients, self.worker_http),
+                WorkerClientsService(self.backend_clients, self.worker_http,
+                                     self._downloads()),
                 PeerService(self.peer_links, self.peer_pool),
                 TunnelRegistryService(self.tunnels, self.instance_id)]
 
@@ -350,10 +356,14 @@ class Replica:
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
                             control=self.control, downloads=self.downloads_in_progress)
 
+    def _downloads(self):
+        loader = getattr(self.inference, "loader", None)
+        return loader.downloads if loader is not None else None
+
     def downloads_in_progress(self) -> list:
         """This replica's model downloads in progress (``/api/cluster/loads``)."""
-        loader = getattr(self.inference, "loader", None)
-        return loader.downloads.in_progress() if loader is not None else []
+        downloads = self._downloads()
+        return downloads.in_progress() if downloads is not None else []
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""

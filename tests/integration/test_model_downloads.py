@@ -24,7 +24,7 @@ from localai_tw.backends import backend_pb2
 from localai_tw.frontend.interfaces import ModelDownloadFailed, ModelFileMismatch
 
 from .inference_harness import ADMIN, sha256_hex
-from .support import eventually
+from .support import eventually, within
 
 WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
 
@@ -232,3 +232,20 @@ async def test_a_url_model_and_a_file_url_and_an_http_error(cluster, files, tmp_
     with pytest.raises(ModelDownloadFailed, match="answered HTTP 404"):
         await router.predict("missing", backend_pb2.PredictOptions(Prompt="m"))
     assert sorted(leftovers(cluster.models_dir)) == ["copied.bin", "tiny.gguf"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_replica_that_stops_abandons_its_download_and_keeps_nothing(cluster, files):
+    files.files["weights.bin"] = WEIGHTS
+    cluster.write_model("dl.yaml", download_model(f"{files.base}/held/weights.bin",
+                                                  sha256_hex(WEIGHTS)))
+    frontend = await cluster.frontend("replica-a")
+    router = frontend.replica.inference
+    asked = router.predict("dl", backend_pb2.PredictOptions(Prompt="x"))
+    await eventually(lambda: router.loader.downloads.in_progress() and
+                     router.loader.downloads.in_progress()[0]["received"] > 0,
+                     what="the download under way")
+    await frontend.stopService()
+    with pytest.raises(ModelDownloadFailed, match="the replica is stopping"):
+        await within(asked, 20)
+    assert leftovers(cluster.models_dir) == []
