@@ -186,3 +186,38 @@ def test_digests_are_cached_until_the_file_changes(tmp_path, monkeypatch):
     write(str(tmp_path), "w.bin", b"two!")
     assert cache.digest(path) == (4, hashlib.sha256(b"two!").hexdigest())
     assert len(reads) == 2
+
+
+def test_download_progress_is_logged_at_most_every_interval_and_described(tmp_path):
+    from twisted.internet import task
+    from twisted.logger import globalLogPublisher
+
+    from localai_tw.frontend.downloads import Download, ModelDownloads
+    from localai_tw.frontend.models import ModelDownload
+
+    clock = task.Clock()
+    downloads = ModelDownloads(str(tmp_path), clock, agent=object(), log_interval=5.0)
+    item = ModelDownload("w.gguf", "https://user:pw@h.example/w.gguf?sig=1", None,
+                         "download_files[0]")
+    download = Download("m", item, str(tmp_path / "w.gguf"), item.uri, clock.seconds())
+    download.total = 10 * 1024**2
+    downloads._active[download.target] = download
+    lines = []
+    observer = lines.append
+    globalLogPublisher.addObserver(observer)
+    try:
+        for _ in range(20):  # 20 chunks of 256 KiB, one every 0.5 s: 10 s
+            clock.advance(0.5)
+            download.received += 256 * 1024
+            downloads._note(download)
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    progress = [e for e in lines if "bytes/s" in (e.get("log_format") or "")]
+    assert len(progress) == 2  # at 5 s and at 10 s
+    assert progress[-1]["received"] == 5 * 1024**2 and progress[-1]["rate"] == 524288
+    [shown] = downloads.in_progress()
+    assert shown["url"] == "https://h.example/w.gguf"  # no credentials, no query
+    assert (shown["received"], shown["total"], shown["bytes_per_second"]) == (
+        5 * 1024**2, 10 * 1024**2, 524288)
+    assert downloads.describe("m") == "downloading w.gguf 5.0 MiB/10.0 MiB at 0.5 MiB/s"
+    assert downloads.describe("other") is None
