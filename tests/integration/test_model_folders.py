@@ -18,7 +18,7 @@ import pytest_twisted
 
 from localai_tw.backends import backend_pb2
 from localai_tw.backends.process import NoSuchBackend
-from localai_tw.frontend.interfaces import ModelFileMismatch
+from localai_tw.frontend.interfaces import ModelFileMismatch, ModelLoadFailed
 
 from .inference_harness import supervisor_of
 from .test_backend_huggingface import _require
@@ -153,3 +153,24 @@ async def test_a_transformers_folder_loads_on_a_remote_worker_and_completes(clus
     [(_, _, _, _, loaded)] = await cluster.rows("chat")
     assert loaded.startswith(worker.data_dir) and loaded.endswith("/chat/tiny-gpt2")
     assert _tree(loaded) == _tree(os.path.join(cluster.models_dir, "tiny-gpt2"))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_load_is_remembered_until_a_file_it_names_changes(cluster):
+    cluster.write_file("w.bin", b"first weights")
+    cluster.write_model("bad.yaml", "name: bad\nbackend: echo\nparameters:\n  model: w.bin\n"
+                                    "options: ['echo.fail_load:cannot read these weights']\n")
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    router = frontend.replica.inference
+    with pytest.raises(ModelLoadFailed, match="cannot read these weights") as first:
+        await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
+    assert "remembers" in str(first.value)
+    starts = len(supervisor_of(cluster.workers[0])._ended)
+    with pytest.raises(ModelLoadFailed, match="remembers this failure") as again:
+        await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
+    assert again.value.retry_in and len(supervisor_of(cluster.workers[0])._ended) == starts
+    cluster.write_file("w.bin", b"the weights fixed, a new size")  # the file changed
+    with pytest.raises(ModelLoadFailed, match="cannot read these weights"):
+        await router.predict("bad", backend_pb2.PredictOptions(Prompt="x"))
+    assert len(supervisor_of(cluster.workers[0])._ended) > starts  # tried on the worker again
