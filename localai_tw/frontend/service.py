@@ -65,6 +65,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from localai_tw import __version__
+from localai_tw.config import with_fleet_backlog
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
 from localai_tw.cluster.membership import (
@@ -171,7 +172,8 @@ class ListeningService(Service):
     def startService(self) -> None:
         super().startService()
         self._outcome = None
-        endpoint = endpoints.serverFromString(self._reactor, self.description)
+        endpoint = endpoints.serverFromString(self._reactor,
+                                              with_fleet_backlog(self.description))
         endpoint.listen(self.factory).addBoth(self._listened)
 
     def _listened(self, result) -> None:
