@@ -515,6 +515,17 @@ def parse_count(raw: str, option: str) -> int:
     return count
 
 
+def parse_whole_number(raw: str, option: str) -> int:
+    """A whole number of at least 0."""
+    try:
+        count = int(raw.strip())
+    except ValueError:
+        raise _fail(option, f"{raw!r} is not a whole number") from None
+    if count < 0:
+        raise _fail(option, f"{count} is less than 0")
+    return count
+
+
 def parse_secret(raw: str, option: str) -> str:
     """A non-blank secret.  The value never appears in the error."""
     if not raw.strip():

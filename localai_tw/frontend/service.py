@@ -81,6 +81,7 @@ from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
+from localai_tw.web.ratelimit import SourceRateLimit
 from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
@@ -233,6 +234,8 @@ class ReplicaConfig:
     run_dir: str | None
     health_interval: float
     stale_after: float
+    #: Registrations one source address may make per minute (burst and refill); 0: no limit.
+    registration_limit: int = 300
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -253,7 +256,8 @@ class ReplicaConfig:
             models_dir=_option(options, "models-dir") or os.path.join(data_dir or ".",
                                                                        "models"),
             run_dir=os.path.join(data_dir, "run") if data_dir else None,
-            health_interval=health_interval, stale_after=stale_after)
+            health_interval=health_interval, stale_after=stale_after,
+            registration_limit=int(_option(options, "registration-limit", 300)))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -337,6 +341,7 @@ class Replica:
     membership: MembershipService
     health: HealthMonitor
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
+    registration_limit: SourceRateLimit | None = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
@@ -350,7 +355,7 @@ class Replica:
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control)
+                            control=self.control, registration_limit=self.registration_limit)
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""
@@ -425,7 +430,10 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, metrics=metrics)
+        membership=membership, health=health, metrics=metrics,
+        registration_limit=SourceRateLimit(config.registration_limit / 60.0,
+                                           config.registration_limit, reactor)
+        if config.registration_limit > 0 else None)
 
 
 def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,

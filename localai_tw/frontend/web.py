@@ -55,6 +55,7 @@ from localai_tw.web import auth
 from localai_tw.web.bodies import CappedBody, answer_early, pending_request_line
 from localai_tw.web.json import JSON_HEADERS  # noqa: F401  (the OpenAI API imports it here)
 from localai_tw.web.json import COMPACT, json_body, write_json
+from localai_tw.web.ratelimit import SourceRateLimit
 
 if TYPE_CHECKING:  # the parts' types only: web.py serves them, it never builds them
     from localai_tw.cluster.nodes import NodeRegistry
@@ -485,6 +486,7 @@ class FrontendSite(server.Site):
         if target is None or not self.header_guards:
             return
         segments = _segments_of(target)
+        request.guarded_segments = segments  # the guard may need the path: not parsed yet
         for prefix, guard in self.header_guards:
             if segments[:len(prefix)] == prefix:
                 guard(request)
@@ -843,6 +845,8 @@ class ClusterParts:
     :param on_deleted: called with a node id after an admin deleted the node.
     :param control: the ``ControlClient`` that calls a worker's control verbs through the
         tunnel (locally held or relayed); None where no worker is reached (API tests).
+    :param registration_limit: registrations per source address (``--registration-limit``);
+        None: unlimited.
     """
 
     db: Database
@@ -853,6 +857,7 @@ class ClusterParts:
     on_registered: Callable[[str], object] | None = None
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
+    registration_limit: SourceRateLimit | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:

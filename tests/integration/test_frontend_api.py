@@ -646,3 +646,49 @@ async def test_nodes_are_found_by_name_as_x_localai_node_names_them(frontend, ht
                                       token=ADMIN)
     assert (status, gone) == (200, {"id": node["id"], "deleted": True})
     assert frontend.deleted == [node["id"]]
+
+
+@pytest_twisted.ensureDeferred
+async def test_registrations_per_source_are_limited_with_a_clear_429(db, http):
+    """Issue 15 §4: 2000 registrations in 10 s were all accepted.  ``--registration-limit``
+    answers 429 with Retry-After, at the end of the headers and before the token is looked at
+    (guessing tokens is limited too); heartbeats are not limited; the bucket refills.  Remove
+    _check_rate from the guard: this fails."""
+    from twisted.internet import task
+
+    from localai_tw.web.ratelimit import SourceRateLimit
+
+    clock = task.Clock()
+    registry = NodeRegistry(db, registration_token=TOKEN)
+    parts = ClusterParts(db=db, nodes=registry, fence=OwnershipFence(db), instance_id=REPLICA,
+                         registration_limit=SourceRateLimit(3 / 60.0, 3, clock))
+    registration_api = WorkerRegistrationResource(parts)
+    site = FrontendSite(build_root(parts, APIKeyGuard([ADMIN])),
+                        header_guards={b"/api/node": registration_api.guard})
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
+    url = f"http://127.0.0.1:{port.getHost().port}/api/node"
+    try:
+        first = None
+        for i in range(3):
+            status, body, _ = await http.call("POST", url + "/register",
+                                              body=registration(f"w-{i}"), token=TOKEN)
+            assert status == 201, body
+            first = first or body
+        status, body, response = await http.call("POST", url + "/register",
+                                                 body=registration("w-3"), token=TOKEN)
+        assert status == 429 and body["error"]["type"] == "rate_limited"
+        assert "--registration-limit" in body["error"]["message"]
+        assert response.headers.getRawHeaders(b"retry-after") == [b"20"]
+        status, _, _ = await http.call("POST", url + "/register", body=registration("w-4"),
+                                       token="wrong")
+        assert status == 429  # before the token: a prober cannot guess at full speed
+        status, _, _ = await http.call("POST", f"{url}/{first['id']}/heartbeat", body={},
+                                       token=TOKEN)
+        assert status == 200
+        clock.advance(20)
+        status, body, _ = await http.call("POST", url + "/register", body=registration("w-3"),
+                                          token=TOKEN)
+        assert status == 201, body
+        assert len(await registry.list_nodes()) == 4
+    finally:
+        await port.stopListening()
