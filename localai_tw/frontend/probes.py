@@ -103,8 +103,14 @@ class _OpenAIStarting:
     status = 503
     headers = {"Retry-After": "5"}
 
-    @staticmethod
-    def body() -> dict:
+    def __init__(self, stopping: bool = False):
+        self._stopping = stopping
+
+    def body(self) -> dict:
+        if self._stopping:
+            return {"error": {"message": "this frontend replica is stopping; send the request "
+                              "to another replica or try again", "type": "service_unavailable",
+                              "param": None, "code": "stopping"}}
         return {"error": {"message": "the inference router is not available yet: the frontend "
                           "is starting; try again", "type": "service_unavailable",
                           "param": None, "code": "starting"}}
@@ -116,9 +122,10 @@ class _Starting(Resource):
 
     isLeaf = True
 
-    def __init__(self, openai: bool):
+    def __init__(self, openai: bool, gate: "StartingGate | None" = None):
         super().__init__()
         self._openai = openai
+        self._gate = gate
 
     def render(self, request):
         # The listener's header guards (API keys) decide first, as the APIs themselves would.
@@ -130,8 +137,12 @@ class _Starting(Resource):
                 if not callable(getattr(refusal, "body", None)):
                     raise
                 return render_error(request, refusal)
+        stopping = self._gate is not None and self._gate.stopping
         if self._openai:
-            error: Any = _OpenAIStarting()
+            error: Any = _OpenAIStarting(stopping)
+        elif stopping:
+            error = not_ready("this frontend replica is stopping; use another replica or try "
+                              "again")
         else:
             error = not_ready("the frontend is starting (the database is not ready yet, or "
                               "this replica is joining the cluster); try again")
@@ -146,10 +157,12 @@ class StartingGate(Resource):
         self._starting = JSONDirectory(index=index)
         for name, probe in probes.items():
             self._starting.putChild(name, probe)
-        self._starting_api = _Starting(openai=False)
-        self._starting_v1 = _Starting(openai=True)
+        self._starting_api = _Starting(openai=False, gate=self)
+        self._starting_v1 = _Starting(openai=True, gate=self)
         #: The replica's resource tree, once open.
         self.tree: Resource = self._starting
+        #: True once :meth:`close` ran: the 503s say "stopping", not "starting".
+        self.stopping = False
 
     @property
     def is_open(self) -> bool:
@@ -158,10 +171,12 @@ class StartingGate(Resource):
     def open(self, tree: Resource) -> None:
         """Serve ``tree`` from now on (it must mount the probes itself)."""
         self.tree = tree
+        self.stopping = False
 
     def close(self) -> None:
         """Back to the probes and 503 (the replica is stopping)."""
         self.tree = self._starting
+        self.stopping = True
 
     def getChildWithDefault(self, path, request):
         if self.is_open or path in self._starting.children or \

@@ -7,8 +7,9 @@ credential>``.  :class:`ConnectAuthorizer` decides before any upgrade, in the or
 2. the frontend is not wired for distributed mode -> 503;
 3. no ``id`` -> 400;
 4. unknown node, an empty stored credential hash, or a wrong credential -> 401 (the same answer
-   for all three, so ids cannot be enumerated); a database error -> 500 (a worker must not be
-   told its credential is wrong because the database is down);
+   for all three, so ids cannot be enumerated); a database that does not answer the lookup ->
+   503, any other lookup failure -> 500 (a worker must not be told its credential is wrong
+   because the database is down);
 5. ``pending`` -> 403 (awaiting approval; draining and unhealthy nodes keep their tunnels).
 
 Then the WebSocket is upgraded and a yamux **server** session runs over it.  The frontend only
@@ -34,6 +35,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from localai_tw.cluster.nodes import NodeStatus, Unauthorized
+from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.logs import RateLimitedLog
 from localai_tw.logsafe import untrusted
 from localai_tw.mux.session import Session, SessionConfig
@@ -126,6 +128,14 @@ class ConnectAuthorizer:
                          node=untrusted(node_id) or "<invalid>")
             raise ConnectRefused(401, "unknown node or wrong credential",
                                  {"WWW-Authenticate": "Bearer"}) from None
+        except (defer.CancelledError, defer.TimeoutError, DatabaseUnavailable, PoolClosed) as e:
+            # The database did not answer (in time): a fact about this replica, not the worker.
+            if self.refusals.allow(_source(request)):
+                log.warn("tunnel dial of node={node} answered 503: the database did not answer "
+                         "the node lookup ({err}); the worker dials again",
+                         node=untrusted(node_id), err=type(e).__name__)
+            raise ConnectRefused(503, "the frontend's database is not answering; try again",
+                                 {"Retry-After": "5"}) from None
         except Exception as e:
             log.warn("tunnel dial of node={node} answered 500: node lookup failed ({err})",
                      node=untrusted(node_id), err=type(e).__name__)

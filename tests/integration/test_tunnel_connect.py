@@ -64,14 +64,17 @@ async def test_pending_node_gets_403(db, frontends, workers):
 
 
 @pytest_twisted.ensureDeferred
-async def test_database_down_is_500_not_401(db, pg_dsn, frontends, workers):
+async def test_database_down_is_503_not_401(db, pg_dsn, frontends, workers):
+    """A dial the frontend cannot look up because its database is away is a 503 saying so
+    (issue 15 §4: it was a 500 logged as "node lookup failed (CancelledError)"); never a 401,
+    which would send the worker to re-register."""
     broken = Database(pg_dsn, size=1)
     await broken.start()
     broken.close()
     frontend = await frontends("replica-a", nodes=NodeRegistry(broken, registration_token=TOKEN))
     worker = await workers(NodeRegistry(db, registration_token=TOKEN), "w-db",
                            scripted(("echo",)))
-    assert await dial_status(frontend, worker.node_id, worker.credential) == 500
+    assert await dial_status(frontend, worker.node_id, worker.credential) == 503
 
 
 async def owner_row(frontend, node_id):
