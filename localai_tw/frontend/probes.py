@@ -33,8 +33,9 @@ class LivenessResource(Resource):
 
 
 class ReadinessResource(Resource):
-    """``/readyz``: 200 when ``checked`` is ready and its database answers ``SELECT 1``; else
-    503.
+    """``/readyz``: 200 when ``checked`` is ready and its database answers: it answered one of
+    the pool's statements within ``probe_timeout``, or else it answers ``SELECT 1`` within
+    ``probe_timeout``; else 503.
 
     The body is JSON: ``{"ready": true}`` or ``{"ready": false, "reason": "...", "state":
     "..."}`` (``state`` when ``state`` is given: the replica's startup state).  The probe
@@ -62,6 +63,12 @@ class ReadinessResource(Resource):
         database = self._checked.database
         if not ready or database is None:
             return self._answer(request, False, reason)
+        answered_within = getattr(database, "answered_within", None)
+        if answered_within is not None and answered_within(self._probe_timeout):
+            # The pool's own traffic proves the database answers: no probe statement, which
+            # would queue behind a busy pool (thousands of workers reconnecting at once) and
+            # turn a replica that is serving into a 503 for the load balancer.
+            return self._answer(request, True, "ready")
 
         client_gone: list[bool] = []
         probe: defer.Deferred | None = None
