@@ -231,9 +231,14 @@ class ColdLoader:
         worker_path = ""
         skipped = 0
         for item in entry.items:
-            staged = await upload_file(self._http, node_id, item.key, item.local, token=token,
-                                       progress_cb=progress, timeout=self.stage_timeout,
-                                       known=(item.size, item.sha256))
+            try:
+                staged = await upload_file(self._http, node_id, item.key, item.local,
+                                           token=token, progress_cb=progress,
+                                           timeout=self.stage_timeout,
+                                           known=(item.size, item.sha256))
+            except (ValueError, OSError) as e:  # changed or gone since it was checked
+                raise ModelFileMismatch(f"model {model.name}: staging {item.key} from "
+                                        f"{entry.path}: {e}") from None
             done += item.size
             skipped += staged.skipped
             if staged.local_path and not worker_path:
