@@ -249,3 +249,25 @@ async def test_a_replica_that_stops_abandons_its_download_and_keeps_nothing(clus
     with pytest.raises(ModelDownloadFailed, match="the replica is stopping"):
         await within(asked, 20)
     assert leftovers(cluster.models_dir) == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_streamed_request_is_told_how_the_download_goes(cluster, files):
+    files.files["weights.bin"] = WEIGHTS
+    cluster.write_model("dl.yaml", download_model(f"{files.base}/held/weights.bin",
+                                                  sha256_hex(WEIGHTS)))
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    answer = await treq.post(cluster.base_url(frontend) + "/v1/completions",
+                             json={"model": "dl", "prompt": "a b", "stream": True},
+                             headers={"Authorization": f"Bearer {ADMIN}"})
+    assert answer.code == 200  # the stream starts while the request waits (after ~3 s)
+    received: list[bytes] = []
+    collected = treq.collect(answer, received.append)
+    await eventually(lambda: b"downloading dl/weights.bin 0.5 MiB/1.0 MiB" in b"".join(received),
+                     timeout=20, what="a loading comment naming the download")
+    assert b": loading model dl (" in b"".join(received)
+    files.release.callback(None)
+    await collected
+    text = b"".join(received)
+    assert b'"finish_reason":"stop"' in text and text.endswith(b"data: [DONE]\n\n")
