@@ -3,7 +3,8 @@ plan of a cold load.
 
 A model's files are the ``files`` entries of its config, plus ``parameters.model`` when it names
 a file or a folder inside the models directory that ``files`` does not list (LocalAI stages
-its ``ModelFile`` the same way, so a LocalAI config needs no ``files`` key).  Each entry is a
+its ``ModelFile`` the same way, so a LocalAI config needs no ``files`` key), plus the files of
+``download_files`` that neither covers (beside the model file, in ``ModelPath``).  Each entry is a
 file or a folder:
 
 - a **file** is hashed (in a thread, by the caller) and checked against its ``sha256`` when the
@@ -145,6 +146,23 @@ def implicit_model_entry(model: ModelConfig, models_dir: str) -> ModelFile | Non
     return ModelFile(normal, key, None)
 
 
+def companion_downloads(model: ModelConfig, files: list[ModelFile]) -> list[ModelFile]:
+    """The ``download_files`` not already staged as (or inside) another entry: staged beside
+    the model file (``models/<name>/<basename>``, in ``ModelPath``), as LocalAI's router stages
+    the companions (mmproj, tokenizer) it finds in the models directory."""
+    out = []
+    keys = {f.key for f in files}
+    for d in model.downloads:
+        if any(d.filename == f.path or d.filename.startswith(f.path + "/") for f in files):
+            continue
+        key = default_key(model, d.filename)
+        if key in keys:
+            continue
+        keys.add(key)
+        out.append(ModelFile(d.filename, key, d.sha256))
+    return out
+
+
 def plan_blocking(model: ModelConfig, models_dir: str, digests: DigestCache) -> StagePlan:
     """The staging plan of ``model`` (module docstring).  Blocking: run it in a thread.
 
@@ -155,12 +173,15 @@ def plan_blocking(model: ModelConfig, models_dir: str, digests: DigestCache) -> 
     implicit = implicit_model_entry(model, models_dir)
     if implicit is not None:
         files.append(implicit)
+    named_by = {id(implicit): "parameters.model"}
+    for companion in companion_downloads(model, files):
+        files.append(companion)
+        named_by[id(companion)] = "download_files"
     primary_file = model.file_for_model() or implicit
     entries = []
     primary = None
     for f in files:
-        entry = _entry(model, models_dir, f, digests,
-                       "parameters.model" if f is implicit else "files")
+        entry = _entry(model, models_dir, f, digests, named_by.get(id(f), "files"))
         entries.append(entry)
         if f is primary_file:
             primary = entry

@@ -221,3 +221,21 @@ def test_download_progress_is_logged_at_most_every_interval_and_described(tmp_pa
         5 * 1024**2, 10 * 1024**2, 524288)
     assert downloads.describe("m") == "downloading w.gguf 5.0 MiB/10.0 MiB at 0.5 MiB/s"
     assert downloads.describe("other") is None
+
+
+def test_downloaded_companions_are_staged_beside_the_model_file(tmp_path):
+    models = str(tmp_path)
+    write(models, "llava/model.gguf", b"m")
+    write(models, "llava/mmproj.gguf", b"p")
+    write(models, "tok/tokenizer.json", b"t")
+    config = parse(parameters={"model": "llava/model.gguf"}, download_files=[
+        {"filename": "llava/model.gguf", "uri": "https://x/m"},
+        {"filename": "llava/mmproj.gguf", "uri": "https://x/p",
+         "sha256": hashlib.sha256(b"p").hexdigest()},
+        {"filename": "tok/tokenizer.json", "uri": "https://x/t"}],
+        files=[{"path": "tok"}])
+    plan = plan_blocking(config, models, DigestCache())
+    assert [(e.path, e.key) for e in plan.entries] == [
+        ("tok", "models/m/tok"), ("llava/model.gguf", "models/m/model.gguf"),
+        ("llava/mmproj.gguf", "models/m/mmproj.gguf")]
+    assert plan.primary.path == "llava/model.gguf"
