@@ -5,7 +5,8 @@ A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
     name: tiny-echo                 # required; what clients put in "model"
     backend: echo                   # required; a backend the workers know
     parameters:
-      model: tiny.bin               # file (relative to the models dir) or identifier
+      model: tiny.bin               # file or folder (relative to the models dir), a URL
+                                    # (downloaded, then its file name), or an identifier
       temperature: 0.2              # defaults for requests (the API layer merges them)
       top_p: 0.9
       max_tokens: 64
@@ -14,6 +15,8 @@ A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
       - path: tiny.bin              # relative to the models dir, inside it
         sha256: 9f86d0...           # optional; checked before staging when given
         key: models/tiny-echo/tiny.bin   # optional worker key (default models/<name>/<basename>)
+    download_files:                 # LocalAI's key: fetched into the models dir first
+      - {filename: tiny.bin, uri: "https://example.org/tiny.bin", sha256: "9f86d0..."}
     template:
       chat: "{{.Input}}"
       chat_message: "{{.RoleName}}: {{.Content}}"
