@@ -114,13 +114,14 @@ async def test_a_download_is_shared_shows_progress_and_loads_on_the_worker(clust
         first = router.predict("dl", backend_pb2.PredictOptions(Prompt="one"))
         second = router.predict("dl", backend_pb2.PredictOptions(Prompt="two"))
         downloads = router.loader.downloads
+        # (each request reads the database before it joins the download: wait for both)
         await eventually(lambda: downloads.in_progress() and
-                         downloads.in_progress()[0]["received"] == len(WEIGHTS) // 2,
-                         what="half of the file received")
+                         downloads.in_progress()[0]["received"] == len(WEIGHTS) // 2 and
+                         downloads.in_progress()[0]["waiting_requests"] == 2,
+                         timeout=30, what="half of the file received, both requests waiting")
         [progress] = downloads.in_progress()
         assert progress["file"] == "dl/weights.bin" and progress["total"] == len(WEIGHTS)
         assert progress["url"] == f"{files.base}/held/weights.bin"
-        assert progress["waiting_requests"] == 2
         assert "downloading dl/weights.bin 0.5 MiB/1.0 MiB at" in router.loading_detail("dl")
         # the admin API shows it; nothing under the final name yet
         answer = await treq.get(cluster.base_url(frontend) + "/api/cluster/loads",
@@ -244,7 +245,7 @@ async def test_a_replica_that_stops_abandons_its_download_and_keeps_nothing(clus
     asked = router.predict("dl", backend_pb2.PredictOptions(Prompt="x"))
     await eventually(lambda: router.loader.downloads.in_progress() and
                      router.loader.downloads.in_progress()[0]["received"] > 0,
-                     what="the download under way")
+                     timeout=30, what="the download under way")
     await frontend.stopService()
     with pytest.raises(ModelDownloadFailed, match="the replica is stopping"):
         await within(asked, 20)
