@@ -207,7 +207,10 @@ class ModelDownloads:
             running = self._active.get(target)
             if running is not None:
                 running.waiters += 1
-                await running.done.when()
+                try:
+                    await running.done.when()
+                finally:
+                    running.waiters -= 1
                 continue  # then checked against this config's own sha256 (cached: cheap)
             if await self._present(model, item, target):
                 return
@@ -235,7 +238,10 @@ class ModelDownloads:
             download.done.fire(result)
 
         defer.ensureDeferred(self._fetch(model, download)).addBoth(finished)
-        await download.done.when()
+        try:
+            await download.done.when()
+        finally:
+            download.waiters -= 1
 
     def close(self) -> None:
         """Stop every download in progress (the replica is stopping): each removes its

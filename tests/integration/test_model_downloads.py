@@ -123,6 +123,14 @@ async def test_a_download_is_shared_shows_progress_and_loads_on_the_worker(clust
         assert progress["file"] == "dl/weights.bin" and progress["total"] == len(WEIGHTS)
         assert progress["url"] == f"{files.base}/held/weights.bin"
         assert "downloading dl/weights.bin 0.5 MiB/1.0 MiB at" in router.loading_detail("dl")
+        # a third request that gives up stops waiting; the download goes on for the others
+        third = router.predict("dl", backend_pb2.PredictOptions(Prompt="three"))
+        await eventually(lambda: downloads.in_progress()[0]["waiting_requests"] == 3,
+                         timeout=30, what="a third request waiting")
+        third.cancel()
+        with pytest.raises(defer.CancelledError):
+            await third
+        assert downloads.in_progress()[0]["waiting_requests"] == 2
         # the admin API shows it; nothing under the final name yet
         answer = await treq.get(cluster.base_url(frontend) + "/api/cluster/loads",
                                 headers={"Authorization": f"Bearer {ADMIN}"})
