@@ -310,8 +310,13 @@ class ModelDownloads:
                     f"{shown_url(download.url)} has sha256 {digest}, {download.item.where} "
                     f"says {expected}; the download was discarded")
             state["fd"] = -1
-            await threads.deferToThreadPool(self._reactor, pool, self._commit, fd, temp,
-                                            download.target, digest)
+            try:
+                await threads.deferToThreadPool(self._reactor, pool, self._commit, fd, temp,
+                                                download.target, digest)
+            except OSError as e:  # a directory in the way, a full disk at fsync
+                raise ModelDownloadFailed(
+                    f"model {model.name}: {download.item.filename} cannot be written in the "
+                    f"models directory: {e.strerror or e}") from None
         except BaseException:
             if state["fd"] >= 0:
                 os.close(state["fd"])

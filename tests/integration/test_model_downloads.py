@@ -280,3 +280,14 @@ async def test_a_streamed_request_is_told_how_the_download_goes(cluster, files):
     await collected
     text = b"".join(received)
     assert b'"finish_reason":"stop"' in text and text.endswith(b"data: [DONE]\n\n")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_directory_in_the_way_of_a_download_is_named(cluster, files):
+    files.files["weights.bin"] = WEIGHTS
+    os.makedirs(os.path.join(cluster.models_dir, "dl", "weights.bin", "inside"))
+    cluster.write_model("dl.yaml", download_model(f"{files.base}/files/weights.bin", None))
+    frontend = await cluster.frontend("replica-a")
+    with pytest.raises(ModelDownloadFailed, match="dl/weights.bin cannot be written"):
+        await frontend.replica.inference.predict("dl", backend_pb2.PredictOptions(Prompt="x"))
+    assert [n for n in os.listdir(os.path.join(cluster.models_dir, "dl"))] == ["weights.bin"]
