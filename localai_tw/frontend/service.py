@@ -93,7 +93,13 @@ from .interfaces import IInferenceRouter
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .traces import TraceRing, TracesResource
-from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
+from .openai import (
+    OPENAI_MAX_BODY_BYTES,
+    OpenAIResource,
+    check_api_key,
+    unprefixed_paths,
+    unprefixed_roots,
+)
 from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
 from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
@@ -611,10 +617,14 @@ class FrontendService(InOrderMultiService):
             b"healthz": LivenessResource(),
             b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
         self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
-        self.site = FrontendSite(self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
+        # The OpenAI API's cap on /v1 and on the paths LocalAI also serves unprefixed.
+        self.site = FrontendSite(self.gate, body_limits={
+            b"/v1/": OPENAI_MAX_BODY_BYTES,
+            **{path: OPENAI_MAX_BODY_BYTES for path in unprefixed_paths()}})
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
-        self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
+        for prefix in [b"/v1"] + [b"/" + root for root in unprefixed_roots()]:
+            self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
                        b"/api/traces", b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
@@ -644,6 +654,9 @@ class FrontendService(InOrderMultiService):
                                 reactor=self._reactor, node_names=replica.node_name,
                                 metrics=replica.metrics)
         root.putChild(b"v1", openai)
+        unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
+        for name in unprefixed_roots():
+            root.putChild(name, unprefixed)
         root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
                                                   replica.tunnels, replica.control))
         api = JSONDirectory()

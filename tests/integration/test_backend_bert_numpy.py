@@ -191,6 +191,15 @@ async def test_bert_numpy_serves_embeddings_over_grpc(model_path, supervisor, tm
     tokens = await deferToThread(_call, record.address, "TokenizeString",
                                  backend_pb2.PredictOptions(Prompt="word " * 300))
     assert tokens.length == 300 == len(tokens.tokens)  # counted in full, not truncated
+    ids = await deferToThread(_call, record.address, "TokenizeString",
+                              backend_pb2.PredictOptions(Prompt="A man is eating food"))
+    text = await deferToThread(_call, record.address, "Detokenize",
+                               backend_pb2.DetokenizeRequest(tokens=ids.tokens))
+    assert text.content == "a man is eating food"  # the uncased WordPiece reads back lower
+    with pytest.raises(grpc.RpcError) as unknown:
+        await deferToThread(_call, record.address, "Detokenize",
+                            backend_pb2.DetokenizeRequest(tokens=[101, 10 ** 6]))
+    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     with pytest.raises(BackendLoadFailed, match="loads a local model directory"):
         await supervisor.start("bert-numpy", "elsewhere", load={
