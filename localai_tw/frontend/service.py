@@ -96,7 +96,9 @@ from .traces import TraceRing, TracesResource
 from .openai import (
     OPENAI_MAX_BODY_BYTES,
     OpenAIResource,
+    api_prefixes,
     check_api_key,
+    early_error,
     unprefixed_paths,
     unprefixed_roots,
 )
@@ -623,8 +625,10 @@ class FrontendService(InOrderMultiService):
             **{path: OPENAI_MAX_BODY_BYTES for path in unprefixed_paths()}})
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
-        for prefix in [b"/v1"] + [b"/" + root for root in unprefixed_roots()]:
+        # Refusals before the body on the OpenAI API's paths carry its error shape.
+        for prefix in api_prefixes():
             self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
+            self.site.add_early_answer_shape(prefix, early_error)
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
                        b"/api/traces", b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)

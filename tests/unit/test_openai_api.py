@@ -262,8 +262,8 @@ def test_body_over_the_limit_is_413_before_the_router(router):
     site = make_site(router, limit=1024)
     body = chat(messages=[{"role": "user", "content": "x" * 2000}])
     response = call(site, "POST", "/v1/chat/completions", body)
-    assert response.status == 413
-    assert "1024" in response.json()["error"]["message"]
+    error = assert_error(response, 413, "invalid_request_error", code="request_too_large")
+    assert "1024" in error["message"]
     assert router.calls == []
 
 
@@ -910,7 +910,19 @@ def test_an_unprefixed_body_has_the_v1_cap(router):
     site = make_site(router, limit=1024)
     response = call(site, "POST", "/chat/completions", chat(messages=[
         {"role": "user", "content": "x" * 2048}]))
-    assert response.status == 413
+    assert_error(response, 413, "invalid_request_error", code="request_too_large")
+    assert router.calls == []
+
+
+def test_a_chunked_body_over_the_limit_is_an_openai_413_too(router):
+    site = make_site(router, limit=1024)
+    client = Client(site)
+    head = ("POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n")
+    client.channel.dataReceived(head.encode())
+    chunk = b'{"input": "' + b"z" * 2000 + b'"}'
+    client.channel.dataReceived(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    assert_error(client.response(), 413, "invalid_request_error", code="request_too_large")
     assert router.calls == []
 
 

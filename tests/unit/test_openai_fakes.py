@@ -24,6 +24,8 @@ from localai_tw.frontend.models import parse_model_config
 from localai_tw.frontend.openai import (
     OPENAI_MAX_BODY_BYTES,
     OpenAIResource,
+    api_prefixes,
+    early_error,
     unprefixed_paths,
     unprefixed_roots,
 )
@@ -217,7 +219,10 @@ def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES, reactor=None) 
     for name in unprefixed_roots():
         root.putChild(name, openai.unprefixed())
     limits = {b"/v1/": limit, **{path: limit for path in unprefixed_paths()}}
-    return FrontendSite(root, body_limits=limits, timeout=None)
+    site = FrontendSite(root, body_limits=limits, timeout=None)
+    for prefix in api_prefixes():
+        site.add_early_answer_shape(prefix, early_error)
+    return site
 
 
 @dataclass

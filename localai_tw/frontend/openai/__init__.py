@@ -16,12 +16,19 @@ scheduler, bridges or database.  This file only hands on the names that other mo
 the tests import.
 """
 
-from .errors import OpenAIError, error_for
+from .errors import OpenAIError, early_error, error_for
 from .requests import OPENAI_MAX_BODY_BYTES
-from .resource import OpenAIResource, check_api_key, unprefixed_paths, unprefixed_roots
+from .resource import (
+    OpenAIResource,
+    api_prefixes,
+    check_api_key,
+    unprefixed_paths,
+    unprefixed_roots,
+)
 from .sse import LOADING_NOTICE_INTERVAL
 
 __all__ = [
     "LOADING_NOTICE_INTERVAL", "OPENAI_MAX_BODY_BYTES", "OpenAIError", "OpenAIResource",
-    "check_api_key", "error_for", "unprefixed_paths", "unprefixed_roots",
+    "api_prefixes", "check_api_key", "early_error", "error_for", "unprefixed_paths",
+    "unprefixed_roots",
 ]

@@ -83,6 +83,12 @@ def unprefixed_roots() -> list[bytes]:
     return sorted({key[0] for key in UNPREFIXED})
 
 
+def api_prefixes() -> list[bytes]:
+    """Every path prefix this API answers under (``/v1`` and each unprefixed root): the
+    frontend gives each the API-key header guard and :func:`~.errors.early_error`'s shape."""
+    return [b"/v1"] + [b"/" + root for root in unprefixed_roots()]
+
+
 def _route_segments(postpath) -> list[bytes]:
     segments = list(postpath)
     if segments and segments[-1] == b"":
