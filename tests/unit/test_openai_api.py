@@ -856,6 +856,13 @@ def test_capabilities_list_every_model_with_what_its_endpoints_accept():
     assert router.calls == []
 
 
+def test_capabilities_is_get_only_and_is_not_a_model_named_capabilities(site, router):
+    assert_error(call(site, "POST", "/v1/models/capabilities", {}), 405,
+                 code="method_not_allowed")
+    assert call(site, "GET", "/v1/models/capabilities/").status == 200
+    assert_error(call(site, "GET", "/v1/models/capabilities/x"), 404, code="model_not_found")
+
+
 def test_a_capability_listed_is_one_the_endpoint_accepts():
     router = FakeRouter([model_config("gen", backend="transformers"),
                          model_config("embedder", backend="sentence-transformers")])
