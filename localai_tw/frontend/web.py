@@ -402,7 +402,11 @@ class FrontendSite(server.Site):
     summary, not a line each.
 
     :param body_limits: raw path prefix -> body cap in bytes, for routes that take more than
-        :data:`MAX_BODY_BYTES` (the longest matching prefix wins).
+        :data:`MAX_BODY_BYTES` (the longest matching prefix wins).  A prefix ending in ``/``
+        covers what follows it; any other covers that path and the paths below it
+        (``b"/completions"``: ``/completions`` and ``/completions/x``, not
+        ``/completionsx``, which an unauthenticated client could otherwise use to have 8 MiB
+        read on a path no header guard covers).
     :param default_limit: the cap of every other path.
     :param header_guards: path prefix (``b"/v1"``, matched by whole segments, as routed) ->
         ``guard(request)``, which sees only the headers and raises an :class:`APIError`-like
@@ -476,7 +480,8 @@ class FrontendSite(server.Site):
             return self.default_limit
         path = target.split(b"?", 1)[0]
         for prefix, limit in self.body_limits:
-            if path.startswith(prefix):
+            if path == prefix or path.startswith(prefix if prefix.endswith(b"/")
+                                                 else prefix + b"/"):
                 return limit
         return self.default_limit
 
