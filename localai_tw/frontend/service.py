@@ -99,7 +99,7 @@ from .openai import (
     api_prefixes,
     check_api_key,
     early_error,
-    unprefixed_paths,
+    unprefixed_aliases,
     unprefixed_roots,
 )
 from .probes import LivenessResource, ReadinessResource, StartingGate
@@ -619,10 +619,10 @@ class FrontendService(InOrderMultiService):
             b"healthz": LivenessResource(),
             b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
         self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
-        # The OpenAI API's cap on /v1 and on the paths LocalAI also serves unprefixed.
-        self.site = FrontendSite(self.gate, body_limits={
-            b"/v1/": OPENAI_MAX_BODY_BYTES,
-            **{path: OPENAI_MAX_BODY_BYTES for path in unprefixed_paths()}})
+        self.site = FrontendSite(self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
+        # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
+        for alias, twin in unprefixed_aliases():
+            self.site.add_body_limit(alias, self.site.body_limit_for(twin))
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
         # Refusals before the body on the OpenAI API's paths carry its error shape.

@@ -475,6 +475,11 @@ class FrontendSite(server.Site):
         self.refused_access.flush()
         super().stopFactory()
 
+    def add_body_limit(self, prefix: bytes, limit: int) -> None:
+        """Cap the bodies under ``prefix`` at ``limit`` (as ``body_limits`` above)."""
+        self.body_limits = sorted([*self.body_limits, (prefix, limit)],
+                                  key=lambda kv: len(kv[0]), reverse=True)
+
     def body_limit_for(self, target: bytes | None) -> int:
         if target is None:
             return self.default_limit

@@ -901,6 +901,19 @@ def test_localais_unprefixed_routes_answer_as_their_v1_twins(router, method, pat
     assert_error(call(site, method, path, body), 401, code="invalid_api_key")
 
 
+@pytest.mark.parametrize("alias, twin", [
+    ("/tts", "/v1/audio/speech"), ("/audio/speech", "/v1/audio/speech"),
+    ("/audio/transcriptions", "/v1/audio/transcriptions"),
+    ("/images/generations", "/v1/images/generations")])
+def test_the_media_aliases_answer_as_their_v1_twin_whatever_it_is(site, router, alias, twin):
+    """Listed in UNPREFIXED before their families exist: until then both are the same 404,
+    afterwards the same answer (a bad request here: no model)."""
+    plain, prefixed = call(site, "POST", alias, {}), call(site, "POST", twin, {})
+    assert plain.status == prefixed.status != 200
+    assert plain.json()["error"]["code"] == prefixed.json()["error"]["code"]
+    assert router.calls == []
+
+
 @pytest.mark.parametrize("path", ["/rerank", "/tokenize", "/detokenize"])
 def test_paths_localai_serves_only_under_v1_are_not_served_without_it(site, router, path):
     assert call(site, "POST", path, {"model": "chatty", "content": "x"}).status == 404

@@ -26,7 +26,7 @@ from localai_tw.frontend.openai import (
     OpenAIResource,
     api_prefixes,
     early_error,
-    unprefixed_paths,
+    unprefixed_aliases,
     unprefixed_roots,
 )
 from localai_tw.frontend.web import FrontendSite
@@ -218,8 +218,9 @@ def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES, reactor=None) 
     root.putChild(b"v1", openai)
     for name in unprefixed_roots():
         root.putChild(name, openai.unprefixed())
-    limits = {b"/v1/": limit, **{path: limit for path in unprefixed_paths()}}
-    site = FrontendSite(root, body_limits=limits, timeout=None)
+    site = FrontendSite(root, body_limits={b"/v1/": limit}, timeout=None)
+    for alias, twin in unprefixed_aliases():
+        site.add_body_limit(alias, site.body_limit_for(twin))
     for prefix in api_prefixes():
         site.add_early_answer_shape(prefix, early_error)
     return site

@@ -22,13 +22,13 @@ from .resource import (
     OpenAIResource,
     api_prefixes,
     check_api_key,
-    unprefixed_paths,
+    unprefixed_aliases,
     unprefixed_roots,
 )
 from .sse import LOADING_NOTICE_INTERVAL
 
 __all__ = [
     "LOADING_NOTICE_INTERVAL", "OPENAI_MAX_BODY_BYTES", "OpenAIError", "OpenAIResource",
-    "api_prefixes", "check_api_key", "early_error", "error_for", "unprefixed_paths",
+    "api_prefixes", "check_api_key", "early_error", "error_for", "unprefixed_aliases",
     "unprefixed_roots",
 ]

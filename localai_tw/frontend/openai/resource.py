@@ -5,8 +5,9 @@ family raises into an OpenAI-shaped answer.
 
 The routes LocalAI also serves without ``/v1`` (``/chat/completions``, ``/embeddings``,
 ``/models`` ...) are the entries of :data:`UNPREFIXED`: :meth:`OpenAIResource.unprefixed` is the
-resource the frontend mounts at each of their first segments, and :func:`unprefixed_paths` the
-paths it gives the same header guard and body cap as ``/v1``.  An alias is answered by the same
+resource the frontend mounts at each of their first segments, and :func:`unprefixed_aliases`
+the paths it gives the same body cap as their ``/v1`` twins (and :func:`api_prefixes` the same
+header guard).  An alias is answered by the same
 family, with the same key check, bounds and metrics label as the route it names.
 
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
@@ -56,25 +57,32 @@ ROUTES = {
 }
 
 #: Paths served without the ``/v1`` prefix, as LocalAI serves them (``core/http/routes/
-#: openai.go`` at 82c191a; ``/v1/rerank``, ``/v1/tokenize`` and ``/v1/detokenize`` have no
-#: unprefixed twin there, so none here): root path segments -> the ``ROUTES`` key they answer as.
-#: A new endpoint LocalAI also serves unprefixed is one entry here (``/audio/speech``,
-#: ``/audio/transcriptions``, ``/images/generations``; ``/tts``, which LocalAI serves only
-#: unprefixed, maps to the key its family is routed under).  ``/models/{id}`` is not aliased:
-#: LocalAI's unprefixed ``/models/...`` are its gallery's admin routes.
+#: openai.go`` and ``localai.go`` at 82c191a; ``/v1/rerank``, ``/v1/tokenize`` and
+#: ``/v1/detokenize`` have no unprefixed twin there, so none here): root path segments -> the
+#: ``ROUTES`` key they answer as.  An alias whose ``ROUTES`` key is not (yet) served answers
+#: the same 404 as its ``/v1`` twin, so the speech, transcription and images routes are listed
+#: already and work as soon as their family is in ``ROUTES``.  ``/tts`` is LocalAI's other
+#: path of its ``/v1/audio/speech`` handler.  ``/models/{id}`` is not aliased: LocalAI's
+#: unprefixed ``/models/...`` are its gallery's admin routes.
 UNPREFIXED: dict[tuple[bytes, ...], tuple[bytes, ...]] = {
     (b"chat", b"completions"): (b"chat", b"completions"),
     (b"completions",): (b"completions",),
     (b"embeddings",): (b"embeddings",),
     (b"models",): (b"models",),
     (b"models", b"capabilities"): (b"models", b"capabilities"),
+    (b"audio", b"speech"): (b"audio", b"speech"),
+    (b"tts",): (b"audio", b"speech"),
+    (b"audio", b"transcriptions"): (b"audio", b"transcriptions"),
+    (b"images", b"generations"): (b"images", b"generations"),
 }
 
 
-def unprefixed_paths() -> list[bytes]:
-    """The paths of :data:`UNPREFIXED` (``b"/chat/completions"`` ...), for the frontend's
-    header guards and body caps."""
-    return sorted(b"/" + b"/".join(key) for key in UNPREFIXED)
+def unprefixed_aliases() -> list[tuple[bytes, bytes]]:
+    """``(alias path, /v1 path)`` of each :data:`UNPREFIXED` entry
+    (``(b"/tts", b"/v1/audio/speech")`` ...): the frontend gives each alias its twin's body
+    cap."""
+    return sorted((b"/" + b"/".join(alias), b"/v1/" + b"/".join(route))
+                  for alias, route in UNPREFIXED.items())
 
 
 def unprefixed_roots() -> list[bytes]:
