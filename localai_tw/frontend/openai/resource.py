@@ -7,8 +7,8 @@ The routes LocalAI also serves without ``/v1`` (``/chat/completions``, ``/embedd
 ``/models`` ...) are the entries of :data:`UNPREFIXED`: :meth:`OpenAIResource.unprefixed` is the
 resource the frontend mounts at each of their first segments, and :func:`unprefixed_aliases`
 the paths it gives the same body cap as their ``/v1`` twins (and :func:`api_prefixes` the same
-header guard).  An alias is answered by the same
-family, with the same key check, bounds and metrics label as the route it names.
+header guard).  An alias is answered by the same family, with the same key check, bounds and
+metrics label as the route it names.
 
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
 :class:`~localai_tw.frontend.web.APIKeyGuard` (constant time) **only when a key is
