@@ -65,6 +65,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from localai_tw import __version__
+from localai_tw.config import with_fleet_backlog
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
 from localai_tw.cluster.membership import (
@@ -80,6 +81,7 @@ from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
+from localai_tw.web.ratelimit import SourceRateLimit
 from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
@@ -179,7 +181,8 @@ class ListeningService(Service):
     def startService(self) -> None:
         super().startService()
         self._outcome = None
-        endpoint = endpoints.serverFromString(self._reactor, self.description)
+        endpoint = endpoints.serverFromString(self._reactor,
+                                              with_fleet_backlog(self.description))
         endpoint.listen(self.factory).addBoth(self._listened)
 
     def _listened(self, result) -> None:
@@ -239,6 +242,8 @@ class ReplicaConfig:
     run_dir: str | None
     health_interval: float
     stale_after: float
+    #: Registrations one source address may make per minute (burst and refill); 0: no limit.
+    registration_limit: int = 300
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -259,7 +264,8 @@ class ReplicaConfig:
             models_dir=_option(options, "models-dir") or os.path.join(data_dir or ".",
                                                                        "models"),
             run_dir=os.path.join(data_dir, "run") if data_dir else None,
-            health_interval=health_interval, stale_after=stale_after)
+            health_interval=health_interval, stale_after=stale_after,
+            registration_limit=int(_option(options, "registration-limit", 300)))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -343,6 +349,7 @@ class Replica:
     membership: MembershipService
     health: HealthMonitor
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
+    registration_limit: SourceRateLimit | None = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
@@ -356,7 +363,7 @@ class Replica:
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control)
+                            control=self.control, registration_limit=self.registration_limit)
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""
@@ -431,7 +438,10 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, metrics=metrics)
+        membership=membership, health=health, metrics=metrics,
+        registration_limit=SourceRateLimit(config.registration_limit / 60.0,
+                                           config.registration_limit, reactor)
+        if config.registration_limit > 0 else None)
 
 
 def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,
