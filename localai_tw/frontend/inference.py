@@ -52,7 +52,18 @@ from .interfaces import (
     NoNodeAvailable,
     Served,
 )
-from .models import CHAT, COMPLETION, EMBEDDINGS, RERANK, ModelCatalog, ModelConfig, usecases
+from .models import (
+    CHAT,
+    COMPLETION,
+    EMBEDDINGS,
+    IMAGE,
+    RERANK,
+    TRANSCRIPT,
+    TTS,
+    ModelCatalog,
+    ModelConfig,
+    usecases,
+)
 from .coldload import ColdLoader
 from .loadlock import LoadLock
 from .placement import NodeChooser, Placement
@@ -67,6 +78,11 @@ MAX_SKIPS = 4
 _GENERATION = ("text generation (chat or completion)", frozenset({CHAT, COMPLETION}))
 _EMBEDDING = (EMBEDDINGS, frozenset({EMBEDDINGS}))
 _RERANK = (RERANK, frozenset({RERANK}))
+_TTS = ("text to speech (tts)", frozenset({TTS}))
+_TRANSCRIPT = ("transcription (transcript)", frozenset({TRANSCRIPT}))
+_IMAGE = ("image generation (image)", frozenset({IMAGE}))
+#: Scratch file names: what a backend writes, what a transcription reads.
+SPEECH_FILE, IMAGE_FILE = "speech.wav", "image.png"
 
 
 def _reloadable(error: BaseException) -> bool:
@@ -78,6 +94,14 @@ def _reloadable(error: BaseException) -> bool:
     return error.code == "NOT_FOUND" and "model identity mismatch" in error.details
 
 
+def _check_result(node_id: str, method: str, result) -> None:
+    """A ``Result`` with ``success=false`` is the backend's failure, in its own words (a
+    refused input is a gRPC ``INVALID_ARGUMENT`` status instead, answered 400)."""
+    if not result.success:
+        raise errors.BackendAnswer(node_id, "UNKNOWN",
+                                   (result.message or f"{method} failed")[:2048])
+
+
 @implementer(IInferenceRouter)
 class InferenceRouter:
     """Implements ``IInferenceRouter`` over a :class:`ModelCatalog`, a :class:`NodeChooser`
@@ -85,8 +109,10 @@ class InferenceRouter:
     replicas), a :class:`ColdLoader` (unloads) and ``BackendClients``."""
 
     def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
-                 loader: ColdLoader, clients, reactor):
+                 loader: ColdLoader, clients, reactor, scratch=None):
         self.catalog = catalog
+        #: ``WorkerScratch``: files both ways for the RPCs that name files (``dst``).
+        self.scratch = scratch
         self.chooser = chooser
         self.loads = loads
         self.loader = loader
@@ -129,6 +155,39 @@ class InferenceRouter:
         return self._serve(name, request, deadline,
                            lambda client, req, dl: client.call("Rerank", req, dl),
                            needs=_RERANK)
+
+    def tts(self, name, request, max_bytes, deadline=None) -> defer.Deferred:
+        async def call(client, req, dl):
+            async with self._scratch().directory(client.node_id, dl) as where:
+                req.dst = where.path_of(SPEECH_FILE)
+                result = await client.call("TTS", req, dl)
+                _check_result(client.node_id, "TTS", result)
+                return await where.fetch(SPEECH_FILE, max_bytes)
+
+        return self._serve(name, request, deadline, call, needs=_TTS)
+
+    def transcribe(self, name, request, audio_path, audio_name, deadline=None) -> defer.Deferred:
+        async def call(client, req, dl):
+            async with self._scratch().directory(client.node_id, dl) as where:
+                req.dst = await where.put(audio_path, audio_name)
+                return await client.call("AudioTranscription", req, dl)
+
+        return self._serve(name, request, deadline, call, needs=_TRANSCRIPT)
+
+    def generate_image(self, name, request, max_bytes, deadline=None) -> defer.Deferred:
+        async def call(client, req, dl):
+            async with self._scratch().directory(client.node_id, dl) as where:
+                req.dst = where.path_of(IMAGE_FILE)
+                result = await client.call("GenerateImage", req, dl)
+                _check_result(client.node_id, "GenerateImage", result)
+                return await where.fetch(IMAGE_FILE, max_bytes)
+
+        return self._serve(name, request, deadline, call, needs=_IMAGE)
+
+    def _scratch(self):
+        if self.scratch is None:
+            raise RuntimeError("this router was built without WorkerScratch")
+        return self.scratch
 
     def predict_stream(self, name, options, on_reply, deadline=None,
                        on_start=None, on_loading=None) -> defer.Deferred:

@@ -269,6 +269,19 @@ def resolve_model(router, body: Fields, usecase: str) -> tuple[str, ModelView]:
     return name, ModelView.of(config)
 
 
+def resolve_model_or_default(router, body: Fields, usecase: str) -> tuple[str, ModelView]:
+    """Like :func:`resolve_model`, but a request without ``model`` gets the first configured
+    model (by name) able to serve ``usecase``, as LocalAI's speech, transcription and image
+    endpoints pick one; none configured is a 400 saying so."""
+    if body.has("model"):
+        return resolve_model(router, body, usecase)
+    for config in router.models():
+        if usecase in usecases(config):
+            return config.name, ModelView.of(config)
+    raise invalid(f"you must provide 'model': no configured model does {usecase}",
+                  "model", code="missing_required_parameter")
+
+
 # -- PredictOptions ------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """``/v1`` as one Twisted resource: :class:`OpenAIResource` checks the API key, routes each
 path and method to its endpoint family (``chat``, ``completions``, ``embeddings``,
-``models``, ``tokenize``, ``rerank``), and turns whatever a family raises into an OpenAI-shaped answer.
+``models``, ``tokenize``, ``rerank``, ``speech``, ``transcription``, ``images``; LocalAI's
+``/tts`` is the same class mounted at the root with :data:`TTS_ROUTES`), and turns whatever a family raises into an OpenAI-shaped answer.
 
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
 :class:`~localai_tw.frontend.web.APIKeyGuard` (constant time) **only when a key is
@@ -28,7 +29,17 @@ from localai_tw import metrics as replica_metrics
 
 from ..interfaces import IInferenceRouter
 from ..web import APIError, APIKeyGuard, bearer_token, printable
-from . import chat, completions, embeddings, models, rerank, tokenize
+from . import (
+    chat,
+    completions,
+    embeddings,
+    images,
+    models,
+    rerank,
+    speech,
+    tokenize,
+    transcription,
+)
 from .context import Context
 from .errors import OpenAIError, detail, error_for
 from .responses import Exchange, NodeNames, path_text
@@ -44,7 +55,12 @@ ROUTES = {
     (b"models",): (b"GET", models.answer_list),
     (b"tokenize",): (b"POST", tokenize.answer),
     (b"rerank",): (b"POST", rerank.answer),
+    (b"audio", b"speech"): (b"POST", speech.answer),
+    (b"audio", b"transcriptions"): (b"POST", transcription.answer),
+    (b"images", b"generations"): (b"POST", images.answer),
 }
+#: LocalAI's ``/tts``, mounted at the root: ``OpenAIResource(..., mount=(b"tts",))``.
+TTS_ROUTES = {(b"tts",): (b"POST", speech.answer)}
 
 
 def check_api_key(api_keys: APIKeyGuard | None, request) -> None:
@@ -82,10 +98,13 @@ class OpenAIResource(Resource):
                  deadline_seconds: float | None = None, reactor=None,
                  now: Callable[[], float] = time.time,
                  node_names: Callable[[str], Any] | None = None,
-                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
+                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD,
+                 generated=None, routes=None, mount: tuple[bytes, ...] = ()):
         super().__init__()
         self._metrics = metrics
-        self._context = Context(router, deadline_seconds, reactor, now)
+        self._routes = ROUTES if routes is None else routes
+        self._mount = tuple(mount)
+        self._context = Context(router, deadline_seconds, reactor, now, generated)
         self._names = NodeNames(node_names) if node_names is not None else None
         self._api_keys = api_keys
 
@@ -96,7 +115,8 @@ class OpenAIResource(Resource):
         return server.NOT_DONE_YET
 
     async def _serve(self, request) -> None:
-        exchange = Exchange(request, self._names, self._metrics.request(request.postpath))
+        exchange = Exchange(request, self._names,
+                            self._metrics.request([*self._mount, *request.postpath]))
         try:
             await self._dispatch(request, exchange)
         except AlreadyAnswered:
@@ -136,15 +156,15 @@ class OpenAIResource(Resource):
 
     async def _dispatch(self, request, exchange: Exchange) -> None:
         self.guard(request)
-        segments = [s for s in request.postpath]
+        segments = [*self._mount, *request.postpath]
         if segments and segments[-1] == b"":
             segments.pop()
         method = request.method.upper()
         key = tuple(segments)
-        if key in ROUTES:
-            allowed, answer = ROUTES[key]
+        if key in self._routes:
+            allowed, answer = self._routes[key]
             args = ()
-        elif len(segments) >= 2 and segments[0] == b"models":
+        elif not self._mount and len(segments) >= 2 and segments[0] == b"models":
             allowed, answer = b"GET", models.answer_one
             try:
                 args = (b"/".join(segments[1:]).decode("utf-8"),)
