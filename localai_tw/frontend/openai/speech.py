@@ -11,7 +11,8 @@ Fields: ``model`` (else the first model whose config does ``tts``, as LocalAI pi
 backend is accepted).  ``response_format``: ``wav`` (the default here, as in LocalAI; OpenAI's
 default is mp3); ``mp3``, ``opus``, ``aac``, ``flac`` and ``pcm`` are refused with 400 (LocalAI
 converts them with ffmpeg, which this server does not run); ``stream: true`` and
-``sample_rate`` are refused (400) rather than ignored.
+``sample_rate`` are refused (400) rather than ignored, and so is ``stream_format: sse``
+(``audio``, the whole file, is what is answered).
 
 What this module must never do: call a backend for a request it refused, or answer audio in a
 format other than the one it names.
@@ -59,6 +60,9 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     if body.boolean("stream"):
         raise invalid("'stream' is not supported here: send the request without it and read "
                       "the whole WAV", "stream", code="unsupported_parameter")
+    if body.string("stream_format") not in (None, "audio"):
+        raise invalid("'stream_format' sse is not supported here: the answer is one WAV body",
+                      "stream_format", code="unsupported_parameter")
     if body.has("sample_rate"):
         raise invalid("'sample_rate' is not supported here (no resampling): the WAV comes at "
                       "the backend's rate; send the request without it", "sample_rate",

@@ -14,7 +14,8 @@ Fields: ``model`` (else the first model whose config does ``transcript``, as Loc
 ``language``, ``prompt``, ``temperature``, ``timestamp_granularities[]``, ``translate`` and
 ``diarize`` go to the backend (which refuses what it cannot honour); ``response_format``:
 ``json`` (default), ``text`` (LocalAI's ``txt`` too), ``srt``, ``vtt``, ``verbose_json``,
-``lrc`` (LocalAI's); ``stream: true`` is refused (400).
+``lrc`` (LocalAI's); ``stream: true``, ``include[]``, ``known_speaker_*`` and a
+``chunking_strategy`` other than ``auto`` are refused (400).
 
 What this module must never do: read a body it refused, hold the upload in memory, let a
 client's file name become a path, or call a backend for a form it could not read.
@@ -39,6 +40,9 @@ from .responses import Exchange
 #: Largest upload accepted (OpenAI's limit is 25 MB).
 TRANSCRIPTION_MAX_UPLOAD_BYTES = 25 * 1024 * 1024
 RESPONSE_FORMATS = ("json", "text", "txt", "srt", "vtt", "verbose_json", "lrc")
+#: OpenAI's form fields with a meaning this server cannot honour (refused, never ignored).
+REFUSED_FIELDS = ("include[]", "include", "known_speaker_names[]", "known_speaker_names",
+                  "known_speaker_references[]", "known_speaker_references")
 _NS = 1_000_000_000
 
 
@@ -100,6 +104,14 @@ async def _answer(context: Context, request, exchange: Exchange, directory: str)
     if _form_flag(form.value("stream"), "stream"):
         raise invalid("'stream' is not supported here: send the request without it and read "
                       "the whole answer", "stream", code="unsupported_parameter")
+    for refused in REFUSED_FIELDS:
+        if form.value(refused):
+            param = refused.rstrip("[]")
+            raise invalid(f"{param!r} is not supported here; send the request without it",
+                          param, code="unsupported_parameter")
+    if (form.value("chunking_strategy") or "auto") != "auto":
+        raise invalid("only chunking_strategy 'auto' is accepted here (the backend reads the "
+                      "whole file)", "chunking_strategy", code="unsupported_parameter")
     response_format = (form.value("response_format") or "json").strip()
     if response_format not in RESPONSE_FORMATS:
         raise invalid(f"response_format {response_format[:32]!r} is not one of "
