@@ -157,32 +157,46 @@ class InferenceRouter:
                            needs=_RERANK)
 
     def tts(self, name, request, max_bytes, deadline=None) -> defer.Deferred:
-        async def call(client, req, dl):
+        async def call(client, req, dl, answered):
             async with self._scratch().directory(client.node_id, dl) as where:
                 req.dst = where.path_of(SPEECH_FILE)
                 result = await client.call("TTS", req, dl)
+                answered.append(True)
                 _check_result(client.node_id, "TTS", result)
                 return await where.fetch(SPEECH_FILE, max_bytes)
 
-        return self._serve(name, request, deadline, call, needs=_TTS)
+        return self._serve_with_files(name, request, deadline, call, _TTS)
 
     def transcribe(self, name, request, audio_path, audio_name, deadline=None) -> defer.Deferred:
-        async def call(client, req, dl):
+        async def call(client, req, dl, answered):
             async with self._scratch().directory(client.node_id, dl) as where:
                 req.dst = await where.put(audio_path, audio_name)
-                return await client.call("AudioTranscription", req, dl)
+                result = await client.call("AudioTranscription", req, dl)
+                answered.append(True)
+                return result
 
-        return self._serve(name, request, deadline, call, needs=_TRANSCRIPT)
+        return self._serve_with_files(name, request, deadline, call, _TRANSCRIPT)
 
     def generate_image(self, name, request, max_bytes, deadline=None) -> defer.Deferred:
-        async def call(client, req, dl):
+        async def call(client, req, dl, answered):
             async with self._scratch().directory(client.node_id, dl) as where:
                 req.dst = where.path_of(IMAGE_FILE)
                 result = await client.call("GenerateImage", req, dl)
+                answered.append(True)
                 _check_result(client.node_id, "GenerateImage", result)
                 return await where.fetch(IMAGE_FILE, max_bytes)
 
-        return self._serve(name, request, deadline, call, needs=_IMAGE)
+        return self._serve_with_files(name, request, deadline, call, _IMAGE)
+
+    def _serve_with_files(self, name, request, deadline, call, needs) -> defer.Deferred:
+        """A call that moves files through the node's scratch directory.  Before the backend
+        answered, a failure is classified like any call's (a route failure while making the
+        directory or putting the input: served from another node); once it answered, nothing
+        is retried (reading its output back failed after the work ran)."""
+        answered: list[bool] = []
+        return self._serve(name, request, deadline,
+                           lambda client, req, dl: call(client, req, dl, answered),
+                           lambda: not answered, needs=needs)
 
     def _scratch(self):
         if self.scratch is None:

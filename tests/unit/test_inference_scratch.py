@@ -211,3 +211,15 @@ async def test_a_model_that_does_not_transcribe_is_refused_before_any_node():
     with pytest.raises(ModelUsecaseUnsupported):  # the config decides, nothing is called
         await r.transcribe("speaker", backend_pb2.TranscriptRequest(), "/tmp/x", "audio.wav")
     assert clients.log == [] and scratch.made == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_route_failure_after_the_backend_answered_is_never_retried():
+    """Reading the output back failed on the route: the work ran, so no other node repeats it
+    (and nothing is reaped)."""
+    scratch = Scratch(fetch_error=errors.WorkerUnroutable("a", "the tunnel went away"))
+    r, chooser, clients = router(["a", "b"], scratch)
+    with pytest.raises(errors.WorkerUnroutable):
+        await r.tts("speaker", backend_pb2.TTSRequest(text="hi"), 1024)
+    assert [node for node, _, _ in clients.log] == ["a"] and chooser.reaped == []
+    assert scratch.removed == ["a"]

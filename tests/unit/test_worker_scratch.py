@@ -8,7 +8,6 @@ import os
 import time
 
 import pytest
-from twisted.internet import defer
 
 from localai_tw.worker.control import ControlAuth, ControlVerbs, build_worker_site
 from localai_tw.worker.scratch import ScratchArea
@@ -128,4 +127,3 @@ def test_reset_empties_the_scratch_root(roots):  # noqa: F811
     made = create(site)
     area.reset()
     assert not os.path.exists(made["path"]) and os.path.isdir(area.root)
-    assert defer  # (imported for symmetry with the other staging tests)

@@ -32,7 +32,7 @@ from localai_tw.backends import backend_pb2
 from ..models import IMAGE
 from .context import Context
 from .errors import OpenAIError, invalid
-from .requests import INT32_MAX, read_body, resolve_model_or_default
+from .requests import INT32_MAX, read_body, resolve_model_or_default, router_method
 from .responses import Exchange
 
 MAX_IMAGES = 10
@@ -100,14 +100,14 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     if response_format == "url" and context.generated is None:
         raise OpenAIError(501, "this replica keeps no generated files; ask for b64_json",
                           "server_error", param="response_format", code="not_implemented")
+    generate = router_method(router, "generate_image")
     data = []
     for i in range(n):
         ask = backend_pb2.GenerateImageRequest(
             width=width, height=height, step=step, positive_prompt=positive,
             negative_prompt=negative,
             seed=_image_seed(seed, i))
-        served = await exchange.call(router.generate_image(name, ask, MAX_IMAGE_BYTES,
-                                                           context.deadline()))
+        served = await exchange.call(generate(name, ask, MAX_IMAGE_BYTES, context.deadline()))
         png = served.value
         if response_format == "b64_json":
             data.append({"b64_json": base64.b64encode(png).decode("ascii")})

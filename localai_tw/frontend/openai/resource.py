@@ -1,7 +1,8 @@
 """``/v1`` as one Twisted resource: :class:`OpenAIResource` checks the API key, routes each
 path and method to its endpoint family (``chat``, ``completions``, ``embeddings``,
 ``models``, ``tokenize``, ``rerank``, ``speech``, ``transcription``, ``images``; LocalAI's
-``/tts`` is the same class mounted at the root with :data:`TTS_ROUTES`), and turns whatever a family raises into an OpenAI-shaped answer.
+``/tts`` is the same class mounted at the root with :data:`TTS_ROUTES`), and turns whatever a
+family raises into an OpenAI-shaped answer.
 
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
 :class:`~localai_tw.frontend.web.APIKeyGuard` (constant time) **only when a key is

@@ -25,7 +25,7 @@ from localai_tw.backends import backend_pb2
 from ..models import TTS
 from .context import Context
 from .errors import invalid
-from .requests import read_body, resolve_model_or_default
+from .requests import read_body, resolve_model_or_default, router_method
 from .responses import Exchange
 
 #: Longest ``input`` (OpenAI's limit).
@@ -83,7 +83,8 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     instructions = body.string("instructions")
     if instructions:
         ask.instructions = instructions
-    served = await exchange.call(router.tts(name, ask, MAX_SPEECH_BYTES, context.deadline()))
+    tts = router_method(router, "tts")
+    served = await exchange.call(tts(name, ask, MAX_SPEECH_BYTES, context.deadline()))
     exchange.send_bytes(200, served.value, "audio/wav",
                         {"Content-Disposition": 'attachment; filename="speech.wav"'})
 

@@ -34,7 +34,7 @@ from ..models import TRANSCRIPT
 from .context import Context
 from .errors import invalid
 from .multipart import MultipartError, parse_form
-from .requests import Fields, resolve_model_or_default
+from .requests import Fields, resolve_model_or_default, router_method
 from .responses import Exchange
 
 #: Largest upload accepted (OpenAI's limit is 25 MB).
@@ -151,8 +151,9 @@ async def _answer(context: Context, request, exchange: Exchange, directory: str)
         translate=_form_flag(form.value("translate"), "translate"),
         diarize=_form_flag(form.value("diarize"), "diarize"),
         timestamp_granularities=granularities)
-    served = await exchange.call(router.transcribe(name, ask, upload.path, f"audio.{kind}",
-                                                   context.deadline()))
+    transcribe = router_method(router, "transcribe")
+    served = await exchange.call(transcribe(name, ask, upload.path, f"audio.{kind}",
+                                            context.deadline()))
     result = served.value
     if response_format in ("json", "verbose_json"):
         exchange.send_json(200, _json_answer(result, response_format, granularities))
