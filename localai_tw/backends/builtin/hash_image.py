@@ -118,6 +118,8 @@ class HashImageServicer(backend_pb2_grpc.BackendServicer):
 
 
 def main() -> None:
+    # Two threads: Health is answered while a request runs (the work itself is serialised).
+    os.environ.setdefault(serving.MAX_WORKERS_ENV, "2")
     args = serving.argument_parser(__doc__.splitlines()[0]).parse_args()
     identity = serving.ModelIdentity()
     serving.serve(HashImageServicer(identity), identity, args.addr)

@@ -186,6 +186,8 @@ def _use_model_directory(config, directory: str) -> None:
 
 
 def main() -> None:
+    # Two threads: Health is answered while a request runs (the work itself is serialised).
+    os.environ.setdefault(serving.MAX_WORKERS_ENV, "2")
     args = serving.argument_parser(__doc__.splitlines()[0]).parse_args()
     identity = serving.ModelIdentity()
     serving.serve(PocketSphinxServicer(identity), identity, args.addr)
