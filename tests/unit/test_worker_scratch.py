@@ -127,3 +127,48 @@ def test_reset_empties_the_scratch_root(roots):  # noqa: F811
     made = create(site)
     area.reset()
     assert not os.path.exists(made["path"]) and os.path.isdir(area.root)
+
+
+class SlowRequest:
+    """A request whose consumer pauses the producer after every write (a slow reader)."""
+
+    def __init__(self):
+        from twisted.internet import defer as _defer
+
+        self.chunks = []
+        self.finished = 0
+        self.producer = None
+        self._finish = _defer.Deferred()
+
+    def registerProducer(self, producer, streaming):
+        assert streaming
+        self.producer = producer
+
+    def unregisterProducer(self):
+        self.producer = None
+
+    def notifyFinish(self):
+        return self._finish
+
+    def write(self, data):
+        self.chunks.append(data)
+        self.producer.pauseProducing()
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_reading_back_holds_one_chunk_while_the_reader_is_paused(tmp_path):
+    from localai_tw.worker.staging import CHUNK_BYTES, _FileStreamer
+
+    data = os.urandom(CHUNK_BYTES * 3 + 5)
+    path = tmp_path / "speech.wav"
+    path.write_bytes(data)
+    request = SlowRequest()
+    streamer = _FileStreamer(open(path, "rb"), request, len(data))
+    streamer.start()
+    assert len(request.chunks) == 1 and request.finished == 0
+    while request.producer is not None:
+        request.producer.resumeProducing()
+        assert len(request.chunks) <= 5
+    assert b"".join(request.chunks) == data and request.finished == 1
