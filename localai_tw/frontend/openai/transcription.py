@@ -23,6 +23,7 @@ client's file name become a path, or call a backend for a form it could not read
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -33,7 +34,7 @@ from localai_tw.backends import backend_pb2
 from ..models import TRANSCRIPT
 from .context import Context
 from .errors import invalid
-from .multipart import MultipartError, parse_form
+from .multipart import MultipartError, boundary_of, parse_form
 from .requests import Fields, resolve_model_or_default, router_method
 from .responses import Exchange
 
@@ -64,6 +65,18 @@ def audio_format(head: bytes) -> str | None:
     return None
 
 
+def _parse(content, boundary: bytes, directory: str):
+    """Parse the spooled body in a thread, through a descriptor of its own: the reactor closes
+    the request's file when the client leaves, which must not pull it from under the parse."""
+    spooled = getattr(content, "file", None)
+    if spooled is None:  # a body kept in memory (a route without spooling)
+        content.seek(0, 0)
+        return parse_form(content, boundary, directory)
+    with os.fdopen(os.dup(spooled.fileno()), "rb") as source:
+        source.seek(0, 0)
+        return parse_form(source, boundary, directory)
+
+
 def _form_flag(value: str | None, name: str) -> bool:
     if value is None or value == "":
         return False
@@ -88,13 +101,10 @@ async def _answer(context: Context, request, exchange: Exchange, directory: str)
     router = context.router
     content = request.content
     try:
-        from .multipart import boundary_of
-
         boundary = boundary_of((request.getHeader(b"content-type") or b"").decode("latin-1"))
         if content is None:
             raise MultipartError("the request has no body")
-        content.seek(0, 0)
-        form = await threads.deferToThread(parse_form, content, boundary, directory)
+        form = await threads.deferToThread(_parse, content, boundary, directory)
     except MultipartError as e:
         raise invalid(f"the form cannot be read: {e}", e.param,
                       code="invalid_multipart") from None
