@@ -31,6 +31,12 @@ the caller's deadline, a cancellation
 Retries happen only when the call is known not to have run: a dial failure (the splice was
 abandoned before any byte reached a backend) or a backend refusal before touching the model.
 
+``tts``, ``transcribe`` and ``generate_image`` name files by path on the backend's machine: each
+runs in a scratch directory of the serving node (``WorkerScratch``, ``frontend/scratch.py``),
+made before the call and removed after it.  Failures while making it or putting the input are
+classified by the same table (a route failure skips the node); once the backend answered,
+nothing is retried (reading its output back failed after the work ran).
+
 What this module must never do: reap a row on anything but the worker's answer; retry a call
 that may have run (a Predict that failed mid-way is reported, not repeated); block the reactor.
 """
