@@ -329,6 +329,7 @@ async def test_image_refusals_reach_no_backend(cluster):
     cases = [
         ({"model": "painter"}, "prompt"),
         ({"model": "painter", "prompt": ""}, "prompt"),
+        ({"model": "painter", "prompt": " |blurry"}, "prompt"),
         ({"model": "painter", "prompt": "x", "n": 0}, "n"),
         ({"model": "painter", "prompt": "x", "n": 11}, "n"),
         ({"model": "painter", "prompt": "x", "n": "two"}, "n"),

@@ -25,6 +25,7 @@ the store's bounds, or put a path or node id in a URL.
 from __future__ import annotations
 
 import base64
+import random
 import re
 
 from localai_tw.backends import backend_pb2
@@ -43,6 +44,7 @@ MAX_PROMPT_CHARS = 32000
 MAX_IMAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_SIZE = (512, 512)
 DEFAULT_STEP = 15
+_seeds = random.SystemRandom()
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*x\s*(\d{1,5})\s*$")
 #: OpenAI fields with a meaning this server cannot honour, and the values that mean nothing.
 _REFUSED = {"style": (), "background": ("auto",), "output_compression": (), "stream": (False,),
@@ -96,6 +98,9 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     step = body.integer("step", 1, 1000) or DEFAULT_STEP
     seed = body.integer("seed", -(2**31), INT32_MAX)
     positive, _, negative = prompt.partition("|")
+    if not positive.strip():
+        raise invalid("'prompt' has nothing before '|' (LocalAI's positive|negative split)",
+                      "prompt", code="invalid_value")
     negative = body.string("negative_prompt") or negative
     if response_format == "url" and context.generated is None:
         raise OpenAIError(501, "this replica keeps no generated files; ask for b64_json",
@@ -119,10 +124,8 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
 
 
 def _image_seed(seed: int | None, index: int) -> int:
-    import random
-
     if seed is None:
-        return random.SystemRandom().randint(0, INT32_MAX)
+        return _seeds.randint(0, INT32_MAX)
     return ((seed + index + 2**31) % 2**32) - 2**31
 
 
