@@ -50,12 +50,16 @@ def minilm_folder():
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("backend", ["bert-numpy", "sentence-transformers"])
 @pytest_twisted.ensureDeferred
-async def test_a_folder_model_loads_on_a_remote_worker_and_answers(cluster, minilm_folder):
+async def test_a_folder_model_loads_on_a_remote_worker_and_answers(cluster, minilm_folder,
+                                                                   backend):
+    if backend == "sentence-transformers":
+        _require("torch", "sentence_transformers", what="the sentence-transformers extra")
     shutil.copytree(minilm_folder, os.path.join(cluster.models_dir, MINILM))
     local_tree = _tree(os.path.join(cluster.models_dir, MINILM))
     assert any("/" in rel for rel in local_tree)  # the folder has subfolders (1_Pooling/...)
-    cluster.write_model("minilm.yaml", f"name: minilm\nbackend: bert-numpy\n"
+    cluster.write_model("minilm.yaml", f"name: minilm\nbackend: {backend}\n"
                                        f"embeddings: true\nparameters:\n  model: {MINILM}\n")
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
