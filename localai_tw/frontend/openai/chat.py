@@ -11,14 +11,16 @@ rules chat out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from localai_tw.backends import backend_pb2
 
 from ..models import CHAT
 from ..templates import ChatMessage, render_chat, tool_calls_json
+from ..toolcalls import FunctionConfig, ToolCallStream, clean_content, parse_tool_calls
 from ..web import printable
+from .constraints import Plan, check_output, invalid_output, logprobs_content, plan_chat
 from .context import Context
 from .errors import invalid
 from .requests import (
@@ -48,6 +50,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     exchange.record.model = name  # a configured name: a bounded label
     refuse_unhonoured(body, name, chat=True)
     messages, images = parse_messages(body.raw("messages"))
+    plan = plan_chat(body, name, model)
     stream = bool(body.boolean("stream"))
     n = body.integer("n", 1, MAX_CHOICES) or 1
     if stream and n != 1:
@@ -55,10 +58,11 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
                       code="invalid_value")
     include_usage = usage_requested(body, stream)
     sampling = merge_sampling(model.parameters, body, model.predict)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(plan.options)
     if images:
         extra["Images"] = images
-    rendered = render_chat(model.templates, messages)
+    shown = list(plan.tools.tools) if plan.tools is not None else None
+    rendered = render_chat(model.templates, messages, shown, grammar=bool(plan.grammar))
     if rendered.use_tokenizer_template:
         extra["UseTokenizerTemplate"] = True
         extra["Messages"] = [backend_pb2.Message(
@@ -69,7 +73,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     completion_id, created = context.ids("chatcmpl")
     if stream:
         await stream_reply(context, exchange, name, options, sampling, include_usage,
-                           _ChatChunks(completion_id, created, name))
+                           _ChatChunks(completion_id, created, name, plan, model.functions))
         return
     choices, usage = [], Usage()
     for index, seed in enumerate(sampling.seeds(n)):
@@ -80,16 +84,34 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
         exchange.served_by(served.served_by)
         reply = served.value
         usage.add(reply_usage(reply))
-        choices.append({
-            "index": index,
-            "message": {"role": "assistant",
-                        "content": reply.message.decode("utf-8", "replace")},
-            "logprobs": None,
-            "finish_reason": finish_reason(reply, sampling.max_tokens),
-        })
+        choices.append(_choice(index, reply, plan, model.functions, name,
+                               finish_reason(reply, sampling.max_tokens)))
     exchange.send_json(200, {"id": completion_id, "object": "chat.completion",
                              "created": created, "model": name, "choices": choices,
                              "usage": usage.body()})
+
+
+def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: FunctionConfig,
+            name: str, reason: str) -> dict:
+    """One non-streamed choice: content or tool calls, log probabilities, finish reason."""
+    text = reply.message.decode("utf-8", "replace")
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if plan.tools is not None:
+        parsed = parse_tool_calls(text, functions, plan.tools.names)
+        if parsed.calls:
+            message = {"role": "assistant", "content": parsed.content or None,
+                       "tool_calls": [c.body() for c in parsed.calls]}
+            reason = "tool_calls"
+        elif plan.tools.choice in ("required", "function") and reason != "length":
+            raise invalid_output(name, "a tool call was required and the answer holds none")
+        else:
+            message["content"] = clean_content(text, functions)
+    else:
+        check_output(plan, name, text, reason)
+    logprobs = None
+    if plan.logprobs:
+        logprobs = {"content": logprobs_content(reply.logprobs), "refusal": None}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def parse_messages(raw: Any) -> tuple[list[ChatMessage], list[str]]:
@@ -164,9 +186,23 @@ def _message_content(content: Any, param: str, images: list[str]) -> str:
 
 @dataclass
 class _ChatChunks(Chunks):
+    """Chat chunks; with tools, text that may be a tool call is held back
+    (:class:`~localai_tw.frontend.toolcalls.ToolCallStream`) and the calls found are sent at
+    the end as ``tool_calls`` deltas (the name first, then the arguments); log probabilities
+    ride on the chunk of the text they belong to (or the next one sent)."""
+
     id: str
     created: int
     model: str
+    plan: Plan = field(default_factory=Plan)
+    functions: FunctionConfig = field(default_factory=FunctionConfig)
+
+    def __post_init__(self):
+        tools = self.plan.tools
+        self.tool_stream = ToolCallStream(self.functions, tools.names) \
+            if tools is not None else None
+        self.pending_logprobs: list = []
+        self.text = ""  # the whole answer, for the JSON check at the end
 
     def _chunk(self, choices: list, **more) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -176,9 +212,49 @@ class _ChatChunks(Chunks):
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
 
+    def _logprobs(self) -> dict | None:
+        if not self.plan.logprobs:
+            return None
+        entries, self.pending_logprobs = self.pending_logprobs, []
+        return {"content": entries, "refusal": None}
+
     def delta(self, text: str) -> dict:
-        return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": None,
-                             "finish_reason": None}])
+        return self._chunk([{"index": 0, "delta": {"content": text},
+                             "logprobs": self._logprobs(), "finish_reason": None}])
+
+    def pieces(self, text: str, reply: backend_pb2.Reply) -> list:
+        if self.plan.logprobs:
+            self.pending_logprobs.extend(logprobs_content(reply.logprobs))
+        self.text += text
+        if self.tool_stream is not None:
+            text = self.tool_stream.feed(text)
+        return [self.delta(text)] if text else []
+
+    def closing(self, reason: str) -> list:
+        out = []
+        if self.tool_stream is not None:
+            rest, calls = self.tool_stream.end()
+            if rest:
+                out.append(self.delta(rest))
+            if calls:
+                reason = "tool_calls"
+                for index, call in enumerate(calls):
+                    out.append(self._chunk([{"index": 0, "delta": {"tool_calls": [{
+                        "index": index, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}]},
+                        "logprobs": None, "finish_reason": None}]))
+                    out.append(self._chunk([{"index": 0, "delta": {"tool_calls": [{
+                        "index": index, "function": {"arguments": call.arguments}}]},
+                        "logprobs": None, "finish_reason": None}]))
+            elif self.plan.tools.choice in ("required", "function") and reason != "length":
+                raise invalid_output(self.model, "a tool call was required and the answer "
+                                     "holds none")
+        else:
+            check_output(self.plan, self.model, self.text, reason)
+        out.append(self._chunk([{"index": 0, "delta": {}, "logprobs": self._logprobs()
+                                 if self.pending_logprobs else None,
+                                 "finish_reason": reason}]))
+        return out
 
     def finish(self, reason: str) -> dict:
         return self._chunk([{"index": 0, "delta": {}, "logprobs": None,
