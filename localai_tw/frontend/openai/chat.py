@@ -2,7 +2,10 @@
 :mod:`localai_tw.frontend.templates` (or sent as ``Messages`` with ``UseTokenizerTemplate``);
 ``stream: false`` is one ``Predict`` per choice, ``stream: true`` one ``PredictStream`` written
 as ``chat.completion.chunk`` events (the first carries ``role: assistant``, the last
-``finish_reason``, then ``[DONE]``).
+``finish_reason``, then ``[DONE]``).  Tools, ``response_format`` and ``logprobs`` are checked
+and turned into ``PredictOptions`` by :mod:`.constraints`; tool calls are read out of the
+answer (:mod:`localai_tw.frontend.toolcalls`) into ``tool_calls``, or, streamed, sent as
+``tool_calls`` deltas once the held-back text is parsed.
 
 What this module must never do: fetch a URL a message names (images are ``data:`` URLs only),
 evaluate anything from a template or a message, or call the router for a model whose config
