@@ -15,6 +15,9 @@ The formats read, in LocalAI's order (``pkg/functions/parse.go``):
    ``arguments``; ``parameters`` is read too, as Llama 3.1 writes it) is one call, an array
    one call per such object.
 
+A backend that parses calls itself and sends them in ``Reply.chat_deltas`` (LocalAI's
+llama.cpp backend does) is believed first (:func:`calls_from_deltas`).
+
 A call is kept only when it names one of the request's tools, so a JSON answer that happens to
 hold a ``name`` is not taken for a call.  What remains of the text around the calls is the
 message content.
@@ -323,6 +326,32 @@ def _result(text: str, calls: list[ToolCall], spans: list[tuple[int, int]]) -> P
     return Parsed("".join(pieces).strip(), tuple(calls[:MAX_CALLS]))
 
 
+def calls_from_deltas(deltas: Iterable[Any], names: Sequence[str] | None) -> list[ToolCall]:
+    """Tool calls a backend parsed itself (``Reply.chat_deltas``, as LocalAI's llama.cpp
+    backend sends them): the pieces of each ``index`` joined (name and id as last given,
+    arguments concatenated), in index order; calls naming no requested tool are dropped."""
+    by_index: dict[int, dict] = {}
+    for delta in deltas:
+        for piece in delta.tool_calls:
+            call = by_index.setdefault(int(piece.index), {"name": "", "id": "",
+                                                          "arguments": ""})
+            if piece.name:
+                call["name"] = piece.name
+            if piece.id:
+                call["id"] = piece.id
+            call["arguments"] += piece.arguments
+            if len(by_index) > MAX_CALLS:
+                break
+    calls = []
+    for index in sorted(by_index):
+        call = by_index[index]
+        if not call["name"] or (names is not None and call["name"] not in names):
+            continue
+        extra = {"id": call["id"]} if call["id"] else {}
+        calls.append(ToolCall(call["name"], call["arguments"] or "{}", **extra))
+    return calls
+
+
 def clean_content(text: str, config: FunctionConfig) -> str:
     """``function.replace_llm_results`` applied to an answer's content."""
     for pattern, replacement in config.replace_llm_results:
@@ -395,4 +424,4 @@ def tool_names(tools: Iterable[Mapping[str, Any]]) -> list[str]:
 
 
 __all__ = ["FunctionConfig", "FunctionConfigError", "Parsed", "ToolCall", "ToolCallStream",
-           "clean_content", "parse_tool_calls", "tool_names"]
+           "calls_from_deltas", "clean_content", "parse_tool_calls", "tool_names"]

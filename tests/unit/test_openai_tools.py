@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from localai_tw.backends import backend_pb2
 from localai_tw.frontend.models import parse_model_config
 from localai_tw.frontend.toolcalls import (
     FunctionConfig,
@@ -244,6 +245,41 @@ def test_a_streamed_answer_without_a_call_is_plain_content(site, router):
     deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == "It is sunny."
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def delta(content="", calls=()):
+    return backend_pb2.ChatDelta(content=content, tool_calls=[
+        backend_pb2.ToolCallDelta(index=i, id=c_id, name=name, arguments=args)
+        for i, c_id, name, args in calls])
+
+
+def test_calls_a_backend_parsed_itself_win_over_the_text(site, router):
+    router.answer = "<|tool|>get_weather Paris<|/tool|>"  # a format this frontend cannot read
+    router.reply_deltas = [delta("Looking."), delta(calls=[(0, "b1", "get_weather", '{"ci')]),
+                           delta(calls=[(0, "", "", 'ty": "Paris"}')]),
+                           delta(calls=[(1, "b2", "nope", "{}")])]
+    choice = call(site, "POST", "/v1/chat/completions",
+                  chat(tools=[WEATHER])).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Looking."
+    assert choice["message"]["tool_calls"] == [{
+        "id": "b1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+
+
+def test_streamed_calls_a_backend_parsed_itself_are_sent_as_tool_calls(site, router):
+    router.stream_pieces = [b"<|tool|>get_weather", b" Paris<|/tool|>"]
+    router.stream_deltas = [[], [delta(calls=[(0, "b1", "get_weather", '{"city":"Paris"}')])]]
+    events = call(site, "POST", "/v1/chat/completions",
+                  chat(tools=[WEATHER], stream=True)).events()
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    # text this frontend did not recognise as a call was streamed as content before the
+    # backend's parsed call arrived (documented); the call itself comes from the backend
+    assert "".join(d.get("content") or "" for d in deltas) == \
+        "<|tool|>get_weather Paris<|/tool|>"
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["id"] == "b1" and calls[0]["function"]["name"] == "get_weather"
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_tool_messages_and_assistant_calls_reach_the_template(site, router):

@@ -21,7 +21,14 @@ from localai_tw.backends import backend_pb2
 
 from ..models import CHAT
 from ..templates import ChatMessage, render_chat, tool_calls_json
-from ..toolcalls import FunctionConfig, ToolCallStream, clean_content, parse_tool_calls
+from ..toolcalls import (
+    FunctionConfig,
+    Parsed,
+    ToolCallStream,
+    calls_from_deltas,
+    clean_content,
+    parse_tool_calls,
+)
 from ..web import printable
 from .constraints import Plan, check_output, invalid_output, logprobs_content, plan_chat
 from .context import Context
@@ -101,6 +108,12 @@ def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: Functio
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if plan.tools is not None:
         parsed = parse_tool_calls(text, functions, plan.tools.names)
+        parsed_by_backend = calls_from_deltas(reply.chat_deltas, plan.tools.names)
+        if parsed_by_backend:  # the backend parsed the calls itself: its calls win
+            content = "".join(d.content for d in reply.chat_deltas).strip()
+            if not content and parsed.calls:
+                content = parsed.content  # else the text is the calls' markup
+            parsed = Parsed(content, tuple(parsed_by_backend))
         if parsed.calls:
             message = {"role": "assistant", "content": parsed.content or None,
                        "tool_calls": [c.body() for c in parsed.calls]}
@@ -205,6 +218,7 @@ class _ChatChunks(Chunks):
         self.tool_stream = ToolCallStream(self.functions, tools.names) \
             if tools is not None else None
         self.pending_logprobs: list = []
+        self.deltas: list = []  # Reply.chat_deltas (calls a backend parsed itself)
         self.text = ""  # the whole answer, for the JSON check at the end
 
     def _chunk(self, choices: list, **more) -> dict:
@@ -228,6 +242,8 @@ class _ChatChunks(Chunks):
     def pieces(self, text: str, reply: backend_pb2.Reply) -> list:
         if self.plan.logprobs:
             self.pending_logprobs.extend(logprobs_content(reply.logprobs))
+        if self.tool_stream is not None and reply.chat_deltas:
+            self.deltas.extend(reply.chat_deltas)
         self.text += text
         if self.tool_stream is not None:
             text = self.tool_stream.feed(text)
@@ -237,6 +253,10 @@ class _ChatChunks(Chunks):
         out = []
         if self.tool_stream is not None:
             rest, calls = self.tool_stream.end()
+            by_backend = calls_from_deltas(self.deltas, self.plan.tools.names)
+            if by_backend:  # the backend parsed the calls itself: its calls win
+                rest = rest if calls else ""  # unparsed held text is the calls' markup
+                calls = tuple(by_backend)
             if rest:
                 out.append(self.delta(rest))
             if calls:
