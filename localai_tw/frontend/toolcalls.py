@@ -40,8 +40,10 @@ MAX_REGEXES = 16
 MAX_REGEX_CHARS = 1024
 #: Most of a stream held back while it may still turn into a tool call tag.
 MAX_HELD_CHARS = 64
-#: Most tool calls read out of one answer.
+#: Most tool calls read out of one answer, and most places in it where JSON is tried and
+#: fails (so a text full of brackets costs linear work, not quadratic).
 MAX_CALLS = 64
+MAX_MISSES = 64
 
 #: The tags that open a tool call in the text (the common tagged forms).
 TAGS = ("<tool_call>", "<function=")
@@ -244,16 +246,17 @@ _DECODER = json.JSONDecoder()
 def _json_values(text: str) -> list[tuple[int, int, Any]]:
     """Every top-level JSON object or array in ``text`` as (start, end, value), left to right
     (text between them is skipped, as LocalAI's ``ParseJSON`` does)."""
-    found, at = [], 0
-    while len(found) < MAX_CALLS:
+    found, at, misses = [], 0, 0
+    while len(found) < MAX_CALLS and misses < MAX_MISSES:
         starts = [i for i in (text.find("{", at), text.find("[", at)) if i >= 0]
         if not starts:
             break
         start = min(starts)
         try:
             value, end = _DECODER.raw_decode(text, start)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested too deep
             at = start + 1
+            misses += 1
             continue
         found.append((start, end, value))
         at = end

@@ -407,6 +407,16 @@ def test_bad_tools_and_schemas_are_400_before_any_backend(site, router, body, pa
     assert router.calls == []
 
 
+def test_a_huge_schema_is_a_400_before_it_is_checked(site, router):
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"}
+                                               for i in range(2100)}}
+    error = assert_error(call(site, "POST", "/v1/chat/completions", chat(
+        "llama", response_format={"type": "json_schema",
+                                  "json_schema": {"name": "d", "schema": schema}})),
+        400, param="response_format.json_schema.schema")
+    assert "more than 4000 values" in error["message"]
+
+
 def test_a_deeply_nested_schema_is_a_400_not_a_crash(site, router):
     schema: dict = {"type": "object"}
     for _ in range(200):
