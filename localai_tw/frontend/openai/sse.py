@@ -200,10 +200,12 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
         usage.update(reply)
         last.tokens = max(last.tokens, reply.tokens)
         text = decoder.decode(reply.message)
-        waiting = None
-        for payload in chunks.pieces(text, reply):
-            waiting = stream.send(payload)  # the last one's pace is followed
-        return waiting  # nothing complete yet, or all held back: nothing sent
+        payloads = chunks.pieces(text, reply)
+        if not payloads:
+            return None  # nothing complete yet, or held back: nothing to send
+        for payload in payloads[:-1]:
+            _unawaited(stream.send(payload))
+        return stream.send(payloads[-1])  # the last one's pace is followed
 
     try:
         served = await exchange.call(router.predict_stream(
