@@ -407,6 +407,14 @@ def test_bad_tools_and_schemas_are_400_before_any_backend(site, router, body, pa
     assert router.calls == []
 
 
+@pytest.mark.parametrize("tool_calls", ["x", ["x"], [{}] * 129])
+def test_assistant_tool_calls_of_the_wrong_shape_are_400(site, router, tool_calls):
+    messages = [{"role": "assistant", "content": "", "tool_calls": tool_calls}]
+    assert_error(call(site, "POST", "/v1/chat/completions", chat(messages=messages)), 400,
+                 param="messages[0].tool_calls")
+    assert router.calls == []
+
+
 def test_a_huge_schema_is_a_400_before_it_is_checked(site, router):
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"}
                                                for i in range(2100)}}

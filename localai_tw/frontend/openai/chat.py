@@ -30,7 +30,14 @@ from ..toolcalls import (
     parse_tool_calls,
 )
 from ..web import printable
-from .constraints import Plan, check_output, invalid_output, logprobs_content, plan_chat
+from .constraints import (
+    MAX_TOOLS,
+    Plan,
+    check_output,
+    invalid_output,
+    logprobs_content,
+    plan_chat,
+)
 from .context import Context
 from .errors import invalid
 from .requests import (
@@ -154,9 +161,11 @@ def parse_messages(raw: Any) -> tuple[list[ChatMessage], list[str]]:
                           f"{', '.join(ROLES)}", f"{where}.role", code="invalid_value")
         content = _message_content(item.get("content"), f"{where}.content", images)
         tool_calls = item.get("tool_calls")
-        if tool_calls is not None and not isinstance(tool_calls, list):
-            raise invalid(f"'{where}.tool_calls' must be a list", f"{where}.tool_calls",
-                          code="invalid_type")
+        if tool_calls is not None and (
+                not isinstance(tool_calls, list) or len(tool_calls) > MAX_TOOLS or
+                not all(isinstance(c, dict) for c in tool_calls)):
+            raise invalid(f"'{where}.tool_calls' must be a list of at most {MAX_TOOLS} tool "
+                          "call objects", f"{where}.tool_calls", code="invalid_type")
         messages.append(ChatMessage(
             role=role, content=content, name=fields.string("name") or "",
             tool_call_id=fields.string("tool_call_id") or "",
