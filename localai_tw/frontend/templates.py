@@ -37,7 +37,8 @@ list that prints as their JSON text, or nil), ``.MessageIndex``, ``.LastMessage`
 ``.Functions`` (the request's tools when they are shown to the model, each with ``.Name``,
 ``.Description``, ``.Strict``, ``.Parameters``; else nil), ``.MessageIndex`` (0),
 ``.ReasoningEffort``, ``.Metadata``.  With tools, the ``function`` template (LocalAI's
-``template.function``) renders the prompt in place of ``chat`` when the config has one.  A field of a nested mapping that is missing is nil (Go's zero value); a field
+``template.function``) renders the prompt in place of ``chat`` when the config has one.
+A field of a nested mapping that is missing is nil (Go's zero value); a field
 the top level does not have is an error.
 
 What this module must never do: evaluate code (no ``eval``/``exec``, no attribute access:

@@ -35,7 +35,7 @@ FUNCTION_TEMPLATE = ("Tools:{{range .Functions}} {{.Name}}({{toJson .Parameters}
                      "{{.Input}}")
 
 
-# -- reading calls out of text ---------------------------------------------------------------------
+# -- reading calls out of text --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text, content, calls", [
@@ -147,7 +147,7 @@ def test_with_response_regex_the_whole_stream_is_held():
                                                                    [("get_time", "{}")])
 
 
-# -- the API -------------------------------------------------------------------------------------------
+# -- the API --------------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -435,7 +435,7 @@ def test_a_deeply_nested_schema_is_a_400_not_a_crash(site, router):
         400, param="response_format.json_schema.schema")
 
 
-# -- JSON mode ------------------------------------------------------------------------------------------
+# -- JSON mode ------------------------------------------------------------------------------------
 
 PERSON = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": {
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -490,7 +490,7 @@ def test_a_streamed_answer_outside_the_schema_ends_with_an_error_event(site, rou
     assert "[DONE]" not in events
 
 
-# -- log probabilities ------------------------------------------------------------------------------
+# -- log probabilities ----------------------------------------------------------------------------
 
 LOGPROBS = json.dumps({"content": [
     {"id": 1, "token": "Hi", "logprob": -0.25,

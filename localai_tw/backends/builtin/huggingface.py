@@ -20,7 +20,8 @@ honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
 the messages' ``tool_calls`` / ``tool_call_id``; ``Logprobs`` / ``TopLogprobs`` fill
 ``Reply.logprobs`` (LocalAI's JSON, the chat shape) from the scores the sampler saw, each
 stream reply carrying the entries of the tokens resolved since the last (the last token's in a
-final empty reply).  ``Grammar`` is not honoured (the frontend refuses what needs it).  ``Embedding`` answers one pooled vector (layout FINAL):
+final empty reply).  ``Grammar`` is not honoured (the frontend refuses what needs it).
+``Embedding`` answers one pooled vector (layout FINAL):
 the sentence-transformers encoding, or the attention-mask mean of the last hidden state.
 ``Rerank`` (sentence-transformers models only) is bi-encoder reranking: the cosine similarity
 of the query's and each document's embedding, best first (as ``bert-numpy`` ranks).

@@ -21,7 +21,8 @@ answer cut by the token budget (``finish_reason: length``) is returned as it is,
 does; any other invalid answer is a 500 ``invalid_model_output`` that clients do not retry.
 
 What this module must never do: send a request whose constraint the backend would ignore,
-compile or validate a schema without bounding its depth and size first, or run a regex from a request.
+compile or validate a schema without bounding its depth and size first, or run a regex from a
+request.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _refuse(model: str, param: str, why: str) -> OpenAIError:
                    code="unsupported_parameter")
 
 
-# -- tools ------------------------------------------------------------------------------------------
+# -- tools ----------------------------------------------------------------------------------------
 
 
 def read_tools(body) -> tuple[list[dict], Any]:
@@ -281,7 +282,7 @@ def call_schema(tools: list[dict], config: FunctionConfig, forced: str | None,
     return schema
 
 
-# -- the plan ---------------------------------------------------------------------------------------
+# -- the plan -------------------------------------------------------------------------------------
 
 
 def _response_format(body, model: str, caps: Capabilities, plan: Plan) -> None:
@@ -406,7 +407,7 @@ def plan_completion(body, model: str, view, *, echo: bool) -> Plan:
     return plan
 
 
-# -- after generation -------------------------------------------------------------------------------
+# -- after generation -----------------------------------------------------------------------------
 
 
 def invalid_output(model: str, why: str) -> OpenAIError:
