@@ -541,3 +541,32 @@ def test_completions_logprobs_with_echo_is_refused(site, router):
                       {"model": "hf", "prompt": "x", "logprobs": 1, "echo": True}),
                  400, param="logprobs", code="unsupported_parameter")
     assert router.calls == []
+
+
+def test_streamed_completions_logprobs_carry_their_text_offsets(site, router):
+    router.stream_pieces = [b"Hi", b"!"]
+    router.stream_logprobs = [
+        json.dumps({"content": [{"token": "Hi", "logprob": -0.25}]}).encode(),
+        json.dumps({"content": [{"token": "!", "logprob": -0.5,
+                                 "top_logprobs": [{"token": "!", "logprob": -0.5}]}]}).encode()]
+    events = call(site, "POST", "/v1/completions",
+                  {"model": "hf", "prompt": "x", "logprobs": 1, "stream": True}).events()
+    pieces = [e["choices"][0]["logprobs"] for e in events[:-1]
+              if e["choices"] and e["choices"][0]["logprobs"]]
+    assert pieces == [
+        {"tokens": ["Hi"], "token_logprobs": [-0.25], "top_logprobs": [{}], "text_offset": [0]},
+        {"tokens": ["!"], "token_logprobs": [-0.5], "top_logprobs": [{"!": -0.5}],
+         "text_offset": [2]}]
+
+
+def test_the_last_message_knows_the_answer_is_constrained(router):
+    router.configs["flagged"] = model_config(
+        "flagged", backend="llama-cpp", template={
+            "chat": "{{.Input}}", "function": "{{.Input}}",
+            "chat_message": "{{.RoleName}}{{if .Function}} (answer with a call){{end}}"})
+    router.answer = '{"name": "get_time", "arguments": {}}'
+    site = make_site(router)
+    call(site, "POST", "/v1/chat/completions", chat("flagged", tools=[TIME]))
+    call(site, "POST", "/v1/chat/completions", chat("flagged", tools=[TIME],
+                                                    tool_choice="required"))
+    assert [c[2].Prompt for c in router.calls] == ["user", "user (answer with a call)"]
