@@ -154,9 +154,12 @@ async def test_tools_and_logprobs_with_the_transformers_backend(cluster, tmp_pat
 
     directory = str(tmp_path / "tiny-tools")
     await threads.deferToThread(build, directory, 0, TOOLS_TEMPLATE)
-    cluster.write_model("tiny.yaml", (
-        f"name: tiny\nbackend: transformers\nparameters:\n  model: {directory}\n"
-        "  temperature: 0\n  max_tokens: 6\ntemplate:\n  use_tokenizer_template: true\n"))
+    plain_directory = str(tmp_path / "tiny-plain")
+    await threads.deferToThread(build, plain_directory)  # its template never reads tools
+    for name, where in (("tiny", directory), ("tiny-plain", plain_directory)):
+        cluster.write_model(f"{name}.yaml", (
+            f"name: {name}\nbackend: transformers\nparameters:\n  model: {where}\n"
+            "  temperature: 0\n  max_tokens: 6\ntemplate:\n  use_tokenizer_template: true\n"))
     base = await relaying(cluster, "hf")
 
     def use_the_api():
@@ -170,9 +173,18 @@ async def test_tools_and_logprobs_with_the_transformers_backend(cluster, tmp_pat
         chunks = list(api.chat.completions.create(model="tiny", messages=ask, logprobs=True,
                                                   top_logprobs=2, stream=True))
         legacy = api.completions.create(model="tiny", prompt="the cat", logprobs=3)
-        return plain, with_tools, scored, chunks, legacy
+        try:
+            api.chat.completions.create(model="tiny-plain", messages=ask, tools=[WEATHER])
+            ignored = None
+        except openai.BadRequestError as e:
+            ignored = (e.status_code, e.code, e.message)
+        return plain, with_tools, scored, chunks, legacy, ignored
 
-    plain, with_tools, scored, chunks, legacy = await threads.deferToThread(use_the_api)
+    plain, with_tools, scored, chunks, legacy, ignored = \
+        await threads.deferToThread(use_the_api)
+    # a template that never renders tools: refused, not silently ignored
+    assert ignored[:2] == (400, "backend_refused_request"), ignored
+    assert "does not render tools" in ignored[2]
     # "tool get_weather tool get_time": four more prompt tokens when the tools are rendered
     assert with_tools.usage.prompt_tokens == plain.usage.prompt_tokens + 4
     content = scored.choices[0].logprobs.content

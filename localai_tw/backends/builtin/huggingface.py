@@ -17,7 +17,8 @@ frontend reap and reload the model).  ``Predict``/``PredictStream`` generate fro
 (or from ``Messages`` through the tokenizer's chat template when ``UseTokenizerTemplate``),
 honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
 ``TopK``, ``Seed`` and ``StopPrompts``; ``Tools`` go to the chat template (``tools=``) with
-the messages' ``tool_calls`` / ``tool_call_id``; ``Logprobs`` / ``TopLogprobs`` fill
+the messages' ``tool_calls`` / ``tool_call_id`` (``INVALID_ARGUMENT`` when the template never
+reads ``tools``: they would be ignored); ``Logprobs`` / ``TopLogprobs`` fill
 ``Reply.logprobs`` (LocalAI's JSON, the chat shape) from the scores the sampler saw, each
 stream reply carrying the entries of the tokens resolved since the last (the last token's in a
 final empty reply).  ``Grammar`` is not honoured (the frontend refuses what needs it).
@@ -254,11 +255,18 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         if self.model is None or self.tokenizer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
 
-    def _prompt_ids(self, request):
+    def _prompt_ids(self, request, context=None):
         if request.UseTokenizerTemplate and request.Messages:
             kwargs = {}
             tools = template_tools(request.Tools)
             if tools:
+                if not template_reads_tools(self.tokenizer):
+                    # tools the template never renders would be silently ignored
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "this model's chat template does not render tools (it never "
+                                  "reads 'tools'); give the model a tokenizer whose template "
+                                  "does, or render the prompt with a template.function in "
+                                  "its config")
                 kwargs["tools"] = tools
             text = self.tokenizer.apply_chat_template(
                 [template_message(m) for m in request.Messages], tokenize=False,
@@ -318,7 +326,7 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
 
         self._busy_enter()
         try:
-            inputs = self._prompt_ids(request)
+            inputs = self._prompt_ids(request, context)
             prompt_len = inputs["input_ids"].shape[-1]
             kwargs = self._generate_kwargs(request, inputs)
             recorder = self._recorder(request, kwargs)
@@ -355,7 +363,7 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         abandoned = threading.Event()
         self._busy_enter()
         try:
-            inputs = self._prompt_ids(request)
+            inputs = self._prompt_ids(request, context)
             prompt_len = inputs["input_ids"].shape[-1]
             class CountingStreamer(TextIteratorStreamer):
                 """Counts the generated tokens (its text pieces are not tokens: a piece may
@@ -481,6 +489,13 @@ def template_tools(raw: str) -> list | None:
     except ValueError:
         return None
     return tools if isinstance(tools, list) and tools else None
+
+
+def template_reads_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template(s) refer to ``tools`` at all."""
+    template = getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(t, str) and "tools" in t for t in texts)
 
 
 def template_message(message) -> dict:
