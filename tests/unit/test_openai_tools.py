@@ -570,3 +570,18 @@ def test_the_last_message_knows_the_answer_is_constrained(router):
     call(site, "POST", "/v1/chat/completions", chat("flagged", tools=[TIME],
                                                     tool_choice="required"))
     assert [c[2].Prompt for c in router.calls] == ["user", "user (answer with a call)"]
+
+
+def test_a_request_grammar_goes_to_a_grammar_backend_and_is_refused_elsewhere(site, router):
+    router.answer = "yes"
+    assert call(site, "POST", "/v1/completions", {
+        "model": "llama", "prompt": "x", "grammar": 'root ::= "yes" | "no"'}).status == 200
+    assert router.calls[0][2].Grammar == 'root ::= "yes" | "no"'
+    assert_error(call(site, "POST", "/v1/chat/completions", chat(grammar="root ::= x")), 400,
+                 param="grammar", code="unsupported_parameter")
+    assert_error(call(site, "POST", "/v1/chat/completions", chat(
+        "llama", grammar="root ::= x", response_format={"type": "json_object"})), 400,
+        param="grammar")
+    assert_error(call(site, "POST", "/v1/chat/completions", chat(
+        "llama", grammar="x" * (64 * 1024 + 1))), 400, param="grammar")
+    assert len(router.calls) == 1

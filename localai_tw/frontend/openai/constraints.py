@@ -2,7 +2,8 @@
 backend (``frontend/capabilities.py``) and turned into ``PredictOptions`` fields, before any
 backend is called: tools (``tools``/``tool_choice``/``parallel_tool_calls`` and the legacy
 ``functions``/``function_call``), structured output (``response_format`` ``json_object`` /
-``json_schema``) and log probabilities (``logprobs``/``top_logprobs``).
+``json_schema``, and LocalAI's ``grammar`` extension: a GBNF text) and log probabilities
+(``logprobs``/``top_logprobs``).
 
 The rules (the tables in ``docs/openai-api.md``):
 
@@ -48,6 +49,7 @@ MAX_SCHEMA_DEPTH = 48
 MAX_SCHEMA_NODES = 4_000
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_GRAMMAR_CHARS = 64 * 1024
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -321,6 +323,24 @@ def _response_format(body, model: str, caps: Capabilities, plan: Plan) -> None:
     plan.json_mode, plan.schema, plan.grammar = kind, schema, grammar
 
 
+def _request_grammar(body, model: str, caps: Capabilities, plan: Plan) -> None:
+    """LocalAI's ``grammar`` extension: a GBNF grammar given by the request itself (the backend
+    parses it: one that does not parse is its 400 ``backend_refused_request``)."""
+    grammar = body.string("grammar")
+    if not grammar:
+        return
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise invalid(f"'grammar' is longer than {MAX_GRAMMAR_CHARS} characters", "grammar",
+                      code="invalid_value")
+    if not caps.grammar:
+        raise _refuse(model, "grammar", "its backend does not constrain its output")
+    if plan.grammar:
+        raise invalid("'grammar' cannot be combined with a JSON response_format or a required "
+                      "tool call (each is a grammar of its own)", "grammar",
+                      code="invalid_value")
+    plan.grammar = grammar
+
+
 def plan_chat(body, model: str, view) -> Plan:
     """The checked plan of a chat request for the model ``view`` (a ``ModelView``).
     :raises OpenAIError: 400 for whatever the model cannot honour or the request got wrong."""
@@ -361,6 +381,7 @@ def plan_chat(body, model: str, view) -> Plan:
                                  functions.parallel_calls and plan.tools.parallel)
             where = f"tools[{names.index(forced)}].function.parameters" if forced else "tools"
             plan.grammar = _grammar(schema, where, functions.grammar_prefix)
+    _request_grammar(body, model, caps, plan)
     if plan.grammar:
         plan.options["Grammar"] = plan.grammar
     _logprobs_chat(body, model, caps, plan)
@@ -392,6 +413,7 @@ def plan_completion(body, model: str, view, *, echo: bool) -> Plan:
             raise invalid(f"{name!r} is a chat feature; send it to /v1/chat/completions",
                           name, code="unsupported_parameter")
     _response_format(body, model, caps, plan)
+    _request_grammar(body, model, caps, plan)
     if plan.grammar:
         plan.options["Grammar"] = plan.grammar
     top = body.integer("logprobs", 0, MAX_COMPLETION_LOGPROBS)
