@@ -369,7 +369,8 @@ class ToolCallStream:
     An answer whose first visible character opens JSON (``{`` or ``[``) is held whole, and so
     is every answer when the config reads calls with regexes; otherwise text streams as
     content until a tool call tag (:data:`TAGS`) starts, holding back at most a possible
-    tag's first characters meanwhile.
+    tag's first characters meanwhile.  A call found only in text already sent (JSON after some
+    prose) is still returned by :meth:`end`, as the answer not streamed would hold it.
     """
 
     def __init__(self, config: FunctionConfig, names: Sequence[str] | None):
@@ -404,13 +405,17 @@ class ToolCallStream:
 
     def end(self) -> tuple[str, tuple[ToolCall, ...]]:
         """The content still to send and the calls found in what was held."""
-        if not self.held:
-            return "", ()
-        parsed = parse_tool_calls(self.held, self.config, self.names)
-        if not parsed.calls:
-            return self.held, ()
-        return (" " + parsed.content if parsed.content and self.sent else parsed.content,
-                parsed.calls)
+        parsed = parse_tool_calls(self.held, self.config, self.names) if self.held \
+            else Parsed("", ())
+        if parsed.calls:
+            return (" " + parsed.content if parsed.content and self.sent else parsed.content,
+                    parsed.calls)
+        if self.sent:  # a call in the middle of text already sent (JSON after prose)
+            whole = parse_tool_calls(self.sent + self.held, self.config, self.names)
+            if whole.calls:
+                held = self.held.strip()
+                return (self.held if held and held in whole.content else "", whole.calls)
+        return self.held, ()
 
 
 def _partial_tag_suffix(text: str) -> int:

@@ -141,6 +141,13 @@ def test_held_text_that_is_no_call_is_sent_at_the_end():
     assert stream_through(["a <tool", "box> b"]) == ("a <toolbox> b", "", [])
 
 
+def test_a_json_call_after_prose_is_found_at_the_end_as_without_streaming():
+    sent, rest, calls = stream_through(["Sure. ", '{"name": "get_time", ', '"arguments": {}}',
+                                        " Done."])
+    assert sent == 'Sure. {"name": "get_time", "arguments": {}} Done.'  # already streamed
+    assert (rest, calls) == ("", [("get_time", "{}")])
+
+
 def test_with_response_regex_the_whole_stream_is_held():
     config = FunctionConfig.from_yaml({"response_regex": [r"CALL (?P<name>\w+)"]})
     assert stream_through(["Sure. ", "CALL get_time"], config) == ("", "Sure.",
