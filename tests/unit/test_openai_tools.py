@@ -592,3 +592,24 @@ def test_a_request_grammar_goes_to_a_grammar_backend_and_is_refused_elsewhere(si
     assert_error(call(site, "POST", "/v1/chat/completions", chat(
         "llama", grammar="x" * (64 * 1024 + 1))), 400, param="grammar")
     assert len(router.calls) == 1
+
+
+STRICT = {"type": "function", "function": {
+    "name": "get_weather", "strict": True, "parameters": WEATHER["function"]["parameters"]}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_to_a_strict_tool_are_checked_against_its_parameters(site, router, stream):
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"town": "Paris"}}</tool_call>'
+    router.answer, router.stream_pieces = bad, [bad.encode()]
+    response = call(site, "POST", "/v1/chat/completions",
+                    chat(tools=[STRICT], stream=stream))
+    if stream:
+        error = response.events()[-1]["error"]
+    else:
+        error = assert_error(response, 500, "server_error")
+    assert error["code"] == "invalid_model_output"
+    assert "strict tool 'get_weather'" in error["message"] and "'city'" in error["message"]
+    good = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    router.answer = good
+    assert call(site, "POST", "/v1/chat/completions", chat(tools=[STRICT])).status == 200

@@ -33,6 +33,7 @@ from ..web import printable
 from .constraints import (
     MAX_TOOLS,
     Plan,
+    check_calls,
     check_output,
     invalid_output,
     logprobs_content,
@@ -122,6 +123,7 @@ def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: Functio
                 content = parsed.content  # else the text is the calls' markup
             parsed = Parsed(content, tuple(parsed_by_backend))
         if parsed.calls:
+            check_calls(plan, name, parsed.calls)
             message = {"role": "assistant", "content": parsed.content or None,
                        "tool_calls": [c.body() for c in parsed.calls]}
             reason = "tool_calls"
@@ -269,6 +271,7 @@ class _ChatChunks(Chunks):
             if rest:
                 out.append(self.delta(rest))
             if calls:
+                check_calls(self.plan, self.model, calls)
                 reason = "tool_calls"
                 for index, call in enumerate(calls):
                     out.append(self._chunk([{"index": 0, "delta": {"tool_calls": [{

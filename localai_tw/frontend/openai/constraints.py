@@ -456,6 +456,30 @@ def check_output(plan: Plan, model: str, text: str, finish_reason: str) -> None:
         raise invalid_output(model, f"{error.message} (at {error.json_path})")
 
 
+def check_calls(plan: Plan, model: str, calls) -> None:
+    """The arguments of each call to a ``strict`` tool must be valid under its parameters
+    (OpenAI's promise for strict tools; a grammar enforces it when a call is required, this
+    checks it always).  :raises OpenAIError: 500 ``invalid_model_output``."""
+    if plan.tools is None:
+        return
+    strict = {t["function"]["name"]: t["function"]["parameters"] for t in plan.tools.tools
+              if t["function"].get("strict")}
+    for call in calls:
+        schema = strict.get(call.name)
+        if schema is None:
+            continue
+        try:
+            arguments = json.loads(call.arguments)
+        except ValueError:
+            raise invalid_output(model, f"the arguments of the call to strict tool "
+                                 f"{call.name!r} are not JSON") from None
+        error = jsonschema.exceptions.best_match(
+            _validator_class(schema)(schema).iter_errors(arguments))
+        if error is not None:
+            raise invalid_output(model, f"the arguments of the call to strict tool "
+                                 f"{call.name!r}: {error.message} (at {error.json_path})")
+
+
 def logprobs_content(raw: bytes) -> list[dict]:
     """``Reply.logprobs`` (LocalAI's JSON: ``{"content": [{"token", "logprob", "bytes",
     "top_logprobs"}]}``) as OpenAI's ``logprobs.content`` entries; malformed is empty."""
@@ -496,5 +520,5 @@ def legacy_logprobs(content: list[dict], offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-__all__ = ["Plan", "ToolPlan", "call_schema", "check_output", "check_schema",
+__all__ = ["Plan", "ToolPlan", "call_schema", "check_calls", "check_output", "check_schema",
            "legacy_logprobs", "logprobs_content", "plan_chat", "plan_completion", "read_tools"]
