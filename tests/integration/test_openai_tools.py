@@ -4,7 +4,8 @@ by replica A, so every request crosses the relay.
 
 - ``echo`` (a scripted backend: it answers the last message, word by word when streamed):
   tool calls parsed from its answer, non-stream and stream deltas; tools shown through the
-  config's ``template.function``; what it cannot honour refused with a 400 naming the model.
+  config's ``template.function``; what it cannot honour refused with a 400 naming the model;
+  JSON answers validated after generation (a bad one a 500 the client does not retry).
 - ``transformers`` with a tiny model whose chat template renders tools (marker ``heavy``):
   the tools reach the template (the prompt grows by their tokens), log probabilities in the
   chat and legacy completions shapes, streamed and not.
@@ -262,3 +263,48 @@ async def test_json_schema_and_required_tools_are_enforced_by_llama_cpp_grammar(
     assert tool_call.function.name == "get_time"
     assert json.loads(tool_call.function.arguments)["tz"] in ("UTC", "CET")
     assert len(scored.choices[0].logprobs.content) == scored.usage.completion_tokens
+
+
+@pytest_twisted.ensureDeferred
+async def test_json_answers_are_validated_and_a_bad_one_is_not_retried_by_the_client(cluster):
+    # echo constrains nothing: the config claims grammar so that the validation after
+    # generation is what stands between a wrong answer and the client
+    cluster.write_model("echo-json.yaml", (
+        "name: echo-json\nbackend: echo\nparameters:\n  model: echo\n"
+        "template:\n  use_tokenizer_template: true\ncapabilities: {grammar: true}\n"))
+    base = await relaying(cluster, "json")
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": {
+        "type": "object", "properties": {"name": {"type": "string"}},
+        "required": ["name"]}}}
+
+    def use_the_api():
+        api = openai.OpenAI(base_url=base, api_key=ADMIN, timeout=60)  # default retries
+        good = api.chat.completions.create(
+            model="echo-json", response_format=person,
+            messages=[{"role": "user", "content": '{"name": "Ada"}'}])
+        try:
+            api.chat.completions.create(
+                model="echo-json", response_format=person,
+                messages=[{"role": "user", "content": '{"age": 36}'}])
+            bad = None
+        except openai.InternalServerError as e:
+            bad = (e.status_code, e.code, e.message, e.response.headers.get("x-should-retry"))
+        try:
+            api.chat.completions.create(
+                model="echo-json", messages=[{"role": "user", "content": "x"}],
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "r", "schema": {"type": "string", "format": "email"}}})
+            uncompilable = None
+        except openai.BadRequestError as e:
+            uncompilable = (e.status_code, e.code, e.param, e.message)
+        return good, bad, uncompilable
+
+    good, bad, uncompilable = await threads.deferToThread(use_the_api)
+    assert json.loads(good.choices[0].message.content) == {"name": "Ada"}
+    status, code, message, retry = bad
+    assert (status, code, retry) == (500, "invalid_model_output", "false")
+    assert "'name' is a required property" in message
+    status, code, param, message = uncompilable
+    assert (status, code, param) == (400, "unsupported_schema",
+                                     "response_format.json_schema.schema")
+    assert "'format'" in message
