@@ -12,7 +12,8 @@ The formats read, in LocalAI's order (``pkg/functions/parse.go``):
    of every match of the first regex that matches), else the tagged forms
    ``<tool_call>{...}</tool_call>`` and ``<function=NAME>{...}</function>``, else every JSON
    object or array in the text.  An object with the name and arguments keys (``name`` and
-   ``arguments``; ``parameters`` is read too, as Llama 3.1 writes it) is one call, an array
+   ``arguments``; ``parameters`` is read too, as Llama 3.1 writes it, and ``function`` for the
+   name, as LocalAI's older grammars wrote it) is one call, an array
    one call per such object.
 
 A backend that parses calls itself and sends them in ``Reply.chat_deltas`` (LocalAI's
@@ -232,6 +233,8 @@ def _calls_in(value: Any, config: FunctionConfig, names: Sequence[str] | None) -
     if isinstance(value.get("function"), Mapping) and config.name_key == "name":
         value = value["function"]  # OpenAI's own {"type": "function", "function": {...}}
     name = value.get(config.name_key)
+    if name is None and config.name_key == "name":
+        name = value.get("function")  # LocalAI's older grammars wrote {"function": NAME, ...}
     if not isinstance(name, str) or not name or (names is not None and name not in names):
         return []
     arguments = value.get(config.arguments_key)

@@ -54,6 +54,7 @@ FUNCTION_TEMPLATE = ("Tools:{{range .Functions}} {{.Name}}({{toJson .Parameters}
      [("get_weather", '{"city":"Kyiv"}')]),
     ('{"type": "function", "function": {"name": "get_time", "arguments": "{}"}}', "",
      [("get_time", "{}")]),
+    ('{"function": "get_time", "arguments": {}}', "", [("get_time", "{}")]),
     ('{"name": "Bob", "arguments": 3}', '{"name": "Bob", "arguments": 3}', []),  # no such tool
     ("The weather is fine.", "The weather is fine.", []),
     ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
