@@ -39,8 +39,6 @@ from typing import Any, Iterable, Mapping, Sequence
 #: Longest regex list and regex text a config may hold.
 MAX_REGEXES = 16
 MAX_REGEX_CHARS = 1024
-#: Most of a stream held back while it may still turn into a tool call tag.
-MAX_HELD_CHARS = 64
 #: Most tool calls read out of one answer, and most places in it where JSON is tried and
 #: fails (so a text full of brackets costs linear work, not quadratic).
 MAX_CALLS = 64
@@ -48,6 +46,8 @@ MAX_MISSES = 64
 
 #: The tags that open a tool call in the text (the common tagged forms).
 TAGS = ("<tool_call>", "<function=")
+#: Most of a stream held back while it may still turn into a tool call tag.
+MAX_HELD_CHARS = max(len(t) for t in TAGS)
 
 #: ``function`` keys this project acts on; the others LocalAI knows are accepted with a
 #: warning (``docs/models.md``).
@@ -423,7 +423,7 @@ class ToolCallStream:
 
 def _partial_tag_suffix(text: str) -> int:
     """How many of ``text``'s last characters could start a tag (0 if none)."""
-    for length in range(min(len(text), max(len(t) for t in TAGS)), 0, -1):
+    for length in range(min(len(text), MAX_HELD_CHARS), 0, -1):
         tail = text[-length:]
         if any(tag.startswith(tail) for tag in TAGS):
             return length
