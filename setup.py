@@ -43,6 +43,9 @@ setup(
         "psutil>=5.9,<8",
         # /metrics (localai_tw/metrics.py); 0.26 is what the tests ran against.
         "prometheus_client>=0.20,<1",
+        # response_format json_schema and tool parameters: schema checks and the validation
+        # of structured answers (localai_tw/frontend/openai/constraints.py); 4.26 tested.
+        "jsonschema>=4.18,<5",
     ],
     extras_require={
         "test": [
