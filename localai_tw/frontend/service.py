@@ -78,6 +78,7 @@ from localai_tw.cluster.membership import (
 )
 from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
+from localai_tw.bus.pgbus import PgBus
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
@@ -104,6 +105,8 @@ from .openai import (
     unprefixed_aliases,
     unprefixed_roots,
 )
+from .gallery import GalleryJobs, parse_galleries
+from .gallery_api import GalleryResource, ModelsRoot
 from .generated import GeneratedFiles, GeneratedFilesResource
 from .openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
 from .probes import LivenessResource, ReadinessResource, StartingGate
@@ -246,6 +249,8 @@ class ReplicaConfig:
     stale_after: float
     #: Registrations one source address may make per minute (burst and refill); 0: no limit.
     registration_limit: int = 1200
+    #: Model galleries (``--galleries``, ``frontend/gallery.py``).
+    galleries: tuple = ()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -267,7 +272,8 @@ class ReplicaConfig:
                                                                        "models"),
             run_dir=os.path.join(data_dir, "run") if data_dir else None,
             health_interval=health_interval, stale_after=stale_after,
-            registration_limit=int(_option(options, "registration-limit", 1200)))
+            registration_limit=int(_option(options, "registration-limit", 1200)),
+            galleries=parse_galleries(options.get("galleries") or ()))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -357,6 +363,9 @@ class Replica:
     health: HealthMonitor
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
     registration_limit: SourceRateLimit | None = None
+    #: The fan-out (``bus/pgbus.py``) and the gallery's jobs on it (``gallery.py``).
+    bus: PgBus | None = None
+    gallery: GalleryJobs | None = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
@@ -364,7 +373,8 @@ class Replica:
                 WorkerClientsService(self.backend_clients, self.worker_http,
                                      self._downloads()),
                 PeerService(self.peer_links, self.peer_pool),
-                TunnelRegistryService(self.tunnels, self.instance_id)]
+                TunnelRegistryService(self.tunnels, self.instance_id)] + [
+                    part for part in (self.bus, self.gallery) if part is not None]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
@@ -454,12 +464,15 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                            interval=config.health_interval, stale_after=config.stale_after,
                            grace=grace)
     metrics.watch_health(health)
+    bus = PgBus(db, reactor=reactor)
+    gallery = GalleryJobs(db, bus, config.instance_id, config.models_dir, loader.downloads,
+                          config.galleries, reactor)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, metrics=metrics,
+        membership=membership, health=health, metrics=metrics, bus=bus, gallery=gallery,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)
@@ -700,6 +713,11 @@ class FrontendService(InOrderMultiService):
         unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
         for name in unprefixed_roots():
             root.putChild(name, unprefixed)
+        # /models also holds LocalAI's gallery routes (admin; gallery_api.py).
+        gallery = getattr(replica, "gallery", None)
+        root.putChild(b"models", ModelsRoot(
+            GalleryResource(gallery, self.api_keys) if gallery is not None else None,
+            unprefixed))
         # The images answered as URLs, which every replica serves from the shared store.
         if generated is not None:
             root.putChild(b"generated-images", GeneratedFilesResource(generated))

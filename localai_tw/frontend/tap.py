@@ -67,6 +67,12 @@ SETTINGS = (
     config.value("models-dir", "LOCALAI_MODELS_DIR",
                  "Directory of model YAML files.", parse=config.parse_path,
                  default_doc="<data-dir>/models"),
+    config.repeatable("galleries", "LOCALAI_GALLERIES",
+                      "Model gallery index (LocalAI's format, a YAML or JSON list of entries) "
+                      "that /models/available lists and /models/apply installs from: "
+                      "name=URL or a bare URL (the flag also takes LocalAI's JSON [{\"name\":..., "
+                      "\"url\":...}]); "
+                      "file://, http(s):// or github: (docs/models.md, \"Gallery\")."),
     config.value("instance-id", "LOCALAI_INSTANCE_ID",
                  "This replica's id in the cluster (at most 36 characters). Keep it stable "
                  "across restarts.",
@@ -147,6 +153,13 @@ class Options(config.EnvOptions):
                 "--api-key-file (or --api-key), listen on loopback "
                 f"({DEFAULT_LISTEN}), or pass --allow-open-api (env "
                 "LOCALAI_ALLOW_OPEN_API=true) to run it open on purpose")
+        if self["galleries"]:
+            from .gallery import GalleryError, parse_galleries
+
+            try:
+                parse_galleries(self["galleries"])
+            except GalleryError as e:
+                raise usage.UsageError(str(e)) from None
         advertised = self["advertise-address"]
         if advertised is not None and config.is_loopback_host(advertised[0]) \
                 and not self["single-host"]:
