@@ -49,7 +49,12 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, RedirectAgent, ResponseDone
 from twisted.web.http_headers import Headers
 
-from localai_tw.cluster.clock import INSTANCE_LIVENESS, LIVE_INSTANCE_IDS_SQL
+from localai_tw.cluster.clock import (
+    INSTANCE_IS_LIVE_SQL,
+    INSTANCE_LIVENESS,
+    LIVE_INSTANCE_IDS_SQL,
+)
+from localai_tw.db.pool import DatabaseUnavailable
 
 from .downloads import REDIRECT_LIMIT, resolve_url, shown_url
 from .interfaces import ModelFileMismatch
@@ -71,6 +76,8 @@ FETCH_TIMEOUT = 60.0
 #: Finished rows older than this are purged when a job starts.
 ROW_RETENTION_SECONDS = 7 * 86400
 SUBJECT_ROOT = "gallery"
+#: Tries of the final row write when the database is unavailable (1 s, 2 s, ... apart).
+FINISH_TRIES = 5
 
 
 class GalleryError(Exception):
@@ -335,6 +342,7 @@ _FAILED_ROW_SQL = ("INSERT INTO gallery_jobs (id, model, deletion, state, replic
                    "ON CONFLICT (id) DO NOTHING")
 _ROW_SQL = ("SELECT state, status, replica IN (" + LIVE_INSTANCE_IDS_SQL + ") "
             "FROM gallery_jobs WHERE id = %s")
+_LIVE_SQL = f"SELECT 1 FROM instances WHERE id = %s AND {INSTANCE_IS_LIVE_SQL}"
 _PURGE_SQL = ("DELETE FROM gallery_jobs WHERE state <> 'running' AND finished_at < now() - "
               "make_interval(secs => %s)")
 
@@ -419,6 +427,9 @@ class GalleryJobs(Service):
         for entry in await self.available():
             if wanted in (entry.id, entry.name):
                 return entry
+        if not self.galleries:
+            raise GalleryError(f"no gallery entry {wanted[:256]!r}: no gallery is configured "
+                               "(start the frontend with --galleries)")
         raise GalleryError(f"no gallery entry {wanted[:256]!r}; GET /models/available lists "
                            "them")
 
@@ -457,8 +468,13 @@ class GalleryJobs(Service):
                 op = self._queue.popleft()
                 try:
                     await self._run(op)
-                except Exception:
-                    log.failure("gallery job {id} failed unexpectedly", Failure(), id=op.id)
+                except Exception as e:
+                    if not self.running:  # stopping: the database may be gone already
+                        log.warn("gallery job {id} stopped with the replica ({e})", id=op.id,
+                                 e=type(e).__name__)
+                    else:
+                        log.failure("gallery job {id} failed unexpectedly", Failure(),
+                                    id=op.id)
         finally:
             self._running = False
 
@@ -510,9 +526,17 @@ class GalleryJobs(Service):
             if not live:
                 return dict(status, state="failed", processed=True,
                             error="the replica running it stopped", source="row")
-        if heard is not None:
-            return dict(heard, source="broadcast")
-        return None
+        if heard is None:
+            return None
+        if not rows and heard.get("state") == "queued" and heard.get("replica") \
+                and not await self._live(heard["replica"]):
+            return dict(heard, state="failed", processed=True, source="broadcast",
+                        error="the replica that admitted it stopped before it started")
+        return dict(heard, source="broadcast")
+
+    async def _live(self, replica: str) -> bool:
+        rows = await self.db.runQuery(_LIVE_SQL, (replica, INSTANCE_LIVENESS))
+        return bool(rows)
 
     # -- running ---------------------------------------------------------------------------
 
@@ -553,10 +577,18 @@ class GalleryJobs(Service):
                      progress=0 if error else 100, bytes_per_second=0)
         final.pop("seq", None)
         if claimed:
-            await self.db.runOperation(_FINISH_SQL, (final["state"], json.dumps(final), op.id))
+            sql, args = _FINISH_SQL, (final["state"], json.dumps(final), op.id)
         else:
-            await self.db.runOperation(_FAILED_ROW_SQL, (op.id, op.name, op.deletion,
-                                                         self.instance_id, json.dumps(final)))
+            sql, args = _FAILED_ROW_SQL, (op.id, op.name, op.deletion, self.instance_id,
+                                          json.dumps(final))
+        for attempt in range(FINISH_TRIES):
+            try:
+                await self.db.runOperation(sql, args)
+                break
+            except DatabaseUnavailable:
+                if attempt + 1 == FINISH_TRIES or not self.running:
+                    raise  # the row stays running: failed once this replica is not live
+                await task.deferLater(self._reactor, 1.0 * (attempt + 1), lambda: None)
         log.info("gallery job {id} ({what} {model}): {state}{why}", id=op.id,
                  what="delete" if op.deletion else "install", model=op.name,
                  state=final["state"], why=f": {error}" if error else "")

@@ -70,12 +70,17 @@ class GalleryResource(AdminResource):
         if name is not None and not _is_file_name(name):
             raise bad_request("'name' must be a model name usable as a file name (no '/', "
                               "'\\\\', leading '.', at most 200 characters)", field="name")
+        if body.get("variant"):
+            raise bad_request("'variant' is not supported: the entry itself is installed "
+                              "(LocalAI's variants are not resolved here)", field="variant")
         overrides = body.get("overrides") or {}
         if not isinstance(overrides, dict):
             raise bad_request("'overrides' must be an object", field="overrides")
         try:
             job_id = await self._gallery.apply(wanted, name, overrides)
         except GalleryError as e:
+            if str(e).startswith("no gallery entry") and "no gallery is" in str(e):
+                raise APIError(409, str(e), "no_gallery")
             if str(e).startswith("no gallery entry"):
                 raise not_found(str(e))
             raise APIError(502, f"a gallery index cannot be read: {e}", "gallery_unavailable")

@@ -267,3 +267,20 @@ async def test_gallery_routes_need_the_admin_key_and_refuse_bad_input(cluster, f
     answer = await treq.post(cluster.base_url(a) + "/models/apply", data=b"{nope",
                              headers=AUTH)
     assert answer.code == 400
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_queued_job_of_a_replica_that_stopped_reads_failed(cluster, files, tmp_path):
+    """A queued snapshot heard from a replica that is no longer live (it stopped before the
+    job started, so no row will ever come) reads failed with the reason, not queued forever.
+    Red when ``status`` trusts a queued broadcast without asking whether its replica lives."""
+    a, b = await start(cluster, tmp_path, [], "replica-a", "replica-b")
+    job_id = "00000000-0000-4000-8000-000000000001"
+    snapshot = {"id": job_id, "state": "queued", "replica": "replica-a", "seq": 1,
+                "processed": False, "error": None}
+    b.replica.gallery._heard(f"gallery.{job_id}", snapshot)
+    _, seen = await job(cluster, b, job_id)
+    assert seen["state"] == "queued"  # replica-a is live
+    b.replica.gallery._heard(f"gallery.{job_id}", dict(snapshot, replica="replica-gone"))
+    _, seen = await job(cluster, b, job_id)
+    assert seen["state"] == "failed" and "stopped before it started" in seen["error"]
