@@ -54,7 +54,7 @@ from localai_tw.cluster.clock import (
     INSTANCE_LIVENESS,
     LIVE_INSTANCE_IDS_SQL,
 )
-from localai_tw.db.pool import DatabaseUnavailable
+from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 
 from .downloads import REDIRECT_LIMIT, resolve_url, shown_url
 from .interfaces import ModelFileMismatch
@@ -76,6 +76,7 @@ FETCH_TIMEOUT = 60.0
 #: Finished rows older than this are purged when a job starts.
 ROW_RETENTION_SECONDS = 7 * 86400
 SUBJECT_ROOT = "gallery"
+DATABASE_DOWN = (DatabaseUnavailable, PoolClosed)
 #: Tries of the final row write when the database is unavailable (1 s, 2 s, ... apart).
 FINISH_TRIES = 5
 
@@ -472,9 +473,17 @@ class GalleryJobs(Service):
                     if not self.running:  # stopping: the database may be gone already
                         log.warn("gallery job {id} stopped with the replica ({e})", id=op.id,
                                  e=type(e).__name__)
+                        continue
+                    if isinstance(e, DATABASE_DOWN):
+                        why = "the database was unavailable; apply again"
                     else:
+                        why = f"internal error ({type(e).__name__}); see the frontend log"
                         log.failure("gallery job {id} failed unexpectedly", Failure(),
                                     id=op.id)
+                    # no row could be written: say so to every replica that can hear it
+                    await self._publish(op.id, dict(self.snapshots.get(op.id) or {"id": op.id},
+                                                    state="failed", processed=True, error=why,
+                                                    message=why, replica=self.instance_id))
         finally:
             self._running = False
 
@@ -485,6 +494,8 @@ class GalleryJobs(Service):
         if known is not None and known.get("replica") == snapshot.get("replica") \
                 and known.get("seq", 0) >= snapshot.get("seq", 0):
             return  # an older snapshot of the same job arrived late
+        if "description" not in snapshot and known is not None and "description" in known:
+            snapshot = dict(snapshot, description=known["description"])
         self.snapshots[job_id] = snapshot
         self.snapshots.move_to_end(job_id)
         while len(self.snapshots) > MAX_REMEMBERED:
@@ -661,6 +672,12 @@ class GalleryJobs(Service):
                                f"{e.strerror}") from None
 
     def _progress(self, op: _Op, base: dict, nfiles: int) -> None:
+        try:
+            self._progress_once(op, base, nfiles)
+        except Exception:  # a progress line is not worth stopping the loop or the job
+            log.failure("gallery job {id}: progress", Failure(), id=op.id)
+
+    def _progress_once(self, op: _Op, base: dict, nfiles: int) -> None:
         current = [d for d in self.downloads.in_progress() if d["model"] == op.name]
         if not current:
             return
@@ -673,7 +690,9 @@ class GalleryJobs(Service):
                     file_size=_human(total), downloaded_size=_human(d["received"]),
                     files=nfiles)
         base["state"] = "downloading"
-        snapshot = dict(base)
+        # (the description, up to 64 KiB, is in the queued and final snapshots and the row;
+        # progress once a second goes without it, and a replica keeps the one it has)
+        snapshot = {k: v for k, v in base.items() if k != "description"}
 
         def publish(_):
             if not op.finished:

@@ -125,3 +125,12 @@ def test_a_late_older_snapshot_does_not_replace_a_newer_one():
     assert jobs.snapshots["j1"]["state"] == "done"
     jobs._heard("gallery.j2", {"id": "other", "seq": 1})  # a subject and id that disagree
     assert "j2" not in jobs.snapshots and "other" not in jobs.snapshots
+
+
+def test_progress_snapshots_without_the_description_keep_the_one_heard():
+    jobs = GalleryJobs(None, None, "r1", "/nowhere", None, (), reactor)
+    jobs._heard("gallery.j1", {"id": "j1", "replica": "r1", "seq": 1, "state": "queued",
+                               "description": "long text"})
+    jobs._heard("gallery.j1", {"id": "j1", "replica": "r1", "seq": 2, "state": "downloading"})
+    assert jobs.snapshots["j1"]["description"] == "long text"
+    assert jobs.snapshots["j1"]["state"] == "downloading"
