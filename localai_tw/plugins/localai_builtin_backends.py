@@ -6,9 +6,10 @@ from localai_tw.backends.builtin import (
     bert_numpy_backend,
     echo_backend,
     external_backend,
+    llama_cpp_backend,
     sentence_transformers_backend,
     transformers_backend,
 )
 
 __all__ = ["external_backend", "echo_backend", "bert_numpy_backend",
-           "sentence_transformers_backend", "transformers_backend"]
+           "sentence_transformers_backend", "transformers_backend", "llama_cpp_backend"]
