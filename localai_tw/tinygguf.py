@@ -59,8 +59,9 @@ def vocabulary() -> list[tuple[str, float, str]]:
     return pieces
 
 
-def build(path: str, seed: int = 0) -> None:
-    """Write the model to ``path`` (its directory created if needed)."""
+def build(path: str, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Write the model to ``path`` (its directory created if needed); ``chat_template=None``
+    leaves ``tokenizer.chat_template`` out."""
     import numpy as np
     from gguf import GGUFWriter, LlamaFileType, TokenType
 
@@ -94,7 +95,8 @@ def build(path: str, seed: int = 0) -> None:
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     vocab = len(pieces)
     writer.add_tensor("token_embd.weight", weights(vocab, N_EMBD, scale=1.0))
     for i in range(N_LAYER):

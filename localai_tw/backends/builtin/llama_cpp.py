@@ -313,7 +313,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         offload = llama_cpp.llama_supports_gpu_offload()
         gpu = (f"gpu layers {request.NGPULayers} requested" +
                ("" if offload else " (this llama.cpp build has no GPU offload: all on CPU)"))
-        return (f"loaded {path} with llama.cpp: n_ctx {llm.n_ctx()}, "
+        return (f"loaded {path} with llama.cpp: n_ctx {self._n_ctx()}, "
                 f"threads {llm.n_threads}, {gpu}, mmap {bool(request.MMap)}, "
                 f"embeddings {self.embeddings}, chat template "
                 f"{'from the GGUF' if template else 'none'}")
@@ -358,6 +358,11 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         if self.llm is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
         return self.llm
+
+    def _n_ctx(self) -> int:
+        """The context the model was asked for: llama.cpp pads its own up (to a multiple of
+        256), but the bindings keep room for the requested number of tokens only."""
+        return min(self.llm.n_ctx(), len(self.llm.input_ids))
 
     def _piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (any length; the bindings' helper stops at 32 bytes)."""
@@ -461,7 +466,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         prompt = self._prompt_tokens(request, context)
         if not prompt:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
-        n_prompt, n_ctx = len(prompt), llm.n_ctx()
+        n_prompt, n_ctx = len(prompt), self._n_ctx()
         if n_prompt >= n_ctx:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"the prompt is {n_prompt} tokens; the model's context "
