@@ -328,3 +328,117 @@ async def test_a_bad_gguf_is_a_load_failure_naming_the_file(supervisor, gguf_fil
     reply = await deferToThread(_call, record.address, "Predict", _predict(Prompt="hi",
                                                                            Tokens=2))
     assert reply.tokens == 2
+
+
+# -- behind a cluster: a replica holding the worker's tunnel, a second one relaying ----------
+
+
+def _gguf_model(name: str, file: str, digest: str, extra: str = "") -> str:
+    return (f"name: {name}\nbackend: llama-cpp\nparameters:\n  model: {file}\n"
+            f"  max_tokens: 8\n  temperature: 0\n"
+            f"files:\n  - path: {file}\n    sha256: '{digest}'\n{extra}")
+
+
+async def _post(url: str, body: dict):
+    response = await treq.post(url, json.dumps(body).encode(), headers={
+        "Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"})
+    return response.code, json.loads(await treq.content(response))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_gguf_model_served_through_a_relaying_replica(cluster, gguf_file):
+    import openai
+
+    data = open(gguf_file, "rb").read()
+    cluster.write_file("tiny.gguf", data)
+    digest = sha256_hex(data)
+    cluster.write_model("tiny.yaml", _gguf_model(
+        "tiny-gguf", "tiny.gguf", digest,
+        "context_size: 96\nthreads: 1\ngpu_layers: 5\nmmap: true\n"
+        "template:\n  use_tokenizer_template: true\n"))
+    cluster.write_model("yes-no.yaml", _gguf_model(
+        "tiny-yes-no", "tiny.gguf", digest,
+        f"grammar: '{YES_NO}'\ntemplate:\n  use_tokenizer_template: true\n"))
+    cluster.write_model("embed.yaml", _gguf_model("tiny-embed", "tiny.gguf", digest,
+                                                  "embeddings: true\n"))
+    holder = await cluster.frontend("replica-ga")
+    relay = await cluster.frontend("replica-gb")
+    worker = await cluster.worker("w-gguf", holder)
+    base = cluster.base_url(relay) + "/v1"
+
+    def use_the_api():
+        client = openai.OpenAI(base_url=base, api_key=ADMIN, max_retries=0, timeout=120)
+        completion = client.completions.create(model="tiny-gguf", prompt="the cat sat",
+                                               max_tokens=6, temperature=0)
+        text = completion.choices[0].text
+        stop = " " + text.split()[2]
+        stopped = client.completions.create(model="tiny-gguf", prompt="the cat sat",
+                                            max_tokens=6, temperature=0, stop=[stop])
+        messages = [{"role": "user", "content": "hello you"}]
+        chat = client.chat.completions.create(model="tiny-gguf", messages=messages,
+                                              temperature=0, max_tokens=5, seed=7)
+        chunks = list(client.chat.completions.create(
+            model="tiny-gguf", messages=messages, temperature=0, max_tokens=5, seed=7,
+            stream=True, stream_options={"include_usage": True}))
+        answers = {client.chat.completions.create(
+            model="tiny-yes-no", messages=[{"role": "user", "content": "is it a good day?"}],
+            temperature=1.5, seed=seed).choices[0].message.content for seed in range(4)}
+        embedded = client.embeddings.create(model="tiny-embed", input=["the cat", "a dog ran"])
+        return completion, text, stop, stopped, chat, chunks, answers, embedded
+
+    completion, text, stop, stopped, chat, chunks, answers, embedded = \
+        await deferToThread(use_the_api)
+    assert completion.usage.completion_tokens == 6 and completion.usage.prompt_tokens == 4
+    assert completion.choices[0].finish_reason == "length"
+    assert stopped.choices[0].text == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content and streamed
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+    assert answers <= {"yes", "no"} and answers  # the config's grammar reached llama.cpp
+    assert [len(d.embedding) for d in embedded.data] == [64, 64]
+    assert embedded.usage.prompt_tokens == 3 + 4
+    code, tokens = await _post(cluster.base_url(relay) + "/v1/tokenize",
+                               {"model": "tiny-gguf", "content": "the cat sat"})
+    assert code == 200 and len(tokens["tokens"]) == 3
+    # context_size, threads, gpu_layers and mmap of the config are what llama.cpp was given
+    loaded = [line for line in supervisor_of(worker).logs("tiny-gguf")
+              if "with llama.cpp: n_ctx" in line]
+    assert "n_ctx 96, threads 1, gpu layers 5 requested" in loaded[0], loaded
+    assert "mmap True" in loaded[0]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_bad_gguf_is_a_clear_error_for_the_api_user_and_the_worker_goes_on(
+        cluster, gguf_file):
+    data = open(gguf_file, "rb").read()
+    truncated = data[:len(data) // 2]
+    cluster.write_file("tiny.gguf", data)
+    cluster.write_file("cut.gguf", truncated)
+    cluster.write_file("page.gguf", b"<!DOCTYPE html><html>not found</html>")
+    cluster.write_model("cut.yaml", _gguf_model("cut", "cut.gguf", sha256_hex(truncated)))
+    cluster.write_model("page.yaml", _gguf_model(
+        "page", "page.gguf", sha256_hex(b"<!DOCTYPE html><html>not found</html>")))
+    cluster.write_model("tiny.yaml", _gguf_model("tiny-gguf", "tiny.gguf", sha256_hex(data)))
+    holder = await cluster.frontend("replica-ba")
+    relay = await cluster.frontend("replica-bb")
+    worker = await cluster.worker("w-bad-gguf", holder)
+    chat = cluster.base_url(relay) + "/v1/chat/completions"
+    ask = {"messages": [{"role": "user", "content": "hello"}]}
+    for model, reason in (("cut", "data is not within the file bounds"),
+                          ("page", "is not a GGUF file")):
+        code, answer = await _post(chat, {"model": model, **ask})
+        assert code == 500 and answer["error"]["code"] == "model_load_failed", answer
+        message = answer["error"]["message"]
+        assert f"{model}.gguf" in message and reason in message, message
+        assert "Traceback" not in message
+        # Asked again at once: the remembered failure, not another load (no retry storm).
+        code, again = await _post(chat, {"model": model, **ask})
+        assert code == 500 and "remembers this failure" in again["error"]["message"]
+        starts = [r for r in supervisor_of(worker).list(include_ended=True)
+                  if r["model"] == model]
+        assert len(starts) == 1, starts
+    # The worker goes on serving.
+    code, answer = await _post(chat, {"model": "tiny-gguf", **ask})
+    assert code == 200 and answer["usage"]["completion_tokens"] == 8

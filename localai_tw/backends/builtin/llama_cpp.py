@@ -247,6 +247,9 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
                 self._unload()
                 return backend_pb2.Result(success=False, message=f"{type(e).__name__}: {e}")
         self.identity.loaded = request.Model
+        # Also in the backend's log (backend.logs): the frontend's cold load keeps only the
+        # verdict, and an operator wants to see what llama.cpp was given.
+        print(message, file=sys.stderr, flush=True)
         return backend_pb2.Result(success=True, message=message)
 
     def _install_log(self, llama_cpp) -> None:
