@@ -41,6 +41,7 @@ while a model is loaded (the frontend reloads on it).
 
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
 import ctypes
@@ -207,15 +208,10 @@ def held_back(text: str, stops) -> int:
     return longest
 
 
-def utf8_prefix(data: bytes) -> tuple[str, bytes]:
-    """``data`` decoded up to its last complete UTF-8 sequence, and the bytes left over (at
-    most 3: a sequence split across tokens)."""
-    for cut in range(len(data), max(len(data) - 4, -1), -1):
-        try:
-            return data[:cut].decode("utf-8"), data[cut:]
-        except UnicodeDecodeError:
-            continue
-    return data.decode("utf-8", "replace"), b""
+def utf8_decoder():
+    """Text of the token bytes as they come: a UTF-8 sequence split across tokens waits for its
+    end, invalid bytes become U+FFFD at once."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
 class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
@@ -500,7 +496,8 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
             mirostat_tau=request.MirostatTAU or 5.0, mirostat_eta=request.MirostatETA or 0.1,
             grammar=grammar)
 
-        pending = b""
+        decoder = utf8_decoder()
+        cut = None
         text = ""
         sent = 0
         count = 0
@@ -526,12 +523,12 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
                             logprob_entry(int(i), self._piece(int(i)), logprobs[i])
                             for i in best]
                     entries.append(entry)
-                decoded, pending = utf8_prefix(pending + piece)
+                decoded = decoder.decode(piece)
                 checked_from = max(0, len(text) - longest_stop)
                 text += decoded
                 cut = stop_cut(text, stops, checked_from) if stops else None
                 if cut is not None:
-                    text, pending = text[:cut], b""
+                    text = text[:cut]
                     break
                 if count >= limit:
                     break
@@ -542,8 +539,8 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
                     entries = []
         finally:
             generator.close()
-        if pending:
-            text += pending.decode("utf-8", "replace")
+        if cut is None:
+            text += decoder.decode(b"", final=True)
         yield text[sent:], count, n_prompt, entries, True
 
     @staticmethod
