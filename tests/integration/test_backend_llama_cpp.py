@@ -228,8 +228,9 @@ async def test_chat_messages_go_through_the_ggufs_own_template(supervisor, gguf_
     chat = await deferToThread(_call, record.address, "Predict", _predict(
         UseTokenizerTemplate=True, Messages=messages, Tokens=4))
     # tinygguf's template renders "<s>user : hello assistant : " (<s> read as the BOS token)
-    rendered = await deferToThread(_call, record.address, "TokenizeString",
-                                   backend_pb2.PredictOptions(Prompt="<s>user : hello assistant : "))
+    rendered = await deferToThread(
+        _call, record.address, "TokenizeString",
+        backend_pb2.PredictOptions(Prompt="<s>user : hello assistant : "))
     assert rendered.tokens[0] == 1 and chat.prompt_tokens == rendered.length
     again = await deferToThread(_call, record.address, "Predict", _predict(
         UseTokenizerTemplate=True, Messages=messages, Tokens=4))
@@ -356,9 +357,10 @@ async def test_a_gguf_model_served_through_a_relaying_replica(cluster, gguf_file
         "tiny-gguf", "tiny.gguf", digest,
         "context_size: 96\nthreads: 1\ngpu_layers: 5\nmmap: true\n"
         "template:\n  use_tokenizer_template: true\n"))
-    cluster.write_model("yes-no.yaml", _gguf_model(
+    cluster.write_model("yes-no.yaml", _gguf_model(  # the config's own templates this time
         "tiny-yes-no", "tiny.gguf", digest,
-        f"grammar: '{YES_NO}'\ntemplate:\n  use_tokenizer_template: true\n"))
+        f"grammar: '{YES_NO}'\ntemplate:\n  chat_message: '{{{{.RoleName}}}} : {{{{.Content}}}}'\n"
+        "  chat: '{{.Input}} assistant :'\n"))
     cluster.write_model("embed.yaml", _gguf_model("tiny-embed", "tiny.gguf", digest,
                                                   "embeddings: true\n"))
     holder = await cluster.frontend("replica-ga")
