@@ -246,6 +246,17 @@ async def test_chat_messages_go_through_the_ggufs_own_template(supervisor, gguf_
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "carries no chat template" in error.details() and "not loaded" not in \
         error.details()
+    # A template that does not compile leaves the model serving rendered prompts.
+    broken = str(tmp_path / "broken.gguf")
+    await deferToThread(build, broken, chat_template="{% for m in messages %}{{ m['content'] }")
+    record = await _start(supervisor, broken, name="broken")
+    error = await _refused(record.address, "Predict", _predict(
+        UseTokenizerTemplate=True, Messages=messages, Tokens=4))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "chat template that does not compile (TemplateSyntaxError" in error.details()
+    reply = await deferToThread(_call, record.address, "Predict",
+                                _predict(Prompt="user : hello", Tokens=2))
+    assert reply.tokens == 2
 
 
 @pytest_twisted.ensureDeferred

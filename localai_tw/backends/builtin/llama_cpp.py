@@ -135,6 +135,28 @@ def captured_stderr(into: list):
                 os.write(2, data)
 
 
+@contextlib.contextmanager
+def lenient_chat_templates(llama_chat_format):
+    """While the bindings' ``Llama`` loads: a chat template jinja2 cannot compile no longer
+    fails the whole load (``Llama.__init__`` compiles every template of the GGUF's metadata);
+    the model then serves the prompts the frontend renders, and :meth:`_prompt_tokens` says
+    why the GGUF's template cannot be used.  Loads are serialized, so the swap is private."""
+    strict = llama_chat_format.Jinja2ChatFormatter
+
+    class Lenient(strict):
+        def __init__(self, *args, **kwargs):
+            try:
+                super().__init__(*args, **kwargs)
+            except Exception:
+                pass  # reported when the GGUF's template is asked for
+
+    llama_chat_format.Jinja2ChatFormatter = Lenient
+    try:
+        yield
+    finally:
+        llama_chat_format.Jinja2ChatFormatter = strict
+
+
 def check_gguf_file(path: str) -> None:
     """Refuse, naming ``path``, what llama.cpp would refuse with a bare "failed to load":
     a missing file, a directory, an empty file, a file that is not GGUF."""
@@ -221,6 +243,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         self.path = ""
         self.embeddings = False
         self.chat_formatter = None
+        self.template_error = ""
         self._busy = 0
         self._lock = threading.Lock()  # one llama context: one operation at a time
         self._count_lock = threading.Lock()
@@ -294,28 +317,35 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
                           lora_scale=request.LoraScale or 1.0)
         self.log.mark()
         try:
-            llm = llama_cpp.Llama(**kwargs)
+            with lenient_chat_templates(llama_chat_format):
+                llm = llama_cpp.Llama(**kwargs)
         except Exception as e:
             said = self.log.errors()
             raise LoadError(f"llama.cpp could not load {path}: "
                             f"{said or f'{type(e).__name__}: {e}'}") from None
         self.llm, self.path, self.embeddings = llm, path, bool(request.Embeddings)
         template = llm.metadata.get("tokenizer.chat_template")
+        self.template_error = ""
         if template:
             model = llm._model
             eos, bos = llm.token_eos(), llm.token_bos()
-            self.chat_formatter = llama_chat_format.Jinja2ChatFormatter(
-                template=template,
-                eos_token=model.token_get_text(eos) if eos != -1 else "",
-                bos_token=model.token_get_text(bos) if bos != -1 else "",
-                add_generation_prompt=True)
+            try:
+                self.chat_formatter = llama_chat_format.Jinja2ChatFormatter(
+                    template=template,
+                    eos_token=model.token_get_text(eos) if eos != -1 else "",
+                    bos_token=model.token_get_text(bos) if bos != -1 else "",
+                    add_generation_prompt=True)
+            except Exception as e:  # the model still serves prompts the frontend renders
+                self.template_error = f"{type(e).__name__}: {str(e)[:MAX_QUOTED]}"
+                print(f"the chat template of {path} does not compile: {self.template_error}",
+                      file=sys.stderr, flush=True)
         offload = llama_cpp.llama_supports_gpu_offload()
         gpu = (f"gpu layers {request.NGPULayers} requested" +
                ("" if offload else " (this llama.cpp build has no GPU offload: all on CPU)"))
         return (f"loaded {path} with llama.cpp: n_ctx {self._n_ctx()}, "
                 f"threads {llm.n_threads}, {gpu}, mmap {bool(request.MMap)}, "
                 f"embeddings {self.embeddings}, chat template "
-                f"{'from the GGUF' if template else 'none'}")
+                f"{'from the GGUF' if self.chat_formatter else 'none'}")
 
     def _unload(self):
         llm, self.llm = self.llm, None
@@ -388,9 +418,11 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         llm = self.llm
         if request.UseTokenizerTemplate and request.Messages:
             if self.chat_formatter is None:
+                what = (f"has a chat template that does not compile ({self.template_error})"
+                        if self.template_error else
+                        "carries no chat template (tokenizer.chat_template)")
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"{os.path.basename(self.path)} carries no chat template "
-                              f"(tokenizer.chat_template): give the model config "
+                              f"{os.path.basename(self.path)} {what}: give the model config "
                               f"template.chat / template.chat_message instead of "
                               f"template.use_tokenizer_template")
             messages = []
