@@ -156,6 +156,32 @@ async def test_a_stop_sequence_ends_the_answer_before_it_in_predict_and_stream(
     assert replies[-1].tokens == stopped.tokens
 
 
+def _cancel_after(address, request, replies: int) -> list:
+    channel = grpc.insecure_channel(address)
+    try:
+        call = backend_pb2_grpc.BackendStub(channel).PredictStream(request, timeout=60)
+        got = [next(call) for _ in range(replies)]
+        call.cancel()
+        return got
+    finally:
+        channel.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_cancelled_stream_leaves_the_model_serving(supervisor, gguf_file):
+    record = await _start(supervisor, gguf_file, ContextSize=4096)
+    got = await deferToThread(_cancel_after, record.address,
+                              _predict(Prompt="the cat", Tokens=4000), 2)
+    assert [r.tokens for r in got] == [1, 2]
+    # The stream's generator is closed with its client (the model's lock released): the next
+    # request is answered and the backend is idle again.
+    reply = await deferToThread(_call, record.address, "Predict",
+                                _predict(Prompt="hello", Tokens=3))
+    assert reply.tokens == 3
+    status = await deferToThread(_call, record.address, "Status", backend_pb2.HealthMessage())
+    assert status.state == backend_pb2.StatusResponse.READY
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_grammar_constrains_what_a_random_model_says(supervisor, gguf_file):
     record = await _start(supervisor, gguf_file)
