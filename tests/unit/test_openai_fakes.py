@@ -21,7 +21,14 @@ from zope.interface import implementer
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.interfaces import IInferenceRouter, Served
 from localai_tw.frontend.models import parse_model_config
-from localai_tw.frontend.openai import OPENAI_MAX_BODY_BYTES, OpenAIResource
+from localai_tw.frontend.openai import (
+    OPENAI_MAX_BODY_BYTES,
+    OpenAIResource,
+    api_prefixes,
+    early_error,
+    unprefixed_aliases,
+    unprefixed_roots,
+)
 from localai_tw.frontend.web import FrontendSite
 
 
@@ -98,6 +105,10 @@ class FakeRouter:
         self.embedding_dim = 4
         self.embedding_layout = backend_pb2.EMBEDDING_LAYOUT_FINAL
         self.auto_stream_waits: list[bool] = []
+        self.reply_logprobs = b""  # Reply.logprobs of every predict reply
+        self.reply_deltas: list = []  # Reply.chat_deltas of every predict reply
+        self.stream_deltas: list = []  # Reply.chat_deltas of each stream piece (lists)
+        self.stream_logprobs: list[bytes] = []  # Reply.logprobs of each stream piece
 
     def models(self):
         return [self.configs[n] for n in sorted(self.configs)]
@@ -130,7 +141,9 @@ class FakeRouter:
         words = len(text.split())
         reply = backend_pb2.Reply(message=text.encode("utf-8"),
                                   tokens=self.tokens if self.tokens is not None else words,
-                                  prompt_tokens=len(options.Prompt.split()) or 1)
+                                  prompt_tokens=len(options.Prompt.split()) or 1,
+                                  logprobs=self.reply_logprobs,
+                                  chat_deltas=self.reply_deltas)
         served = Served(reply, self.node)
         if self.hold:
             return self._held("predict", served)
@@ -151,8 +164,12 @@ class FakeRouter:
         if on_start is not None:
             on_start(self.node)
         for index, piece in enumerate(self.stream_pieces):
+            logprobs = self.stream_logprobs[index] if index < len(self.stream_logprobs) \
+                else b""
+            deltas = self.stream_deltas[index] if index < len(self.stream_deltas) else []
             waiting = on_reply(backend_pb2.Reply(message=piece, tokens=index + 1,
-                                                 prompt_tokens=3))
+                                                 prompt_tokens=3, logprobs=logprobs,
+                                                 chat_deltas=deltas))
             self.auto_stream_waits.append(isinstance(waiting, defer.Deferred))
             if isinstance(waiting, defer.Deferred):
                 await waiting
@@ -192,15 +209,31 @@ class FakeRouter:
         return defer.succeed(Served(backend_pb2.TokenizationResponse(
             length=len(words), tokens=list(range(len(words)))), self.node))
 
+    def detokenize(self, name, request, deadline=None):
+        """Token ``i`` reads ``t<i>``; ``fail_with`` fails it."""
+        self._record("detokenize", name, request)
+        if self.fail_with is not None:
+            return defer.fail(self.fail_with)
+        return defer.succeed(Served(backend_pb2.DetokenizeResponse(
+            content=" ".join(f"t{t}" for t in request.tokens)), self.node))
+
 
 # -- raw HTTP over a StringTransport ------------------------------------------------------------
 
 
 def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES, reactor=None) -> FrontendSite:
+    """``/v1`` and its unprefixed aliases, mounted and capped as ``FrontendService`` does."""
     root = Resource()
-    root.putChild(b"v1", OpenAIResource(router, api_keys=api_keys, now=lambda: 1700000000,
-                                        reactor=reactor))
-    return FrontendSite(root, body_limits={b"/v1/": limit}, timeout=None)
+    openai = OpenAIResource(router, api_keys=api_keys, now=lambda: 1700000000, reactor=reactor)
+    root.putChild(b"v1", openai)
+    for name in unprefixed_roots():
+        root.putChild(name, openai.unprefixed())
+    site = FrontendSite(root, body_limits={b"/v1/": limit}, timeout=None)
+    for alias, twin in unprefixed_aliases():
+        site.add_body_limit(alias, site.body_limit_for(twin))
+    for prefix in api_prefixes():
+        site.add_early_answer_shape(prefix, early_error)
+    return site
 
 
 @dataclass
