@@ -6,7 +6,7 @@ It exists so the GGUF path (model config, staging, llama.cpp's loader, its token
 own chat template, grammar-constrained sampling, embeddings) can be tried and tested on a
 machine with no model hub, as :mod:`localai_tw.tinychat` does for ``transformers``.  Its weights
 are RANDOM: it answers gibberish.  The model is a 2-layer llama-architecture network in float32
-(about 350 KB) with a SentencePiece-style vocabulary llama.cpp tokenizes natively: the 256 byte
+(about 520 KB) with a SentencePiece-style vocabulary llama.cpp tokenizes natively: the 256 byte
 tokens (so any text tokenizes), the lower-case letters and a few dozen words, each reachable by
 SentencePiece's pairwise merges (every prefix of a word is a token), and a chat template in
 ``tokenizer.chat_template``.
