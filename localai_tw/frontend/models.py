@@ -45,11 +45,12 @@ model cannot serve is refused before any backend is called:
    ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
    dropped);
 2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
-3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
-   completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
-   table (``external``, plugins) is asked for chat, completion and embeddings and answers for
-   itself; ``espeak-ng`` does ``tts``, ``pocketsphinx`` ``transcript``, ``hash-image``
-   ``image`` (any other backend does those only when ``known_usecases`` lists them).
+3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
+   ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three;
+   a backend not in the table (``external``, plugins) is asked for chat, completion and
+   embeddings and answers for itself; ``espeak-ng`` does ``tts``, ``pocketsphinx``
+   ``transcript``, ``hash-image`` ``image`` (any other backend does those only when
+   ``known_usecases`` lists them).
 4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
    this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
    ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
@@ -105,6 +106,8 @@ BACKEND_USECASES: dict[str, frozenset[str]] = {
     "echo": ALL_USECASES,
     "transformers": frozenset({CHAT, COMPLETION}),
     "sentence-transformers": frozenset({EMBEDDINGS}),
+    # llama.cpp embeds only a model loaded with embeddings: true (rule 2.)
+    "llama-cpp": frozenset({CHAT, COMPLETION}),
     "espeak-ng": frozenset({TTS}),
     "pocketsphinx": frozenset({TRANSCRIPT}),
     "hash-image": frozenset({IMAGE}),
