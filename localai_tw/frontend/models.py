@@ -460,6 +460,10 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     for key, (kind, proto) in PREDICT_OPTIONS.items():
         if data.get(key) is not None:
             predict_options[proto] = _typed(source, key, data[key], kind)
+    # LocalAI's default (core/config/generic_defaults.go): memory-mapped unless the config says
+    # mmap: false; without it a GGUF would be read whole into memory.
+    model_options.setdefault("MMap", True)
+    predict_options.setdefault("MMap", True)
     if len(predict_options.get("StopPrompts", ())) > MAX_STOPWORDS:
         raise ModelConfigError(source, "stopwords", f"at most {MAX_STOPWORDS} are accepted")
     _sub_options(source, data, "diffusers", DIFFUSERS_OPTIONS, model_options, warnings)
