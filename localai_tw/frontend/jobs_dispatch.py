@@ -48,6 +48,7 @@ from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw.bus.claims import DEFAULT_TRANSPORT_ERRORS, Claim, ClaimConsumer, ClaimQueue
+from localai_tw.deferreds import shielded
 from localai_tw.cluster.clock import CONNECTION_IS_HELD_SQL, INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
 from localai_tw.jobs.kinds import MAX_RESULT_BYTES, encoded_size
 
@@ -113,7 +114,7 @@ class JobDispatcher:
                       "broken": 0, "refused_cancelled": 0, "stopped_on_cancel": 0}
 
     async def agents(self) -> list[AgentWorker]:
-        rows = await self.db.runQuery(AGENTS_FOR_DISPATCH_SQL, (self.liveness,))
+        rows = await shielded(self.db.runQuery(AGENTS_FOR_DISPATCH_SQL, (self.liveness,)))
         found = [AgentWorker(*r) for r in rows]
         self._rng.shuffle(found)
         found.sort(key=lambda a: a.owner != self.instance_id)  # held here first (stable)

@@ -19,7 +19,10 @@ So a finished job never changes again, and a job whose cancel was requested is n
 again (the dispatcher's ``begin`` refuses it).  Progress events are stored up to
 :data:`~localai_tw.jobs.kinds.MAX_EVENTS_PER_JOB` per job; later ones are counted.
 
-This module only reads and writes these tables; it never talks to a worker.
+This module only reads and writes these tables; it never talks to a worker.  Every statement
+is shielded: a caller cancelled while waiting (a claim handler when its replica stops) stops
+waiting, and the statement still runs to its end (cancelling a txpostgres query mid-statement
+hands the connection back while PostgreSQL is still answering on it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from psycopg2.extras import Json
 
 from localai_tw.bus.claims import ClaimQueue, enqueue_statement
+from localai_tw.deferreds import shielded
 from localai_tw.jobs.kinds import MAX_ERROR_CHARS, MAX_EVENTS_PER_JOB, bounded_event
 
 #: The claim kind that drives jobs (``work_claims.kind``).
@@ -77,6 +81,12 @@ class JobStore:
         self.db = db
         self.queue = queue
 
+    def _query(self, sql: str, params=None):
+        return shielded(self.db.runQuery(sql, params))
+
+    def _interaction(self, work):
+        return shielded(self.db.runInteraction(work))
+
     # -- submit and read -------------------------------------------------------------------------
 
     async def submit(self, kind: str, input: Any) -> dict:
@@ -91,19 +101,19 @@ class JobStore:
             await cursor.execute(*insert_claim)
             return row
 
-        row = await self.db.runInteraction(write)
+        row = await self._interaction(write)
         await self.queue.wake(CLAIM_KIND)
         return _summary(row)
 
     async def get(self, job_id: str, *, with_events: bool = True) -> dict | None:
-        rows = await self.db.runQuery(
+        rows = await self._query(
             f"SELECT {_COLUMNS}, input, result FROM jobs WHERE id = %s", (job_id,))
         if not rows:
             return None
         job = _summary(rows[0][:-2])
         job["input"], job["result"] = rows[0][-2], rows[0][-1]
         if with_events:
-            events = await self.db.runQuery(
+            events = await self._query(
                 "SELECT seq, at, event FROM job_events WHERE job_id = %s ORDER BY seq",
                 (job_id,))
             job["progress"] = [{"seq": seq, "at": _time(at), **({"event": event}
@@ -113,7 +123,7 @@ class JobStore:
         return job
 
     async def result(self, job_id: str) -> tuple[str, Any] | None:
-        rows = await self.db.runQuery("SELECT state, result FROM jobs WHERE id = %s", (job_id,))
+        rows = await self._query("SELECT state, result FROM jobs WHERE id = %s", (job_id,))
         return (rows[0][0], rows[0][1]) if rows else None
 
     async def page(self, state: str | None, limit: int, before: str | None) -> list[dict]:
@@ -126,16 +136,16 @@ class JobStore:
             where.append("(created_at, id) < (SELECT created_at, id FROM jobs WHERE id = %s)")
             params.append(before)
         clause = (" WHERE " + " AND ".join(where)) if where else ""
-        rows = await self.db.runQuery(
+        rows = await self._query(
             f"SELECT {_COLUMNS} FROM jobs{clause} ORDER BY created_at DESC, id DESC LIMIT %s",
             (*params, limit))
         return [_summary(r) for r in rows]
 
     async def exists(self, job_id: str) -> bool:
-        return bool(await self.db.runQuery("SELECT 1 FROM jobs WHERE id = %s", (job_id,)))
+        return bool(await self._query("SELECT 1 FROM jobs WHERE id = %s", (job_id,)))
 
     async def counts(self) -> dict[str, int]:
-        rows = await self.db.runQuery("SELECT state, count(*) FROM jobs GROUP BY state")
+        rows = await self._query("SELECT state, count(*) FROM jobs GROUP BY state")
         found = dict(rows)
         return {state: int(found.get(state, 0)) for state in STATES}
 
@@ -144,7 +154,7 @@ class JobStore:
     async def begin(self, job_id: str) -> Dispatch | None:
         """Mark the job running before it is sent to a worker, or None when it must not run
         (finished, unknown, or its cancel was requested: then it is recorded cancelled)."""
-        rows = await self.db.runQuery(
+        rows = await self._query(
             "UPDATE jobs SET state = 'running', started_at = coalesce(started_at, now()),"
             " updated_at = now()"
             " WHERE id = %s AND state IN ('queued', 'running') AND NOT cancel_requested"
@@ -158,13 +168,13 @@ class JobStore:
     async def started(self, job_id: str) -> bool:
         """The worker started the job: count the run.  Returns whether a cancel was requested
         meanwhile (the dispatcher then stops the run)."""
-        rows = await self.db.runQuery(
+        rows = await self._query(
             "UPDATE jobs SET runs = runs + 1, updated_at = now()"
             " WHERE id = %s AND state = 'running' RETURNING cancel_requested", (job_id,))
         return bool(rows and rows[0][0])
 
     async def requeue(self, job_id: str) -> bool:
-        rows = await self.db.runQuery(
+        rows = await self._query(
             "UPDATE jobs SET state = 'queued', updated_at = now()"
             " WHERE id = %s AND state = 'running' RETURNING id", (job_id,))
         return bool(rows)
@@ -175,7 +185,7 @@ class JobStore:
         if state not in FINISHED:
             raise ValueError(f"{state!r} is not a finished state")
         extra = " AND cancel_requested" if only_if_cancel_requested else ""
-        rows = await self.db.runQuery(
+        rows = await self._query(
             "UPDATE jobs SET state = %s, result = %s, error = %s, finished_at = now(),"
             " updated_at = now()"
             f" WHERE id = %s AND state NOT IN ('succeeded', 'failed', 'cancelled'){extra}"
@@ -204,7 +214,7 @@ class JobStore:
                 "INSERT INTO job_events (job_id, seq, event) VALUES (%s, %s, %s)",
                 (job_id, rows[0][0] + 1, Json(event)))
 
-        await self.db.runInteraction(write_if_room)
+        await self._interaction(write_if_room)
 
     # -- cancel ----------------------------------------------------------------------------------
 
@@ -237,5 +247,5 @@ class JobStore:
                     "DELETE FROM work_claims WHERE id = %s AND claimed_at IS NULL", (job_id,))
             return state
 
-        return await self.db.runInteraction(write)
+        return await self._interaction(write)
 
