@@ -302,6 +302,12 @@ async def test_cancel_outcomes_undelivered_not_on_any_worker_and_gone_excluded(c
     await away.dialer.stopService()  # its tunnel is lost; within the 90 s grace
     await eventually(lambda: not a.replica.tunnels.holds(away.node_id), timeout=10,
                      what="the tunnel released")
+
+    async def departed():
+        row = await a.replica.fence.owner_row(away.node_id)
+        return row.owner_id == "" and row.disconnected_at is not None
+
+    await eventually(departed, timeout=10, what="the departure recorded")
     before = await node_snapshot(a)
     answer = await cancel(cluster, a, job_id)
     assert answer["outcome"] == "undelivered"
