@@ -198,6 +198,8 @@ class JobDispatcher:
                 "attempt": claim.attempts}
         d = self.control.call(agent.node_id, "job.run", body, on_progress=record)
         calling.append(d)
+        if stopped and not d.called:  # the cancel was seen before the call returned
+            d.cancel()
         try:
             reply = await d
         except defer.CancelledError:
@@ -214,11 +216,12 @@ class JobDispatcher:
     async def _record(self, job_id: str, event: Any, calling, stopped) -> None:
         await self.store.add_event(job_id, event)
         if isinstance(event, dict) and event.get("event") == "started":
-            if await self.store.started(job_id) and calling and not calling[0].called:
+            if await self.store.started(job_id):
                 # A cancel was requested while the job was on its way to the worker.
                 self.stats["stopped_on_cancel"] += 1
                 stopped.append(True)
-                calling[0].cancel()
+                if calling and not calling[0].called:
+                    calling[0].cancel()
 
     async def _settle_answer(self, job_id: str, agent: AgentWorker, reply: Any) -> None:
         if not isinstance(reply, dict) or reply.get("status") not in (
