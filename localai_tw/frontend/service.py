@@ -12,6 +12,7 @@
         PeerService            the accepted peer links and the peer pool
         TunnelRegistryService  the worker tunnels held here (their claims)
         PgBus                  the LISTEN/NOTIFY fan-out (the claim queue's wake hint)
+        JobStatsService        reads the jobs queue's depth every 15 s (for /metrics)
         ClaimConsumer "jobs"   claims queued jobs and runs them on agent workers; stops
                                first, releasing its claims (docs/jobs.md)
       ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
@@ -100,6 +101,7 @@ from .interfaces import IInferenceRouter
 from .jobs_api import MAX_JOB_BODY_BYTES, JobsResource
 from .jobs_cancel import CancelFanout
 from .jobs_dispatch import JobDispatcher, job_consumer
+from .jobs_stats import JobStatsService
 from .jobs_store import JobStore
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
@@ -336,6 +338,7 @@ class JobParts:
     dispatcher: JobDispatcher
     consumer: ClaimConsumer
     fanout: CancelFanout
+    stats: JobStatsService
 
 
 @dataclasses.dataclass
@@ -371,7 +374,7 @@ class Replica:
                 WorkerClientsService(self.backend_clients, self.worker_http),
                 PeerService(self.peer_links, self.peer_pool),
                 TunnelRegistryService(self.tunnels, self.instance_id),
-                self.bus, self.jobs.consumer]
+                self.bus, self.jobs.stats, self.jobs.consumer]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
@@ -458,8 +461,10 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                             reactor=reactor)
     jobs = JobParts(kinds=config.job_kinds if config.job_kinds is not None
                     else JobKinds.discover(), store=store, dispatcher=dispatcher,
-                    consumer=consumer, fanout=CancelFanout(db, control))
+                    consumer=consumer, fanout=CancelFanout(db, control),
+                    stats=JobStatsService(db, reactor))
     metrics.watch_bus(bus, [consumer])
+    metrics.watch_jobs(lambda: jobs.stats.snapshot)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,

@@ -330,6 +330,12 @@ async def test_cancel_outcomes_undelivered_not_on_any_worker_and_gone_excluded(c
     assert steady.agent.stats["cancel_asked"] == 2
 
 
+async def metrics_text(cluster, frontend):
+    response = await treq.get(cluster.base_url(frontend) + "/metrics", headers=AUTH)
+    assert response.code == 200
+    return await response.text()
+
+
 class PoisonControl:
     """The replica's ControlClient, except that ``job.run`` of one job always breaks in
     transit (a TransportFailure: nothing learned)."""
@@ -379,6 +385,13 @@ async def test_a_poison_job_backs_off_and_does_not_hold_the_head_of_the_queue(cl
             released, timeout=20, what=f"release {attempts}")
         assert failures == 0  # a transport failure is never counted against the job
         assert backoff - 1.5 < remaining <= backoff, (attempts, remaining)
+        if attempts == 1:  # the queue's depth on /metrics: the poison is backing off
+            await a.replica.jobs.stats.read_once()
+            metrics = await metrics_text(cluster, a)
+            assert 'localai_job_claims{status="backing_off"} 1.0' in metrics
+            assert 'localai_job_claims{status="ready"} 0.0' in metrics
+            assert 'localai_jobs{state="queued"} 1.0' in metrics
+            assert 'localai_claims_total{outcome="released"}' in metrics
         seen.append(backoff)
         assert (await job_state(cluster, a, poison))["state"] == "queued"
         await a.database.runOperation(  # the database clock "passes" the backoff
