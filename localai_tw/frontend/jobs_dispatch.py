@@ -188,7 +188,11 @@ class JobDispatcher:
         calling: list[defer.Deferred] = []
         stopped = []
 
+        started = []
+
         def record(event: Any) -> None:
+            if isinstance(event, dict) and event.get("event") == "started":
+                started.append(True)
             # Progress arrives in order; the writes are chained to keep that order.
             previous = writes[-1]
             writes.append(previous.addBoth(lambda _: defer.ensureDeferred(
@@ -207,6 +211,11 @@ class JobDispatcher:
                 reply = {"status": "cancelled"}
             else:
                 raise
+        except _DID_NOT_START as e:
+            if started:  # it did start there: it may still run; never offer it elsewhere now
+                raise errors.TransportFailure(
+                    f"job.run on {agent.name} broke after the job started: {e}") from e
+            raise
         finally:
             await writes[-1].addErrback(
                 lambda f: log.info("jobs: storing progress of {job} failed: {err}",

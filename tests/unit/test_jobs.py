@@ -340,3 +340,17 @@ async def test_the_agent_verbs_are_registered():
     AgentRunner("ag", JobKinds(), api=None).register(verbs)
     assert {"job.run", "job.cancel"} <= set(verbs.names())
     assert verbs.lookup("job.run").streaming is True
+
+
+def test_a_failure_after_the_start_is_never_read_as_did_not_start():
+    store = FakeStore()
+
+    def run(on_progress):
+        on_progress({"event": "started", "worker": "n1", "rerun": False})
+        return defer.fail(errors.PeerUnreachable("r2", "the link dropped"))
+
+    d = dispatcher(store, {"n1": run, "n2": {"status": "succeeded", "result": 1}},
+                   agents=("n1",))
+    outcome = handle(d)
+    assert outcome.check(errors.TransportFailure)  # released; not moved on to another worker
+    assert store.finished == [] and store.requeued == 1
