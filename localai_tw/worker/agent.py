@@ -89,13 +89,16 @@ class AgentRunner:
     def cancel_verb(self, body: dict) -> dict:
         self.stats["cancel_asked"] += 1
         run = self._runs.get(body["job_id"])
-        if run is None or run.deferred is None:
+        if run is None:
             return {"cancelled": False}
         if not run.cancelled:
             run.cancelled = True
             log.info("agent {name}: cancelling job {job} on request", name=self.node_name,
                      job=run.job_id)
-            run.deferred.cancel()
+            if run.deferred is not None:
+                run.deferred.cancel()
+            # else: accepted, not started yet (its "started" line is being written): it
+            # answers cancelled without starting
         return {"cancelled": True}
 
     # -- job.run ----------------------------------------------------------------------------
@@ -122,6 +125,9 @@ class AgentRunner:
         rerun = bool(body.get("rerun", False))
         try:
             await progress({"event": "started", "worker": self.node_name, "rerun": rerun})
+            if run.cancelled:
+                self.stats["cancelled"] += 1
+                return {"status": "cancelled"}
             job = JobRun(job_id=job_id, kind=kind.name, input=body["input"], rerun=rerun,
                          progress=lambda event: progress(bounded_event(event)), api=self.api,
                          attempt=int(body.get("attempt", 0)))

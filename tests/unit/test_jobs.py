@@ -354,3 +354,19 @@ def test_a_failure_after_the_start_is_never_read_as_did_not_start():
     outcome = handle(d)
     assert outcome.check(errors.TransportFailure)  # released; not moved on to another worker
     assert store.finished == [] and store.requeued == 1
+
+
+def test_a_cancel_while_the_started_line_is_being_written_is_mine_and_nothing_runs():
+    slow = Slow()
+    r = runner(slow)
+    paced = defer.Deferred()  # the caller is not reading yet
+
+    def progress(event):
+        return paced
+
+    d = defer.ensureDeferred(r.run_verb({"job_id": "j1", "kind": "slow", "input": {}},
+                                        progress))
+    assert r.cancel_verb({"job_id": "j1"}) == {"cancelled": True}
+    paced.callback(None)
+    assert d.result == {"status": "cancelled"}
+    assert slow.jobs == []  # the kind never ran
