@@ -116,9 +116,8 @@ class JobStore:
             events = await self._query(
                 "SELECT seq, at, event FROM job_events WHERE job_id = %s ORDER BY seq",
                 (job_id,))
-            job["progress"] = [{"seq": seq, "at": _time(at), **({"event": event}
-                                                                 if not isinstance(event, dict)
-                                                                 else event)}
+            job["progress"] = [{**(event if isinstance(event, dict) else {"event": event}),
+                                "seq": seq, "at": _time(at)}
                                for seq, at, event in events]
         return job
 
