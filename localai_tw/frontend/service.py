@@ -43,7 +43,8 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
-``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/jobs`` (``frontend/jobs_api.py``), ``/api/traces`` (``frontend/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/jobs`` (``frontend/jobs_api.py``; admin, ``docs/jobs.md``),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
