@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import pytest_twisted
 import treq
-from twisted.internet import defer, reactor
+from twisted.internet import defer
 from zope.interface import implementer
 
 from localai_tw import errors
@@ -463,3 +464,33 @@ async def test_list_filters_and_pages_and_a_finished_job_cannot_be_cancelled(clu
     assert code == 409 and body["error"]["code"] == "job_finished"
     code, body = await call(cluster, a, "GET", "/api/jobs/kinds")
     assert {k["kind"] for k in body["kinds"]} == {"chat", "embed-batch", "test.echo"}
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_the_dashboard_lists_jobs_with_their_state(cluster):
+    """The dashboard's Jobs panel shows a finished job and a failed one with its error, read
+    from /api/jobs.
+
+    Deliberate break: ``renderJobs`` not called in ``poll`` -> the rows never appear (red)."""
+    from .browser import Browser, require_browser
+    from .test_dashboard import open_with_key, text_of
+
+    require_browser()
+    a = await cluster.frontend("replica-da", job_kinds=kinds())
+    await cluster.agent("ag-d", a, kinds=JobKinds([EchoJob()]))
+    done = await submit(cluster, a, "test.echo", {"n": 1})
+    failed = await submit(cluster, a, "chat", {"model": "m", "messages": [{"role": "user"}]})
+    assert (await finished(cluster, a, done))["state"] == "succeeded"
+    assert (await finished(cluster, a, failed))["state"] == "failed"
+    browser = await Browser.start()
+    try:
+        await open_with_key(browser, cluster.base_url(a) + "/")
+        state = await browser.wait_for(text_of(f'tr[data-job="{done}"] .state'),
+                                       what="the finished job")
+        assert state == "succeeded"
+        row = await browser.wait_for(text_of(f'tr[data-job="{failed}"]'),
+                                     what="the failed job")
+        assert "failed" in row and "does not run jobs of kind 'chat'" in row
+    finally:
+        await browser.stop()
