@@ -494,3 +494,42 @@ async def test_the_dashboard_lists_jobs_with_their_state(cluster):
         assert "failed" in row and "does not run jobs of kind 'chat'" in row
     finally:
         await browser.stop()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_busy_agent_s_answer_releases_the_job_without_counting_a_failure(cluster):
+    """An agent worker with one slot answers the second job 503 busy: the job did not start,
+    its claim is released with backoff and ``failures`` stays 0; it runs once the slot frees.
+
+    Deliberate break: ``AllAgentsBusy`` left out of ``JOB_TRANSPORT_ERRORS`` -> the release
+    counts a work failure (``failures`` 1) and the test is red."""
+    wait = WaitJob()
+    a = await cluster.frontend("replica-sa", job_kinds=kinds(wait))
+    agent = await cluster.agent("ag-s", a, kinds=kinds(wait), max_jobs=1)
+    first = await submit(cluster, a, "test.wait", {})
+    await eventually(lambda: [r for r in wait.runs if r[0] == first], timeout=20,
+                     what="the first job running")
+    second = await submit(cluster, a, "test.wait", {})
+
+    async def released_busy():
+        row = await claim_row(a, second)
+        return row if row and row[0] == "" and row[1] >= 1 else None
+
+    _, attempts, failures, remaining = await eventually(released_busy, timeout=20,
+                                                        what="the busy release")
+    assert failures == 0 and remaining > 0  # released with backoff, never a failure
+    job = await job_state(cluster, a, second)
+    assert job["state"] == "queued" and job["runs"] == 0
+    assert any(e.get("event") == "released" and e.get("reason") == "busy"
+               for e in job["progress"])
+    assert agent.agent.stats["busy"] >= 1
+    wait.open(first)
+    assert (await finished(cluster, a, first))["state"] == "succeeded"
+    await a.database.runOperation("UPDATE work_claims SET not_before = now() WHERE id = %s",
+                                  (second,))
+    a.replica.jobs.consumer.wake()
+    await eventually(lambda: [r for r in wait.runs if r[0] == second], timeout=20,
+                     what="the second job running once the slot is free")
+    wait.open(second)
+    job = await finished(cluster, a, second)
+    assert job["state"] == "succeeded" and job["runs"] == 1
