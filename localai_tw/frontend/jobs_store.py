@@ -143,11 +143,6 @@ class JobStore:
     async def exists(self, job_id: str) -> bool:
         return bool(await self._query("SELECT 1 FROM jobs WHERE id = %s", (job_id,)))
 
-    async def counts(self) -> dict[str, int]:
-        rows = await self._query("SELECT state, count(*) FROM jobs GROUP BY state")
-        found = dict(rows)
-        return {state: int(found.get(state, 0)) for state in STATES}
-
     # -- the dispatcher's changes ---------------------------------------------------------------
 
     async def begin(self, job_id: str) -> Dispatch | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from twisted.internet import defer
@@ -96,7 +96,6 @@ class JobRun:
     progress: Callable[[dict], defer.Deferred]
     api: Any
     attempt: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def encoded_size(value: Any) -> int:
