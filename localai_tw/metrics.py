@@ -38,8 +38,14 @@ ENDPOINTS = {
     (b"completions",): "completions",
     (b"embeddings",): "embeddings",
     (b"models",): "models",
+    (b"models", b"capabilities"): "capabilities",
     (b"tokenize",): "tokenize",
+    (b"detokenize",): "detokenize",
     (b"rerank",): "rerank",
+    (b"audio", b"speech"): "speech",
+    (b"tts",): "speech",  # LocalAI's /tts (mounted at the root; the same endpoint)
+    (b"audio", b"transcriptions"): "transcriptions",
+    (b"images", b"generations"): "images",
 }
 
 #: A client that left before its answer was complete (nginx's code for it).
@@ -54,6 +60,8 @@ LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
 def endpoint_of(postpath: Iterable[bytes]) -> str:
     """The bounded ``endpoint`` label of an OpenAI API path below ``/v1``."""
     segments = [s for s in postpath if s]
+    if tuple(segments) in ENDPOINTS:
+        return ENDPOINTS[tuple(segments)]
     if len(segments) >= 2 and segments[0] == b"models":
         return "model"
     return ENDPOINTS.get(tuple(segments), "other")

@@ -47,7 +47,9 @@ model cannot serve is refused before any backend is called:
 2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
 3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
    completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
-   table (``external``, plugins) is asked for anything and answers for itself.
+   table (``external``, plugins) is asked for chat, completion and embeddings and answers for
+   itself; ``espeak-ng`` does ``tts``, ``pocketsphinx`` ``transcript``, ``hash-image``
+   ``image`` (any other backend does those only when ``known_usecases`` lists them).
 4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
    this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
    ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
@@ -88,6 +90,8 @@ _USECASE_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
 MAX_USECASES = 32
 
 CHAT, COMPLETION, EMBEDDINGS, RERANK = "chat", "completion", "embeddings", "rerank"
+#: LocalAI's FLAG_TTS, FLAG_TRANSCRIPT and FLAG_IMAGE.
+TTS, TRANSCRIPT, IMAGE = "tts", "transcript", "image"
 ALL_USECASES = frozenset({CHAT, COMPLETION, EMBEDDINGS})
 #: Backends whose ``Rerank`` this package ships: an embeddings model on one of them also reranks
 #: (bi-encoder cosine in ``bert-numpy`` and ``sentence-transformers``; word overlap in ``echo``).
@@ -98,6 +102,9 @@ BACKEND_USECASES: dict[str, frozenset[str]] = {
     "echo": ALL_USECASES,
     "transformers": frozenset({CHAT, COMPLETION}),
     "sentence-transformers": frozenset({EMBEDDINGS}),
+    "espeak-ng": frozenset({TTS}),
+    "pocketsphinx": frozenset({TRANSCRIPT}),
+    "hash-image": frozenset({IMAGE}),
 }
 
 #: Sampling defaults a model file may set, and their types.

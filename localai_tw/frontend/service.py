@@ -71,6 +71,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from localai_tw import __version__
+from localai_tw.config import with_fleet_backlog
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
 from localai_tw.cluster.membership import (
@@ -89,6 +90,7 @@ from localai_tw.jobs.kinds import JobKinds
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
+from localai_tw.web.ratelimit import SourceRateLimit
 from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
@@ -107,7 +109,17 @@ from .jobs_store import JobStore
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .traces import TraceRing, TracesResource
-from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
+from .openai import (
+    OPENAI_MAX_BODY_BYTES,
+    OpenAIResource,
+    api_prefixes,
+    check_api_key,
+    early_error,
+    unprefixed_aliases,
+    unprefixed_roots,
+)
+from .generated import GeneratedFiles, GeneratedFilesResource
+from .openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
 from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
 from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
@@ -185,7 +197,8 @@ class ListeningService(Service):
     def startService(self) -> None:
         super().startService()
         self._outcome = None
-        endpoint = endpoints.serverFromString(self._reactor, self.description)
+        endpoint = endpoints.serverFromString(self._reactor,
+                                              with_fleet_backlog(self.description))
         endpoint.listen(self.factory).addBoth(self._listened)
 
     def _listened(self, result) -> None:
@@ -245,6 +258,8 @@ class ReplicaConfig:
     run_dir: str | None
     health_interval: float
     stale_after: float
+    #: Registrations one source address may make per minute (burst and refill); 0: no limit.
+    registration_limit: int = 300
     #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
     job_kinds: Any = None
 
@@ -267,7 +282,8 @@ class ReplicaConfig:
             models_dir=_option(options, "models-dir") or os.path.join(data_dir or ".",
                                                                        "models"),
             run_dir=os.path.join(data_dir, "run") if data_dir else None,
-            health_interval=health_interval, stale_after=stale_after)
+            health_interval=health_interval, stale_after=stale_after,
+            registration_limit=int(_option(options, "registration-limit", 300)))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -366,6 +382,7 @@ class Replica:
     bus: PgBus
     jobs: JobParts
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
+    registration_limit: SourceRateLimit | None = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order): the jobs
@@ -382,7 +399,7 @@ class Replica:
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control)
+                            control=self.control, registration_limit=self.registration_limit)
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""
@@ -413,6 +430,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from .loadlock import LoadLock
     from .models import ModelCatalog
     from .placement import NodeChooser
+    from .scratch import WorkerScratch
 
     grace = config.reconnect_grace
     nodes = NodeRegistry(db, registration_token=config.registration_token,
@@ -440,7 +458,9 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                         config.models_dir, reactor, metrics=metrics)
     loads = LoadLock(db, chooser, loader, config.instance_id, reactor)
     inference = InferenceRouter(ModelCatalog(config.models_dir), chooser, loads, loader,
-                                backend_clients, reactor)
+                                backend_clients, reactor,
+                                WorkerScratch(control, worker_http, nodes.control_token,
+                                              reactor))
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels).
     notifier = DepartureNotifier({
@@ -471,7 +491,10 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, bus=bus, jobs=jobs, metrics=metrics)
+        membership=membership, health=health, bus=bus, jobs=jobs, metrics=metrics,
+        registration_limit=SourceRateLimit(config.registration_limit / 60.0,
+                                           config.registration_limit, reactor)
+        if config.registration_limit > 0 else None)
 
 
 def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,
@@ -662,11 +685,23 @@ class FrontendService(InOrderMultiService):
             b"healthz": LivenessResource(),
             b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
         self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
-        self.site = FrontendSite(self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES,
-                                                         b"/api/jobs": MAX_JOB_BODY_BYTES})
+        # Uploads (a transcription's audio) have their own cap and go to a temporary file;
+        # the unprefixed alias takes the cap of its twin below.
+        uploads = (b"/v1/audio/transcriptions", b"/audio/transcriptions")
+        self.site = FrontendSite(
+            self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES,
+                                    uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES,
+                                    b"/api/jobs": MAX_JOB_BODY_BYTES},
+            spool_prefixes=uploads)
+        # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
+        for alias, twin in unprefixed_aliases():
+            self.site.add_body_limit(alias, self.site.body_limit_for(twin))
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
-        self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
+        # Refusals before the body on the OpenAI API's paths carry its error shape.
+        for prefix in api_prefixes():
+            self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
+            self.site.add_early_answer_shape(prefix, early_error)
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
                        b"/api/traces", b"/api/jobs", b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
@@ -692,10 +727,18 @@ class FrontendService(InOrderMultiService):
         root.putChild(b"dashboard", dashboard_files())
         for name, probe in self._probe_resources.items():
             root.putChild(name, probe)  # the same /healthz and /readyz
+        db = getattr(replica, "db", None)  # (a test's stand-in replica may have none)
+        generated = GeneratedFiles(db) if db is not None else None
         openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
                                 reactor=self._reactor, node_names=replica.node_name,
-                                metrics=replica.metrics)
+                                metrics=replica.metrics, generated=generated)
         root.putChild(b"v1", openai)
+        unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
+        for name in unprefixed_roots():
+            root.putChild(name, unprefixed)
+        # The images answered as URLs, which every replica serves from the shared store.
+        if generated is not None:
+            root.putChild(b"generated-images", GeneratedFilesResource(generated))
         root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
                                                   replica.tunnels, replica.control))
         api = JSONDirectory()

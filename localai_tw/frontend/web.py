@@ -52,9 +52,15 @@ from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.logs import RateLimitedLog
 from localai_tw.tunnel.sockets import set_no_delay
 from localai_tw.web import auth
-from localai_tw.web.bodies import CappedBody, answer_early, pending_request_line
+from localai_tw.web.bodies import (
+    CappedBody,
+    SpooledCappedBody,
+    answer_early,
+    pending_request_line,
+)
 from localai_tw.web.json import JSON_HEADERS  # noqa: F401  (the OpenAI API imports it here)
 from localai_tw.web.json import COMPACT, json_body, write_json
+from localai_tw.web.ratelimit import SourceRateLimit
 
 if TYPE_CHECKING:  # the parts' types only: web.py serves them, it never builds them
     from localai_tw.cluster.nodes import NodeRegistry
@@ -66,8 +72,8 @@ log = Logger()
 
 #: Body cap of the register, heartbeat and admin APIs (and of any path without its own cap).
 MAX_BODY_BYTES = 64 * 1024
-#: Most connections one listener holds at once, tunnels and peer links included; one more is
-#: closed as soon as it is accepted.
+#: Most connections one listener holds at once that are not authorized tunnels or peer links;
+#: one more is closed as soon as it is accepted.
 MAX_CONNECTIONS = 1024
 #: Most bytes of request bodies one listener holds at once (announced lengths); a request that
 #: would pass it is answered 503 with ``Retry-After`` before its body is read.
@@ -211,8 +217,12 @@ class FrontendRequest(server.Request):
         site = site if isinstance(site, FrontendSite) else None
         line = pending_request_line(self.channel)
         target = line[1] if line is not None else None
+        self._early_target = target
         limit = site.body_limit_for(target) if site is not None else MAX_BODY_BYTES
-        self.content = CappedBody(limit)
+        if length == 0 or site is None or not site.spools(target):
+            self.content = CappedBody(limit)
+        else:  # an upload: refused below before a byte is written, else kept on disk
+            self.content = SpooledCappedBody(limit)
         if length == 0:
             return
         try:
@@ -249,6 +259,9 @@ class FrontendRequest(server.Request):
         # The channel answers "Expect: 100-continue" right after gotLength; after a final
         # answer that would be a second response.
         self.requestHeaders.removeHeader(b"expect")
+        site = getattr(self.channel, "site", None)
+        if isinstance(site, FrontendSite):
+            answer = site.shape_early_answer(getattr(self, "_early_target", None), answer)
         if self.channel is not None:
             answer_early(self.channel, answer.status, answer.body(), answer.headers)
 
@@ -348,9 +361,20 @@ class _ListenerConnection(ProtocolWrapper):
     yamux frames.
     """
 
+    #: True once the connection became an authorized tunnel or peer link (``authorized``).
+    held = False
+
     def makeConnection(self, transport) -> None:
         set_no_delay(transport)
         super().makeConnection(transport)
+
+    def authorized(self) -> None:
+        """``tunnel.websocket`` calls this when it upgrades the connection for a caller it
+        authorized (a worker's tunnel, a peer link): from then on it counts against the
+        site's held connections, not against the cap on connections nobody vouched for."""
+        if not self.held:
+            self.held = True
+            self.factory.connection_held()
 
 
 class EventsPerInterval:
@@ -383,8 +407,10 @@ class FrontendSite(server.Site):
     """The frontend's ``Site``: requests are :class:`FrontendRequest`, connections
     :class:`FrontendChannel`, and the listener serving it is bounded:
 
-    - at most ``max_connections`` connections at once (tunnels and peer links included); one
-      more is closed as soon as it is accepted, before a byte is read;
+    - at most ``max_connections`` connections at once that nobody vouched for (HTTP requests,
+      dials being authorized); one more is closed as soon as it is accepted, before a byte is
+      read.  A connection upgraded for an authorized tunnel or peer link leaves that count
+      (``held_connections``): a replica holds thousands of workers;
     - at most ``max_body_bytes_in_flight`` bytes of request bodies held at once (announced
       lengths, reserved when the headers end and released when the request ends); a request
       that would pass it is answered 503 with ``Retry-After`` before its body is read;
@@ -398,12 +424,22 @@ class FrontendSite(server.Site):
     summary, not a line each.
 
     :param body_limits: raw path prefix -> body cap in bytes, for routes that take more than
-        :data:`MAX_BODY_BYTES` (the longest matching prefix wins).
+        :data:`MAX_BODY_BYTES` (the longest matching prefix wins).  A prefix ending in ``/``
+        covers what follows it; any other covers that path and the paths below it
+        (``b"/completions"``: ``/completions`` and ``/completions/x``, not
+        ``/completionsx``, which an unauthenticated client could otherwise use to have 8 MiB
+        read on a path no header guard covers).
     :param default_limit: the cap of every other path.
+    :param spool_prefixes: raw path prefixes whose bodies (uploads) are kept in a temporary
+        file instead of memory, still capped by ``body_limits`` while they arrive.
     :param header_guards: path prefix (``b"/v1"``, matched by whole segments, as routed) ->
         ``guard(request)``, which sees only the headers and raises an :class:`APIError`-like
         refusal (``status``, ``body()``, ``headers``) to refuse.  The longest prefix wins.
         Resources check again when they answer: the guard only moves the refusal earlier.
+
+    A refusal answered before the body (413, 503, a guard's) is an :class:`APIError` unless the
+    path has an *early answer shape* (:meth:`add_early_answer_shape`): the OpenAI API's paths
+    answer its error shape there too.
     """
 
     requestFactory = FrontendRequest
@@ -411,6 +447,7 @@ class FrontendSite(server.Site):
 
     def __init__(self, resource, *, body_limits: Mapping[bytes, int] | None = None,
                  default_limit: int = MAX_BODY_BYTES,
+                 spool_prefixes: Iterable[bytes] = (),
                  header_guards: Mapping[bytes, Callable[[Any], None]] | None = None,
                  max_connections: int = MAX_CONNECTIONS,
                  max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT,
@@ -418,10 +455,15 @@ class FrontendSite(server.Site):
                  body_deadline: float | None = BODY_DEADLINE_SECONDS, **kwargs):
         super().__init__(resource, **kwargs)
         self.header_guards: list[tuple[tuple[bytes, ...], Callable[[Any], None]]] = []
+        self.early_answer_shapes: list[tuple[tuple[bytes, ...], Callable[[Any], Any]]] = []
         for prefix, guard in (header_guards or {}).items():
             self.add_header_guard(prefix, guard)
         self.max_connections = max_connections
+        #: Connections not (yet) vouched for: HTTP requests, dials still being authorized.
         self.open_connections = 0
+        #: Authorized tunnels and peer links: bounded by the process's file descriptors, not by
+        #: ``max_connections`` (a replica holds thousands of workers).
+        self.held_connections = 0
         self.max_body_bytes_in_flight = max_body_bytes_in_flight
         self.body_bytes_in_flight = 0
         self.headers_deadline = headers_deadline
@@ -439,6 +481,7 @@ class FrontendSite(server.Site):
             "answered {count} requests from {source} with a 4xx status in the last "
             "{seconds:g} s ({suppressed} of them not logged one by one)", clock=self.reactor)
         self.default_limit = default_limit
+        self.spool_prefixes = tuple(spool_prefixes)
         self.body_limits = sorted((body_limits or {}).items(), key=lambda kv: len(kv[0]),
                                   reverse=True)
 
@@ -462,12 +505,26 @@ class FrontendSite(server.Site):
         self.refused_access.flush()
         super().stopFactory()
 
+    def add_body_limit(self, prefix: bytes, limit: int) -> None:
+        """Cap the bodies under ``prefix`` at ``limit`` (as ``body_limits`` above)."""
+        self.body_limits = sorted([*self.body_limits, (prefix, limit)],
+                                  key=lambda kv: len(kv[0]), reverse=True)
+
+    def spools(self, target: bytes | None) -> bool:
+        """Whether the body of a request for ``target`` goes to a temporary file."""
+        if target is None:
+            return False
+        path = target.split(b"?", 1)[0]
+        return any(path == p or path.startswith(p.rstrip(b"/") + b"/")
+                   for p in self.spool_prefixes)
+
     def body_limit_for(self, target: bytes | None) -> int:
         if target is None:
             return self.default_limit
         path = target.split(b"?", 1)[0]
         for prefix, limit in self.body_limits:
-            if path.startswith(prefix):
+            if path == prefix or path.startswith(prefix if prefix.endswith(b"/")
+                                                 else prefix + b"/"):
                 return limit
         return self.default_limit
 
@@ -478,6 +535,26 @@ class FrontendSite(server.Site):
         self.header_guards.append((_segments_of(prefix.rstrip(b"/")), guard))
         self.header_guards.sort(key=lambda kv: len(kv[0]), reverse=True)
 
+    def add_early_answer_shape(self, prefix: bytes, shape: Callable[[Any], Any]) -> None:
+        """Refusals answered before the body on the paths under ``prefix`` (whole segments)
+        are passed through ``shape(refusal)``, which returns the refusal to answer (same
+        ``status``, ``body()``, ``headers`` protocol)."""
+        self.early_answer_shapes.append((_segments_of(prefix.rstrip(b"/")), shape))
+        self.early_answer_shapes.sort(key=lambda kv: len(kv[0]), reverse=True)
+
+    def shape_early_answer(self, target: bytes | None, answer):
+        if target is None:
+            return answer
+        segments = _segments_of(target)
+        for prefix, shape in self.early_answer_shapes:
+            if segments[:len(prefix)] == prefix:
+                try:
+                    return shape(answer)
+                except Exception:
+                    log.failure("shaping an early answer failed; answering it unshaped")
+                    return answer
+        return answer
+
     def guard_before_body(self, request, target: bytes | None) -> None:
         """Run the header guard of ``target``'s path, if any (raises its refusal).  An unknown
         target (a Twisted that moved its internals) runs no guard: the resource still checks,
@@ -485,6 +562,7 @@ class FrontendSite(server.Site):
         if target is None or not self.header_guards:
             return
         segments = _segments_of(target)
+        request.guarded_segments = segments  # the guard may need the path: not parsed yet
         for prefix, guard in self.header_guards:
             if segments[:len(prefix)] == prefix:
                 guard(request)
@@ -517,8 +595,16 @@ class FrontendSite(server.Site):
     def registerProtocol(self, connection) -> None:
         self.open_connections += 1
 
-    def unregisterProtocol(self, connection) -> None:
+    def connection_held(self) -> None:
+        """One counted connection became an authorized tunnel or peer link."""
         self.open_connections -= 1
+        self.held_connections += 1
+
+    def unregisterProtocol(self, connection) -> None:
+        if getattr(connection, "held", False):
+            self.held_connections -= 1
+        else:
+            self.open_connections -= 1
 
 
 def read_json_object(request, *, required: bool = True) -> dict:
@@ -843,6 +929,8 @@ class ClusterParts:
     :param on_deleted: called with a node id after an admin deleted the node.
     :param control: the ``ControlClient`` that calls a worker's control verbs through the
         tunnel (locally held or relayed); None where no worker is reached (API tests).
+    :param registration_limit: registrations per source address (``--registration-limit``);
+        None: unlimited.
     """
 
     db: Database
@@ -853,6 +941,7 @@ class ClusterParts:
     on_registered: Callable[[str], object] | None = None
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
+    registration_limit: SourceRateLimit | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:

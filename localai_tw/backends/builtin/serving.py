@@ -44,10 +44,11 @@ PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
 PARENT_WATCH_INTERVAL_ENV = "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL"
 MAX_WORKERS_ENV = "PYTHON_GRPC_MAX_WORKERS"
 
-#: Methods whose request carries ``ModelIdentity`` (PredictOptions) and is checked.
+#: Methods whose request carries ``ModelIdentity`` and is checked.
 IDENTITY_CHECKED = frozenset(
     f"/backend.Backend/{name}" for name in ("Predict", "PredictStream", "Embedding",
-                                            "TokenizeString", "Rerank"))
+                                            "TokenizeString", "Rerank", "TTS",
+                                            "AudioTranscription", "GenerateImage"))
 LOAD_METHOD = "/backend.Backend/LoadModel"
 
 
@@ -61,6 +62,19 @@ def rerank_result(documents, scores, top_n: int, prompt_tokens: int):
         usage=backend_pb2.Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
         results=[backend_pb2.DocumentResult(index=i, text=documents[i],
                                             relevance_score=float(scores[i])) for i in order])
+
+
+def token_ids_in_range(ids, vocabulary_size: int, context) -> list[int]:
+    """``ids`` as a list, each checked against ``vocabulary_size`` (``Detokenize``): an id the
+    tokenizer does not have is ``INVALID_ARGUMENT`` naming it, never a library exception that
+    would surface as ``UNKNOWN`` (or text decoded from nothing)."""
+    ids = list(ids)
+    for token in ids:
+        if not 0 <= token < vocabulary_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"token id {token} is not in the model's vocabulary (ids are 0 to "
+                          f"{vocabulary_size - 1})")
+    return ids
 
 
 def parse_interval(raw: str, default: float = 2.0) -> float:

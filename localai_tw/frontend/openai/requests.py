@@ -269,6 +269,31 @@ def resolve_model(router, body: Fields, usecase: str) -> tuple[str, ModelView]:
     return name, ModelView.of(config)
 
 
+def router_method(router, method: str):
+    """``router.<method>`` for the optional calls of ``IInferenceRouter`` (``tts``,
+    ``transcribe``, ``generate_image``), or a 501 saying this server has no such call."""
+    found = getattr(router, method, None)
+    if found is None:
+        from .errors import OpenAIError
+
+        raise OpenAIError(501, f"this server's router does not serve {method}",
+                          "server_error", code="not_implemented")
+    return found
+
+
+def resolve_model_or_default(router, body: Fields, usecase: str) -> tuple[str, ModelView]:
+    """Like :func:`resolve_model`, but a request without ``model`` gets the first configured
+    model (by name) able to serve ``usecase``, as LocalAI's speech, transcription and image
+    endpoints pick one; none configured is a 400 saying so."""
+    if body.has("model"):
+        return resolve_model(router, body, usecase)
+    for config in router.models():
+        if usecase in usecases(config):
+            return config.name, ModelView.of(config)
+    raise invalid(f"you must provide 'model': no configured model does {usecase}",
+                  "model", code="missing_required_parameter")
+
+
 # -- PredictOptions ------------------------------------------------------------------------------
 
 
