@@ -1,4 +1,4 @@
-"""The ``jobs`` and ``job_events`` tables (migration 0005): every statement about a job's record.
+"""The ``jobs`` and ``job_events`` tables (migration 0006): every statement about a job's record.
 
 A job is submitted in one transaction that writes its row *and* its ``work_claims`` row (kind
 ``job``, payload the job id, same id), so a job is never recorded without the claim that will
