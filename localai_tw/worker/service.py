@@ -410,6 +410,8 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     """
     if reactor is None:
         from twisted.internet import reactor
+    if (options.get("node-type") or "backend") == "agent":
+        return makeAgentWorkerService(options, reactor)
     if (options.get("node-type") or "backend") != "backend":
         return WorkerService(options, reactor)
 
@@ -430,4 +432,43 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     worker = WorkerService(options, reactor, verbs=verbs,
                            running_backends=supervisor.running_backends)
     supervisor.setServiceParent(worker)
+    return worker
+
+
+class _ClosesOnStop(Service):
+    """Closes the agent's pooled connections to the cluster API when the worker stops."""
+
+    name = "cluster-api"
+
+    def __init__(self, api):
+        self.api = api
+
+    def stopService(self):
+        super().stopService()
+        return self.api.close()
+
+
+def makeAgentWorkerService(options: Mapping[str, Any], reactor=None,
+                           kinds=None) -> WorkerService:
+    """An ``agent`` worker: no backend supervisor; the ``job.run`` and ``job.cancel`` verbs
+    (``worker/agent.py``) with the job kinds found as plugins (``kinds`` replaces them), calling
+    the cluster's API at ``--api-url`` (default ``--register-to``) with ``--api-token``."""
+    if reactor is None:
+        from twisted.internet import reactor
+    from localai_tw.jobs.api import ClusterAPI
+    from localai_tw.jobs.kinds import JobKinds
+    from localai_tw.worker.agent import DEFAULT_MAX_RUNS, AgentRunner
+
+    api = ClusterAPI(options.get("api-url") or options["register-to"],
+                     options.get("api-token") or "", reactor)
+    runner = AgentRunner(options["node-name"], kinds if kinds is not None else JobKinds.discover(),
+                         api, max_runs=int(options.get("max-jobs") or DEFAULT_MAX_RUNS))
+    verbs = ControlVerbs()
+    runner.register(verbs)
+    worker = WorkerService(options, reactor, verbs=verbs)
+    worker.agent = runner
+    _ClosesOnStop(api).setServiceParent(worker)
+    log.info("agent worker {name}: runs job kinds {kinds}, up to {n} at once",
+             name=options["node-name"], kinds=", ".join(runner.kinds.names()) or "none",
+             n=runner.max_runs)
     return worker

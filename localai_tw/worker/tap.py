@@ -60,6 +60,21 @@ SETTINGS = (
                       "Scheduling label key=value; the variable is comma-separated "
                       "(k=v,k=v).",
                       parse=config.parse_label),
+    config.value("max-jobs", "LOCALAI_MAX_JOBS",
+                 "Agent workers: jobs run at once (more are answered busy and offered to "
+                 "another agent worker).",
+                 default="4", parse=config.parse_count),
+    config.value("api-url", "LOCALAI_API_URL",
+                 "Agent workers: the cluster's OpenAI-compatible API that jobs call (chat, "
+                 "embed-batch). Default: the --register-to URL.",
+                 parse=config.url_parser(("http", "https"))),
+    config.value("api-token", "LOCALAI_API_TOKEN",
+                 "Agent workers: the API key jobs present to --api-url (one of the frontend's "
+                 "--api-key values; prefer --api-token-file).",
+                 parse=config.parse_secret, secret=True),
+    config.value("api-token-file", "LOCALAI_API_TOKEN_FILE",
+                 "File holding the --api-token (one trailing newline is ignored).",
+                 parse=config.parse_secret_file),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
     *config.log_settings(),
@@ -78,6 +93,7 @@ class Options(config.EnvOptions):
 
     def validate(self) -> None:
         config.adopt_secret_file(self, "registration-token")
+        config.adopt_secret_file(self, "api-token")
         if self["register-to"] is None:
             raise usage.UsageError(
                 "--register-to is required (env LOCALAI_REGISTER_TO): the URL of the frontend "
