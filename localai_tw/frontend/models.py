@@ -48,11 +48,12 @@ model cannot serve is refused before any backend is called:
    ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
    dropped);
 2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
-3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
-   completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
-   table (``external``, plugins) is asked for chat, completion and embeddings and answers for
-   itself; ``espeak-ng`` does ``tts``, ``pocketsphinx`` ``transcript``, ``hash-image``
-   ``image`` (any other backend does those only when ``known_usecases`` lists them).
+3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
+   ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three;
+   a backend not in the table (``external``, plugins) is asked for chat, completion and
+   embeddings and answers for itself; ``espeak-ng`` does ``tts``, ``pocketsphinx``
+   ``transcript``, ``hash-image`` ``image`` (any other backend does those only when
+   ``known_usecases`` lists them).
 4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
    this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
    ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
@@ -80,6 +81,9 @@ from typing import Any, Mapping
 import yaml
 from twisted.logger import Logger
 
+from .capabilities import read_overrides
+from .toolcalls import FunctionConfig, FunctionConfigError
+
 log = Logger()
 
 MAX_FILE_BYTES = 256 * 1024
@@ -105,6 +109,8 @@ BACKEND_USECASES: dict[str, frozenset[str]] = {
     "echo": ALL_USECASES,
     "transformers": frozenset({CHAT, COMPLETION}),
     "sentence-transformers": frozenset({EMBEDDINGS}),
+    # llama.cpp embeds only a model loaded with embeddings: true (rule 2.)
+    "llama-cpp": frozenset({CHAT, COMPLETION}),
     "espeak-ng": frozenset({TTS}),
     "pocketsphinx": frozenset({TRANSCRIPT}),
     "hash-image": frozenset({IMAGE}),
@@ -197,7 +203,7 @@ LIMIT_OPTIONS: dict[str, tuple[str, str]] = {
 #: API server (function calling, agents, pipelines, routing, ...) this project does not have.
 LOCALAI_IGNORED = frozenset({
     "alias", "artifacts", "known_input_modalities", "known_output_modalities", "pipeline",
-    "function", "reasoning", "compression", "reasoning_effort", "chat_template_kwargs",
+    "reasoning", "compression", "reasoning_effort", "chat_template_kwargs",
     "feature_flags", "step", "grpc", "tts", "disabled", "pinned",
     "concurrency_groups", "mcp", "agent", "pii", "pii_detection", "router", "proxy", "mitm",
     "limits", "cutstrings", "extract_regex", "trimspace", "trimsuffix",
@@ -207,14 +213,14 @@ PARAMETER_IGNORED = frozenset({
     "pooling_half_life_tokens", "clip_skip", "encoding_format", "logit_bias",
 })
 TEMPLATE_FIELDS = ("chat", "chat_message", "completion", "use_tokenizer_template",
-                   "join_chat_messages_by_character")
-TEMPLATE_IGNORED = frozenset({"function", "edit", "multimodal", "reply_prefix", "image",
+                   "join_chat_messages_by_character", "function")
+TEMPLATE_IGNORED = frozenset({"edit", "multimodal", "reply_prefix", "image",
                               "audio", "video"})
 TOP_LEVEL_FIELDS = frozenset({
     "name", "backend", "model", "parameters", "files", "template", "context_size",
     "embeddings", "options", "node_selector", "description", "known_usecases", "usage",
     "roles", "system_prompt", "engine_args", "diffusers", "limit_mm_per_prompt",
-    "download_files",
+    "function", "capabilities", "download_files",
 }) | set(MODEL_OPTIONS) | set(PREDICT_OPTIONS)
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
 MAX_LIST = 256
@@ -287,6 +293,7 @@ class ModelTemplate:
     completion: str = ""
     use_tokenizer_template: bool = False
     join_chat_messages_by_character: str | None = None
+    function: str = ""  # LocalAI's template.function: the chat template when tools are used
 
 
 @dataclass(frozen=True)
@@ -314,6 +321,10 @@ class ModelConfig:
     predict_options: Mapping[str, Any] = field(default_factory=dict)
     #: Keys accepted but not acted on, or not known at all (logged once per file change).
     warnings: tuple[str, ...] = ()
+    #: The ``function`` section as acted on (tool call parsing, grammar settings).
+    functions: FunctionConfig = FunctionConfig()
+    #: ``capabilities`` overrides of what the backend honours (see ``capabilities.py``).
+    capabilities: Mapping[str, bool] = field(default_factory=dict)
     #: Files downloaded into the models directory before a load (``download_files``, a URL
     #: ``parameters.model``): ``frontend/downloads.py``.
     downloads: tuple[ModelDownload, ...] = ()
@@ -578,6 +589,14 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     if not isinstance(description, str):
         raise ModelConfigError(source, "description", "must be a string")
     known = _known_usecases(source, data.get("known_usecases"))
+    try:
+        functions = FunctionConfig.from_yaml(data.get("function"), warnings)
+    except FunctionConfigError as e:
+        raise ModelConfigError(source, e.field, e.problem) from None
+    try:
+        overrides = read_overrides(data.get("capabilities"))
+    except ValueError as e:
+        raise ModelConfigError(source, "capabilities", str(e)) from None
     return ModelConfig(name=name, backend=backend, model=model, files=tuple(files),
                        parameters=defaults, template=template, context_size=context_size,
                        embeddings=embeddings, options=tuple(options),
@@ -585,6 +604,7 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
                        source=source, known_usecases=known, roles=dict(roles),
                        system_prompt=system_prompt, model_options=model_options,
                        predict_options=predict_options, warnings=_bounded(warnings),
+                       functions=functions, capabilities=overrides,
                        downloads=tuple(downloads))
 
 

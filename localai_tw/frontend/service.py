@@ -245,7 +245,7 @@ class ReplicaConfig:
     health_interval: float
     stale_after: float
     #: Registrations one source address may make per minute (burst and refill); 0: no limit.
-    registration_limit: int = 300
+    registration_limit: int = 1200
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -267,7 +267,7 @@ class ReplicaConfig:
                                                                        "models"),
             run_dir=os.path.join(data_dir, "run") if data_dir else None,
             health_interval=health_interval, stale_after=stale_after,
-            registration_limit=int(_option(options, "registration-limit", 300)))
+            registration_limit=int(_option(options, "registration-limit", 1200)))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
