@@ -321,19 +321,24 @@ class PeerService(Service):
 
 
 class WorkerClientsService(Service):
-    """This process's per-node connections: the gRPC bridges and the worker HTTP pools."""
+    """This process's per-node connections: the gRPC bridges and the worker HTTP pools; and
+    its model downloads (``downloads.py``), stopped with them."""
 
     name = "worker-clients"
 
-    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient):
+    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient,
+                 downloads=None):
         self.backend_clients = backend_clients
         self.worker_http = worker_http
+        self.downloads = downloads
 
     def stopService(self) -> defer.Deferred:
         super().stopService()
         return defer.ensureDeferred(self._close())
 
     async def _close(self) -> None:
+        if self.downloads is not None:
+            self.downloads.close()
         for what, closing in (("the gRPC bridges", self.backend_clients),
                               ("the worker HTTP pools", self.worker_http)):
             try:
@@ -389,7 +394,8 @@ class Replica:
         consumer last, so it stops first, releasing its claims and ending its runs' streams
         while the tunnels, the peer links and this replica's ``instances`` row still exist."""
         return [self.health, self.membership,
-                WorkerClientsService(self.backend_clients, self.worker_http),
+                WorkerClientsService(self.backend_clients, self.worker_http,
+                                     self._downloads()),
                 PeerService(self.peer_links, self.peer_pool),
                 TunnelRegistryService(self.tunnels, self.instance_id),
                 self.bus, self.jobs.stats, self.jobs.consumer]
@@ -399,7 +405,17 @@ class Replica:
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control, registration_limit=self.registration_limit)
+                            control=self.control, registration_limit=self.registration_limit,
+                            downloads=self.downloads_in_progress)
+
+    def _downloads(self):
+        loader = getattr(self.inference, "loader", None)
+        return loader.downloads if loader is not None else None
+
+    def downloads_in_progress(self) -> list:
+        """This replica's model downloads in progress (``/api/cluster/loads``)."""
+        downloads = self._downloads()
+        return downloads.in_progress() if downloads is not None else []
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""

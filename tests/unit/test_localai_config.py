@@ -63,7 +63,7 @@ def sent_model_options(config) -> backend_pb2.ModelOptions:
     holder = type("S", (), {})()
     holder._clients, holder._reactor, holder.load_timeout = _Clients(), _Reactor(), 10.0
     d = defer.ensureDeferred(ColdLoader._load_model(holder, config, "n1", "127.0.0.1:5000",
-                                                    "models/m/m.bin", {}))
+                                                    "models/m/m.bin", ""))
     assert d.called and d.result is None
     [(method, options)] = holder._clients.one.sent
     assert method == "LoadModel"
