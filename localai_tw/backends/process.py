@@ -273,6 +273,8 @@ class BackendProcess:
         self.port: int | None = None
         self.address: str | None = None
         self.pid: int | None = None
+        #: The program started (argv[0] of the backend's command), named in start failures.
+        self.program: str | None = None
         self.state = STARTING
         self.started_at: float | None = None  # wall clock, seconds
         self.ended_at: float | None = None
@@ -366,6 +368,15 @@ def _signal_group(record: BackendProcess, sig: int, *, fall_back_to_pid: bool) -
             record._transport.signalProcess(sig)
         except ierror.ProcessExitedAlready:
             pass
+
+
+def _one_line(message: str, limit: int = 500) -> str:
+    """A failure message for one log line: its first line, plus the last line of the
+    backend's output it quotes (usually the cause: an ImportError, a missing library)."""
+    head, _, rest = message.partition("\n")
+    tail = [line.strip() for line in rest.splitlines() if line.strip()]
+    text = head.removesuffix("; last output:") + (f"; last output: {tail[-1]}" if tail else "")
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _model_options(load) -> backend_pb2.ModelOptions:
@@ -526,8 +537,10 @@ class BackendSupervisor(Service):
             if argv is None:
                 self._serve_in_process(record, factory.servicer(options))
             else:
-                self._spawn(record, list(argv), factory.environment(options),
-                            options.get("cwd"))
+                cwd = options.get("cwd")
+                if cwd is None and hasattr(factory, "working_directory"):
+                    cwd = factory.working_directory(options)
+                self._spawn(record, list(argv), factory.environment(options), cwd)
             await self._wait_ready(record)
             if model_options is not None:
                 record.state = LOADING
@@ -552,6 +565,11 @@ class BackendSupervisor(Service):
                 message = f"cannot start {record.key}: {failure.getErrorMessage()}"
             record.error = message
             record.output.note(message)
+            # One line in the worker's log (the caller gets the whole message, output included);
+            # a start a stop cancelled was asked for, not a failure.
+            (log.info if record.state == STOPPING else log.warn)(
+                "backend {key} ({backend}) did not start: {reason}", key=record.key,
+                backend=record.backend, reason=_one_line(message))
             if record.state != STOPPING:
                 record._final_state = FAILED
                 if record.ended:
@@ -586,6 +604,7 @@ class BackendSupervisor(Service):
         finally:
             os.close(devnull)
         record.pid = record._transport.pid
+        record.program = argv[0]
         record.output.note(f"started pid {record.pid}: {' '.join(argv)}")
         if self.ledger is not None:
             self.ledger.add(record.pid, record.key, record.backend, argv)
@@ -638,7 +657,8 @@ class BackendSupervisor(Service):
     def _exit_report(self, record: BackendProcess, when: str) -> str:
         tail = [line for line in record.output.lines(FAILURE_TAIL_LINES + 5)
                 if not line.startswith("[localai-tw] ")][-FAILURE_TAIL_LINES:]
-        text = f"backend {record.key} {record.exit_description()} {when}"
+        program = f" ({record.program})" if record.program else ""
+        text = f"backend {record.key}{program} {record.exit_description()} {when}"
         if tail:
             text += "; last output:\n" + "\n".join(tail)
         return text
@@ -820,14 +840,16 @@ class BackendSupervisor(Service):
             if self.ledger is not None:
                 self.ledger.remove(record.pid)
         record._transport = None
+        was_ready = record.state == READY
         if record.state == STOPPING:
             record.state = record._final_state
         elif record.state in (STARTING, LOADING, READY):
             record.state = CRASHED
         record.output.note(f"{record.exit_description()} ({record.state})")
         if record.state == CRASHED:
-            log.warn("backend {key} ({backend}, pid {pid}) {how}", key=record.key,
-                     backend=record.backend, pid=record.pid, how=record.exit_description())
+            if was_ready:  # a crash during the start is logged once, as the start's failure
+                log.warn("backend {key} ({backend}, pid {pid}) {how}", key=record.key,
+                         backend=record.backend, pid=record.pid, how=record.exit_description())
             if record.error is None:
                 record.error = f"backend {record.exit_description()}"
         if record._liveness is not None and record._liveness.running:
