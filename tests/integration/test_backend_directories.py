@@ -78,17 +78,20 @@ async def test_a_backend_directory_runs_as_localai_runs_it_and_bad_ones_are_clea
     not_exec = install(backends, "not-exec", RECORDING_RUN_SH, mode=0o644)
     dies = install(backends, "dies", "#!/bin/sh\necho 'ImportError: no module named torch' >&2"
                                      "\nexit 3\n")
-    models(cluster, "my-echo", "no-run", "not-exec", "dies")
+    program = install(tmp_path / "opt", "ext", RECORDING_RUN_SH) / "run.sh"
+    models(cluster, "my-echo", "no-run", "not-exec", "dies", "ext-echo", "external")
     owner = await cluster.frontend("replica-owner")
     other = await cluster.frontend("replica-other")  # every request below crosses the relay
-    worker = await cluster.worker("w-dirs", owner, **{"backends-path": str(backends)})
+    worker = await cluster.worker("w-dirs", owner, **{
+        "backends-path": str(backends),
+        "external-grpc-backends": [("ext-echo", str(program))]})
     supervisor = supervisor_of(worker)
     base = cluster.base_url(other) + "/v1"
 
     def use_the_api():
         client = openai.OpenAI(base_url=base, api_key=ADMIN, max_retries=0, timeout=60)
         failures = {}
-        for name in ("no-run", "not-exec", "dies"):
+        for name in ("no-run", "not-exec", "dies", "external"):
             for attempt in (1, 2):
                 try:
                     client.completions.create(model=name, prompt="hello", max_tokens=3)
@@ -98,10 +101,11 @@ async def test_a_backend_directory_runs_as_localai_runs_it_and_bad_ones_are_clea
                                                e.response.headers.get("retry-after"))
         chat = client.chat.completions.create(
             model="my-echo", messages=[{"role": "user", "content": "one two three"}])
-        return failures, chat
+        external = client.completions.create(model="ext-echo", prompt="four five")
+        return failures, chat, external
 
     with WorkerLog() as logged:
-        failures, chat = await threads.deferToThread(use_the_api)
+        failures, chat, external = await threads.deferToThread(use_the_api)
 
     # The good directory: served, started the way LocalAI starts a backend.
     assert chat.choices[0].message.content == "one two three"
@@ -111,6 +115,15 @@ async def test_a_backend_directory_runs_as_localai_runs_it_and_bad_ones_are_clea
     assert args == f"--addr 127.0.0.1:{port}"
     assert token == "token-set"  # LOCALAI_GRPC_AUTH_TOKEN, the worker's token
     assert hf_home == os.environ.get("HF_HOME") or os.path.join(worker.data_dir, "models")
+
+    # --external-grpc-backends NAME:PATH: the program, started the same way.
+    assert external.choices[0].text == "four five"
+    assert (program.parent / "started.txt").read_text().splitlines()[0] == str(program.parent)
+    # "external" in a config cannot carry a command: the error says what to do instead.
+    status, code, message, _ = failures["external", 1]
+    assert (status, code) == (500, "model_load_failed")
+    assert "register the program on the worker with --external-grpc-backends NAME:PATH" \
+        in message
 
     # Each bad directory: a clear error naming the file, not "does not exist", no retry storm.
     expected = {
@@ -137,12 +150,14 @@ async def test_a_backend_directory_runs_as_localai_runs_it_and_bad_ones_are_clea
 
     # Nothing half-started: no process for a directory that could not run, the one that died
     # is gone with its port, the process record lists only the good backend.
-    assert [r["model"] for r in supervisor.list()] == ["my-echo"]
+    assert sorted(r["model"] for r in supervisor.list()) == ["ext-echo", "my-echo"]
     ended = {r.model: (r.state, r.pid is None) for r in supervisor._ended}
     assert ended == {"no-run": ("failed", True), "not-exec": ("failed", True),
-                     "dies": ("crashed", False)}
+                     "dies": ("crashed", False), "external": ("failed", True)}
     assert not os.path.exists(not_exec / "started.txt")
-    assert supervisor.ports.held() == {port: "my-echo#0"}
+    assert sorted(supervisor.ports.held().values()) == ["ext-echo#0", "my-echo#0"]
+    assert supervisor.ports.holder(port) == "my-echo#0"
     with open(os.path.join(worker.data_dir, LEDGER_FILE)) as f:
-        assert [p["key"] for p in json.load(f)["processes"]] == ["my-echo#0"]
+        assert sorted(p["key"] for p in json.load(f)["processes"]) == ["ext-echo#0",
+                                                                      "my-echo#0"]
     assert worker.running and worker.dialer.readiness() is None

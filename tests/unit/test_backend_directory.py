@@ -183,3 +183,9 @@ def test_worker_options_default_the_backends_path_under_the_data_dir(tmp_path):
     with pytest.raises(usage.UsageError, match="given twice"):
         tap.Options({}).parseOptions(["--register-to", "http://f", "--external-grpc-backends",
                                       "a:/x", "--external-grpc-backends", "a:/y"])
+
+
+def test_external_without_a_command_says_how_a_config_reaches_a_program():
+    with pytest.raises(ValueError, match="--external-grpc-backends NAME:PATH and use backend: "
+                                         "NAME"):
+        builtin.external_backend.command("127.0.0.1:1", {})
