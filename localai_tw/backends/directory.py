@@ -271,6 +271,15 @@ def parse_external_backend(raw: str, option: str) -> tuple[str, str]:
     return name, os.path.abspath(uri)
 
 
+def check_external_backends(pairs, option: str = "--external-grpc-backends") -> None:
+    """Refuse a name given twice (options' ``validate``)."""
+    seen: set[str] = set()
+    for name, _ in pairs or ():
+        if name in seen:
+            raise usage.UsageError(f"{option}: backend {name!r} is given twice")
+        seen.add(name)
+
+
 class LocalAIBackends:
     """The supervisor's ``lookup(name)``: ``--external-grpc-backends``, then the backends
     directory, then the factories (order and reasons in the module docstring)."""

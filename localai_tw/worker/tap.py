@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from localai_tw import config
-from localai_tw.backends.directory import parse_external_backend
+from localai_tw.backends.directory import check_external_backends, parse_external_backend
 
 log = Logger()
 
@@ -98,12 +98,7 @@ class Options(config.EnvOptions):
                 raise usage.UsageError(f"--label: key {key!r} is given twice")
             labels[key] = val
         self["labels"] = labels
-        seen: set[str] = set()
-        for name, _ in self["external-grpc-backends"]:
-            if name in seen:
-                raise usage.UsageError(f"--external-grpc-backends: backend {name!r} is given "
-                                       f"twice")
-            seen.add(name)
+        check_external_backends(self["external-grpc-backends"])
 
 
 def ephemeral_port_overlap(port_range: config.PortRange,

@@ -189,3 +189,24 @@ def test_external_without_a_command_says_how_a_config_reaches_a_program():
     with pytest.raises(ValueError, match="--external-grpc-backends NAME:PATH and use backend: "
                                          "NAME"):
         builtin.external_backend.command("127.0.0.1:1", {})
+
+
+def test_the_frontends_local_worker_gets_the_backend_options(tmp_path):
+    from localai_tw.frontend import tap as frontend_tap
+    from localai_tw.frontend.localworker import LocalWorkerService
+
+    class Frontend:
+        readiness_gates: list = []
+
+    options = frontend_tap.Options({})
+    options.parseOptions(["--local-worker", "--data-dir", str(tmp_path), "--backends-path",
+                          str(tmp_path / "lb"), "--external-grpc-backends", "x:/opt/x/run.sh"])
+    local = LocalWorkerService(Frontend(), options, reactor=object(), hostname="h")
+    worker = local.worker_options("http://127.0.0.1:1")
+    assert worker["backends-path"] == str(tmp_path / "lb")
+    assert worker["external-grpc-backends"] == [("x", "/opt/x/run.sh")]
+    options = frontend_tap.Options({})
+    options.parseOptions(["--local-worker", "--data-dir", str(tmp_path)])
+    worker = LocalWorkerService(Frontend(), options, reactor=object(),
+                                hostname="h").worker_options("http://127.0.0.1:1")
+    assert worker_backends_path(worker) == str(tmp_path / "local-worker" / "backends")
