@@ -176,6 +176,9 @@ class BackendsDirectory:
     def __init__(self, path: str, *, models_dir: str | None = None):
         self.path = os.path.abspath(path)
         self.models_dir = models_dir
+        #: (the directory's mtime_ns, {alias: directory name}): the aliases are read again
+        #: only when an entry was added, removed or renamed (how LocalAI installs a backend).
+        self._alias_cache: tuple[int, dict[str, str]] | None = None
 
     def __repr__(self) -> str:
         return f"<BackendsDirectory {self.path}>"
@@ -220,22 +223,32 @@ class BackendsDirectory:
         """The first directory (by name) with a ``run.sh`` whose ``metadata.json`` says
         ``"alias": name``.  (LocalAI prefers the candidate that matches the machine's GPU;
         a worker without a GPU choice takes the first.)"""
-        try:
-            with os.scandir(self.path) as entries:
-                names = sorted(e.name for e, _ in zip(entries, range(MAX_ENTRIES))
-                               if NAME_RE.match(e.name) and e.is_dir())
-        except OSError:
+        target = self._aliases().get(name)
+        if target is None:
             return None
-        for candidate in names:
+        backend_dir = os.path.join(self.path, target)
+        return self._backend(name, os.path.join(backend_dir, RUN_FILE),
+                             f"alias {name} of backend directory {backend_dir}")
+
+    def _aliases(self) -> dict[str, str]:
+        try:
+            stamp = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return {}
+        if self._alias_cache is not None and self._alias_cache[0] == stamp:
+            return self._alias_cache[1]
+        aliases: dict[str, str] = {}
+        for candidate in self.names():
             backend_dir = os.path.join(self.path, candidate)
-            if not os.path.isfile(os.path.join(backend_dir, METADATA_FILE)):
+            if not os.path.isfile(os.path.join(backend_dir, METADATA_FILE)) or \
+                    not os.path.lexists(os.path.join(backend_dir, RUN_FILE)):
                 continue
             metadata, problem = read_metadata(backend_dir)
-            if problem is None and metadata.get("alias") == name and \
-                    os.path.lexists(os.path.join(backend_dir, RUN_FILE)):
-                return self._backend(name, os.path.join(backend_dir, RUN_FILE),
-                                     f"alias {name} of backend directory {backend_dir}")
-        return None
+            alias = metadata.get("alias") if problem is None else None
+            if isinstance(alias, str) and NAME_RE.match(alias):
+                aliases.setdefault(alias, candidate)
+        self._alias_cache = (stamp, aliases)
+        return aliases
 
     def names(self) -> list[str]:
         """The directory names that look like backends (for listings; not validated)."""

@@ -210,3 +210,14 @@ def test_the_frontends_local_worker_gets_the_backend_options(tmp_path):
     worker = LocalWorkerService(Frontend(), options, reactor=object(),
                                 hostname="h").worker_options("http://127.0.0.1:1")
     assert worker_backends_path(worker) == str(tmp_path / "local-worker" / "backends")
+
+
+def test_a_backend_installed_while_the_worker_runs_is_found(tmp_path):
+    (tmp_path / "b").mkdir()
+    backends = registry(tmp_path)
+    with pytest.raises(UnknownBackend):
+        backends.lookup("whisper")
+    d = install(tmp_path / "b", "cpu-whisper", metadata={"alias": "whisper"})
+    assert backends.lookup("whisper").run_file == str(d / "run.sh")  # the alias map was reread
+    install(tmp_path / "b", "vllm")
+    assert backends.lookup("vllm").run_file == str(tmp_path / "b" / "vllm" / "run.sh")
