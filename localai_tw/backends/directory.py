@@ -188,7 +188,7 @@ class BackendsDirectory:
                               problem=problem)
 
     def resolve(self, name: str) -> RunFileBackend | None:
-        if not isinstance(name, str) or not NAME_RE.match(name):
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
             return None
         backend_dir = os.path.join(self.path, name)
         if os.path.isdir(backend_dir):
@@ -207,9 +207,9 @@ class BackendsDirectory:
         target = metadata.get("meta_backend_for")
         if target:
             meta = os.path.join(backend_dir, METADATA_FILE)
-            if not isinstance(target, str) or not NAME_RE.match(target):
+            if not isinstance(target, str) or not NAME_RE.fullmatch(target):
                 return self._backend(name, run_file, source,
-                                     f"backend {name!r}: {meta}: meta_backend_for {target!r} "
+                                     f"backend {name!r}: {meta}: meta_backend_for {repr(target)[:80]} "
                                      f"is not a backend directory name")
             return self._backend(name, os.path.join(self.path, target, RUN_FILE),
                                  f"meta backend {meta} names {target}")
@@ -245,7 +245,7 @@ class BackendsDirectory:
                 continue
             metadata, problem = read_metadata(backend_dir)
             alias = metadata.get("alias") if problem is None else None
-            if isinstance(alias, str) and NAME_RE.match(alias):
+            if isinstance(alias, str) and NAME_RE.fullmatch(alias):
                 aliases.setdefault(alias, candidate)
         self._alias_cache = (stamp, aliases)
         return aliases
@@ -255,7 +255,7 @@ class BackendsDirectory:
         try:
             with os.scandir(self.path) as entries:
                 return sorted(e.name for e, _ in zip(entries, range(MAX_ENTRIES))
-                              if NAME_RE.match(e.name) and e.is_dir())
+                              if NAME_RE.fullmatch(e.name) and e.is_dir())
         except OSError:
             return []
 
@@ -269,7 +269,7 @@ def parse_external_backend(raw: str, option: str) -> tuple[str, str]:
     if not sep or not name or not uri.strip():
         raise usage.UsageError(f"{option}: {raw!r} is not NAME:PATH (the backend name a model "
                                f"config uses, a colon, the program to run)")
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise usage.UsageError(f"{option}: backend name {name!r} must be letters, digits, "
                                f"'.', '_' or '-' (at most 128)")
     if name == "external":

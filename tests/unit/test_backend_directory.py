@@ -221,3 +221,10 @@ def test_a_backend_installed_while_the_worker_runs_is_found(tmp_path):
     assert backends.lookup("whisper").run_file == str(d / "run.sh")  # the alias map was reread
     install(tmp_path / "b", "vllm")
     assert backends.lookup("vllm").run_file == str(tmp_path / "b" / "vllm" / "run.sh")
+
+
+def test_a_name_with_a_trailing_newline_is_not_a_directory_name(tmp_path):
+    install(tmp_path / "b", "vllm")
+    assert BackendsDirectory(str(tmp_path / "b")).resolve("vllm\n") is None
+    with pytest.raises(usage.UsageError):
+        parse_external_backend("x\n:/opt/x", "--x")
