@@ -208,8 +208,9 @@ class BackendsDirectory:
         if target:
             meta = os.path.join(backend_dir, METADATA_FILE)
             if not isinstance(target, str) or not NAME_RE.fullmatch(target):
+                quoted = repr(target)[:80]
                 return self._backend(name, run_file, source,
-                                     f"backend {name!r}: {meta}: meta_backend_for {repr(target)[:80]} "
+                                     f"backend {name!r}: {meta}: meta_backend_for {quoted} "
                                      f"is not a backend directory name")
             return self._backend(name, os.path.join(self.path, target, RUN_FILE),
                                  f"meta backend {meta} names {target}")
