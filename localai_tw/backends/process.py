@@ -24,11 +24,21 @@ Lifecycle of a backend (process key ``model#replica``):
 
 Own process group, how: Twisted's ``spawnProcess`` neither calls ``setsid`` nor ``setpgid``
 for a non-PTY child, so every backend is launched through a short exec wrapper,
-``python -I -S -c SPAWN_EXEC <worker pid> <argv...>``: the wrapper becomes a session leader and
-then *execs* the backend, so the backend keeps the pid ``spawnProcess`` returned, its pid is its
-process group id, and its parent is the worker (the parent-death backstop of LocalAI backends
-watches the right process).  The ``setsid`` binary is not used: it forks when the caller is
-already a group leader, and then the pid we hold is not the backend's.
+``python -I -S -c SPAWN_EXEC <worker pid> <working directory or ""> <argv...>``: the wrapper
+becomes a session leader, enters the working directory, and then *execs* the backend, so the
+backend keeps the pid ``spawnProcess`` returned, its pid is its process group id, and its parent
+is the worker (the parent-death backstop of LocalAI backends watches the right process).  The
+``setsid`` binary is not used: it forks when the caller is already a group leader, and then the
+pid we hold is not the backend's.
+
+Never fork the worker, why: ``spawnProcess`` is always called without ``path``, so Twisted starts
+the wrapper with ``posix_spawnp`` (it forks whenever a working directory is given).  A
+``fork()`` of a process that has live gRPC channels runs gRPC core's at-fork handlers, which
+restart its poller in the child; the child then closes its inherited descriptors before the
+exec, the restarted poller finds its epoll descriptor gone and aborts the child (grpcio >= 1.80,
+grpc/grpc#43055): a backend "killed by signal SIGABRT before it was ready" with the last line
+``Epoll1Poller ... epoll_wait error: Bad file descriptor``, 19 of 300 forks in a measurement.
+The wrapper's ``chdir`` keeps the working directory out of Twisted's hands.
 
 Dying with the worker, how: before the exec the wrapper sets ``PR_SET_PDEATHSIG`` to SIGKILL
 (Linux ``prctl`` through ctypes; it survives ``execve``), then checks that its parent is still
@@ -89,6 +99,7 @@ from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
 from localai_tw.backends.ledger import ProcessLedger
 from localai_tw.backends.ports import NoFreePort, PortAllocator
 from localai_tw.deferreds import OneShotObserver
+from localai_tw.logsafe import untrusted
 
 log = Logger()
 
@@ -96,8 +107,9 @@ STARTING, LOADING, READY, STOPPING = "starting", "loading", "ready", "stopping"
 STOPPED, CRASHED, FAILED = "stopped", "crashed", "failed"
 LIVE_STATES = frozenset({STARTING, LOADING, READY, STOPPING})
 
-#: The exec wrapper: own session and process group, SIGKILL when the worker dies (see above).
-#: ``argv[1]`` is the worker's pid, the backend's argv follows.
+#: The exec wrapper: own session and process group, SIGKILL when the worker dies, the working
+#: directory (see above).  ``argv[1]`` is the worker's pid, ``argv[2]`` the working directory
+#: ("" for the worker's), the backend's argv follows.
 SPAWN_EXEC = (
     "import os,sys\n"
     "os.setsid()\n"
@@ -106,7 +118,14 @@ SPAWN_EXEC = (
     "except Exception:\n"
     " pass\n"
     "if os.getppid() != int(sys.argv[1]): os._exit(70)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "if sys.argv[2]:\n"
+    " try:\n"
+    "  os.chdir(sys.argv[2])\n"
+    " except OSError as e:\n"
+    "  sys.stderr.write('cannot enter the working directory %s: %s\\n'\n"
+    "                   % (sys.argv[2], e.strerror))\n"
+    "  os._exit(71)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
 MAX_MESSAGE_BYTES = 50 * 1024 * 1024
@@ -376,7 +395,7 @@ def _one_line(message: str, limit: int = 500) -> str:
     head, _, rest = message.partition("\n")
     tail = [line.strip() for line in rest.splitlines() if line.strip()]
     text = head.removesuffix("; last output:") + (f"; last output: {tail[-1]}" if tail else "")
-    return text if len(text) <= limit else text[:limit] + "..."
+    return untrusted(text, limit)  # the backend's words: escaped, on one line, bounded
 
 
 def _model_options(load) -> backend_pb2.ModelOptions:
@@ -594,12 +613,14 @@ class BackendSupervisor(Service):
             environment["LOCALAI_GRPC_AUTH_TOKEN"] = self.auth_token
         if cwd is not None and not isinstance(cwd, str):
             raise ValueError("options.cwd must be a string")
-        wrapper = [self._python, "-I", "-S", "-c", SPAWN_EXEC, str(os.getpid()), *argv]
+        wrapper = [self._python, "-I", "-S", "-c", SPAWN_EXEC, str(os.getpid()), cwd or "",
+                   *argv]
         devnull = os.open(os.devnull, os.O_RDONLY)
         try:
+            # No path=: the wrapper enters cwd, so Twisted can posix_spawn (module docstring).
             record._transport = self._reactor.spawnProcess(
                 _BackendProcessProtocol(self, record), self._python, wrapper,
-                env=environment, path=cwd, usePTY=False,
+                env=environment, usePTY=False,
                 childFDs={0: devnull, 1: "r", 2: "r"})
         finally:
             os.close(devnull)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 from twisted.python import usage
@@ -228,3 +229,56 @@ def test_a_name_with_a_trailing_newline_is_not_a_directory_name(tmp_path):
     assert BackendsDirectory(str(tmp_path / "b")).resolve("vllm\n") is None
     with pytest.raises(usage.UsageError):
         parse_external_backend("x\n:/opt/x", "--x")
+
+
+def test_a_failed_start_is_one_escaped_bounded_log_line():
+    from localai_tw.backends.process import _one_line
+
+    message = ("backend x#0 (/b/x/run.sh) exited with code 3 before it was ready; last output:\n"
+               "Traceback ...\n  File 'a'\nImportError: no \x1b[31mtorch\x1b[0m\n")
+    assert _one_line(message) == ("backend x#0 (/b/x/run.sh) exited with code 3 before it was "
+                                  "ready; last output: ImportError: no \\x1b[31mtorch\\x1b[0m")
+    assert len(_one_line("x" * 5000)) < 600
+
+
+def test_a_working_directory_never_makes_twisted_fork_the_worker(tmp_path):
+    # spawnProcess(path=...) makes Twisted fork() instead of posix_spawn(); a fork of a process
+    # with live gRPC channels can abort the child (grpc/grpc#43055): the wrapper enters the
+    # directory itself.
+    from localai_tw.backends.process import SPAWN_EXEC, BackendProcess, BackendSupervisor, \
+        OutputRing
+
+    calls = []
+
+    class Reactor:
+        def spawnProcess(self, protocol, executable, args, env=None, path=None, **kwargs):
+            calls.append((args, path))
+
+            class Transport:
+                pid = 12345
+            return Transport()
+
+    supervisor = BackendSupervisor(Reactor(), ports=None, factories=None)
+    record = BackendProcess("m#0", "m", "vllm", OutputRing())
+    supervisor._spawn(record, [str(tmp_path / "run.sh"), "--addr", "127.0.0.1:1"], {},
+                      str(tmp_path))
+    (args, path), = calls
+    assert path is None
+    assert args[4] == SPAWN_EXEC and args[6] == str(tmp_path)
+    assert args[7:] == [str(tmp_path / "run.sh"), "--addr", "127.0.0.1:1"]
+
+
+def test_the_wrapper_enters_the_directory_or_says_why_not(tmp_path):
+    import subprocess
+
+    from localai_tw.backends.process import SPAWN_EXEC
+
+    def run(cwd):
+        return subprocess.run([sys.executable, "-I", "-S", "-c", SPAWN_EXEC, str(os.getpid()),
+                               cwd, "/bin/sh", "-c", "pwd"], capture_output=True, text=True)
+
+    done = run(str(tmp_path))
+    assert (done.returncode, done.stdout.strip()) == (0, str(tmp_path))
+    missing = run(str(tmp_path / "gone"))
+    assert missing.returncode == 71
+    assert f"cannot enter the working directory {tmp_path}/gone" in missing.stderr
