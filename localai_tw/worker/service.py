@@ -398,6 +398,13 @@ class WorkerService(MultiService):
         return self.dialer.readiness()
 
 
+def worker_backends_path(options: Mapping[str, Any]) -> str | None:
+    """``--backends-path``, else ``<data-dir>/backends`` (None without either)."""
+    if options.get("backends-path"):
+        return options["backends-path"]
+    return os.path.join(options["data-dir"], "backends") if options.get("data-dir") else None
+
+
 def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     """The worker's service tree for ``twistd localai-worker`` (``tap.makeService`` adds its
     configuration report and port range check next to it).
@@ -407,6 +414,9 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     is a child service, so stopping the worker stops every backend process it started.  With a
     data directory it records the processes it starts in ``<data-dir>/backend-processes.json``
     and, at start, kills what a killed previous run left there (:mod:`localai_tw.backends.ledger`).
+    Backend names are resolved by :class:`~localai_tw.backends.directory.LocalAIBackends`:
+    ``--external-grpc-backends``, then the LocalAI backends directory (``--backends-path``,
+    default ``<data-dir>/backends``), then the built-ins and plugins.
     """
     if reactor is None:
         from twisted.internet import reactor
@@ -415,6 +425,7 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     if (options.get("node-type") or "backend") != "backend":
         return WorkerService(options, reactor)
 
+    from localai_tw.backends.directory import LocalAIBackends
     from localai_tw.backends.interfaces import BackendFactories
     from localai_tw.backends.ledger import LEDGER_FILE, ProcessLedger
     from localai_tw.backends.ports import PortAllocator
@@ -422,8 +433,16 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     from localai_tw.worker.backend_verbs import register_backend_verbs
 
     port_range: PortRange = options["backend-port-range"]
+    data_dir = options.get("data-dir")
+    backends = LocalAIBackends(
+        BackendFactories.discover(), worker_backends_path(options),
+        options.get("external-grpc-backends") or (),
+        models_dir=os.path.join(data_dir, "models") if data_dir else None)
+    if backends.directory is not None:  # once, at start: a short listing
+        log.info("LocalAI backends directory {path}: {found}", path=backends.directory.path,
+                 found=", ".join(backends.directory.names()) or "none installed")
     supervisor = BackendSupervisor(
-        reactor, PortAllocator(port_range.first, port_range.last), BackendFactories.discover(),
+        reactor, PortAllocator(port_range.first, port_range.last), backends,
         auth_token=options.get("registration-token") or None,
         ledger=ProcessLedger(os.path.join(options["data-dir"], LEDGER_FILE))
         if options.get("data-dir") else None)

@@ -17,6 +17,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from localai_tw import config
+from localai_tw.backends.directory import check_external_backends, parse_external_backend
 
 log = Logger()
 
@@ -56,6 +57,15 @@ SETTINGS = (
                  "Directory for this worker's state (models, backends; twistd's pidfile is "
                  "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker.",
                  default=config.default_data_dir("worker"), parse=config.parse_path),
+    config.value("backends-path", "LOCALAI_BACKENDS_PATH",
+                 "Directory of installed LocalAI backends (LocalAI's option): a model config's "
+                 "'backend: NAME' runs <backends-path>/NAME/run.sh; such a directory replaces a "
+                 "built-in backend of the same name (docs/backends.md).",
+                 parse=config.parse_path, default_doc="<data-dir>/backends"),
+    config.repeatable("external-grpc-backends", "LOCALAI_EXTERNAL_GRPC_BACKENDS",
+                      "A backend program as NAME:PATH (LocalAI's option): 'backend: NAME' runs "
+                      "PATH --addr 127.0.0.1:<port> in PATH's directory.",
+                      parse=parse_external_backend),
     config.repeatable("label", "LOCALAI_NODE_LABELS",
                       "Scheduling label key=value; the variable is comma-separated "
                       "(k=v,k=v).",
@@ -104,6 +114,7 @@ class Options(config.EnvOptions):
                 raise usage.UsageError(f"--label: key {key!r} is given twice")
             labels[key] = val
         self["labels"] = labels
+        check_external_backends(self["external-grpc-backends"])
 
 
 def ephemeral_port_overlap(port_range: config.PortRange,
