@@ -48,11 +48,12 @@ model cannot serve is refused before any backend is called:
    ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
    dropped);
 2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
-3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
-   completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
-   table (``external``, plugins) is asked for chat, completion and embeddings and answers for
-   itself; ``espeak-ng`` does ``tts``, ``pocketsphinx`` ``transcript``, ``hash-image``
-   ``image`` (any other backend does those only when ``known_usecases`` lists them).
+3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
+   ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three;
+   a backend not in the table (``external``, plugins) is asked for chat, completion and
+   embeddings and answers for itself; ``espeak-ng`` does ``tts``, ``pocketsphinx``
+   ``transcript``, ``hash-image`` ``image`` (any other backend does those only when
+   ``known_usecases`` lists them).
 4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
    this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
    ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
@@ -108,6 +109,8 @@ BACKEND_USECASES: dict[str, frozenset[str]] = {
     "echo": ALL_USECASES,
     "transformers": frozenset({CHAT, COMPLETION}),
     "sentence-transformers": frozenset({EMBEDDINGS}),
+    # llama.cpp embeds only a model loaded with embeddings: true (rule 2.)
+    "llama-cpp": frozenset({CHAT, COMPLETION}),
     "espeak-ng": frozenset({TTS}),
     "pocketsphinx": frozenset({TRANSCRIPT}),
     "hash-image": frozenset({IMAGE}),
@@ -217,7 +220,7 @@ TOP_LEVEL_FIELDS = frozenset({
     "name", "backend", "model", "parameters", "files", "template", "context_size",
     "embeddings", "options", "node_selector", "description", "known_usecases", "usage",
     "roles", "system_prompt", "engine_args", "diffusers", "limit_mm_per_prompt",
-    "download_files", "function", "capabilities",
+    "function", "capabilities", "download_files",
 }) | set(MODEL_OPTIONS) | set(PREDICT_OPTIONS)
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
 MAX_LIST = 256
@@ -318,13 +321,13 @@ class ModelConfig:
     predict_options: Mapping[str, Any] = field(default_factory=dict)
     #: Keys accepted but not acted on, or not known at all (logged once per file change).
     warnings: tuple[str, ...] = ()
-    #: Files downloaded into the models directory before a load (``download_files``, a URL
-    #: ``parameters.model``): ``frontend/downloads.py``.
-    downloads: tuple[ModelDownload, ...] = ()
     #: The ``function`` section as acted on (tool call parsing, grammar settings).
     functions: FunctionConfig = FunctionConfig()
     #: ``capabilities`` overrides of what the backend honours (see ``capabilities.py``).
     capabilities: Mapping[str, bool] = field(default_factory=dict)
+    #: Files downloaded into the models directory before a load (``download_files``, a URL
+    #: ``parameters.model``): ``frontend/downloads.py``.
+    downloads: tuple[ModelDownload, ...] = ()
 
     def file_for_model(self) -> ModelFile | None:
         """The staged file ``model`` names, if it names one."""
@@ -491,6 +494,10 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     for key, (kind, proto) in PREDICT_OPTIONS.items():
         if data.get(key) is not None:
             predict_options[proto] = _typed(source, key, data[key], kind)
+    # LocalAI's default (core/config/generic_defaults.go): memory-mapped unless the config says
+    # mmap: false; without it a GGUF would be read whole into memory.
+    model_options.setdefault("MMap", True)
+    predict_options.setdefault("MMap", True)
     if len(predict_options.get("StopPrompts", ())) > MAX_STOPWORDS:
         raise ModelConfigError(source, "stopwords", f"at most {MAX_STOPWORDS} are accepted")
     _sub_options(source, data, "diffusers", DIFFUSERS_OPTIONS, model_options, warnings)
@@ -601,8 +608,8 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
                        source=source, known_usecases=known, roles=dict(roles),
                        system_prompt=system_prompt, model_options=model_options,
                        predict_options=predict_options, warnings=_bounded(warnings),
-                       downloads=tuple(downloads),
-                       functions=functions, capabilities=overrides)
+                       functions=functions, capabilities=overrides,
+                       downloads=tuple(downloads))
 
 
 def _looks_like_url(value: str) -> bool:

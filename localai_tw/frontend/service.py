@@ -11,10 +11,17 @@
         WorkerClientsService   the per-node HTTP pools and gRPC bridges
         PeerService            the accepted peer links and the peer pool
         TunnelRegistryService  the worker tunnels held here (their claims)
+        PgBus                  the LISTEN/NOTIFY fan-out (the claim queue's wake hint, the
+                               gallery's job snapshots)
+        GalleryJobs "gallery"  gallery installs and deletes (frontend/gallery.py)
+        JobStatsService        reads the jobs queue's depth every 15 s (for /metrics)
+        ClaimConsumer "jobs"   claims queued jobs and runs them on agent workers; stops
+                               first, releasing its claims (docs/jobs.md)
       ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
                                503 elsewhere); stops first: accept nothing new
 
-So stopping runs: listener; tunnels (releasing their claims), peer links, worker pools, all
+So stopping runs: listener; the jobs consumer (its claims released at once), the bus; tunnels
+(releasing their claims), peer links, worker pools, all
 *before* leaving ``instances``; deregister; health; database.  The state of the start is a
 :class:`StartupState`, which ``/readyz`` reports.
 
@@ -39,6 +46,8 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
 ``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/jobs`` (``frontend/jobs_api.py``; admin, ``docs/jobs.md``),
+LocalAI's gallery routes under ``/models`` (``frontend/gallery_api.py``; admin),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
@@ -78,7 +87,9 @@ from localai_tw.cluster.membership import (
 )
 from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
+from localai_tw.bus.claims import ClaimConsumer, ClaimQueue
 from localai_tw.bus.pgbus import PgBus
+from localai_tw.jobs.kinds import JobKinds
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
@@ -93,6 +104,11 @@ from localai_tw.tunnel.route import WorkerDialer
 from .backend_client import BackendClients
 from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
+from .jobs_api import MAX_JOB_BODY_BYTES, JobsResource
+from .jobs_cancel import CancelFanout
+from .jobs_dispatch import JobDispatcher, job_consumer
+from .jobs_stats import JobStatsService
+from .jobs_store import JobStore
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .traces import TraceRing, TracesResource
@@ -251,6 +267,8 @@ class ReplicaConfig:
     registration_limit: int = 1200
     #: Model galleries (``--galleries``, ``frontend/gallery.py``).
     galleries: tuple = ()
+    #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
+    job_kinds: Any = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -341,6 +359,19 @@ class WorkerClientsService(Service):
 
 
 @dataclasses.dataclass
+class JobParts:
+    """The jobs of this replica (docs/jobs.md): the table, the kinds, the claim-queue consumer
+    and its dispatcher, the cancel fan-out."""
+
+    kinds: JobKinds
+    store: JobStore
+    dispatcher: JobDispatcher
+    consumer: ClaimConsumer
+    fanout: CancelFanout
+    stats: JobStatsService
+
+
+@dataclasses.dataclass
 class Replica:
     """Every long-lived part of a wired replica, real and wired (see :func:`build_replica`)."""
 
@@ -361,20 +392,24 @@ class Replica:
     notifier: DepartureNotifier
     membership: MembershipService
     health: HealthMonitor
+    bus: PgBus
+    jobs: JobParts
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
     registration_limit: SourceRateLimit | None = None
-    #: The fan-out (``bus/pgbus.py``) and the gallery's jobs on it (``gallery.py``).
-    bus: PgBus | None = None
+    #: The gallery's jobs on the bus (``gallery.py``).
     gallery: GalleryJobs | None = None
 
     def services(self) -> list[Service]:
-        """The replica's children in start order (they stop in the reverse order)."""
+        """The replica's children in start order (they stop in the reverse order): the jobs
+        consumer last, so it stops first, releasing its claims and ending its runs' streams
+        while the tunnels, the peer links and this replica's ``instances`` row still exist."""
         return [self.health, self.membership,
                 WorkerClientsService(self.backend_clients, self.worker_http,
                                      self._downloads()),
                 PeerService(self.peer_links, self.peer_pool),
-                TunnelRegistryService(self.tunnels, self.instance_id)] + [
-                    part for part in (self.bus, self.gallery) if part is not None]
+                TunnelRegistryService(self.tunnels, self.instance_id),
+                self.bus] + ([self.gallery] if self.gallery is not None else []) + [
+                self.jobs.stats, self.jobs.consumer]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
@@ -464,7 +499,20 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                            interval=config.health_interval, stale_after=config.stale_after,
                            grace=grace)
     metrics.watch_health(health)
+    # Jobs: the bus (LISTEN/NOTIFY, for the claim queue's wake hint), the claim queue, and the
+    # consumer every replica runs (frontend/jobs_dispatch.py).
     bus = PgBus(db, reactor=reactor)
+    queue = ClaimQueue(db, bus)
+    store = JobStore(db, queue)
+    dispatcher = JobDispatcher(store, db, control, config.instance_id)
+    consumer = job_consumer(store, dispatcher, queue, config.instance_id, bus=bus,
+                            reactor=reactor)
+    jobs = JobParts(kinds=config.job_kinds if config.job_kinds is not None
+                    else JobKinds.discover(), store=store, dispatcher=dispatcher,
+                    consumer=consumer, fanout=CancelFanout(db, control),
+                    stats=JobStatsService(db, reactor))
+    metrics.watch_bus(bus, [consumer])
+    metrics.watch_jobs(lambda: jobs.stats.snapshot)
     gallery = GalleryJobs(db, bus, config.instance_id, config.models_dir, loader.downloads,
                           config.galleries, reactor)
     return Replica(
@@ -472,7 +520,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, metrics=metrics, bus=bus, gallery=gallery,
+        membership=membership, health=health, bus=bus, jobs=jobs, metrics=metrics,
+        gallery=gallery,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)
@@ -639,7 +688,8 @@ class FrontendService(InOrderMultiService):
     def __init__(self, options: Mapping[str, Any], *, reactor=None,
                  database_service: DatabaseService | None = None,
                  version: str = __version__,
-                 health_interval: float = 15.0, stale_after: float = 60.0):
+                 health_interval: float = 15.0, stale_after: float = 60.0,
+                 job_kinds=None):
         super().__init__()
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -648,6 +698,8 @@ class FrontendService(InOrderMultiService):
         self.version = version
         self.config = ReplicaConfig.from_options(options, version, health_interval,
                                                  stale_after)
+        if job_kinds is not None:  # tests and embedders: kinds instead of the plugins
+            self.config = dataclasses.replace(self.config, job_kinds=job_kinds)
         self.instance_id = self.config.instance_id
         #: Model YAML files (``--models-dir``, default ``<data-dir>/models``).
         self.models_dir = self.config.models_dir
@@ -668,7 +720,8 @@ class FrontendService(InOrderMultiService):
         uploads = (b"/v1/audio/transcriptions", b"/audio/transcriptions")
         self.site = FrontendSite(
             self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES,
-                                    uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES},
+                                    uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES,
+                                    b"/api/jobs": MAX_JOB_BODY_BYTES},
             spool_prefixes=uploads)
         # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
         for alias, twin in unprefixed_aliases():
@@ -680,7 +733,7 @@ class FrontendService(InOrderMultiService):
             self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
             self.site.add_early_answer_shape(prefix, early_error)
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
-                       b"/api/traces", b"/metrics"):
+                       b"/api/traces", b"/api/jobs", b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -733,6 +786,8 @@ class FrontendService(InOrderMultiService):
         api.putChild(b"nodes", NodeMetricsRouting(
             NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
                                 SchedulingResource(parts, self.api_keys)), parts, self.api_keys))
+        api.putChild(b"jobs", JobsResource(replica.jobs.store, replica.jobs.kinds,
+                                           replica.jobs.fanout, self.api_keys))
         cluster = JSONDirectory()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))

@@ -231,6 +231,20 @@ function renderTraces(traces, nodes) {
     el("td", {}, t.prompt_tokens + " / " + t.completion_tokens))));
 }
 
+// The newest jobs of the cluster (/api/jobs, docs/jobs.md).
+function renderJobs(jobs) {
+  const body = document.getElementById("jobs-body");
+  body.replaceChildren(...jobs.map(j => el("tr", {"data-job": j.id},
+    el("td", {class: "small", title: j.id}, j.id.slice(0, 8)),
+    el("td", {}, j.kind),
+    el("td", {class: "state"}, badge(j.state, "job-" + j.state),
+       j.cancel_requested && j.state !== "cancelled" ? " cancel requested" : null),
+    el("td", {}, j.runs),
+    el("td", {}, age(j.created_at)),
+    el("td", {}, j.finished_at ? age(j.finished_at) : ""),
+    el("td", {class: "error"}, j.error || ""))));
+}
+
 let polling = false;
 async function poll() {
   if (polling) return;
@@ -253,6 +267,11 @@ async function poll() {
       status.textContent = e.status === 401 ? "enter the admin API key (" + e.message + ")"
                                             : "admin API: " + e.message;
       status.className = "error";
+    }
+    try {
+      renderJobs((await getJSON("/api/jobs?limit=20")).jobs);
+    } catch (e) {
+      // The status line already says why the admin API did not answer.
     }
     try {
       renderModels(await getJSON("/v1/models"), nodes);
