@@ -284,3 +284,44 @@ async def test_a_queued_job_of_a_replica_that_stopped_reads_failed(cluster, file
     b.replica.gallery._heard(f"gallery.{job_id}", dict(snapshot, replica="replica-gone"))
     _, seen = await job(cluster, b, job_id)
     assert seen["state"] == "failed" and "stopped before it started" in seen["error"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_index_over_http_is_read_and_bounded(cluster, files, tmp_path, monkeypatch):
+    """An index served over http:// is listed; one larger than the bound is a 502 naming the
+    bound, not memory spent on it.
+    Red when the body is read without the bound (the Content-Length check and ``_Bounded``)."""
+    from localai_tw.frontend import gallery
+
+    files.files["index.yaml"] = yaml.safe_dump(
+        [entry("web", [("web/a.bin", f"{files.base}/files/a.bin", None)])]).encode()
+    frontend = await cluster.frontend("replica-a",
+                                      galleries=[f"web={files.base}/files/index.yaml"])
+    status, listed = await call(cluster, frontend, "GET", "/models/available")
+    assert status == 200 and [m["id"] for m in listed] == ["web@web"]
+    monkeypatch.setattr(gallery, "MAX_INDEX_BYTES", 100)
+    status, body = await call(cluster, frontend, "GET", "/models/available")
+    assert status == 502 and "larger than 100 bytes" in body["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_running_row_of_a_dead_replica_does_not_hold_the_model(cluster, files,
+                                                                         tmp_path):
+    """A ``running`` row left by a replica that died (not live) is failed with the reason, and
+    the model installs.
+    Red without ``_CLAIM_STALE_SQL`` (the dead replica's row would hold the model forever)."""
+    files.files["a.bin"] = SMALL
+    (a,) = await start(cluster, tmp_path, [
+        entry("one", [("one/a.bin", f"{files.base}/files/a.bin", sha256_hex(SMALL))])],
+        "replica-a")
+    db = cluster.frontends[0].database_service.database
+    ghost = "00000000-0000-4000-8000-0000000000aa"
+    await db.runOperation(
+        "INSERT INTO gallery_jobs (id, model, state, replica, status) "
+        "VALUES (%s, 'one', 'running', 'replica-dead', '{}')", (ghost,))
+    _, applied = await call(cluster, a, "POST", "/models/apply", {"id": "one"})
+    _, done = await eventually(lambda: _done(job(cluster, a, applied["uuid"])), timeout=30,
+                               what="installed")
+    assert done["state"] == "done", done
+    _, old = await job(cluster, a, ghost)
+    assert old["state"] == "failed" and old["error"] == "the replica running it stopped"
