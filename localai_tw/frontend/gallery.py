@@ -70,6 +70,8 @@ MAX_FILES = 64
 MAX_NAME = 200
 #: Longest description kept from an index entry (characters).
 MAX_DESCRIPTION = 64 * 1024
+#: Jobs one replica holds queued (admitted, not started).
+MAX_QUEUED = 256
 #: Job snapshots a replica remembers (the oldest finished go first).
 MAX_REMEMBERED = 1024
 FETCH_TIMEOUT = 60.0
@@ -83,6 +85,10 @@ FINISH_TRIES = 5
 
 class GalleryError(Exception):
     """A gallery or an entry that cannot be used; the message names the cause and the fix."""
+
+
+class GalleryBusy(GalleryError):
+    """This replica has :data:`MAX_QUEUED` jobs waiting already."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,8 +399,10 @@ class GalleryJobs(Service):
     def startService(self):
         super().startService()
         if self.bus is not None:
-            return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallback(
-                lambda sub: setattr(self, "_subscription", sub))
+            return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallbacks(
+                lambda sub: setattr(self, "_subscription", sub),
+                lambda f: log.failure("gallery: cannot subscribe to the bus; this replica "
+                                      "answers gallery jobs from their rows only", f))
 
     def stopService(self):
         super().stopService()
@@ -451,6 +459,9 @@ class GalleryJobs(Service):
         return op.id
 
     async def _admit(self, op: _Op, *, description: str, element: str) -> None:
+        if len(self._queue) >= MAX_QUEUED:
+            raise GalleryBusy(f"{MAX_QUEUED} gallery jobs are queued on this replica already; "
+                              "try again when some have finished")
         snapshot = {"id": op.id, "state": "queued", "processed": False, "deletion": op.deletion,
                     "message": "queued", "progress": 0, "file_name": "", "current_bytes": 0,
                     "total_bytes": 0, "bytes_per_second": 0, "file_size": "",

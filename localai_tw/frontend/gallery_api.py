@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from twisted.web.resource import Resource
 
-from .gallery import GalleryError, GalleryJobs, _is_file_name
+from .gallery import GalleryBusy, GalleryError, GalleryJobs, _is_file_name
 from .web import (
     AdminResource,
     APIError,
@@ -78,6 +78,8 @@ class GalleryResource(AdminResource):
             raise bad_request("'overrides' must be an object", field="overrides")
         try:
             job_id = await self._gallery.apply(wanted, name, overrides)
+        except GalleryBusy as e:
+            raise APIError(503, str(e), "gallery_busy", headers={"Retry-After": "30"})
         except GalleryError as e:
             if str(e).startswith("no gallery entry") and "no gallery is" in str(e):
                 raise APIError(409, str(e), "no_gallery")
@@ -89,7 +91,10 @@ class GalleryResource(AdminResource):
     async def delete(self, request, name: str):
         if not _is_file_name(name):
             raise bad_request("the model name must be usable as a file name")
-        return 200, _accepted(request, await self._gallery.delete(name))
+        try:
+            return 200, _accepted(request, await self._gallery.delete(name))
+        except GalleryBusy as e:
+            raise APIError(503, str(e), "gallery_busy", headers={"Retry-After": "30"})
 
     async def jobs(self, request):
         return 200, {job_id: dict(s, source="broadcast")

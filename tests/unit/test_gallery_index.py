@@ -134,3 +134,17 @@ def test_progress_snapshots_without_the_description_keep_the_one_heard():
     jobs._heard("gallery.j1", {"id": "j1", "replica": "r1", "seq": 2, "state": "downloading"})
     assert jobs.snapshots["j1"]["description"] == "long text"
     assert jobs.snapshots["j1"]["state"] == "downloading"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_replica_queues_a_bounded_number_of_jobs(monkeypatch):
+    from localai_tw.frontend import gallery
+
+    monkeypatch.setattr(gallery, "MAX_QUEUED", 2)
+    jobs = GalleryJobs(None, None, "r1", "/nowhere", None, (), reactor)
+    jobs._running = True  # (a job runs: nothing is started here)
+    first = await jobs.delete("a")
+    await jobs.delete("b")
+    with pytest.raises(gallery.GalleryBusy, match="2 gallery jobs are queued"):
+        await jobs.delete("c")
+    assert jobs.snapshots[first]["state"] == "queued" and len(jobs.snapshots) == 2
