@@ -10,7 +10,9 @@ model is loaded or the lock is theirs, for at most ``load_wait`` seconds (then
 ``heartbeat_interval`` while it works, and records each phase of the load.  Under the lock: the
 loaded placement if another replica finished meanwhile, else a cold load on the picked node; a
 load that meets a routing fact or an absence within the grace moves on to the next node (at
-most ``MAX_PICKS``), touching nothing (no row, no status) on the node it leaves.
+most ``MAX_PICKS``), touching nothing (no row, no status) on the node it leaves.  With a
+``room`` policy (:mod:`.lifecycle`), each cold load first makes room on its node (eviction of
+least recently used idle models).
 
 Failed loads are remembered (per replica, in memory) for ``failed_load_memory`` seconds
 (:data:`DEFAULT_FAILED_LOAD_MEMORY`, 30 s), keyed by the model's name and its whole config: a
@@ -72,8 +74,10 @@ class LoadLock:
                  heartbeat_interval: float = DEFAULT_HEARTBEAT,
                  poll_interval: float = DEFAULT_POLL,
                  failed_load_memory: float = DEFAULT_FAILED_LOAD_MEMORY,
-                 liveness: float = INSTANCE_LIVENESS):
+                 liveness: float = INSTANCE_LIVENESS, room=None):
         self._db = db
+        #: ``room.make_room(model, node_id)`` runs before each cold load (never raises).
+        self.room = room
         self._chooser = chooser
         self._loader = loader
         self.instance_id = instance_id
@@ -146,6 +150,8 @@ class LoadLock:
                 if last is not None:
                     raise last from None
                 raise
+            if self.room is not None:
+                await self.room.make_room(model, node_id)
             try:
                 return await self._loader.load_on(
                     model, node_id, functools.partial(self._progress, model.name, attempt))

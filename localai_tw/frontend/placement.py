@@ -5,7 +5,8 @@ tells of a placement it used (its use; the worker's answer that it is gone).
 model's selector -- the YAML ``node_selector`` with the ``model_scheduling_configs`` row
 (``POST /api/nodes/scheduling``) on top (the row wins per key).  Nodes where the model is
 ``loaded`` come first; among equals the choice is random (cold loads prefer nodes holding fewer
-models, then random).  Connected nodes (tunnel held by a live replica, read in the same query)
+models, then random; with a ``room`` policy (:mod:`.lifecycle`), nodes with room for the model
+come before those without).  Connected nodes (tunnel held by a live replica, read in the same query)
 come before the others, both for a loaded replica and for a cold load: a node that heartbeats
 but never dials holds no models and would otherwise win every cold load.  Before a cold load
 the picked node's presence is read: ``gone`` -> ``mark_unhealthy`` (status only, reversible)
@@ -117,8 +118,10 @@ class NodeChooser:
     (presence)."""
 
     def __init__(self, db, nodes, fence, *, grace: float | None = None,
-                 liveness: float = INSTANCE_LIVENESS):
+                 liveness: float = INSTANCE_LIVENESS, room=None):
         self._db = db
+        #: ``room.prefer(model, candidates)`` -> the candidates with room (or all of them).
+        self.room = room
         self._nodes = nodes
         self._fence = fence
         self._grace = grace
@@ -186,6 +189,8 @@ class NodeChooser:
             # Connected nodes first: a node that heartbeats but holds no tunnel (never dialled,
             # or reconnecting) holds no models either, and would otherwise win every cold load.
             candidates = [c for c in candidates if c.connected] or candidates
+            if self.room is not None:
+                candidates = await self.room.prefer(model, candidates)
             fewest = min(c.models_held for c in candidates)
             chosen = self._shuffled([c for c in candidates if c.models_held == fewest])[0]
             if await self._usable(chosen.node_id):
@@ -216,7 +221,8 @@ class NodeChooser:
         return bool(rows)
 
     def touch(self, placement: Placement) -> None:
-        """Record use (LRU information); best effort, never awaited by a request."""
+        """Record use (LRU information) with one write; best effort, never awaited by a
+        request.  The router batches its touches instead (``usage.ModelUse``)."""
         self._db.runOperation(
             "UPDATE node_models SET last_used = now() WHERE node_id = %s AND model_name = %s",
             (placement.node_id, placement.model_name)).addErrback(lambda _: None)

@@ -11,6 +11,9 @@
         WorkerClientsService   the per-node HTTP pools and gRPC bridges
         PeerService            the accepted peer links and the peer pool
         TunnelRegistryService  the worker tunnels held here (their claims)
+        ModelUse               batched last-used touches (flushed once more at stop)
+        LifecycleWatchdog      idle and busy watchdogs (frontend/lifecycle.py; off by default)
+        Preloader              preload: ``preload: true`` models and --preload-models
       ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
                                503 elsewhere); stops first: accept nothing new
 
@@ -39,6 +42,7 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
 ``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/backend/shutdown`` and ``/backend/load`` (admin, ``frontend/lifecycle_api.py``),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
@@ -90,6 +94,7 @@ from localai_tw.tunnel.route import WorkerDialer
 from .backend_client import BackendClients
 from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
+from .lifecycle_api import BackendResource
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .traces import TraceRing, TracesResource
@@ -231,6 +236,11 @@ class ReplicaConfig:
     run_dir: str | None
     health_interval: float
     stale_after: float
+    #: lifecycle (frontend/lifecycle.py, frontend/preload.py); the defaults change nothing
+    max_active_backends: int = 0
+    idle_timeout: float = 0.0
+    busy_timeout: float = 0.0
+    preload_models: tuple[str, ...] = ()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -251,7 +261,15 @@ class ReplicaConfig:
             models_dir=_option(options, "models-dir") or os.path.join(data_dir or ".",
                                                                        "models"),
             run_dir=os.path.join(data_dir, "run") if data_dir else None,
-            health_interval=health_interval, stale_after=stale_after)
+            health_interval=health_interval, stale_after=stale_after,
+            max_active_backends=int(_option(options, "max-active-backends", 0))
+            or (1 if options.get("single-active-backend") else 0),
+            idle_timeout=float(_option(options, "watchdog-idle-timeout", 900.0))
+            if options.get("enable-watchdog-idle") else 0.0,
+            busy_timeout=float(_option(options, "watchdog-busy-timeout", 300.0))
+            if options.get("enable-watchdog-busy") else 0.0,
+            preload_models=tuple(_option(options, "preload-models", ()))
+            + tuple(_option(options, "load-to-memory", ())))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -335,20 +353,26 @@ class Replica:
     membership: MembershipService
     health: HealthMonitor
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
+    #: lifecycle parts (frontend/usage.py, lifecycle.py, preload.py)
+    use: Any = None
+    lifecycle: Any = None
+    watchdog: Any = None
+    preloader: Any = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
         return [self.health, self.membership,
                 WorkerClientsService(self.backend_clients, self.worker_http),
                 PeerService(self.peer_links, self.peer_pool),
-                TunnelRegistryService(self.tunnels, self.instance_id)]
+                TunnelRegistryService(self.tunnels, self.instance_id),
+                *[s for s in (self.use, self.watchdog, self.preloader) if s is not None]]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control)
+                            control=self.control, lifecycle=self.lifecycle)
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""
@@ -376,9 +400,12 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from .coldload import ColdLoader
     from .grpcbridge import GrpcBridges
     from .inference import InferenceRouter
+    from .lifecycle import LifecycleWatchdog, ModelLifecycle
     from .loadlock import LoadLock
     from .models import ModelCatalog
     from .placement import NodeChooser
+    from .preload import Preloader
+    from .usage import ModelUse
 
     grace = config.reconnect_grace
     nodes = NodeRegistry(db, registration_token=config.registration_token,
@@ -401,12 +428,20 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     backend_clients = BackendClients(
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
         config.registration_token or None)
-    chooser = NodeChooser(db, nodes, fence, grace=grace)
+    catalog = ModelCatalog(config.models_dir)
+    use = ModelUse(db, reactor)
+    lifecycle = ModelLifecycle(db, control, use, catalog, reactor,
+                               max_active_backends=config.max_active_backends)
+    chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
                         config.models_dir, reactor, metrics=metrics)
-    loads = LoadLock(db, chooser, loader, config.instance_id, reactor)
-    inference = InferenceRouter(ModelCatalog(config.models_dir), chooser, loads, loader,
-                                backend_clients, reactor)
+    loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle)
+    inference = InferenceRouter(catalog, chooser, loads, loader, backend_clients, reactor,
+                                use=use, lifecycle=lifecycle)
+    watchdog = LifecycleWatchdog(db, lifecycle, tunnels.held_nodes, reactor,
+                                 idle_timeout=config.idle_timeout,
+                                 busy_timeout=config.busy_timeout)
+    preloader = Preloader(inference, config.preload_models, reactor)
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels).
     notifier = DepartureNotifier({
@@ -423,7 +458,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, metrics=metrics)
+        membership=membership, health=health, metrics=metrics, use=use, lifecycle=lifecycle,
+        watchdog=watchdog, preloader=preloader)
 
 
 def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,
@@ -616,7 +652,7 @@ class FrontendService(InOrderMultiService):
         # starting, before the gate's 503): the API keys now, registration once wired.
         self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
-                       b"/api/traces", b"/metrics"):
+                       b"/api/traces", b"/metrics", b"/backend"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -644,6 +680,7 @@ class FrontendService(InOrderMultiService):
                                 reactor=self._reactor, node_names=replica.node_name,
                                 metrics=replica.metrics)
         root.putChild(b"v1", openai)
+        root.putChild(b"backend", BackendResource(replica.inference, self.api_keys))
         root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
                                                   replica.tunnels, replica.control))
         api = JSONDirectory()

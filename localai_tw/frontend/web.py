@@ -843,6 +843,8 @@ class ClusterParts:
     :param on_deleted: called with a node id after an admin deleted the node.
     :param control: the ``ControlClient`` that calls a worker's control verbs through the
         tunnel (locally held or relayed); None where no worker is reached (API tests).
+    :param lifecycle: the ``ModelLifecycle`` (unload; this replica's in-flight counts); None
+        where no worker is reached.
     """
 
     db: Database
@@ -853,6 +855,7 @@ class ClusterParts:
     on_registered: Callable[[str], object] | None = None
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
+    lifecycle: Any = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:

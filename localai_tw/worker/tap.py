@@ -56,6 +56,11 @@ SETTINGS = (
                  "Directory for this worker's state (models, backends; twistd's pidfile is "
                  "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker.",
                  default=config.default_data_dir("worker"), parse=config.parse_path),
+    config.value("memory-budget", "LOCALAI_MEMORY_BUDGET",
+                 "Most memory (RAM, and GPU memory when reported) this node offers to models, "
+                 "e.g. 12G; it reports at most this much, so the frontends fit and evict "
+                 "models within it (docs/models.md, \"Lifecycle\").",
+                 parse=config.parse_byte_size, default_doc="all the memory of the machine"),
     config.repeatable("label", "LOCALAI_NODE_LABELS",
                       "Scheduling label key=value; the variable is comma-separated "
                       "(k=v,k=v).",

@@ -64,13 +64,13 @@ class Cluster:
     def base_url(self, frontend: FrontendService) -> str:
         return f"http://127.0.0.1:{frontend.listener.tcp_port()}"
 
-    async def worker(self, name: str, via: FrontendService, labels=None):
+    async def worker(self, name: str, via: FrontendService, labels=None, **options):
         first = next(_ports)
         data_dir = os.path.join(self.base_dir, "w-" + name)
         worker = makeWorkerService(
             {"register-to": self.base_url(via), "registration-token": TOKEN, "node-name": name,
              "node-type": "backend", "backend-port-range": PortRange(first, first + 15),
-             "labels": labels or {}, "data-dir": data_dir}, reactor)
+             "labels": labels or {}, "data-dir": data_dir, **options}, reactor)
         worker.startService()
         self.workers.append(worker)
         node_id = await eventually(lambda: worker.registrar.registration
