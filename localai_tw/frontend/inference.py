@@ -90,9 +90,12 @@ class InferenceRouter:
     calls in flight and batches touches, ``lifecycle`` (a ``ModelLifecycle``) unloads."""
 
     def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
-                 loader: ColdLoader, clients, reactor, *, use=None, lifecycle=None):
+                 loader: ColdLoader, clients, reactor, *, use=None, lifecycle=None,
+                 scaler=None):
         self.use = use
         self.lifecycle = lifecycle
+        #: ``replicas.ReplicaScaler``: told of each call (a busy model gets another replica).
+        self.scaler = scaler
         self.catalog = catalog
         self.chooser = chooser
         self.loads = loads
@@ -220,6 +223,8 @@ class InferenceRouter:
             if placement.model_id:
                 request.ModelIdentity = placement.model_id
             client = self.clients.client(placement.node_id, placement.port)
+            if self.scaler is not None:
+                self.scaler.note(config, placement.node_id)
             call_id = self.use.begin(placement.node_id, config.name) if self.use else None
             try:
                 value = await call(client, request, deadline)

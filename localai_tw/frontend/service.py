@@ -14,6 +14,7 @@
         ModelUse               batched last-used touches (flushed once more at stop)
         LifecycleWatchdog      idle and busy watchdogs (frontend/lifecycle.py; off by default)
         Preloader              preload: ``preload: true`` models and --preload-models
+        ReplicaScaler          min_replicas floor, busy scale-up (frontend/replicas.py)
       ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
                                503 elsewhere); stops first: accept nothing new
 
@@ -358,6 +359,7 @@ class Replica:
     lifecycle: Any = None
     watchdog: Any = None
     preloader: Any = None
+    scaler: Any = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
@@ -365,7 +367,8 @@ class Replica:
                 WorkerClientsService(self.backend_clients, self.worker_http),
                 PeerService(self.peer_links, self.peer_pool),
                 TunnelRegistryService(self.tunnels, self.instance_id),
-                *[s for s in (self.use, self.watchdog, self.preloader) if s is not None]]
+                *[s for s in (self.use, self.watchdog, self.preloader, self.scaler)
+                  if s is not None]]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
@@ -405,6 +408,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from .models import ModelCatalog
     from .placement import NodeChooser
     from .preload import Preloader
+    from .replicas import ReplicaScaler
     from .usage import ModelUse
 
     grace = config.reconnect_grace
@@ -442,6 +446,9 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                                  idle_timeout=config.idle_timeout,
                                  busy_timeout=config.busy_timeout)
     preloader = Preloader(inference, config.preload_models, reactor)
+    chooser.in_flight = use.in_flight  # calls spread over a model's replicas
+    scaler = ReplicaScaler(db, inference, use, reactor)
+    inference.scaler = scaler
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels).
     notifier = DepartureNotifier({
@@ -459,7 +466,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
         membership=membership, health=health, metrics=metrics, use=use, lifecycle=lifecycle,
-        watchdog=watchdog, preloader=preloader)
+        watchdog=watchdog, preloader=preloader, scaler=scaler)
 
 
 def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,

@@ -226,3 +226,57 @@ async def test_preload_is_visible_in_api_nodes_after_a_restart(cluster):
     await eventually(both, timeout=30, what="p and q preloaded after the restart")
     assert running(worker) == ["p", "q"]
     assert frontend.replica.preloader.settled["p"].startswith("loaded on")
+
+
+async def schedule(cluster, frontend, **row):
+    code, body = await http("POST", f"{cluster.base_url(frontend)}/api/nodes/scheduling", row)
+    assert code == 200, body
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_busy_model_gets_a_second_replica_and_calls_spread_over_both(cluster):
+    """Break: drop ``ReplicaScaler.note`` from the router (no second replica), or make the
+    chooser prefer the replica with the MOST calls in flight (calls pile on one node): the
+    two-node assertions go red (both checked)."""
+    cluster.write_model("m.yaml", echo_model("m"))
+    frontend = await cluster.frontend("replica-a")
+    w1 = await cluster.worker("w1", frontend)
+    w2 = await cluster.worker("w2", frontend)
+    await schedule(cluster, frontend, model_name="m", max_replicas=2)
+    first = (await predict(frontend, "m")).served_by
+    assert [r[0] for r in await cluster.rows("m")] == [first]
+    # one call in flight, then another: every replica is busy, so a second one is loaded
+    slow = defer.ensureDeferred(predict(frontend, "m", "a b c d", **{"echo.delay_ms": "300"}))
+    await eventually(lambda: frontend.replica.use.in_flight(first, "m"), what="busy")
+    await predict(frontend, "m")
+
+    async def two():
+        return sorted(r[0] for r in await cluster.rows("m") if r[2] == "loaded")
+    assert await eventually(lambda: defer.ensureDeferred(two()).addCallback(
+        lambda nodes: len(nodes) == 2 and nodes), timeout=30, what="a second replica") == \
+        sorted([w1.node_id, w2.node_id])
+    await slow
+    # calls at once go to the replica with the fewest calls in flight: both serve
+    served = await defer.gatherResults([
+        defer.ensureDeferred(predict(frontend, "m", "x y", **{"echo.delay_ms": "200"}))
+        for _ in range(4)])
+    assert {s.served_by for s in served} == {w1.node_id, w2.node_id}
+    assert len(await cluster.rows("m")) == 2  # never more than max_replicas
+
+
+@pytest_twisted.ensureDeferred
+async def test_min_replicas_are_loaded_without_a_request(cluster):
+    cluster.write_model("m.yaml", echo_model("m"))
+    frontend = await cluster.frontend("replica-a")
+    w1 = await cluster.worker("w1", frontend)
+    w2 = await cluster.worker("w2", frontend)
+    await schedule(cluster, frontend, model_name="m", min_replicas=2)
+    code, body = await http("POST", f"{cluster.base_url(frontend)}/api/nodes/scheduling",
+                            {"model_name": "m", "min_replicas": 3, "max_replicas": 2})
+    assert code == 400 and body["error"]["field"] == "min_replicas"
+    scaler = frontend.replica.scaler
+    await scaler.run_once()
+    await scaler.run_once()
+    await scaler.run_once()  # the floor is met: nothing more
+    assert sorted(r[0] for r in await cluster.rows("m")) == sorted([w1.node_id, w2.node_id])
+    assert running(w1) == ["m"] and running(w2) == ["m"]

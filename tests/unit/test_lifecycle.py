@@ -399,3 +399,37 @@ def test_model_config_lifecycle_keys_are_validated():
         with pytest.raises(ModelConfigError):
             model("x", **bad)
     assert model("x", pinned=True).warnings == ()  # LocalAI's key is acted on now
+
+
+# -- replicas --------------------------------------------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_scale_up_is_considered_only_when_every_replica_is_busy_here():
+    from localai_tw.frontend.replicas import ReplicaScaler
+
+    clock = task.Clock()
+    use = ModelUse(None, clock)
+    inference = FakeInference([model("m")])
+    asked: list[str] = []
+    scaled: list[int] = []
+
+    async def replica_bounds(name):
+        asked.append(name)
+        return 0, 2
+
+    async def scale_up(config, want):
+        scaled.append(want)
+
+    inference.replica_bounds = replica_bounds
+    inference.scale_up = scale_up
+    inference.where = [Candidate("n1", True, "127.0.0.1:1"), Candidate("n2", True)]
+    scaler = ReplicaScaler(None, inference, use, clock)
+    scaler.note(model("m"), "n1")
+    assert asked == [] and scaled == []  # nothing in flight here: not even a query
+    use.begin("n1", "m")
+    scaler.note(model("m"), "n1")
+    assert asked == ["m"] and scaled == [2]  # busy on its only replica: one more
+    inference.where = [Candidate("n1", True, "127.0.0.1:1"), Candidate("n2", True, "x:2")]
+    scaler.note(model("m"), "n1")
+    assert scaled == [2]  # n2 is idle here (and max_replicas is reached anyway)
