@@ -225,7 +225,8 @@ class InferenceRouter:
             client = self.clients.client(placement.node_id, placement.port)
             if self.scaler is not None:
                 self.scaler.note(config, placement.node_id)
-            call_id = self.use.begin(placement.node_id, config.name) if self.use else None
+            call_id = (self.use.begin(placement.node_id, config.name)
+                       if self.use is not None else None)
             try:
                 value = await call(client, request, deadline)
             except errors.WorkerAnswer as e:

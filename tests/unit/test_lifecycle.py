@@ -433,3 +433,36 @@ async def test_scale_up_is_considered_only_when_every_replica_is_busy_here():
     inference.where = [Candidate("n1", True, "127.0.0.1:1"), Candidate("n2", True, "x:2")]
     scaler.note(model("m"), "n1")
     assert scaled == [2]  # n2 is idle here (and max_replicas is reached anyway)
+
+
+def test_each_unload_outcome_has_its_own_status_and_an_absent_worker_is_never_failed():
+    from localai_tw.frontend.lifecycle import UnloadResult
+    from localai_tw.frontend.lifecycle_api import UnloadRefused, answer_results, refusal_of
+
+    def status(outcome, error=None):
+        refusal = refusal_of(UnloadResult("m", "n", outcome, "why", error))
+        return refusal.status, refusal.code, refusal.headers.get("Retry-After")
+
+    assert status(NOT_LOADED) == (404, "model_not_loaded", None)
+    assert status(BUSY) == (409, "model_busy", None)
+    assert status(LOADING) == (409, "model_loading", "5")
+    assert status(NOT_DELIVERED, errors.AbsentWithinGrace("n", "reconnecting")) == (
+        503, "absent-within-grace", "5")
+    assert status(NOT_DELIVERED, errors.WorkerUnroutable("n", "no route"))[:2] == (
+        503, "routing-fact")
+    assert status(NOT_DELIVERED, errors.PeerUnreachable("r", "down"))[:2] == (
+        503, "peer-unreachable")
+    assert status(WORKER_FAILED, errors.ControlVerbFailed("n", "backend.stop", "x"))[:2] == (
+        502, "worker-answer")
+    refused = refusal_of(UnloadResult("m", "n", NOT_DELIVERED, "", errors.AbsentWithinGrace(
+        "n", "reconnecting")))
+    assert "not delivered, nothing changed" in refused.message
+    assert "fail" not in refused.message.lower()
+    stopped = UnloadResult("m", "a", STOPPED)
+    assert answer_results([stopped]) == (200, {"message": "model stopped",
+                                               "nodes": [stopped.view()]})
+    with pytest.raises(UnloadRefused) as caught:
+        answer_results([stopped, UnloadResult("m", "b", BUSY, "1 request")])
+    body = caught.value.body()
+    assert caught.value.status == 409 and [n["outcome"] for n in body["nodes"]] == [
+        "stopped", "busy"]
