@@ -603,14 +603,19 @@ class NodeRegistry:
         return (await self._with_labels([_node_from_row(rows[0])]))[0]
 
     async def list_nodes(self, *, status: str | NodeStatus | None = None,
-                         node_type: str | NodeType | None = None) -> list[Node]:
-        """Every node (optionally one status and/or type), with labels, ordered by name."""
+                         node_type: str | NodeType | None = None,
+                         after: str | None = None, limit: int | None = None) -> list[Node]:
+        """Nodes (optionally one status and/or type), with labels, ordered by name; ``after``
+        and ``limit`` page through them by name (names are unique), in two statements
+        whatever the count."""
         status_value = NodeStatus(status).value if status is not None else None
         type_value = _validate_node_type(node_type).value if node_type is not None else None
         rows = await self._db.runQuery(
             f"SELECT {_NODE_COLUMNS} FROM backend_nodes"
             " WHERE (%s::text IS NULL OR status = %s) AND (%s::text IS NULL OR node_type = %s)"
-            " ORDER BY name", (status_value, status_value, type_value, type_value))
+            "  AND (%s::text IS NULL OR name > %s)"
+            " ORDER BY name LIMIT %s",
+            (status_value, status_value, type_value, type_value, after, after, limit))
         return await self._with_labels([_node_from_row(r) for r in rows])
 
     async def delete_node(self, node_id: str) -> None:

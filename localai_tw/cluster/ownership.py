@@ -101,6 +101,16 @@ class ConnectionRow:
 
 
 @dataclass(frozen=True)
+class ConnectionView:
+    """One node's tunnel as :meth:`OwnershipFence.connections` reads it: the live owner (or
+    None), the presence, and for a recorded departure the seconds of grace left."""
+
+    owner: Ownership | None
+    presence: Presence
+    grace_left: float | None
+
+
+@dataclass(frozen=True)
 class PresenceReading:
     """A presence value plus the error that produced it, if the query failed."""
 
@@ -132,6 +142,22 @@ _RELEASE_SQL = (
     " RETURNING node_id"
 )
 
+# Bind: node ids, epochs (two arrays of equal length), owner.  The fence of _RELEASE_SQL for
+# many nodes in one statement: a replica stopping with thousands of tunnels must not issue
+# thousands of statements inside its stop time.
+_RELEASE_MANY_SQL = (
+    "UPDATE node_connections SET owner_instance_id = '', disconnected_at = now()"
+    " FROM unnest(%s::text[], %s::bigint[]) AS released(node_id, epoch)"
+    " WHERE node_connections.node_id = released.node_id"
+    "  AND node_connections.epoch = released.epoch"
+    "  AND node_connections.owner_instance_id = %s"
+    f" AND {CONNECTION_IS_HELD_SQL}"
+    " RETURNING node_connections.node_id"
+)
+
+#: Claims released per statement by :meth:`OwnershipFence.release_many`.
+RELEASE_BATCH = 500
+
 # Bind: liveness, node.
 _OWNER_SQL = (
     "SELECT node_connections.owner_instance_id, node_connections.epoch"
@@ -157,6 +183,24 @@ _PRESENCE_SQL = (
     " LEFT JOIN instances ON instances.id = node_connections.owner_instance_id"
     f"  AND {INSTANCE_IS_LIVE_SQL}"
     " WHERE node_connections.node_id = %s"
+)
+
+# Bind: grace, grace, liveness, node ids.  What _OWNER_SQL, _PRESENCE_SQL and the grace left
+# say, for many nodes in one statement (the admin node list at thousands of nodes).
+_CONNECTIONS_SQL = (
+    "SELECT node_connections.node_id, node_connections.owner_instance_id,"
+    " node_connections.epoch,"
+    f" ({CONNECTION_IS_HELD_SQL} AND instances.id IS NOT NULL) AS held,"
+    f" (NOT {CONNECTION_IS_HELD_SQL}"
+    "   AND node_connections.disconnected_at IS NOT NULL"
+    "   AND node_connections.disconnected_at < now() - make_interval(secs => %s)) AS departed,"
+    " CASE WHEN node_connections.disconnected_at IS NULL THEN NULL ELSE"
+    "  GREATEST(0, %s - EXTRACT(EPOCH FROM now() - node_connections.disconnected_at))::float"
+    " END AS grace_left"
+    " FROM node_connections"
+    " LEFT JOIN instances ON instances.id = node_connections.owner_instance_id"
+    f"  AND {INSTANCE_IS_LIVE_SQL}"
+    " WHERE node_connections.node_id = ANY(%s)"
 )
 
 _PURGE_SQL = (
@@ -220,6 +264,22 @@ class OwnershipFence:
         if not rows:
             raise FencedOut(node_id, owner_id)
 
+    async def release_many(self, owner_id: str,
+                           claims: list[tuple[str, int]]) -> set[str]:
+        """:meth:`release` for many ``(node_id, epoch)`` pairs, :data:`RELEASE_BATCH` per
+        statement; returns the node ids released.  The others were fenced out (the worker
+        already moved), exactly as :meth:`release` would have raised ``FencedOut`` for them."""
+        for node, _ in claims:
+            _require_ids(node, owner_id)
+        released: set[str] = set()
+        for start in range(0, len(claims), RELEASE_BATCH):
+            batch = claims[start:start + RELEASE_BATCH]
+            rows = await self._db.runQuery(
+                _RELEASE_MANY_SQL,
+                ([node for node, _ in batch], [int(epoch) for _, epoch in batch], owner_id))
+            released.update(row[0] for row in rows)
+        return released
+
     async def owner(self, node_id: str) -> Ownership:
         """The live replica holding ``node_id``'s tunnel, the read to act on.
 
@@ -262,6 +322,29 @@ class OwnershipFence:
         if departed:
             return PresenceReading(Presence.GONE)
         return PresenceReading(Presence.RECONNECTING)
+
+    async def connections(self, node_ids: list[str],
+                          grace: float | None = None) -> dict[str, "ConnectionView"]:
+        """:meth:`owner`, :meth:`presence` and the reconnect grace left, for many nodes in one
+        statement.  A node without a row is absent from the answer (presence ``UNKNOWN``, no
+        owner).  Raises what the query raises: the caller decides how to show a failed read."""
+        for node in node_ids:
+            _require_ids(node)
+        grace = effective_grace(grace)
+        rows = await self._db.runQuery(_CONNECTIONS_SQL,
+                                       (grace, grace, self._liveness, list(node_ids)))
+        views = {}
+        for node_id, owner_id, epoch, held, departed, grace_left in rows:
+            if held:
+                views[node_id] = ConnectionView(Ownership(owner_id, int(epoch)),
+                                                Presence.CONNECTED, None)
+            elif departed:
+                views[node_id] = ConnectionView(None, Presence.GONE, None)
+            else:
+                views[node_id] = ConnectionView(
+                    None, Presence.RECONNECTING,
+                    None if grace_left is None else float(grace_left))
+        return views
 
     async def purge_departed_before(self, age: float) -> int:
         """Delete departure rows older than ``age`` seconds; return how many.  Held rows are

@@ -122,6 +122,8 @@ class Database:
         self._started = False
         #: Why the database is away, from the first dead connection until one is restored.
         self._outage: str | None = None
+        #: Reactor time of the last statement the database answered (None: none yet).
+        self.last_answer: float | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -268,8 +270,16 @@ class Database:
         except BaseException:
             self._release(conn)
             raise
+        self.last_answer = self._reactor.seconds()
         self._release(conn)
         return result
+
+    def answered_within(self, seconds: float) -> bool:
+        """Whether the database answered one of this pool's statements in the last
+        ``seconds``: proof it is reachable that costs no statement and does not wait behind a
+        busy pool's queue (``/readyz`` during a reconnect storm)."""
+        return (self.last_answer is not None and self._outage is None and not self._closed
+                and self._reactor.seconds() - self.last_answer <= seconds)
 
     # -- operations ---------------------------------------------------------------------
 

@@ -7,7 +7,10 @@ key configured every request is refused (401, see ``localai_tw.frontend.web.APIK
 =================================  =============================================================
 route                              answer
 =================================  =============================================================
-GET /api/nodes[?status=&node_type=]  ``{"nodes": [node, ...]}`` ordered by name
+GET /api/nodes[?status=&node_type=&limit=&after=]
+                                   ``{"nodes": [node, ...], "next": name | null}`` ordered by
+                                   name, at most ``limit`` (default and maximum 1000) per
+                                   page; pass ``next`` as ``after`` for the next page
 GET /api/nodes/{id}                node (``{id}`` is a node id, or else a node name, on every
                                    route below)
 PUT /api/nodes/{id}/labels         body ``{"labels": {k: v}}`` replaces every label;
@@ -57,7 +60,8 @@ deadline 504.
 
 This module must never show credential material (hashes included), never change a node except
 through the ``NodeRegistry``, and never act on presence or on a failed call (it only reports
-them).  Its one query of its own is a read of ``node_models``.
+them).  Its one query of its own is a read of ``node_models``; a page of nodes costs four
+statements whatever its size (nodes, labels, models, connections).
 """
 
 from __future__ import annotations
@@ -65,7 +69,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from twisted.internet import defer
 from twisted.logger import Logger
 
 from localai_tw import errors
@@ -79,8 +82,7 @@ from localai_tw.cluster.nodes import (
     NodeType,
     NotPending,
 )
-from localai_tw.cluster.clock import effective_grace
-from localai_tw.cluster.ownership import NoConnection, Presence
+from localai_tw.cluster.ownership import ConnectionView, Presence
 
 from .web import (
     AdminResource,
@@ -106,12 +108,6 @@ _MODELS_SQL = (
     " FROM node_models WHERE node_id = ANY(%s) ORDER BY model_name, replica_index"
 )
 
-#: Seconds of the reconnect grace a departed tunnel has left (database clock), for a node whose
-#: presence is ``reconnecting``; no row when its departure is not recorded.
-_GRACE_LEFT_SQL = (
-    "SELECT GREATEST(0, %s - EXTRACT(EPOCH FROM now() - disconnected_at))::float"
-    " FROM node_connections WHERE node_id = %s AND disconnected_at IS NOT NULL"
-)
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -136,6 +132,18 @@ def _query_arg(request, name: bytes) -> str | None:
 
 #: Budget of one admin question to a worker (dial, relay and answer).
 WORKER_CALL_TIMEOUT = 30.0
+
+
+#: Nodes per page of ``GET /api/nodes`` when ``limit`` is not given, and the most it may ask.
+NODES_PAGE = 1000
+
+
+def _page_limit(raw: str | None) -> int:
+    if raw is None:
+        return NODES_PAGE
+    if not raw.isdigit() or not 1 <= int(raw) <= NODES_PAGE:
+        raise bad_request(f"limit must be a whole number from 1 to {NODES_PAGE}", field="limit")
+    return int(raw)
 
 
 def worker_call_error(error: errors.ClusterError) -> APIError:
@@ -196,8 +204,14 @@ class NodesAdminResource(AdminResource):
         if node_type is not None and node_type not in {t.value for t in NodeType}:
             raise bad_request(f"node_type must be one of "
                               f"{', '.join(t.value for t in NodeType)}", field="node_type")
-        nodes = await parts.nodes.list_nodes(status=status, node_type=node_type)
-        return 200, {"nodes": await self._views(parts, nodes)}
+        limit = _page_limit(_query_arg(request, b"limit"))
+        after = _query_arg(request, b"after")
+        nodes = await parts.nodes.list_nodes(status=status, node_type=node_type, after=after,
+                                             limit=limit + 1)
+        more = len(nodes) > limit
+        nodes = nodes[:limit]
+        return 200, {"nodes": await self._views(parts, nodes),
+                     "next": nodes[-1].name if more else None}
 
     async def get_node(self, request, node_id: str) -> tuple[int, dict]:
         parts = self._parts
@@ -224,9 +238,12 @@ class NodesAdminResource(AdminResource):
             raise _unknown_node(node_id) from None
 
     async def _views(self, parts, nodes: list[Node]) -> list[dict]:
+        """The views of ``nodes`` in a fixed number of statements (models, connections),
+        whatever their count."""
         if not nodes:
             return []
-        rows = await parts.db.runQuery(_MODELS_SQL, ([n.id for n in nodes],))
+        ids = [n.id for n in nodes]
+        rows = await parts.db.runQuery(_MODELS_SQL, (ids,))
         models: dict[str, list[dict]] = {}
         use = getattr(parts.lifecycle, "use", None)
         for node_id, model_name, replica_index, state, in_flight, backend_type, last_used \
@@ -237,19 +254,22 @@ class NodesAdminResource(AdminResource):
                 "model_name": model_name, "replica_index": replica_index, "state": state,
                 "in_flight": in_flight, "backend_type": backend_type,
                 "last_used": _iso(last_used)})
-        views = await defer.gatherResults(
-            [defer.ensureDeferred(self._view(parts, node, models.get(node.id, [])))
-             for node in nodes], consumeErrors=True).addErrback(lambda f: f.value.subFailure)
-        return views
+        connections: dict[str, ConnectionView] = {}
+        failed: BaseException | None = None
+        try:
+            connections = await parts.fence.connections(ids, parts.reconnect_grace)
+        except DATABASE_DOWN as e:
+            log.warn("presence of {count} nodes unknown, query failed: {err}",
+                     count=len(ids), err=e)
+            failed = e
+        return [self._view(node, models.get(node.id, []), connections.get(node.id), failed)
+                for node in nodes]
 
     @staticmethod
-    async def _view(parts, node: Node, models: list[dict]) -> dict[str, Any]:
-        try:
-            ownership = await parts.fence.owner(node.id)
-            owner = {"replica": ownership.owner_id, "epoch": ownership.epoch}
-        except NoConnection:
-            owner = None
-        reading = await parts.fence.presence(node.id, parts.reconnect_grace)
+    def _view(node: Node, models: list[dict], connection: ConnectionView | None,
+              failed: BaseException | None) -> dict[str, Any]:
+        presence = connection.presence if connection is not None else Presence.UNKNOWN
+        owner = connection.owner if connection is not None else None
         view: dict[str, Any] = {
             "id": node.id,
             "name": node.name,
@@ -262,25 +282,20 @@ class NodesAdminResource(AdminResource):
             "max_replicas_per_model": node.max_replicas_per_model,
             "last_heartbeat": _iso(node.last_heartbeat),
             "created_at": _iso(node.created_at),
-            "owner": owner,
-            "presence": reading.presence.value,
+            "owner": None if owner is None else {"replica": owner.owner_id,
+                                                 "epoch": owner.epoch},
+            "presence": presence.value,
             # No connection record at all (not a failed query): it never dialled in, or its
             # last departure outlived the departure retention.  A node that heartbeats with
             # this true is registered but not reachable (docs/routing.md).
-            "never_connected": reading.presence is Presence.UNKNOWN and reading.error is None,
+            "never_connected": connection is None and failed is None,
             "models": models,
+            "reconnect_grace_left": None,
         }
-        view["reconnect_grace_left"] = None
-        if reading.presence is Presence.RECONNECTING:
-            try:
-                rows = await parts.db.runQuery(_GRACE_LEFT_SQL,
-                                               (effective_grace(parts.reconnect_grace), node.id))
-            except DATABASE_DOWN:
-                rows = []  # the view still answers; only this detail is missing
-            if rows:
-                view["reconnect_grace_left"] = round(rows[0][0], 1)
-        if reading.error is not None:
-            view["presence_error"] = f"presence query failed ({type(reading.error).__name__})"
+        if connection is not None and connection.grace_left is not None:
+            view["reconnect_grace_left"] = round(connection.grace_left, 1)
+        if failed is not None:
+            view["presence_error"] = f"presence query failed ({type(failed).__name__})"
         return view
 
     # -- changes -------------------------------------------------------------------------------

@@ -33,8 +33,9 @@ class LivenessResource(Resource):
 
 
 class ReadinessResource(Resource):
-    """``/readyz``: 200 when ``checked`` is ready and its database answers ``SELECT 1``; else
-    503.
+    """``/readyz``: 200 when ``checked`` is ready and its database answers: it answered one of
+    the pool's statements within ``probe_timeout``, or else it answers ``SELECT 1`` within
+    ``probe_timeout``; else 503.
 
     The body is JSON: ``{"ready": true}`` or ``{"ready": false, "reason": "...", "state":
     "..."}`` (``state`` when ``state`` is given: the replica's startup state).  The probe
@@ -62,6 +63,12 @@ class ReadinessResource(Resource):
         database = self._checked.database
         if not ready or database is None:
             return self._answer(request, False, reason)
+        answered_within = getattr(database, "answered_within", None)
+        if answered_within is not None and answered_within(self._probe_timeout):
+            # The pool's own traffic proves the database answers: no probe statement, which
+            # would queue behind a busy pool (thousands of workers reconnecting at once) and
+            # turn a replica that is serving into a 503 for the load balancer.
+            return self._answer(request, True, "ready")
 
         client_gone: list[bool] = []
         probe: defer.Deferred | None = None
@@ -103,8 +110,14 @@ class _OpenAIStarting:
     status = 503
     headers = {"Retry-After": "5"}
 
-    @staticmethod
-    def body() -> dict:
+    def __init__(self, stopping: bool = False):
+        self._stopping = stopping
+
+    def body(self) -> dict:
+        if self._stopping:
+            return {"error": {"message": "this frontend replica is stopping; send the request "
+                              "to another replica or try again", "type": "service_unavailable",
+                              "param": None, "code": "stopping"}}
         return {"error": {"message": "the inference router is not available yet: the frontend "
                           "is starting; try again", "type": "service_unavailable",
                           "param": None, "code": "starting"}}
@@ -116,9 +129,10 @@ class _Starting(Resource):
 
     isLeaf = True
 
-    def __init__(self, openai: bool):
+    def __init__(self, openai: bool, gate: "StartingGate | None" = None):
         super().__init__()
         self._openai = openai
+        self._gate = gate
 
     def render(self, request):
         # The listener's header guards (API keys) decide first, as the APIs themselves would.
@@ -130,8 +144,12 @@ class _Starting(Resource):
                 if not callable(getattr(refusal, "body", None)):
                     raise
                 return render_error(request, refusal)
+        stopping = self._gate is not None and self._gate.stopping
         if self._openai:
-            error: Any = _OpenAIStarting()
+            error: Any = _OpenAIStarting(stopping)
+        elif stopping:
+            error = not_ready("this frontend replica is stopping; use another replica or try "
+                              "again")
         else:
             error = not_ready("the frontend is starting (the database is not ready yet, or "
                               "this replica is joining the cluster); try again")
@@ -146,10 +164,12 @@ class StartingGate(Resource):
         self._starting = JSONDirectory(index=index)
         for name, probe in probes.items():
             self._starting.putChild(name, probe)
-        self._starting_api = _Starting(openai=False)
-        self._starting_v1 = _Starting(openai=True)
+        self._starting_api = _Starting(openai=False, gate=self)
+        self._starting_v1 = _Starting(openai=True, gate=self)
         #: The replica's resource tree, once open.
         self.tree: Resource = self._starting
+        #: True once :meth:`close` ran: the 503s say "stopping", not "starting".
+        self.stopping = False
 
     @property
     def is_open(self) -> bool:
@@ -158,10 +178,12 @@ class StartingGate(Resource):
     def open(self, tree: Resource) -> None:
         """Serve ``tree`` from now on (it must mount the probes itself)."""
         self.tree = tree
+        self.stopping = False
 
     def close(self) -> None:
         """Back to the probes and 503 (the replica is stopping)."""
         self.tree = self._starting
+        self.stopping = True
 
     def getChildWithDefault(self, path, request):
         if self.is_open or path in self._starting.children or \

@@ -70,6 +70,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from localai_tw import __version__
+from localai_tw.config import with_fleet_backlog
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
 from localai_tw.cluster.membership import (
@@ -85,6 +86,7 @@ from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
+from localai_tw.web.ratelimit import SourceRateLimit
 from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
@@ -177,7 +179,8 @@ class ListeningService(Service):
     def startService(self) -> None:
         super().startService()
         self._outcome = None
-        endpoint = endpoints.serverFromString(self._reactor, self.description)
+        endpoint = endpoints.serverFromString(self._reactor,
+                                              with_fleet_backlog(self.description))
         endpoint.listen(self.factory).addBoth(self._listened)
 
     def _listened(self, result) -> None:
@@ -242,6 +245,8 @@ class ReplicaConfig:
     idle_timeout: float = 0.0
     busy_timeout: float = 0.0
     preload_models: tuple[str, ...] = ()
+    #: Registrations one source address may make per minute (burst and refill); 0: no limit.
+    registration_limit: int = 300
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -270,7 +275,8 @@ class ReplicaConfig:
             busy_timeout=float(_option(options, "watchdog-busy-timeout", 300.0))
             if options.get("enable-watchdog-busy") else 0.0,
             preload_models=tuple(_option(options, "preload-models", ()))
-            + tuple(_option(options, "load-to-memory", ())))
+            + tuple(_option(options, "load-to-memory", ())),
+            registration_limit=int(_option(options, "registration-limit", 300)))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -360,6 +366,7 @@ class Replica:
     watchdog: Any = None
     preloader: Any = None
     scaler: Any = None
+    registration_limit: SourceRateLimit | None = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order)."""
@@ -375,7 +382,8 @@ class Replica:
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control, lifecycle=self.lifecycle)
+                            control=self.control, lifecycle=self.lifecycle,
+                            registration_limit=self.registration_limit)
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""
@@ -466,7 +474,10 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
         membership=membership, health=health, metrics=metrics, use=use, lifecycle=lifecycle,
-        watchdog=watchdog, preloader=preloader, scaler=scaler)
+        watchdog=watchdog, preloader=preloader, scaler=scaler,
+        registration_limit=SourceRateLimit(config.registration_limit / 60.0,
+                                           config.registration_limit, reactor)
+        if config.registration_limit > 0 else None)
 
 
 def forget_worker_connections(worker_http: WorkerHTTPClient, backend_clients: BackendClients,

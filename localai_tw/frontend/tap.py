@@ -129,6 +129,12 @@ SETTINGS = (
                  "How long a disconnected worker counts as reconnecting before it is gone "
                  "(90s, 1m30s, or seconds).",
                  default="90s", parse=config.parse_duration),
+    config.value("registration-limit", "LOCALAI_REGISTRATION_LIMIT",
+                 "Worker registrations one source address may make per minute (at once, then "
+                 "refilled evenly); more are answered 429 with Retry-After and the worker "
+                 "retries. Workers behind one NAT or proxy share an address: raise it for a "
+                 "larger fleet there. 0: no limit.",
+                 default="300", parse=config.parse_whole_number),
     config.flag("require-approval", "LOCALAI_REQUIRE_APPROVAL",
                 "New workers wait for an administrator's approval before they serve."),
     config.flag("local-worker", "LOCALAI_LOCAL_WORKER",

@@ -55,6 +55,7 @@ from localai_tw.web import auth
 from localai_tw.web.bodies import CappedBody, answer_early, pending_request_line
 from localai_tw.web.json import JSON_HEADERS  # noqa: F401  (the OpenAI API imports it here)
 from localai_tw.web.json import COMPACT, json_body, write_json
+from localai_tw.web.ratelimit import SourceRateLimit
 
 if TYPE_CHECKING:  # the parts' types only: web.py serves them, it never builds them
     from localai_tw.cluster.nodes import NodeRegistry
@@ -66,8 +67,8 @@ log = Logger()
 
 #: Body cap of the register, heartbeat and admin APIs (and of any path without its own cap).
 MAX_BODY_BYTES = 64 * 1024
-#: Most connections one listener holds at once, tunnels and peer links included; one more is
-#: closed as soon as it is accepted.
+#: Most connections one listener holds at once that are not authorized tunnels or peer links;
+#: one more is closed as soon as it is accepted.
 MAX_CONNECTIONS = 1024
 #: Most bytes of request bodies one listener holds at once (announced lengths); a request that
 #: would pass it is answered 503 with ``Retry-After`` before its body is read.
@@ -348,9 +349,20 @@ class _ListenerConnection(ProtocolWrapper):
     yamux frames.
     """
 
+    #: True once the connection became an authorized tunnel or peer link (``authorized``).
+    held = False
+
     def makeConnection(self, transport) -> None:
         set_no_delay(transport)
         super().makeConnection(transport)
+
+    def authorized(self) -> None:
+        """``tunnel.websocket`` calls this when it upgrades the connection for a caller it
+        authorized (a worker's tunnel, a peer link): from then on it counts against the
+        site's held connections, not against the cap on connections nobody vouched for."""
+        if not self.held:
+            self.held = True
+            self.factory.connection_held()
 
 
 class EventsPerInterval:
@@ -383,8 +395,10 @@ class FrontendSite(server.Site):
     """The frontend's ``Site``: requests are :class:`FrontendRequest`, connections
     :class:`FrontendChannel`, and the listener serving it is bounded:
 
-    - at most ``max_connections`` connections at once (tunnels and peer links included); one
-      more is closed as soon as it is accepted, before a byte is read;
+    - at most ``max_connections`` connections at once that nobody vouched for (HTTP requests,
+      dials being authorized); one more is closed as soon as it is accepted, before a byte is
+      read.  A connection upgraded for an authorized tunnel or peer link leaves that count
+      (``held_connections``): a replica holds thousands of workers;
     - at most ``max_body_bytes_in_flight`` bytes of request bodies held at once (announced
       lengths, reserved when the headers end and released when the request ends); a request
       that would pass it is answered 503 with ``Retry-After`` before its body is read;
@@ -421,7 +435,11 @@ class FrontendSite(server.Site):
         for prefix, guard in (header_guards or {}).items():
             self.add_header_guard(prefix, guard)
         self.max_connections = max_connections
+        #: Connections not (yet) vouched for: HTTP requests, dials still being authorized.
         self.open_connections = 0
+        #: Authorized tunnels and peer links: bounded by the process's file descriptors, not by
+        #: ``max_connections`` (a replica holds thousands of workers).
+        self.held_connections = 0
         self.max_body_bytes_in_flight = max_body_bytes_in_flight
         self.body_bytes_in_flight = 0
         self.headers_deadline = headers_deadline
@@ -485,6 +503,7 @@ class FrontendSite(server.Site):
         if target is None or not self.header_guards:
             return
         segments = _segments_of(target)
+        request.guarded_segments = segments  # the guard may need the path: not parsed yet
         for prefix, guard in self.header_guards:
             if segments[:len(prefix)] == prefix:
                 guard(request)
@@ -517,8 +536,16 @@ class FrontendSite(server.Site):
     def registerProtocol(self, connection) -> None:
         self.open_connections += 1
 
-    def unregisterProtocol(self, connection) -> None:
+    def connection_held(self) -> None:
+        """One counted connection became an authorized tunnel or peer link."""
         self.open_connections -= 1
+        self.held_connections += 1
+
+    def unregisterProtocol(self, connection) -> None:
+        if getattr(connection, "held", False):
+            self.held_connections -= 1
+        else:
+            self.open_connections -= 1
 
 
 def read_json_object(request, *, required: bool = True) -> dict:
@@ -845,6 +872,8 @@ class ClusterParts:
         tunnel (locally held or relayed); None where no worker is reached (API tests).
     :param lifecycle: the ``ModelLifecycle`` (unload; this replica's in-flight counts); None
         where no worker is reached.
+    :param registration_limit: registrations per source address (``--registration-limit``);
+        None: unlimited.
     """
 
     db: Database
@@ -856,6 +885,7 @@ class ClusterParts:
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
     lifecycle: Any = None
+    registration_limit: SourceRateLimit | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:

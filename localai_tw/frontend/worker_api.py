@@ -29,8 +29,10 @@ no approval handed over): the shared token admits workers, it does not make them
 
 Errors are ``{"error": {"message", "type", "field"?}}``: 400 ``invalid_request`` naming the
 field, 401 ``unauthorized`` (the registration token is missing or wrong), 404 ``not_found``,
-409 ``conflict`` (the name belongs to another node), 413 over the body cap, 503 while the
-frontend is starting.
+409 ``conflict`` (the name belongs to another node), 413 over the body cap, 429
+``rate_limited`` with ``Retry-After`` when the source address made more than
+``--registration-limit`` registrations in the last minute (checked first, before the token),
+503 while the frontend is starting.
 
 This module must never log or echo the registration token, the node key or the tunnel
 credential (the credential appears only in the 201 body), never accept a body over the cap,
@@ -53,6 +55,7 @@ from localai_tw.cluster.nodes import (
 )
 
 from .web import (
+    APIError,
     ClusterParts,
     JSONResource,
     Route,
@@ -117,8 +120,32 @@ class WorkerRegistrationResource(JSONResource):
 
     def guard(self, request) -> None:
         """From the headers alone (``FrontendSite`` also runs it when the headers of a request
-        with a body end): 401 without the registration token."""
+        with a body end): 429 for a source over its registration limit, then 401 without the
+        registration token."""
+        self._check_rate(self._parts, request)
         self._check_token(self._parts, request)
+
+    @staticmethod
+    def _check_rate(parts, request) -> None:
+        """``--registration-limit``: registrations per source address per minute, checked
+        before the token (guessing tokens is limited too) and once per request (the guard runs
+        at the end of the headers and again at dispatch)."""
+        limit = parts.registration_limit
+        segments = getattr(request, "guarded_segments", None)
+        if segments is None:  # at dispatch: the path is parsed by then
+            segments = tuple(request.path.split(b"?", 1)[0].split(b"/"))
+        if limit is None or [s for s in segments if s][-1:] != [b"register"]:
+            return
+        wait = getattr(request, "_ltw_registration_wait", None)
+        if wait is None:
+            source = getattr(request.getClientAddress(), "host", None) or "?"
+            wait = limit.take(source)
+            request._ltw_registration_wait = wait  # the site logs 4xx answers, rate-limited
+        if wait:
+            raise APIError(
+                429, f"too many registrations from this address (at most {limit.burst} per "
+                f"minute, --registration-limit); retry after {limit.retry_after(wait)} s",
+                "rate_limited", headers={"Retry-After": limit.retry_after(wait)})
 
     @staticmethod
     def _check_token(parts, request) -> str | None:

@@ -7,8 +7,9 @@ credential>``.  :class:`ConnectAuthorizer` decides before any upgrade, in the or
 2. the frontend is not wired for distributed mode -> 503;
 3. no ``id`` -> 400;
 4. unknown node, an empty stored credential hash, or a wrong credential -> 401 (the same answer
-   for all three, so ids cannot be enumerated); a database error -> 500 (a worker must not be
-   told its credential is wrong because the database is down);
+   for all three, so ids cannot be enumerated); a database that does not answer the lookup ->
+   503, any other lookup failure -> 500 (a worker must not be told its credential is wrong
+   because the database is down);
 5. ``pending`` -> 403 (awaiting approval; draining and unhealthy nodes keep their tunnels).
 
 Then the WebSocket is upgraded and a yamux **server** session runs over it.  The frontend only
@@ -34,6 +35,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from localai_tw.cluster.nodes import NodeStatus, Unauthorized
+from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.logs import RateLimitedLog
 from localai_tw.logsafe import untrusted
 from localai_tw.mux.session import Session, SessionConfig
@@ -89,6 +91,10 @@ def _single_arg(request, name: bytes) -> str | None:
         return ""
 
 
+#: Tunnel dials whose credential lookup may be in flight at once (:class:`ConnectAuthorizer`).
+MAX_AUTHORIZING = 64
+
+
 def _source(request) -> str:
     address = request.getClientAddress()
     return str(getattr(address, "host", address))
@@ -99,13 +105,23 @@ class ConnectAuthorizer:
     """Authorizes a worker's tunnel dial (ref §1.1 order).  The result is the ``Node``.
 
     :param nodes: a ``NodeRegistry``, or None when distributed mode is not wired (503).
+    :param max_authorizing: credential lookups in flight at once; a dial beyond them is
+        answered 503 with ``Retry-After`` at once, without a statement.  After a restart
+        thousands of workers dial together: admitted at the pace the database answers, their
+        lookups do not queue in the pool ahead of every other request of the replica.
     """
 
-    def __init__(self, nodes, clock=None):
+    def __init__(self, nodes, clock=None, max_authorizing: int = MAX_AUTHORIZING):
         self._nodes = nodes
+        self.max_authorizing = max_authorizing
+        self.authorizing = 0
         self.refusals = RateLimitedLog(
             "refused {count} tunnel dials from {source} in the last {seconds:g} s "
             "({suppressed} of them not logged one by one)", clock=clock)
+        self.deferred_dials = RateLimitedLog(
+            "deferred {count} tunnel dials in the last {seconds:g} s: "
+            f"{max_authorizing} credential lookups were already in flight (a reconnect storm; "
+            "the workers dial again after their backoff)", clock=clock, burst=0)
 
     async def _authorize(self, request):
         credential = bearer_credential(request)  # 401 first, before anything else
@@ -114,6 +130,17 @@ class ConnectAuthorizer:
         node_id = _single_arg(request, b"id")
         if node_id is None:
             raise ConnectRefused(400, "missing id")
+        if self.authorizing >= self.max_authorizing:
+            self.deferred_dials.allow("all")
+            raise ConnectRefused(503, "this replica is admitting as many tunnel dials as it can "
+                                 "take; dial again", {"Retry-After": "2"})
+        self.authorizing += 1
+        try:
+            return await self._look_up(request, credential, node_id)
+        finally:
+            self.authorizing -= 1
+
+    async def _look_up(self, request, credential: bytes, node_id: str):
         if len(node_id) > MAX_NODE_ID_BYTES or not node_id:
             node_id = ""  # unknown by construction; still verified, so timing says nothing
         try:
@@ -126,6 +153,14 @@ class ConnectAuthorizer:
                          node=untrusted(node_id) or "<invalid>")
             raise ConnectRefused(401, "unknown node or wrong credential",
                                  {"WWW-Authenticate": "Bearer"}) from None
+        except (defer.CancelledError, defer.TimeoutError, DatabaseUnavailable, PoolClosed) as e:
+            # The database did not answer (in time): a fact about this replica, not the worker.
+            if self.refusals.allow(_source(request)):
+                log.warn("tunnel dial of node={node} answered 503: the database did not answer "
+                         "the node lookup ({err}); the worker dials again",
+                         node=untrusted(node_id), err=type(e).__name__)
+            raise ConnectRefused(503, "the frontend's database is not answering; try again",
+                                 {"Retry-After": "5"}) from None
         except Exception as e:
             log.warn("tunnel dial of node={node} answered 500: node lookup failed ({err})",
                      node=untrusted(node_id), err=type(e).__name__)

@@ -70,7 +70,8 @@ REFUSAL_HINTS = {
     404: "the frontend has no tunnel route: it predates tunnels; upgrade it",
     409: "the frontend asked for another replica; dialling again",
     500: "the frontend failed (its database may be down); nothing is wrong with this worker",
-    503: "the frontend is not running in distributed mode",
+    503: ("the frontend is not serving tunnels right now (it is starting or stopping, its "
+          "database is not answering, or it does not run in distributed mode); dialling again"),
 }
 #: Statuses on which a re-registration may help (a fresh credential, or a status change).
 REAUTHORIZE_STATUSES = frozenset({401, 403})

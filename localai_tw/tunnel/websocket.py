@@ -620,8 +620,14 @@ class TunnelWebSocketResource(Resource):
 
     @staticmethod
     def _takeOver(request, transport, websocket) -> None:
-        """Move the connection from twisted.web's HTTP channel to the WebSocket protocol."""
+        """Move the connection from twisted.web's HTTP channel to the WebSocket protocol, and
+        tell a counting listener (``frontend.web``'s ``authorized()``) that it is vouched for."""
         request.channel.transport = None
+        for wrapper in (transport, getattr(transport, "protocol", None)):
+            authorized = getattr(wrapper, "authorized", None)
+            if isinstance(wrapper, ProtocolWrapper) and callable(authorized):
+                authorized()
+                break
         if isinstance(transport, ProtocolWrapper):  # TLS wraps the protocol
             transport.wrappedProtocol = websocket
             if isinstance(transport.transport, TLSMemoryBIOProtocol):

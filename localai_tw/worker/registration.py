@@ -82,6 +82,8 @@ class RegistrationError(Exception):
 
     #: Whether trying again later can help without the operator changing anything.
     transient = True
+    #: Seconds the frontend asked the caller to wait (``Retry-After``), when it did.
+    retry_after: float | None = None
 
     def __init__(self, status: int | None, message: str, hint: str = ""):
         self.status = status
@@ -187,10 +189,27 @@ def _error_of(body: bytes) -> tuple[str, str | None]:
     return message, field_name
 
 
-def _failure_for_status(status: int, body: bytes, what: str) -> RegistrationError:
+def _retry_after(response) -> float | None:
+    """The seconds of a ``Retry-After: <seconds>`` header (at most an hour), else None."""
+    values = response.headers.getRawHeaders(b"retry-after") or []
+    try:
+        seconds = float(values[0]) if values else None
+    except ValueError:
+        return None
+    return None if seconds is None or not 0 <= seconds <= 3600 else seconds
+
+
+def _failure_for_status(status: int, body: bytes, what: str,
+                        retry_after: float | None = None) -> RegistrationError:
     """The error for a non-2xx answer to ``what``, with a hint per status."""
     message, field_name = _error_of(body)
     detail = f"{what} refused" + (f": {message}" if message else "")
+    if status == 429:
+        error = FrontendUnavailable(
+            status, detail, "the frontend limits registrations per address "
+            "(its --registration-limit); retrying when it says")
+        error.retry_after = retry_after
+        return error
     if status == 401:
         return RegistrationRejected(
             status, detail,
@@ -342,7 +361,7 @@ class RegistrationClient:
             "max_replicas_per_model": self.max_replicas_per_model,
         }
 
-    async def _post(self, url: str, body: dict, what: str) -> tuple[int, bytes]:
+    async def _post(self, url: str, body: dict, what: str) -> tuple[int, bytes, float | None]:
         try:
             response = await self._http.post(
                 url, json=body, headers=self._headers(), allow_redirects=False,
@@ -358,7 +377,7 @@ class RegistrationClient:
             raise FrontendUnavailable(
                 None, f"{what}: cannot reach {self.base_url}: {_describe(e)}",
                 "is the frontend up? retrying") from None
-        return response.code, data
+        return response.code, data, _retry_after(response)
 
     def _exchange(self, url: str, body: dict, what: str) -> defer.Deferred:
         d = defer.ensureDeferred(self._post(url, body, what))
@@ -370,9 +389,9 @@ class RegistrationClient:
         url = self.base_url + REGISTER_PATH
 
         def answered(result):
-            status, body = result
+            status, body, retry_after = result
             if not 200 <= status <= 299:
-                raise _failure_for_status(status, body, "registration")
+                raise _failure_for_status(status, body, "registration", retry_after)
             return parse_registration(body, status)
 
         return self._exchange(url, self.registration_body(), "registration").addCallback(
@@ -384,11 +403,11 @@ class RegistrationClient:
         url = self.base_url + HEARTBEAT_PATH.format(node_id=quote(node_id, safe=""))
 
         def answered(result):
-            status, body = result
+            status, body, retry_after = result
             if status == 404:
                 raise NodeUnknown(node_id)
             if not 200 <= status <= 299:
-                raise _failure_for_status(status, body, "heartbeat")
+                raise _failure_for_status(status, body, "heartbeat", retry_after)
             return parse_heartbeat(body, status)
 
         return self._exchange(url, {"capacity": self._capacity()}, "heartbeat").addCallback(

@@ -222,6 +222,8 @@ class NodeRegistrar(Service):
         delay = registration_retry_delay(self._retry_failures, self._retry_first,
                                          self._retry_cap)
         error = failure.value
+        if isinstance(error, RegistrationError) and error.retry_after:
+            delay = max(delay, error.retry_after)  # the frontend's own Retry-After (429)
         text = str(error) if isinstance(error, RegistrationError) else failure.getErrorMessage()
         log.warn("registration of node {name} failed: {error}; retrying in {delay:g}s",
                  name=self.node_name, error=text, delay=delay)

@@ -119,6 +119,33 @@ async def test_release_requires_node_owner_and_epoch(db):
 
 
 @pytest_twisted.ensureDeferred
+async def test_release_many_releases_in_batches_and_keeps_the_fence(db):
+    """A stopping replica releases all it holds in a few statements; a node another replica
+    claimed meanwhile, or a stale epoch, is fenced exactly as a single release is.  (Break the
+    ``epoch`` or ``owner_instance_id`` condition in _RELEASE_MANY_SQL: this fails.)"""
+    from localai_tw.cluster.ownership import RELEASE_BATCH
+
+    fence = OwnershipFence(db)
+    await _replica(db, "a")
+    await _replica(db, "b")
+    nodes = [f"node-{i:05d}" for i in range(RELEASE_BATCH * 2 + 7)]
+    epochs = {}
+    for node in nodes:
+        epochs[node] = await fence.claim(node, "a")
+    moved, stale = nodes[3], nodes[RELEASE_BATCH + 1]
+    await fence.claim(moved, "b")  # the worker reconnected to b
+    epochs_sent = dict(epochs, **{stale: epochs[stale] + 100000})
+    released = await fence.release_many("a", list(epochs_sent.items()))
+    assert released == set(nodes) - {moved, stale}
+    assert (await _row(db, moved))[0][0] == "b"  # b's hold is untouched
+    assert (await _row(db, stale))[0] == ("a", epochs[stale], True)
+    for node in sorted(released)[:50]:
+        assert (await _row(db, node))[0][2] is False
+    with pytest.raises(ValueError):
+        await fence.release_many("", [(NODE, 1)])
+
+
+@pytest_twisted.ensureDeferred
 async def test_owner_no_row_departed_or_dead_owner_all_no_connection(db):
     fence = OwnershipFence(db)
     with pytest.raises(NoConnection):

@@ -1,9 +1,12 @@
 """The pool and the migration runner against a real PostgreSQL."""
 
+import json
+
 import psycopg2
 import pytest
 import pytest_twisted
 from twisted.internet import defer
+from twisted.web.server import NOT_DONE_YET
 
 from localai_tw.db.migrate import Migration, SchemaTooNew, load_migrations, migrate
 from localai_tw.db.pool import Database, DatabaseUnavailable, PoolClosed
@@ -119,3 +122,52 @@ async def test_schema_newer_than_code_is_refused(db):
     with pytest.raises(SchemaTooNew) as info:
         await migrate(db)
     assert "9999" in str(info.value)
+
+
+@pytest_twisted.ensureDeferred
+async def test_readyz_stays_ready_while_the_pool_is_busy_but_answering(pg_dsn):
+    """Issue 15 §4: during a reconnect storm /readyz answered 503 five times in a row while the
+    replica served, because its ``SELECT 1`` queued behind thousands of claims and hit its 2 s
+    timeout.  The pool's own answers prove the database is there.  Make answered_within always
+    False: this fails (the probe waits behind the busy pool and times out)."""
+    from twisted.internet import reactor
+    from twisted.web.test.requesthelper import DummyRequest
+
+    from localai_tw.frontend.probes import ReadinessResource
+
+    class Checked:
+        def __init__(self, database):
+            self.database = database
+
+        def readiness(self):
+            return True, "ready"
+
+    database = Database(pg_dsn, size=1)
+    await database.start()
+    try:
+        await database.runQuery("SELECT 1")
+        busy = [database.runQuery("SELECT pg_sleep(1.5)") for _ in range(3)]  # 4.5 s of queue
+        request = DummyRequest([b""])
+        result = ReadinessResource(Checked(database), reactor, probe_timeout=2.0).render_GET(
+            request)
+        assert request.responseCode in (None, 200) and json.loads(result) == {"ready": True}
+        await defer.gatherResults(busy)
+        database.close()
+        request = DummyRequest([b""])  # a closed pool is not ready, whatever it answered
+        result = ReadinessResource(Checked(database), reactor, probe_timeout=2.0).render_GET(
+            request)
+        if result is NOT_DONE_YET:
+            await eventually_finished(request)
+        assert request.responseCode == 503
+    finally:
+        database.close()
+
+
+async def eventually_finished(request):
+    from twisted.internet import reactor, task
+
+    for _ in range(100):
+        if request.finished:
+            return
+        await task.deferLater(reactor, 0.05, lambda: None)
+    raise AssertionError("the readiness probe never answered")

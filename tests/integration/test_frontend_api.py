@@ -468,10 +468,61 @@ async def test_list_and_get_show_status_owner_presence_and_models(frontend, http
 
     status, filtered, _ = await http.call("GET", frontend.url + "/api/nodes?status=offline",
                                           token=ADMIN)
-    assert (status, filtered) == (200, {"nodes": []})
+    assert (status, filtered) == (200, {"nodes": [], "next": None})
     status, bad, _ = await http.call("GET", frontend.url + "/api/nodes?status=bogus",
                                      token=ADMIN)
     assert (status, bad["error"]["field"]) == (400, "status")
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_node_list_pages_by_name_and_reads_each_node_like_the_single_reads(
+        frontend, http):
+    """Issue 15 §4: the list made two queries per node (4 s at 4000 nodes); now a page costs a
+    fixed number of statements.  Each node's owner, presence and grace left must still say
+    exactly what the per-node reads say: connected, reconnecting (departure recorded, grace
+    left), reconnecting (held by a replica that is not live), gone, unknown."""
+    names = [f"n-{i:02d}" for i in range(7)]
+    ids = {name: (await register(http, frontend, name))["id"] for name in names}
+    await register_instance(frontend.db, InstanceIdentity(REPLICA, "test"))
+    await register_instance(frontend.db, InstanceIdentity("dead-replica", "test"))
+    await frontend.db.runOperation(
+        "UPDATE instances SET last_seen = now() - interval '1 hour' WHERE id = 'dead-replica'")
+    fence = frontend.fence
+    epoch = await fence.claim(ids["n-00"], REPLICA)
+    await fence.release(ids["n-01"], REPLICA, await fence.claim(ids["n-01"], REPLICA))
+    await fence.claim(ids["n-02"], "dead-replica")
+    await fence.release(ids["n-03"], REPLICA, await fence.claim(ids["n-03"], REPLICA))
+    await frontend.db.runOperation(
+        "UPDATE node_connections SET disconnected_at = now() - interval '1 day'"
+        " WHERE node_id = %s", (ids["n-03"],))
+
+    seen, after, pages = [], None, 0
+    while True:
+        url = frontend.url + "/api/nodes?limit=3" + (f"&after={after}" if after else "")
+        status, page, _ = await http.call("GET", url, token=ADMIN)
+        assert status == 200 and len(page["nodes"]) <= 3
+        seen += page["nodes"]
+        pages += 1
+        after = page["next"]
+        if after is None:
+            break
+    assert pages == 3 and [n["name"] for n in seen] == names
+    by_name = {n["name"]: n for n in seen}
+    assert by_name["n-00"]["owner"] == {"replica": REPLICA, "epoch": epoch}
+    expected = {"n-00": "connected", "n-01": "reconnecting", "n-02": "reconnecting",
+                "n-03": "gone", "n-04": "unknown"}
+    for name, presence in expected.items():
+        node_id = ids[name]
+        assert by_name[name]["presence"] == presence
+        assert (await fence.presence(node_id, 90.0)).presence.value == presence
+    assert 80 < by_name["n-01"]["reconnect_grace_left"] <= 90
+    assert by_name["n-02"]["reconnect_grace_left"] is None  # no departure recorded
+    assert by_name["n-02"]["owner"] is None  # its holder is not live
+    assert by_name["n-04"]["never_connected"] and not by_name["n-01"]["never_connected"]
+    for bad in ("0", "1001", "x", "-1"):
+        status, answer, _ = await http.call("GET", f"{frontend.url}/api/nodes?limit={bad}",
+                                            token=ADMIN)
+        assert (status, answer["error"]["field"]) == (400, "limit")
 
 
 @pytest.mark.parametrize("method, path", [r for r in ADMIN_ROUTES if "{id}" in r[1]])
@@ -595,3 +646,49 @@ async def test_nodes_are_found_by_name_as_x_localai_node_names_them(frontend, ht
                                       token=ADMIN)
     assert (status, gone) == (200, {"id": node["id"], "deleted": True})
     assert frontend.deleted == [node["id"]]
+
+
+@pytest_twisted.ensureDeferred
+async def test_registrations_per_source_are_limited_with_a_clear_429(db, http):
+    """Issue 15 §4: 2000 registrations in 10 s were all accepted.  ``--registration-limit``
+    answers 429 with Retry-After, at the end of the headers and before the token is looked at
+    (guessing tokens is limited too); heartbeats are not limited; the bucket refills.  Remove
+    _check_rate from the guard: this fails."""
+    from twisted.internet import task
+
+    from localai_tw.web.ratelimit import SourceRateLimit
+
+    clock = task.Clock()
+    registry = NodeRegistry(db, registration_token=TOKEN)
+    parts = ClusterParts(db=db, nodes=registry, fence=OwnershipFence(db), instance_id=REPLICA,
+                         registration_limit=SourceRateLimit(3 / 60.0, 3, clock))
+    registration_api = WorkerRegistrationResource(parts)
+    site = FrontendSite(build_root(parts, APIKeyGuard([ADMIN])),
+                        header_guards={b"/api/node": registration_api.guard})
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
+    url = f"http://127.0.0.1:{port.getHost().port}/api/node"
+    try:
+        first = None
+        for i in range(3):
+            status, body, _ = await http.call("POST", url + "/register",
+                                              body=registration(f"w-{i}"), token=TOKEN)
+            assert status == 201, body
+            first = first or body
+        status, body, response = await http.call("POST", url + "/register",
+                                                 body=registration("w-3"), token=TOKEN)
+        assert status == 429 and body["error"]["type"] == "rate_limited"
+        assert "--registration-limit" in body["error"]["message"]
+        assert response.headers.getRawHeaders(b"retry-after") == [b"20"]
+        status, _, _ = await http.call("POST", url + "/register", body=registration("w-4"),
+                                       token="wrong")
+        assert status == 429  # before the token: a prober cannot guess at full speed
+        status, _, _ = await http.call("POST", f"{url}/{first['id']}/heartbeat", body={},
+                                       token=TOKEN)
+        assert status == 200
+        clock.advance(20)
+        status, body, _ = await http.call("POST", url + "/register", body=registration("w-3"),
+                                          token=TOKEN)
+        assert status == 201, body
+        assert len(await registry.list_nodes()) == 4
+    finally:
+        await port.stopListening()

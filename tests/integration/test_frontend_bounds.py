@@ -327,3 +327,39 @@ async def test_thousands_of_refused_requests_make_a_few_log_lines_and_a_true_cou
         globalLogPublisher.removeObserver(events.append)
     assert len(events) < 50, [formatEvent(e) for e in events]
     assert summaries() and all(e["source"] == "127.0.0.1" for e in summaries())
+
+
+@pytest_twisted.ensureDeferred
+async def test_authorized_tunnels_do_not_count_against_the_connection_cap(frontend):
+    """Issue 15 §4: a replica holds thousands of workers, but the cap on connections (1024)
+    counted tunnels too, so the 1025th worker could never connect.  A connection upgraded for
+    an authorized tunnel leaves the cap; anonymous connections are still capped.  Remove the
+    ``authorized()`` call in tunnel.websocket: this fails."""
+    from localai_tw.mux.session import Session
+    from localai_tw.tunnel.websocket import connectWebSocket
+
+    service = await frontend()
+    port = service.listener.tcp_port()
+    client = Client(f"http://127.0.0.1:{port}")
+    sessions = []
+    for i in range(3):
+        status, node = await client.call(
+            "POST", "/api/node/register",
+            {"name": f"w{i}", "node_key": f"w{i}-node-key-" + "k" * 32}, token=TOKEN)
+        assert status == 201
+        sessions.append(await connectWebSocket(
+            reactor, f"ws://127.0.0.1:{port}/api/cluster/connect?id={node['id']}",
+            lambda: Session(client=True),
+            headers={"Authorization": f"Bearer {node['tunnel_token']}"}).addTimeout(10, reactor))
+    await eventually(lambda: service.site.held_connections == 3)
+    await eventually(lambda: service.site.open_connections == 0)
+    service.site.max_connections = 2
+    holders = [await frontend.dial(service) for _ in range(2)]
+    await eventually(lambda: service.site.open_connections == 2)
+    extra = await frontend.dial(service)
+    await extra.lost.addTimeout(5, reactor)  # anonymous connections are still capped
+    assert all(s.isOpen for s in sessions) and not any(h.closed for h in holders)
+    for session in sessions:
+        session.loseConnection()
+    await eventually(lambda: service.site.held_connections == 0)
+    assert service.site.open_connections == 2

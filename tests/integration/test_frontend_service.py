@@ -160,3 +160,21 @@ async def test_departure_subscribers_include_the_worker_http_pools(started):
     # minted once
     assert service.replica.identity.peer_secret == service.config.identity_seed.peer_secret
     assert service.replica.health.grace == 90.0
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_listener_has_a_backlog_for_a_fleet():
+    """``--listen`` without ``backlog=`` listens with 1024, not Twisted's 50 (issue 15 §4:
+    1000 workers starting at once overflowed 50).  Remove with_fleet_backlog: this fails."""
+    from twisted.web.server import Site
+    from twisted.web.resource import Resource
+
+    from localai_tw.frontend.service import ListeningService
+
+    listener = ListeningService(reactor, "tcp:0:interface=127.0.0.1", Site(Resource()))
+    listener.startService()
+    try:
+        port = await listener.whenListening()
+        assert port.backlog == 1024
+    finally:
+        await listener.stopService()

@@ -64,14 +64,17 @@ async def test_pending_node_gets_403(db, frontends, workers):
 
 
 @pytest_twisted.ensureDeferred
-async def test_database_down_is_500_not_401(db, pg_dsn, frontends, workers):
+async def test_database_down_is_503_not_401(db, pg_dsn, frontends, workers):
+    """A dial the frontend cannot look up because its database is away is a 503 saying so
+    (issue 15 §4: it was a 500 logged as "node lookup failed (CancelledError)"); never a 401,
+    which would send the worker to re-register."""
     broken = Database(pg_dsn, size=1)
     await broken.start()
     broken.close()
     frontend = await frontends("replica-a", nodes=NodeRegistry(broken, registration_token=TOKEN))
     worker = await workers(NodeRegistry(db, registration_token=TOKEN), "w-db",
                            scripted(("echo",)))
-    assert await dial_status(frontend, worker.node_id, worker.credential) == 500
+    assert await dial_status(frontend, worker.node_id, worker.credential) == 503
 
 
 async def owner_row(frontend, node_id):
@@ -283,3 +286,37 @@ async def test_tunnel_lines_name_the_node_by_its_name(db, frontends, workers):
                  "departure recorded"):
         line = next(line for line in lines if what in line)
         assert f"node={worker.node_id} (w-named)" in line, line
+
+
+@pytest_twisted.ensureDeferred
+async def test_dials_beyond_the_lookups_in_flight_are_deferred_with_503(db, pg_dsn, frontends,
+                                                                          workers):
+    """Issue 15 §4: after a restart thousands of workers dial at once; their credential
+    lookups queued in the pool ahead of every other request.  Beyond ``max_authorizing``
+    lookups in flight a dial is answered 503 with Retry-After at once, with no statement; the
+    ones admitted still connect.  Remove the check in _authorize: the second dial waits and
+    gets 101 instead of 503."""
+    slow = Database(pg_dsn, size=1)
+    await slow.start()
+    try:
+        frontend = await frontends("replica-a", nodes=NodeRegistry(slow, registration_token=TOKEN))
+        worker = await workers(NodeRegistry(db, registration_token=TOKEN), "w-storm",
+                               scripted(("echo",)))
+        connect = frontend.port.factory.resource.children[b"api"].children[b"cluster"] \
+            .children[b"connect"]
+        authorizer = connect._authorize.__self__
+        authorizer.max_authorizing = 1
+        busy = slow.runQuery("SELECT pg_sleep(1.5)")  # the pool's one connection is taken
+        first = defer.ensureDeferred(dial_status(frontend, worker.node_id, worker.credential))
+        await eventually(lambda: authorizer.authorizing == 1)
+        url = f"http://{frontend.address}/api/cluster/connect?id={worker.node_id}"
+        response = await within(treq.get(url, headers={
+            **UPGRADE, "Authorization": f"Bearer {worker.credential}"}))
+        await treq.content(response)
+        assert response.code == 503
+        assert response.headers.getRawHeaders(b"retry-after") == [b"2"]
+        await busy
+        assert await first == 101
+        assert authorizer.authorizing == 0
+    finally:
+        slow.close()

@@ -653,3 +653,15 @@ def test_tests_never_use_the_real_data_directories():
     for role in ("", "worker"):
         assert not config.default_data_dir(role).startswith(home_share)
     assert not parse(frontend_tap.Options, [])["data-dir"].startswith(home_share)
+
+
+def test_server_endpoints_get_a_backlog_sized_for_a_fleet():
+    """Twisted's default backlog (50) overflowed when 1000 workers registered at once."""
+    assert config.with_fleet_backlog("tcp:8080:interface=127.0.0.1") == \
+        f"tcp:8080:interface=127.0.0.1:backlog={config.FLEET_BACKLOG}"
+    assert config.with_fleet_backlog("unix:/run/x.sock").endswith(":backlog=1024")
+    assert config.with_fleet_backlog("ssl:8443:privateKey=k.pem").endswith(":backlog=1024")
+    # The operator's own choice wins; endpoints without a backlog are left alone.
+    assert config.with_fleet_backlog("tcp:8080:backlog=10") == "tcp:8080:backlog=10"
+    assert config.with_fleet_backlog("systemd:domain=INET:index=0") == \
+        "systemd:domain=INET:index=0"

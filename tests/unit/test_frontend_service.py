@@ -97,6 +97,22 @@ def test_the_openai_api_is_503_starting_until_wired():
     assert response.header("retry-after") == "5"
 
 
+def test_a_stopping_replica_says_it_is_stopping_not_starting():
+    """Issue 15 §4: a stopping replica answered heartbeats and API calls with 503 "the frontend
+    is starting", which sends an operator looking for the wrong problem."""
+    from tests.unit.test_openai_fakes import call
+
+    service, _ = frontend()
+    service.gate.open(service.gate.tree)
+    service.gate.close()
+    heartbeat = call(service.site, "POST", "/api/node/n1/heartbeat")
+    assert heartbeat.status == 503 and heartbeat.header("retry-after") == "5"
+    assert "stopping" in heartbeat.json()["error"]["message"]
+    assert "starting" not in heartbeat.json()["error"]["message"]
+    openai = call(service.site, "GET", "/v1/models", headers={"Authorization": "Bearer k"})
+    assert openai.status == 503 and openai.json()["error"]["code"] == "stopping"
+
+
 def test_a_missing_api_key_is_refused_while_starting_too():
     from tests.unit.test_openai_fakes import call
 

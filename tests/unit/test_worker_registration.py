@@ -234,3 +234,19 @@ def test_a_failing_capacity_provider_reports_no_capacity(api, clock):
     client._capacity_provider = lambda: 1 / 0
     result_of(client.register(), agent)
     assert api.requests[0]["body"]["capacity"] == {}
+
+
+def test_a_429_is_transient_and_carries_the_frontends_retry_after(api, clock):
+    """--registration-limit answers 429 with Retry-After: the worker waits that long, it does
+    not give up and does not count it a rejection."""
+    api.answer = (429, {"error": {"message": "too many registrations from this address",
+                                  "type": "rate_limited"}})
+    api.extra_headers = {b"retry-after": b"12"}
+    client, agent = client_for(api, clock)
+    failure = result_of(client.register(), agent)
+    error = failure.value
+    assert isinstance(error, FrontendUnavailable) and error.transient
+    assert error.status == 429 and error.retry_after == 12.0
+    assert "--registration-limit" in str(error)
+    api.extra_headers = {b"retry-after": b"soon"}
+    assert result_of(client.register(), agent).value.retry_after is None

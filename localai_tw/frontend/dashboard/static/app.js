@@ -28,6 +28,18 @@ async function getJSON(path) {
   return body;
 }
 
+// Every node: /api/nodes answers a page at a time (1000 by name), "next" names where the
+// following page starts.
+async function getAllNodes() {
+  let nodes = [], after = null;
+  do {
+    const page = await getJSON("/api/nodes" + (after ? "?after=" + encodeURIComponent(after) : ""));
+    nodes = nodes.concat(page.nodes);
+    after = page.next;
+  } while (after);
+  return {nodes: nodes};
+}
+
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -236,7 +248,7 @@ async function poll() {
     let nodes = [];
     try {
       const [n, inst, loads, traces] = await Promise.all([
-        getJSON("/api/nodes"), getJSON("/api/cluster/instances"),
+        getAllNodes(), getJSON("/api/cluster/instances"),
         getJSON("/api/cluster/loads"), getJSON("/api/traces?limit=50")]);
       nodes = n.nodes;
       renderNodes(nodes);
