@@ -280,3 +280,30 @@ async def test_min_replicas_are_loaded_without_a_request(cluster):
     await scaler.run_once()  # the floor is met: nothing more
     assert sorted(r[0] for r in await cluster.rows("m")) == sorted([w1.node_id, w2.node_id])
     assert running(w1) == ["m"] and running(w2) == ["m"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_idle_watchdog_unloads_what_was_not_used_for_its_timeout(cluster):
+    """``--enable-watchdog-idle --watchdog-idle-timeout 1s`` on the replica holding the worker;
+    a pinned model stays.  Break: compare ``last_used`` with the timeout the wrong way round
+    (``>``): the unused model stays and this goes red."""
+    cluster.write_model("m.yaml", echo_model("m"))
+    cluster.write_model("p.yaml", echo_model("p", extra="pinned: true\n"))
+    frontend = await cluster.frontend("replica-a", **{"enable-watchdog-idle": True,
+                                                      "watchdog-idle-timeout": 1.0})
+    other = await cluster.frontend("replica-b", **{"enable-watchdog-idle": True,
+                                                   "watchdog-idle-timeout": 1.0})
+    worker = await cluster.worker("w1", frontend)
+    await predict(frontend, "m")
+    await predict(frontend, "p")
+    dog = frontend.replica.watchdog
+    assert dog.enabled and dog.idle_timeout == 1.0
+    assert await dog.run_once() == []  # just used
+    assert await other.replica.watchdog.run_once() == []  # not its worker: never its call
+
+    async def unloaded():  # this pass, or the service's own tick (every 5 s), unloads it
+        results = await dog.run_once()
+        assert all(r.outcome == "stopped" and r.model == "m" for r in results), results
+        return [r[1] for r in await cluster.rows()] == ["p"]
+    await eventually(unloaded, timeout=10, what="m unloaded, p kept")
+    assert running(worker) == ["p"]
