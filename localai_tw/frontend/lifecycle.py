@@ -65,6 +65,7 @@ from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from localai_tw import errors
+from localai_tw import metrics as replica_metrics
 
 from .models import ModelConfig
 from .usage import ModelUse
@@ -151,8 +152,10 @@ class ModelLifecycle:
 
     def __init__(self, db, control, use: ModelUse, catalog, reactor, *,
                  max_active_backends: int = 0,
-                 stop_timeout: float = DEFAULT_STOP_TIMEOUT):
+                 stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
         self._db = db
+        self._metrics = metrics
         self._control = control
         self.use = use
         self._catalog = catalog
@@ -163,8 +166,16 @@ class ModelLifecycle:
     # -- unload -----------------------------------------------------------------------------
 
     async def unload(self, model_name: str, node_id: str, *, force: bool = False,
-                     why: str = "administrator") -> UnloadResult:
-        """Stop ``model_name`` on ``node_id``; the row follows the worker's answer."""
+                     why: str = "administrator", reason: str = "admin") -> UnloadResult:
+        """Stop ``model_name`` on ``node_id``; the row follows the worker's answer.
+        ``reason`` (``admin``, ``eviction``, ``idle-watchdog``, ``busy-watchdog``) labels the
+        ``localai_model_unloads_total`` metric; ``why`` is for the log."""
+        result = await self._unload(model_name, node_id, force, why)
+        self._metrics.unload(model_name, reason, result.outcome)
+        return result
+
+    async def _unload(self, model_name: str, node_id: str, force: bool,
+                      why: str) -> UnloadResult:
         rows = await self._db.runQuery(
             "SELECT state, address FROM node_models WHERE node_id = %s AND model_name = %s",
             (node_id, model_name))
@@ -334,7 +345,7 @@ class ModelLifecycle:
                          "to evict; loading anyway", node=node_id, model=model.name, why=why)
                 return evicted
             victim = victims[0]  # least recently used first (the query's order)
-            result = await self.unload(victim.name, node_id,
+            result = await self.unload(victim.name, node_id, reason="eviction",
                                        why=f"evicted for {model.name}: {why}")
             if result.stopped:
                 evicted.append(victim.name)
@@ -406,7 +417,8 @@ class LifecycleWatchdog(Service):
                          "busy timeout ({timeout:g} s); stopping its backend", model=model_name,
                          node=node_id, timeout=self.busy_timeout)
                 results.append(await lifecycle.unload(model_name, node_id, force=True,
-                                                      why="busy watchdog"))
+                                                      why="busy watchdog",
+                                                      reason="busy-watchdog"))
         held = list(self._held_nodes())
         if self.idle_timeout > 0 and held:
             await lifecycle.use.flush()
@@ -419,5 +431,6 @@ class LifecycleWatchdog(Service):
                 if lifecycle._pinned(model_name):
                     continue
                 results.append(await lifecycle.unload(model_name, node_id,
-                                                      why="idle watchdog"))
+                                                      why="idle watchdog",
+                                                      reason="idle-watchdog"))
         return results

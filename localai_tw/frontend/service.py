@@ -441,9 +441,10 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
         config.registration_token or None)
     catalog = ModelCatalog(config.models_dir)
-    use = ModelUse(db, reactor)
+    use = ModelUse(db, reactor, metrics=metrics)
     lifecycle = ModelLifecycle(db, control, use, catalog, reactor,
-                               max_active_backends=config.max_active_backends)
+                               max_active_backends=config.max_active_backends,
+                               metrics=metrics)
     chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
                         config.models_dir, reactor, metrics=metrics)

@@ -31,6 +31,8 @@ from twisted.application.service import Service
 from twisted.internet import defer, task
 from twisted.logger import Logger
 
+from localai_tw import metrics as replica_metrics
+
 log = Logger()
 
 #: Seconds between two flushes of the touched pairs: at most one write per pair per interval.
@@ -52,8 +54,10 @@ class ModelUse(Service):
 
     name = "model-use"
 
-    def __init__(self, db, reactor, *, flush_interval: float = DEFAULT_FLUSH_INTERVAL):
+    def __init__(self, db, reactor, *, flush_interval: float = DEFAULT_FLUSH_INTERVAL,
+                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
         self._db = db
+        self._metrics = metrics
         self._reactor = reactor
         self.flush_interval = flush_interval
         self._pending: set[tuple[str, str]] = set()
@@ -113,6 +117,7 @@ class ModelUse(Service):
         nodes = [node for node, _ in batch]
         models = [model for _, model in batch]
         self.writes += 1
+        self._metrics.last_used_write()
         d = self._db.runOperation(_TOUCH_SQL, (nodes, models))
 
         def failed(failure):

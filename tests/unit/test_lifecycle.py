@@ -466,3 +466,26 @@ def test_each_unload_outcome_has_its_own_status_and_an_absent_worker_is_never_fa
     body = caught.value.body()
     assert caught.value.status == 409 and [n["outcome"] for n in body["nodes"]] == [
         "stopped", "busy"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_unloads_and_last_used_writes_are_counted_in_the_replicas_metrics():
+    from prometheus_client import generate_latest
+
+    from localai_tw.metrics import ReplicaMetrics
+
+    metrics = ReplicaMetrics()
+    clock = task.Clock()
+    db = FakeDB()
+    use = ModelUse(db, clock, metrics=metrics)
+    lifecycle = ModelLifecycle(db, FakeControl(), use, FakeCatalog(), clock, metrics=metrics)
+    db.add("n", "m")
+    await lifecycle.unload("m", "n")
+    await lifecycle.unload("m", "n", reason="eviction")
+    use.touch("n", "m")
+    use.flush()
+    text = generate_latest(metrics.registry).decode()
+    assert 'localai_model_unloads_total{model="m",outcome="stopped",reason="admin"} 1.0' in text
+    assert ('localai_model_unloads_total{model="m",outcome="not-loaded",reason="eviction"} 1.0'
+            in text)
+    assert "localai_last_used_writes_total 1.0" in text
