@@ -38,7 +38,9 @@ ENDPOINTS = {
     (b"completions",): "completions",
     (b"embeddings",): "embeddings",
     (b"models",): "models",
+    (b"models", b"capabilities"): "capabilities",
     (b"tokenize",): "tokenize",
+    (b"detokenize",): "detokenize",
     (b"rerank",): "rerank",
 }
 
@@ -54,6 +56,8 @@ LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
 def endpoint_of(postpath: Iterable[bytes]) -> str:
     """The bounded ``endpoint`` label of an OpenAI API path below ``/v1``."""
     segments = [s for s in postpath if s]
+    if tuple(segments) in ENDPOINTS:
+        return ENDPOINTS[tuple(segments)]
     if len(segments) >= 2 and segments[0] == b"models":
         return "model"
     return ENDPOINTS.get(tuple(segments), "other")

@@ -73,6 +73,12 @@ _EMBEDDING = (EMBEDDINGS, frozenset({EMBEDDINGS}))
 _RERANK = (RERANK, frozenset({RERANK}))
 
 
+def _carries_identity(request) -> bool:
+    """Whether ``request`` has a ``ModelIdentity`` field (``DetokenizeRequest`` has none in
+    LocalAI's contract: its backend cannot check which model answers)."""
+    return "ModelIdentity" in request.DESCRIPTOR.fields_by_name
+
+
 def _reloadable(error: BaseException) -> bool:
     """The backend refused before running anything: its model is gone or another one is there."""
     if not isinstance(error, errors.BackendAnswer):
@@ -134,6 +140,10 @@ class InferenceRouter:
     def tokenize(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
                            lambda client, req, dl: client.call("TokenizeString", req, dl))
+
+    def detokenize(self, name, request, deadline=None) -> defer.Deferred:
+        return self._serve(name, request, deadline,
+                           lambda client, req, dl: client.call("Detokenize", req, dl))
 
     def rerank(self, name, request, deadline=None) -> defer.Deferred:
         return self._serve(name, request, deadline,
@@ -220,7 +230,7 @@ class InferenceRouter:
                 raise
             request = options.__class__()
             request.CopyFrom(options)
-            if placement.model_id:
+            if placement.model_id and _carries_identity(request):
                 request.ModelIdentity = placement.model_id
             client = self.clients.client(placement.node_id, placement.port)
             if self.scaler is not None:

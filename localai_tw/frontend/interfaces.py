@@ -179,6 +179,11 @@ class IInferenceRouter(Interface):
     def tokenize(name, options, deadline=None):
         """``TokenizeString``: returns ``Deferred[Served[backend_pb2.TokenizationResponse]]``."""
 
+    def detokenize(name, request, deadline=None):
+        """``Detokenize`` of a ``backend_pb2.DetokenizeRequest``: returns
+        ``Deferred[Served[backend_pb2.DetokenizeResponse]]``; any configured model may be asked
+        (whether it can is its backend's answer, as for ``tokenize``)."""
+
     def rerank(name, request, deadline=None):
         """``Rerank`` of a ``backend_pb2.RerankRequest``: returns
         ``Deferred[Served[backend_pb2.RerankResult]]``; refused (``ModelUsecaseUnsupported``)

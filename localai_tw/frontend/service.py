@@ -101,7 +101,15 @@ from .lifecycle_api import BackendResource
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .traces import TraceRing, TracesResource
-from .openai import OPENAI_MAX_BODY_BYTES, OpenAIResource, check_api_key
+from .openai import (
+    OPENAI_MAX_BODY_BYTES,
+    OpenAIResource,
+    api_prefixes,
+    check_api_key,
+    early_error,
+    unprefixed_aliases,
+    unprefixed_roots,
+)
 from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
 from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
@@ -667,9 +675,15 @@ class FrontendService(InOrderMultiService):
             b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
         self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
         self.site = FrontendSite(self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
+        # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
+        for alias, twin in unprefixed_aliases():
+            self.site.add_body_limit(alias, self.site.body_limit_for(twin))
         # Authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503): the API keys now, registration once wired.
-        self.site.add_header_guard(b"/v1", functools.partial(check_api_key, self.api_keys))
+        # Refusals before the body on the OpenAI API's paths carry its error shape.
+        for prefix in api_prefixes():
+            self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
+            self.site.add_early_answer_shape(prefix, early_error)
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
                        b"/api/traces", b"/metrics", b"/backend"):
             self.site.add_header_guard(prefix, self.api_keys.check)
@@ -700,6 +714,9 @@ class FrontendService(InOrderMultiService):
                                 metrics=replica.metrics)
         root.putChild(b"v1", openai)
         root.putChild(b"backend", BackendResource(replica.inference, self.api_keys))
+        unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
+        for name in unprefixed_roots():
+            root.putChild(name, unprefixed)
         root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
                                                   replica.tunnels, replica.control))
         api = JSONDirectory()

@@ -212,6 +212,7 @@ class FrontendRequest(server.Request):
         site = site if isinstance(site, FrontendSite) else None
         line = pending_request_line(self.channel)
         target = line[1] if line is not None else None
+        self._early_target = target
         limit = site.body_limit_for(target) if site is not None else MAX_BODY_BYTES
         self.content = CappedBody(limit)
         if length == 0:
@@ -250,6 +251,9 @@ class FrontendRequest(server.Request):
         # The channel answers "Expect: 100-continue" right after gotLength; after a final
         # answer that would be a second response.
         self.requestHeaders.removeHeader(b"expect")
+        site = getattr(self.channel, "site", None)
+        if isinstance(site, FrontendSite):
+            answer = site.shape_early_answer(getattr(self, "_early_target", None), answer)
         if self.channel is not None:
             answer_early(self.channel, answer.status, answer.body(), answer.headers)
 
@@ -412,12 +416,20 @@ class FrontendSite(server.Site):
     summary, not a line each.
 
     :param body_limits: raw path prefix -> body cap in bytes, for routes that take more than
-        :data:`MAX_BODY_BYTES` (the longest matching prefix wins).
+        :data:`MAX_BODY_BYTES` (the longest matching prefix wins).  A prefix ending in ``/``
+        covers what follows it; any other covers that path and the paths below it
+        (``b"/completions"``: ``/completions`` and ``/completions/x``, not
+        ``/completionsx``, which an unauthenticated client could otherwise use to have 8 MiB
+        read on a path no header guard covers).
     :param default_limit: the cap of every other path.
     :param header_guards: path prefix (``b"/v1"``, matched by whole segments, as routed) ->
         ``guard(request)``, which sees only the headers and raises an :class:`APIError`-like
         refusal (``status``, ``body()``, ``headers``) to refuse.  The longest prefix wins.
         Resources check again when they answer: the guard only moves the refusal earlier.
+
+    A refusal answered before the body (413, 503, a guard's) is an :class:`APIError` unless the
+    path has an *early answer shape* (:meth:`add_early_answer_shape`): the OpenAI API's paths
+    answer its error shape there too.
     """
 
     requestFactory = FrontendRequest
@@ -432,6 +444,7 @@ class FrontendSite(server.Site):
                  body_deadline: float | None = BODY_DEADLINE_SECONDS, **kwargs):
         super().__init__(resource, **kwargs)
         self.header_guards: list[tuple[tuple[bytes, ...], Callable[[Any], None]]] = []
+        self.early_answer_shapes: list[tuple[tuple[bytes, ...], Callable[[Any], Any]]] = []
         for prefix, guard in (header_guards or {}).items():
             self.add_header_guard(prefix, guard)
         self.max_connections = max_connections
@@ -480,12 +493,18 @@ class FrontendSite(server.Site):
         self.refused_access.flush()
         super().stopFactory()
 
+    def add_body_limit(self, prefix: bytes, limit: int) -> None:
+        """Cap the bodies under ``prefix`` at ``limit`` (as ``body_limits`` above)."""
+        self.body_limits = sorted([*self.body_limits, (prefix, limit)],
+                                  key=lambda kv: len(kv[0]), reverse=True)
+
     def body_limit_for(self, target: bytes | None) -> int:
         if target is None:
             return self.default_limit
         path = target.split(b"?", 1)[0]
         for prefix, limit in self.body_limits:
-            if path.startswith(prefix):
+            if path == prefix or path.startswith(prefix if prefix.endswith(b"/")
+                                                 else prefix + b"/"):
                 return limit
         return self.default_limit
 
@@ -495,6 +514,26 @@ class FrontendSite(server.Site):
         """Guard the paths under ``prefix`` (see ``header_guards`` above)."""
         self.header_guards.append((_segments_of(prefix.rstrip(b"/")), guard))
         self.header_guards.sort(key=lambda kv: len(kv[0]), reverse=True)
+
+    def add_early_answer_shape(self, prefix: bytes, shape: Callable[[Any], Any]) -> None:
+        """Refusals answered before the body on the paths under ``prefix`` (whole segments)
+        are passed through ``shape(refusal)``, which returns the refusal to answer (same
+        ``status``, ``body()``, ``headers`` protocol)."""
+        self.early_answer_shapes.append((_segments_of(prefix.rstrip(b"/")), shape))
+        self.early_answer_shapes.sort(key=lambda kv: len(kv[0]), reverse=True)
+
+    def shape_early_answer(self, target: bytes | None, answer):
+        if target is None:
+            return answer
+        segments = _segments_of(target)
+        for prefix, shape in self.early_answer_shapes:
+            if segments[:len(prefix)] == prefix:
+                try:
+                    return shape(answer)
+                except Exception:
+                    log.failure("shaping an early answer failed; answering it unshaped")
+                    return answer
+        return answer
 
     def guard_before_body(self, request, target: bytes | None) -> None:
         """Run the header guard of ``target``'s path, if any (raises its refusal).  An unknown

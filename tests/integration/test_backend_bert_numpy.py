@@ -191,6 +191,15 @@ async def test_bert_numpy_serves_embeddings_over_grpc(model_path, supervisor, tm
     tokens = await deferToThread(_call, record.address, "TokenizeString",
                                  backend_pb2.PredictOptions(Prompt="word " * 300))
     assert tokens.length == 300 == len(tokens.tokens)  # counted in full, not truncated
+    ids = await deferToThread(_call, record.address, "TokenizeString",
+                              backend_pb2.PredictOptions(Prompt="A man is eating food"))
+    text = await deferToThread(_call, record.address, "Detokenize",
+                               backend_pb2.DetokenizeRequest(tokens=ids.tokens))
+    assert text.content == "a man is eating food"  # the uncased WordPiece reads back lower
+    with pytest.raises(grpc.RpcError) as unknown:
+        await deferToThread(_call, record.address, "Detokenize",
+                            backend_pb2.DetokenizeRequest(tokens=[101, 10 ** 6]))
+    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
     with pytest.raises(BackendLoadFailed, match="loads a local model directory"):
         await supervisor.start("bert-numpy", "elsewhere", load={
@@ -248,3 +257,45 @@ async def test_bert_numpy_reranks_by_bi_encoder_cosine(model_path, supervisor):
         await deferToThread(_call, record.address, "Rerank", backend_pb2.RerankRequest(
             query=query, documents=documents, ModelIdentity="another-model"))
     assert mismatch.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest_twisted.ensureDeferred
+async def test_tokenize_detokenize_and_capabilities_of_the_real_model_through_a_relay(
+        model_path, cluster):
+    """The shipped MiniLM on ``bert-numpy`` behind a replica that does not hold the worker's
+    tunnel: ``/v1/tokenize`` and ``/v1/detokenize`` read the text back (lower case: an uncased
+    WordPiece), ``/v1/models/capabilities`` says what its endpoints accept."""
+    import json
+    import urllib.request
+
+    from tests.integration.inference_harness import ADMIN
+
+    cluster.write_model("minilm.yaml", f"name: minilm\nbackend: bert-numpy\nembeddings: true\n"
+                                       f"parameters:\n  model: {model_path}\n")
+    owner = await cluster.frontend("replica-owner")
+    relaying = await cluster.frontend("replica-relaying")
+    worker = await cluster.worker("w-minilm", owner)
+    assert not relaying.replica.tunnels.holds(worker.node_id)
+    root = cluster.base_url(relaying)
+
+    def send(path, body=None):
+        request = urllib.request.Request(
+            root + path, data=json.dumps(body).encode() if body else None,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.headers.get("x-localai-node"), json.loads(response.read())
+
+    def use_the_api():
+        node, tokens = send("/v1/tokenize", {"model": "minilm",
+                                             "content": "Distributed inference, déjà vu"})
+        _, text = send("/v1/detokenize", {"model": "minilm", "tokens": tokens["tokens"]})
+        _, listing = send("/v1/models/capabilities")
+        return node, tokens["tokens"], text, listing
+
+    node, tokens, text, listing = await deferToThread(use_the_api)
+    assert node == "w-minilm"
+    assert tokens[:2] == [5500, 28937]  # "distributed", "inference" in MiniLM's vocabulary
+    assert text == {"content": "distributed inference, deja vu"}  # uncased: accents stripped
+    assert listing["data"] == [{"id": "minilm", "object": "model",
+                                "capabilities": ["embeddings", "rerank", "tokenize"],
+                                "input_modalities": ["text"], "output_modalities": []}]

@@ -104,6 +104,14 @@ async def test_transformers_loads_a_tiny_model_and_generates(supervisor, tmp_pat
     tokens = await deferToThread(_call, record.address, "TokenizeString",
                                  backend_pb2.PredictOptions(Prompt="the cat"))
     assert list(tokens.tokens) == [2, 3]
+    text = await deferToThread(_call, record.address, "Detokenize",
+                               backend_pb2.DetokenizeRequest(tokens=[2, 3]))
+    assert text.content == "the cat"  # TokenizeString's ids read back
+    with pytest.raises(grpc.RpcError) as unknown:
+        await deferToThread(_call, record.address, "Detokenize",
+                            backend_pb2.DetokenizeRequest(tokens=[2, 10 ** 6]))
+    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1000000 is not in the model's vocabulary" in unknown.value.details()
     emb = await deferToThread(_call, record.address, "Embedding",
                               backend_pb2.PredictOptions(Embeddings="the dog"))
     assert len(emb.embeddings) == 32
@@ -191,6 +199,11 @@ async def test_sentence_transformers_embeds(supervisor):
                             backend_pb2.PredictOptions(EmbeddingTokens=[101, 2158, 102]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "token-id input" in refused.value.details()
+    ids = await deferToThread(_call, record.address, "TokenizeString",
+                              backend_pb2.PredictOptions(Prompt="A man is eating food"))
+    text = await deferToThread(_call, record.address, "Detokenize",
+                               backend_pb2.DetokenizeRequest(tokens=ids.tokens))
+    assert text.content == "a man is eating food"  # the uncased WordPiece reads back lower
 
 
 @needs_sentence_model

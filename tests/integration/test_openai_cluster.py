@@ -173,3 +173,107 @@ async def test_rerank_reaches_the_backends_rerank_through_the_router(cluster):
         {"index": 2, "document": {"text": "a red car"}, "relevance_score": 0.5}]
     assert answer["model"] == "echo-rank"
     assert answer["usage"] == {"prompt_tokens": 10, "total_tokens": 10}
+
+
+@pytest_twisted.ensureDeferred
+async def test_detokenize_capabilities_and_unprefixed_routes_through_a_relaying_replica(cluster):
+    """The replica that serves these requests does not hold the worker's tunnel: tokenize and
+    detokenize reach the echo backend's RPCs across the relay (and read back), capabilities
+    and the unprefixed routes are answered with the /v1 key check and body cap."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", (
+        "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n"
+        f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
+        "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"))
+    owner = await cluster.frontend("replica-owner")
+    relaying = await cluster.frontend("replica-relaying")
+    worker = await cluster.worker("w-detok", owner)
+    assert not relaying.replica.tunnels.holds(worker.node_id)
+    root = cluster.base_url(relaying)
+
+    def send(method, path, body=None, key=ADMIN, raw=None):
+        data = raw if raw is not None else (json.dumps(body).encode() if body else None)
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(root + path, data=data, method=method,
+                                         headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.headers.get("x-localai-node"), \
+                    json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, None, json.loads(e.read() or b"null")
+
+    def use_the_api():
+        out = {}
+        out["tokenize"] = send("POST", "/v1/tokenize",
+                               {"model": "echo-chat", "content": "héllo wörld héllo"})
+        tokens = out["tokenize"][2]["tokens"]
+        out["detokenize"] = send("POST", "/v1/detokenize",
+                                 {"model": "echo-chat", "tokens": tokens[::-1]})
+        out["unknown-id"] = send("POST", "/v1/detokenize",
+                                 {"model": "echo-chat", "tokens": [tokens[0], 49999]})
+        out["empty"] = send("POST", "/v1/detokenize", {"model": "echo-chat", "tokens": []})
+        out["capabilities"] = send("GET", "/v1/models/capabilities")
+        out["capabilities-root"] = send("GET", "/models/capabilities")
+        out["models-root"] = send("GET", "/models")
+        out["chat-root"] = send("POST", "/chat/completions", {
+            "model": "echo-chat", "messages": [{"role": "user", "content": "at the root"}]})
+        out["chat-root-no-key"] = send("POST", "/chat/completions", {"model": "echo-chat"},
+                                       key=None)
+        out["chat-root-200k"] = send("POST", "/chat/completions", {
+            "model": "echo-chat", "messages": [{"role": "user", "content": "y" * 200000}]})
+        out["announced-9m-no-key"] = head_only("/chat/completions", None)
+        out["announced-9m"] = head_only("/embeddings", ADMIN)
+        return out
+
+    def head_only(path, key):
+        """Headers announcing a 9 MiB body, and no body: the answer comes before it."""
+        import socket
+
+        host, port = root.rsplit("/", 1)[-1].split(":")
+        lines = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+                 f"Content-Length: {9 << 20}"] + \
+            ([f"Authorization: Bearer {key}"] if key else [])
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        return int(head.split()[1]), error["code"]
+
+    out = await threads.deferToThread(use_the_api)
+    status, node, answer = out["tokenize"]
+    assert status == 200 and node == "w-detok" and len(answer["tokens"]) == 3
+    assert out["detokenize"] == (200, "w-detok", {"content": "héllo wörld héllo"})
+    status, _, answer = out["unknown-id"]
+    assert (status, answer["error"]["code"]) == (400, "backend_refused_request")
+    assert "49999" in answer["error"]["message"]
+    status, _, answer = out["empty"]
+    assert (status, answer["error"]["param"]) == (400, "tokens")
+    listing = {"object": "list", "data": [{
+        "id": "echo-chat", "object": "model",
+        "capabilities": ["chat", "completion", "embeddings", "rerank", "tokenize"],
+        "input_modalities": ["text"], "output_modalities": ["text"]}]}
+    assert out["capabilities"] == (200, None, listing)
+    assert out["capabilities-root"] == (200, None, listing)
+    assert out["models-root"][2]["data"][0]["id"] == "echo-chat"
+    status, node, answer = out["chat-root"]
+    assert (status, node) == (200, "w-detok")
+    assert answer["choices"][0]["message"]["content"] == "at the root"
+    status, _, answer = out["chat-root-no-key"]
+    assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+    assert out["chat-root-200k"][0] == 200  # the 8 MiB cap of /v1, not the 64 KiB default
+    # the key is checked when the headers end, before the size: no body byte is read
+    assert out["announced-9m-no-key"] == (401, "invalid_api_key")
+    assert out["announced-9m"] == (413, "request_too_large")  # the OpenAI shape
+    # every backend call crossed the relay: the owner made none
+    assert owner.replica.backend_clients.bridges.bridges_of(worker.node_id) == []

@@ -78,6 +78,15 @@ def test_body_limit_for_picks_the_longest_prefix():
     assert site.body_limit_for(None) == web.MAX_BODY_BYTES
 
 
+def test_a_body_limit_without_a_trailing_slash_covers_that_path_and_below_only():
+    site = FrontendSite(Resource(), body_limits={b"/completions": 1000})
+    assert site.body_limit_for(b"/completions") == 1000
+    assert site.body_limit_for(b"/completions?stream=1") == 1000
+    assert site.body_limit_for(b"/completions/x") == 1000
+    # no header guard covers this path: it keeps the small default cap
+    assert site.body_limit_for(b"/completionsx") == web.MAX_BODY_BYTES
+
+
 def feed(site: FrontendSite, data: bytes) -> bytes:
     channel = site.buildProtocol(None)
     transport = StringTransport()

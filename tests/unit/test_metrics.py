@@ -13,6 +13,8 @@ def test_endpoints_are_a_fixed_set():
     assert endpoint_of([b"models", b"some", b"name"]) == "model"
     assert endpoint_of([b"anything-a-client-sends"]) == "other"
     assert (endpoint_of([b"tokenize"]), endpoint_of([b"rerank"])) == ("tokenize", "rerank")
+    assert endpoint_of([b"detokenize"]) == "detokenize"
+    assert endpoint_of([b"models", b"capabilities"]) == "capabilities"
 
 
 def test_a_subclass_counts_as_its_condition():

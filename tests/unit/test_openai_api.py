@@ -262,8 +262,8 @@ def test_body_over_the_limit_is_413_before_the_router(router):
     site = make_site(router, limit=1024)
     body = chat(messages=[{"role": "user", "content": "x" * 2000}])
     response = call(site, "POST", "/v1/chat/completions", body)
-    assert response.status == 413
-    assert "1024" in response.json()["error"]["message"]
+    error = assert_error(response, 413, "invalid_request_error", code="request_too_large")
+    assert "1024" in error["message"]
     assert router.calls == []
 
 
@@ -777,6 +777,197 @@ def test_tokenize_bad_requests_never_reach_the_router(site, router, body, status
 
 def test_tokenize_is_post_only(site):
     assert_error(call(site, "GET", "/v1/tokenize"), 405, code="method_not_allowed")
+
+
+# -- detokenize ---------------------------------------------------------------------------------
+
+
+def test_detokenize_is_one_detokenize_call_in_localais_shape(site, router):
+    response = call(site, "POST", "/v1/detokenize", {"model": "chatty", "tokens": [3, 0, 7]})
+    assert response.status == 200, response.raw_body
+    assert response.json() == {"content": "t3 t0 t7"}
+    [(verb, name, sent)] = router.calls
+    assert (verb, name, list(sent.tokens)) == ("detokenize", "chatty", [3, 0, 7])
+    assert response.header("x-localai-node") == "node-a"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"tokens": [1]}, 400, "model"),
+    ({"model": "chatty"}, 400, "tokens"),
+    ({"model": "chatty", "tokens": []}, 400, "tokens"),
+    ({"model": "chatty", "tokens": "1 2"}, 400, "tokens"),
+    ({"model": "chatty", "tokens": [1, -1]}, 400, "tokens[1]"),
+    ({"model": "chatty", "tokens": [1, 2**31]}, 400, "tokens[1]"),
+    ({"model": "chatty", "tokens": [1.5]}, 400, "tokens[0]"),
+    ({"model": "chatty", "tokens": [True]}, 400, "tokens[0]"),
+    ({"model": "chatty", "tokens": ["1"]}, 400, "tokens[0]"),
+    ({"model": "chatty", "tokens": [0] * 262145}, 400, "tokens"),
+    ({"model": "nope", "tokens": [1]}, 404, "model"),
+])
+def test_detokenize_bad_requests_never_reach_the_router(site, router, body, status, param):
+    assert_error(call(site, "POST", "/v1/detokenize", body), status, param=param)
+    assert router.calls == []
+
+
+def test_a_backend_without_detokenize_is_501_and_not_retried(site, router):
+    from localai_tw.errors import BackendAnswer
+
+    router.fail_with = BackendAnswer("Detokenize on worker w port 1", "UNIMPLEMENTED",
+                                     "Method not implemented!")
+    response = call(site, "POST", "/v1/detokenize", {"model": "chatty", "tokens": [1]})
+    assert_error(response, 501, code="not_implemented_by_backend")
+    assert response.header("x-should-retry") == "false"
+
+
+def test_detokenize_is_post_only(site):
+    assert_error(call(site, "GET", "/v1/detokenize"), 405, code="method_not_allowed")
+
+
+# -- capabilities -------------------------------------------------------------------------------
+
+
+def test_capabilities_list_every_model_with_what_its_endpoints_accept():
+    router = FakeRouter([
+        model_config("echo-all"),
+        model_config("gen", backend="transformers"),
+        model_config("embedder", backend="bert-numpy", embeddings=True),
+        model_config("outside", backend="external"),
+        model_config("voice", backend="external", known_usecases=["tts", "FLAG_TRANSCRIPT"]),
+    ])
+    response = call(make_site(router), "GET", "/v1/models/capabilities")
+    assert response.status == 200, response.raw_body
+    listing = response.json()
+    assert listing["object"] == "list"
+    entries = {entry["id"]: entry for entry in listing["data"]}
+    assert [entry["id"] for entry in listing["data"]] == \
+        [m["id"] for m in call(make_site(router), "GET", "/v1/models").json()["data"]]
+    assert entries["echo-all"] == {
+        "id": "echo-all", "object": "model",
+        "capabilities": ["chat", "completion", "embeddings", "rerank", "tokenize"],
+        "input_modalities": ["text"], "output_modalities": ["text"]}
+    assert entries["gen"]["capabilities"] == ["chat", "completion", "tokenize"]
+    assert entries["embedder"]["capabilities"] == ["embeddings", "rerank", "tokenize"]
+    assert entries["embedder"]["output_modalities"] == []
+    # a backend this package does not ship: what it may be asked, no tokenize promise
+    assert entries["outside"]["capabilities"] == ["chat", "completion", "embeddings"]
+    assert entries["voice"]["capabilities"] == ["transcript", "tts"]
+    assert entries["voice"]["input_modalities"] == ["text", "audio"]
+    assert entries["voice"]["output_modalities"] == ["text", "audio"]
+    assert router.calls == []
+
+
+def test_capabilities_is_get_only_and_is_not_a_model_named_capabilities(site, router):
+    assert_error(call(site, "POST", "/v1/models/capabilities", {}), 405,
+                 code="method_not_allowed")
+    assert call(site, "GET", "/v1/models/capabilities/").status == 200
+    assert_error(call(site, "GET", "/v1/models/capabilities/x"), 404, code="model_not_found")
+
+
+def test_a_capability_listed_is_one_the_endpoint_accepts():
+    router = FakeRouter([model_config("gen", backend="transformers"),
+                         model_config("embedder", backend="sentence-transformers")])
+    site = make_site(router)
+    listing = call(site, "GET", "/v1/models/capabilities").json()["data"]
+    asks = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            "embeddings": ("/v1/embeddings", {"input": "x"}),
+            "rerank": ("/v1/rerank", {"query": "q", "documents": ["a"]})}
+    for entry in listing:
+        for capability, (path, body) in asks.items():
+            response = call(site, "POST", path, {"model": entry["id"], **body})
+            assert (response.status == 200) == (capability in entry["capabilities"]), \
+                (entry, path, response.raw_body)
+
+
+# -- routes without /v1 ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("POST", "/chat/completions", chat()),
+    ("POST", "/completions", {"model": "chatty", "prompt": "a b"}),
+    ("POST", "/embeddings", {"model": "embedder", "input": "a b"}),
+    ("GET", "/models", None),
+    ("GET", "/models/capabilities", None),
+])
+def test_localais_unprefixed_routes_answer_as_their_v1_twins(router, method, path, body):
+    site = make_site(router, api_keys=APIKeyGuard(["sekrit"]))
+    key = {"Authorization": "Bearer sekrit"}
+    plain = call(site, method, path, body, headers=key)
+    prefixed = call(site, method, "/v1" + path, body, headers=key)
+    assert plain.status == prefixed.status == 200, plain.raw_body
+    drop = ("id", "created", "embedding")
+    strip = lambda d: {k: v for k, v in d.items() if k not in drop}  # noqa: E731
+    if path != "/embeddings":
+        assert strip(plain.json()) == strip(prefixed.json())
+    assert_error(call(site, method, path, body), 401, code="invalid_api_key")
+
+
+@pytest.mark.parametrize("alias, twin", [
+    ("/tts", "/v1/audio/speech"), ("/audio/speech", "/v1/audio/speech"),
+    ("/audio/transcriptions", "/v1/audio/transcriptions"),
+    ("/images/generations", "/v1/images/generations")])
+def test_the_media_aliases_answer_as_their_v1_twin_whatever_it_is(site, router, alias, twin):
+    """Listed in UNPREFIXED before their families exist: until then both are the same 404,
+    afterwards the same answer (a bad request here: no model)."""
+    plain, prefixed = call(site, "POST", alias, {}), call(site, "POST", twin, {})
+    assert plain.status == prefixed.status != 200
+    assert plain.json()["error"]["code"] == prefixed.json()["error"]["code"]
+    assert router.calls == []
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/tokenize", "/detokenize"])
+def test_paths_localai_serves_only_under_v1_are_not_served_without_it(site, router, path):
+    assert call(site, "POST", path, {"model": "chatty", "content": "x"}).status == 404
+    assert router.calls == []
+
+
+@pytest.mark.parametrize("path", ["/models/chatty", "/chat", "/chat/other", "/completions/x"])
+def test_other_paths_under_an_unprefixed_root_are_openai_404s(site, router, path):
+    assert_error(call(site, "POST", path, {"model": "chatty"}), 404, code="unknown_url")
+    assert router.calls == []
+
+
+def test_an_unprefixed_body_has_the_v1_cap(router):
+    site = make_site(router, limit=1024)
+    response = call(site, "POST", "/chat/completions", chat(messages=[
+        {"role": "user", "content": "x" * 2048}]))
+    assert_error(response, 413, "invalid_request_error", code="request_too_large")
+    assert router.calls == []
+
+
+def test_a_chunked_body_over_the_limit_is_an_openai_413_too(router):
+    site = make_site(router, limit=1024)
+    client = Client(site)
+    head = ("POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n")
+    client.channel.dataReceived(head.encode())
+    chunk = b'{"input": "' + b"z" * 2000 + b'"}'
+    client.channel.dataReceived(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    assert_error(client.response(), 413, "invalid_request_error", code="request_too_large")
+    assert router.calls == []
+
+
+def test_unprefixed_requests_count_under_their_v1_label():
+    from localai_tw import metrics as replica_metrics
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    counted = replica_metrics.ReplicaMetrics(registry=registry)
+    router = FakeRouter([model_config("chatty")])
+    root_site = make_site(router)
+    root = root_site.resource
+    openai = OpenAIResource(router, metrics=counted, now=lambda: 0)
+    root.putChild(b"v1", openai)
+    for name in (b"chat", b"models"):
+        root.putChild(name, openai.unprefixed())
+    call(root_site, "POST", "/chat/completions", chat(model="chatty"))
+    call(root_site, "POST", "/v1/chat/completions", chat(model="chatty"))
+    call(root_site, "GET", "/models/whatever-a-prober-sends")
+    samples = {(s.labels["endpoint"], s.labels["status"]): s.value
+               for metric in registry.collect() for s in metric.samples
+               if s.name == "localai_requests_total"}
+    assert samples[("chat", "200")] == 2
+    assert samples[("other", "404")] == 1
+    assert {endpoint for endpoint, _ in samples} <= {"chat", "other"}
 
 
 # -- rerank -------------------------------------------------------------------------------------

@@ -21,7 +21,14 @@ from zope.interface import implementer
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.interfaces import IInferenceRouter, Served
 from localai_tw.frontend.models import parse_model_config
-from localai_tw.frontend.openai import OPENAI_MAX_BODY_BYTES, OpenAIResource
+from localai_tw.frontend.openai import (
+    OPENAI_MAX_BODY_BYTES,
+    OpenAIResource,
+    api_prefixes,
+    early_error,
+    unprefixed_aliases,
+    unprefixed_roots,
+)
 from localai_tw.frontend.web import FrontendSite
 
 
@@ -192,15 +199,31 @@ class FakeRouter:
         return defer.succeed(Served(backend_pb2.TokenizationResponse(
             length=len(words), tokens=list(range(len(words)))), self.node))
 
+    def detokenize(self, name, request, deadline=None):
+        """Token ``i`` reads ``t<i>``; ``fail_with`` fails it."""
+        self._record("detokenize", name, request)
+        if self.fail_with is not None:
+            return defer.fail(self.fail_with)
+        return defer.succeed(Served(backend_pb2.DetokenizeResponse(
+            content=" ".join(f"t{t}" for t in request.tokens)), self.node))
+
 
 # -- raw HTTP over a StringTransport ------------------------------------------------------------
 
 
 def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES, reactor=None) -> FrontendSite:
+    """``/v1`` and its unprefixed aliases, mounted and capped as ``FrontendService`` does."""
     root = Resource()
-    root.putChild(b"v1", OpenAIResource(router, api_keys=api_keys, now=lambda: 1700000000,
-                                        reactor=reactor))
-    return FrontendSite(root, body_limits={b"/v1/": limit}, timeout=None)
+    openai = OpenAIResource(router, api_keys=api_keys, now=lambda: 1700000000, reactor=reactor)
+    root.putChild(b"v1", openai)
+    for name in unprefixed_roots():
+        root.putChild(name, openai.unprefixed())
+    site = FrontendSite(root, body_limits={b"/v1/": limit}, timeout=None)
+    for alias, twin in unprefixed_aliases():
+        site.add_body_limit(alias, site.body_limit_for(twin))
+    for prefix in api_prefixes():
+        site.add_early_answer_shape(prefix, early_error)
+    return site
 
 
 @dataclass

@@ -24,7 +24,9 @@ RPCs: ``Health``, ``LoadModel`` (``ModelFile`` when it exists, else ``Model``: a
 directory; a failed load is ``success=false`` with the reason), ``Embedding`` (text in
 ``Embeddings`` or ``Prompt``, or token ids in ``EmbeddingTokens``; one pooled vector, layout
 FINAL, ``prompt_tokens`` = tokens evaluated), ``TokenizeString`` (ids without special tokens,
-not truncated, so a caller can count), ``Rerank`` (see below), ``Status``, ``Free``.
+not truncated, so a caller can count), ``Detokenize`` (the same tokenizer's ``decode``, special
+tokens kept; an id outside the vocabulary is ``INVALID_ARGUMENT``), ``Rerank`` (see below),
+``Status``, ``Free``.
 
 ``Rerank`` is bi-encoder reranking: the cosine similarity of the query's embedding and each
 document's, documents best first.  That is a legitimate reranker (sentence-transformers'
@@ -202,6 +204,12 @@ class BertSentenceEncoder:
         """Ids of ``text`` without special tokens and without truncation."""
         return self.counter.encode(text, add_special_tokens=False).ids
 
+    def decode(self, ids: list[int], context) -> str:
+        """The text of ``ids`` (the inverse of :meth:`count`, up to the tokenizer's
+        normalisation: a lower-casing WordPiece answers lower case)."""
+        ids = serving.token_ids_in_range(ids, self.counter.get_vocab_size(), context)
+        return self.counter.decode(ids, skip_special_tokens=False)
+
     def encode(self, texts: list[str]):
         """One embedding per text (a float32 array of shape ``(len(texts), dim)``)."""
         return self.encode_ids(self.tokenize(texts))
@@ -366,6 +374,10 @@ class BertNumpyServicer(backend_pb2_grpc.BackendServicer):
     def TokenizeString(self, request, context):
         ids = self._loaded(context).count(request.Prompt)
         return backend_pb2.TokenizationResponse(length=len(ids), tokens=ids)
+
+    def Detokenize(self, request, context):
+        text = self._loaded(context).decode(request.tokens, context)
+        return backend_pb2.DetokenizeResponse(content=text)
 
     def Rerank(self, request, context):
         """Bi-encoder reranking (module docstring): cosine of query and document embeddings,

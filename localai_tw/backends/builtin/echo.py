@@ -12,8 +12,11 @@ benchmarks.  Run as ``python -m localai_tw.backends.builtin.echo --addr 127.0.0.
   words.  ``PredictStream`` yields one word per reply (with its trailing space) and the running
   ``tokens`` total.
 - ``Embedding``: a unit vector derived from SHA-256 of the input text (or token ids), layout
-  FINAL.  ``TokenizeString``: one stable id per word.  ``Rerank``: each document's score is
-  the share of the query's distinct words it contains (deterministic, for tests).
+  FINAL.  ``TokenizeString``: one stable id per word (a hash, so not invertible by itself).
+  ``Detokenize``: the words of ids this process's ``TokenizeString`` answered (at most
+  ``VOCABULARY_MAX`` remembered, the oldest forgotten), joined by spaces; an id it never
+  answered is ``INVALID_ARGUMENT``.  ``Rerank``: each document's score is the share of the
+  query's distinct words it contains (deterministic, for tests).
 - ``Status``: BUSY while a request runs, READY when loaded, else UNINITIALIZED.  ``Free``
   forgets the model.
 - Before ``LoadModel``, inference RPCs fail ``FAILED_PRECONDITION`` ``model not loaded``.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
 import os
 import resource
 import struct
@@ -38,6 +42,8 @@ from localai_tw.backends import backend_pb2, backend_pb2_grpc
 from localai_tw.backends.builtin import serving
 
 DEFAULT_DIM = 8
+#: Words ``Detokenize`` remembers (id -> word, from ``TokenizeString``), to bound memory.
+VOCABULARY_MAX = 65536
 
 
 def parse_options(options) -> dict[str, str]:
@@ -84,6 +90,7 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
         self._busy = 0
         self.loaded = False
         self.options: dict[str, str] = {}
+        self._vocabulary: OrderedDict[int, str] = OrderedDict()  # id -> word (Detokenize)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -197,8 +204,26 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
 
     def TokenizeString(self, request, context):
         self._require_loaded(context)
-        tokens = [token_id(w) for w in words_of(request.Prompt)]
+        words = words_of(request.Prompt)
+        tokens = [token_id(w) for w in words]
+        with self._lock:
+            for token, word in zip(tokens, words):
+                self._vocabulary[token] = word
+                self._vocabulary.move_to_end(token)
+            while len(self._vocabulary) > VOCABULARY_MAX:
+                self._vocabulary.popitem(last=False)
         return backend_pb2.TokenizationResponse(length=len(tokens), tokens=tokens)
+
+    def Detokenize(self, request, context):
+        self._require_loaded(context)
+        with self._lock:
+            words = [self._vocabulary.get(token) for token in request.tokens]
+        for token, word in zip(request.tokens, words):
+            if word is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"token id {token} was never answered by this backend's "
+                              "TokenizeString")
+        return backend_pb2.DetokenizeResponse(content=" ".join(words))
 
     def Rerank(self, request, context):
         self._require_loaded(context)

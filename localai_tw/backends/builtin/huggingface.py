@@ -18,6 +18,9 @@ frontend reap and reload the model).  ``Predict``/``PredictStream`` generate fro
 honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
 ``TopK``, ``Seed`` and ``StopPrompts``.  ``Embedding`` answers one pooled vector (layout FINAL):
 the sentence-transformers encoding, or the attention-mask mean of the last hidden state.
+``TokenizeString`` answers ids without special tokens; ``Detokenize`` decodes ids back to text
+with the same tokenizer (special tokens kept, no clean-up, as llama.cpp joins token pieces; an
+id outside the vocabulary is ``INVALID_ARGUMENT``).
 ``Rerank`` (sentence-transformers models only) is bi-encoder reranking: the cosine similarity
 of the query's and each document's embedding, best first (as ``bert-numpy`` ranks).
 
@@ -426,14 +429,25 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         finally:
             self._busy_exit()
 
-    def TokenizeString(self, request, context):
+    def _loaded_tokenizer(self, context):
         tokenizer = self.tokenizer
         if tokenizer is None and self.sentence_model is not None:
             tokenizer = self.sentence_model.tokenizer
         if tokenizer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
+        return tokenizer
+
+    def TokenizeString(self, request, context):
+        tokenizer = self._loaded_tokenizer(context)
         ids = tokenizer.encode(request.Prompt, add_special_tokens=False)
         return backend_pb2.TokenizationResponse(length=len(ids), tokens=list(ids))
+
+    def Detokenize(self, request, context):
+        tokenizer = self._loaded_tokenizer(context)
+        ids = serving.token_ids_in_range(request.tokens, len(tokenizer), context)
+        text = tokenizer.decode(ids, skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+        return backend_pb2.DetokenizeResponse(content=text)
 
 
 def main(argv=None) -> None:

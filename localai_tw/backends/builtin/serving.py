@@ -63,6 +63,19 @@ def rerank_result(documents, scores, top_n: int, prompt_tokens: int):
                                             relevance_score=float(scores[i])) for i in order])
 
 
+def token_ids_in_range(ids, vocabulary_size: int, context) -> list[int]:
+    """``ids`` as a list, each checked against ``vocabulary_size`` (``Detokenize``): an id the
+    tokenizer does not have is ``INVALID_ARGUMENT`` naming it, never a library exception that
+    would surface as ``UNKNOWN`` (or text decoded from nothing)."""
+    ids = list(ids)
+    for token in ids:
+        if not 0 <= token < vocabulary_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"token id {token} is not in the model's vocabulary (ids are 0 to "
+                          f"{vocabulary_size - 1})")
+    return ids
+
+
 def parse_interval(raw: str, default: float = 2.0) -> float:
     """``500ms``, ``2s``, ``1m`` or plain seconds."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*", raw or "")

@@ -97,6 +97,24 @@ _BACKEND_TRANSIENT = frozenset({"UNAVAILABLE", "ABORTED", "RESOURCE_EXHAUSTED"})
 NO_RETRY = {"X-Should-Retry": "false"}
 
 
+_EARLY_TYPES = {401: "authentication_error", 408: "timeout_error",
+                503: "service_unavailable"}
+
+
+def early_error(refusal) -> OpenAIError:
+    """A refusal the listener answers before the body (413 too large, 503 too many bodies in
+    flight, 401 from the key check) in the OpenAI error shape, so clients read its ``code``
+    (``FrontendSite.add_early_answer_shape``)."""
+    if isinstance(refusal, OpenAIError):
+        return refusal
+    status = int(refusal.status)
+    code = getattr(refusal, "code", None) or ("request_too_large" if status == 413 else None)
+    kind = _EARLY_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return OpenAIError(status, str(getattr(refusal, "message", "")) or "refused", kind,
+                       param=getattr(refusal, "field", None), code=code,
+                       headers=getattr(refusal, "headers", None))
+
+
 def error_for(error: BaseException) -> OpenAIError:
     """The HTTP answer for a failure of the router (or of this API).  One row each, in the
     order of the table in ``docs/openai-api.md``; subclasses are matched before their bases.

@@ -1,6 +1,14 @@
 """``/v1`` as one Twisted resource: :class:`OpenAIResource` checks the API key, routes each
 path and method to its endpoint family (``chat``, ``completions``, ``embeddings``,
-``models``, ``tokenize``, ``rerank``), and turns whatever a family raises into an OpenAI-shaped answer.
+``models``, ``capabilities``, ``tokenize`` (and detokenize), ``rerank``), and turns whatever a
+family raises into an OpenAI-shaped answer.
+
+The routes LocalAI also serves without ``/v1`` (``/chat/completions``, ``/embeddings``,
+``/models`` ...) are the entries of :data:`UNPREFIXED`: :meth:`OpenAIResource.unprefixed` is the
+resource the frontend mounts at each of their first segments, and :func:`unprefixed_aliases`
+the paths it gives the same body cap as their ``/v1`` twins (and :func:`api_prefixes` the same
+header guard).  An alias is answered by the same family, with the same key check, bounds and
+metrics label as the route it names.
 
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
 :class:`~localai_tw.frontend.web.APIKeyGuard` (constant time) **only when a key is
@@ -28,7 +36,7 @@ from localai_tw import metrics as replica_metrics
 
 from ..interfaces import IInferenceRouter
 from ..web import APIError, APIKeyGuard, bearer_token, printable
-from . import chat, completions, embeddings, models, rerank, tokenize
+from . import capabilities, chat, completions, embeddings, models, rerank, tokenize
 from .context import Context
 from .errors import OpenAIError, detail, error_for
 from .responses import Exchange, NodeNames, path_text
@@ -42,9 +50,58 @@ ROUTES = {
     (b"completions",): (b"POST", completions.answer),
     (b"embeddings",): (b"POST", embeddings.answer),
     (b"models",): (b"GET", models.answer_list),
+    (b"models", b"capabilities"): (b"GET", capabilities.answer),
     (b"tokenize",): (b"POST", tokenize.answer),
+    (b"detokenize",): (b"POST", tokenize.answer_detokenize),
     (b"rerank",): (b"POST", rerank.answer),
 }
+
+#: Paths served without the ``/v1`` prefix, as LocalAI serves them (``core/http/routes/
+#: openai.go`` and ``localai.go`` at 82c191a; ``/v1/rerank``, ``/v1/tokenize`` and
+#: ``/v1/detokenize`` have no unprefixed twin there, so none here): root path segments -> the
+#: ``ROUTES`` key they answer as.  An alias whose ``ROUTES`` key is not (yet) served answers
+#: the same 404 as its ``/v1`` twin, so the speech, transcription and images routes are listed
+#: already and work as soon as their family is in ``ROUTES``.  ``/tts`` is LocalAI's other
+#: path of its ``/v1/audio/speech`` handler.  ``/models/{id}`` is not aliased: LocalAI's
+#: unprefixed ``/models/...`` are its gallery's admin routes.
+UNPREFIXED: dict[tuple[bytes, ...], tuple[bytes, ...]] = {
+    (b"chat", b"completions"): (b"chat", b"completions"),
+    (b"completions",): (b"completions",),
+    (b"embeddings",): (b"embeddings",),
+    (b"models",): (b"models",),
+    (b"models", b"capabilities"): (b"models", b"capabilities"),
+    (b"audio", b"speech"): (b"audio", b"speech"),
+    (b"tts",): (b"audio", b"speech"),
+    (b"audio", b"transcriptions"): (b"audio", b"transcriptions"),
+    (b"images", b"generations"): (b"images", b"generations"),
+}
+
+
+def unprefixed_aliases() -> list[tuple[bytes, bytes]]:
+    """``(alias path, /v1 path)`` of each :data:`UNPREFIXED` entry
+    (``(b"/tts", b"/v1/audio/speech")`` ...): the frontend gives each alias its twin's body
+    cap."""
+    return sorted((b"/" + b"/".join(alias), b"/v1/" + b"/".join(route))
+                  for alias, route in UNPREFIXED.items())
+
+
+def unprefixed_roots() -> list[bytes]:
+    """The first segments of :data:`UNPREFIXED`: where the frontend mounts
+    :meth:`OpenAIResource.unprefixed`."""
+    return sorted({key[0] for key in UNPREFIXED})
+
+
+def api_prefixes() -> list[bytes]:
+    """Every path prefix this API answers under (``/v1`` and each unprefixed root): the
+    frontend gives each the API-key header guard and :func:`~.errors.early_error`'s shape."""
+    return [b"/v1"] + [b"/" + root for root in unprefixed_roots()]
+
+
+def _route_segments(postpath) -> list[bytes]:
+    segments = list(postpath)
+    if segments and segments[-1] == b"":
+        segments.pop()
+    return segments
 
 
 def check_api_key(api_keys: APIKeyGuard | None, request) -> None:
@@ -90,15 +147,26 @@ class OpenAIResource(Resource):
         self._api_keys = api_keys
 
     def render(self, request):
-        answering = defer.ensureDeferred(self._serve(request))
+        return self._render(request, _route_segments(request.postpath))
+
+    def unprefixed(self) -> Resource:
+        """The resource to mount at each of :func:`unprefixed_roots`: it answers the paths of
+        :data:`UNPREFIXED` as the ``/v1`` routes they name, and 404 to any other."""
+        return _Unprefixed(self)
+
+    def _render(self, request, segments: list[bytes]):
+        answering = defer.ensureDeferred(self._serve(request, segments))
         answering.addErrback(lambda f: log.failure("answering {path} failed", f,
                                                    path=printable(path_text(request))))
         return server.NOT_DONE_YET
 
-    async def _serve(self, request) -> None:
-        exchange = Exchange(request, self._names, self._metrics.request(request.postpath))
+    async def _serve(self, request, segments: list[bytes] | None) -> None:
+        """``segments``: the path below ``/v1``, or None for an unprefixed path that is not in
+        :data:`UNPREFIXED` (a 404 after the key check, counted as ``other``)."""
+        exchange = Exchange(request, self._names,
+                            self._metrics.request(segments if segments is not None else ()))
         try:
-            await self._dispatch(request, exchange)
+            await self._dispatch(request, exchange, segments)
         except AlreadyAnswered:
             return
         except defer.CancelledError:
@@ -134,13 +202,13 @@ class OpenAIResource(Resource):
     def router(self) -> IInferenceRouter:
         return self._context.router
 
-    async def _dispatch(self, request, exchange: Exchange) -> None:
+    async def _dispatch(self, request, exchange: Exchange, segments: list[bytes] | None) -> None:
         self.guard(request)
-        segments = [s for s in request.postpath]
-        if segments and segments[-1] == b"":
-            segments.pop()
         method = request.method.upper()
-        key = tuple(segments)
+        key = tuple(segments) if segments is not None else None
+        if key is None:
+            raise OpenAIError(404, f"unknown endpoint {printable(path_text(request))}",
+                              "invalid_request_error", code="unknown_url")
         if key in ROUTES:
             allowed, answer = ROUTES[key]
             args = ()
@@ -159,3 +227,19 @@ class OpenAIResource(Resource):
                               "invalid_request_error", code="method_not_allowed",
                               headers={"Allow": allowed.decode()})
         await answer(self._context, request, exchange, *args)
+
+
+class _Unprefixed(Resource):
+    """One first segment of :data:`UNPREFIXED` at the root (``/chat``, ``/models`` ...),
+    answered by its :class:`OpenAIResource` as the ``/v1`` route the table names."""
+
+    isLeaf = True
+
+    def __init__(self, openai: OpenAIResource):
+        super().__init__()
+        self._openai = openai
+
+    def render(self, request):
+        key = tuple(request.prepath[-1:] + _route_segments(request.postpath))
+        route = UNPREFIXED.get(key)
+        return self._openai._render(request, list(route) if route is not None else None)
