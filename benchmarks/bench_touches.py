@@ -20,6 +20,7 @@ writes per request.  A script, not a test.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -85,7 +86,8 @@ async def main(reactor, dsn: str) -> None:
     name = f"bench_touches_{uuid.uuid4().hex[:8]}"
     admin(dsn, f"CREATE DATABASE {name}")
     base = dsn.rsplit("/", 1)[0]
-    cluster = Cluster(f"{base}/{name}", tempfile.mkdtemp(prefix="bench-touches-"))
+    workdir = tempfile.mkdtemp(prefix="bench-touches-")
+    cluster = Cluster(f"{base}/{name}", workdir)
     try:
         cluster.write_model("m.yaml", "name: m\nbackend: echo\noptions: ['echo.dim:4']\n")
         frontend = await cluster.frontend("bench")
@@ -105,6 +107,7 @@ async def main(reactor, dsn: str) -> None:
     finally:
         await cluster.close()
         admin(dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
