@@ -29,7 +29,7 @@ the worker's answer :mod:`.placement`'s).
 from __future__ import annotations
 
 import posixpath
-from typing import Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from twisted.internet import threads
 from twisted.logger import Logger
