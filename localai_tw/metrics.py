@@ -42,6 +42,10 @@ ENDPOINTS = {
     (b"tokenize",): "tokenize",
     (b"detokenize",): "detokenize",
     (b"rerank",): "rerank",
+    (b"audio", b"speech"): "speech",
+    (b"tts",): "speech",  # LocalAI's /tts (mounted at the root; the same endpoint)
+    (b"audio", b"transcriptions"): "transcriptions",
+    (b"images", b"generations"): "images",
 }
 
 #: A client that left before its answer was complete (nginx's code for it).

@@ -34,8 +34,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {%
 DEFAULT_NAME = "tiny-chat"
 
 
-def build(directory: str, seed: int = 0) -> None:
-    """Write the model and its tokenizer to ``directory`` (created if needed)."""
+def build(directory: str, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> None:
+    """Write the model and its tokenizer to ``directory`` (created if needed);
+    ``chat_template``: another Jinja chat template (tests render tools with one)."""
     import torch
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -46,7 +47,7 @@ def build(directory: str, seed: int = 0) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|endoftext|>", unk_token="<unk>",
-        pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+        pad_token="<|endoftext|>", chat_template=chat_template)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(WORDS), n_embd=32, n_layer=2, n_head=2,
                                        n_positions=128, eos_token_id=0, bos_token_id=0))

@@ -35,6 +35,12 @@ Unloads are :mod:`.lifecycle`'s.
 Retries happen only when the call is known not to have run: a dial failure (the splice was
 abandoned before any byte reached a backend) or a backend refusal before touching the model.
 
+``tts``, ``transcribe`` and ``generate_image`` name files by path on the backend's machine: each
+runs in a scratch directory of the serving node (``WorkerScratch``, ``frontend/scratch.py``),
+made before the call and removed after it.  Failures while making it or putting the input are
+classified by the same table (a route failure skips the node); once the backend answered,
+nothing is retried (reading its output back failed after the work ran).
+
 What this module must never do: reap a row on anything but the worker's answer; retry a call
 that may have run (a Predict that failed mid-way is reported, not repeated); block the reactor.
 """
@@ -56,7 +62,18 @@ from .interfaces import (
     NoNodeAvailable,
     Served,
 )
-from .models import CHAT, COMPLETION, EMBEDDINGS, RERANK, ModelCatalog, ModelConfig, usecases
+from .models import (
+    CHAT,
+    COMPLETION,
+    EMBEDDINGS,
+    IMAGE,
+    RERANK,
+    TRANSCRIPT,
+    TTS,
+    ModelCatalog,
+    ModelConfig,
+    usecases,
+)
 from .coldload import ColdLoader
 from .loadlock import LoadLock
 from .placement import NodeChooser, Placement
@@ -71,6 +88,11 @@ MAX_SKIPS = 4
 _GENERATION = ("text generation (chat or completion)", frozenset({CHAT, COMPLETION}))
 _EMBEDDING = (EMBEDDINGS, frozenset({EMBEDDINGS}))
 _RERANK = (RERANK, frozenset({RERANK}))
+_TTS = ("text to speech (tts)", frozenset({TTS}))
+_TRANSCRIPT = ("transcription (transcript)", frozenset({TRANSCRIPT}))
+_IMAGE = ("image generation (image)", frozenset({IMAGE}))
+#: Scratch file names: what a backend writes, what a transcription reads.
+SPEECH_FILE, IMAGE_FILE = "speech.wav", "image.png"
 
 
 def _carries_identity(request) -> bool:
@@ -88,6 +110,14 @@ def _reloadable(error: BaseException) -> bool:
     return error.code == "NOT_FOUND" and "model identity mismatch" in error.details
 
 
+def _check_result(node_id: str, method: str, result) -> None:
+    """A ``Result`` with ``success=false`` is the backend's failure, in its own words (a
+    refused input is a gRPC ``INVALID_ARGUMENT`` status instead, answered 400)."""
+    if not result.success:
+        raise errors.BackendAnswer(node_id, "UNKNOWN",
+                                   (result.message or f"{method} failed")[:2048])
+
+
 @implementer(IInferenceRouter)
 class InferenceRouter:
     """Implements ``IInferenceRouter`` over a :class:`ModelCatalog`, a :class:`NodeChooser`
@@ -96,13 +126,15 @@ class InferenceRouter:
     calls in flight and batches touches, ``lifecycle`` (a ``ModelLifecycle``) unloads."""
 
     def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
-                 loader: ColdLoader, clients, reactor, *, use=None, lifecycle=None,
-                 scaler=None):
+                 loader: ColdLoader, clients, reactor, scratch=None, *, use=None,
+                 lifecycle=None, scaler=None):
         self.use = use
         self.lifecycle = lifecycle
         #: ``replicas.ReplicaScaler``: told of each call (a busy model gets another replica).
         self.scaler = scaler
         self.catalog = catalog
+        #: ``WorkerScratch``: files both ways for the RPCs that name files (``dst``).
+        self.scratch = scratch
         self.chooser = chooser
         self.loads = loads
         self.loader = loader
@@ -149,6 +181,53 @@ class InferenceRouter:
         return self._serve(name, request, deadline,
                            lambda client, req, dl: client.call("Rerank", req, dl),
                            needs=_RERANK)
+
+    def tts(self, name, request, max_bytes, deadline=None) -> defer.Deferred:
+        async def call(client, req, dl, answered):
+            async with self._scratch().directory(client.node_id, dl) as where:
+                req.dst = where.path_of(SPEECH_FILE)
+                result = await client.call("TTS", req, dl)
+                answered.append(True)
+                _check_result(client.node_id, "TTS", result)
+                return await where.fetch(SPEECH_FILE, max_bytes)
+
+        return self._serve_with_files(name, request, deadline, call, _TTS)
+
+    def transcribe(self, name, request, audio_path, audio_name, deadline=None) -> defer.Deferred:
+        async def call(client, req, dl, answered):
+            async with self._scratch().directory(client.node_id, dl) as where:
+                req.dst = await where.put(audio_path, audio_name)
+                result = await client.call("AudioTranscription", req, dl)
+                answered.append(True)
+                return result
+
+        return self._serve_with_files(name, request, deadline, call, _TRANSCRIPT)
+
+    def generate_image(self, name, request, max_bytes, deadline=None) -> defer.Deferred:
+        async def call(client, req, dl, answered):
+            async with self._scratch().directory(client.node_id, dl) as where:
+                req.dst = where.path_of(IMAGE_FILE)
+                result = await client.call("GenerateImage", req, dl)
+                answered.append(True)
+                _check_result(client.node_id, "GenerateImage", result)
+                return await where.fetch(IMAGE_FILE, max_bytes)
+
+        return self._serve_with_files(name, request, deadline, call, _IMAGE)
+
+    def _serve_with_files(self, name, request, deadline, call, needs) -> defer.Deferred:
+        """A call that moves files through the node's scratch directory.  Before the backend
+        answered, a failure is classified like any call's (a route failure while making the
+        directory or putting the input: served from another node); once it answered, nothing
+        is retried (reading its output back failed after the work ran)."""
+        answered: list[bool] = []
+        return self._serve(name, request, deadline,
+                           lambda client, req, dl: call(client, req, dl, answered),
+                           lambda: not answered, needs=needs)
+
+    def _scratch(self):
+        if self.scratch is None:
+            raise RuntimeError("this router was built without WorkerScratch")
+        return self.scratch
 
     def predict_stream(self, name, options, on_reply, deadline=None,
                        on_start=None, on_loading=None) -> defer.Deferred:

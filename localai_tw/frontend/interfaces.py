@@ -189,6 +189,23 @@ class IInferenceRouter(Interface):
         ``Deferred[Served[backend_pb2.RerankResult]]``; refused (``ModelUsecaseUnsupported``)
         for a model whose config rules reranking out."""
 
+    def tts(name, request, max_bytes, deadline=None):
+        """``TTS`` of a ``backend_pb2.TTSRequest`` (``dst`` is set here: a file in a scratch
+        directory of the serving node).  Returns ``Deferred[Served[bytes]]``: the WAV the
+        backend wrote, at most ``max_bytes`` (``BackendOutputTooLarge`` beyond).  Needs the
+        model's ``tts`` use case.  Optional: a router without it answers 501."""
+
+    def transcribe(name, request, audio_path, audio_name, deadline=None):
+        """``AudioTranscription`` of a ``backend_pb2.TranscriptRequest``: the local file
+        ``audio_path`` is put in a scratch directory of the serving node as ``audio_name`` and
+        its worker-local path sent as ``dst``.  Returns
+        ``Deferred[Served[backend_pb2.TranscriptResult]]``.  Needs ``transcript``.  Optional."""
+
+    def generate_image(name, request, max_bytes, deadline=None):
+        """``GenerateImage`` of a ``backend_pb2.GenerateImageRequest`` (``dst`` set here).
+        Returns ``Deferred[Served[bytes]]``: the PNG, at most ``max_bytes``.  Needs ``image``.
+        Optional."""
+
 
 __all__ = [
     "IInferenceRouter",

@@ -45,9 +45,12 @@ model cannot serve is refused before any backend is called:
    ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
    dropped);
 2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
-3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
-   completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
-   table (``external``, plugins) is asked for anything and answers for itself.
+3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
+   ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three;
+   a backend not in the table (``external``, plugins) is asked for chat, completion and
+   embeddings and answers for itself; ``espeak-ng`` does ``tts``, ``pocketsphinx``
+   ``transcript``, ``hash-image`` ``image`` (any other backend does those only when
+   ``known_usecases`` lists them).
 4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
    this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
    ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
@@ -75,6 +78,9 @@ from typing import Any, Mapping
 import yaml
 from twisted.logger import Logger
 
+from .capabilities import read_overrides
+from .toolcalls import FunctionConfig, FunctionConfigError
+
 log = Logger()
 
 MAX_FILE_BYTES = 256 * 1024
@@ -88,6 +94,8 @@ _USECASE_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
 MAX_USECASES = 32
 
 CHAT, COMPLETION, EMBEDDINGS, RERANK = "chat", "completion", "embeddings", "rerank"
+#: LocalAI's FLAG_TTS, FLAG_TRANSCRIPT and FLAG_IMAGE.
+TTS, TRANSCRIPT, IMAGE = "tts", "transcript", "image"
 ALL_USECASES = frozenset({CHAT, COMPLETION, EMBEDDINGS})
 #: Backends whose ``Rerank`` this package ships: an embeddings model on one of them also reranks
 #: (bi-encoder cosine in ``bert-numpy`` and ``sentence-transformers``; word overlap in ``echo``).
@@ -98,6 +106,11 @@ BACKEND_USECASES: dict[str, frozenset[str]] = {
     "echo": ALL_USECASES,
     "transformers": frozenset({CHAT, COMPLETION}),
     "sentence-transformers": frozenset({EMBEDDINGS}),
+    # llama.cpp embeds only a model loaded with embeddings: true (rule 2.)
+    "llama-cpp": frozenset({CHAT, COMPLETION}),
+    "espeak-ng": frozenset({TTS}),
+    "pocketsphinx": frozenset({TRANSCRIPT}),
+    "hash-image": frozenset({IMAGE}),
 }
 
 #: Sampling defaults a model file may set, and their types.
@@ -187,7 +200,7 @@ LIMIT_OPTIONS: dict[str, tuple[str, str]] = {
 #: API server (function calling, agents, pipelines, routing, ...) this project does not have.
 LOCALAI_IGNORED = frozenset({
     "alias", "artifacts", "known_input_modalities", "known_output_modalities", "pipeline",
-    "function", "reasoning", "compression", "reasoning_effort", "chat_template_kwargs",
+    "reasoning", "compression", "reasoning_effort", "chat_template_kwargs",
     "feature_flags", "step", "grpc", "tts", "download_files", "disabled",
     "concurrency_groups", "mcp", "agent", "pii", "pii_detection", "router", "proxy", "mitm",
     "limits", "cutstrings", "extract_regex", "trimspace", "trimsuffix",
@@ -197,13 +210,14 @@ PARAMETER_IGNORED = frozenset({
     "pooling_half_life_tokens", "clip_skip", "encoding_format", "logit_bias",
 })
 TEMPLATE_FIELDS = ("chat", "chat_message", "completion", "use_tokenizer_template",
-                   "join_chat_messages_by_character")
-TEMPLATE_IGNORED = frozenset({"function", "edit", "multimodal", "reply_prefix", "image",
+                   "join_chat_messages_by_character", "function")
+TEMPLATE_IGNORED = frozenset({"edit", "multimodal", "reply_prefix", "image",
                               "audio", "video"})
 TOP_LEVEL_FIELDS = frozenset({
     "name", "backend", "model", "parameters", "files", "template", "context_size",
     "embeddings", "options", "node_selector", "description", "known_usecases", "usage",
     "roles", "system_prompt", "engine_args", "diffusers", "limit_mm_per_prompt",
+    "function", "capabilities",
     "pinned", "preload", "memory_bytes",
 }) | set(MODEL_OPTIONS) | set(PREDICT_OPTIONS)
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
@@ -257,6 +271,7 @@ class ModelTemplate:
     completion: str = ""
     use_tokenizer_template: bool = False
     join_chat_messages_by_character: str | None = None
+    function: str = ""  # LocalAI's template.function: the chat template when tools are used
 
 
 @dataclass(frozen=True)
@@ -284,6 +299,10 @@ class ModelConfig:
     predict_options: Mapping[str, Any] = field(default_factory=dict)
     #: Keys accepted but not acted on, or not known at all (logged once per file change).
     warnings: tuple[str, ...] = ()
+    #: The ``function`` section as acted on (tool call parsing, grammar settings).
+    functions: FunctionConfig = FunctionConfig()
+    #: ``capabilities`` overrides of what the backend honours (see ``capabilities.py``).
+    capabilities: Mapping[str, bool] = field(default_factory=dict)
     #: LocalAI's ``pinned``: never evicted (idle watchdog, memory or count eviction); an
     #: explicit unload still stops it (docs/models.md, "Lifecycle").
     pinned: bool = False
@@ -545,6 +564,14 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     if not isinstance(description, str):
         raise ModelConfigError(source, "description", "must be a string")
     known = _known_usecases(source, data.get("known_usecases"))
+    try:
+        functions = FunctionConfig.from_yaml(data.get("function"), warnings)
+    except FunctionConfigError as e:
+        raise ModelConfigError(source, e.field, e.problem) from None
+    try:
+        overrides = read_overrides(data.get("capabilities"))
+    except ValueError as e:
+        raise ModelConfigError(source, "capabilities", str(e)) from None
     lifecycle = {}
     for key in ("pinned", "preload"):
         value = data.get(key)
@@ -559,7 +586,7 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
                        source=source, known_usecases=known, roles=dict(roles),
                        system_prompt=system_prompt, model_options=model_options,
                        predict_options=predict_options, warnings=_bounded(warnings),
-                       **lifecycle)
+                       functions=functions, capabilities=overrides, **lifecycle)
 
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -110,6 +110,8 @@ from .openai import (
     unprefixed_aliases,
     unprefixed_roots,
 )
+from .generated import GeneratedFiles, GeneratedFilesResource
+from .openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
 from .probes import LivenessResource, ReadinessResource, StartingGate
 from .scheduling_api import NodesWithScheduling, SchedulingResource
 from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
@@ -254,7 +256,7 @@ class ReplicaConfig:
     busy_timeout: float = 0.0
     preload_models: tuple[str, ...] = ()
     #: Registrations one source address may make per minute (burst and refill); 0: no limit.
-    registration_limit: int = 300
+    registration_limit: int = 1200
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -284,7 +286,7 @@ class ReplicaConfig:
             if options.get("enable-watchdog-busy") else 0.0,
             preload_models=tuple(_option(options, "preload-models", ()))
             + tuple(_option(options, "load-to-memory", ())),
-            registration_limit=int(_option(options, "registration-limit", 300)))
+            registration_limit=int(_option(options, "registration-limit", 1200)))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -426,6 +428,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from .preload import Preloader
     from .replicas import ReplicaScaler
     from .usage import ModelUse
+    from .scratch import WorkerScratch
 
     grace = config.reconnect_grace
     nodes = NodeRegistry(db, registration_token=config.registration_token,
@@ -458,6 +461,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                         config.models_dir, reactor, metrics=metrics)
     loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle)
     inference = InferenceRouter(catalog, chooser, loads, loader, backend_clients, reactor,
+                                WorkerScratch(control, worker_http, nodes.control_token,
+                                              reactor),
                                 use=use, lifecycle=lifecycle)
     watchdog = LifecycleWatchdog(db, lifecycle, tunnels.held_nodes, reactor,
                                  idle_timeout=config.idle_timeout,
@@ -674,7 +679,13 @@ class FrontendService(InOrderMultiService):
             b"healthz": LivenessResource(),
             b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
         self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
-        self.site = FrontendSite(self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES})
+        # Uploads (a transcription's audio) have their own cap and go to a temporary file;
+        # the unprefixed alias takes the cap of its twin below.
+        uploads = (b"/v1/audio/transcriptions", b"/audio/transcriptions")
+        self.site = FrontendSite(
+            self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES,
+                                    uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES},
+            spool_prefixes=uploads)
         # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
         for alias, twin in unprefixed_aliases():
             self.site.add_body_limit(alias, self.site.body_limit_for(twin))
@@ -709,14 +720,19 @@ class FrontendService(InOrderMultiService):
         root.putChild(b"dashboard", dashboard_files())
         for name, probe in self._probe_resources.items():
             root.putChild(name, probe)  # the same /healthz and /readyz
+        db = getattr(replica, "db", None)  # (a test's stand-in replica may have none)
+        generated = GeneratedFiles(db) if db is not None else None
         openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
                                 reactor=self._reactor, node_names=replica.node_name,
-                                metrics=replica.metrics)
+                                metrics=replica.metrics, generated=generated)
         root.putChild(b"v1", openai)
         root.putChild(b"backend", BackendResource(replica.inference, self.api_keys))
         unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
         for name in unprefixed_roots():
             root.putChild(name, unprefixed)
+        # The images answered as URLs, which every replica serves from the shared store.
+        if generated is not None:
+            root.putChild(b"generated-images", GeneratedFilesResource(generated))
         root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
                                                   replica.tunnels, replica.control))
         api = JSONDirectory()

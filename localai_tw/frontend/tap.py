@@ -134,7 +134,7 @@ SETTINGS = (
                  "refilled evenly); more are answered 429 with Retry-After and the worker "
                  "retries. Workers behind one NAT or proxy share an address: raise it for a "
                  "larger fleet there. 0: no limit.",
-                 default="300", parse=config.parse_whole_number),
+                 default="1200", parse=config.parse_whole_number),
     config.flag("require-approval", "LOCALAI_REQUIRE_APPROVAL",
                 "New workers wait for an administrator's approval before they serve."),
     config.flag("local-worker", "LOCALAI_LOCAL_WORKER",

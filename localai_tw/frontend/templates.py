@@ -31,10 +31,14 @@ files, so existing templates work unchanged:
 Fields of a chat message: ``.RoleName`` (the role as sent), ``.Role`` (its prefix from
 ``roles``), ``.Content``, ``.FunctionName`` (``name``), ``.FunctionCall`` (the tool calls as a
 list that prints as their JSON text, or nil), ``.MessageIndex``, ``.LastMessage``,
-``.Function`` (always false here), ``.SystemPrompt``.  Fields of a chat or completion prompt:
-``.Input``, ``.SystemPrompt``, ``.SuppressSystemPrompt`` (the request carries its own system
-message), ``.Instruction``, ``.Functions`` (nil), ``.MessageIndex`` (0), ``.ReasoningEffort``,
-``.Metadata``.  A field of a nested mapping that is missing is nil (Go's zero value); a field
+``.Function`` (true on the last message when the answer is constrained by a grammar),
+``.SystemPrompt``.  Fields of a chat or completion prompt: ``.Input``, ``.SystemPrompt``,
+``.SuppressSystemPrompt`` (the request carries its own system message), ``.Instruction``,
+``.Functions`` (the request's tools when they are shown to the model, each with ``.Name``,
+``.Description``, ``.Strict``, ``.Parameters``; else nil), ``.MessageIndex`` (0),
+``.ReasoningEffort``, ``.Metadata``.  With tools, the ``function`` template (LocalAI's
+``template.function``) renders the prompt in place of ``chat`` when the config has one.
+A field of a nested mapping that is missing is nil (Go's zero value); a field
 the top level does not have is an error.
 
 What this module must never do: evaluate code (no ``eval``/``exec``, no attribute access:
@@ -704,9 +708,10 @@ class PromptTemplates:
     roles: Mapping[str, str] = field(default_factory=dict)
     join: str = "\n"
     system_prompt: str = ""
+    function: str = ""  # the chat template when the request's tools are shown to the model
 
     def __post_init__(self):
-        for name in ("chat", "chat_message", "completion"):
+        for name in ("chat", "chat_message", "completion", "function"):
             text = getattr(self, name)
             if text:
                 try:
@@ -733,7 +738,7 @@ class PromptTemplates:
 
         join = read("join_chat_messages_by_character", "\n")
         return cls(chat=str(read("chat", "")), chat_message=str(read("chat_message", "")),
-                   completion=str(read("completion", "")),
+                   completion=str(read("completion", "")), function=str(read("function", "")),
                    use_tokenizer_template=bool(read("use_tokenizer_template", False)),
                    roles=dict(roles if roles is not None else read("roles", {}) or {}),
                    join=str(join), system_prompt=str(system_prompt or ""))
@@ -749,17 +754,56 @@ class RenderedChat:
     use_tokenizer_template: bool = False
 
 
-def _prompt_data(templates: PromptTemplates, text: str, *, suppress_system: bool) -> dict:
+def _prompt_data(templates: PromptTemplates, text: str, *, suppress_system: bool,
+                 functions: list | None = None) -> dict:
     return {
         "Input": text, "Instruction": "", "SystemPrompt": templates.system_prompt,
-        "SuppressSystemPrompt": suppress_system, "Functions": None, "MessageIndex": 0,
+        "SuppressSystemPrompt": suppress_system, "Functions": functions, "MessageIndex": 0,
         "ReasoningEffort": "", "Metadata": None,
     }
 
 
-def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage]) -> RenderedChat:
+class GoFunction(dict):
+    """One tool as LocalAI's templates see it (``functions.Function``): its Go field names
+    (``.Name``, ``.Description``, ``.Strict``, ``.Parameters``) read its JSON keys, and
+    ``toJson`` writes the JSON keys (``name``, ``description``, ``strict``, ``parameters``),
+    as Go's struct tags do."""
+
+    _GO = {"Name": "name", "Description": "description", "Strict": "strict",
+           "Parameters": "parameters"}
+
+    def get(self, key, default=None):
+        return super().get(self._GO.get(key, key), default)
+
+
+def template_functions(tools: Sequence[Mapping[str, Any]]) -> list[GoFunction]:
+    """The request's ``tools`` (OpenAI's shape) as ``.Functions`` of a template."""
+    out = []
+    for tool in tools:
+        function = tool.get("function") or {}
+        out.append(GoFunction(name=function.get("name", ""),
+                              description=function.get("description", "") or "",
+                              strict=bool(function.get("strict", False)),
+                              parameters=function.get("parameters") or {}))
+    return out
+
+
+def uses_functions(templates: PromptTemplates) -> bool:
+    """Whether the request's tools reach the model through these templates: the
+    ``function`` template, or a ``chat`` template that reads ``.Functions``."""
+    if templates.function:
+        return True
+    return bool(templates.chat) and "Functions" in template_fields(templates.chat)
+
+
+def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage],
+                functions: Sequence[Mapping[str, Any]] | None = None, *,
+                grammar: bool = False) -> RenderedChat:
     """The backend input for ``messages`` under ``templates`` (LocalAI's rules, module
-    docstring).  :raises TemplateError: a field the template names does not exist."""
+    docstring).  ``functions``: the request's tools to show the model (then the ``function``
+    template, when set, renders the prompt in place of ``chat``, with ``.Functions``);
+    ``grammar``: the answer is constrained (``.Function`` of the last message is true, as
+    LocalAI sets it).  :raises TemplateError: a field the template names does not exist."""
     messages = tuple(messages)
     if templates.use_tokenizer_template:
         return RenderedChat(prompt="", messages=messages, use_tokenizer_template=True)
@@ -778,7 +822,7 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage]) -> 
                 "SystemPrompt": templates.system_prompt, "Role": prefix, "RoleName": role,
                 "Content": message.content, "FunctionName": message.name,
                 "FunctionCall": _tool_calls(message.tool_calls), "MessageIndex": index,
-                "LastMessage": index == last, "Function": False,
+                "LastMessage": index == last, "Function": grammar and index == last,
             })
             if rendered:
                 pieces.append(rendered)
@@ -791,10 +835,12 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage]) -> 
             content = prefix + content
         pieces.append(content)
     joined = templates.join.join(pieces)
-    if templates.chat:
+    chat = templates.function if functions and templates.function else templates.chat
+    if chat:
         suppress = any(m.role == "system" for m in messages)
-        joined = compile_template(templates.chat).render(
-            _prompt_data(templates, joined, suppress_system=suppress))
+        joined = compile_template(chat).render(_prompt_data(
+            templates, joined, suppress_system=suppress,
+            functions=template_functions(functions) if functions else None))
     return RenderedChat(prompt=joined)
 
 
@@ -864,8 +910,11 @@ __all__ = [
     "Template",
     "TemplateError",
     "compile_template",
+    "GoFunction",
     "render_chat",
     "render_completion",
+    "template_functions",
+    "uses_functions",
     "template_fields",
     "tool_calls_json",
 ]

@@ -52,7 +52,12 @@ from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.logs import RateLimitedLog
 from localai_tw.tunnel.sockets import set_no_delay
 from localai_tw.web import auth
-from localai_tw.web.bodies import CappedBody, answer_early, pending_request_line
+from localai_tw.web.bodies import (
+    CappedBody,
+    SpooledCappedBody,
+    answer_early,
+    pending_request_line,
+)
 from localai_tw.web.json import JSON_HEADERS  # noqa: F401  (the OpenAI API imports it here)
 from localai_tw.web.json import COMPACT, json_body, write_json
 from localai_tw.web.ratelimit import SourceRateLimit
@@ -214,7 +219,10 @@ class FrontendRequest(server.Request):
         target = line[1] if line is not None else None
         self._early_target = target
         limit = site.body_limit_for(target) if site is not None else MAX_BODY_BYTES
-        self.content = CappedBody(limit)
+        if length == 0 or site is None or not site.spools(target):
+            self.content = CappedBody(limit)
+        else:  # an upload: refused below before a byte is written, else kept on disk
+            self.content = SpooledCappedBody(limit)
         if length == 0:
             return
         try:
@@ -422,6 +430,8 @@ class FrontendSite(server.Site):
         ``/completionsx``, which an unauthenticated client could otherwise use to have 8 MiB
         read on a path no header guard covers).
     :param default_limit: the cap of every other path.
+    :param spool_prefixes: raw path prefixes whose bodies (uploads) are kept in a temporary
+        file instead of memory, still capped by ``body_limits`` while they arrive.
     :param header_guards: path prefix (``b"/v1"``, matched by whole segments, as routed) ->
         ``guard(request)``, which sees only the headers and raises an :class:`APIError`-like
         refusal (``status``, ``body()``, ``headers``) to refuse.  The longest prefix wins.
@@ -437,6 +447,7 @@ class FrontendSite(server.Site):
 
     def __init__(self, resource, *, body_limits: Mapping[bytes, int] | None = None,
                  default_limit: int = MAX_BODY_BYTES,
+                 spool_prefixes: Iterable[bytes] = (),
                  header_guards: Mapping[bytes, Callable[[Any], None]] | None = None,
                  max_connections: int = MAX_CONNECTIONS,
                  max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT,
@@ -470,6 +481,7 @@ class FrontendSite(server.Site):
             "answered {count} requests from {source} with a 4xx status in the last "
             "{seconds:g} s ({suppressed} of them not logged one by one)", clock=self.reactor)
         self.default_limit = default_limit
+        self.spool_prefixes = tuple(spool_prefixes)
         self.body_limits = sorted((body_limits or {}).items(), key=lambda kv: len(kv[0]),
                                   reverse=True)
 
@@ -497,6 +509,14 @@ class FrontendSite(server.Site):
         """Cap the bodies under ``prefix`` at ``limit`` (as ``body_limits`` above)."""
         self.body_limits = sorted([*self.body_limits, (prefix, limit)],
                                   key=lambda kv: len(kv[0]), reverse=True)
+
+    def spools(self, target: bytes | None) -> bool:
+        """Whether the body of a request for ``target`` goes to a temporary file."""
+        if target is None:
+            return False
+        path = target.split(b"?", 1)[0]
+        return any(path == p or path.startswith(p.rstrip(b"/") + b"/")
+                   for p in self.spool_prefixes)
 
     def body_limit_for(self, target: bytes | None) -> int:
         if target is None:

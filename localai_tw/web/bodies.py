@@ -47,6 +47,53 @@ class CappedBody(io.BytesIO):
         return written
 
 
+class SpooledCappedBody:
+    """A request body on disk (an anonymous temporary file, gone when closed) up to ``limit``
+    bytes: for uploads that should not sit in memory.  The same interface as
+    :class:`CappedBody`; a write past the limit raises :meth:`over_limit` and keeps nothing of
+    it.  Writes are small appends of what the transport just delivered."""
+
+    def __init__(self, limit: int, directory: str | None = None):
+        import tempfile
+
+        self.limit = limit
+        self._size = 0
+        self.file = tempfile.TemporaryFile(dir=directory, prefix="localai-upload-")
+
+    def accepts(self, more: int) -> bool:
+        return self._size + more <= self.limit
+
+    def over_limit(self) -> Exception:
+        return BodyTooLarge(self.limit)
+
+    def write(self, data) -> int:
+        if not self.accepts(len(data)):
+            raise self.over_limit()
+        written = self.file.write(data)
+        self._size = max(self._size, self.file.tell())
+        return written
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def read(self, size: int = -1) -> bytes:
+        return self.file.read(size)
+
+    def close(self) -> None:
+        self.file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.file.closed
+
+
 def pending_request_line(channel) -> tuple[bytes, bytes] | None:
     """The method and raw target of the request whose headers just ended, or None.
 

@@ -56,6 +56,7 @@ from localai_tw.worker.registration import (
     RegistrationClient,
     RegistrationError,
 )
+from localai_tw.worker.scratch import ScratchArea
 from localai_tw.worker.staging import FileStaging, StagingRoots
 from localai_tw.worker.streams import StreamRouter
 
@@ -333,6 +334,7 @@ class WorkerService(MultiService):
         # frontend derives it from the node key hash it stored (cluster/nodekey.py).
         self.control_auth = ControlAuth(control_token(node_key_hash(self.node_key)))
         self.staging = None
+        self.scratch = None
         v1_children, body_policies = {}, []
         if self.data_dir:
             self.staging = FileStaging(
@@ -342,6 +344,9 @@ class WorkerService(MultiService):
                 self.control_auth, reactor)
             v1_children, body_policies = self.staging.v1_children(), \
                 self.staging.body_policies()
+            # Per-request scratch directories: files a backend reads or writes by path (dst).
+            self.scratch = ScratchArea(self.staging.scratch_root, reactor)
+            self.scratch.register(self.verbs)
         self.site = build_worker_site(self.verbs, self.control_auth, self.readiness,
                                       v1_children=v1_children, body_policies=body_policies)
         self.router = StreamRouter(self.site, self.backend_ports, reactor,
@@ -378,6 +383,8 @@ class WorkerService(MultiService):
             for root in (self.staging.roots.models_dir, self.staging.roots.data_dir,
                          self.staging.roots.staging_dir):
                 os.makedirs(root, exist_ok=True)
+        if self.scratch is not None:
+            self.scratch.reset()
         log.info("worker {name} starting: registering with {url}; listening on nothing",
                  name=self.node_name, url=self.client.base_url)
         super().startService()

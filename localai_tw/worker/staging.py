@@ -13,8 +13,12 @@ Server side (mounted in the worker's site next to the control plane):
   skip uploads that are already present.
 - ``GET /v1/files-progress/{key}`` reports an upload in progress: bytes received and total.
 
+- ``GET /v1/files/scratch/<id>/<name>`` streams back a file a backend wrote in a scratch
+  directory (``localai_tw/worker/scratch.py``); nothing else under ``/v1/files/`` is readable.
+
 Keys map to roots: ``models/<rest>`` under the models directory, ``data/<rest>`` under the data
-directory, anything else under the staging directory.
+directory, anything else under the staging directory.  ``scratch/...`` keys must be exactly
+``scratch/<id>/<name>`` of a directory made by the ``scratch.create`` verb.
 
 The client side (:func:`upload_file`) lives in ``localai_tw/staging_client.py`` so frontends
 need not import from ``worker``; it is re-exported here.
@@ -42,7 +46,7 @@ import tempfile
 
 import attr
 from twisted.internet import defer, threads
-from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.interfaces import IPushProducer, IReactorThreads
 from twisted.logger import Logger
 from twisted.web import resource, server
 from zope.interface import implementer
@@ -61,6 +65,7 @@ from localai_tw.staging_client import (  # noqa: F401 -- the client half and the
     upload_file,
 )
 from localai_tw.worker.control import ControlAuth, write_json, write_problem
+from localai_tw.worker.scratch import SCRATCH, check_scratch_key, is_scratch_key
 from localai_tw.worker.httpserve import (
     AnswerBeforeBody,
     BoundedMemoryBody,
@@ -368,10 +373,17 @@ class FileStaging:
     def body_policies(self) -> list[IRequestBodyPolicy]:
         return [UploadBodyPolicy(self)]
 
+    @property
+    def scratch_root(self) -> str:
+        return os.path.join(self.roots.staging_dir, SCRATCH)
+
     def target_of(self, path: bytes, prefix: bytes) -> StagingTarget:
         if not path.startswith(prefix):
             raise BadStagingKey("not a staging path")
-        return self.roots.resolve(parse_key(path[len(prefix):]))
+        key = parse_key(path[len(prefix):])
+        if is_scratch_key(key):
+            check_scratch_key(key, self.scratch_root)
+        return self.roots.resolve(key)
 
 
 def _expected_sha256(request) -> str | None:
@@ -437,7 +449,8 @@ def _file_headers(request, size: int, digest: str, target: StagingTarget):
 
 
 class FilesResource(resource.Resource):
-    """``/v1/files/{key}``: HEAD to learn what is present, PUT to upload."""
+    """``/v1/files/{key}``: HEAD to learn what is present, PUT to upload, GET to read back a
+    scratch file."""
 
     isLeaf = True
 
@@ -454,9 +467,34 @@ class FilesResource(resource.Resource):
             self._head(request)
         elif request.method == b"PUT":
             self._put(request)
+        elif request.method == b"GET":
+            self._get(request)
         else:
-            write_problem(request, 405, "use HEAD or PUT", ((b"allow", b"HEAD, PUT"),))
+            write_problem(request, 405, "use HEAD, PUT or GET", ((b"allow", b"HEAD, PUT, GET"),))
         return server.NOT_DONE_YET
+
+    def _get(self, request):
+        """Stream a scratch file back (what a backend wrote there), with its length."""
+        target = self._target(request)
+        if target is None:
+            return
+        if not is_scratch_key(target.key):
+            write_problem(request, 403, "only scratch files (scratch/<id>/<name>) are readable")
+            return
+        try:
+            f = open(target.real_path, "rb")
+        except FileNotFoundError:
+            write_problem(request, 404, "no such file (the backend wrote nothing there)")
+            return
+        except OSError as e:
+            write_problem(request, 400 if e.errno == errno.EISDIR else 500,
+                          f"cannot read the file: {e.strerror}")
+            return
+        size = os.fstat(f.fileno()).st_size
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"application/octet-stream")
+        request.setHeader(b"content-length", b"%d" % size)
+        _FileStreamer(f, request, size).start()
 
     def _target(self, request) -> StagingTarget | None:
         try:
@@ -519,6 +557,56 @@ class FilesResource(resource.Resource):
                                             f"{failure_summary(failure)}")
 
         sink.commit().addCallbacks(stored, failed)
+
+
+@implementer(IPushProducer)
+class _FileStreamer:
+    """Writes a file to a request in chunks while the request's transport takes them: a push
+    producer that stops when paused and goes on when resumed, so a slow reader holds at most
+    a chunk or two here (the tunnel stream's window does the rest)."""
+
+    def __init__(self, f, request, size: int):
+        self._file = f
+        self._request = request
+        self._left = size
+        self._paused = False
+        self._done = False
+
+    def start(self) -> None:
+        self._request.registerProducer(self, True)
+        self._request.notifyFinish().addBoth(lambda _: self._close())
+        self._pump()
+
+    def _pump(self) -> None:
+        while not self._paused and not self._done:
+            chunk = self._file.read(min(CHUNK_BYTES, self._left)) if self._left > 0 else b""
+            if not chunk:
+                self._finish()
+                return
+            self._left -= len(chunk)
+            self._request.write(chunk)
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._file.close()
+        self._request.unregisterProducer()
+        self._request.finish()
+
+    def _close(self) -> None:
+        self._done = True
+        self._file.close()
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        self._pump()
+
+    def stopProducing(self) -> None:
+        self._close()
 
 
 class UploadProgressResource(resource.Resource):

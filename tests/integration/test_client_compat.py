@@ -35,9 +35,10 @@ TABLE_END = "<!-- /compat-table -->"
 WEIGHTS = b"compat weights " * 100
 MODEL, EMBED_ONLY = "echo-chat", "echo-embed"
 
-_TOOLS = "tool calls are not parsed out of answers yet"
-_JSON = "output is not constrained to JSON yet"
-_LOGPROBS = "log probabilities are not returned yet"
+_TOOLS = ("the test model (echo backend) cannot take tools: no template of its renders them "
+          "(docs/openai-api.md, Tools)")
+_JSON = "the echo backend cannot constrain its output with a grammar (Structured output)"
+_LOGPROBS = "the echo backend returns no log probabilities"
 _UNSUPPORTED = ("refused", 400, "unsupported_parameter")
 
 #: Every call of the table, in its order: "works", or ("refused", status, code, param, why).

@@ -143,3 +143,40 @@ def test_deadlines_stop_while_answering_and_start_again_with_the_next_request():
     clock.advance(2)  # ...and its head is 31 s late
     assert transport.disconnecting
     assert transport.value().split(b"done\r\n0\r\n\r\n", 1)[1].startswith(b"HTTP/1.1 408 ")
+
+
+class Keeps(Resource):
+    """Keeps each request it is given (to look at its body)."""
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.requests = []
+
+    def render(self, request):
+        self.requests.append(request)
+        return server.NOT_DONE_YET
+
+
+def test_uploads_are_spooled_to_a_file_and_still_capped():
+    from localai_tw.web.bodies import CappedBody, SpooledCappedBody
+
+    keeps = Keeps()
+    site = FrontendSite(keeps, body_limits={b"/v1/": 1000, b"/v1/up": 5000},
+                        spool_prefixes=(b"/v1/up",))
+    body = b"x" * 3000
+    feed(site, b"POST /v1/up HTTP/1.1\r\nHost: x\r\nContent-Length: 3000\r\n\r\n" + body)
+    content = keeps.requests[0].content
+    assert isinstance(content, SpooledCappedBody) and content.size == 3000
+    content.seek(0)
+    assert content.read() == body
+    feed(site, b"POST /v1/chat HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+    assert isinstance(keeps.requests[1].content, CappedBody)  # not an upload: in memory
+    assert not site.spools(b"/v1/upper") and site.spools(b"/v1/up/x?y=1")
+    # Chunked (no length announced): cut off with 413 naming the limit while it arrives.
+    refused = feed(site, b"POST /v1/up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   + b"1770\r\n" + b"y" * 6000 + b"\r\n0\r\n\r\n")
+    assert refused.startswith(b"HTTP/1.1 413 ")
+    assert "5000 bytes" in json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    assert len(keeps.requests) == 2

@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "staging_client": BASE | {"web"},
     "metrics": BASE,  # every Prometheus metric in one place (docs/metrics.md)
     "tinychat": BASE,  # a user's tool (python -m localai_tw.tinychat): builds a local model
+    "tinygguf": BASE,  # a user's tool (python -m localai_tw.tinygguf): builds a local GGUF
     "tunnel": BASE | {"mux", "splice", "db", "cluster", "staging_client", "web"},
     "backends": BASE | {"plugins"},  # plugins: the drop-in package IBackendFactory scans
     "plugins": BASE | {"backends"},

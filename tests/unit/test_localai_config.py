@@ -149,8 +149,9 @@ def test_stopwords_reach_the_backend_through_the_chat_api():
 
 def test_unknown_and_unused_keys_are_warned_once_and_the_model_kept(tmp_path):
     (tmp_path / "m.yaml").write_text(
-        "name: m\nbackend: llama-cpp\nf16: true\nbogus: 1\nfunction: {grammar: {}}\n"
-        "parameters: {model: m.gguf, nope: 2}\ntemplate: {function: x, chat: '{{.Input}}'}\n")
+        "name: m\nbackend: llama-cpp\nf16: true\nbogus: 1\n"
+        "function: {grammar: {mixed_mode: true}, xml_format_preset: x, what: 1}\n"
+        "parameters: {model: m.gguf, nope: 2}\ntemplate: {edit: x, chat: '{{.Input}}'}\n")
     catalog = ModelCatalog(str(tmp_path), check_interval=0)
     with capturedLogs() as events:
         assert [m.name for m in catalog.models()] == ["m"]
@@ -159,9 +160,11 @@ def test_unknown_and_unused_keys_are_warned_once_and_the_model_kept(tmp_path):
     warned = [e["warning"] for e in events if "warning" in e]
     assert sorted(warned) == sorted([
         "bogus: unknown key; ignored",
-        "function: a LocalAI key localai-tw does not act on; ignored",
+        "function.grammar.mixed_mode: a LocalAI key localai-tw does not act on; ignored",
+        "function.xml_format_preset: a LocalAI key localai-tw does not act on; ignored",
+        "function.what: unknown key; ignored",
         "parameters.nope: unknown parameter; ignored",
-        "template.function: a LocalAI key localai-tw does not act on; ignored"])
+        "template.edit: a LocalAI key localai-tw does not act on; ignored"])
     assert catalog.errors == {}
     assert catalog.get("m").model_options == {"F16Memory": True}
 

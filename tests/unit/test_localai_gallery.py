@@ -17,7 +17,6 @@ from localai_tw.frontend.templates import (
     ChatMessage,
     PromptTemplates,
     TemplateError,
-    compile_template,
     render_chat,
     render_completion,
 )
@@ -32,9 +31,10 @@ CONVERSATION = [
     ChatMessage("tool", "sunny", name="weather", tool_call_id="c1"),
     ChatMessage("user", "thanks"),
 ]
-FUNCTIONS = [{"Name": "weather", "Description": "the weather in a city", "Strict": False,
-              "Parameters": {"type": "object", "properties": {
-                  "city": {"type": "string", "description": "the city"}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "the city"}}}}}]
 
 
 def gallery_entries() -> dict[str, str]:
@@ -66,12 +66,11 @@ def test_every_gallery_config_loads(catalog):
 
 
 def render_one(kind: str, text: str) -> str:
-    """Render ``text`` as LocalAI would use a ``template.<kind>``."""
-    if kind == "function":  # the full prompt when tools are offered (accepted, unused here)
-        return compile_template(text).render({
-            "Input": "rendered messages", "Instruction": "", "SystemPrompt": "",
-            "SuppressSystemPrompt": False, "Functions": FUNCTIONS, "MessageIndex": 0,
-            "ReasoningEffort": "", "Metadata": None})
+    """Render ``text`` as a ``template.function``: the whole prompt when a request's tools are
+    shown to the model (``render_chat`` with tools, the path chat requests take)."""
+    if kind == "function":
+        templates = PromptTemplates.from_config({"function": text})
+        return render_chat(templates, CONVERSATION, TOOLS).prompt
     raise AssertionError(kind)
 
 

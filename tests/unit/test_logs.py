@@ -85,3 +85,44 @@ def test_json_format_writes_one_object_per_line(tmp_path):
     assert first["text"] == formatEvent(first) == "refused 3 requests from 10.0.0.9"
     assert second["text"] == "a second line\nwith a newline inside"
     assert first["log_level"]["name"] == "info" and first["source"] == "10.0.0.9"
+
+
+def test_a_librarys_per_connection_warnings_are_summarised_not_repeated():
+    """A replica stopping with 1000 tunnels logged 1032 Autobahn lines "dropping connection to
+    peer ... closing handshake timeout", one per connection.  The log filter shows the first 5
+    of a kind per 10 s and then one summary with the true count; the project's own events and
+    a library's info lines pass untouched.  (Remove RepeatedLibraryEvents from level_filter:
+    1000 lines reach the log.)"""
+    from twisted.internet import task
+    from twisted.logger import Logger, LogLevel, formatEvent
+
+    from localai_tw import logs
+
+    clock = task.Clock()
+    seen = []
+    observer = logs.level_filter(seen.append, "info", clock=clock)
+    autobahn = Logger(namespace="autobahn.twisted.websocket.WebSocketServerProtocol",
+                      observer=observer)
+    ours = Logger(namespace="localai_tw.tunnel.registry", observer=observer)
+    for port in range(1000):
+        autobahn.warn("dropping connection to peer {peer} with abort=True: WebSocket closing "
+                      "handshake timeout", peer=f"tcp4:127.0.0.1:{port}")
+        if port < 20:
+            ours.warn("release failed for node {node}", node=port)
+            autobahn.info("connection {port} opened", port=port)
+    from twisted.logger import globalLogPublisher
+
+    summaries = []
+    globalLogPublisher.addObserver(summaries.append)
+    try:
+        clock.advance(10)
+    finally:
+        globalLogPublisher.removeObserver(summaries.append)
+    shown = [e for e in seen if e["log_namespace"].startswith("autobahn") and
+             e["log_level"] is LogLevel.warn]
+    assert len(shown) == 5
+    assert len([e for e in seen if e["log_namespace"] == "localai_tw.tunnel.registry"]) == 20
+    assert len([e for e in seen if e["log_level"] is LogLevel.info]) == 20
+    [summary] = [formatEvent(e) for e in summaries if "more like this" in formatEvent(e)]
+    assert "995 more like this in the last 10 s" in summary
+    assert "closing handshake timeout" in summary

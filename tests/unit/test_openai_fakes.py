@@ -105,6 +105,10 @@ class FakeRouter:
         self.embedding_dim = 4
         self.embedding_layout = backend_pb2.EMBEDDING_LAYOUT_FINAL
         self.auto_stream_waits: list[bool] = []
+        self.reply_logprobs = b""  # Reply.logprobs of every predict reply
+        self.reply_deltas: list = []  # Reply.chat_deltas of every predict reply
+        self.stream_deltas: list = []  # Reply.chat_deltas of each stream piece (lists)
+        self.stream_logprobs: list[bytes] = []  # Reply.logprobs of each stream piece
 
     def models(self):
         return [self.configs[n] for n in sorted(self.configs)]
@@ -137,7 +141,9 @@ class FakeRouter:
         words = len(text.split())
         reply = backend_pb2.Reply(message=text.encode("utf-8"),
                                   tokens=self.tokens if self.tokens is not None else words,
-                                  prompt_tokens=len(options.Prompt.split()) or 1)
+                                  prompt_tokens=len(options.Prompt.split()) or 1,
+                                  logprobs=self.reply_logprobs,
+                                  chat_deltas=self.reply_deltas)
         served = Served(reply, self.node)
         if self.hold:
             return self._held("predict", served)
@@ -158,8 +164,12 @@ class FakeRouter:
         if on_start is not None:
             on_start(self.node)
         for index, piece in enumerate(self.stream_pieces):
+            logprobs = self.stream_logprobs[index] if index < len(self.stream_logprobs) \
+                else b""
+            deltas = self.stream_deltas[index] if index < len(self.stream_deltas) else []
             waiting = on_reply(backend_pb2.Reply(message=piece, tokens=index + 1,
-                                                 prompt_tokens=3))
+                                                 prompt_tokens=3, logprobs=logprobs,
+                                                 chat_deltas=deltas))
             self.auto_stream_waits.append(isinstance(waiting, defer.Deferred))
             if isinstance(waiting, defer.Deferred):
                 await waiting

@@ -374,7 +374,7 @@ def test_progress_of_no_upload_is_404(roots):
 def test_other_methods_are_405(roots):
     site, _ = make_staging(roots)
     (code, headers, _), _, _ = exchange(site, http_request("DELETE", "/v1/files/a.bin", None))
-    assert code == 405 and headers[b"allow"] == [b"HEAD, PUT"]
+    assert code == 405 and headers[b"allow"] == [b"HEAD, PUT, GET"]
 
 
 # -- the client ----------------------------------------------------------------------------------

@@ -8,16 +8,25 @@ providers (exposed to ``twisted.plugin`` by ``localai_tw/plugins/localai_builtin
 - ``bert-numpy``: sentence embeddings of a local BERT sentence-transformers model directory
   (the default all-MiniLM-L6-v2) in numpy (``builtin/bert_numpy.py``); needs the ``embeddings``
   extra (numpy, tokenizers, safetensors), no torch.
+- ``espeak-ng``: text to speech with Debian's ``espeak-ng`` program (``builtin/espeak_ng.py``);
+  needs that program on PATH (``apt-get install espeak-ng``).
+- ``pocketsphinx``: US English speech to text with PocketSphinx (``builtin/pocketsphinx_asr.py``);
+  needs the ``speech`` extra (the ``pocketsphinx`` wheel, which ships its model).
+- ``hash-image``: a test/demo image backend drawing a deterministic PNG from the request's
+  hash (``builtin/hash_image.py``), no dependencies.
 - ``sentence-transformers`` / ``transformers``: ``builtin/huggingface.py``; they need the
   ``sentence-transformers`` / ``transformers`` extras (torch and the Hugging Face libraries) in the
   interpreter that runs them.  Option ``python`` names another interpreter (a venv with those
   libraries); then the worker does not check the libraries itself.
+- ``llama-cpp``: GGUF models through llama.cpp's Python bindings (``builtin/llama_cpp.py``, LocalAI's
+  backend name); needs the ``llama`` extra (llama-cpp-python, built from source by pip).
 
 Python programs are started with the worker's own interpreter unless ``python`` says
 otherwise, with ``PYTHONPATH`` led by the directory that holds ``localai_tw``, so they import
 this package whether or not it is installed.
 
-What this module must never do: import torch, transformers, sentence-transformers or numpy (it
+What this module must never do: import torch, transformers, sentence-transformers, llama_cpp or
+numpy (it
 only asks ``importlib`` whether they could be imported), or put anything but ``--addr <address>``
 after an operator's command line.
 """
@@ -149,8 +158,41 @@ transformers_backend = PythonProgramFactory(
     "transformers", "text generation and embeddings with Hugging Face transformers",
     "localai_tw.backends.builtin.huggingface", ("--kind", "transformers"),
     ("torch", "transformers"), "transformers")
+llama_cpp_backend = PythonProgramFactory(
+    "llama-cpp", "GGUF models (text generation, grammar, embeddings) with llama.cpp",
+    "localai_tw.backends.builtin.llama_cpp", (), ("llama_cpp", "numpy"), "llama")
+
+
+
+@implementer(IBackendFactory)
+class PythonProgramWithToolFactory(PythonProgramFactory):
+    """A backend program of this package that also runs a system program (on PATH)."""
+
+    def __init__(self, *args, program: str, install: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.program = program
+        self.install = install
+
+    def unavailable_reason(self) -> str | None:
+        if shutil.which(self.program) is None:
+            return (f"backend {self.name} needs the program {self.program}, not on PATH: "
+                    f"{self.install}")
+        return super().unavailable_reason()
+
+
+espeak_ng_backend = PythonProgramWithToolFactory(
+    "espeak-ng", "text to speech with espeak-ng (formant synthesis, many languages)",
+    "localai_tw.backends.builtin.espeak_ng", program="espeak-ng",
+    install="apt-get install espeak-ng")
+pocketsphinx_backend = PythonProgramFactory(
+    "pocketsphinx", "US English speech to text with PocketSphinx (its wheel ships the model)",
+    "localai_tw.backends.builtin.pocketsphinx_asr", (), ("pocketsphinx",), "speech")
+hash_image_backend = PythonProgramFactory(
+    "hash-image", "test/demo image backend: a deterministic PNG from the request's hash",
+    "localai_tw.backends.builtin.hash_image")
 
 # Named *_backend: a bare ``echo`` would be replaced by the submodule ``builtin.echo`` as soon
 # as that module is imported (the import system sets submodules as package attributes).
 BUILTIN_FACTORIES = (external_backend, echo_backend, bert_numpy_backend,
-                     sentence_transformers_backend, transformers_backend)
+                     sentence_transformers_backend, transformers_backend, llama_cpp_backend,
+                     espeak_ng_backend, pocketsphinx_backend, hash_image_backend)

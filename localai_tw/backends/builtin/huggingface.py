@@ -16,7 +16,13 @@ sentence-transformers model is ``UNIMPLEMENTED`` (never "model not loaded", whic
 frontend reap and reload the model).  ``Predict``/``PredictStream`` generate from ``Prompt``
 (or from ``Messages`` through the tokenizer's chat template when ``UseTokenizerTemplate``),
 honouring ``Tokens``, ``Temperature`` (0 = greedy), ``TopP``,
-``TopK``, ``Seed`` and ``StopPrompts``.  ``Embedding`` answers one pooled vector (layout FINAL):
+``TopK``, ``Seed`` and ``StopPrompts``; ``Tools`` go to the chat template (``tools=``) with
+the messages' ``tool_calls`` / ``tool_call_id`` (``INVALID_ARGUMENT`` when the template never
+reads ``tools``: they would be ignored); ``Logprobs`` / ``TopLogprobs`` fill
+``Reply.logprobs`` (LocalAI's JSON, the chat shape) from the scores the sampler saw, each
+stream reply carrying the entries of the tokens resolved since the last (the last token's in a
+final empty reply).  ``Grammar`` is not honoured (the frontend refuses what needs it).
+``Embedding`` answers one pooled vector (layout FINAL):
 the sentence-transformers encoding, or the attention-mask mean of the last hidden state.
 ``TokenizeString`` answers ids without special tokens; ``Detokenize`` decodes ids back to text
 with the same tokenizer (special tokens kept, no clean-up, as llama.cpp joins token pieces; an
@@ -36,6 +42,7 @@ success.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import resource
 import threading
@@ -251,11 +258,22 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         if self.model is None or self.tokenizer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded")
 
-    def _prompt_ids(self, request):
+    def _prompt_ids(self, request, context=None):
         if request.UseTokenizerTemplate and request.Messages:
-            messages = [{"role": m.role, "content": m.content} for m in request.Messages]
+            kwargs = {}
+            tools = template_tools(request.Tools)
+            if tools:
+                if not template_reads_tools(self.tokenizer):
+                    # tools the template never renders would be silently ignored
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "this model's chat template does not render tools (it never "
+                                  "reads 'tools'); give the model a tokenizer whose template "
+                                  "does, or render the prompt with a template.function in "
+                                  "its config")
+                kwargs["tools"] = tools
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True)
+                [template_message(m) for m in request.Messages], tokenize=False,
+                add_generation_prompt=True, **kwargs)
         else:
             text = request.Prompt
         encoded = self.tokenizer(text, return_tensors="pt")
@@ -295,21 +313,37 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
                 cut = min(cut, at)
         return text[:cut]
 
+    def _recorder(self, request, kwargs):
+        """A :class:`LogprobRecorder` added to the generation when ``Logprobs`` is asked."""
+        if request.Logprobs <= 0:
+            return None
+        from transformers import LogitsProcessorList
+
+        recorder = make_recorder(self.tokenizer, max(0, min(request.TopLogprobs, 20)))
+        kwargs["logits_processor"] = LogitsProcessorList([recorder])
+        return recorder
+
     def Predict(self, request, context):
         self._require_generator(context)
         import torch
 
         self._busy_enter()
         try:
-            inputs = self._prompt_ids(request)
+            inputs = self._prompt_ids(request, context)
             prompt_len = inputs["input_ids"].shape[-1]
+            kwargs = self._generate_kwargs(request, inputs)
+            recorder = self._recorder(request, kwargs)
             with torch.no_grad():
-                output = self.model.generate(**self._generate_kwargs(request, inputs))
+                output = self.model.generate(**kwargs)
             new_tokens = output[0][prompt_len:]
             text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
             text = self._cut_at_stop(text, request.StopPrompts)
+            logprobs = b""
+            if recorder is not None:
+                recorder.finish(output)
+                logprobs = logprobs_json(recorder.take())
             return backend_pb2.Reply(message=text.encode("utf-8"), tokens=len(new_tokens),
-                                     prompt_tokens=prompt_len)
+                                     prompt_tokens=prompt_len, logprobs=logprobs)
         finally:
             self._busy_exit()
 
@@ -332,7 +366,7 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         abandoned = threading.Event()
         self._busy_enter()
         try:
-            inputs = self._prompt_ids(request)
+            inputs = self._prompt_ids(request, context)
             prompt_len = inputs["input_ids"].shape[-1]
             class CountingStreamer(TextIteratorStreamer):
                 """Counts the generated tokens (its text pieces are not tokens: a piece may
@@ -351,14 +385,16 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
             kwargs = self._generate_kwargs(request, inputs)
             kwargs["streamer"] = streamer
             kwargs["stopping_criteria"] = StoppingCriteriaList([StopWhenAbandoned(abandoned)])
+            recorder = self._recorder(request, kwargs)
             failure: list[BaseException] = []
+            done: list = []
 
             def generate():
                 import torch
 
                 try:
                     with torch.no_grad():
-                        self.model.generate(**kwargs)
+                        done.append(self.model.generate(**kwargs))
                 except BaseException as e:  # reported to the client below
                     failure.append(e)
                     streamer.end()
@@ -374,8 +410,9 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
                 kept = self._cut_at_stop(combined, request.StopPrompts)
                 delta = kept[len(produced):]
                 produced = kept
+                logprobs = logprobs_json(recorder.take()) if recorder is not None else b""
                 yield backend_pb2.Reply(message=delta.encode("utf-8"), tokens=count,
-                                        prompt_tokens=prompt_len)
+                                        prompt_tokens=prompt_len, logprobs=logprobs)
                 if len(kept) < len(combined):
                     break  # a stop string was reached
             abandoned.set()
@@ -383,6 +420,13 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
             if failure:
                 context.abort(grpc.StatusCode.UNKNOWN,
                               f"Unexpected {type(failure[0])}: {failure[0]}")
+            if recorder is not None and done and context.is_active():
+                recorder.finish(done[0])
+                rest = recorder.take()
+                if rest:  # the last token's entry (known once generation ended)
+                    yield backend_pb2.Reply(message=b"", tokens=streamer.generated,
+                                            prompt_tokens=prompt_len,
+                                            logprobs=logprobs_json(rest))
         finally:
             abandoned.set()  # also when the client cancelled and the generator was closed
             self._busy_exit()
@@ -448,6 +492,115 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         text = tokenizer.decode(ids, skip_special_tokens=False,
                                 clean_up_tokenization_spaces=False)
         return backend_pb2.DetokenizeResponse(content=text)
+
+
+def template_tools(raw: str) -> list | None:
+    """``PredictOptions.Tools`` (OpenAI's tools as JSON text) for ``apply_chat_template``."""
+    if not raw:
+        return None
+    try:
+        tools = json.loads(raw)
+    except ValueError:
+        return None
+    return tools if isinstance(tools, list) and tools else None
+
+
+def template_reads_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template(s) refer to ``tools`` at all."""
+    template = getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(t, str) and "tools" in t for t in texts)
+
+
+def template_message(message) -> dict:
+    """A proto ``Message`` as the plain dict chat templates read (never the proto object):
+    tool calls with their arguments decoded (templates ``tojson`` them), the tool result's
+    ``tool_call_id`` and ``name``."""
+    out = {"role": message.role, "content": message.content}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        try:
+            calls = json.loads(message.tool_calls)
+        except ValueError:
+            calls = []
+        for call in calls if isinstance(calls, list) else []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass
+        out["tool_calls"] = calls
+    return out
+
+
+def make_recorder(tokenizer, top: int):
+    """A logits processor that records each generated token's log probability (and the
+    ``top`` most likely), from the scores the sampler sees, as LocalAI's
+    ``Reply.logprobs`` entries.  Step t's scores are kept until step t+1 shows which token
+    was chosen, so one vocabulary row is held at a time."""
+    import math
+
+    import torch
+    from transformers import LogitsProcessor
+
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = tokenizer.decode([token_id])
+        return {"id": token_id, "token": token,
+                "logprob": logprob if math.isfinite(logprob) else -9999.0,
+                "bytes": list(token.encode("utf-8"))}
+
+    class LogprobRecorder(LogitsProcessor):
+        def __init__(self):
+            self.pending = None
+            self.entries: list[dict] = []
+            self.sent = 0
+            self.lock = threading.Lock()
+
+        def __call__(self, input_ids, scores):
+            if self.pending is not None:
+                self._resolve(int(input_ids[0, -1]))
+            self.pending = torch.log_softmax(scores[0].float(), dim=-1)
+            return scores
+
+        def _resolve(self, token_id: int) -> None:
+            row, self.pending = self.pending, None
+            if token_id in special:
+                return
+            item = entry(token_id, float(row[token_id]))
+            tops = []
+            if top:
+                values, ids = torch.topk(row, min(top, row.shape[-1]))
+                tops = [entry(int(i), float(v)) for v, i in zip(values, ids)
+                        if math.isfinite(float(v))]
+            item["top_logprobs"] = tops
+            with self.lock:
+                self.entries.append(item)
+
+        def finish(self, sequences) -> None:
+            """Resolve the last step with the final sequence's last token."""
+            if self.pending is not None:
+                self._resolve(int(sequences[0, -1]))
+
+        def take(self) -> list[dict]:
+            """The entries not taken yet."""
+            with self.lock:
+                out, self.sent = self.entries[self.sent:], len(self.entries)
+            return out
+
+    return LogprobRecorder()
+
+
+def logprobs_json(entries: list[dict]) -> bytes:
+    """``Reply.logprobs``: LocalAI's JSON (``{"content": [...]}``), or empty."""
+    if not entries:
+        return b""
+    return json.dumps({"content": entries}, separators=(",", ":")).encode("utf-8")
 
 
 def main(argv=None) -> None:

@@ -44,10 +44,11 @@ PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
 PARENT_WATCH_INTERVAL_ENV = "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL"
 MAX_WORKERS_ENV = "PYTHON_GRPC_MAX_WORKERS"
 
-#: Methods whose request carries ``ModelIdentity`` (PredictOptions) and is checked.
+#: Methods whose request carries ``ModelIdentity`` and is checked.
 IDENTITY_CHECKED = frozenset(
     f"/backend.Backend/{name}" for name in ("Predict", "PredictStream", "Embedding",
-                                            "TokenizeString", "Rerank"))
+                                            "TokenizeString", "Rerank", "TTS",
+                                            "AudioTranscription", "GenerateImage"))
 LOAD_METHOD = "/backend.Backend/LoadModel"
 
 

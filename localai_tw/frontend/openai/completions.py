@@ -8,11 +8,12 @@ rules completions out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..models import COMPLETION
 from ..templates import render_completion
+from .constraints import Plan, check_output, legacy_logprobs, logprobs_content, plan_completion
 from .context import Context
 from .errors import invalid
 from .requests import (
@@ -48,28 +49,33 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     if len(prompts) * n > MAX_PROMPTS:
         raise invalid(f"at most {MAX_PROMPTS} choices are answered (prompts times 'n')", "n",
                       code="invalid_value")
+    plan = plan_completion(body, name, model, echo=echo)
     include_usage = usage_requested(body, stream)
     sampling = merge_sampling(model.parameters, body, model.predict)
     completion_id, created = context.ids("cmpl")
     if stream:
-        options = sampling.options(Prompt=render_completion(model.templates, prompts[0]))
+        options = sampling.options(Prompt=render_completion(model.templates, prompts[0]),
+                                   **plan.options)
         await stream_reply(context, exchange, name, options, sampling, include_usage,
                            _CompletionChunks(completion_id, created, name,
-                                             prompts[0] if echo else ""))
+                                             prompts[0] if echo else "", plan))
         return
     choices, usage = [], Usage()
     for prompt in prompts:  # OpenAI's order: the n choices of each prompt in turn
         rendered = render_completion(model.templates, prompt)
         for seed in sampling.seeds(n):
-            options = sampling.options(Prompt=rendered, Seed=seed)
+            options = sampling.options(Prompt=rendered, Seed=seed, **plan.options)
             served = await exchange.call(router.predict(name, options, context.deadline()))
             exchange.served_by(served.served_by)
             reply = served.value
             usage.add(reply_usage(reply))
             text = reply.message.decode("utf-8", "replace")
+            reason = finish_reason(reply, sampling.max_tokens)
+            check_output(plan, name, text, reason)
+            logprobs = legacy_logprobs(logprobs_content(reply.logprobs)) \
+                if plan.logprobs else None
             choices.append({"index": len(choices), "text": (prompt + text) if echo else text,
-                            "logprobs": None,
-                            "finish_reason": finish_reason(reply, sampling.max_tokens)})
+                            "logprobs": logprobs, "finish_reason": reason})
     exchange.send_json(200, {"id": completion_id, "object": "text_completion",
                              "created": created, "model": name, "choices": choices,
                              "usage": usage.body()})
@@ -99,6 +105,27 @@ class _CompletionChunks(Chunks):
     created: int
     model: str
     echo: str = ""
+    plan: Plan = field(default_factory=Plan)
+
+    def __post_init__(self):
+        self.text = ""
+        self.offset = 0
+
+    def pieces(self, text: str, reply) -> list:
+        self.text += text
+        if not self.plan.logprobs:
+            return [self.delta(text)] if text else []
+        entries = logprobs_content(reply.logprobs)
+        if not text and not entries:
+            return []
+        chunk = self.delta(text)
+        chunk["choices"][0]["logprobs"] = legacy_logprobs(entries, self.offset)
+        self.offset += sum(len(e["token"]) for e in entries)
+        return [chunk]
+
+    def closing(self, reason: str) -> list:
+        check_output(self.plan, self.model, self.text, reason)
+        return [self.finish(reason)]
 
     def _chunk(self, choices: list, **more) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created,

@@ -23,12 +23,15 @@ class Context:
     :param deadline_seconds: per-request deadline handed to the router (None: its default).
     :param reactor: the clock for deadlines and loading notices (None: the global reactor).
     :param now: wall-clock seconds for ``created`` stamps.
+    :param generated: the shared store of generated files (``frontend/generated.py``), or
+        None (images are then answered as ``b64_json`` only).
     """
 
     router: IInferenceRouter
     deadline_seconds: float | None = None
     reactor: Any = None
     now: Callable[[], float] = field(default=time.time)
+    generated: Any = None
 
     def clock(self):
         reactor = self.reactor

@@ -21,6 +21,7 @@ from localai_tw.errors import ClusterError
 from ..interfaces import ModelConfigInvalid, ModelNotFound, ModelUsecaseUnsupported
 from ..models import usecases
 from ..templates import PromptTemplates
+from ..toolcalls import FunctionConfig
 from ..web import APIError, printable, read_json_object
 from .errors import error_for, invalid
 
@@ -166,42 +167,12 @@ def _unsupported(model: str, param: str, why: str) -> Exception:
                    f"request without it", param, code="unsupported_parameter")
 
 
-_NO_TOOLS = "this server does not parse tool calls out of answers"
-_NO_GRAMMAR = "this server does not constrain output to JSON"
-_NO_LOGPROBS = "this server does not return log probabilities"
-
-
 def refuse_unhonoured(body: Fields, model: str, *, chat: bool) -> None:
     """A 400 ``unsupported_parameter`` for a field whose meaning this server cannot honour
-    (an agent or a structured-output caller would otherwise break without an error).  The
-    harmless spellings pass: ``tools: []``, ``tool_choice: "none"``,
-    ``response_format: {"type": "text"}``, ``logprobs: false``."""
-    for name in ("tools", "functions"):
-        value = body.raw(name)
-        if value is not None and not isinstance(value, list):
-            raise invalid(f"{name!r} must be a list", name, code="invalid_type")
-        if value:
-            raise _unsupported(model, name, _NO_TOOLS)
-    for name in ("tool_choice", "function_call"):
-        value = body.raw(name)
-        if value is not None and value != "none":
-            if not isinstance(value, (str, dict)):
-                raise invalid(f"{name!r} must be a string or an object", name,
-                              code="invalid_type")
-            raise _unsupported(model, name, _NO_TOOLS)
-    response_format = body.mapping("response_format")
-    if response_format is not None:
-        kind = response_format.get("type")
-        if kind in ("json_object", "json_schema"):
-            raise _unsupported(model, "response_format", _NO_GRAMMAR)
-        if kind != "text":
-            raise invalid("'response_format.type' must be 'text', 'json_object' or "
-                          "'json_schema'", "response_format.type", code="invalid_value")
+    (a caller would otherwise break without an error).  Tools, ``response_format`` and
+    log probabilities are checked against the model's backend by
+    :mod:`~localai_tw.frontend.openai.constraints`."""
     if chat:
-        if body.boolean("logprobs"):
-            raise _unsupported(model, "logprobs", _NO_LOGPROBS)
-        if body.integer("top_logprobs", 0, 20):
-            raise _unsupported(model, "top_logprobs", _NO_LOGPROBS)
         modalities = body.raw("modalities")
         if isinstance(modalities, list) and any(m != "text" for m in modalities):
             raise _unsupported(model, "modalities", "this server answers text only")
@@ -210,8 +181,6 @@ def refuse_unhonoured(body: Fields, model: str, *, chat: bool) -> None:
         if body.has("web_search_options"):
             raise _unsupported(model, "web_search_options", "this server does not search")
     else:
-        if body.integer("logprobs", 0, 5) is not None:
-            raise _unsupported(model, "logprobs", _NO_LOGPROBS)
         if body.string("suffix"):
             raise _unsupported(model, "suffix", "this server does not insert text")
         if (body.integer("best_of", 1, MAX_CHOICES) or 1) > 1:
@@ -236,6 +205,9 @@ class ModelView:
     parameters: Mapping[str, Any]
     templates: PromptTemplates
     predict: Mapping[str, Any] = field(default_factory=dict)  # config's PredictOptions fields
+    backend: str = ""
+    functions: FunctionConfig = FunctionConfig()
+    capabilities: Mapping[str, bool] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: Any) -> "ModelView":
@@ -243,10 +215,16 @@ class ModelView:
         templates = PromptTemplates.from_config(
             template, roles=config_value(config, "roles") or config_value(template, "roles"),
             system_prompt=config_value(config, "system_prompt", ""))
+        functions = config_value(config, "functions")
+        if not isinstance(functions, FunctionConfig):  # a plain mapping config (tests, tools)
+            functions = FunctionConfig.from_yaml(config_value(config, "function"))
         return cls(name=str(config_value(config, "name", "")),
                    parameters=dict(config_value(config, "parameters", {}) or {}),
                    templates=templates,
-                   predict=dict(config_value(config, "predict_options", {}) or {}))
+                   predict=dict(config_value(config, "predict_options", {}) or {}),
+                   backend=str(config_value(config, "backend", "")),
+                   functions=functions,
+                   capabilities=dict(config_value(config, "capabilities", {}) or {}))
 
 
 def missing_model(router, name: str) -> ClusterError:
@@ -267,6 +245,31 @@ def resolve_model(router, body: Fields, usecase: str) -> tuple[str, ModelView]:
     if usecase not in supported:
         raise error_for(ModelUsecaseUnsupported(name, usecase, supported))
     return name, ModelView.of(config)
+
+
+def router_method(router, method: str):
+    """``router.<method>`` for the optional calls of ``IInferenceRouter`` (``tts``,
+    ``transcribe``, ``generate_image``), or a 501 saying this server has no such call."""
+    found = getattr(router, method, None)
+    if found is None:
+        from .errors import OpenAIError
+
+        raise OpenAIError(501, f"this server's router does not serve {method}",
+                          "server_error", code="not_implemented")
+    return found
+
+
+def resolve_model_or_default(router, body: Fields, usecase: str) -> tuple[str, ModelView]:
+    """Like :func:`resolve_model`, but a request without ``model`` gets the first configured
+    model (by name) able to serve ``usecase``, as LocalAI's speech, transcription and image
+    endpoints pick one; none configured is a 400 saying so."""
+    if body.has("model"):
+        return resolve_model(router, body, usecase)
+    for config in router.models():
+        if usecase in usecases(config):
+            return config.name, ModelView.of(config)
+    raise invalid(f"you must provide 'model': no configured model does {usecase}",
+                  "model", code="missing_required_parameter")
 
 
 # -- PredictOptions ------------------------------------------------------------------------------

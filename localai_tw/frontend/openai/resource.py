@@ -1,14 +1,15 @@
 """``/v1`` as one Twisted resource: :class:`OpenAIResource` checks the API key, routes each
 path and method to its endpoint family (``chat``, ``completions``, ``embeddings``,
-``models``, ``capabilities``, ``tokenize`` (and detokenize), ``rerank``), and turns whatever a
-family raises into an OpenAI-shaped answer.
+``models``, ``capabilities``, ``tokenize`` (and detokenize), ``rerank``, ``speech``,
+``transcription``, ``images``), and turns whatever a family raises into an OpenAI-shaped
+answer.
 
 The routes LocalAI also serves without ``/v1`` (``/chat/completions``, ``/embeddings``,
-``/models`` ...) are the entries of :data:`UNPREFIXED`: :meth:`OpenAIResource.unprefixed` is the
-resource the frontend mounts at each of their first segments, and :func:`unprefixed_aliases`
-the paths it gives the same body cap as their ``/v1`` twins (and :func:`api_prefixes` the same
-header guard).  An alias is answered by the same family, with the same key check, bounds and
-metrics label as the route it names.
+``/models``, ``/tts`` ...) are the entries of :data:`UNPREFIXED`: :meth:`OpenAIResource.unprefixed`
+is the resource the frontend mounts at each of their first segments, and
+:func:`unprefixed_aliases` the paths it gives the same body cap as their ``/v1`` twins (and
+:func:`api_prefixes` the same header guard).  An alias is answered by the same family, with the
+same key check, bounds and metrics label as the route it names.
 
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
 :class:`~localai_tw.frontend.web.APIKeyGuard` (constant time) **only when a key is
@@ -36,7 +37,18 @@ from localai_tw import metrics as replica_metrics
 
 from ..interfaces import IInferenceRouter
 from ..web import APIError, APIKeyGuard, bearer_token, printable
-from . import capabilities, chat, completions, embeddings, models, rerank, tokenize
+from . import (
+    capabilities,
+    chat,
+    completions,
+    embeddings,
+    images,
+    models,
+    rerank,
+    speech,
+    tokenize,
+    transcription,
+)
 from .context import Context
 from .errors import OpenAIError, detail, error_for
 from .responses import Exchange, NodeNames, path_text
@@ -54,6 +66,9 @@ ROUTES = {
     (b"tokenize",): (b"POST", tokenize.answer),
     (b"detokenize",): (b"POST", tokenize.answer_detokenize),
     (b"rerank",): (b"POST", rerank.answer),
+    (b"audio", b"speech"): (b"POST", speech.answer),
+    (b"audio", b"transcriptions"): (b"POST", transcription.answer),
+    (b"images", b"generations"): (b"POST", images.answer),
 }
 
 #: Paths served without the ``/v1`` prefix, as LocalAI serves them (``core/http/routes/
@@ -139,10 +154,11 @@ class OpenAIResource(Resource):
                  deadline_seconds: float | None = None, reactor=None,
                  now: Callable[[], float] = time.time,
                  node_names: Callable[[str], Any] | None = None,
-                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
+                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD,
+                 generated=None):
         super().__init__()
         self._metrics = metrics
-        self._context = Context(router, deadline_seconds, reactor, now)
+        self._context = Context(router, deadline_seconds, reactor, now, generated)
         self._names = NodeNames(node_names) if node_names is not None else None
         self._api_keys = api_keys
 

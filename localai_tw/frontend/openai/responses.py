@@ -148,6 +148,28 @@ class Exchange:
         request.finish()
 
 
+    def send_bytes(self, status: int, payload: bytes, content_type: str,
+                   headers: Mapping[str, str] | None = None) -> None:
+        """A whole non-JSON answer (audio, text) with its length and the node header."""
+        request = self.request
+        if self.gone or request.finished or request.channel is None:
+            return
+        request.setResponseCode(status)
+        request.setHeader(b"content-type", content_type.encode("ascii"))
+        request.setHeader(b"x-content-type-options", b"nosniff")
+        for name, value in (headers or {}).items():
+            request.setHeader(name.encode("ascii"), value.encode("ascii"))
+        node = self.node_header()
+        if node is not None:
+            request.setHeader(NODE_HEADER, node)
+        request.setHeader(b"content-length", b"%d" % len(payload))
+        request.write(payload)
+        request.finish()
+
+    def send_text(self, status: int, text: str, media_type: str = "text/plain") -> None:
+        self.send_bytes(status, text.encode("utf-8"), f"{media_type}; charset=utf-8")
+
+
 class Usage:
     """Token counts of a call: the last non-zero values a backend reported."""
 

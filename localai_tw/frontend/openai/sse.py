@@ -112,10 +112,21 @@ def _unawaited(waiting: defer.Deferred | None) -> None:
 
 
 class Chunks:
-    """The event payloads of one streamed answer."""
+    """The event payloads of one streamed answer.  :meth:`pieces` and :meth:`closing` are what
+    :func:`stream_reply` calls; by default one ``delta`` per piece of text and one ``finish``,
+    and endpoints that hold text back (tool calls) or carry log probabilities override them."""
 
     def first(self) -> dict | None:
         raise NotImplementedError
+
+    def pieces(self, text: str, reply: backend_pb2.Reply) -> list:
+        """The events for one backend reply's complete text (possibly empty)."""
+        return [self.delta(text)] if text else []
+
+    def closing(self, reason: str) -> list:
+        """The events that end the answer (``reason``: its finish reason).  May raise an
+        ``OpenAIError`` (an answer outside the requested format): sent as an error event."""
+        return [self.finish(reason)]
 
     def delta(self, text: str) -> dict:
         raise NotImplementedError
@@ -189,9 +200,12 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
         usage.update(reply)
         last.tokens = max(last.tokens, reply.tokens)
         text = decoder.decode(reply.message)
-        if not text:
-            return None  # nothing complete yet (or an empty piece): nothing to send
-        return stream.send(chunks.delta(text))
+        payloads = chunks.pieces(text, reply)
+        if not payloads:
+            return None  # nothing complete yet, or held back: nothing to send
+        for payload in payloads[:-1]:
+            _unawaited(stream.send(payload))
+        return stream.send(payloads[-1])  # the last one's pace is followed
 
     try:
         served = await exchange.call(router.predict_stream(
@@ -212,9 +226,13 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
         quiet()
     on_start(served.served_by if served is not None else None)
     tail = decoder.decode(b"", final=True)
-    if tail:
-        emit(chunks.delta(tail))
-    emit(chunks.finish(finish_reason(last, sampling.max_tokens)))
+    try:
+        for payload in chunks.pieces(tail, backend_pb2.Reply()) if tail else ():
+            emit(payload)
+        for payload in chunks.closing(finish_reason(last, sampling.max_tokens)):
+            emit(payload)
+    except OpenAIError as e:
+        raise _stream_failed(stream, e)
     exchange.record.usage(usage.body())
     if include_usage:
         emit(chunks.usage(usage.body()))

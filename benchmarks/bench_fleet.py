@@ -1,0 +1,475 @@
+"""Benchmark of one replica holding a fleet: N simulated workers (real registration, heartbeats
+every 10 s and tunnels, no backends) against one ``twistd`` frontend, then a restart.
+
+Usage:  python benchmarks/bench_fleet.py [--dsn DSN] [--workers 1000] [--idle 30]
+                                         [--json PATH] [--keep]
+
+What it measures (issue 15 §4), in one run:
+
+- **connect**: the time for N workers started at once (after N/10, at most 10, started first
+  to warm the replica) to register and hold a tunnel, the registrations refused (429) or
+  retried, the dials deferred (503);
+- **idle** (``--idle`` seconds with every tunnel held): the frontend's RSS per tunnel (RSS
+  with the fleet minus RSS with the warm-up workers, over the others), its file descriptors, its CPU (% of one core),
+  the database's transactions per second in the run's database (every statement the replica
+  issues outside a transaction is one), and ``/healthz`` latency p50 and max (a thread
+  polling every 100 ms, outside this process's reactor);
+- **list**: ``GET /api/nodes`` followed through every page: time and bytes;
+- **restart**: SIGTERM to the replica (its stop time and the "release failed" lines it logged),
+  a new replica on the same port and database, the time until every worker holds a tunnel
+  again, and what ``/readyz`` answered meanwhile (503s in a row at most).
+
+The simulated worker is this process: ``localai_tw``'s own WebSocket and yamux client, one
+session per worker, the registration and heartbeat bodies a real worker sends; a dial refused
+with 503 or failed is retried with equal-jitter backoff (1 s doubling to 15 s), a 429 after its
+``Retry-After``.  The frontend is a real ``twistd localai-frontend`` process on a fresh
+database that is dropped at the end.
+
+A script, not a test: asserts nothing; every process it started is reaped and the database
+dropped, even on failure or Ctrl-C.  The load average before and after is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_inference as bi  # noqa: E402  (database, processes, machine facts)
+
+API_KEY = bi.API_KEY
+TOKEN = bi.TOKEN
+
+
+# -- the frontend process, read from /proc ---------------------------------------------------
+
+
+def proc_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# -- probes in a thread (not delayed by this process's reactor) -------------------------------
+
+
+class Poller(threading.Thread):
+    """GETs ``path`` every ``interval`` and records (status, seconds) until stopped."""
+
+    def __init__(self, port: int, path: str, interval: float = 0.1):
+        super().__init__(daemon=True)
+        self.port, self.path, self.interval = port, path, interval
+        self.samples: list[tuple[int, float]] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            started = time.monotonic()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", self.path)
+                response = conn.getresponse()
+                response.read()
+                status = response.status
+                conn.close()
+            except OSError:
+                status = 0
+            self.samples.append((status, time.monotonic() - started))
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> list[tuple[int, float]]:
+        self._stop_event.set()
+        self.join(10)
+        return self.samples
+
+
+def longest_run(samples, bad) -> int:
+    best = run = 0
+    for status, _ in samples:
+        run = run + 1 if bad(status) else 0
+        best = max(best, run)
+    return best
+
+
+# -- the simulated fleet (runs on the reactor) -----------------------------------------------
+
+
+class Fleet:
+    def __init__(self, reactor, port: int, count: int):
+        from twisted.web.client import HTTPConnectionPool
+
+        self.reactor = reactor
+        self.port = port
+        self.count = count
+        self.pool = HTTPConnectionPool(reactor, persistent=True)
+        self.pool.maxPersistentPerHost = 64
+        self.workers = [{"name": f"fleet-{i:05d}", "session": None, "id": None,
+                         "credential": None} for i in range(count)]
+        self.counts = {"registered": 0, "register_429": 0, "register_failed": 0,
+                       "dial_503": 0, "dial_failed": 0, "heartbeat_failed": 0}
+        self.running = True
+        self.last_error = ""
+
+    @property
+    def connected(self) -> int:
+        return sum(1 for w in self.workers if w["session"] is not None
+                   and w["session"].isOpen)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def _post(self, path: str, body: dict):
+        import treq
+
+        response = await treq.post(self.url(path), json=body, pool=self.pool,
+                                   headers={"Authorization": f"Bearer {TOKEN}"},
+                                   reactor=self.reactor).addTimeout(30, self.reactor)
+        content = await treq.content(response)
+        return response.code, content, response.headers
+
+    async def register(self, worker) -> None:
+        delay = 1.0
+        while self.running:
+            key = hashlib.sha256(worker["name"].encode()).hexdigest()
+            try:
+                code, content, headers = await self._post(
+                    "/api/node/register", {"name": worker["name"], "node_key": key,
+                                           "node_type": "backend"})
+            except Exception as e:
+                code, content, headers = None, b"", None
+                self.last_error = repr(e)
+            if code == 201:
+                answer = json.loads(content)
+                worker["id"], worker["credential"] = answer["id"], answer["tunnel_token"]
+                self.counts["registered"] += 1
+                return
+            if code == 429:
+                self.counts["register_429"] += 1
+                wait = float((headers.getRawHeaders(b"retry-after") or [b"5"])[0])
+            else:
+                self.counts["register_failed"] += 1
+                wait = delay * (0.5 + random.random() / 2)
+                delay = min(delay * 2, 15.0)
+            await self.sleep(wait)
+
+    async def dial(self, worker) -> None:
+        from localai_tw.mux.session import Session
+        from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
+
+        delay = 1.0
+        while self.running:
+            try:
+                session = await connectWebSocket(
+                    self.reactor,
+                    f"ws://127.0.0.1:{self.port}/api/cluster/connect?id={worker['id']}",
+                    lambda: Session(client=True),
+                    headers={"Authorization": f"Bearer {worker['credential']}"})
+            except HandshakeFailed as e:
+                self.counts["dial_503" if e.status == 503 else "dial_failed"] += 1
+                self.last_error = repr(e)
+            except Exception as e:
+                self.counts["dial_failed"] += 1
+                self.last_error = repr(e)
+            else:
+                worker["session"] = session
+                session.whenClosed().addBoth(lambda _: self._lost(worker, session))
+                return
+            await self.sleep(delay * (0.5 + random.random() / 2))
+            delay = min(delay * 2, 15.0)
+
+    def _lost(self, worker, session) -> None:
+        if worker["session"] is session:
+            worker["session"] = None
+            if self.running:
+                from twisted.internet import defer
+
+                defer.ensureDeferred(self.dial(worker))
+
+    async def start_one(self, worker) -> None:
+        await self.register(worker)
+        await self.dial(worker)
+
+    async def heartbeats(self) -> None:
+        """Every worker heartbeats every 10 s, spread evenly over the period."""
+        from twisted.internet import defer
+
+        try:
+            await self._heartbeats()
+        except defer.CancelledError:
+            pass
+
+    async def _heartbeats(self) -> None:
+        while self.running:
+            for worker in self.workers:
+                if not self.running:
+                    return
+                if worker["id"] is not None:
+                    from twisted.internet import defer
+
+                    defer.ensureDeferred(self._beat(worker))
+                await self.sleep(10.0 / self.count)
+
+    async def _beat(self, worker) -> None:
+        try:
+            code, _, _ = await self._post(f"/api/node/{worker['id']}/heartbeat", {})
+        except Exception:
+            code = None
+        if code != 200:
+            self.counts["heartbeat_failed"] += 1
+
+    def sleep(self, seconds: float):
+        from twisted.internet import task
+
+        return task.deferLater(self.reactor, seconds, lambda: None)
+
+    async def wait_all_connected(self, timeout: float) -> float:
+        started = time.monotonic()
+        while self.connected < self.count:
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"only {self.connected} of {self.count} workers connected "
+                                   f"after {timeout:g} s (last error: {self.last_error})")
+            await self.sleep(0.1)
+        return time.monotonic() - started
+
+    async def close(self) -> None:
+        self.running = False
+        for worker in self.workers:
+            if worker["session"] is not None:
+                worker["session"].loseConnection()
+        await self.pool.closeCachedConnections()
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def list_nodes(port: int) -> tuple[float, int, int]:
+    """(seconds, bytes, nodes) of GET /api/nodes through every page."""
+    started, size, nodes, after = time.monotonic(), 0, 0, None
+    while True:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        path = "/api/nodes" + (f"?after={after}" if after else "")
+        conn.request("GET", path, headers={"Authorization": f"Bearer {API_KEY}"})
+        body = conn.getresponse().read()
+        conn.close()
+        size += len(body)
+        page = json.loads(body)
+        nodes += len(page["nodes"])
+        after = page.get("next")
+        if not after:
+            return time.monotonic() - started, size, nodes
+
+
+def xact_commits(bench) -> int:
+    return int(bench.sql("SELECT xact_commit FROM pg_stat_database WHERE datname = %s",
+                         (bench.db_name,))[0][0])
+
+
+async def run(reactor, bench, args) -> dict:
+    from twisted.internet import defer, threads
+
+    models = os.path.join(bench.workdir, "models")
+    os.makedirs(models)
+    fe = start_frontend_on(bench, "replica", models, {"port": bi.free_port()})
+    await threads.deferToThread(bench.wait_ready, fe)
+    pid = fe["proc"].pid
+    report: dict = {"workers": args.workers}
+
+    fleet = Fleet(reactor, fe["port"], args.workers)
+    # A few workers first, so the RSS baseline includes what any first tunnel costs (imports,
+    # pools); then the rest all at once.
+    warm = min(10, args.workers // 10)
+    for worker in fleet.workers[:warm]:
+        await fleet.start_one(worker)
+    await fleet.sleep(2)
+    rss_before = proc_rss(pid)
+    started = time.monotonic()
+    for worker in fleet.workers[warm:]:
+        defer.ensureDeferred(fleet.start_one(worker))
+    report["connect_seconds"] = round(await fleet.wait_all_connected(args.timeout), 2)
+    report["connect_counts"] = dict(fleet.counts)
+    beating = defer.ensureDeferred(fleet.heartbeats())
+
+    # idle
+    await fleet.sleep(5)
+    health = Poller(fe["port"], "/healthz")
+    health.start()
+    cpu0, tx0, t0 = proc_cpu_seconds(pid), xact_commits(bench), time.monotonic()
+    await fleet.sleep(args.idle)
+    cpu1, tx1, t1 = proc_cpu_seconds(pid), xact_commits(bench), time.monotonic()
+    samples = sorted(s for _, s in health.stop())
+    report["idle"] = {
+        "rss_mib": round(proc_rss(pid) / 2**20, 1),
+        "rss_per_tunnel_kib": round((proc_rss(pid) - rss_before)
+                                    / max(1, args.workers - warm) / 1024, 1),
+        "fds": proc_fds(pid),
+        "cpu_percent_of_a_core": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+        "transactions_per_second": round((tx1 - tx0) / (t1 - t0), 1),
+        "healthz_p50_ms": round(1000 * bi.percentile(samples, 50), 1) if samples else None,
+        "healthz_max_ms": round(1000 * samples[-1], 1) if samples else None,
+    }
+    seconds, size, nodes = await threads.deferToThread(list_nodes, fe["port"])
+    report["api_nodes"] = {"seconds": round(seconds, 3), "bytes": size, "nodes": nodes}
+
+    # restart
+    ready = Poller(fe["port"], "/readyz")
+    stopping = time.monotonic()
+    fe["proc"].popen.send_signal(signal.SIGTERM)
+    await threads.deferToThread(fe["proc"].popen.wait, 120)
+    report["stop_seconds"] = round(time.monotonic() - stopping, 2)
+    with open(fe["proc"].log_path, errors="replace") as f:
+        log_text = f.read()
+    report["stop_release_failed_lines"] = log_text.count("release failed")
+    fleet.counts = dict.fromkeys(fleet.counts, 0)
+    again = bench.start_frontend_on("replica-2", models, fe)
+    restarted = time.monotonic()
+    ready.start()
+    await threads.deferToThread(bench.wait_ready, again)
+    report["restart_ready_seconds"] = round(time.monotonic() - restarted, 2)
+    await fleet.wait_all_connected(args.timeout)
+    report["restart_all_connected_seconds"] = round(time.monotonic() - restarted, 2)
+    await fleet.sleep(5)
+    readyz = ready.stop()
+    after_ready = [s for s in readyz if s[0] == 200]
+    first_ready = readyz.index(after_ready[0]) if after_ready else len(readyz)
+    serving = readyz[first_ready:]
+    report["restart_readyz"] = {
+        "samples_after_first_ready": len(serving),
+        "not_ready_after_first_ready": sum(1 for s, _ in serving if s != 200),
+        "longest_not_ready_run_after_first_ready": longest_run(serving, lambda s: s != 200),
+    }
+    report["restart_counts"] = dict(fleet.counts)
+    fleet.running = False
+    beating.cancel()
+    await fleet.close()
+    report["elapsed_seconds"] = round(time.monotonic() - started, 1)
+    return report
+
+
+def start_frontend_on(bench, name: str, models_dir: str, previous: dict) -> dict:
+    """A replica on ``previous``'s port and database (a restart), with a new instance id."""
+    import uuid
+
+    port = previous["port"]
+    data_dir = os.path.join(bench.workdir, name)
+    os.makedirs(data_dir)
+    instance_id = f"{name}-{uuid.uuid4().hex[:8]}"
+    proc = bench._spawn(name, [
+        "localai-frontend", "--listen", f"tcp:{port}:interface=127.0.0.1",
+        "--database-url", bench.dsn, "--instance-id", instance_id,
+        "--advertise-address", f"127.0.0.1:{port}", "--single-host",
+        "--registration-token", TOKEN, "--api-key", API_KEY,
+        "--data-dir", data_dir, "--models-dir", models_dir,
+        "--registration-limit", str(bench.args.registration_limit)])
+    return {"name": name, "proc": proc, "port": port, "instance_id": instance_id,
+            "data_dir": data_dir}
+
+
+def render(report: dict) -> str:
+    idle = report["idle"]
+    rows = [
+        ("workers", report["workers"]),
+        ("all registered and connected (s)", report["connect_seconds"]),
+        ("registrations refused 429 / failed; dials deferred 503 / failed",
+         "{register_429} / {register_failed}; {dial_503} / {dial_failed}".format(
+             **report["connect_counts"])),
+        ("frontend RSS (MiB); per idle tunnel (KiB)",
+         f"{idle['rss_mib']}; {idle['rss_per_tunnel_kib']}"),
+        ("frontend fds", idle["fds"]),
+        ("frontend CPU at idle (% of a core)", idle["cpu_percent_of_a_core"]),
+        ("database transactions/s at idle", idle["transactions_per_second"]),
+        ("/healthz p50 / max (ms)", f"{idle['healthz_p50_ms']} / {idle['healthz_max_ms']}"),
+        ("GET /api/nodes, every page (s; bytes)",
+         f"{report['api_nodes']['seconds']}; {report['api_nodes']['bytes']}"),
+        ("stop (s); 'release failed' lines", f"{report['stop_seconds']}; "
+                                              f"{report['stop_release_failed_lines']}"),
+        ("restart: ready (s); all connected again (s)",
+         f"{report['restart_ready_seconds']}; {report['restart_all_connected_seconds']}"),
+        ("/readyz not 200 after first ready (samples; longest run)",
+         f"{report['restart_readyz']['not_ready_after_first_ready']} of "
+         f"{report['restart_readyz']['samples_after_first_ready']}; "
+         f"{report['restart_readyz']['longest_not_ready_run_after_first_ready']}"),
+        ("restart: dials deferred 503 / failed",
+         "{dial_503} / {dial_failed}".format(**report["restart_counts"])),
+    ]
+    lines = ["| what | value |", "|---|---|"]
+    lines += [f"| {what} | {value} |" for what, value in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dsn", default=os.environ.get("LOCALAI_TEST_DSN") or bi.DEFAULT_DSN,
+                        help="maintenance DSN where CREATE DATABASE is allowed")
+    parser.add_argument("--workers", type=int, default=1000)
+    parser.add_argument("--idle", type=float, default=30.0,
+                        help="seconds measured with every tunnel held")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds allowed for the fleet to connect")
+    parser.add_argument("--registration-limit", type=int, default=0,
+                        help="the replica's --registration-limit (default 0, no limit: every "
+                        "simulated worker registers from 127.0.0.1, which a real fleet does "
+                        "not; give the product's default, 1200, to see a NAT'd fleet)")
+    parser.add_argument("--json", help="also write the report as JSON here")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args()
+    args.profile = None
+
+    from twisted.internet import defer, task
+
+    bench = bi.Bench(args)
+    bench.start_frontend_on = lambda name, models, previous: start_frontend_on(
+        bench, name, models, previous)
+    loadavg_before = bi._loadavg()
+    outcome: dict = {}
+
+    async def main_async(reactor):
+        bench.create_database()
+        try:
+            outcome["report"] = await run(reactor, bench, args)
+        finally:
+            outcome["problems"] = bench.close()
+
+    try:
+        task.react(lambda r: defer.ensureDeferred(main_async(r)))
+    except SystemExit as e:
+        if e.code not in (0, None):
+            print(f"bench_fleet failed (exit {e.code})", file=sys.stderr)
+    report = outcome.get("report")
+    if report is None:
+        sys.exit(1)
+    report["loadavg_before"], report["loadavg_after"] = loadavg_before, bi._loadavg()
+    report["machine"] = bi.machine()
+    m = report["machine"]
+    print(render(report))
+    print()
+    print(f"{m['cpus']} CPUs ({m['cpu_model']}), Python {m['python']}, Twisted {m['twisted']}; "
+          f"load average {report['loadavg_before']} before, {report['loadavg_after']} after.")
+    for problem in outcome.get("problems") or []:
+        print(f"# cleanup: {problem}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
