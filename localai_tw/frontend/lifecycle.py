@@ -32,7 +32,7 @@ and then only this replica's own count protects its requests (docs/models.md).
 
 - ``--max-active-backends`` is 0, or the node holds fewer other models than it, and
 - the model's memory need (:func:`memory_need`: ``memory_bytes`` from its config, else the
-  sum of its files' sizes; 0 = unknown, always fits) is at most the node's room: its reported
+  size of what would be staged for it, folders included; 0 = unknown, always fits) is at most the node's room: its reported
   total (GPU memory when it reports some, else RAM; the worker's ``--memory-budget`` caps
   both) minus the needs of the models it holds, and at most what it reports available.  A node
   that reports no memory always has room.
@@ -107,19 +107,50 @@ class UnloadResult:
         return view
 
 
+#: Directory entries one need estimate walks at most (a model folder's files).
+MAX_WALK = 10000
+
+
 def memory_need(model: ModelConfig, models_dir: str) -> int:
-    """Bytes ``model`` needs loaded: ``memory_bytes`` from its config, else the sum of the sizes
-    of its ``files`` in ``models_dir`` (a file that cannot be read counts 0), else 0 (unknown).
-    The file sizes are a floor for what a backend holds (weights are read into memory or
-    mapped); set ``memory_bytes`` where a model needs more (context, activations)."""
+    """Bytes ``model`` needs loaded: ``memory_bytes`` from its config, else the size of what
+    would be staged for it from ``models_dir`` -- its ``files`` (a folder counts the files in
+    it), the file or folder ``parameters.model`` names there, its ``download_files`` -- (what
+    cannot be read counts 0), else 0 (unknown).  The sizes are a floor for what a backend holds
+    (weights are read into memory or mapped); set ``memory_bytes`` where a model needs more
+    (context, activations)."""
     if model.memory_bytes:
         return model.memory_bytes
+    from .modelfiles import companion_downloads, implicit_model_entry
+
+    entries = list(model.files)
+    implicit = implicit_model_entry(model, models_dir)
+    if implicit is not None:
+        entries.append(implicit)
+    entries += companion_downloads(model, entries)
     total = 0
-    for f in model.files:
+    for f in entries:
         try:
-            total += os.stat(f.contained_path(models_dir)).st_size
+            path = f.contained_path(models_dir)
+            if os.path.isdir(path):
+                total += _folder_size(path)
+            else:
+                total += os.stat(path).st_size
         except (OSError, ValueError):
             pass
+    return total
+
+
+def _folder_size(folder: str) -> int:
+    total = seen = 0
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            seen += 1
+            if seen > MAX_WALK:
+                return total
+            try:
+                total += os.stat(os.path.join(root, name), follow_symlinks=False).st_size
+            except OSError:
+                pass
     return total
 
 

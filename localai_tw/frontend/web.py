@@ -933,6 +933,8 @@ class ClusterParts:
         where no worker is reached.
     :param registration_limit: registrations per source address (``--registration-limit``);
         None: unlimited.
+    :param downloads: this replica's model downloads in progress (``downloads.py``
+        ``ModelDownloads.in_progress``); None where there are none.
     """
 
     db: Database
@@ -945,6 +947,7 @@ class ClusterParts:
     control: ControlClient | None = None
     lifecycle: Any = None
     registration_limit: SourceRateLimit | None = None
+    downloads: Callable[[], list] | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:

@@ -489,3 +489,15 @@ async def test_unloads_and_last_used_writes_are_counted_in_the_replicas_metrics(
     assert ('localai_model_unloads_total{model="m",outcome="not-loaded",reason="eviction"} 1.0'
             in text)
     assert "localai_last_used_writes_total 1.0" in text
+
+
+def test_memory_need_counts_folders_and_the_file_parameters_model_names(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.bin").write_bytes(b"x" * 100)
+    (tmp_path / "folder" / "sub").mkdir()
+    (tmp_path / "folder" / "sub" / "b.bin").write_bytes(b"x" * 50)
+    (tmp_path / "plain.gguf").write_bytes(b"x" * 70)
+    assert memory_need(model("f", files=[{"path": "folder"}]), str(tmp_path)) == 150
+    # parameters.model naming a file in the models dir, no files: list (staged implicitly)
+    assert memory_need(model("g", parameters={"model": "plain.gguf"}), str(tmp_path)) == 70
+    assert memory_need(model("h", parameters={"model": "org/hub-id"}), str(tmp_path)) == 0

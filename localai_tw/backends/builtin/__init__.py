@@ -77,7 +77,9 @@ class ExternalBackendFactory:
             argv = list(raw)
         else:
             raise ValueError("the external backend needs options.command: the program and "
-                             "its arguments (a list of strings, or one string)")
+                             "its arguments (a list of strings, or one string); a model config "
+                             "cannot give one: register the program on the worker with "
+                             "--external-grpc-backends NAME:PATH and use backend: NAME")
         if not argv:
             raise ValueError("options.command is empty")
         program = argv[0]
