@@ -11,6 +11,9 @@
         WorkerClientsService   the per-node HTTP pools and gRPC bridges
         PeerService            the accepted peer links and the peer pool
         TunnelRegistryService  the worker tunnels held here (their claims)
+        PgBus                  the LISTEN/NOTIFY fan-out
+        PlacementFanout        the warm path's placement cache and its invalidations
+                               (frontend/placement_cache.py)
       ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
                                503 elsewhere); stops first: accept nothing new
 
@@ -31,8 +34,9 @@ So stopping runs: listener; tunnels (releasing their claims), peer links, worker
    ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the node chooser, the load lock and the cold loader);
 4. ``MembershipService`` with the ``InstanceIdentity`` (whose peer secret is minted once per
    process and never leaves it);
-5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscriber drops this process's
-   per-node HTTP connection pools and gRPC bridges.
+5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscribers drop this process's
+   per-node HTTP connection pools and gRPC bridges, and the node's placements from every
+   replica's placement cache (through the bus, ``PlacementFanout``).
 
 The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
 ``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
@@ -78,6 +82,7 @@ from localai_tw.cluster.membership import (
 )
 from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
+from localai_tw.bus.pgbus import PgBus
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
@@ -92,6 +97,7 @@ from localai_tw.tunnel.route import WorkerDialer
 from .backend_client import BackendClients
 from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
+from .placement_cache import PlacementCache, PlacementFanout
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .traces import TraceRing, TracesResource
@@ -350,6 +356,8 @@ class Replica:
     notifier: DepartureNotifier
     membership: MembershipService
     health: HealthMonitor
+    bus: PgBus
+    placements: PlacementFanout
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
     registration_limit: SourceRateLimit | None = None
 
@@ -358,14 +366,16 @@ class Replica:
         return [self.health, self.membership,
                 WorkerClientsService(self.backend_clients, self.worker_http),
                 PeerService(self.peer_links, self.peer_pool),
-                TunnelRegistryService(self.tunnels, self.instance_id)]
+                TunnelRegistryService(self.tunnels, self.instance_id),
+                self.bus, self.placements]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control, registration_limit=self.registration_limit)
+                            control=self.control, registration_limit=self.registration_limit,
+                            on_scheduling_changed=self.placements.model_changed)
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""
@@ -429,9 +439,17 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                                               reactor))
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels).
+    # The warm path's placement cache, told of changes here and by every replica through the
+    # bus (frontend/placement_cache.py): a warm request reads no database.
+    bus = PgBus(db, reactor=reactor)
+    placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
+    chooser.cache = placements.cache
+    chooser.on_reaped = placements.model_changed
+    nodes.on_changed = placements.node_changed
     notifier = DepartureNotifier({
         "worker-http-connections": functools.partial(forget_worker_connections, worker_http,
-                                                     backend_clients)})
+                                                     backend_clients),
+        "placement-cache": placements.node_changed})
     membership = MembershipService(db, identity, reactor=reactor,
                                    reconnect_grace=grace or 0, on_reregistered=tunnels.reclaim)
     health = HealthMonitor(db, nodes, fence, notifier, reactor,
@@ -443,7 +461,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, metrics=metrics,
+        membership=membership, health=health, bus=bus, placements=placements, metrics=metrics,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)

@@ -931,6 +931,8 @@ class ClusterParts:
         tunnel (locally held or relayed); None where no worker is reached (API tests).
     :param registration_limit: registrations per source address (``--registration-limit``);
         None: unlimited.
+    :param on_scheduling_changed: called with a model name after its scheduling row was
+        written or deleted (the placement caches drop the model).
     """
 
     db: Database
@@ -942,6 +944,7 @@ class ClusterParts:
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
     registration_limit: SourceRateLimit | None = None
+    on_scheduling_changed: Callable[[str], object] | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:
