@@ -277,3 +277,17 @@ def test_a_reap_on_anything_but_the_worker_answer_still_refuses():
     assert isinstance(d.result.value, ValueError)
     d.addErrback(lambda _: None)
     assert told == []
+
+
+# -- the OpenAI layer's model view, built once per config object --------------------------
+
+
+def test_a_model_view_is_built_once_per_config_object():
+    from localai_tw.frontend.models import parse_model_config
+    from localai_tw.frontend.openai.requests import ModelView
+
+    first = parse_model_config({"name": "viewed", "backend": "echo"})
+    assert ModelView.of(first) is ModelView.of(first)
+    edited = parse_model_config({"name": "viewed", "backend": "other"})  # the file changed
+    assert ModelView.of(edited).backend == "other" and ModelView.of(first).backend == "echo"
+    assert ModelView.of({"name": "plain"}) is not ModelView.of({"name": "plain"})
