@@ -17,8 +17,9 @@
       ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
                                503 elsewhere); stops first: accept nothing new
 
-So stopping runs: listener; tunnels (releasing their claims), peer links, worker pools, all
-*before* leaving ``instances``; deregister; health; database.  The state of the start is a
+So stopping runs: listener; the placement fan-out and the bus; tunnels (releasing their
+claims), peer links, worker pools, all *before* leaving ``instances``; deregister; health;
+database.  The state of the start is a
 :class:`StartupState`, which ``/readyz`` reports.
 
 :func:`build_replica` makes every long-lived part once the database is ready:
@@ -437,8 +438,6 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                                 backend_clients, reactor,
                                 WorkerScratch(control, worker_http, nodes.control_token,
                                               reactor))
-    # One subscriber drops every per-node connection of this process when a node departs:
-    # the HTTP pools and the gRPC bridges (their sockets and channels).
     # The warm path's placement cache, told of changes here and by every replica through the
     # bus (frontend/placement_cache.py): a warm request reads no database.
     bus = PgBus(db, reactor=reactor)
@@ -446,6 +445,9 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     chooser.cache = placements.cache
     chooser.on_reaped = placements.model_changed
     nodes.on_changed = placements.node_changed
+    # One subscriber drops every per-node connection of this process when a node departs:
+    # the HTTP pools and the gRPC bridges (their sockets and channels); another drops the
+    # node's placements from every replica's cache.
     notifier = DepartureNotifier({
         "worker-http-connections": functools.partial(forget_worker_connections, worker_http,
                                                      backend_clients),
