@@ -1,16 +1,22 @@
 """The warm path's placement cache against real PostgreSQL, real replicas and real tunnels: a
-warm request reads no placement from the database, and a worker departure announced by one
+warm request reads no placement from the database; a worker departure announced by one
 replica (its health pass) reaches another replica's cache through the bus, so that replica's
-next request does not even try the departed node."""
+next request does not even try the departed node; and a new pin written at one replica
+applies at once at another."""
 
 from __future__ import annotations
 
+import json
+
 import pytest_twisted
+import treq
 from twisted.internet import reactor
+from twisted.web.client import HTTPConnectionPool
 
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.placement import _CANDIDATES_SQL
 
+from .inference_harness import ADMIN
 from .support import eventually
 
 
@@ -115,3 +121,43 @@ async def test_a_departure_seen_by_one_replica_reaches_the_others_cache(cluster)
     assert gone.node_id not in tried  # not even tried: no dial to the departed node
     # the cache acted on nothing: the departed node's rows are still there
     assert [r[0] for r in await cluster.rows("moved") if r[0] == gone.node_id] == [gone.node_id]
+
+
+async def pin(cluster, frontend, model: str, selector: dict) -> None:
+    pool = HTTPConnectionPool(reactor, persistent=False)
+    try:
+        response = await treq.post(
+            f"{cluster.base_url(frontend)}/api/nodes/scheduling", pool=pool,
+            headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"},
+            data=json.dumps({"model_name": model, "node_selector": selector}).encode())
+        assert response.code == 200, await treq.content(response)
+        await treq.content(response)
+    finally:
+        await pool.closeCachedConnections()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_new_pin_at_one_replica_applies_at_once_at_another(cluster):
+    cluster.write_model("pinned.yaml", "name: pinned\nbackend: echo\n")
+    owner = await cluster.frontend("replica-a")
+    other = await cluster.frontend("replica-b")
+    one = await cluster.worker("w1", owner, labels={"slot": "one"})
+    two = await cluster.worker("w2", owner, labels={"slot": "two"})
+    for replica in (owner, other):
+        await eventually(lambda: replica.replica.placements.live(), timeout=20,
+                         what="the placement fan-out subscribed")
+    other.replica.placements.cache.ttl = 3600.0  # only an invalidation drops the entry
+
+    await pin(cluster, owner, "pinned", {"slot": "one"})
+    for prompt in ("load", "warm"):
+        served = await other.replica.inference.predict(
+            "pinned", backend_pb2.PredictOptions(Prompt=prompt))
+        assert served.served_by == one.node_id
+    assert len(other.replica.placements.cache) == 1
+
+    await pin(cluster, owner, "pinned", {"slot": "two"})  # written at the owner
+    await eventually(lambda: len(other.replica.placements.cache) == 0, timeout=20,
+                     what="the other replica's entry dropped")
+    moved = await other.replica.inference.predict(
+        "pinned", backend_pb2.PredictOptions(Prompt="moved"), deadline=reactor.seconds() + 60)
+    assert moved.value.message == b"moved" and moved.served_by == two.node_id
