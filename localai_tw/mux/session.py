@@ -360,12 +360,21 @@ class Session(Protocol):
             stream._sessionPaused()
 
     def resumeProducing(self) -> None:
-        """Serve streams in rotation, stopping as soon as the transport pauses us again; the
-        stream served last goes to the back, so the next resume starts with the next one."""
+        """Serve streams fairly, stopping as soon as the transport pauses us again.
+
+        First the bytes streams buffered while we were paused go out in rounds of one frame
+        per stream (at most ``max_frame_size`` each), so a stream with a few bytes to send (a
+        control call, a reply) leaves within one frame of every other stream's, never behind a
+        whole window of a bulk stream's.  Then the streams' producers are resumed in rotation;
+        the stream served last goes to the back, so the next resume starts with the next one.
+        """
         if not self._paused:
             return
         self._paused = False
         self._owed = 0
+        waiting = [s for s in self._rotation if s._out]
+        while waiting and self._writable():
+            waiting = [s for s in waiting if self._writable() and s._sessionResumedFrame()]
         for _ in range(len(self._rotation)):
             if self._paused or self.state is not SessionState.OPEN or not self._rotation:
                 break

@@ -315,26 +315,30 @@ class Stream:
             return FLAG_ACK
         return 0
 
-    def _flush(self) -> None:
-        """Send as much buffered data as the window, the frame size and the session allow; then
-        FIN if it was asked for and everything went.
+    def _flush(self, frames: int = -1) -> bool:
+        """Send as much buffered data as the window, the frame size and the session allow (at
+        most ``frames`` Data frames when that is not negative: the session's round robin on
+        resume); then FIN if it was asked for and everything went.  Returns whether this stream
+        still holds bytes it could send now (window left, session writable).
 
         FIN always goes on its own window update, never on the last Data frame: Go df201c7
         handles the FIN flag before it buffers the payload of the same frame, so its reader can
         see end-of-stream first and lose those bytes (the Go interop suite checks this)."""
         session = self.session
         max_frame = session.config.max_frame_size
-        while self._out and self._send_window > 0 and session._writable():
+        while self._out and self._send_window > 0 and frames and session._writable():
             take = min(self._send_window, max_frame, self._out_size)
             parts = self._popOut(take)
             self._send_window -= take
             session._sendData(self.id, self._takeOpenFlags(), parts, take)
+            frames -= 1
             if self.state in _FINISHED:  # a producer or the transport reset us meanwhile
-                return
+                return False
         if not self._out and self._fin_pending and self.state in _LOCAL_OPEN:
             flags = self._takeOpenFlags() | FLAG_FIN
             session._sendFrame(Frame.window_update(self.id, 0, flags))
             self._finSent()
+        return bool(self._out) and self._send_window > 0
 
     def _popOut(self, size: int) -> list:
         """Take ``size`` bytes off the front, as a list of pieces (whole chunks, or memoryviews
@@ -421,6 +425,11 @@ class Stream:
     def _sessionResumed(self) -> None:
         self._flush()
         self._updateProducer()
+
+    def _sessionResumedFrame(self) -> bool:
+        """One round of the session's round robin: at most one frame of what was buffered while
+        the session was paused.  True if more could go."""
+        return self._flush(1)
 
     def _open(self, data: bytes) -> None:
         """Announce the stream.  With data and the default window the SYN rides the first

@@ -12,6 +12,7 @@ from localai_tw.mux.frame import (
     TYPE_DATA,
     TYPE_WINDOW_UPDATE,
     Frame,
+    FrameDecoder,
     encode,
 )
 from localai_tw.mux.testing import (
@@ -378,3 +379,39 @@ def test_sides_with_different_max_windows_interoperate():
     pump.flush()
     assert len(stream.protocol.received) == 8192 * KIB
     assert len(protos[0].received) == 1024 * KIB
+
+
+def test_a_control_write_leaves_within_one_frame_of_each_bulk_stream_on_resume():
+    # Two bulk streams filled their windows while the carrier had paused the session, then a
+    # control stream wrote one byte.  On resume the byte must not wait behind both windows
+    # (8 frames of 64 KiB): streams are served one frame each per round.
+    session, transport = raw()
+    bulk = [session.openStream(Recorder()) for _ in range(2)]
+    control = session.openStream(Recorder())
+    transport.frames()
+    session.pauseProducing()
+    for stream in bulk:
+        stream.write(b"b" * WINDOW)
+    control.write(b"x")
+    assert transport.frames() == []
+    session.resumeProducing()
+    frames = [f for f in transport.frames() if f.type == TYPE_DATA]
+    position = next(i for i, f in enumerate(frames) if f.stream_id == control.id)
+    assert position <= len(bulk)
+    # Every byte still went, in order per stream, within each stream's window.
+    for stream in bulk:
+        assert payload_bytes(frames, stream.id) == WINDOW
+    assert payload_bytes(frames, control.id) == 1
+
+
+def test_round_robin_on_resume_stops_when_the_carrier_pauses_again():
+    session, transport = raw(transport=CarrierTransport(limit=100 * KIB))
+    bulk = [session.openStream(Recorder()) for _ in range(3)]
+    transport.clear()
+    session.pauseProducing()
+    for stream in bulk:
+        stream.write(b"b" * WINDOW)
+    transport.drain()
+    frames = FrameDecoder(WINDOW).feed(transport.value())
+    # 64 KiB frames: the second one pushed the carrier past its limit; nothing after it.
+    assert [f.stream_id for f in frames] == [bulk[0].id, bulk[1].id]
