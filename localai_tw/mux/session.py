@@ -545,12 +545,18 @@ class Session(Protocol):
 
     def _sendData(self, stream_id: int, flags: int, parts: list, length: int) -> None:
         """Write one Data frame whose payload is ``parts`` (``length`` bytes in all, at least
-        one): the header and the pieces are joined once, with no intermediate payload copy."""
-        if self.state is not SessionState.OPEN or self.transport is None:
+        one).  A transport that declares ``writesPieces`` (the WebSocket carrier, which joins
+        a whole message's pieces once anyway) is given the header and the pieces as they are,
+        writev-style; any other gets them joined once, with no intermediate payload copy."""
+        transport = self.transport
+        if self.state is not SessionState.OPEN or transport is None:
             return
         self.bytesSent += HEADER_SIZE + length
-        self.transport.write(b"".join([HEADER.pack(VERSION, TYPE_DATA, flags, stream_id, length),
-                                       *parts]))
+        header = HEADER.pack(VERSION, TYPE_DATA, flags, stream_id, length)
+        if getattr(transport, "writesPieces", False):
+            transport.writePieces([header, *parts], HEADER_SIZE + length)
+        else:
+            transport.write(b"".join([header, *parts]))
 
     def _addStream(self, sid: int, state: StreamState) -> Stream:
         stream = Stream(self, sid, state)
