@@ -1,6 +1,6 @@
 """Benchmark of fairness on one tunnel session: a 1-byte RTT loop while a bulk transfer runs.
 
-Usage:  python benchmarks/bench_bulk_fairness.py [--mib 1024] [--directions down,up]
+Usage:  python benchmarks/bench_bulk_fairness.py [--mib 1024] [--directions down,up] [--streams 1]
                                                  [--idle-seconds 3] [--window 256] [--frame 0]
                                                  [--json PATH]
 
@@ -16,8 +16,9 @@ one session:
    ``--idle-seconds`` with nothing else on the session: the idle RTT, the baseline of this run;
 3. for each direction it opens a second stream that moves ``--mib`` MiB ("down": listener ->
    dialler, i.e. frontend -> worker, the direction of file staging and of requests; "up":
-   dialler -> listener, worker -> frontend, responses), while the same echo loop keeps running
-   on the first stream; the RTT samples taken while the transfer runs are the loaded RTT.
+   dialler -> listener, worker -> frontend, responses), split over ``--streams`` streams,
+   while the same echo loop keeps running on the first stream; the RTT samples taken while
+   the transfer runs are the loaded RTT.
 
 It prints RTT p50/p99/max idle and during each transfer, the ratio, the bulk MB/s, and the
 load average (and CPU pressure) before and after.  The machine is shared: a load average above
@@ -120,22 +121,30 @@ async def _run(reactor, args, port: int) -> dict:
     results = {"transfers": []}
     total = args.mib * 1024 * 1024
     for direction in args.directions.split(","):
-        bulk = ClientSide()
-        session.openStream(bulk)
-        await bulk.connected_d
+        bulks = []
+        for _ in range(args.streams):
+            bulk = ClientSide()
+            session.openStream(bulk)
+            await bulk.connected_d
+            bulks.append(bulk)
         label = f"during-{direction}"
         echo.mark(label)
         cpu0 = time.process_time()
         started = time.perf_counter()
-        done = bulk.download(total) if direction == "down" else bulk.upload(total)
+        each = total // args.streams
+        done = defer.gatherResults(
+            [b.download(each) if direction == "down" else b.upload(each) for b in bulks],
+            consumeErrors=True)
         await done.addTimeout(bt.TEST_TIMEOUT * 4, reactor)
         elapsed = time.perf_counter() - started
         cpu = time.process_time() - cpu0
         echo.mark("between")
-        bulk.transport.loseConnection()
+        for bulk in bulks:
+            bulk.transport.loseConnection()
         results["transfers"].append({
-            "direction": direction, "bytes": total, "seconds": elapsed,
-            "mb_per_s": total / elapsed / 1e6, "cpu_dialler": cpu / elapsed,
+            "direction": direction, "streams": args.streams, "bytes": each * args.streams,
+            "seconds": elapsed,
+            "mb_per_s": each * args.streams / elapsed / 1e6, "cpu_dialler": cpu / elapsed,
             "rtt": _summary(echo.samples.get(label, []))})
         await task.deferLater(reactor, 0.3, lambda: None)
     echo.mark("idle-after")
@@ -153,6 +162,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=1024, help="MiB moved per transfer")
     parser.add_argument("--directions", default="down,up",
                         help="down (listener -> dialler, staging), up, or both")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="bulk streams sharing the transfer (each moves mib/streams MiB)")
     parser.add_argument("--idle-seconds", type=float, default=3.0,
                         help="seconds of the RTT loop on the idle session (before and after)")
     parser.add_argument("--window", type=int, default=256, help="yamux max window, KiB")
@@ -160,6 +171,8 @@ def main() -> None:
                         help="yamux max frame size, bytes (0: the library default)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     args = parser.parse_args()
+    if args.streams < 1 or args.mib < 1:
+        parser.error("--streams and --mib must be at least 1")
     for d in args.directions.split(","):
         if d not in ("down", "up"):
             parser.error(f"unknown direction {d!r}")
@@ -238,7 +251,8 @@ def render(report) -> str:
     idle = report["idle"]
     row("idle session", idle)
     for t in report["transfers"]:
-        row(f"during {t['direction']} transfer", t["rtt"], f"{t['mb_per_s']:.0f}")
+        row(f"during {t['direction']} transfer, {t.get('streams', 1)} stream(s)", t["rtt"],
+            f"{t['mb_per_s']:.0f}")
     row("idle session, after", report["idle_after"])
     lines.append("")
     for t in report["transfers"]:
