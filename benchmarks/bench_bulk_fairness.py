@@ -169,6 +169,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256, help="yamux max window, KiB")
     parser.add_argument("--frame", type=int, default=0,
                         help="yamux max frame size, bytes (0: the library default)")
+    parser.add_argument("--bulk-budget", type=int, default=0,
+                        help="yamux bulk bytes in flight per session, KiB (0: no limit)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     args = parser.parse_args()
     if args.streams < 1 or args.mib < 1:
@@ -183,7 +185,8 @@ def main() -> None:
     load_before = bt._loadavg()
     server_argv = [sys.executable, os.path.join(HERE, "bench_transport.py"), "--role", "server",
                    "--transport", "ws", "--mib", str(args.mib), "--window", str(args.window),
-                   "--frame", str(args.frame)]
+                   "--frame", str(args.frame),
+                   "--bulk-budget", str(args.bulk_budget)]
     server = subprocess.Popen(server_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -213,7 +216,8 @@ def main() -> None:
                 server.kill()
         server.wait()
     report = {"machine": bt.machine(), "argv": sys.argv[1:], "mib": args.mib,
-              "window_kib": args.window, "frame": args.frame, "loadavg_before": load_before,
+              "window_kib": args.window, "frame": args.frame,
+              "bulk_budget_kib": args.bulk_budget, "loadavg_before": load_before,
               "loadavg_after": bt._loadavg(), **out}
     print(render(report))
     if args.json:
@@ -227,7 +231,8 @@ def render(report) -> str:
              f"Python {m['python']}, Twisted {m['twisted']}, Autobahn {m['autobahn']}",
              f"One yamux/WebSocket session on 127.0.0.1, two processes; {report['mib']} MiB "
              f"per transfer; yamux max window {report['window_kib']} KiB, max frame "
-             f"{report['frame']} bytes; MB = 10**6 bytes.",
+             f"{report['frame']} bytes; bulk budget {report.get('bulk_budget_kib') or 'none'} KiB; "
+             "MB = 10**6 bytes.",
              f"Load average {report['loadavg_before']} before, {report['loadavg_after']} after."]
     try:
         load = float(report["loadavg_before"].split()[0])

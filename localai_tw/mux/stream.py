@@ -154,6 +154,7 @@ class Stream:
         self._out: deque[bytes] = deque()
         self._out_size = 0
         self._out_offset = 0         # bytes of _out[0] already sent
+        self._sent = 0               # payload bytes sent in all (past bulk_after: a bulk stream)
         self._fin_pending = False    # loseWriteConnection asked for FIN after the buffer drains
         self._producer = None
         self._streaming = False
@@ -326,10 +327,11 @@ class Stream:
         see end-of-stream first and lose those bytes (the Go interop suite checks this)."""
         session = self.session
         max_frame = session.config.max_frame_size
-        while self._out and self._send_window > 0 and frames and session._writable():
+        while self._out and self._send_window > 0 and frames and session._writableFor(self):
             take = min(self._send_window, max_frame, self._out_size)
             parts = self._popOut(take)
             self._send_window -= take
+            self._sent += take
             session._sendData(self.id, self._takeOpenFlags(), parts, take)
             frames -= 1
             if self.state in _FINISHED:  # a producer or the transport reset us meanwhile
@@ -338,7 +340,7 @@ class Stream:
             flags = self._takeOpenFlags() | FLAG_FIN
             session._sendFrame(Frame.window_update(self.id, 0, flags))
             self._finSent()
-        return bool(self._out) and self._send_window > 0
+        return bool(self._out) and self._send_window > 0 and session._writableFor(self)
 
     def _popOut(self, size: int) -> list:
         """Take ``size`` bytes off the front, as a list of pieces (whole chunks, or memoryviews
@@ -383,7 +385,7 @@ class Stream:
         producer = self._producer
         if producer is None:
             return
-        blocked = bool(self._out) or not self.session._writable()
+        blocked = bool(self._out) or not self.session._writableFor(self)
         if self._streaming:
             if blocked and not self._producer_paused:
                 self._producer_paused = True
@@ -401,7 +403,7 @@ class Stream:
         self._pulling = True
         try:
             while (self._producer is not None and not self._streaming and not self._out
-                   and self._send_window > 0 and self.session._writable()
+                   and self._send_window > 0 and self.session._writableFor(self)
                    and self._canWrite()):
                 before = self._out_size, self._send_window
                 self._callProducer(self._producer.resumeProducing)
