@@ -2,7 +2,7 @@
 
 Usage:  python benchmarks/bench_bulk_fairness.py [--mib 1024] [--directions down,up] [--streams 1]
                                                  [--idle-seconds 3] [--window 256] [--frame 0]
-                                                 [--json PATH]
+                                                 [--bulk-budget 0] [--json PATH]
 
 File staging and large gRPC messages ride the same yamux-over-WebSocket session as control
 calls (issue 15 §3).  This script measures what a bulk stream does to a control stream on that
@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-import bench_transport as bt  # noqa: E402  (the server role and the shared protocols)
+import bench_transport as bt  # the server role and the shared protocols
 
 TARGET_P99_MS = 5.0
 

@@ -2,7 +2,7 @@
 
 Usage:  python benchmarks/bench_transport.py [--mib 256] [--mem-mib 64] [--rounds 2000]
                                              [--transports tcp,yamux,ws] [--json PATH]
-                                             [--profile DIR]
+                                             [--profile DIR] [--bulk-budget KiB]
 
 One run measures, on 127.0.0.1, for each transport:
 
