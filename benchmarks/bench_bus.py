@@ -21,7 +21,15 @@ run that did not handle every row exactly once.
   the table is empty.
 - latency: two PgBus instances on separate pools in this process; one publishes, one
   subscribes; time from calling publish to the handler running, one message at a time
-  (inline: a small payload; spilled: a 9000-byte payload).
+  (inline: a small payload; spilled: a 9000-byte payload, the size of a gallery install's
+  snapshot with a long description, which the product spills).
+- product jobs: the product's own job traffic on one replica's pool (4 connections, as the
+  frontend opens): BENCH_PRODUCT_JOBS jobs (default 500) submitted through ``JobStore.submit``
+  (what ``POST /api/jobs`` writes: the job row and its claim in one transaction, then the wake
+  hint on the bus), 16 at a time, then drained by the replica's consumer (4 slots) with the
+  dispatcher's statements for a successful run minus the worker: ``begin``, ``started``, one
+  progress event, ``finish``, and the claim's own claim and complete.  Reported: submits/s,
+  jobs/s drained, statements per job.
 """
 
 from __future__ import annotations
@@ -189,6 +197,84 @@ async def bench_latency(reactor, dsn: str) -> dict[str, tuple[float, float]]:
     return results
 
 
+PRODUCT_JOBS = int(os.environ.get("BENCH_PRODUCT_JOBS", "500"))
+
+
+class _CountingDatabase(Database):
+    """Counts the statements and transactions the product code issues (bench only)."""
+
+    statements = 0
+
+    def runQuery(self, *args, **kwargs):
+        self.statements += 1
+        return super().runQuery(*args, **kwargs)
+
+    def runOperation(self, *args, **kwargs):
+        self.statements += 1
+        return super().runOperation(*args, **kwargs)
+
+    def runInteraction(self, *args, **kwargs):
+        self.statements += 1
+        return super().runInteraction(*args, **kwargs)
+
+
+async def bench_product_jobs(reactor, dsn: str) -> dict[str, float]:
+    from localai_tw.frontend.jobs_store import CLAIM_KIND, JobStore
+
+    db = _CountingDatabase(dsn, size=4, reactor=reactor)
+    await db.start()
+    owner = "bench-replica"
+    await db.runOperation("INSERT INTO instances (id, last_seen) VALUES (%s, now())"
+                          " ON CONFLICT (id) DO UPDATE SET last_seen = now()", (owner,))
+    bus = PgBus(db, reactor=reactor)
+    bus.startService()
+    await bus.whenConnected()
+    queue = ClaimQueue(db, bus)
+    store = JobStore(db, queue)
+    db.statements = 0
+    started = time.perf_counter()
+    ids: list[str] = []
+    for start in range(0, PRODUCT_JOBS, 16):
+        batch = await defer.gatherResults([
+            defer.ensureDeferred(store.submit("embed-batch", {"texts": ["a", "b"]}))
+            for _ in range(start, min(PRODUCT_JOBS, start + 16))])
+        ids += [job["id"] for job in batch]
+    submit_seconds = time.perf_counter() - started
+    submit_statements = db.statements
+    finished = defer.Deferred()
+    done: dict[str, int] = {}
+
+    async def handler(claim):
+        job_id = claim.payload.decode("ascii")
+        if await store.begin(job_id) is None:
+            return
+        await store.started(job_id)
+        await store.add_event(job_id, {"event": "progress", "done": 1, "total": 1})
+        await store.finish(job_id, "succeeded", result={"vectors": 2})
+        done[job_id] = done.get(job_id, 0) + 1
+        if len(done) == len(ids) and not finished.called:
+            finished.callback(None)
+
+    db.statements = 0
+    consumer = ClaimConsumer(queue, owner, [CLAIM_KIND], handler, bus=bus, max_in_flight=4,
+                             reactor=reactor)
+    started = time.perf_counter()
+    consumer.startService()
+    await finished
+    drain_seconds = time.perf_counter() - started
+    await consumer.stopService()
+    drain_statements = db.statements
+    states = await db.runQuery("SELECT state, count(*) FROM jobs GROUP BY state")
+    left = (await db.runQuery("SELECT count(*) FROM work_claims"))[0][0]
+    await bus.stopService()
+    db.close()
+    if dict(states) != {"succeeded": len(ids)} or left or set(done.values()) != {1}:
+        raise SystemExit(f"product jobs run is wrong: states {dict(states)}, {left} claims left")
+    return {"submits": len(ids) / submit_seconds, "drained": len(ids) / drain_seconds,
+            "submit_statements": submit_statements / len(ids),
+            "drain_statements": drain_statements / len(ids)}
+
+
 async def main(reactor, admin_dsn: str) -> None:
     name = "ltw_bench_" + uuid.uuid4().hex[:12]
     conn = psycopg2.connect(admin_dsn)
@@ -215,6 +301,7 @@ async def main(reactor, admin_dsn: str) -> None:
                       f"{runs[-1]['complete_statements']} complete statements", file=sys.stderr)
             claims[n] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         latency = await bench_latency(reactor, dsn)
+        product = await bench_product_jobs(reactor, dsn)
     finally:
         conn.cursor().execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         conn.close()
@@ -236,6 +323,17 @@ async def main(reactor, admin_dsn: str) -> None:
         p50, p99 = latency[label]
         print(f"| publish-to-deliver {label}, p50 / p99 ({count} msgs) "
               f"| {p50:.2f} ms / {p99:.2f} ms |")
+    print(f"| product jobs: submitted per second (JobStore.submit, 16 at a time, "
+          f"{PRODUCT_JOBS} jobs) | {product['submits']:.0f} |")
+    print(f"| product jobs: drained per second (4 slots; begin, started, 1 event, finish, "
+          f"claim, complete) | {product['drained']:.0f} |")
+    print(f"| product jobs: statements per job, submit + drain "
+          f"| {product['submit_statements']:.2f} + {product['drain_statements']:.2f} |")
+    try:
+        with open("/proc/loadavg") as f:
+            print(f"\nLoad average at the end: {' '.join(f.read().split()[:3])}")
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":
