@@ -13,6 +13,7 @@ its answers; a broken stream stays whatever the dialer said it was).
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 from typing import Any, Callable
@@ -111,6 +112,13 @@ class StagedFile:
     local_path: str | None
 
 
+#: Where the uploads of the current context report their bytes: an object with ``begin(size)``
+#: and ``moved(count)`` (the frontend's load lock sets one while a cold load stages, so
+#: ``/api/cluster/loads`` shows bytes; ``frontend/loadlock.py``), or None.
+STAGING_WATCH: contextvars.ContextVar[Any] = contextvars.ContextVar("localai_tw_staging_watch",
+                                                                    default=None)
+
+
 class _CountingFile:
     """A file whose reads report progress; offers what ``FileBodyProducer`` uses."""
 
@@ -119,12 +127,17 @@ class _CountingFile:
         self.total = total
         self.sent = 0
         self._progress_cb = progress_cb
+        self._watch = STAGING_WATCH.get()  # made in the uploading coroutine: its context
+        if self._watch is not None:
+            self._watch.begin(total)
 
     def read(self, size: int) -> bytes:
         data = self._f.read(size)
         self.sent += len(data)
         if data and self._progress_cb is not None:
             self._progress_cb(self.sent, self.total)
+        if data and self._watch is not None:
+            self._watch.moved(len(data))
         return data
 
     def seek(self, offset: int, whence: int = 0) -> int:

@@ -33,6 +33,8 @@ from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
+from localai_tw.metrics import current_hops
+from localai_tw.staging_client import STAGING_WATCH
 
 from .coldload import ColdLoader
 from .interfaces import ModelLoadFailed, NoNodeAvailable
@@ -86,6 +88,9 @@ class LoadLock:
         # model name -> (config fingerprint, the failure, reactor time it expires)
         self._failed: dict[str, tuple[str, ModelLoadFailed, float]] = {}
         self._liveness = liveness
+        #: model name -> bytes staged by the cold load this replica drives now (at most one
+        #: per model: the lock), for ``/api/cluster/loads``.
+        self.staging: dict[str, StagingProgress] = {}
 
     # -- cold load --------------------------------------------------------------------------
 
@@ -113,6 +118,7 @@ class LoadLock:
                                       f"{self.load_wait:g}s, try again")
             await task.deferLater(self._reactor, self.poll_interval, lambda: None)
 
+        current_hops().locked()  # the trace's queue ends, its cold load begins
         heartbeat = task.LoopingCall(self._beat, model.name, attempt)
         heartbeat.clock = self._reactor
         heartbeat.start(self.heartbeat_interval, now=False)
@@ -175,12 +181,15 @@ class LoadLock:
 
     async def _progress(self, model_name: str, attempt: str, phase: str | None = None,
                         node_id: str | None = None) -> None:
+        if phase is not None:  # the load's own progress (not the heartbeat): time and bytes
+            self._phase_began(model_name, phase)
         await self._db.runOperation(
             "UPDATE model_load_jobs SET last_progress_at = now(),"
             " phase = COALESCE(%s, phase), node_id = COALESCE(%s, node_id)"
             " WHERE model_name = %s AND attempt = %s", (phase, node_id, model_name, attempt))
 
     async def _release(self, model_name: str, attempt: str) -> None:
+        self.staging.pop(model_name, None)
         await self._db.runOperation(
             "DELETE FROM model_load_jobs WHERE model_name = %s AND attempt = %s",
             (model_name, attempt))
@@ -189,6 +198,21 @@ class LoadLock:
         return defer.ensureDeferred(self._progress(model_name, attempt)).addErrback(
             lambda f: log.warn("load heartbeat of {model} failed: {err}", model=model_name,
                                err=f.getErrorMessage()))
+
+    # -- progress of the load this replica drives ---------------------------------------------
+
+    def _phase_began(self, model_name: str, phase: str) -> None:
+        """A phase of the load began: the request's trace times it, and while it is
+        ``staging`` the uploads it makes (``staging_client``, same request context) count
+        their bytes into :attr:`staging`."""
+        current_hops().phase(phase)
+        if phase == "staging":
+            watch = StagingProgress(self._reactor.seconds)
+            self.staging[model_name] = watch
+            STAGING_WATCH.set(watch)
+        else:
+            self.staging.pop(model_name, None)
+            STAGING_WATCH.set(None)
 
     # -- failed-load memory -----------------------------------------------------------------
 
@@ -219,3 +243,31 @@ class LoadLock:
             f"{error.detail} [localai-tw remembers this failure: the load of {name!r} is "
             f"tried again in {seconds} s, or at once when its config file changes]",
             retry_in=float(seconds))
+
+
+class StagingProgress:
+    """The bytes one cold load staged so far (``staging_client`` reports each file it begins
+    and each chunk it reads for the body).  ``total`` is the size of the files begun so far:
+    exact once the last file began (a one-file model: from its first byte).  Files the worker
+    already held are not counted (nothing moves)."""
+
+    __slots__ = ("_clock", "started", "staged", "total", "files")
+
+    def __init__(self, clock):
+        self._clock = clock
+        self.started = clock()
+        self.staged = self.total = self.files = 0
+
+    def begin(self, size: int) -> None:
+        self.files += 1
+        self.total += max(0, size)
+
+    def moved(self, count: int) -> None:
+        self.staged += count
+
+    def view(self) -> dict:
+        """``{"staged_bytes", "total_bytes", "files", "bytes_per_second"}``."""
+        took = self._clock() - self.started
+        rate = self.staged / took if took > 0 else 0.0
+        return {"staged_bytes": self.staged, "total_bytes": self.total, "files": self.files,
+                "bytes_per_second": round(rate, 1)}

@@ -365,7 +365,13 @@ class Replica:
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control, registration_limit=self.registration_limit)
+                            control=self.control, registration_limit=self.registration_limit,
+                            staging=self.staging_of)
+
+    def staging_of(self, model: str) -> dict | None:
+        """The bytes staged by this replica's cold load of ``model`` (None: none staging)."""
+        watch = getattr(getattr(self.inference, "loads", None), "staging", {}).get(model)
+        return watch.view() if watch is not None else None
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""

@@ -942,6 +942,8 @@ class ClusterParts:
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
     registration_limit: SourceRateLimit | None = None
+    #: model name -> the bytes this replica's cold load of it staged so far, or None.
+    staging: Callable[[str], dict | None] | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:

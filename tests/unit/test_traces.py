@@ -8,7 +8,7 @@ from localai_tw.frontend.traces import TraceRing
 from localai_tw.metrics import ReplicaMetrics
 
 ALLOWED = {"id", "time", "endpoint", "model", "nodes", "path", "status", "condition",
-           "seconds", "first_token_seconds", "prompt_tokens", "completion_tokens"}
+           "seconds", "first_token_seconds", "prompt_tokens", "completion_tokens", "hops"}
 
 
 def finish(metrics, model, status=200, nodes=("n1",), cause=None, streamed=False):
@@ -58,3 +58,109 @@ def test_a_failing_listener_does_not_break_the_metrics():
     ring.watch(metrics)
     finish(metrics, "echo")
     assert len(ring.recent()) == 1
+
+
+class FakeBridge:
+    """What ``Hops.calling`` reads of a ``GrpcBridge``."""
+
+    def __init__(self):
+        self.dials_ok = 0
+        self.last_dial_seconds = None
+
+
+def test_hops_split_the_wait_the_cold_load_its_phases_and_the_backend_call():
+    from twisted.internet.task import Clock
+
+    from localai_tw.metrics import HOPS, Hops
+
+    clock = Clock()
+    hops = Hops(clock.seconds)
+    since = hops.now()
+    clock.advance(0.5)
+    since = hops.add("placement", since)  # no loaded placement: to the load lock
+    clock.advance(2)  # waiting for the lock
+    hops.locked()
+    clock.advance(0.25)  # picking the node, under the lock
+    for phase, took in (("starting", 1), ("staging", 3), ("loading", 4)):
+        hops.phase(phase)
+        clock.advance(took)
+    hops.loaded(since)
+    bridge = FakeBridge()
+    with hops.calling(bridge):
+        clock.advance(0.75)  # the bridge opens a tunnel stream for the call: 0.75 s of it
+        bridge.dials_ok, bridge.last_dial_seconds = 1, 0.75
+        clock.advance(1.5)
+    assert hops.as_dict() == {"queue": 2.0, "placement": 0.5, "cold_load": 8.25,
+                              "tunnel": 0.75, "backend": 1.5, "starting": 1.0,
+                              "staging": 3.0, "loading": 4.0}
+    assert sum(hops.as_dict()[h] for h in HOPS) == clock.seconds()  # nothing counted twice
+
+    warm = Hops(clock.seconds)
+    with warm.calling(bridge):  # the bridge's connection is open: no dial, no tunnel hop
+        clock.advance(0.5)
+    assert warm.as_dict() == {"backend": 0.5}
+
+
+def test_a_request_that_waited_for_another_load_has_a_queue_but_no_cold_load():
+    from twisted.internet.task import Clock
+
+    from localai_tw.metrics import Hops
+
+    clock = Clock()
+    hops = Hops(clock.seconds)
+    since = hops.now()
+    clock.advance(3)  # another replica loaded it meanwhile
+    hops.loaded(since)
+    assert hops.as_dict() == {"queue": 3.0}
+
+
+def test_outside_a_request_nothing_is_kept_and_a_trace_carries_its_hops():
+    from localai_tw.metrics import Hops, current_hops, trace_hops
+    import contextvars
+
+    nowhere = current_hops()
+    nowhere.add("backend", nowhere.now() - 5)
+    nowhere.phase("staging")
+    with nowhere.calling(FakeBridge()):
+        pass
+    assert nowhere.as_dict() == {}
+
+    def in_a_request():
+        hops = Hops()
+        trace_hops(hops)
+        return current_hops() is hops
+    assert contextvars.copy_context().run(in_a_request)
+    assert current_hops() is nowhere  # set in that request's context only
+
+    metrics = ReplicaMetrics()
+    ring = TraceRing()
+    ring.watch(metrics)
+    record = metrics.request([b"chat", b"completions"])
+    record.hops.backend = 0.25
+    record.finished(200, ["n1"])
+    assert ring.recent()[0]["hops"] == {"backend": 0.25}
+
+
+def test_staging_progress_counts_the_bytes_of_the_uploads_in_its_context():
+    import io
+    import contextvars
+
+    from twisted.internet.task import Clock
+
+    from localai_tw.frontend.loadlock import StagingProgress
+    from localai_tw.staging_client import STAGING_WATCH, _CountingFile
+
+    clock = Clock()
+    watch = StagingProgress(clock.seconds)
+
+    def upload():
+        STAGING_WATCH.set(watch)
+        f = _CountingFile(io.BytesIO(b"x" * 1000), 1000, None)
+        while f.read(300):
+            clock.advance(1)
+    contextvars.copy_context().run(upload)
+    assert watch.view() == {"staged_bytes": 1000, "total_bytes": 1000, "files": 1,
+                            "bytes_per_second": 250.0}
+    other = _CountingFile(io.BytesIO(b"y" * 10), 10, None)  # another context: not counted
+    other.read(10)
+    assert watch.staged == 1000
