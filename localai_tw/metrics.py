@@ -385,6 +385,35 @@ class _BusCollector:
         return []
 
 
+class _JobsCollector:
+    """The jobs queue as a replica last read it (``frontend/jobs_stats.py`` reads it every 15 s;
+    a scrape makes no query): nothing before the first read."""
+
+    def __init__(self, read: Callable[[], dict | None]):
+        self._read = read
+
+    def collect(self):
+        snapshot = self._read()
+        if not snapshot:
+            return
+        jobs = GaugeMetricFamily(
+            "localai_jobs", "Jobs not finished yet, by state (queued, running), as last read "
+            "from the database.", labels=["state"])
+        for state, count in sorted(snapshot.get("jobs", {}).items()):
+            jobs.add_metric([state], count)
+        claims = GaugeMetricFamily(
+            "localai_job_claims", "The claim queue of jobs, by status: ready (claimable now), "
+            "backing_off (released after a failure that said nothing about the job, waiting "
+            "for its database-clock backoff), held (claimed by a replica).", labels=["status"])
+        for status, count in sorted(snapshot.get("claims", {}).items()):
+            claims.add_metric([status], count)
+        yield jobs
+        yield claims
+
+    def describe(self):
+        return []
+
+
 class ReplicaMetrics:
     """The metrics of one frontend replica, in their own registry (a new one by default).
     Request paths are ``owner`` until :meth:`watch_tunnels` says which tunnels are held."""
@@ -442,8 +471,13 @@ class ReplicaMetrics:
 
     def watch_bus(self, bus=None, consumers: Iterable = ()) -> None:
         """Expose the counters of ``bus`` (a ``PgBus``) and of ``consumers``
-        (each a ``ClaimConsumer``).  Not wired yet: the frontend runs no bus so far."""
+        (each a ``ClaimConsumer``): every replica's bus and jobs consumer."""
         self.registry.register(_BusCollector(bus, consumers))
+
+    def watch_jobs(self, read: Callable[[], dict | None]) -> None:
+        """Expose the jobs queue: ``read()`` answers the last snapshot
+        ``{"jobs": {state: n}, "claims": {status: n}}`` (or None before the first)."""
+        self.registry.register(_JobsCollector(read))
 
     def watch_health(self, health) -> None:
         """Expose node counts from ``health`` (a ``HealthMonitor``)."""

@@ -187,6 +187,7 @@ def upload_file(
     node_id: str = "?",
     token: str | None = None,
     reactor: IReactorThreads | None = None,
+    known: tuple[int, str] | None = None,
 ) -> "defer.Deferred[StagedFile]":
     """Stage the local file ``path`` on a worker under ``key``.
 
@@ -197,14 +198,17 @@ def upload_file(
     503 :class:`~localai_tw.errors.WorkerBusy`; transport failures (no route, broken stream)
     propagate unchanged.  ``client`` is a treq ``HTTPClient`` or an ``IAgent`` (for a tunnel,
     an agent whose endpoint opens an ``http`` stream).  Cancelling the Deferred cancels the
-    request in flight.
+    request in flight.  ``known`` is ``(size, sha256)`` when the caller already hashed the file
+    (no second read); a file changed since is refused by the worker's digest check, or here
+    when its size differs.
     """
     return defer.Deferred.fromCoroutine(
-        _upload_file(client, base_url, key, path, progress_cb, node_id, token, reactor)
+        _upload_file(client, base_url, key, path, progress_cb, node_id, token, reactor, known)
     )
 
 
-async def _upload_file(client, base_url, key, path, progress_cb, node_id, token, reactor):
+async def _upload_file(client, base_url, key, path, progress_cb, node_id, token, reactor,
+                       known=None):
     if reactor is None:
         from twisted.internet import reactor as global_reactor
 
@@ -217,9 +221,12 @@ async def _upload_file(client, base_url, key, path, progress_cb, node_id, token,
     if token:
         headers["Authorization"] = f"Bearer {token}"
 
-    size, digest = await threads.deferToThreadPool(
-        reactor, reactor.getThreadPool(), sha256_of_file, path
-    )
+    if known is not None:
+        size, digest = known
+    else:
+        size, digest = await threads.deferToThreadPool(
+            reactor, reactor.getThreadPool(), sha256_of_file, path
+        )
 
     head = await client.head(url, headers=headers)
     if head.code == 200:

@@ -8,7 +8,7 @@
 - ``process``: the supervisor that starts, watches and stops one process per loaded model;
 - ``verbs``: the worker control verbs ``backend.start/stop/list/logs`` over a supervisor;
 - ``builtin``: the shipped backends (``external``, ``echo``, ``bert-numpy``,
-  ``sentence-transformers``, ``transformers``).
+  ``sentence-transformers``, ``transformers``, ``llama-cpp``).
 
 Nothing in this package imports from ``localai_tw.frontend`` or ``localai_tw.worker`` at
 module level.

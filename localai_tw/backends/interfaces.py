@@ -74,7 +74,12 @@ class IBackendFactory(IPlugin):
         ``ValueError`` for options this factory cannot use (answered as a start failure)."""
 
     def environment(options: Mapping) -> Mapping[str, str]:
-        """Variables added to the worker's environment for the process (may be empty)."""
+        """Variables added to the worker's environment for the process (may be empty).
+
+        Optional, not declared here so existing plugins stay valid: a factory may also have
+        ``working_directory(options) -> str | None``, the process's working directory when the
+        start request gives no ``options.cwd`` (LocalAI backend directories run in their own
+        directory: ``localai_tw.backends.directory``)."""
 
     def servicer(options: Mapping) -> object:
         """Only consulted when ``command`` returned None: a ``BackendServicer`` (from

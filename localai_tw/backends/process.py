@@ -24,11 +24,21 @@ Lifecycle of a backend (process key ``model#replica``):
 
 Own process group, how: Twisted's ``spawnProcess`` neither calls ``setsid`` nor ``setpgid``
 for a non-PTY child, so every backend is launched through a short exec wrapper,
-``python -I -S -c SPAWN_EXEC <worker pid> <argv...>``: the wrapper becomes a session leader and
-then *execs* the backend, so the backend keeps the pid ``spawnProcess`` returned, its pid is its
-process group id, and its parent is the worker (the parent-death backstop of LocalAI backends
-watches the right process).  The ``setsid`` binary is not used: it forks when the caller is
-already a group leader, and then the pid we hold is not the backend's.
+``python -I -S -c SPAWN_EXEC <worker pid> <working directory or ""> <argv...>``: the wrapper
+becomes a session leader, enters the working directory, and then *execs* the backend, so the
+backend keeps the pid ``spawnProcess`` returned, its pid is its process group id, and its parent
+is the worker (the parent-death backstop of LocalAI backends watches the right process).  The
+``setsid`` binary is not used: it forks when the caller is already a group leader, and then the
+pid we hold is not the backend's.
+
+Never fork the worker, why: ``spawnProcess`` is always called without ``path``, so Twisted starts
+the wrapper with ``posix_spawnp`` (it forks whenever a working directory is given).  A
+``fork()`` of a process that has live gRPC channels runs gRPC core's at-fork handlers, which
+restart its poller in the child; the child then closes its inherited descriptors before the
+exec, the restarted poller finds its epoll descriptor gone and aborts the child (grpcio >= 1.80,
+grpc/grpc#43055): a backend "killed by signal SIGABRT before it was ready" with the last line
+``Epoll1Poller ... epoll_wait error: Bad file descriptor``, 19 of 300 forks in a measurement.
+The wrapper's ``chdir`` keeps the working directory out of Twisted's hands.
 
 Dying with the worker, how: before the exec the wrapper sets ``PR_SET_PDEATHSIG`` to SIGKILL
 (Linux ``prctl`` through ctypes; it survives ``execve``), then checks that its parent is still
@@ -89,6 +99,7 @@ from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
 from localai_tw.backends.ledger import ProcessLedger
 from localai_tw.backends.ports import NoFreePort, PortAllocator
 from localai_tw.deferreds import OneShotObserver
+from localai_tw.logsafe import untrusted
 
 log = Logger()
 
@@ -96,8 +107,9 @@ STARTING, LOADING, READY, STOPPING = "starting", "loading", "ready", "stopping"
 STOPPED, CRASHED, FAILED = "stopped", "crashed", "failed"
 LIVE_STATES = frozenset({STARTING, LOADING, READY, STOPPING})
 
-#: The exec wrapper: own session and process group, SIGKILL when the worker dies (see above).
-#: ``argv[1]`` is the worker's pid, the backend's argv follows.
+#: The exec wrapper: own session and process group, SIGKILL when the worker dies, the working
+#: directory (see above).  ``argv[1]`` is the worker's pid, ``argv[2]`` the working directory
+#: ("" for the worker's), the backend's argv follows.
 SPAWN_EXEC = (
     "import os,sys\n"
     "os.setsid()\n"
@@ -106,7 +118,14 @@ SPAWN_EXEC = (
     "except Exception:\n"
     " pass\n"
     "if os.getppid() != int(sys.argv[1]): os._exit(70)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "if sys.argv[2]:\n"
+    " try:\n"
+    "  os.chdir(sys.argv[2])\n"
+    " except OSError as e:\n"
+    "  sys.stderr.write('cannot enter the working directory %s: %s\\n'\n"
+    "                   % (sys.argv[2], e.strerror))\n"
+    "  os._exit(71)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
 MAX_MESSAGE_BYTES = 50 * 1024 * 1024
@@ -273,6 +292,8 @@ class BackendProcess:
         self.port: int | None = None
         self.address: str | None = None
         self.pid: int | None = None
+        #: The program started (argv[0] of the backend's command), named in start failures.
+        self.program: str | None = None
         self.state = STARTING
         self.started_at: float | None = None  # wall clock, seconds
         self.ended_at: float | None = None
@@ -366,6 +387,15 @@ def _signal_group(record: BackendProcess, sig: int, *, fall_back_to_pid: bool) -
             record._transport.signalProcess(sig)
         except ierror.ProcessExitedAlready:
             pass
+
+
+def _one_line(message: str, limit: int = 500) -> str:
+    """A failure message for one log line: its first line, plus the last line of the
+    backend's output it quotes (usually the cause: an ImportError, a missing library)."""
+    head, _, rest = message.partition("\n")
+    tail = [line.strip() for line in rest.splitlines() if line.strip()]
+    text = head.removesuffix("; last output:") + (f"; last output: {tail[-1]}" if tail else "")
+    return untrusted(text, limit)  # the backend's words: escaped, on one line, bounded
 
 
 def _model_options(load) -> backend_pb2.ModelOptions:
@@ -526,8 +556,10 @@ class BackendSupervisor(Service):
             if argv is None:
                 self._serve_in_process(record, factory.servicer(options))
             else:
-                self._spawn(record, list(argv), factory.environment(options),
-                            options.get("cwd"))
+                cwd = options.get("cwd")
+                if cwd is None and hasattr(factory, "working_directory"):
+                    cwd = factory.working_directory(options)
+                self._spawn(record, list(argv), factory.environment(options), cwd)
             await self._wait_ready(record)
             if model_options is not None:
                 record.state = LOADING
@@ -552,6 +584,11 @@ class BackendSupervisor(Service):
                 message = f"cannot start {record.key}: {failure.getErrorMessage()}"
             record.error = message
             record.output.note(message)
+            # One line in the worker's log (the caller gets the whole message, output included);
+            # a start a stop cancelled was asked for, not a failure.
+            (log.info if record.state == STOPPING else log.warn)(
+                "backend {key} ({backend}) did not start: {reason}", key=record.key,
+                backend=record.backend, reason=_one_line(message))
             if record.state != STOPPING:
                 record._final_state = FAILED
                 if record.ended:
@@ -576,16 +613,19 @@ class BackendSupervisor(Service):
             environment["LOCALAI_GRPC_AUTH_TOKEN"] = self.auth_token
         if cwd is not None and not isinstance(cwd, str):
             raise ValueError("options.cwd must be a string")
-        wrapper = [self._python, "-I", "-S", "-c", SPAWN_EXEC, str(os.getpid()), *argv]
+        wrapper = [self._python, "-I", "-S", "-c", SPAWN_EXEC, str(os.getpid()), cwd or "",
+                   *argv]
         devnull = os.open(os.devnull, os.O_RDONLY)
         try:
+            # No path=: the wrapper enters cwd, so Twisted can posix_spawn (module docstring).
             record._transport = self._reactor.spawnProcess(
                 _BackendProcessProtocol(self, record), self._python, wrapper,
-                env=environment, path=cwd, usePTY=False,
+                env=environment, usePTY=False,
                 childFDs={0: devnull, 1: "r", 2: "r"})
         finally:
             os.close(devnull)
         record.pid = record._transport.pid
+        record.program = argv[0]
         record.output.note(f"started pid {record.pid}: {' '.join(argv)}")
         if self.ledger is not None:
             self.ledger.add(record.pid, record.key, record.backend, argv)
@@ -638,7 +678,8 @@ class BackendSupervisor(Service):
     def _exit_report(self, record: BackendProcess, when: str) -> str:
         tail = [line for line in record.output.lines(FAILURE_TAIL_LINES + 5)
                 if not line.startswith("[localai-tw] ")][-FAILURE_TAIL_LINES:]
-        text = f"backend {record.key} {record.exit_description()} {when}"
+        program = f" ({record.program})" if record.program else ""
+        text = f"backend {record.key}{program} {record.exit_description()} {when}"
         if tail:
             text += "; last output:\n" + "\n".join(tail)
         return text
@@ -820,14 +861,16 @@ class BackendSupervisor(Service):
             if self.ledger is not None:
                 self.ledger.remove(record.pid)
         record._transport = None
+        was_ready = record.state == READY
         if record.state == STOPPING:
             record.state = record._final_state
         elif record.state in (STARTING, LOADING, READY):
             record.state = CRASHED
         record.output.note(f"{record.exit_description()} ({record.state})")
         if record.state == CRASHED:
-            log.warn("backend {key} ({backend}, pid {pid}) {how}", key=record.key,
-                     backend=record.backend, pid=record.pid, how=record.exit_description())
+            if was_ready:  # a crash during the start is logged once, as the start's failure
+                log.warn("backend {key} ({backend}, pid {pid}) {how}", key=record.key,
+                         backend=record.backend, pid=record.pid, how=record.exit_description())
             if record.error is None:
                 record.error = f"backend {record.exit_description()}"
         if record._liveness is not None and record._liveness.running:

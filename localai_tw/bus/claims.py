@@ -213,6 +213,24 @@ _RELEASE_HELD_BY_SQL = (
     " not_before = NULL WHERE claimed_by = %s AND claimed_at IS NOT NULL RETURNING id"
 )
 
+def enqueue_statement(kind: str, payload: bytes, work_id: str) -> tuple[str, tuple]:
+    """The INSERT of one unit of work, checked like ``enqueue``, for a caller that enqueues in
+    its own transaction (the row and its record commit together); then call ``wake``."""
+    _check_kind(kind)
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"work payload must be bytes, got {type(payload).__name__}")
+    payload = bytes(payload)
+    if len(payload) > WORK_PAYLOAD_MAX_BYTES:
+        raise WorkPayloadTooLarge(
+            f"work payload of {len(payload)} bytes exceeds the cap of "
+            f"{WORK_PAYLOAD_MAX_BYTES} (1 MiB); store large inputs elsewhere and enqueue "
+            "a reference")
+    if not isinstance(work_id, str) or not work_id or len(work_id) > 36:
+        raise ValueError("a work id is 1-36 characters")
+    return ("INSERT INTO work_claims (id, kind, payload) VALUES (%s, %s, %s)",
+            (work_id, kind, psycopg2.Binary(payload)))
+
+
 RELEASED = "released"
 EXHAUSTED = "exhausted"
 LOST = "lost"
@@ -247,15 +265,18 @@ class ClaimQueue:
                 f"{WORK_PAYLOAD_MAX_BYTES} (1 MiB); store large inputs elsewhere and enqueue "
                 "a reference")
         work_id = work_id or str(uuid.uuid4())
-        await self.db.runOperation(
-            "INSERT INTO work_claims (id, kind, payload) VALUES (%s, %s, %s)",
-            (work_id, kind, psycopg2.Binary(payload)))
+        await self.db.runOperation(*enqueue_statement(kind, payload, work_id))
+        await self.wake(kind)
+        return work_id
+
+    async def wake(self, kind: str) -> None:
+        """Publish the wake hint for ``kind`` (after a row was enqueued in a caller's own
+        transaction with :func:`enqueue_statement`).  A failed hint is ignored."""
         if self.bus is not None:
             try:
                 await self.bus.publish(WAKE_SUBJECT, {"kind": kind})
             except Exception as e:  # a hint only; the poll covers it
                 log.debug("claims: wake hint for {kind} not published: {err}", kind=kind, err=e)
-        return work_id
 
     async def claim_next(self, owner: str, kinds: Iterable[str]) -> Claim | None:
         """Claim the oldest ready row of one of ``kinds`` for ``owner``, or ``None``.

@@ -4,14 +4,20 @@ the tries over nodes: :mod:`.loadlock`.
 
 :meth:`ColdLoader.load_on`:
 
+0. the model's files are checked on this replica, in a thread (:mod:`.modelfiles`): each file
+   and folder of ``files``, and ``parameters.model`` when it names a file or folder in the
+   models directory, present, inside its root, hashed (``sha256`` checked when the config gives
+   one; digests cached by size and mtime).  A problem is ``ModelFileMismatch`` naming the
+   file, before any worker is asked;
 1. ``backend.start`` on the node (control verb through the tunnel, relayed when another replica
    holds it) -> ``127.0.0.1:<port>``;
-2. ``node_models`` row ``staging``; each file of the model is checked against its ``sha256``
-   (locally, in a thread) and staged (``PUT /v1/files/models/...``, skipped when the worker
-   holds the same digest); progress is logged;
-3. row ``loading``; gRPC ``LoadModel`` through the bridge with ``ModelOptions`` (``Model`` = the
-   worker-side path of the staged model file, or the identifier; ``ModelFile``, ``ModelPath``,
-   ``ContextSize``, ``Embeddings``, ``Options``; the config's LocalAI keys first);
+2. ``node_models`` row ``staging``; every file of the plan is staged
+   (``PUT /v1/files/models/...``, skipped when the worker holds the same digest), a folder file
+   by file under one worker folder with its layout; progress is logged;
+3. row ``loading``; gRPC ``LoadModel`` through the bridge with ``ModelOptions`` (``Model`` and
+   ``ModelFile`` = the worker-side path of the staged model file or folder, else ``Model`` is
+   the identifier; ``ModelPath`` its directory, ``ContextSize``, ``Embeddings``, ``Options``;
+   the config's LocalAI keys first);
 4. row ``loaded``.  Any failure removes the row (our own unfinished load, explicit lifecycle);
    a failure the worker answered (``backend.start`` error, ``success=false``, a gRPC status)
    is raised as ``ModelLoadFailed`` with the backend's message, after a best-effort
@@ -28,8 +34,9 @@ worker's answer is :mod:`.placement`'s).
 
 from __future__ import annotations
 
+import os
 import posixpath
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable
 
 from twisted.internet import threads
 from twisted.logger import Logger
@@ -37,12 +44,13 @@ from twisted.logger import Logger
 from localai_tw import errors
 from localai_tw import metrics as replica_metrics
 from localai_tw.backends import backend_pb2
-from localai_tw.staging_client import sha256_of_file
 from localai_tw.tunnel.endpoint import upload_file
 
-from .interfaces import ModelLoadFailed
+from .downloads import ModelDownloads
+from .interfaces import ModelFileMismatch, ModelLoadFailed
+from .modelfiles import DigestCache, StageEntry, StagePlan, plan_blocking, worker_folder
 from .models import ModelConfig
-from .placement import Placement, model_identity
+from .placement import Placement
 
 log = Logger()
 
@@ -53,11 +61,7 @@ DEFAULT_LOAD_TIMEOUT = 300.0
 LOADED, STAGING, LOADING, UNLOADING = "loaded", "staging", "loading", "unloading"
 
 
-class ModelFileMismatch(errors.ClusterError):
-    """A model file in this replica's models directory does not match its configured sha256
-    (or is missing).  A local configuration problem: nothing about any worker."""
-
-    condition = "model-file-mismatch"
+__all__ = ["ColdLoader", "ModelFileMismatch"]  # ModelFileMismatch: .interfaces, re-exported
 
 
 class ColdLoader:
@@ -86,6 +90,41 @@ class ColdLoader:
         self.start_timeout = start_timeout
         self.stage_timeout = stage_timeout
         self.load_timeout = load_timeout
+        #: digests of the models directory's files, so an unchanged file is hashed once
+        self.digests = DigestCache()
+        self._downloads: ModelDownloads | None = None
+
+    @property
+    def downloads(self) -> ModelDownloads:
+        """This replica's downloads into the models directory (made on first use)."""
+        if self._downloads is None:
+            self._downloads = ModelDownloads(self.models_dir, self._reactor, self.digests)
+        return self._downloads
+
+    async def download(self, model: ModelConfig) -> None:
+        """The files ``model`` downloads (``download_files``, a URL ``parameters.model``)
+        present and verified in the models directory; several requests share one download.
+        Before the load lock: a long download holds no lock other replicas wait on."""
+        if model.downloads:
+            await self.downloads.ensure(model)
+
+    def files_stamp(self, model: ModelConfig) -> tuple:
+        """(path, size, mtime) of each top-level file or folder the model names: a remembered
+        failed load is forgotten when one of them changes.  A few stats (on the caller's
+        thread, as the catalog's)."""
+        paths = [f.path for f in model.files] + [d.filename for d in model.downloads]
+        paths.append(model.model)
+        stamp = []
+        for path in paths:
+            if path.startswith("/") or "://" in path:
+                continue
+            try:
+                st = os.stat(os.path.join(self.models_dir, path))
+            except (OSError, ValueError):
+                stamp.append((path, None))
+                continue
+            stamp.append((path, st.st_size, st.st_mtime_ns))
+        return tuple(stamp)
 
     # -- a cold load ------------------------------------------------------------------------
 
@@ -114,6 +153,11 @@ class ColdLoader:
 
     async def _start_and_load(self, model: ModelConfig, node_id: str,
                               progress: Callable[..., Awaitable[None]]) -> Placement:
+        # Local checks first (files present, digests, folders walked): a config problem of
+        # this replica never starts a backend on a worker.
+        plan = await threads.deferToThreadPool(
+            self._reactor, self._reactor.getThreadPool(), plan_blocking, model,
+            self.models_dir, self.digests)
         await progress("starting", node_id)
         try:
             reply = await self._control.call(node_id, "backend.start",
@@ -136,11 +180,11 @@ class ColdLoader:
             await self._set_row(node_id, model, address, STAGING)
             row_written = True
             await progress("staging")
-            worker_paths = await self._stage(model, node_id)
+            model_file = await self._stage(model, node_id, plan)
             await self._set_row(node_id, model, address, LOADING)
             await progress("loading")
-            model_id = model_identity(model, worker_paths)
-            await self._load_model(model, node_id, address, model_id, worker_paths)
+            model_id = model_file or model.model
+            await self._load_model(model, node_id, address, model_id, model_file)
             await self._set_row(node_id, model, address, LOADED, model_id)
         except BaseException as e:
             if row_written:
@@ -156,48 +200,61 @@ class ColdLoader:
             raise
         return Placement(model.name, node_id, address, model_id)
 
-    async def _stage(self, model: ModelConfig, node_id: str) -> dict[str, str]:
-        worker_paths: dict[str, str] = {}
-        for f in model.files:
-            try:  # the checked path is the one hashed and sent, so a swap cannot slip past
-                local = f.contained_path(self.models_dir)
-            except ValueError as e:
-                raise ModelFileMismatch(f"model {model.name}: {e}") from None
-            if f.sha256 is not None:
-                try:
-                    _, digest = await threads.deferToThreadPool(
-                        self._reactor, self._reactor.getThreadPool(), sha256_of_file, local)
-                except OSError as e:
-                    raise ModelFileMismatch(f"model {model.name}: file {f.path} cannot be read:"
-                                            f" {e.strerror}") from None
-                if digest != f.sha256:
-                    raise ModelFileMismatch(f"model {model.name}: file {f.path} has sha256 "
-                                            f"{digest}, the config says {f.sha256}")
-            last_logged = [0.0]
+    async def _stage(self, model: ModelConfig, node_id: str, plan: StagePlan) -> str:
+        """Put every file of ``plan`` on the node (each skipped when the worker holds its
+        digest); the worker-side path of the primary entry (file or folder), or ''."""
+        primary_path = ""
+        # The node's own control token (derived from its node key), never the shared one.
+        token = await self._nodes.control_token(node_id) if plan.entries else ""
+        for entry in plan.entries:
+            worker_path = await self._stage_entry(model, node_id, entry, token)
+            if entry is plan.primary:
+                primary_path = worker_path
+        return primary_path
 
-            def progress(sent: int, total: int, key=f.key) -> None:
-                now = self._reactor.seconds()
-                if sent == total or now - last_logged[0] >= 5.0:
-                    last_logged[0] = now
-                    log.info("staging {key} on node {node}: {sent}/{total} bytes", key=key,
-                             node=node_id, sent=sent, total=total)
+    async def _stage_entry(self, model: ModelConfig, node_id: str, entry: StageEntry,
+                           token: str) -> str:
+        total = entry.size
+        done = 0
+        last_logged = [self._reactor.seconds()]
+        what = f"folder {entry.path} ({len(entry.items)} files)" if entry.folder else entry.key
+        log.info("staging {what} of model {model} on node {node}: {total} bytes", what=what,
+                 model=model.name, node=node_id, total=total)
 
-            # The node's own control token (derived from its node key), never the shared one.
-            token = await self._nodes.control_token(node_id)
-            staged = await upload_file(self._http, node_id, f.key, local, token=token,
-                                       progress_cb=progress, timeout=self.stage_timeout)
-            log.info("staged {key} on node {node} ({how})", key=f.key, node=node_id,
-                     how="already present" if staged.skipped else f"{staged.size} bytes")
-            if staged.local_path:
-                worker_paths[f.key] = staged.local_path
-        return worker_paths
+        def progress(sent: int, _total: int) -> None:
+            now = self._reactor.seconds()
+            if now - last_logged[0] >= 5.0:
+                last_logged[0] = now
+                log.info("staging {what} on node {node}: {sent}/{total} bytes", what=what,
+                         node=node_id, sent=done + sent, total=total)
+
+        worker_path = ""
+        skipped = 0
+        for item in entry.items:
+            try:
+                staged = await upload_file(self._http, node_id, item.key, item.local,
+                                           token=token, progress_cb=progress,
+                                           timeout=self.stage_timeout,
+                                           known=(item.size, item.sha256))
+            except (ValueError, OSError) as e:  # changed or gone since it was checked
+                raise ModelFileMismatch(f"model {model.name}: staging {item.key} from "
+                                        f"{entry.path}: {e}") from None
+            done += item.size
+            skipped += staged.skipped
+            if staged.local_path and not worker_path:
+                worker_path = (worker_folder(staged.local_path, item.rel) if entry.folder
+                               else staged.local_path)
+        log.info("staged {what} on node {node} ({how})", what=what, node=node_id,
+                 how="already present" if skipped == len(entry.items) else
+                 f"{done} bytes, {skipped} of {len(entry.items)} files already present")
+        return worker_path
 
     async def _load_model(self, model: ModelConfig, node_id: str, address: str, model_id: str,
-                          worker_paths: Mapping[str, str]) -> None:
-        staged = model.file_for_model()
-        model_file = worker_paths.get(staged.key, "") if staged is not None else ""
+                          model_file: str) -> None:
         # The config's LocalAI keys (f16, threads, gpu_layers, mmap, type, ...; models.py
         # MODEL_OPTIONS) first, then what this loader decides (model, paths, context).
+        # ModelFile is the staged file or folder, as LocalAI sends it; ModelPath the directory
+        # holding it on the worker.
         options = backend_pb2.ModelOptions(**{
             **model.model_options,
             "Model": model_id, "ContextSize": model.context_size,

@@ -247,6 +247,11 @@ class InferenceRouter:
 
     # -- extra (not in the interface) -------------------------------------------------------
 
+    def loading_detail(self, name: str) -> str | None:
+        """What a cold load of ``name`` waits for now, when it is a download of this replica
+        (for the ``: loading model`` comments of a waiting stream)."""
+        return self.loader.downloads.describe(name)
+
     def unload(self, name: str, node_id: str) -> defer.Deferred:
         return defer.ensureDeferred(self.loader.unload(name, node_id))
 

@@ -88,6 +88,25 @@ class ModelConfigInvalid(ClusterError):
         super().__init__(f"model {name!r} has an invalid config: {problem}")
 
 
+class ModelFileMismatch(ClusterError):
+    """A model's files on this replica are not what its config says: a file or folder it
+    names is missing or unreadable, a digest does not match, a folder is too large or holds a
+    link out of it, a download failed.  Found before any worker is asked (nothing was started
+    or staged), the message names the file; a local configuration problem, nothing about any
+    worker, and nothing may act on it."""
+
+    actionable = False
+    condition = "model-file-mismatch"
+
+
+class ModelDownloadFailed(ModelFileMismatch):
+    """A file the model's config asks this replica to download (``download_files``, a URL
+    ``parameters.model``) could not be fetched: an HTTP status, a timeout, a connection that
+    broke, the size cap.  Nothing was kept; the next request tries again."""
+
+    condition = "model-download-failed"
+
+
 class ModelLoadFailed(WorkerAnswer):
     """The worker answered that the model could not be started or loaded (``backend.start``
     error, ``LoadModel`` returned success=false, or a failed file stage answered by the worker).

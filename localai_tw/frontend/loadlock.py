@@ -16,8 +16,14 @@ Failed loads are remembered (per replica, in memory) for ``failed_load_memory`` 
 (:data:`DEFAULT_FAILED_LOAD_MEMORY`, 30 s), keyed by the model's name and its whole config: a
 request meanwhile -- a new one, or one already waiting for the lock -- fails at once with the
 same ``ModelLoadFailed``, whose ``retry_in`` and text say when the load is tried again.  A
-changed config file is a new key and is tried at once.  Without this, every retry of a model
+changed config file, or a changed file or folder it names (size or mtime at the top level), is
+a new key and is tried at once.  Without this, every retry of a model
 that cannot load (a hub id on a machine with no hub) paid the whole failing load again.
+
+A model with downloads (``download_files``, a URL ``parameters.model``) has them made present
+first, before the lock (``ColdLoader.download``: one download per file in this replica, shared
+by every request that waits for it, bounded by the request's deadline), so a long download
+holds no lock another replica's waiters give up on.
 
 What this module must never do: run two loads of one model at once across replicas (the lock
 row); compare times in Python (the database clock decides staleness and liveness).
@@ -33,6 +39,7 @@ from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
+from localai_tw.deferreds import wait_at_most
 from localai_tw.metrics import current_hops
 from localai_tw.staging_client import STAGING_WATCH
 
@@ -99,6 +106,20 @@ class LoadLock:
         """A loaded placement of ``model``: an existing one if another replica finished
         meanwhile, else a cold load under the lock."""
         attempt = str(uuid.uuid4())
+        if model.downloads:  # before the lock: a download may take long, and is shared
+            existing = await self._chooser.loaded_placement(model, exclude)
+            if existing is not None:
+                return existing
+            downloading = defer.ensureDeferred(self._loader.download(model))
+            if deadline is None:
+                await downloading
+            else:
+                try:
+                    await wait_at_most(self._reactor, downloading,
+                                       max(0.0, deadline - self._reactor.seconds()))
+                except defer.TimeoutError:
+                    raise errors.CallerDeadlineExceeded(
+                        f"waiting for the files of model {model.name} to download") from None
         waited_until = self._reactor.seconds() + self.load_wait
         if deadline is not None:
             waited_until = min(waited_until, deadline)
@@ -220,7 +241,7 @@ class LoadLock:
         if self.failed_load_memory <= 0:
             return error
         until = self._reactor.seconds() + self.failed_load_memory
-        self._failed[model.name] = (repr(model), error, until)
+        self._failed[model.name] = (self._fingerprint(model), error, until)
         return self._recalled(model.name, error, self.failed_load_memory)
 
     def remembered_failure(self, model: ModelConfig) -> ModelLoadFailed | None:
@@ -230,10 +251,16 @@ class LoadLock:
             return None
         fingerprint, error, until = entry
         left = until - self._reactor.seconds()
-        if fingerprint != repr(model) or left <= 0:
+        if fingerprint != self._fingerprint(model) or left <= 0:
             del self._failed[model.name]
             return None
         return self._recalled(model.name, error, left)
+
+    def _fingerprint(self, model: ModelConfig) -> str:
+        """The whole config and the stamps of the files it names: a change of either is a
+        new key, tried at once."""
+        stamp = getattr(self._loader, "files_stamp", None)
+        return repr((model, stamp(model) if stamp is not None else ()))
 
     @staticmethod
     def _recalled(name: str, error: ModelLoadFailed, left: float) -> ModelLoadFailed:
@@ -241,7 +268,7 @@ class LoadLock:
         return ModelLoadFailed(
             name, error.node_id,
             f"{error.detail} [localai-tw remembers this failure: the load of {name!r} is "
-            f"tried again in {seconds} s, or at once when its config file changes]",
+            f"tried again in {seconds} s, or at once when its config or its files change]",
             retry_in=float(seconds))
 
 

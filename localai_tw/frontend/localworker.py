@@ -12,7 +12,9 @@ registered), then builds an ordinary worker with
   ``Options.validate`` mints a random one in this process (never logged, never written
   anywhere), so turning on the local worker also closes open registration;
 - ``--node-name``: ``<hostname>-local``; ``--data-dir``: ``<data-dir>/local-worker``;
-  ``--backend-port-range``: the worker's default.
+  ``--backend-port-range``: the worker's default;
+- ``--backends-path`` and ``--external-grpc-backends``: the frontend's own (LocalAI's backend
+  directories; the default backends path is ``<data-dir>/local-worker/backends``).
 
 The worker registers over HTTP, heartbeats and dials the WebSocket tunnel exactly like a worker
 on another machine: a one-machine cluster exercises the real path, nothing is short-circuited.
@@ -241,6 +243,8 @@ class LocalWorkerService(MultiService):
         self.node_name = local_node_name(hostname)
         self.backend_ports = backend_ports
         self._require_approval = bool(options.get("require-approval"))
+        self._backends_path = options.get("backends-path") or None
+        self._external_backends = list(options.get("external-grpc-backends") or ())
         self._make_worker = make_worker
         self._write_default_model = write_default_model
         #: The worker service, once started.
@@ -266,6 +270,9 @@ class LocalWorkerService(MultiService):
             "backend-port-range": self.backend_ports,
             "data-dir": self.data_dir,
             "labels": {},
+            # LocalAI's backends (docs/backends.md §2.1); default <data-dir>/backends.
+            "backends-path": self._backends_path,
+            "external-grpc-backends": self._external_backends,
         }
 
     def _readiness_gate(self) -> str | None:

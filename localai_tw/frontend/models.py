@@ -5,7 +5,8 @@ A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
     name: tiny-echo                 # required; what clients put in "model"
     backend: echo                   # required; a backend the workers know
     parameters:
-      model: tiny.bin               # file (relative to the models dir) or identifier
+      model: tiny.bin               # file or folder (relative to the models dir), a URL
+                                    # (downloaded, then its file name), or an identifier
       temperature: 0.2              # defaults for requests (the API layer merges them)
       top_p: 0.9
       max_tokens: 64
@@ -14,6 +15,8 @@ A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
       - path: tiny.bin              # relative to the models dir, inside it
         sha256: 9f86d0...           # optional; checked before staging when given
         key: models/tiny-echo/tiny.bin   # optional worker key (default models/<name>/<basename>)
+    download_files:                 # LocalAI's key: fetched into the models dir first
+      - {filename: tiny.bin, uri: "https://example.org/tiny.bin", sha256: "9f86d0..."}
     template:
       chat: "{{.Input}}"
       chat_message: "{{.RoleName}}: {{.Content}}"
@@ -45,11 +48,12 @@ model cannot serve is refused before any backend is called:
    ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
    dropped);
 2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
-3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` chat and
-   completion, ``sentence-transformers`` embeddings, ``echo`` all three; a backend not in the
-   table (``external``, plugins) is asked for chat, completion and embeddings and answers for
-   itself; ``espeak-ng`` does ``tts``, ``pocketsphinx`` ``transcript``, ``hash-image``
-   ``image`` (any other backend does those only when ``known_usecases`` lists them).
+3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
+   ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three;
+   a backend not in the table (``external``, plugins) is asked for chat, completion and
+   embeddings and answers for itself; ``espeak-ng`` does ``tts``, ``pocketsphinx``
+   ``transcript``, ``hash-image`` ``image`` (any other backend does those only when
+   ``known_usecases`` lists them).
 4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
    this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
    ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
@@ -105,6 +109,8 @@ BACKEND_USECASES: dict[str, frozenset[str]] = {
     "echo": ALL_USECASES,
     "transformers": frozenset({CHAT, COMPLETION}),
     "sentence-transformers": frozenset({EMBEDDINGS}),
+    # llama.cpp embeds only a model loaded with embeddings: true (rule 2.)
+    "llama-cpp": frozenset({CHAT, COMPLETION}),
     "espeak-ng": frozenset({TTS}),
     "pocketsphinx": frozenset({TRANSCRIPT}),
     "hash-image": frozenset({IMAGE}),
@@ -198,7 +204,7 @@ LIMIT_OPTIONS: dict[str, tuple[str, str]] = {
 LOCALAI_IGNORED = frozenset({
     "alias", "artifacts", "known_input_modalities", "known_output_modalities", "pipeline",
     "reasoning", "compression", "reasoning_effort", "chat_template_kwargs",
-    "feature_flags", "step", "grpc", "tts", "download_files", "disabled", "pinned",
+    "feature_flags", "step", "grpc", "tts", "disabled", "pinned",
     "concurrency_groups", "mcp", "agent", "pii", "pii_detection", "router", "proxy", "mitm",
     "limits", "cutstrings", "extract_regex", "trimspace", "trimsuffix",
 })
@@ -214,7 +220,7 @@ TOP_LEVEL_FIELDS = frozenset({
     "name", "backend", "model", "parameters", "files", "template", "context_size",
     "embeddings", "options", "node_selector", "description", "known_usecases", "usage",
     "roles", "system_prompt", "engine_args", "diffusers", "limit_mm_per_prompt",
-    "function", "capabilities",
+    "function", "capabilities", "download_files",
 }) | set(MODEL_OPTIONS) | set(PREDICT_OPTIONS)
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
 MAX_LIST = 256
@@ -260,6 +266,26 @@ class ModelFile:
         return real
 
 
+#: URL schemes ``download_files`` and a URL ``parameters.model`` may use (``docs/models.md``);
+#: ``huggingface://``, ``hf://`` and ``github:`` are rewritten to https as LocalAI does.
+DOWNLOAD_SCHEMES = ("file://", "http://", "https://", "huggingface://", "hf://", "github://",
+                    "github:")
+#: Schemes LocalAI knows that this project refuses, named in the refusal.
+REFUSED_SCHEMES = ("ollama://", "oci://", "ocifile://", "hf.co/")
+MAX_DOWNLOADS = 256
+
+
+@dataclass(frozen=True)
+class ModelDownload:
+    """A file the frontend downloads into the models directory before the model loads
+    (LocalAI's ``download_files``, or ``parameters.model`` given as a URL)."""
+
+    filename: str       # relative to the models dir (normalised, '/' separated)
+    uri: str            # as written in the config (file://, http(s)://, huggingface://, ...)
+    sha256: str | None  # expected digest, lowercase hex, or None (then a present file is kept)
+    where: str          # the config key that asked for it, for errors
+
+
 @dataclass(frozen=True)
 class ModelTemplate:
     chat: str = ""
@@ -299,6 +325,9 @@ class ModelConfig:
     functions: FunctionConfig = FunctionConfig()
     #: ``capabilities`` overrides of what the backend honours (see ``capabilities.py``).
     capabilities: Mapping[str, bool] = field(default_factory=dict)
+    #: Files downloaded into the models directory before a load (``download_files``, a URL
+    #: ``parameters.model``): ``frontend/downloads.py``.
+    downloads: tuple[ModelDownload, ...] = ()
 
     def file_for_model(self) -> ModelFile | None:
         """The staged file ``model`` names, if it names one."""
@@ -426,6 +455,14 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
         model = name  # LocalAI's gallery writes model: "" for backends that fetch their own
     if not isinstance(model, str) or not model or len(model) > 1024:
         raise ModelConfigError(source, "parameters.model", "must be a non-empty string")
+    downloads = _downloads(source, data.get("download_files"))
+    if _looks_like_url(model):
+        _check_scheme(source, "parameters.model", model)
+        filename = _filename_from_url(model)
+        downloads.append(ModelDownload(filename, model, None, "parameters.model"))
+        model = filename  # LocalAI: the model is the downloaded file from then on
+    if len({d.filename for d in downloads}) != len(downloads):
+        raise ModelConfigError(source, "download_files", "two entries write the same filename")
     defaults: dict[str, Any] = {}
     model_options: dict[str, Any] = {}
     predict_options: dict[str, Any] = {}
@@ -457,6 +494,10 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     for key, (kind, proto) in PREDICT_OPTIONS.items():
         if data.get(key) is not None:
             predict_options[proto] = _typed(source, key, data[key], kind)
+    # LocalAI's default (core/config/generic_defaults.go): memory-mapped unless the config says
+    # mmap: false; without it a GGUF would be read whole into memory.
+    model_options.setdefault("MMap", True)
+    predict_options.setdefault("MMap", True)
     if len(predict_options.get("StopPrompts", ())) > MAX_STOPWORDS:
         raise ModelConfigError(source, "stopwords", f"at most {MAX_STOPWORDS} are accepted")
     _sub_options(source, data, "diffusers", DIFFUSERS_OPTIONS, model_options, warnings)
@@ -567,7 +608,75 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
                        source=source, known_usecases=known, roles=dict(roles),
                        system_prompt=system_prompt, model_options=model_options,
                        predict_options=predict_options, warnings=_bounded(warnings),
-                       functions=functions, capabilities=overrides)
+                       functions=functions, capabilities=overrides,
+                       downloads=tuple(downloads))
+
+
+def _looks_like_url(value: str) -> bool:
+    """LocalAI's ``LooksLikeURL`` plus ``file://`` and the schemes refused here (so a refused
+    one is named instead of being taken for a file name)."""
+    return value.startswith(DOWNLOAD_SCHEMES + REFUSED_SCHEMES)
+
+
+def _check_scheme(source: str, fieldname: str, uri: str) -> None:
+    if not uri.startswith(DOWNLOAD_SCHEMES):
+        scheme = "hf.co/" if uri.startswith("hf.co/") else uri.split("://", 1)[0][:32] + "://"
+        raise ModelConfigError(source, fieldname, f"{scheme} URLs are not downloaded by "
+                               "localai-tw (file://, http://, https://, huggingface://, hf://, "
+                               "github: are); put the file in the models directory instead")
+    if len(uri) > 4096 or any(ord(c) < 0x21 or ord(c) == 0x7F for c in uri):
+        raise ModelConfigError(source, fieldname, "is not a usable URL (spaces, control "
+                               "characters, or longer than 4096)")
+
+
+def _filename_from_url(uri: str) -> str:
+    """The file name LocalAI gives a URL ``parameters.model``: the last path segment (what
+    follows ``@`` dropped), else the MD5 of the URL."""
+    import hashlib
+    from urllib.parse import unquote, urlsplit
+
+    base = posixpath.basename(unquote(urlsplit(uri.split("@", 1)[0]).path))
+    if not base or base in (".", "..") or "\\" in base or "\x00" in base or len(base) > 200:
+        return hashlib.md5(uri.encode("utf-8")).hexdigest()  # a name, not security
+    return base
+
+
+def _downloads(source: str, raw) -> list[ModelDownload]:
+    """LocalAI's ``download_files``: a list of ``{filename, uri, sha256}``."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_DOWNLOADS:
+        raise ModelConfigError(source, "download_files", "must be a list of {filename, uri, "
+                               f"sha256}} (at most {MAX_DOWNLOADS})")
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"download_files[{i}]"
+        if not isinstance(entry, dict):
+            raise ModelConfigError(source, where, "must be a mapping with filename, uri, sha256")
+        for key in entry:
+            if key not in ("filename", "uri", "sha256"):
+                raise ModelConfigError(source, f"{where}.{str(key)[:64]}",
+                                       "unknown field (filename, uri, sha256)")
+        filename = _relative_path(source, f"{where}.filename", entry.get("filename"))
+        uri = entry.get("uri")
+        if not isinstance(uri, str) or not uri:
+            raise ModelConfigError(source, f"{where}.uri", "must be a URL (file://, http://, "
+                                   "https://, huggingface://)")
+        _check_scheme(source, f"{where}.uri", uri)
+        out.append(ModelDownload(filename, uri, _digest(source, f"{where}.sha256",
+                                                        entry.get("sha256")), where))
+    return out
+
+
+def _digest(source: str, fieldname: str, digest) -> str | None:
+    if digest is None or digest == "":
+        return None
+    if isinstance(digest, int) and not isinstance(digest, bool):
+        raise ModelConfigError(source, fieldname, "was read as a number; quote it (an "
+                               "all-digit hash loses its leading zeros)")
+    if not isinstance(digest, str) or not _SHA256_RE.match(digest.lower()):
+        raise ModelConfigError(source, fieldname, "must be 64 hex digits")
+    return digest.lower()
 
 
 def _bounded(warnings: list[str]) -> tuple[str, ...]:

@@ -30,10 +30,13 @@ GET /api/cluster/instances         ``{"instances": [{"id", "version", "advertise
                                    no credential material)
 GET /api/cluster/loads             ``{"loads": [{"model", "node_id", "phase", "replica",
                                    "started_at", "seconds", "seconds_since_progress",
-                                   "staging"}]}`` (cold loads in progress anywhere;
-                                   ``staging``: ``{"staged_bytes", "total_bytes", "files",
-                                   "bytes_per_second"}`` from the replica driving a load in
-                                   its ``staging`` phase, else null)
+                                   "staging"}], "downloads": [{"model", "file", "url",
+                                   "received", "total", "bytes_per_second", "seconds",
+                                   "waiting_requests", "replica"}]}`` (cold loads in
+                                   progress anywhere, with ``staging``: ``{"staged_bytes",
+                                   "total_bytes", "files", "bytes_per_second"}`` from the
+                                   replica driving a load in its ``staging`` phase, else null;
+                                   this replica's model downloads)
 =================================  =============================================================
 
 A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
@@ -436,12 +439,14 @@ class LoadsResource(AdminResource):
         return (Route("GET", (), self.list_loads),)
     async def list_loads(self, request) -> tuple[int, dict]:
         rows = await self._parts.db.runQuery(_LOADS_SQL)
+        downloads = self._parts.downloads() if self._parts.downloads is not None else []
         return 200, {"loads": [
             {"model": model, "node_id": node_id or None, "phase": phase, "replica": owner,
              "started_at": _iso(started), "seconds": round(age, 1),
              "seconds_since_progress": round(quiet, 1),
              "staging": self._staging(model, owner, phase)}
-            for model, node_id, phase, owner, started, age, quiet in rows]}
+            for model, node_id, phase, owner, started, age, quiet in rows],
+            "downloads": [{**d, "replica": self._parts.instance_id} for d in downloads]}
 
     def _staging(self, model: str, owner: str, phase: str) -> dict | None:
         """Bytes staged so far, known to the replica driving the load (null elsewhere)."""

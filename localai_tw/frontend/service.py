@@ -11,10 +11,15 @@
         WorkerClientsService   the per-node HTTP pools and gRPC bridges
         PeerService            the accepted peer links and the peer pool
         TunnelRegistryService  the worker tunnels held here (their claims)
+        PgBus                  the LISTEN/NOTIFY fan-out (the claim queue's wake hint)
+        JobStatsService        reads the jobs queue's depth every 15 s (for /metrics)
+        ClaimConsumer "jobs"   claims queued jobs and runs them on agent workers; stops
+                               first, releasing its claims (docs/jobs.md)
       ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
                                503 elsewhere); stops first: accept nothing new
 
-So stopping runs: listener; tunnels (releasing their claims), peer links, worker pools, all
+So stopping runs: listener; the jobs consumer (its claims released at once), the bus; tunnels
+(releasing their claims), peer links, worker pools, all
 *before* leaving ``instances``; deregister; health; database.  The state of the start is a
 :class:`StartupState`, which ``/readyz`` reports.
 
@@ -39,6 +44,7 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
 ``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/api/jobs`` (``frontend/jobs_api.py``; admin, ``docs/jobs.md``),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
@@ -78,6 +84,9 @@ from localai_tw.cluster.membership import (
 )
 from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
+from localai_tw.bus.claims import ClaimConsumer, ClaimQueue
+from localai_tw.bus.pgbus import PgBus
+from localai_tw.jobs.kinds import JobKinds
 from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
@@ -92,6 +101,11 @@ from localai_tw.tunnel.route import WorkerDialer
 from .backend_client import BackendClients
 from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
+from .jobs_api import MAX_JOB_BODY_BYTES, JobsResource
+from .jobs_cancel import CancelFanout
+from .jobs_dispatch import JobDispatcher, job_consumer
+from .jobs_stats import JobStatsService
+from .jobs_store import JobStore
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .traces import TraceRing, TracesResource
@@ -246,6 +260,8 @@ class ReplicaConfig:
     stale_after: float
     #: Registrations one source address may make per minute (burst and refill); 0: no limit.
     registration_limit: int = 1200
+    #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
+    job_kinds: Any = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -305,19 +321,24 @@ class PeerService(Service):
 
 
 class WorkerClientsService(Service):
-    """This process's per-node connections: the gRPC bridges and the worker HTTP pools."""
+    """This process's per-node connections: the gRPC bridges and the worker HTTP pools; and
+    its model downloads (``downloads.py``), stopped with them."""
 
     name = "worker-clients"
 
-    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient):
+    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient,
+                 downloads=None):
         self.backend_clients = backend_clients
         self.worker_http = worker_http
+        self.downloads = downloads
 
     def stopService(self) -> defer.Deferred:
         super().stopService()
         return defer.ensureDeferred(self._close())
 
     async def _close(self) -> None:
+        if self.downloads is not None:
+            self.downloads.close()
         for what, closing in (("the gRPC bridges", self.backend_clients),
                               ("the worker HTTP pools", self.worker_http)):
             try:
@@ -327,6 +348,19 @@ class WorkerClientsService(Service):
 
 
 # -- the replica -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class JobParts:
+    """The jobs of this replica (docs/jobs.md): the table, the kinds, the claim-queue consumer
+    and its dispatcher, the cancel fan-out."""
+
+    kinds: JobKinds
+    store: JobStore
+    dispatcher: JobDispatcher
+    consumer: ClaimConsumer
+    fanout: CancelFanout
+    stats: JobStatsService
 
 
 @dataclasses.dataclass
@@ -350,15 +384,21 @@ class Replica:
     notifier: DepartureNotifier
     membership: MembershipService
     health: HealthMonitor
+    bus: PgBus
+    jobs: JobParts
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
     registration_limit: SourceRateLimit | None = None
 
     def services(self) -> list[Service]:
-        """The replica's children in start order (they stop in the reverse order)."""
+        """The replica's children in start order (they stop in the reverse order): the jobs
+        consumer last, so it stops first, releasing its claims and ending its runs' streams
+        while the tunnels, the peer links and this replica's ``instances`` row still exist."""
         return [self.health, self.membership,
-                WorkerClientsService(self.backend_clients, self.worker_http),
+                WorkerClientsService(self.backend_clients, self.worker_http,
+                                     self._downloads()),
                 PeerService(self.peer_links, self.peer_pool),
-                TunnelRegistryService(self.tunnels, self.instance_id)]
+                TunnelRegistryService(self.tunnels, self.instance_id),
+                self.bus, self.jobs.stats, self.jobs.consumer]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
@@ -366,7 +406,17 @@ class Replica:
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
                             control=self.control, registration_limit=self.registration_limit,
+                            downloads=self.downloads_in_progress,
                             staging=self.staging_of)
+
+    def _downloads(self):
+        loader = getattr(self.inference, "loader", None)
+        return loader.downloads if loader is not None else None
+
+    def downloads_in_progress(self) -> list:
+        """This replica's model downloads in progress (``/api/cluster/loads``)."""
+        downloads = self._downloads()
+        return downloads.in_progress() if downloads is not None else []
 
     def staging_of(self, model: str) -> dict | None:
         """The bytes staged by this replica's cold load of ``model`` (None: none staging)."""
@@ -444,12 +494,26 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                            interval=config.health_interval, stale_after=config.stale_after,
                            grace=grace)
     metrics.watch_health(health)
+    # Jobs: the bus (LISTEN/NOTIFY, for the claim queue's wake hint), the claim queue, and the
+    # consumer every replica runs (frontend/jobs_dispatch.py).
+    bus = PgBus(db, reactor=reactor)
+    queue = ClaimQueue(db, bus)
+    store = JobStore(db, queue)
+    dispatcher = JobDispatcher(store, db, control, config.instance_id)
+    consumer = job_consumer(store, dispatcher, queue, config.instance_id, bus=bus,
+                            reactor=reactor)
+    jobs = JobParts(kinds=config.job_kinds if config.job_kinds is not None
+                    else JobKinds.discover(), store=store, dispatcher=dispatcher,
+                    consumer=consumer, fanout=CancelFanout(db, control),
+                    stats=JobStatsService(db, reactor))
+    metrics.watch_bus(bus, [consumer])
+    metrics.watch_jobs(lambda: jobs.stats.snapshot)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, metrics=metrics,
+        membership=membership, health=health, bus=bus, jobs=jobs, metrics=metrics,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)
@@ -616,7 +680,8 @@ class FrontendService(InOrderMultiService):
     def __init__(self, options: Mapping[str, Any], *, reactor=None,
                  database_service: DatabaseService | None = None,
                  version: str = __version__,
-                 health_interval: float = 15.0, stale_after: float = 60.0):
+                 health_interval: float = 15.0, stale_after: float = 60.0,
+                 job_kinds=None):
         super().__init__()
         if reactor is None:
             from twisted.internet import reactor as _reactor
@@ -625,6 +690,8 @@ class FrontendService(InOrderMultiService):
         self.version = version
         self.config = ReplicaConfig.from_options(options, version, health_interval,
                                                  stale_after)
+        if job_kinds is not None:  # tests and embedders: kinds instead of the plugins
+            self.config = dataclasses.replace(self.config, job_kinds=job_kinds)
         self.instance_id = self.config.instance_id
         #: Model YAML files (``--models-dir``, default ``<data-dir>/models``).
         self.models_dir = self.config.models_dir
@@ -645,7 +712,8 @@ class FrontendService(InOrderMultiService):
         uploads = (b"/v1/audio/transcriptions", b"/audio/transcriptions")
         self.site = FrontendSite(
             self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES,
-                                    uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES},
+                                    uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES,
+                                    b"/api/jobs": MAX_JOB_BODY_BYTES},
             spool_prefixes=uploads)
         # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
         for alias, twin in unprefixed_aliases():
@@ -657,7 +725,7 @@ class FrontendService(InOrderMultiService):
             self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
             self.site.add_early_answer_shape(prefix, early_error)
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
-                       b"/api/traces", b"/metrics"):
+                       b"/api/traces", b"/api/jobs", b"/metrics"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -705,6 +773,8 @@ class FrontendService(InOrderMultiService):
         api.putChild(b"nodes", NodeMetricsRouting(
             NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
                                 SchedulingResource(parts, self.api_keys)), parts, self.api_keys))
+        api.putChild(b"jobs", JobsResource(replica.jobs.store, replica.jobs.kinds,
+                                           replica.jobs.fanout, self.api_keys))
         cluster = JSONDirectory()
         api.putChild(b"cluster", cluster)
         cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))

@@ -36,6 +36,7 @@ from twisted.python import usage
 from twisted.web.resource import Resource
 
 from localai_tw import config
+from localai_tw.backends.directory import check_external_backends, parse_external_backend
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
 
@@ -120,6 +121,14 @@ SETTINGS = (
                 "dials its tunnel like any worker; a one-machine cluster. Offers the default "
                 "embeddings model all-minilm-l6-v2 when the models directory has no config "
                 "for it. Mints a registration token when none is set."),
+    config.value("backends-path", "LOCALAI_BACKENDS_PATH",
+                 "With --local-worker: its directory of installed LocalAI backends (LocalAI's "
+                 "option): 'backend: NAME' runs <backends-path>/NAME/run.sh (docs/backends.md).",
+                 parse=config.parse_path, default_doc="<data-dir>/local-worker/backends"),
+    config.repeatable("external-grpc-backends", "LOCALAI_EXTERNAL_GRPC_BACKENDS",
+                      "With --local-worker: a backend program as NAME:PATH (LocalAI's option); "
+                      "'backend: NAME' runs it.",
+                      parse=parse_external_backend),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
     *config.log_settings(),
@@ -139,6 +148,7 @@ class Options(config.EnvOptions):
     def validate(self) -> None:
         config.adopt_secret_file(self, "registration-token")
         config.adopt_secret_file(self, "api-key", lines=True)
+        check_external_backends(self["external-grpc-backends"])
         reach = config.listener_reach(self["listen"])
         if reach is not None and not self["api-key"] and not self["allow-open-api"]:
             raise usage.UsageError(

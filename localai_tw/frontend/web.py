@@ -931,6 +931,8 @@ class ClusterParts:
         tunnel (locally held or relayed); None where no worker is reached (API tests).
     :param registration_limit: registrations per source address (``--registration-limit``);
         None: unlimited.
+    :param downloads: this replica's model downloads in progress (``downloads.py``
+        ``ModelDownloads.in_progress``); None where there are none.
     """
 
     db: Database
@@ -942,6 +944,7 @@ class ClusterParts:
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
     registration_limit: SourceRateLimit | None = None
+    downloads: Callable[[], list] | None = None
     #: model name -> the bytes this replica's cold load of it staged so far, or None.
     staging: Callable[[str], dict | None] | None = None
 

@@ -8,11 +8,12 @@ from localai_tw.backends.builtin import (
     espeak_ng_backend,
     external_backend,
     hash_image_backend,
+    llama_cpp_backend,
     pocketsphinx_backend,
     sentence_transformers_backend,
     transformers_backend,
 )
 
 __all__ = ["external_backend", "echo_backend", "bert_numpy_backend",
-           "sentence_transformers_backend", "transformers_backend",
+           "sentence_transformers_backend", "transformers_backend", "llama_cpp_backend",
            "espeak_ng_backend", "pocketsphinx_backend", "hash_image_backend"]

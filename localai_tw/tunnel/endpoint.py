@@ -414,16 +414,18 @@ def _problem_of(raw: bytes) -> str:
 
 def upload_file(http_client: WorkerHTTPClient, node_id: str, key: str, path: str,
                 token: str = "", progress_cb: Callable[[int, int], Any] | None = None,
-                timeout: float | None = None) -> defer.Deferred:
+                timeout: float | None = None,
+                known: tuple[int, str] | None = None) -> defer.Deferred:
     """Stage the local file ``path`` on ``node_id`` under ``key`` (``PUT /v1/files/{key}``,
     streamed from disk, skipped when the worker already holds the same digest).
 
     Fires with a ``staging_client.StagedFile``.  The worker's refusals are its answers
     (``WorkerAnswer``/``WorkerBusy``); dial failures pass through; a broken exchange is a
-    ``TransportFailure``.
+    ``TransportFailure``.  ``known``: the file's (size, sha256) when the caller already
+    hashed it (see ``staging_client.upload_file``).
     """
     what = f"uploading {key} to worker {node_id}"
     uploading = staging_client.upload_file(http_client, worker_url(node_id, "/"), key, path, progress_cb,
                                            node_id=node_id, token=token or None,
-                                           reactor=http_client.reactor)
+                                           reactor=http_client.reactor, known=known)
     return with_deadline(http_client.reactor, uploading, timeout, what)

@@ -398,6 +398,13 @@ class WorkerService(MultiService):
         return self.dialer.readiness()
 
 
+def worker_backends_path(options: Mapping[str, Any]) -> str | None:
+    """``--backends-path``, else ``<data-dir>/backends`` (None without either)."""
+    if options.get("backends-path"):
+        return options["backends-path"]
+    return os.path.join(options["data-dir"], "backends") if options.get("data-dir") else None
+
+
 def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     """The worker's service tree for ``twistd localai-worker`` (``tap.makeService`` adds its
     configuration report and port range check next to it).
@@ -407,12 +414,18 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     is a child service, so stopping the worker stops every backend process it started.  With a
     data directory it records the processes it starts in ``<data-dir>/backend-processes.json``
     and, at start, kills what a killed previous run left there (:mod:`localai_tw.backends.ledger`).
+    Backend names are resolved by :class:`~localai_tw.backends.directory.LocalAIBackends`:
+    ``--external-grpc-backends``, then the LocalAI backends directory (``--backends-path``,
+    default ``<data-dir>/backends``), then the built-ins and plugins.
     """
     if reactor is None:
         from twisted.internet import reactor
+    if (options.get("node-type") or "backend") == "agent":
+        return makeAgentWorkerService(options, reactor)
     if (options.get("node-type") or "backend") != "backend":
         return WorkerService(options, reactor)
 
+    from localai_tw.backends.directory import LocalAIBackends
     from localai_tw.backends.interfaces import BackendFactories
     from localai_tw.backends.ledger import LEDGER_FILE, ProcessLedger
     from localai_tw.backends.ports import PortAllocator
@@ -420,8 +433,16 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     from localai_tw.worker.backend_verbs import register_backend_verbs
 
     port_range: PortRange = options["backend-port-range"]
+    data_dir = options.get("data-dir")
+    backends = LocalAIBackends(
+        BackendFactories.discover(), worker_backends_path(options),
+        options.get("external-grpc-backends") or (),
+        models_dir=os.path.join(data_dir, "models") if data_dir else None)
+    if backends.directory is not None:  # once, at start: a short listing
+        log.info("LocalAI backends directory {path}: {found}", path=backends.directory.path,
+                 found=", ".join(backends.directory.names()) or "none installed")
     supervisor = BackendSupervisor(
-        reactor, PortAllocator(port_range.first, port_range.last), BackendFactories.discover(),
+        reactor, PortAllocator(port_range.first, port_range.last), backends,
         auth_token=options.get("registration-token") or None,
         ledger=ProcessLedger(os.path.join(options["data-dir"], LEDGER_FILE))
         if options.get("data-dir") else None)
@@ -430,4 +451,43 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     worker = WorkerService(options, reactor, verbs=verbs,
                            running_backends=supervisor.running_backends)
     supervisor.setServiceParent(worker)
+    return worker
+
+
+class _ClosesOnStop(Service):
+    """Closes the agent's pooled connections to the cluster API when the worker stops."""
+
+    name = "cluster-api"
+
+    def __init__(self, api):
+        self.api = api
+
+    def stopService(self):
+        super().stopService()
+        return self.api.close()
+
+
+def makeAgentWorkerService(options: Mapping[str, Any], reactor=None,
+                           kinds=None) -> WorkerService:
+    """An ``agent`` worker: no backend supervisor; the ``job.run`` and ``job.cancel`` verbs
+    (``worker/agent.py``) with the job kinds found as plugins (``kinds`` replaces them), calling
+    the cluster's API at ``--api-url`` (default ``--register-to``) with ``--api-token``."""
+    if reactor is None:
+        from twisted.internet import reactor
+    from localai_tw.jobs.api import ClusterAPI
+    from localai_tw.jobs.kinds import JobKinds
+    from localai_tw.worker.agent import DEFAULT_MAX_RUNS, AgentRunner
+
+    api = ClusterAPI(options.get("api-url") or options["register-to"],
+                     options.get("api-token") or "", reactor)
+    runner = AgentRunner(options["node-name"], kinds if kinds is not None else JobKinds.discover(),
+                         api, max_runs=int(options.get("max-jobs") or DEFAULT_MAX_RUNS))
+    verbs = ControlVerbs()
+    runner.register(verbs)
+    worker = WorkerService(options, reactor, verbs=verbs)
+    worker.agent = runner
+    _ClosesOnStop(api).setServiceParent(worker)
+    log.info("agent worker {name}: runs job kinds {kinds}, up to {n} at once",
+             name=options["node-name"], kinds=", ".join(runner.kinds.names()) or "none",
+             n=runner.max_runs)
     return worker

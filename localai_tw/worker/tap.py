@@ -17,6 +17,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from localai_tw import config
+from localai_tw.backends.directory import check_external_backends, parse_external_backend
 
 log = Logger()
 
@@ -56,10 +57,34 @@ SETTINGS = (
                  "Directory for this worker's state (models, backends; twistd's pidfile is "
                  "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker.",
                  default=config.default_data_dir("worker"), parse=config.parse_path),
+    config.value("backends-path", "LOCALAI_BACKENDS_PATH",
+                 "Directory of installed LocalAI backends (LocalAI's option): a model config's "
+                 "'backend: NAME' runs <backends-path>/NAME/run.sh; such a directory replaces a "
+                 "built-in backend of the same name (docs/backends.md).",
+                 parse=config.parse_path, default_doc="<data-dir>/backends"),
+    config.repeatable("external-grpc-backends", "LOCALAI_EXTERNAL_GRPC_BACKENDS",
+                      "A backend program as NAME:PATH (LocalAI's option): 'backend: NAME' runs "
+                      "PATH --addr 127.0.0.1:<port> in PATH's directory.",
+                      parse=parse_external_backend),
     config.repeatable("label", "LOCALAI_NODE_LABELS",
                       "Scheduling label key=value; the variable is comma-separated "
                       "(k=v,k=v).",
                       parse=config.parse_label),
+    config.value("max-jobs", "LOCALAI_MAX_JOBS",
+                 "Agent workers: jobs run at once (more are answered busy and offered to "
+                 "another agent worker).",
+                 default="4", parse=config.parse_count),
+    config.value("api-url", "LOCALAI_API_URL",
+                 "Agent workers: the cluster's OpenAI-compatible API that jobs call (chat, "
+                 "embed-batch). Default: the --register-to URL.",
+                 parse=config.url_parser(("http", "https"))),
+    config.value("api-token", "LOCALAI_API_TOKEN",
+                 "Agent workers: the API key jobs present to --api-url (one of the frontend's "
+                 "--api-key values; prefer --api-token-file).",
+                 parse=config.parse_secret, secret=True),
+    config.value("api-token-file", "LOCALAI_API_TOKEN_FILE",
+                 "File holding the --api-token (one trailing newline is ignored).",
+                 parse=config.parse_secret_file),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
     *config.log_settings(),
@@ -78,6 +103,7 @@ class Options(config.EnvOptions):
 
     def validate(self) -> None:
         config.adopt_secret_file(self, "registration-token")
+        config.adopt_secret_file(self, "api-token")
         if self["register-to"] is None:
             raise usage.UsageError(
                 "--register-to is required (env LOCALAI_REGISTER_TO): the URL of the frontend "
@@ -88,6 +114,7 @@ class Options(config.EnvOptions):
                 raise usage.UsageError(f"--label: key {key!r} is given twice")
             labels[key] = val
         self["labels"] = labels
+        check_external_backends(self["external-grpc-backends"])
 
 
 def ephemeral_port_overlap(port_range: config.PortRange,

@@ -48,14 +48,15 @@ class Cluster:
             f.write(data)
         return path
 
-    async def frontend(self, instance_id: str, **options) -> FrontendService:
+    async def frontend(self, instance_id: str, *, job_kinds=None,
+                       **options) -> FrontendService:
         data_dir = os.path.join(self.base_dir, instance_id)
         os.makedirs(data_dir, exist_ok=True)
         service = FrontendService(
             {"listen": "tcp:0:interface=127.0.0.1", "database-url": self.dsn,
              "instance-id": instance_id, "single-host": True, "registration-token": TOKEN,
              "api-key": [ADMIN], "reconnect-grace": 90.0, "data-dir": data_dir,
-             "models-dir": self.models_dir, **options}, reactor=reactor)
+             "models-dir": self.models_dir, **options}, reactor=reactor, job_kinds=job_kinds)
         service.startService()
         self.frontends.append(service)
         await service.whenReady().addTimeout(30, reactor)
@@ -64,13 +65,13 @@ class Cluster:
     def base_url(self, frontend: FrontendService) -> str:
         return f"http://127.0.0.1:{frontend.listener.tcp_port()}"
 
-    async def worker(self, name: str, via: FrontendService, labels=None):
+    async def worker(self, name: str, via: FrontendService, labels=None, **options):
         first = next(_ports)
         data_dir = os.path.join(self.base_dir, "w-" + name)
         worker = makeWorkerService(
             {"register-to": self.base_url(via), "registration-token": TOKEN, "node-name": name,
              "node-type": "backend", "backend-port-range": PortRange(first, first + 15),
-             "labels": labels or {}, "data-dir": data_dir}, reactor)
+             "labels": labels or {}, "data-dir": data_dir, **options}, reactor)
         worker.startService()
         self.workers.append(worker)
         node_id = await eventually(lambda: worker.registrar.registration
@@ -80,6 +81,28 @@ class Cluster:
                          what=f"{name} tunnel held")
         worker.node_id = node_id
         worker.data_dir = data_dir
+        return worker
+
+    async def agent(self, name: str, via: FrontendService, *, kinds=None, max_jobs: int = 4):
+        """An ``agent`` worker (``--node-type agent``) registered with ``via``; its jobs call
+        ``via``'s ``/v1`` with the admin key."""
+        from localai_tw.worker.service import makeAgentWorkerService
+
+        first = next(_ports)
+        data_dir = os.path.join(self.base_dir, "a-" + name)
+        worker = makeAgentWorkerService(
+            {"register-to": self.base_url(via), "registration-token": TOKEN, "node-name": name,
+             "node-type": "agent", "backend-port-range": PortRange(first, first + 15),
+             "data-dir": data_dir, "api-token": ADMIN, "max-jobs": max_jobs}, reactor,
+            kinds=kinds)
+        worker.startService()
+        self.workers.append(worker)
+        node_id = await eventually(lambda: worker.registrar.registration
+                                   and worker.registrar.registration.node_id,
+                                   timeout=20, what=f"{name} registered")
+        await eventually(lambda: via.replica.tunnels.holds(node_id), timeout=20,
+                         what=f"{name} tunnel held")
+        worker.node_id = node_id
         return worker
 
     async def owner_of(self, node_id: str) -> str:

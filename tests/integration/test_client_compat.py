@@ -15,15 +15,18 @@ locally and fails with ``CI=true``.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
+from urllib.parse import urlsplit
 
 import pytest
 import pytest_twisted
 from twisted.internet import threads, utils
 
 from .inference_harness import ADMIN, sha256_hex
+from .test_media_endpoints import MODELS as MEDIA_MODELS, _require_media
 
 openai = pytest.importorskip("openai")
 
@@ -34,6 +37,15 @@ TABLE_START = "<!-- compat-table"
 TABLE_END = "<!-- /compat-table -->"
 WEIGHTS = b"compat weights " * 100
 MODEL, EMBED_ONLY = "echo-chat", "echo-embed"
+SPEAKER, LISTENER, PAINTER = "speaker", "listener", "painter"  # espeak-ng, pocketsphinx, hash-image
+MODELS = sorted([MODEL, EMBED_ONLY, SPEAKER, LISTENER, PAINTER])
+SPOKEN = "one two three four five"
+
+
+def heard_most(text: str) -> bool:
+    """PocketSphinx on espeak-ng is not exact: most of the spoken words came back."""
+    heard = text.lower().replace(",", " ").replace(".", " ").split()
+    return sum(word in heard for word in SPOKEN.split()) >= 3
 
 _TOOLS = ("the test model (echo backend) cannot take tools: no template of its renders them "
           "(docs/openai-api.md, Tools)")
@@ -59,6 +71,12 @@ EXPECTED = {
     "base URL without /v1: chat.completions.create": "works",
     "base URL without /v1: embeddings.create": "works",
     "base URL without /v1: models.list": "works",
+    "audio.speech.create": "works",
+    "audio.transcriptions.create": "works",
+    "images.generate b64_json": "works",
+    "images.generate url": "works",
+    "audio.speech.create mp3": ("refused", 400, "unsupported_parameter", "response_format",
+                                "WAV only: no audio converter runs here"),
     "chat tools": (*_UNSUPPORTED, "tools", _TOOLS),
     "chat response_format json_object": (*_UNSUPPORTED, "response_format", _JSON),
     "chat response_format json_schema": (*_UNSUPPORTED, "response_format", _JSON),
@@ -76,7 +94,7 @@ EXPECTED = {
 
 #: What the calls that work answer (the echo backend repeats its input, word by word).
 VALUES = {
-    "models.list": [MODEL, EMBED_ONLY],
+    "models.list": MODELS,
     "models.retrieve": MODEL,
     "chat.completions.create": "one two three",
     "chat.completions.create stream": ["one two three", 3],
@@ -92,7 +110,11 @@ VALUES = {
                                           "tokenize"],
     "base URL without /v1: chat.completions.create": "at the root",
     "base URL without /v1: embeddings.create": 6,
-    "base URL without /v1: models.list": [MODEL, EMBED_ONLY],
+    "base URL without /v1: models.list": MODELS,
+    "audio.speech.create": "RIFF",
+    "audio.transcriptions.create": True,
+    "images.generate b64_json": "89504e47",
+    "images.generate url": "/generated-images/",
 }
 
 
@@ -128,6 +150,9 @@ def python_calls(base: str) -> dict:
         tokens = raw("POST", "/tokenize", {"model": MODEL, "content": "red apple pie"})["tokens"]
         return raw("POST", "/detokenize", {"model": MODEL, "tokens": tokens})["content"]
 
+    def speech():
+        return client.audio.speech.create(model=SPEAKER, voice="alloy", input=SPOKEN).content
+
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}
     calls = {
@@ -161,6 +186,17 @@ def python_calls(base: str) -> dict:
         "base URL without /v1: embeddings.create": lambda: len(root.embeddings.create(
             model=MODEL, input="x").data[0].embedding),
         "base URL without /v1: models.list": lambda: [m.id for m in root.models.list()],
+        "audio.speech.create": lambda: speech()[:4].decode("latin-1"),
+        "audio.transcriptions.create": lambda: heard_most(client.audio.transcriptions.create(
+            model=LISTENER, file=("spoken.wav", speech(), "audio/wav")).text),
+        "images.generate b64_json": lambda: base64.b64decode(client.images.generate(
+            model=PAINTER, prompt="a red square", size="64x64",
+            response_format="b64_json").data[0].b64_json)[:4].hex(),
+        "images.generate url": lambda: urlsplit(client.images.generate(
+            model=PAINTER, prompt="a red square", size="64x64",
+            response_format="url").data[0].url).path[:len("/generated-images/")],
+        "audio.speech.create mp3": lambda: len(client.audio.speech.create(
+            model=SPEAKER, voice="alloy", input=SPOKEN, response_format="mp3").content),
         "chat tools": lambda: chat(messages=user("weather?"), tools=[tool]),
         "chat response_format json_object": lambda: chat(
             messages=user("json"), response_format={"type": "json_object"}),
@@ -204,6 +240,8 @@ async def relaying_replica(cluster) -> str:
     cluster.write_model("embed.yaml", (
         f"name: {EMBED_ONLY}\nbackend: echo\nembeddings: true\nparameters:\n"
         f"  model: echo.bin\n{files}"))
+    for filename, text in MEDIA_MODELS.items():
+        cluster.write_model(filename, text)
     owner = await cluster.frontend("replica-owner")
     relaying = await cluster.frontend("replica-relaying")
     worker = await cluster.worker("w-compat", owner)
@@ -314,6 +352,7 @@ def node_binary() -> str:
 
 @pytest_twisted.ensureDeferred
 async def test_the_python_client_through_a_relaying_replica(cluster):
+    _require_media()
     base = await relaying_replica(cluster)
     report = await threads.deferToThread(python_calls, base)
     check(report)
@@ -323,9 +362,12 @@ async def test_the_python_client_through_a_relaying_replica(cluster):
 @pytest_twisted.ensureDeferred
 async def test_the_node_client_through_a_relaying_replica(node_binary, cluster):
     node = node_binary
+    _require_media()
     base = await relaying_replica(cluster)
     env = {"PATH": os.environ.get("PATH", ""), "LOCALAI_BASE": base, "LOCALAI_KEY": ADMIN,
-           "LOCALAI_MODEL": MODEL, "LOCALAI_EMBED_MODEL": EMBED_ONLY}
+           "LOCALAI_MODEL": MODEL, "LOCALAI_EMBED_MODEL": EMBED_ONLY,
+           "LOCALAI_SPEAKER": SPEAKER, "LOCALAI_LISTENER": LISTENER, "LOCALAI_PAINTER": PAINTER,
+           "LOCALAI_SPOKEN": SPOKEN}
     out, err, code = await utils.getProcessOutputAndValue(
         node, [os.path.join(NODE_CLIENT, "compat.mjs")], env=env, path=NODE_CLIENT)
     assert code == 0, err.decode("utf-8", "replace")[-4000:]

@@ -339,4 +339,43 @@ async def test_the_loads_route_the_page_polls_needs_the_admin_key(cluster):
     refused = await treq.get(url)
     assert refused.code == 401
     answer = await treq.get(url, headers={"Authorization": f"Bearer {ADMIN}"})
-    assert answer.code == 200 and json.loads(await answer.content()) == {"loads": []}
+    assert answer.code == 200
+    assert json.loads(await answer.content()) == {"loads": [], "downloads": []}
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_a_model_download_shows_its_bytes_until_it_is_done(cluster, browser):
+    """issue 11 §4: a download_files entry being fetched (held half-way by the test's server)
+    is shown with its file and bytes, and goes when it is done."""
+    from twisted.internet import reactor
+    from twisted.web import server
+
+    from localai_tw.backends import backend_pb2
+
+    from .test_model_downloads import WEIGHTS as FILE
+    from .test_model_downloads import FileServer, download_model
+
+    site = server.Site(FileServer())
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
+    served = site.resource
+    served.files["weights.bin"] = FILE
+    base = f"http://127.0.0.1:{port.getHost().port}"
+    try:
+        cluster.write_model("dl.yaml", download_model(f"{base}/held/weights.bin",
+                                                      sha256_hex(FILE)))
+        frontend = await cluster.frontend("replica-d")
+        await cluster.worker("w-dl", frontend)
+        await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+        asked = frontend.replica.inference.predict("dl", backend_pb2.PredictOptions(Prompt="x"))
+        row = text_of('[data-download="dl/dl/weights.bin"]')
+        shown = await browser.wait_for(lambda d: "0.5 MiB of 1.0 MiB" in (row(d) or "") and
+                                       row(d), what="the download shown, half-way")
+        assert "downloading dl/weights.bin" in shown
+        served.release.callback(None)
+        await asked
+        await browser.wait_for(lambda d: text_of("#loads")(d) == "none", what="the download gone")
+    finally:
+        if not served.release.called:
+            served.release.callback(None)
+        await port.stopListening()

@@ -79,7 +79,8 @@ def drop_in(tmp_path):
 
 def test_builtins_are_found_by_name():
     factories = BackendFactories.discover()
-    for name in ("external", "echo", "bert-numpy", "sentence-transformers", "transformers"):
+    for name in ("external", "echo", "bert-numpy", "sentence-transformers", "transformers",
+                 "llama-cpp"):
         assert name in factories
         assert factories.origin(name) == BUILTIN_PLUGIN_MODULE
         assert IBackendFactory.providedBy(factories.lookup(name))
@@ -157,6 +158,18 @@ def test_heavy_backends_say_which_extra_is_missing(monkeypatch):
                                                          {"python": sys.executable})
     assert argv[:3] == [sys.executable, "-m", "localai_tw.backends.builtin.huggingface"]
     assert argv[-2:] == ["--addr", "127.0.0.1:1"]
+
+
+def test_llama_cpp_names_the_llama_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    reason = builtin.llama_cpp_backend.unavailable_reason()
+    assert "pip install 'localai-tw[llama]'" in reason and "llama_cpp" in reason
+    with pytest.raises(ValueError, match=r"localai-tw\[llama\]"):
+        builtin.llama_cpp_backend.command("127.0.0.1:1", {})
 
 
 def test_bert_numpy_names_the_light_embeddings_extra(monkeypatch):

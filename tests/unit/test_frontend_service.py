@@ -43,7 +43,8 @@ def wired():
         cluster_parts=lambda: ClusterParts(db=None, nodes=None, fence=None,
                                            instance_id="replica-u"),
         inference=object(), node_name=lambda node_id: None, nodes=None, tunnels=None,
-        peer_links=SimpleNamespace(resource=Resource), metrics=ReplicaMetrics(), control=None)
+        peer_links=SimpleNamespace(resource=Resource), metrics=ReplicaMetrics(), control=None,
+        jobs=SimpleNamespace(store=None, kinds=None, fanout=None))
     service._open(replica)
     return service
 

@@ -29,13 +29,17 @@ ALLOWED: dict[str, set[str]] = {
     "staging_client": BASE | {"web"},
     "metrics": BASE,  # every Prometheus metric in one place (docs/metrics.md)
     "tinychat": BASE,  # a user's tool (python -m localai_tw.tinychat): builds a local model
+    "tinygguf": BASE,  # a user's tool (python -m localai_tw.tinygguf): builds a local GGUF
     "tunnel": BASE | {"mux", "splice", "db", "cluster", "staging_client", "web"},
     "backends": BASE | {"plugins"},  # plugins: the drop-in package IBackendFactory scans
-    "plugins": BASE | {"backends"},
+    "plugins": BASE | {"backends", "jobs"},
+    # jobs: the IJobKind seam and the built-in kinds, shared by the frontend (validation) and
+    # the agent worker (runs); plugins: the drop-in package IJobKind is scanned in
+    "jobs": BASE | {"web", "plugins"},
     "worker": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                      "staging_client", "plugins", "web", "metrics"},
+                      "staging_client", "plugins", "web", "metrics", "jobs"},
     "frontend": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                        "staging_client", "plugins", "web", "metrics"},
+                        "staging_client", "plugins", "web", "metrics", "jobs"},
 }
 
 #: The only modules outside ``worker/`` that may import from it: the frontend's in-process

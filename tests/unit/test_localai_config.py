@@ -63,7 +63,7 @@ def sent_model_options(config) -> backend_pb2.ModelOptions:
     holder = type("S", (), {})()
     holder._clients, holder._reactor, holder.load_timeout = _Clients(), _Reactor(), 10.0
     d = defer.ensureDeferred(ColdLoader._load_model(holder, config, "n1", "127.0.0.1:5000",
-                                                    "models/m/m.bin", {}))
+                                                    "models/m/m.bin", ""))
     assert d.called and d.result is None
     [(method, options)] = holder._clients.one.sent
     assert method == "LoadModel"
@@ -166,7 +166,7 @@ def test_unknown_and_unused_keys_are_warned_once_and_the_model_kept(tmp_path):
         "parameters.nope: unknown parameter; ignored",
         "template.edit: a LocalAI key localai-tw does not act on; ignored"])
     assert catalog.errors == {}
-    assert catalog.get("m").model_options == {"F16Memory": True}
+    assert catalog.get("m").model_options == {"F16Memory": True, "MMap": True}
 
 
 @pytest.mark.parametrize("data,field", [
@@ -237,3 +237,16 @@ def test_the_warnings_a_file_can_cause_are_bounded():
     config = parse(**{f"key{i}": i for i in range(500)})
     assert len(config.warnings) == 33
     assert config.warnings[-1] == "... and 468 more ignored keys"
+
+
+def test_mmap_is_on_unless_the_config_turns_it_off(tmp_path):
+    """LocalAI's default (generic_defaults.go): a GGUF is memory-mapped unless ``mmap: false``;
+    without it llama.cpp read the whole file into memory."""
+    from localai_tw.frontend.models import parse_model_config
+
+    on = parse_model_config({"name": "a", "backend": "llama-cpp",
+                             "parameters": {"model": "a.gguf"}}, "a.yaml")
+    off = parse_model_config({"name": "b", "backend": "llama-cpp", "mmap": False,
+                              "parameters": {"model": "b.gguf"}}, "b.yaml")
+    assert on.model_options["MMap"] is True and on.predict_options["MMap"] is True
+    assert off.model_options["MMap"] is False and off.predict_options["MMap"] is False

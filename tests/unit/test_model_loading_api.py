@@ -54,6 +54,8 @@ def chat(model="chatty", **more):
     ({"backend": "external", "known_usecases": ["rerank"]}, {"rerank"}),
     ({"backend": "external"}, {"chat", "completion", "embeddings"}),  # the backend decides
     ({"backend": "transformers", "embeddings": True}, {"embeddings"}),
+    ({"backend": "llama-cpp"}, {"chat", "completion"}),
+    ({"backend": "llama-cpp", "embeddings": True}, {"embeddings"}),
     ({"backend": "external", "embeddings": True}, {"embeddings"}),
     ({"backend": "transformers", "known_usecases": ["chat", "FLAG_EMBEDDINGS"]},
      {"chat", "embeddings"}),

@@ -21,7 +21,13 @@ from localai_tw.errors import (
     WorkerGone,
     WorkerUnroutable,
 )
-from localai_tw.frontend.interfaces import ModelLoadFailed, ModelNotFound, NoNodeAvailable
+from localai_tw.frontend.interfaces import (
+    ModelDownloadFailed,
+    ModelFileMismatch,
+    ModelLoadFailed,
+    ModelNotFound,
+    NoNodeAvailable,
+)
 from localai_tw.frontend.openai import OpenAIError, error_for
 
 from .test_openai_fakes import FakeRouter, call, make_site, model_config
@@ -43,6 +49,11 @@ CASES = [
      "configuration"),
     (ModelLoadFailed("m", "n1", "out of memory loading weights"), 500, "server_error",
      "model_load_failed", None, "out of memory loading weights"),
+    (ModelFileMismatch("model m: file w.bin has sha256 aa, the config says bb"), 500,
+     "server_error", "model_file_mismatch", None, "w.bin has sha256 aa, the config says bb"),
+    (ModelDownloadFailed("model m: downloading w.bin from https://h/w.bin: the connection "
+                         "broke"), 502, "upstream_error", "model_download_failed", "5",
+     "the connection broke"),
     (BackendAnswer("n1", "INVALID_ARGUMENT", "prompt too long"), 400,
      "invalid_request_error", "backend_refused_request", None, "prompt too long"),
     (BackendAnswer("n1", "UNIMPLEMENTED", "no Embedding"), 501, "server_error",
@@ -91,7 +102,8 @@ def test_error_for(error, status, type_, code, retry, text):
 
 #: Answers the same request would get again: the official clients must not retry them.
 DETERMINISTIC = {"model_load_failed", "not_implemented_by_backend", "backend_error",
-                 "peer_rejected", "model_config_invalid", "template_error"}
+                 "peer_rejected", "model_config_invalid", "template_error",
+                 "model_file_mismatch"}
 
 
 @pytest.mark.parametrize("error, status, type_, code, retry, text", CASES,

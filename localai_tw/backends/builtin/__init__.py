@@ -18,12 +18,15 @@ providers (exposed to ``twisted.plugin`` by ``localai_tw/plugins/localai_builtin
   ``sentence-transformers`` / ``transformers`` extras (torch and the Hugging Face libraries) in the
   interpreter that runs them.  Option ``python`` names another interpreter (a venv with those
   libraries); then the worker does not check the libraries itself.
+- ``llama-cpp``: GGUF models through llama.cpp's Python bindings (``builtin/llama_cpp.py``, LocalAI's
+  backend name); needs the ``llama`` extra (llama-cpp-python, built from source by pip).
 
 Python programs are started with the worker's own interpreter unless ``python`` says
 otherwise, with ``PYTHONPATH`` led by the directory that holds ``localai_tw``, so they import
 this package whether or not it is installed.
 
-What this module must never do: import torch, transformers, sentence-transformers or numpy (it
+What this module must never do: import torch, transformers, sentence-transformers, llama_cpp or
+numpy (it
 only asks ``importlib`` whether they could be imported), or put anything but ``--addr <address>``
 after an operator's command line.
 """
@@ -74,7 +77,9 @@ class ExternalBackendFactory:
             argv = list(raw)
         else:
             raise ValueError("the external backend needs options.command: the program and "
-                             "its arguments (a list of strings, or one string)")
+                             "its arguments (a list of strings, or one string); a model config "
+                             "cannot give one: register the program on the worker with "
+                             "--external-grpc-backends NAME:PATH and use backend: NAME")
         if not argv:
             raise ValueError("options.command is empty")
         program = argv[0]
@@ -155,6 +160,9 @@ transformers_backend = PythonProgramFactory(
     "transformers", "text generation and embeddings with Hugging Face transformers",
     "localai_tw.backends.builtin.huggingface", ("--kind", "transformers"),
     ("torch", "transformers"), "transformers")
+llama_cpp_backend = PythonProgramFactory(
+    "llama-cpp", "GGUF models (text generation, grammar, embeddings) with llama.cpp",
+    "localai_tw.backends.builtin.llama_cpp", (), ("llama_cpp", "numpy"), "llama")
 
 
 
@@ -188,5 +196,5 @@ hash_image_backend = PythonProgramFactory(
 # Named *_backend: a bare ``echo`` would be replaced by the submodule ``builtin.echo`` as soon
 # as that module is imported (the import system sets submodules as package attributes).
 BUILTIN_FACTORIES = (external_backend, echo_backend, bert_numpy_backend,
-                     sentence_transformers_backend, transformers_backend,
+                     sentence_transformers_backend, transformers_backend, llama_cpp_backend,
                      espeak_ng_backend, pocketsphinx_backend, hash_image_backend)

@@ -32,7 +32,8 @@ ORDER = ("chat", "completion", "edit", "embeddings", "rerank", "tokenize", "visi
          "detection", "depth", "audio_transform", "diarization", "sound_classification",
          "realtime_audio", "face_recognition", "speaker_recognition")
 #: Built-in backends whose ``TokenizeString`` and ``Detokenize`` ship in this package.
-TOKENIZING_BACKENDS = frozenset({"transformers", "sentence-transformers", "bert-numpy", "echo"})
+TOKENIZING_BACKENDS = frozenset({"transformers", "sentence-transformers", "bert-numpy", "echo",
+                                 "llama-cpp"})
 
 #: Modalities, in LocalAI's order, and the use cases that take / give each.
 MODALITIES = ("text", "image", "audio", "video", "3d")

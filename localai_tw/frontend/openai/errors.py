@@ -31,6 +31,8 @@ from localai_tw.errors import (
 
 from ..interfaces import (
     ModelConfigInvalid,
+    ModelDownloadFailed,
+    ModelFileMismatch,
     ModelLoadFailed,
     ModelNotFound,
     ModelUsecaseUnsupported,
@@ -136,6 +138,14 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(500, f"the model {printable(error.name)!r} is configured but its "
                            f"config cannot be loaded: {printable(error.problem, 1024)}",
                            "server_error", param="model", code="model_config_invalid",
+                           headers=NO_RETRY)
+    if isinstance(error, ModelDownloadFailed):  # this replica's fetch of a config's URL
+        return OpenAIError(502, f"a file of the model could not be downloaded: "
+                           f"{_public(str(error))}", "upstream_error", param="model",
+                           code="model_download_failed", headers={"Retry-After": "5"})
+    if isinstance(error, ModelFileMismatch):  # this replica's models dir, before any worker
+        return OpenAIError(500, f"the model's files cannot be used: {_public(str(error))}",
+                           "server_error", param="model", code="model_file_mismatch",
                            headers=NO_RETRY)
     if isinstance(error, ModelUsecaseUnsupported):
         return OpenAIError(400, detail(error), "invalid_request_error", param="model",

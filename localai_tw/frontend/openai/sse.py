@@ -10,7 +10,8 @@ so the router stops pulling replies from the backend; it fails when the client l
 cancels the backend call.  Only complete UTF-8 characters are sent (a character split across
 replies waits for its last byte).  A stream that waits for a cold load
 longer than ``LOADING_NOTICE_INTERVAL`` starts then and carries ``: loading model <name> (<n>
-s)`` comments until the first reply.
+s)`` comments until the first reply (``(<n> s; downloading <file> <x>/<y> MiB at <r> MiB/s)``
+while the replica downloads the model's files).
 
 What this module must never do: buffer replies while the client cannot take them, keep the
 backend call running after the client left, or send ``[DONE]`` after a failure.
@@ -162,8 +163,14 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
         """A cold load: a comment every few seconds until the first reply, so the client
         (and any proxy) is not left in silence for the whole load."""
         started = clock.seconds()
-        notices.f = lambda: stream.comment(
-            f"loading model {model_name} ({clock.seconds() - started:.0f} s)")
+        detail = getattr(router, "loading_detail", None)
+
+        def notice() -> None:
+            extra = detail(model_name) if detail is not None else None
+            stream.comment(f"loading model {model_name} ({clock.seconds() - started:.0f} s"
+                           f"{'; ' + extra if extra else ''})")
+
+        notices.f = notice
         if not notices.running and not begun and not exchange.gone:
             notices.start(LOADING_NOTICE_INTERVAL, now=False)
 

@@ -239,6 +239,8 @@ class Cluster:
         self.upstreams: list[tuple[str, int]] = []
         self._db = None
         self._closed = False
+        #: A directory put first on every process's PYTHONPATH (drop-in plugins), or None.
+        self.plugin_path: Path | None = None
         OPEN_CLUSTERS.append(self)
 
     # -- starting ----------------------------------------------------------------------------
@@ -246,6 +248,9 @@ class Cluster:
     def _environment(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALAI_")}
         env["PYTHONUNBUFFERED"] = "1"
+        if self.plugin_path is not None:  # a drop-in plugin directory (docs/jobs.md)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(self.plugin_path), env.get("PYTHONPATH", "")) if p)
         return env
 
     def _spawn(self, name: str, code: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
@@ -313,6 +318,30 @@ class Cluster:
                 "--node-name", name,
                 "--node-type", "backend",
                 "--backend-port-range", f"{first}-{first + 9}",
+                "--data-dir", str(data_dir)]
+        popen, log_path = self._spawn(f"w{index}-{name}", _TWISTD, args)
+        worker = Worker(name, popen, log_path, balancer=balancer, data_dir=data_dir)
+        self.processes.append(worker)
+        self.workers.append(worker)
+        return worker
+
+    def start_agent(self, prefer: int, *, name: str | None = None,
+                    max_jobs: int = 4) -> Worker:
+        """An agent worker (``--node-type agent``) registered to its own balancer preferring
+        frontend ``prefer``; its jobs call the cluster's API through that balancer."""
+        index = len(self.workers)
+        name = name or f"agent{index}-{uuid.uuid4().hex[:6]}"
+        balancer = Balancer(self.upstreams, preferred=prefer, name=f"lb-{name}")
+        self.balancers.append(balancer)
+        data_dir = self.workdir / f"{name}-data"
+        data_dir.mkdir(exist_ok=True)
+        args = ["-n", "--pidfile=", "localai-worker",
+                "--register-to", balancer.url,
+                "--registration-token", self.token,
+                "--node-name", name,
+                "--node-type", "agent",
+                "--api-token", self.api_key,
+                "--max-jobs", str(max_jobs),
                 "--data-dir", str(data_dir)]
         popen, log_path = self._spawn(f"w{index}-{name}", _TWISTD, args)
         worker = Worker(name, popen, log_path, balancer=balancer, data_dir=data_dir)

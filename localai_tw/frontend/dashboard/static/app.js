@@ -183,11 +183,28 @@ function renderModels(models, nodes) {
 // The load lock's phases, in order: the bar shows how far a cold load has come.
 const PHASES = ["choosing", "starting", "staging", "loading"];
 
-function renderLoads(loads, nodes) {
+function mib(n) { return (n / 1048576).toFixed(1) + " MiB"; }
+
+// A model file this replica downloads before a cold load (download_files, a URL model).
+function renderDownload(d) {
+  const bar = d.total === null ? {} : {max: d.total, value: d.received};
+  return el("div", {class: "load", "data-download": d.model + "/" + d.file},
+    el("strong", {}, d.model),
+    el("span", {}, "downloading " + d.file),
+    el("progress", bar),
+    el("span", {class: "phase"}, mib(d.received) + (d.total === null ? "" : " of " + mib(d.total))
+       + " at " + mib(d.bytes_per_second) + "/s"),
+    el("span", {class: "small"}, Math.round(d.seconds) + " s, by " + d.replica));
+}
+
+function renderLoads(loads, downloads, nodes) {
   const names = Object.fromEntries(nodes.map(n => [n.id, n.name]));
   const box = document.getElementById("loads");
-  if (!loads.length) { box.replaceChildren(el("p", {class: "small"}, "none")); return; }
-  box.replaceChildren(...loads.map(l => {
+  if (!loads.length && !downloads.length) {
+    box.replaceChildren(el("p", {class: "small"}, "none"));
+    return;
+  }
+  box.replaceChildren(...downloads.map(renderDownload), ...loads.map(l => {
     const step = PHASES.indexOf(l.phase) + 1;
     return el("div", {class: "load", "data-load": l.model},
       el("strong", {}, l.model),
@@ -246,6 +263,20 @@ function renderTraces(traces, nodes) {
     el("td", {class: "hops"}, ...renderHops(t.hops || {})))));
 }
 
+// The newest jobs of the cluster (/api/jobs, docs/jobs.md).
+function renderJobs(jobs) {
+  const body = document.getElementById("jobs-body");
+  body.replaceChildren(...jobs.map(j => el("tr", {"data-job": j.id},
+    el("td", {class: "small", title: j.id}, j.id.slice(0, 8)),
+    el("td", {}, j.kind),
+    el("td", {class: "state"}, badge(j.state, "job-" + j.state),
+       j.cancel_requested && j.state !== "cancelled" ? " cancel requested" : null),
+    el("td", {}, j.runs),
+    el("td", {}, age(j.created_at)),
+    el("td", {}, j.finished_at ? age(j.finished_at) : ""),
+    el("td", {class: "error"}, j.error || ""))));
+}
+
 let polling = false;
 async function poll() {
   if (polling) return;
@@ -260,7 +291,7 @@ async function poll() {
       nodes = n.nodes;
       renderNodes(nodes);
       renderReplicas(inst.instances, nodes);
-      renderLoads(loads.loads, nodes);
+      renderLoads(loads.loads, loads.downloads || [], nodes);
       renderTraces(traces.traces, nodes);
       status.textContent = "updated " + new Date().toLocaleTimeString();
       status.className = "";
@@ -268,6 +299,11 @@ async function poll() {
       status.textContent = e.status === 401 ? "enter the admin API key (" + e.message + ")"
                                             : "admin API: " + e.message;
       status.className = "error";
+    }
+    try {
+      renderJobs((await getJSON("/api/jobs?limit=20")).jobs);
+    } catch (e) {
+      // The status line already says why the admin API did not answer.
     }
     try {
       renderModels(await getJSON("/v1/models"), nodes);
