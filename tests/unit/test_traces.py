@@ -164,3 +164,81 @@ def test_staging_progress_counts_the_bytes_of_the_uploads_in_its_context():
     other = _CountingFile(io.BytesIO(b"y" * 10), 10, None)  # another context: not counted
     other.read(10)
     assert watch.staged == 1000
+
+
+def test_the_router_times_placement_the_load_it_drove_the_tunnel_and_the_first_token():
+    """``InferenceRouter`` with fakes on a ``task.Clock``: a streamed request finds no loaded
+    placement (0.125 s), waits 2 s for the lock and loads (phases 1 + 3 + 0.5 s), then its call
+    opens a tunnel stream (0.25 s) and the first of two replies comes 0.5 s into the call."""
+    import contextvars
+
+    from twisted.internet import defer, task
+
+    from localai_tw.backends import backend_pb2
+    from localai_tw.frontend.inference import InferenceRouter
+    from localai_tw.frontend.models import parse_model_config
+    from localai_tw.frontend.placement import Placement
+    from localai_tw.metrics import HOPS, Hops, current_hops, trace_hops
+
+    clock = task.Clock()
+    config = parse_model_config({"name": "m", "backend": "echo", "known_usecases": ["chat"]},
+                                "m.yaml")
+
+    class Catalog:
+        models_dir = "/nowhere"
+
+        def get(self, name):
+            return config
+
+    class Chooser:
+        async def loaded_placement(self, config, exclude):
+            await task.deferLater(clock, 0.125, lambda: None)
+            return None
+
+        def touch(self, placement):
+            pass
+
+    class Loads:
+        async def load(self, config, exclude, deadline):
+            await task.deferLater(clock, 2, lambda: None)
+            current_hops().locked()
+            for phase, took in (("starting", 1), ("staging", 3), ("loading", 0.5)):
+                current_hops().phase(phase)
+                await task.deferLater(clock, took, lambda: None)
+            return Placement("m", "n1", "127.0.0.1:5000", "m")
+
+    bridge = FakeBridge()
+
+    class Client:
+        node_id = "n1"
+
+        def __init__(self):
+            self.bridge = bridge
+
+        async def _stream(self, on_item):
+            await task.deferLater(clock, 0.25, lambda: None)  # the bridge dials
+            bridge.dials_ok, bridge.last_dial_seconds = 1, 0.25
+            for _ in range(2):
+                await task.deferLater(clock, 0.25, lambda: None)
+                on_item(backend_pb2.Reply(message=b"x"))
+
+        def stream(self, method, request, on_item, deadline):
+            return defer.ensureDeferred(self._stream(on_item))
+
+    class Clients:
+        def client(self, node_id, port):
+            return Client()
+
+    router = InferenceRouter(Catalog(), Chooser(), Loads(), None, Clients(), clock)
+    hops = Hops(clock.seconds)
+
+    def request():
+        trace_hops(hops)  # as OpenAIResource does, in the request's own context
+        return router.predict_stream("m", backend_pb2.PredictOptions(), lambda reply: None)
+    serving = contextvars.copy_context().run(request)
+    clock.pump([0.125] * 80)  # exact in binary: no drift
+    assert serving.called
+    assert hops.as_dict() == {"placement": 0.125, "queue": 2.0, "cold_load": 4.5,
+                              "starting": 1.0, "staging": 3.0, "loading": 0.5,
+                              "tunnel": 0.25, "backend": 0.5, "first_token": 0.5}
+    assert sum(hops.as_dict()[h] for h in HOPS) <= clock.seconds()
