@@ -63,7 +63,8 @@ async def test_hops_through_a_relaying_replica_and_the_bytes_staged(cluster):
     request cold-loads the model (its trace has a cold-load hop with its phases, and while the
     load waits at the end of staging, ``/api/cluster/loads`` shows every byte staged); B's
     next request is warm (no queue, no cold load; a backend hop and, streamed, its first
-    token); A's first request opens A's own stream to that backend (a tunnel hop).  The hops never add up to more than the request took."""
+    token); A's first request opens A's own stream to that backend (a tunnel hop), and a third
+    replica's first request opens one through the relay.  The hops never add up to more than the request took."""
     cluster.write_file("echo.bin", BIG)
     cluster.write_model("echo.yaml", echo_model("echo-chat").replace(
         sha256_hex(WEIGHTS), sha256_hex(BIG)))
@@ -123,6 +124,15 @@ async def test_hops_through_a_relaying_replica_and_the_bytes_staged(cluster):
     [opened] = json.loads(await treq.content(answer))["traces"]
     assert opened["path"] == "owner" and opened["hops"]["tunnel"] > 0
     assert "cold_load" not in opened["hops"]
-    for trace in (first, warm, opened):
+    # So does a third replica's, through the relay (A holds the worker's tunnel).
+    c = await cluster.frontend("replica-hc")
+    code, _ = await post(cluster.base_url(c) + "/v1/chat/completions", {
+        "model": "echo-chat", "messages": [{"role": "user", "content": "z"}]})
+    assert code == 200
+    answer = await treq.get(cluster.base_url(c) + "/api/traces?limit=1", headers=admin)
+    [relayed] = json.loads(await treq.content(answer))["traces"]
+    assert relayed["path"] == "relay" and relayed["hops"]["tunnel"] > 0
+    assert "cold_load" not in relayed["hops"]
+    for trace in (first, warm, opened, relayed):
         passed = sum(trace["hops"].get(h, 0) for h in HOPS)
         assert passed <= trace["seconds"] + 1e-3, trace
