@@ -64,7 +64,8 @@ async def test_hops_through_a_relaying_replica_and_the_bytes_staged(cluster):
     load waits at the end of staging, ``/api/cluster/loads`` shows every byte staged); B's
     next request is warm (no queue, no cold load; a backend hop and, streamed, its first
     token); A's first request opens A's own stream to that backend (a tunnel hop), and a third
-    replica's first request opens one through the relay.  The hops never add up to more than the request took."""
+    replica's first request opens one through the relay.  The hops never add up to more than
+    the request took."""
     cluster.write_file("echo.bin", BIG)
     cluster.write_model("echo.yaml", echo_model("echo-chat").replace(
         sha256_hex(WEIGHTS), sha256_hex(BIG)))
