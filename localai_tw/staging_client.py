@@ -112,11 +112,20 @@ class StagedFile:
     local_path: str | None
 
 
-#: Where the uploads of the current context report their bytes: an object with ``begin(size)``
-#: and ``moved(count)`` (the frontend's load lock sets one while a cold load stages, so
-#: ``/api/cluster/loads`` shows bytes; ``frontend/loadlock.py``), or None.
+#: Where the uploads of the current context report their bytes: an object with ``begin(size)``,
+#: ``moved(count)``, ``skipped(size)`` (a file the worker held) and ``expect(total)`` (the
+#: frontend's load lock sets one while a cold load stages, so ``/api/cluster/loads`` shows
+#: bytes; ``frontend/loadlock.py``), or None.
 STAGING_WATCH: contextvars.ContextVar[Any] = contextvars.ContextVar("localai_tw_staging_watch",
                                                                     default=None)
+
+
+def expect_staging(total: int) -> None:
+    """Tell the current context's :data:`STAGING_WATCH` (if any) how many bytes the uploads
+    to come add up to, so its progress has its total from the start."""
+    watch = STAGING_WATCH.get()
+    if watch is not None:
+        watch.expect(total)
 
 
 class _CountingFile:
@@ -236,6 +245,9 @@ async def _upload_file(client, base_url, key, path, progress_cb, node_id, token,
         ):
             if progress_cb is not None:
                 progress_cb(size, size)
+            watch = STAGING_WATCH.get()
+            if watch is not None:  # already there: done, with nothing moved
+                watch.skipped(size)
             return StagedFile(key, size, digest, True, _header(head, b"x-local-path"))
     elif head.code == 404:
         await _bounded_body(head)

@@ -273,28 +273,40 @@ class LoadLock:
 
 
 class StagingProgress:
-    """The bytes one cold load staged so far (``staging_client`` reports each file it begins
-    and each chunk it reads for the body).  ``total`` is the size of the files begun so far:
-    exact once the last file began (a one-file model: from its first byte).  Files the worker
-    already held are not counted (nothing moves)."""
+    """The bytes one cold load staged so far (``staging_client`` reports each file it begins,
+    each chunk it reads for the body, and each file the worker already held, counted as
+    staged with nothing moved).  ``total`` is what the cold loader announced
+    (:func:`~localai_tw.staging_client.expect_staging`: every file of its plan), else the
+    size of the files begun so far."""
 
-    __slots__ = ("_clock", "started", "staged", "total", "files")
+    __slots__ = ("_clock", "started", "staged", "moved_bytes", "begun", "expected", "files")
 
     def __init__(self, clock):
         self._clock = clock
         self.started = clock()
-        self.staged = self.total = self.files = 0
+        self.staged = self.moved_bytes = self.begun = self.files = 0
+        self.expected: int | None = None
+
+    def expect(self, total: int) -> None:
+        self.expected = max(0, total)
 
     def begin(self, size: int) -> None:
         self.files += 1
-        self.total += max(0, size)
+        self.begun += max(0, size)
 
     def moved(self, count: int) -> None:
         self.staged += count
+        self.moved_bytes += count
+
+    def skipped(self, size: int) -> None:
+        self.begin(size)
+        self.staged += max(0, size)
 
     def view(self) -> dict:
-        """``{"staged_bytes", "total_bytes", "files", "bytes_per_second"}``."""
+        """``{"staged_bytes", "total_bytes", "files", "bytes_per_second"}`` (the rate of the
+        bytes that moved)."""
         took = self._clock() - self.started
-        rate = self.staged / took if took > 0 else 0.0
-        return {"staged_bytes": self.staged, "total_bytes": self.total, "files": self.files,
-                "bytes_per_second": round(rate, 1)}
+        rate = self.moved_bytes / took if took > 0 else 0.0
+        total = self.expected if self.expected is not None else self.begun
+        return {"staged_bytes": self.staged, "total_bytes": max(total, self.staged),
+                "files": self.files, "bytes_per_second": round(rate, 1)}

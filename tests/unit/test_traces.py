@@ -242,3 +242,20 @@ def test_the_router_times_placement_the_load_it_drove_the_tunnel_and_the_first_t
                               "starting": 1.0, "staging": 3.0, "loading": 0.5,
                               "tunnel": 0.25, "backend": 0.5, "first_token": 0.5}
     assert sum(hops.as_dict()[h] for h in HOPS) <= clock.seconds()
+
+
+def test_staging_progress_has_the_announced_total_and_counts_a_held_file_as_staged():
+    from twisted.internet.task import Clock
+
+    from localai_tw.frontend.loadlock import StagingProgress
+
+    clock = Clock()
+    watch = StagingProgress(clock.seconds)
+    watch.expect(1500)  # the plan: a file the worker holds (500 B), then one to send (1000 B)
+    watch.skipped(500)
+    assert watch.view()["staged_bytes"] == 500 and watch.view()["total_bytes"] == 1500
+    watch.begin(1000)
+    watch.moved(400)
+    clock.advance(2)
+    assert watch.view() == {"staged_bytes": 900, "total_bytes": 1500, "files": 2,
+                            "bytes_per_second": 200.0}  # the rate of what moved
