@@ -451,6 +451,14 @@ class ReplicaMetrics:
         self.cold_load_duration = Histogram(
             "localai_cold_load_duration_seconds", "How long cold loads took (both outcomes).",
             ["model"], buckets=LOAD_BUCKETS, registry=r)
+        self.unloads = Counter(
+            "localai_model_unloads", "Unloads of a model on a worker asked by this replica, by "
+            "reason (admin, eviction, idle-watchdog, busy-watchdog) and outcome (stopped, busy, "
+            "loading, not-loaded, not-delivered, worker-failed).",
+            ["model", "reason", "outcome"], registry=r)
+        self.last_used_writes = Counter(
+            "localai_last_used_writes", "Statements this replica wrote to record when models "
+            "were last used (one per flush, at most one a second).", registry=r)
 
     # -- what the serving code calls ---------------------------------------------------------
 
@@ -461,6 +469,12 @@ class ReplicaMetrics:
     def cold_load(self, model: str, seconds: float, ok: bool) -> None:
         self.cold_loads.labels(model, "ok" if ok else "failed").inc()
         self.cold_load_duration.labels(model).observe(max(0.0, seconds))
+
+    def unload(self, model: str, reason: str, outcome: str) -> None:
+        self.unloads.labels(model, reason, outcome).inc()
+
+    def last_used_write(self) -> None:
+        self.last_used_writes.inc()
 
     def watch_tunnels(self, tunnels, peer_links: Iterable = ()) -> None:
         """Expose the gauges and byte counts of ``tunnels`` (a ``TunnelRegistry``) and of
@@ -516,6 +530,12 @@ class _Discard(ReplicaMetrics):
         return RequestRecord(None, endpoint_of(postpath))
 
     def cold_load(self, model: str, seconds: float, ok: bool) -> None:
+        return None
+
+    def unload(self, model: str, reason: str, outcome: str) -> None:
+        return None
+
+    def last_used_write(self) -> None:
         return None
 
 

@@ -23,13 +23,13 @@ the tries over nodes: :mod:`.loadlock`.
    is raised as ``ModelLoadFailed`` with the backend's message, after a best-effort
    ``backend.stop``; route conditions are raised as themselves.
 
-Each load logs its start and its end with the time it took.  :meth:`ColdLoader.unload` is the
-explicit lifecycle: ``backend.stop``, then the row goes.
+Each load logs its start and its end with the time it took.  Unloading is :mod:`.lifecycle`'s
+(the row follows the worker's answer to ``backend.stop``).
 
 What this module must never do: hash a file on the reactor thread; stage a file that is not
 the one checked (the contained path is the one hashed and sent); leave a row of its own
-unfinished load behind; delete a ``loaded`` row but on an explicit unload (reaping on the
-worker's answer is :mod:`.placement`'s).
+unfinished load behind; delete a ``loaded`` row (an unload is :mod:`.lifecycle`'s, reaping on
+the worker's answer :mod:`.placement`'s).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ __all__ = ["ColdLoader", "ModelFileMismatch"]  # ModelFileMismatch: .interfaces,
 
 
 class ColdLoader:
-    """Loads models on the node it is told, and unloads them (see the module docstring).
+    """Loads models on the node it is told (see the module docstring).
 
     :param nodes: the ``NodeRegistry`` (each node's control token); :param control: a
     ``ControlClient``; :param worker_http: the ``WorkerHTTPClient`` (staging); :param clients:
@@ -297,19 +297,3 @@ class ColdLoader:
         await self._db.runOperation(
             "DELETE FROM node_models WHERE node_id = %s AND model_name = %s",
             (node_id, model_name))
-
-    # -- unload -----------------------------------------------------------------------------
-
-    async def unload(self, model_name: str, node_id: str) -> dict[str, Any]:
-        """Explicit lifecycle: ``backend.stop`` on the node, then the row goes (even when the
-        stop fails with no route: the operator asked; a still-running process is found and
-        reused by the next ``backend.start``)."""
-        await self._db.runOperation(
-            "UPDATE node_models SET state = 'unloading', updated_at = now()"
-            " WHERE node_id = %s AND model_name = %s", (node_id, model_name))
-        try:
-            reply = await self._control.call(node_id, "backend.stop", {"model": model_name},
-                                             timeout=60.0)
-        finally:
-            await self._remove_row(node_id, model_name)
-        return reply or {}

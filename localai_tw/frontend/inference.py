@@ -28,6 +28,10 @@ an unreachable peer, a transport failure,  raise; never reap, never demote
 the caller's deadline, a cancellation
 =========================================  ==================================================
 
+Each call is counted in flight on this replica while it runs, and its use is touched (both
+in ``usage.ModelUse``: memory only, flushed to ``node_models.last_used`` once a second).
+Unloads are :mod:`.lifecycle`'s.
+
 Retries happen only when the call is known not to have run: a dial failure (the splice was
 abandoned before any byte reached a backend) or a backend refusal before touching the model.
 
@@ -119,10 +123,16 @@ def _check_result(node_id: str, method: str, result) -> None:
 class InferenceRouter:
     """Implements ``IInferenceRouter`` over a :class:`ModelCatalog`, a :class:`NodeChooser`
     (where a model is loaded), a :class:`LoadLock` (cold loads, one per model across
-    replicas), a :class:`ColdLoader` (unloads) and ``BackendClients``."""
+    replicas), a :class:`ColdLoader` and ``BackendClients``; ``use`` (a ``ModelUse``) counts
+    calls in flight and batches touches, ``lifecycle`` (a ``ModelLifecycle``) unloads."""
 
     def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
-                 loader: ColdLoader, clients, reactor, scratch=None):
+                 loader: ColdLoader, clients, reactor, scratch=None, *, use=None,
+                 lifecycle=None, scaler=None):
+        self.use = use
+        self.lifecycle = lifecycle
+        #: ``replicas.ReplicaScaler``: told of each call (a busy model gets another replica).
+        self.scaler = scaler
         self.catalog = catalog
         #: ``WorkerScratch``: files both ways for the RPCs that name files (``dst``).
         self.scratch = scratch
@@ -252,8 +262,9 @@ class InferenceRouter:
         (for the ``: loading model`` comments of a waiting stream)."""
         return self.loader.downloads.describe(name)
 
-    def unload(self, name: str, node_id: str) -> defer.Deferred:
-        return defer.ensureDeferred(self.loader.unload(name, node_id))
+    def unload(self, name: str, node_id: str, force: bool = False) -> defer.Deferred:
+        """Fires with a ``lifecycle.UnloadResult`` (the row follows the worker's answer)."""
+        return defer.ensureDeferred(self.lifecycle.unload(name, node_id, force=force))
 
     # -- the request path --------------------------------------------------------------------
 
@@ -317,6 +328,10 @@ class InferenceRouter:
             if placement.model_id and _carries_identity(request):
                 request.ModelIdentity = placement.model_id
             client = self.clients.client(placement.node_id, placement.port)
+            if self.scaler is not None:
+                self.scaler.note(config, placement.node_id)
+            call_id = (self.use.begin(placement.node_id, config.name)
+                       if self.use is not None else None)
             hops = current_hops()
             try:
                 with hops.calling(getattr(client, "bridge", None)):
@@ -349,5 +364,11 @@ class InferenceRouter:
                              err=e)
                     continue
                 raise
-            self.chooser.touch(placement)
+            finally:
+                if call_id is not None:
+                    self.use.end(placement.node_id, config.name, call_id)
+            if self.use is not None:
+                self.use.touch(placement.node_id, placement.model_name)
+            else:
+                self.chooser.touch(placement)
             return Served(value, placement.node_id)

@@ -10,7 +10,13 @@ model is loaded or the lock is theirs, for at most ``load_wait`` seconds (then
 ``heartbeat_interval`` while it works, and records each phase of the load.  Under the lock: the
 loaded placement if another replica finished meanwhile, else a cold load on the picked node; a
 load that meets a routing fact or an absence within the grace moves on to the next node (at
-most ``MAX_PICKS``), touching nothing (no row, no status) on the node it leaves.
+most ``MAX_PICKS``), touching nothing (no row, no status) on the node it leaves.  With a
+``room`` policy (:mod:`.lifecycle`), each cold load first makes room on its node (eviction of
+least recently used idle models).
+
+:meth:`LoadLock.scale_up` (a busy model's next replica, or one short of its minimum,
+:mod:`.replicas`): under the same lock, count the nodes holding the model and load it on one
+more node (none of those) only when fewer than asked hold it.
 
 Failed loads are remembered (per replica, in memory) for ``failed_load_memory`` seconds
 (:data:`DEFAULT_FAILED_LOAD_MEMORY`, 30 s), keyed by the model's name and its whole config: a
@@ -81,8 +87,10 @@ class LoadLock:
                  heartbeat_interval: float = DEFAULT_HEARTBEAT,
                  poll_interval: float = DEFAULT_POLL,
                  failed_load_memory: float = DEFAULT_FAILED_LOAD_MEMORY,
-                 liveness: float = INSTANCE_LIVENESS):
+                 liveness: float = INSTANCE_LIVENESS, room=None):
         self._db = db
+        #: ``room.make_room(model, node_id)`` runs before each cold load (never raises).
+        self.room = room
         self._chooser = chooser
         self._loader = loader
         self.instance_id = instance_id
@@ -140,11 +148,36 @@ class LoadLock:
             await task.deferLater(self._reactor, self.poll_interval, lambda: None)
 
         current_hops().locked()  # the trace's queue ends, its cold load begins
+        return await self._holding(model, attempt,
+                                   lambda: self._load_somewhere(model, exclude, attempt))
+
+    async def scale_up(self, model: ModelConfig, want: int) -> Placement | None:
+        """One more loaded replica of ``model`` on a node that does not hold it, when fewer
+        than ``want`` nodes hold it: counted and loaded under the lock, so replicas asking at
+        once never load more than ``want``.  None when ``want`` are already loaded or the lock
+        stayed taken for ``load_wait`` (a load of it is running: ask again later)."""
+        attempt = str(uuid.uuid4())
+        waited_until = self._reactor.seconds() + self.load_wait
+        while not await self._try_acquire(model.name, attempt):
+            if self._reactor.seconds() >= waited_until:
+                return None
+            await task.deferLater(self._reactor, self.poll_interval, lambda: None)
+
+        async def more() -> Placement | None:
+            holders = frozenset(c.node_id for c in await self._chooser.candidates(model)
+                                if c.loaded_address)
+            if len(holders) >= want:
+                return None
+            return await self._load_somewhere(model, holders, attempt)
+        return await self._holding(model, attempt, more)
+
+    async def _holding(self, model: ModelConfig, attempt: str, work):
+        """Run ``work()`` while the lock is ours: heartbeat, then release."""
         heartbeat = task.LoopingCall(self._beat, model.name, attempt)
         heartbeat.clock = self._reactor
         heartbeat.start(self.heartbeat_interval, now=False)
         try:
-            return await self._load_somewhere(model, exclude, attempt)
+            return await work()
         finally:
             if heartbeat.running:
                 heartbeat.stop()
@@ -173,6 +206,8 @@ class LoadLock:
                 if last is not None:
                     raise last from None
                 raise
+            if self.room is not None:
+                await self.room.make_room(model, node_id)
             try:
                 return await self._loader.load_on(
                     model, node_id, functools.partial(self._progress, model.name, attempt))

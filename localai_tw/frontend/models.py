@@ -204,7 +204,7 @@ LIMIT_OPTIONS: dict[str, tuple[str, str]] = {
 LOCALAI_IGNORED = frozenset({
     "alias", "artifacts", "known_input_modalities", "known_output_modalities", "pipeline",
     "reasoning", "compression", "reasoning_effort", "chat_template_kwargs",
-    "feature_flags", "step", "grpc", "tts", "disabled", "pinned",
+    "feature_flags", "step", "grpc", "tts", "disabled",
     "concurrency_groups", "mcp", "agent", "pii", "pii_detection", "router", "proxy", "mitm",
     "limits", "cutstrings", "extract_regex", "trimspace", "trimsuffix",
 })
@@ -221,6 +221,7 @@ TOP_LEVEL_FIELDS = frozenset({
     "embeddings", "options", "node_selector", "description", "known_usecases", "usage",
     "roles", "system_prompt", "engine_args", "diffusers", "limit_mm_per_prompt",
     "function", "capabilities", "download_files",
+    "pinned", "preload", "memory_bytes",
 }) | set(MODEL_OPTIONS) | set(PREDICT_OPTIONS)
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
 MAX_LIST = 256
@@ -328,6 +329,14 @@ class ModelConfig:
     #: Files downloaded into the models directory before a load (``download_files``, a URL
     #: ``parameters.model``): ``frontend/downloads.py``.
     downloads: tuple[ModelDownload, ...] = ()
+    #: LocalAI's ``pinned``: never evicted (idle watchdog, memory or count eviction); an
+    #: explicit unload still stops it (docs/models.md, "Lifecycle").
+    pinned: bool = False
+    #: ``preload: true``: loaded when a replica starts, on a node the scheduler picks.
+    preload: bool = False
+    #: ``memory_bytes``: what the model needs loaded (bytes, or 512M / 2G); 0 = estimated
+    #: from the sizes of its ``files`` (``lifecycle.memory_need``).
+    memory_bytes: int = 0
 
     def file_for_model(self) -> ModelFile | None:
         """The staged file ``model`` names, if it names one."""
@@ -601,6 +610,13 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
         overrides = read_overrides(data.get("capabilities"))
     except ValueError as e:
         raise ModelConfigError(source, "capabilities", str(e)) from None
+    lifecycle = {}
+    for key in ("pinned", "preload"):
+        value = data.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ModelConfigError(source, key, "must be true or false")
+        lifecycle[key] = bool(value)
+    lifecycle["memory_bytes"] = _memory_bytes(source, data.get("memory_bytes"))
     return ModelConfig(name=name, backend=backend, model=model, files=tuple(files),
                        parameters=defaults, template=template, context_size=context_size,
                        embeddings=embeddings, options=tuple(options),
@@ -609,7 +625,29 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
                        system_prompt=system_prompt, model_options=model_options,
                        predict_options=predict_options, warnings=_bounded(warnings),
                        functions=functions, capabilities=overrides,
-                       downloads=tuple(downloads))
+                       downloads=tuple(downloads), **lifecycle)
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def _memory_bytes(source: str, raw) -> int:
+    """``memory_bytes``: a whole number of bytes, or a size such as ``512M``, ``1.5GiB``."""
+    if raw is None:
+        return 0
+    if isinstance(raw, bool):
+        raise ModelConfigError(source, "memory_bytes", "must be a size (bytes, or 512M, 2G)")
+    if isinstance(raw, int):
+        size = raw
+    else:
+        match = _SIZE_RE.match(raw) if isinstance(raw, str) else None
+        if match is None:
+            raise ModelConfigError(source, "memory_bytes", "must be a size (bytes, or 512M, 2G)")
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if not 0 <= size <= 1 << 50:
+        raise ModelConfigError(source, "memory_bytes", "must be between 0 and 1 PiB")
+    return size
 
 
 def _looks_like_url(value: str) -> bool:

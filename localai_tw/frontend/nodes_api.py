@@ -25,6 +25,11 @@ GET /api/nodes/{id}/status         the worker's own ``node.status`` answer, thro
 GET /api/nodes/{id}/backends       the worker's ``backend.list`` answer, through its tunnel
 GET /api/nodes/{id}/backend-logs/{model}
                                    the worker's ``backend.logs`` answer for one model
+POST /api/nodes/{id}/models/{model}/unload
+                                   stops the model on that node (body ``{"force"?: bool}``,
+                                   may be empty); the row follows the worker's answer
+                                   (``frontend/lifecycle.py``; statuses in
+                                   ``frontend/lifecycle_api.py``)
 GET /api/cluster/instances         ``{"instances": [{"id", "version", "advertised_addr",
                                    "last_seen", "registered_at", "self"}]}`` (live replicas;
                                    no credential material)
@@ -42,7 +47,8 @@ GET /api/cluster/loads             ``{"loads": [{"model", "node_id", "phase", "r
 A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
 "gpu_vendor", "max_replicas_per_model", "last_heartbeat", "created_at", "owner": {"replica",
 "epoch"} | null, "presence", "never_connected", "models": [{"model_name", "replica_index",
-"state", "in_flight", "backend_type"}]}``.  ``owner`` is the *live* replica holding the node's
+"state", "in_flight", "backend_type", "last_used"}]}`` (``in_flight``: requests in flight
+through this replica).  ``owner`` is the *live* replica holding the node's
 tunnel (null when none does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or
 ``gone``, and when the presence query failed it is ``unknown`` with ``presence_error`` set.
 ``reconnect_grace_left`` is the seconds of the reconnect grace left to a ``reconnecting`` node
@@ -104,7 +110,7 @@ from .worker_api import valid_node_id
 log = Logger()
 
 _MODELS_SQL = (
-    "SELECT node_id, model_name, replica_index, state, in_flight, backend_type"
+    "SELECT node_id, model_name, replica_index, state, in_flight, backend_type, last_used"
     " FROM node_models WHERE node_id = ANY(%s) ORDER BY model_name, replica_index"
 )
 
@@ -189,6 +195,7 @@ class NodesAdminResource(AdminResource):
             Route("GET", ("{node_id}", "status"), self.worker_status),
             Route("GET", ("{node_id}", "backends"), self.worker_backends),
             Route("GET", ("{node_id}", "backend-logs", "{model}"), self.worker_backend_logs),
+            Route("POST", ("{node_id}", "models", "{model}", "unload"), self.unload_model),
         )
 
     # -- reads ---------------------------------------------------------------------------------
@@ -244,10 +251,15 @@ class NodesAdminResource(AdminResource):
         ids = [n.id for n in nodes]
         rows = await parts.db.runQuery(_MODELS_SQL, (ids,))
         models: dict[str, list[dict]] = {}
-        for node_id, model_name, replica_index, state, in_flight, backend_type in rows:
+        use = getattr(parts.lifecycle, "use", None)
+        for node_id, model_name, replica_index, state, in_flight, backend_type, last_used \
+                in rows:
+            if use is not None:
+                in_flight = use.in_flight(node_id, model_name)
             models.setdefault(node_id, []).append({
                 "model_name": model_name, "replica_index": replica_index, "state": state,
-                "in_flight": in_flight, "backend_type": backend_type})
+                "in_flight": in_flight, "backend_type": backend_type,
+                "last_used": _iso(last_used)})
         connections: dict[str, ConnectionView] = {}
         failed: BaseException | None = None
         try:
@@ -371,6 +383,23 @@ class NodesAdminResource(AdminResource):
         if not model or len(model) > 255:
             raise bad_request("model must be a name of 1 to 255 characters", field="model")
         return 200, await self._ask_worker(node_id, "backend.logs", {"model": model})
+
+    async def unload_model(self, request, node_id: str, model: str) -> tuple[int, dict]:
+        from .lifecycle_api import answer_results, force_field
+
+        if not model or len(model) > 255:
+            raise bad_request("model must be a name of 1 to 255 characters", field="model")
+        body = read_json_object(request, required=False)
+        reject_unknown_fields(body, ("force",))
+        force = force_field(body)
+        parts = self._parts
+        node = await self._node(parts, node_id)
+        if parts.lifecycle is None:
+            raise APIError(503, "this replica cannot unload models yet (starting)",
+                           "service_unavailable", code="starting",
+                           headers={"Retry-After": "5"})
+        result = await parts.lifecycle.unload(model, node.id, force=force)
+        return answer_results([result])
 
     async def _ask_worker(self, node_id: str, verb: str, body: dict) -> dict:
         parts = self._parts

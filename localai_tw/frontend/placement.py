@@ -4,8 +4,11 @@ tells of a placement it used (its use; the worker's answer that it is gone).
 :meth:`NodeChooser.candidates`: healthy ``backend`` nodes whose labels carry every pair of the
 model's selector -- the YAML ``node_selector`` with the ``model_scheduling_configs`` row
 (``POST /api/nodes/scheduling``) on top (the row wins per key).  Nodes where the model is
-``loaded`` come first; among equals the choice is random (cold loads prefer nodes holding fewer
-models, then random).  Connected nodes (tunnel held by a live replica, read in the same query)
+``loaded`` come first; among loaded replicas the one with the fewest requests in flight
+through this replica is chosen (``in_flight``, when set), so requests spread over the
+replicas of a model; among equals the choice is random (cold loads prefer nodes holding fewer
+models, then random; with a ``room`` policy (:mod:`.lifecycle`), nodes with room for the model
+come before those without).  Connected nodes (tunnel held by a live replica, read in the same query)
 come before the others, both for a loaded replica and for a cold load: a node that heartbeats
 but never dials holds no models and would otherwise win every cold load.  Before a cold load
 the picked node's presence is read: ``gone`` -> ``mark_unhealthy`` (status only, reversible)
@@ -117,8 +120,12 @@ class NodeChooser:
     (presence)."""
 
     def __init__(self, db, nodes, fence, *, grace: float | None = None,
-                 liveness: float = INSTANCE_LIVENESS):
+                 liveness: float = INSTANCE_LIVENESS, room=None):
         self._db = db
+        #: ``room.prefer(model, candidates)`` -> the candidates with room (or all of them).
+        self.room = room
+        #: ``in_flight(node_id, model_name)`` -> this replica's calls running there.
+        self.in_flight = None
         self._nodes = nodes
         self._fence = fence
         self._grace = grace
@@ -132,6 +139,13 @@ class NodeChooser:
             "SELECT node_selector FROM model_scheduling_configs WHERE model_name = %s",
             (model_name,))
         return dict(rows[0][0]) if rows else {}
+
+    async def replica_bounds(self, model_name: str) -> tuple[int, int]:
+        """``(min_replicas, max_replicas)`` of the model's scheduling row ((0, 0) without)."""
+        rows = await self._db.runQuery(
+            "SELECT min_replicas, max_replicas FROM model_scheduling_configs"
+            " WHERE model_name = %s", (model_name,))
+        return (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0)
 
     async def candidates(self, model: ModelConfig) -> list[Candidate]:
         selector = merged_selector(model, await self.configured_selector(model.name))
@@ -153,8 +167,11 @@ class NodeChooser:
                   if c.loaded_address and c.node_id not in exclude]
         if not loaded:
             return None
-        connected = [c for c in loaded if c.connected]
-        chosen = self._shuffled(connected or loaded)[0]
+        connected = [c for c in loaded if c.connected] or loaded
+        if self.in_flight is not None:
+            least = min(self.in_flight(c.node_id, model.name) for c in connected)
+            connected = [c for c in connected if self.in_flight(c.node_id, model.name) == least]
+        chosen = self._shuffled(connected)[0]
         return Placement(model.name, chosen.node_id, chosen.loaded_address,
                          chosen.loaded_model or model_identity(model, None))
 
@@ -186,6 +203,8 @@ class NodeChooser:
             # Connected nodes first: a node that heartbeats but holds no tunnel (never dialled,
             # or reconnecting) holds no models either, and would otherwise win every cold load.
             candidates = [c for c in candidates if c.connected] or candidates
+            if self.room is not None:
+                candidates = await self.room.prefer(model, candidates)
             fewest = min(c.models_held for c in candidates)
             chosen = self._shuffled([c for c in candidates if c.models_held == fewest])[0]
             if await self._usable(chosen.node_id):
@@ -216,7 +235,8 @@ class NodeChooser:
         return bool(rows)
 
     def touch(self, placement: Placement) -> None:
-        """Record use (LRU information); best effort, never awaited by a request."""
+        """Record use (LRU information) with one write; best effort, never awaited by a
+        request.  The router batches its touches instead (``usage.ModelUse``)."""
         self._db.runOperation(
             "UPDATE node_models SET last_used = now() WHERE node_id = %s AND model_name = %s",
             (placement.node_id, placement.model_name)).addErrback(lambda _: None)

@@ -15,7 +15,9 @@ DELETE /api/nodes/scheduling/{model_name}      ``{"deleted": true}``, or 404
 
 A row is ``{"model_name", "node_selector", "min_replicas", "max_replicas", "updated_at"}``.  The
 selector applies to the next placement (cold load); models already loaded elsewhere stay until
-unloaded or reaped.  This module only reads and writes ``model_scheduling_configs``; it must
+unloaded or reaped.  ``min_replicas`` and ``max_replicas`` are acted on by
+``frontend/replicas.py`` (a floor kept loaded; a busy model's further replicas, up to the
+maximum; 0 or 1 = one replica).  This module only reads and writes ``model_scheduling_configs``; it must
 never touch ``node_models`` or a worker.
 """
 
@@ -116,6 +118,9 @@ class SchedulingResource(AdminResource):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1000:
                 raise bad_request(f"{field} must be an integer between 0 and 1000", field=field)
             bounds[field] = value
+        if bounds["max_replicas"] and bounds["min_replicas"] > bounds["max_replicas"]:
+            raise bad_request("min_replicas must not exceed max_replicas (when max_replicas is set)",
+                              field="min_replicas")
         rows = await db.runQuery(
             "INSERT INTO model_scheduling_configs (model_name, node_selector, min_replicas,"
             " max_replicas) VALUES (%s, %s::jsonb, %s, %s)"

@@ -11,7 +11,13 @@
         WorkerClientsService   the per-node HTTP pools and gRPC bridges
         PeerService            the accepted peer links and the peer pool
         TunnelRegistryService  the worker tunnels held here (their claims)
-        PgBus                  the LISTEN/NOTIFY fan-out (the claim queue's wake hint)
+        ModelUse               batched last-used touches (flushed once more at stop)
+        LifecycleWatchdog      idle and busy watchdogs (frontend/lifecycle.py; off by default)
+        Preloader              preload: ``preload: true`` models and --preload-models
+        ReplicaScaler          min_replicas floor, busy scale-up (frontend/replicas.py)
+        PgBus                  the LISTEN/NOTIFY fan-out (the claim queue's wake hint, the
+                               gallery's job snapshots)
+        GalleryJobs "gallery"  gallery installs and deletes (frontend/gallery.py)
         JobStatsService        reads the jobs queue's depth every 15 s (for /metrics)
         ClaimConsumer "jobs"   claims queued jobs and runs them on agent workers; stops
                                first, releasing its claims (docs/jobs.md)
@@ -44,7 +50,9 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
 ``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/backend/shutdown`` and ``/backend/load`` (admin, ``frontend/lifecycle_api.py``),
 ``/api/jobs`` (``frontend/jobs_api.py``; admin, ``docs/jobs.md``),
+LocalAI's gallery routes under ``/models`` (``frontend/gallery_api.py``; admin),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
 (``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
@@ -101,6 +109,7 @@ from localai_tw.tunnel.route import WorkerDialer
 from .backend_client import BackendClients
 from .dashboard import RootWithDashboard, dashboard_files
 from .interfaces import IInferenceRouter
+from .lifecycle_api import BackendResource
 from .jobs_api import MAX_JOB_BODY_BYTES, JobsResource
 from .jobs_cancel import CancelFanout
 from .jobs_dispatch import JobDispatcher, job_consumer
@@ -118,6 +127,8 @@ from .openai import (
     unprefixed_aliases,
     unprefixed_roots,
 )
+from .gallery import GalleryJobs, parse_galleries
+from .gallery_api import GalleryResource, ModelsRoot
 from .generated import GeneratedFiles, GeneratedFilesResource
 from .openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
 from .probes import LivenessResource, ReadinessResource, StartingGate
@@ -258,8 +269,15 @@ class ReplicaConfig:
     run_dir: str | None
     health_interval: float
     stale_after: float
+    #: lifecycle (frontend/lifecycle.py, frontend/preload.py); the defaults change nothing
+    max_active_backends: int = 0
+    idle_timeout: float = 0.0
+    busy_timeout: float = 0.0
+    preload_models: tuple[str, ...] = ()
     #: Registrations one source address may make per minute (burst and refill); 0: no limit.
     registration_limit: int = 1200
+    #: Model galleries (``--galleries``, ``frontend/gallery.py``).
+    galleries: tuple = ()
     #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
     job_kinds: Any = None
 
@@ -283,7 +301,16 @@ class ReplicaConfig:
                                                                        "models"),
             run_dir=os.path.join(data_dir, "run") if data_dir else None,
             health_interval=health_interval, stale_after=stale_after,
-            registration_limit=int(_option(options, "registration-limit", 1200)))
+            max_active_backends=int(_option(options, "max-active-backends", 0))
+            or (1 if options.get("single-active-backend") else 0),
+            idle_timeout=float(_option(options, "watchdog-idle-timeout", 900.0))
+            if options.get("enable-watchdog-idle") else 0.0,
+            busy_timeout=float(_option(options, "watchdog-busy-timeout", 300.0))
+            if options.get("enable-watchdog-busy") else 0.0,
+            preload_models=tuple(_option(options, "preload-models", ()))
+            + tuple(_option(options, "load-to-memory", ())),
+            registration_limit=int(_option(options, "registration-limit", 1200)),
+            galleries=parse_galleries(options.get("galleries") or ()))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -387,7 +414,15 @@ class Replica:
     bus: PgBus
     jobs: JobParts
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
+    #: lifecycle parts (frontend/usage.py, lifecycle.py, preload.py)
+    use: Any = None
+    lifecycle: Any = None
+    watchdog: Any = None
+    preloader: Any = None
+    scaler: Any = None
     registration_limit: SourceRateLimit | None = None
+    #: The gallery's jobs on the bus (``gallery.py``).
+    gallery: GalleryJobs | None = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order): the jobs
@@ -398,14 +433,18 @@ class Replica:
                                      self._downloads()),
                 PeerService(self.peer_links, self.peer_pool),
                 TunnelRegistryService(self.tunnels, self.instance_id),
-                self.bus, self.jobs.stats, self.jobs.consumer]
+                *[s for s in (self.use, self.watchdog, self.preloader, self.scaler)
+                  if s is not None],
+                self.bus, *([self.gallery] if self.gallery is not None else []),
+                self.jobs.stats, self.jobs.consumer]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
         return ClusterParts(db=self.db, nodes=self.nodes, fence=self.fence,
                             instance_id=self.instance_id, reconnect_grace=self.reconnect_grace,
                             on_registered=self.node_registered, on_deleted=self.node_deleted,
-                            control=self.control, registration_limit=self.registration_limit,
+                            control=self.control, lifecycle=self.lifecycle,
+                            registration_limit=self.registration_limit,
                             downloads=self.downloads_in_progress,
                             staging=self.staging_of)
 
@@ -449,9 +488,13 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from .coldload import ColdLoader
     from .grpcbridge import GrpcBridges
     from .inference import InferenceRouter
+    from .lifecycle import LifecycleWatchdog, ModelLifecycle
     from .loadlock import LoadLock
     from .models import ModelCatalog
     from .placement import NodeChooser
+    from .preload import Preloader
+    from .replicas import ReplicaScaler
+    from .usage import ModelUse
     from .scratch import WorkerScratch
 
     grace = config.reconnect_grace
@@ -475,14 +518,26 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     backend_clients = BackendClients(
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
         config.registration_token or None)
-    chooser = NodeChooser(db, nodes, fence, grace=grace)
+    catalog = ModelCatalog(config.models_dir)
+    use = ModelUse(db, reactor, metrics=metrics)
+    lifecycle = ModelLifecycle(db, control, use, catalog, reactor,
+                               max_active_backends=config.max_active_backends,
+                               metrics=metrics)
+    chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
                         config.models_dir, reactor, metrics=metrics)
-    loads = LoadLock(db, chooser, loader, config.instance_id, reactor)
-    inference = InferenceRouter(ModelCatalog(config.models_dir), chooser, loads, loader,
-                                backend_clients, reactor,
+    loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle)
+    inference = InferenceRouter(catalog, chooser, loads, loader, backend_clients, reactor,
                                 WorkerScratch(control, worker_http, nodes.control_token,
-                                              reactor))
+                                              reactor),
+                                use=use, lifecycle=lifecycle)
+    watchdog = LifecycleWatchdog(db, lifecycle, tunnels.held_nodes, reactor,
+                                 idle_timeout=config.idle_timeout,
+                                 busy_timeout=config.busy_timeout)
+    preloader = Preloader(inference, config.preload_models, reactor)
+    chooser.in_flight = use.in_flight  # calls spread over a model's replicas
+    scaler = ReplicaScaler(db, inference, use, reactor)
+    inference.scaler = scaler
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels).
     notifier = DepartureNotifier({
@@ -508,12 +563,16 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                     stats=JobStatsService(db, reactor))
     metrics.watch_bus(bus, [consumer])
     metrics.watch_jobs(lambda: jobs.stats.snapshot)
+    gallery = GalleryJobs(db, bus, config.instance_id, config.models_dir, loader.downloads,
+                          config.galleries, reactor)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
         membership=membership, health=health, bus=bus, jobs=jobs, metrics=metrics,
+        use=use, lifecycle=lifecycle, watchdog=watchdog, preloader=preloader, scaler=scaler,
+        gallery=gallery,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)
@@ -725,7 +784,7 @@ class FrontendService(InOrderMultiService):
             self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
             self.site.add_early_answer_shape(prefix, early_error)
         for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
-                       b"/api/traces", b"/api/jobs", b"/metrics"):
+                       b"/api/traces", b"/api/jobs", b"/metrics", b"/backend"):
             self.site.add_header_guard(prefix, self.api_keys.check)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
@@ -755,9 +814,15 @@ class FrontendService(InOrderMultiService):
                                 reactor=self._reactor, node_names=replica.node_name,
                                 metrics=replica.metrics, generated=generated)
         root.putChild(b"v1", openai)
+        root.putChild(b"backend", BackendResource(replica.inference, self.api_keys))
         unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
         for name in unprefixed_roots():
             root.putChild(name, unprefixed)
+        # /models also holds LocalAI's gallery routes (admin; gallery_api.py).
+        gallery = getattr(replica, "gallery", None)
+        root.putChild(b"models", ModelsRoot(
+            GalleryResource(gallery, self.api_keys) if gallery is not None else None,
+            unprefixed))
         # The images answered as URLs, which every replica serves from the shared store.
         if generated is not None:
             root.putChild(b"generated-images", GeneratedFilesResource(generated))

@@ -49,6 +49,29 @@ PROGRAM = "localai-frontend"
 #: Loopback only: an OpenAI API with no key must not be reachable from the network by default.
 DEFAULT_LISTEN = "tcp:8080:interface=127.0.0.1"
 
+def _whole(raw: str, option: str) -> int:
+    """A whole number of at least 0."""
+    try:
+        number = int(raw.strip())
+    except ValueError:
+        raise usage.UsageError(f"{option}: {raw!r} is not a whole number") from None
+    if number < 0:
+        raise usage.UsageError(f"{option}: {number} is less than 0")
+    return number
+
+
+def _model_name(raw: str, option: str) -> str:
+    """A model name (LocalAI's ``--preload-models`` takes gallery JSON: refused, named)."""
+    name = raw.strip()
+    if name.startswith(("[", "{")):
+        raise usage.UsageError(
+            f"{option}: takes model names (comma-separated in the variable), not LocalAI's "
+            "gallery JSON; install gallery models first and name them here")
+    if not name or len(name) > 255:
+        raise usage.UsageError(f"{option}: a model name of 1 to 255 characters is expected")
+    return name
+
+
 SETTINGS = (
     config.value("listen", "LOCALAI_LISTEN",
                  "Twisted server endpoint for HTTP (e.g. tcp:8080:interface=0.0.0.0 for every "
@@ -68,6 +91,12 @@ SETTINGS = (
     config.value("models-dir", "LOCALAI_MODELS_DIR",
                  "Directory of model YAML files.", parse=config.parse_path,
                  default_doc="<data-dir>/models"),
+    config.repeatable("galleries", "LOCALAI_GALLERIES",
+                      "Model gallery index (LocalAI's format, a YAML or JSON list of entries) "
+                      "that /models/available lists and /models/apply installs from: "
+                      "name=URL or a bare URL (the flag also takes LocalAI's JSON [{\"name\":..., "
+                      "\"url\":...}]); "
+                      "file://, http(s):// or github: (docs/models.md, \"Gallery\")."),
     config.value("instance-id", "LOCALAI_INSTANCE_ID",
                  "This replica's id in the cluster (at most 36 characters). Keep it stable "
                  "across restarts.",
@@ -129,6 +158,30 @@ SETTINGS = (
                       "With --local-worker: a backend program as NAME:PATH (LocalAI's option); "
                       "'backend: NAME' runs it.",
                       parse=parse_external_backend),
+    config.value("max-active-backends", "LOCALAI_MAX_ACTIVE_BACKENDS",
+                 "Most models one node holds at once (0 = no limit); a cold load onto a full "
+                 "node first unloads its least recently used idle model (docs/models.md, "
+                 "\"Lifecycle\").",
+                 default="0", parse=lambda raw, option: _whole(raw, option)),
+    config.flag("single-active-backend", "LOCALAI_SINGLE_ACTIVE_BACKEND",
+                "Same as --max-active-backends 1 (LocalAI's older name)."),
+    config.flag("enable-watchdog-idle", "LOCALAI_WATCHDOG_IDLE",
+                "Unload models idle for longer than --watchdog-idle-timeout."),
+    config.value("watchdog-idle-timeout", "LOCALAI_WATCHDOG_IDLE_TIMEOUT",
+                 "Idle time after which --enable-watchdog-idle unloads a model.",
+                 default="15m", parse=config.parse_duration),
+    config.flag("enable-watchdog-busy", "LOCALAI_WATCHDOG_BUSY",
+                "Stop a backend on which a request of this replica has run longer than "
+                "--watchdog-busy-timeout (its requests in flight fail)."),
+    config.value("watchdog-busy-timeout", "LOCALAI_WATCHDOG_BUSY_TIMEOUT",
+                 "Run time of one request after which --enable-watchdog-busy stops its "
+                 "backend.", default="5m", parse=config.parse_duration),
+    config.repeatable("preload-models", "LOCALAI_PRELOAD_MODELS",
+                      "Model name to load at start on a node the scheduler picks, once "
+                      "workers are connected (as with preload: true in its YAML); the "
+                      "variable takes a comma-separated list.", parse=_model_name),
+    config.repeatable("load-to-memory", "LOCALAI_LOAD_TO_MEMORY",
+                      "LocalAI's name for --preload-models.", parse=_model_name),
     config.value("nats-url", "LOCALAI_NATS_URL",
                  "Accepted for compatibility with LocalAI and ignored (no broker is used)."),
     *config.log_settings(),
@@ -157,6 +210,13 @@ class Options(config.EnvOptions):
                 "--api-key-file (or --api-key), listen on loopback "
                 f"({DEFAULT_LISTEN}), or pass --allow-open-api (env "
                 "LOCALAI_ALLOW_OPEN_API=true) to run it open on purpose")
+        if self["galleries"]:
+            from .gallery import GalleryError, parse_galleries
+
+            try:
+                parse_galleries(self["galleries"])
+            except GalleryError as e:
+                raise usage.UsageError(str(e)) from None
         advertised = self["advertise-address"]
         if advertised is not None and config.is_loopback_host(advertised[0]) \
                 and not self["single-host"]:

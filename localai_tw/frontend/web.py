@@ -929,6 +929,8 @@ class ClusterParts:
     :param on_deleted: called with a node id after an admin deleted the node.
     :param control: the ``ControlClient`` that calls a worker's control verbs through the
         tunnel (locally held or relayed); None where no worker is reached (API tests).
+    :param lifecycle: the ``ModelLifecycle`` (unload; this replica's in-flight counts); None
+        where no worker is reached.
     :param registration_limit: registrations per source address (``--registration-limit``);
         None: unlimited.
     :param downloads: this replica's model downloads in progress (``downloads.py``
@@ -943,6 +945,7 @@ class ClusterParts:
     on_registered: Callable[[str], object] | None = None
     on_deleted: Callable[[str], object] | None = None
     control: ControlClient | None = None
+    lifecycle: Any = None
     registration_limit: SourceRateLimit | None = None
     downloads: Callable[[], list] | None = None
     #: model name -> the bytes this replica's cold load of it staged so far, or None.

@@ -9,8 +9,14 @@ Replies (all 200: the worker's answer, evidence for the frontend):
   uses the port for its ``grpc`` tunnel streams); ``load`` (ModelOptions fields by their proto
   names, e.g. ``{"Model": "m", "ModelFile": "/models/m"}``) makes the worker call LoadModel
   before answering;
-- ``backend.stop`` ``{model | process_key, force?}`` -> ``{success, error, process_key, state,
-  exit_code, exit_signal}``;
+- ``backend.stop`` ``{model | process_key, force?, if_idle?, absent_ok?}`` -> ``{success, error,
+  process_key, state, exit_code, exit_signal}``; with ``if_idle`` the backend is first asked
+  its own ``Status``: ``BUSY`` (a request in flight, from any replica), or no answer within
+  :data:`STATUS_TIMEOUT` (a backend that cannot answer is not known to be idle), is answered
+  ``{success: false, busy: true, error: ""}`` and nothing is stopped; a backend that does not
+  implement ``Status`` counts as idle (it cannot tell).  With ``absent_ok`` a model with no
+  process is answered ``{success: true, state: "absent"}`` (it is not running: the unload the
+  frontend asked for holds), not as an error;
 - ``backend.list`` ``{include_ended?}`` -> ``{backends: [{model, backend, process_key, address,
   state, pid, started_at, health_misses, ...}]}``;
 - ``backend.logs`` ``{model | process_key, tail?}`` -> ``{lines, process_key, state}``, or
@@ -30,6 +36,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+
+from localai_tw.backends import backend_pb2
 from localai_tw.backends.process import (
     BackendStartError,
     BackendStopError,
@@ -40,6 +49,26 @@ from localai_tw.worker.control import BadVerbRequest, VerbRequestSchema
 
 #: Largest ``tail`` a logs request may ask for (the ring holds at most this many lines anyway).
 MAX_LOG_TAIL = 5000
+#: Seconds ``backend.stop`` with ``if_idle`` waits for the backend's ``Status``.
+STATUS_TIMEOUT = 5.0
+
+
+async def _busy(supervisor: BackendSupervisor, name: str) -> bool:
+    """True when the live backend ``name`` is running a request (its ``Status`` says BUSY) or
+    does not answer ``Status`` in time; False when it is idle, not ready yet, or cannot tell
+    (``UNIMPLEMENTED``)."""
+    try:
+        client = supervisor.client(name)
+    except NoSuchBackend:
+        return False  # not running (or no address yet): nothing in flight on it
+    try:
+        reply = await client.call("Status", backend_pb2.HealthMessage(), STATUS_TIMEOUT)
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        return code != grpc.StatusCode.UNIMPLEMENTED
+    except Exception:
+        return True
+    return reply.state == backend_pb2.StatusResponse.BUSY
 
 
 def _name_of(body: dict, bad_request) -> str:
@@ -68,9 +97,13 @@ def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError)
 
     async def stop(body: dict) -> dict:
         name = _name_of(body, bad_request)
+        if body.get("if_idle") and await _busy(supervisor, name):
+            return {"success": False, "busy": True, "error": "", "process_key": name}
         try:
             record = await supervisor.stop(name, force=bool(body.get("force", False)))
         except NoSuchBackend as e:
+            if body.get("absent_ok"):
+                return {"success": True, "error": "", "process_key": name, "state": "absent"}
             return {"success": False, "error": str(e), "process_key": name}
         except BackendStopError as e:
             return {"success": False, "error": str(e), "process_key": name}
@@ -106,7 +139,8 @@ def register_backend_verbs(verbs: Any, supervisor: BackendSupervisor) -> list:
         "backend.start": VerbRequestSchema(
             {"backend": str, "model": str, "options": dict, "replica": int, "load": dict},
             frozenset({"backend", "model"})),
-        "backend.stop": VerbRequestSchema({**name_fields, "force": bool}),
+        "backend.stop": VerbRequestSchema({**name_fields, "force": bool, "if_idle": bool,
+                                           "absent_ok": bool}),
         "backend.list": VerbRequestSchema({"include_ended": bool}),
         "backend.logs": VerbRequestSchema({**name_fields, "tail": int}),
     }

@@ -6,8 +6,13 @@ with psutil at each call (a heartbeat is every few seconds; both are single chea
 calls).  The names are the wire's existing ``capacity`` fields, so a worker sending them works
 with every frontend that knows registration.
 
-VRAM is not reported: nothing here can read a GPU's memory without a vendor library, and a
-guess would mislead the scheduler.  A field that cannot be read is left out, never sent as 0.
+GPU memory (``total_vram``, ``available_vram``: the sums over the machine's NVIDIA GPUs) is
+reported only when the ``pynvml`` module can be imported and answers; nothing else is tried (a
+guess would mislead the scheduler).  A field that cannot be read is left out, never sent as 0.
+
+``memory_budget`` (the worker's ``--memory-budget``) caps every memory field it reports (RAM
+and GPU memory, total and available): the node offers models at most that much, and the
+frontends fit and evict models within it (``frontend/lifecycle.py``).
 
 :func:`host_facts` (CPU count and load average) goes into the worker's own ``node.status``
 answer instead (``GET /api/nodes/{id}/status``): the registration wire has no field for them,
@@ -47,8 +52,9 @@ class HostCapacity:
         the current directory when the worker has none.
     """
 
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: str | None = None, memory_budget: int | None = None):
         self.path = path or os.getcwd()
+        self.memory_budget = memory_budget
 
     def __call__(self) -> dict[str, int]:
         capacity: dict[str, int] = {}
@@ -58,6 +64,11 @@ class HostCapacity:
             capacity["available_ram"] = int(memory.available)
         except (OSError, RuntimeError) as e:
             log.warn("reading the RAM capacity failed: {err}", err=e)
+        capacity.update(gpu_memory())
+        if self.memory_budget:
+            for name in ("total_ram", "available_ram", "total_vram", "available_vram"):
+                if name in capacity:
+                    capacity[name] = min(capacity[name], self.memory_budget)
         try:
             disk = psutil.disk_usage(existing_ancestor(self.path))
             capacity["total_disk"] = int(disk.total)
@@ -65,6 +76,29 @@ class HostCapacity:
         except (OSError, RuntimeError) as e:
             log.warn("reading the disk capacity of {path} failed: {err}", path=self.path, err=e)
         return capacity
+
+
+def gpu_memory() -> dict[str, int]:
+    """``total_vram`` and ``available_vram`` summed over the NVIDIA GPUs ``pynvml`` sees; empty
+    when it is not installed, finds no GPU, or fails."""
+    try:
+        import pynvml  # optional: only on machines with NVIDIA's management library
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+        try:
+            total = free = 0
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+                total += int(info.total)
+                free += int(info.free)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:  # NVMLError and friends: no GPU memory is reported
+        log.debug("reading GPU memory failed: {err}", err=e)
+        return {}
+    return {"total_vram": total, "available_vram": free} if total else {}
 
 
 def host_facts() -> dict:

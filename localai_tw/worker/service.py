@@ -315,7 +315,8 @@ class WorkerService(MultiService):
         self.data_dir: str | None = options.get("data-dir")
         if capacity_provider is None:  # real RAM, and disk where models are stored
             capacity_provider = HostCapacity(
-                os.path.join(self.data_dir, "models") if self.data_dir else None)
+                os.path.join(self.data_dir, "models") if self.data_dir else None,
+                memory_budget=options.get("memory-budget") or None)
         self.node_key = self._node_key()
 
         self.client = registration_client or RegistrationClient(

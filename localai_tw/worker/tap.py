@@ -66,6 +66,11 @@ SETTINGS = (
                       "A backend program as NAME:PATH (LocalAI's option): 'backend: NAME' runs "
                       "PATH --addr 127.0.0.1:<port> in PATH's directory.",
                       parse=parse_external_backend),
+    config.value("memory-budget", "LOCALAI_MEMORY_BUDGET",
+                 "Most memory (RAM, and GPU memory when reported) this node offers to models, "
+                 "e.g. 12G; it reports at most this much, so the frontends fit and evict "
+                 "models within it (docs/models.md, \"Lifecycle\").",
+                 parse=config.parse_byte_size, default_doc="all the memory of the machine"),
     config.repeatable("label", "LOCALAI_NODE_LABELS",
                       "Scheduling label key=value; the variable is comma-separated "
                       "(k=v,k=v).",

@@ -126,3 +126,30 @@ async def test_malformed_requests_are_400(site_and_supervisor):
     assert code == 400 and "model or process_key" in reply["problem"]
     code, reply = await post(site, "backend/logs", {"model": "m", "tail": 10**9})
     assert code == 400
+
+
+@pytest_twisted.ensureDeferred
+async def test_stop_if_idle_leaves_a_busy_backend_running_and_absent_ok(site_and_supervisor):
+    """``backend.stop`` with ``if_idle`` asks the backend's own Status; BUSY (a request in
+    flight, whoever sent it) stops nothing.  Break: drop the Status check: the backend is
+    stopped under its request and the busy assertion goes red."""
+    from localai_tw.backends import backend_pb2
+
+    site, supervisor = site_and_supervisor
+    code, reply = await post(site, "backend/start", {
+        "backend": "echo", "model": "tiny", "load": {"Model": "tiny"}})
+    assert code == 200 and reply["success"], reply
+    request = backend_pb2.PredictOptions(Prompt="a b c d e f")
+    request.Metadata["echo.delay_ms"] = "300"
+    running = supervisor.client("tiny").call("Predict", request, 30)
+    await deferLater(reactor, 0.3)
+    code, reply = await post(site, "backend/stop", {"model": "tiny", "if_idle": True})
+    assert code == 200 and reply == {"success": False, "busy": True, "error": "",
+                                     "process_key": "tiny"}
+    assert (await running).message == b"a b c d e f"  # it ran to the end
+    code, reply = await post(site, "backend/stop", {"model": "tiny", "if_idle": True})
+    assert code == 200 and reply["success"] is True and reply["state"] == "stopped"
+    code, reply = await post(site, "backend/stop", {"model": "gone", "absent_ok": True})
+    assert code == 200 and reply["success"] is True and reply["state"] == "absent"
+    code, reply = await post(site, "backend/stop", {"model": "gone"})
+    assert code == 200 and reply["success"] is False  # without absent_ok: as before

@@ -345,6 +345,35 @@ async def test_the_loads_route_the_page_polls_needs_the_admin_key(cluster):
 
 @pytest.mark.browser
 @pytest_twisted.ensureDeferred
+async def test_the_unload_button_stops_a_loaded_model_and_the_page_sees_it_go(cluster, browser):
+    """Break: make the button call a route that answers 200 without asking the worker (or
+    drop the button): the row, the backend and the page assertions go red."""
+    from localai_tw.backends import backend_pb2
+
+    from .inference_harness import supervisor_of
+
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", ECHO_MODEL)
+    frontend = await cluster.frontend("replica-u")
+    worker = await cluster.worker("w-unload", frontend)
+    await frontend.replica.inference.predict("echo-chat",
+                                             backend_pb2.PredictOptions(Prompt="warm"))
+    assert [b["model"] for b in supervisor_of(worker).list()] == ["echo-chat"]
+    await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+    await browser.wait_for(click('button.unload[data-node="w-unload"][data-model="echo-chat"]'),
+                           what="the unload click")
+    where = await browser.wait_for(
+        lambda d: "not loaded" in text_of('tr[data-model="echo-chat"]')(d) and
+        text_of('tr[data-model="echo-chat"]')(d), what="the model gone from the page")
+    assert "w-unload" not in where
+    assert await cluster.rows("echo-chat") == []
+    assert supervisor_of(worker).list() == []  # the worker stopped its backend
+    assert "error" not in (await browser.call(
+        lambda d: d.find_element("css selector", "#status").get_attribute("class")) or "")
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
 async def test_a_model_download_shows_its_bytes_until_it_is_done(cluster, browser):
     """issue 11 §4: a download_files entry being fetched (held half-way by the test's server)
     is shown with its file and bytes, and goes when it is done."""

@@ -250,3 +250,27 @@ def test_an_unreadable_capacity_is_left_out_not_fatal(monkeypatch, tmp_path):
     monkeypatch.setattr(psutil, "disk_usage", broken)
     capacity = HostCapacity(str(tmp_path / "models" / "not-yet"))()
     assert set(capacity) == {"total_ram", "available_ram"}
+
+
+def test_a_memory_budget_caps_every_memory_field_and_gpu_memory_needs_pynvml(monkeypatch,
+                                                                             tmp_path):
+    import sys
+    import types
+
+    from localai_tw.worker import capacity as capacity_module
+    from localai_tw.worker.capacity import HostCapacity
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: no GPU fields
+    assert capacity_module.gpu_memory() == {}
+    capped = HostCapacity(str(tmp_path), memory_budget=30000)()
+    assert capped["total_ram"] == capped["available_ram"] == 30000
+    assert capped["total_disk"] > 30000  # the disk is not memory
+
+    info = types.SimpleNamespace(total=8 << 30, free=6 << 30)
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetMemoryInfo=lambda h: info)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert capacity_module.gpu_memory() == {"total_vram": 16 << 30, "available_vram": 12 << 30}
+    capped = HostCapacity(str(tmp_path), memory_budget=1 << 30)()
+    assert capped["total_vram"] == capped["available_vram"] == 1 << 30

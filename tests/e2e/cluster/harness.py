@@ -300,7 +300,7 @@ class Cluster:
         wait_for(ready, timeout, f"{fe.name} /readyz = 200", interval=0.2)
 
     def start_worker(self, prefer: int, *, name: str | None = None,
-                     tunnel_blocked: bool = False) -> Worker:
+                     tunnel_blocked: bool = False, extra_args: tuple[str, ...] = ()) -> Worker:
         """A worker registered to its own balancer preferring frontend ``prefer``
         (``tunnel_blocked``: its tunnel dials are refused from the very first one)."""
         index = len(self.workers)
@@ -318,7 +318,7 @@ class Cluster:
                 "--node-name", name,
                 "--node-type", "backend",
                 "--backend-port-range", f"{first}-{first + 9}",
-                "--data-dir", str(data_dir)]
+                "--data-dir", str(data_dir), *extra_args]
         popen, log_path = self._spawn(f"w{index}-{name}", _TWISTD, args)
         worker = Worker(name, popen, log_path, balancer=balancer, data_dir=data_dir)
         self.processes.append(worker)

@@ -159,15 +159,40 @@ function renderReplicas(instances, nodes) {
       .map(n => n.name).join(", ") || "none"))));
 }
 
+// Unload one model on one node (POST /api/nodes/{id}/models/{model}/unload): the row goes
+// only when the worker answers that it stopped it; a refusal (busy, reconnecting) is shown.
+async function unloadModel(node, model) {
+  const status = document.getElementById("status");
+  try {
+    const r = await fetch("/api/nodes/" + encodeURIComponent(node.id) + "/models/"
+                          + encodeURIComponent(model.model_name) + "/unload",
+                          {method: "POST", headers: headers()});
+    if (!r.ok) {
+      let msg = r.status + "";
+      try { msg = (await r.json()).error.message; } catch (e) { /* keep the status */ }
+      status.textContent = "unload " + model.model_name + " on " + node.name + ": " + msg;
+      status.className = "error";
+    }
+  } finally {
+    poll();
+  }
+}
+
 function renderModels(models, nodes) {
   const where = {};
   for (const n of nodes)
-    for (const m of n.models)
-      (where[m.model_name] = where[m.model_name] || []).push(n.name + " (" + m.state + ", "
-                                                              + m.in_flight + " in flight)");
+    for (const m of n.models) {
+      const place = el("span", {class: "placement", "data-node": n.name},
+                       n.name + " (" + m.state + ", " + m.in_flight + " in flight) ");
+      if (m.state === "loaded")
+        place.append(el("button", {class: "unload", "data-node": n.name,
+                                   "data-model": m.model_name,
+                                   onclick: () => unloadModel(n, m)}, "Unload"));
+      (where[m.model_name] = where[m.model_name] || []).push(place);
+    }
   const body = document.getElementById("models-body");
   body.replaceChildren(...models.data.map(m => el("tr", {"data-model": m.id},
-    el("td", {}, m.id), el("td", {}, (where[m.id] || ["not loaded"]).join("; ")))));
+    el("td", {}, m.id), el("td", {class: "where"}, ...(where[m.id] || ["not loaded"])))));
   const errors = document.getElementById("model-errors");
   errors.replaceChildren(...(models.errors || []).map(e => el("p", {class: "error"},
     "config " + e.id + " did not load: " + e.error)));

@@ -1,0 +1,327 @@
+"""Gallery installs on a cluster (issue 13 §3): two real ``FrontendService`` replicas on one
+PostgreSQL database and one shared models directory, a gallery index in LocalAI's format in a
+file, the model files served by a twisted.web server this test starts on 127.0.0.1
+(``test_model_downloads.FileServer``: ``/held/`` sends half and waits for ``release``).
+
+Each scenario's docstring names the deliberate break of the product that turns it red; each
+was checked once (commit message)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import pytest_twisted
+import treq
+import yaml
+from twisted.internet import reactor
+from twisted.web import server
+
+from localai_tw.frontend.models import load_model_file
+
+from .inference_harness import ADMIN, sha256_hex
+from .support import eventually
+from .test_model_downloads import FileServer
+
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
+SMALL = b"tokenizer bytes " * 64
+#: About 9000 bytes once JSON-encoded (non-ASCII is escaped on the bus): spilled.
+LONG_DESCRIPTION = ("Ein Modell für Grüße, naïve café — 模型 🚀\n" * 200)[:8600]
+
+
+@pytest.fixture
+def files():
+    site = server.Site(FileServer())
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
+    served = site.resource
+    served.base = f"http://127.0.0.1:{port.getHost().port}"
+    yield served
+    if not served.release.called:
+        served.release.callback(None)
+    port.stopListening()
+
+
+def entry(name: str, files: list[tuple[str, str, str | None]], description: str = "",
+          **extra) -> dict:
+    return {"name": name, "description": description, "license": "mit", "tags": ["test"],
+            "config_file": f"backend: echo\nparameters:\n  model: {files[0][0]}\n"
+                           "options: ['echo.dim:4']\n",
+            "files": [{"filename": f, "uri": u, "sha256": d or ""} for f, u, d in files],
+            **extra}
+
+
+async def start(cluster, tmp_path, entries: list[dict], *replicas: str):
+    index = tmp_path / "index.yaml"
+    index.write_text(yaml.safe_dump(entries, allow_unicode=True))
+    started = []
+    for name in replicas:
+        frontend = await cluster.frontend(name, galleries=[f"test=file://{index}"])
+        # subscribed to the gallery's broadcasts before anything is admitted
+        await eventually(lambda f=frontend: f.replica.gallery._subscription is not None,
+                         timeout=20, what=f"{name} listening")
+        started.append(frontend)
+    return started
+
+
+async def call(cluster, frontend, method: str, path: str, body=None, headers=AUTH):
+    url = cluster.base_url(frontend) + path
+    if method == "POST":
+        answer = await treq.post(url, data=json.dumps(body or {}).encode(),
+                                 headers={**headers, "Content-Type": "application/json"})
+    else:
+        answer = await treq.get(url, headers=headers)
+    return answer.code, json.loads(await answer.content())
+
+
+async def job(cluster, frontend, job_id: str):
+    return await call(cluster, frontend, "GET", f"/models/jobs/{job_id}")
+
+
+async def row(cluster, job_id: str):
+    db = cluster.frontends[0].database_service.database
+    rows = await db.runQuery("SELECT state FROM gallery_jobs WHERE id = %s", (job_id,))
+    return rows[0][0] if rows else None
+
+
+def model_files(models_dir: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), models_dir)
+                  for d, _, names in os.walk(models_dir) for n in names)
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_install_admitted_at_a_is_seen_at_b_queued_downloading_done(
+        cluster, files, tmp_path):
+    """Replica B answers a job admitted at A while it is queued (no row yet), while it
+    downloads (bytes, total, rate) and once it is done (its row); a ~9000-byte description
+    round-trips byte-identical through the bus's spill path.
+    Red when A publishes only to itself (``GalleryJobs.broadcast = False``): B answers 404."""
+    files.files["a.bin"] = WEIGHTS
+    files.files["b.bin"] = SMALL
+    a, b = await start(cluster, tmp_path, [
+        entry("first", [("first/a.bin", f"{files.base}/held/a.bin", sha256_hex(WEIGHTS))]),
+        entry("second", [("second/b.bin", f"{files.base}/files/b.bin", sha256_hex(SMALL))],
+              description=LONG_DESCRIPTION)], "replica-a", "replica-b")
+
+    status, listed = await call(cluster, b, "GET", "/models/available")
+    assert status == 200 and [m["name"] for m in listed] == ["first", "second"]
+    assert listed[1]["description"] == LONG_DESCRIPTION and not listed[0]["installed"]
+
+    status, first = await call(cluster, a, "POST", "/models/apply", {"id": "test@first"})
+    assert status == 200 and first["status"].endswith(f"/models/jobs/{first['uuid']}")
+    first_id = first["uuid"]
+    # downloading, seen at B: bytes, total, rate
+    await eventually(lambda: files.gets, timeout=20, what="the download started")
+
+    async def downloading():
+        code, seen = await job(cluster, b, first_id)
+        return code == 200 and seen["state"] == "downloading" \
+            and seen["current_bytes"] == len(WEIGHTS) // 2 and seen
+
+    seen = await eventually(downloading, timeout=20, what="B sees the download's progress")
+    assert seen["total_bytes"] == len(WEIGHTS) and seen["file_name"] == "first/a.bin"
+    assert seen["bytes_per_second"] >= 0 and seen["replica"] == "replica-a"
+    assert await row(cluster, first_id) == "running"
+
+    # a second install waits behind the first (one at a time per replica): queued, no row
+    status, second = await call(cluster, a, "POST", "/models/apply", {"id": "second"})
+    second_id = second["uuid"]
+    code, queued = await eventually(
+        lambda: _ok(job(cluster, b, second_id)), timeout=20, what="B sees the queued job")
+    assert queued["state"] == "queued" and queued["source"] == "broadcast"
+    assert await row(cluster, second_id) is None
+    assert queued["description"] == LONG_DESCRIPTION  # byte-identical after the spill
+    db = cluster.frontends[0].database_service.database
+    [[spilled]] = await db.runQuery("SELECT count(*) FROM bus_messages WHERE subject = %s",
+                                    (f"gallery.{second_id}",))
+    assert spilled >= 1  # it went through the spill table, not inline
+
+    files.release.callback(None)
+    for job_id in (first_id, second_id):
+        code, done = await eventually(lambda j=job_id: _done(job(cluster, b, j)), timeout=30,
+                                      what="B sees the job done")
+        assert done["state"] == "done" and done["processed"] and done["error"] is None
+        assert done["source"] == "row" and await row(cluster, job_id) == "done"
+    config = load_model_file(os.path.join(cluster.models_dir, "first.yaml"))
+    assert config.name == "first" and config.backend == "echo"
+    assert model_files(cluster.models_dir) == [
+        "._gallery_first.yaml", "._gallery_second.yaml", "first.yaml", "first/a.bin",
+        "second.yaml", "second/b.bin"]
+    with open(os.path.join(cluster.models_dir, "first", "a.bin"), "rb") as f:
+        assert f.read() == WEIGHTS
+    status, listed = await call(cluster, b, "GET", "/models/available")
+    assert [m["installed"] for m in listed] == [True, True]
+
+
+async def _ok(answer):
+    code, body = await answer
+    return (code, body) if code == 200 else None
+
+
+async def _done(answer):
+    code, body = await answer
+    return (code, body) if code == 200 and body["state"] in ("done", "failed") else None
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_digest_that_does_not_match_fails_the_job_and_leaves_nothing(
+        cluster, files, tmp_path):
+    """The second file's sha256 is wrong: the job fails naming the file and both digests, and
+    neither the config, nor the first (verified) file, nor a temporary file is left.
+    Red when a failed install keeps the files it downloaded (the cleanup in
+    ``GalleryJobs._install`` removed)."""
+    files.files["a.bin"] = SMALL
+    files.files["b.bin"] = WEIGHTS
+    wrong = "0" * 64
+    (a,) = await start(cluster, tmp_path, [entry("bad", [
+        ("bad/a.bin", f"{files.base}/files/a.bin", sha256_hex(SMALL)),
+        ("bad/b.bin", f"{files.base}/files/b.bin", wrong)])], "replica-a")
+    status, applied = await call(cluster, a, "POST", "/models/apply", {"id": "bad"})
+    code, failed = await eventually(lambda: _done(job(cluster, a, applied["uuid"])),
+                                    timeout=30, what="the job finished")
+    assert failed["state"] == "failed" and failed["processed"]
+    assert "bad/b.bin" in failed["error"] and wrong in failed["error"]
+    assert sha256_hex(WEIGHTS) in failed["error"]
+    assert await row(cluster, applied["uuid"]) == "failed"
+    assert model_files(cluster.models_dir) == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrent_applies_of_one_model_install_it_once(cluster, files, tmp_path):
+    """The same model applied at A and at B while A's download is held: one install runs, the
+    other job fails naming the running job; the file is fetched once.
+    Red without the claim (``_CLAIM_SQL`` inserting with no conflict check on the model):
+    both download."""
+    files.files["a.bin"] = WEIGHTS
+    a, b = await start(cluster, tmp_path, [
+        entry("one", [("one/a.bin", f"{files.base}/held/a.bin", sha256_hex(WEIGHTS))])],
+        "replica-a", "replica-b")
+    _, at_a = await call(cluster, a, "POST", "/models/apply", {"id": "one"})
+    await eventually(lambda: files.gets, timeout=20, what="A downloads")
+    _, at_b = await call(cluster, b, "POST", "/models/apply", {"id": "one"})
+    code, refused = await eventually(lambda: _done(job(cluster, a, at_b["uuid"])), timeout=30,
+                                     what="B's job finished")
+    assert refused["state"] == "failed"
+    assert at_a["uuid"] in refused["error"] and "being installed" in refused["error"]
+    files.release.callback(None)
+    code, done = await eventually(lambda: _done(job(cluster, b, at_a["uuid"])), timeout=30,
+                                  what="A's job finished")
+    assert done["state"] == "done"
+    assert files.gets == [b"/held/a.bin"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_delete_removes_the_config_and_its_files(cluster, files, tmp_path):
+    """An installed model deleted at B (``POST /models/delete/{name}``): its config, its files
+    and its record are gone; a file another installed model lists stays; deleting it again
+    fails the job with the reason.
+    Red when delete removes only the config (the record's files kept)."""
+    files.files["a.bin"] = SMALL
+    files.files["shared.bin"] = b"shared"
+    shared = ("shared.bin", f"{files.base}/files/shared.bin", sha256_hex(b"shared"))
+    a, b = await start(cluster, tmp_path, [
+        entry("gone", [("gone/a.bin", f"{files.base}/files/a.bin", sha256_hex(SMALL)),
+                       shared]),
+        entry("kept", [shared])], "replica-a", "replica-b")
+    for name in ("gone", "kept"):
+        _, applied = await call(cluster, a, "POST", "/models/apply", {"id": name})
+        _, done = await eventually(lambda j=applied["uuid"]: _done(job(cluster, a, j)),
+                                   timeout=30, what="installed")
+        assert done["state"] == "done", done
+    status, deleting = await call(cluster, b, "POST", "/models/delete/gone")
+    assert status == 200
+    _, deleted = await eventually(lambda: _done(job(cluster, a, deleting["uuid"])), timeout=30,
+                                  what="deleted")
+    assert deleted["state"] == "done" and deleted["deletion"]
+    assert model_files(cluster.models_dir) == ["._gallery_kept.yaml", "kept.yaml",
+                                               "shared.bin"]
+    _, again = await call(cluster, b, "POST", "/models/delete/gone")
+    _, refused = await eventually(lambda: _done(job(cluster, b, again["uuid"])), timeout=30,
+                                  what="second delete finished")
+    assert refused["state"] == "failed" and "not installed" in refused["error"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_gallery_routes_need_the_admin_key_and_refuse_bad_input(cluster, files,
+                                                                       tmp_path):
+    """The gallery routes are admin routes; ``/models`` stays the OpenAI model list; a caller
+    cannot make a replica fetch its own URL; bad input is a clear 4xx."""
+    (a,) = await start(cluster, tmp_path, [entry("one", [("one/a.bin",
+                                                           f"{files.base}/files/a.bin", None)])],
+                       "replica-a")
+    status, body = await call(cluster, a, "GET", "/models/available", headers={})
+    assert status == 401
+    status, body = await call(cluster, a, "GET", "/models")
+    assert status == 200 and body["object"] == "list"
+    status, body = await call(cluster, a, "POST", "/models/apply",
+                              {"id": "one", "url": "http://169.254.169.254/x.yaml"})
+    assert status == 400 and "url" in body["error"]["message"]
+    status, body = await call(cluster, a, "POST", "/models/apply", {"id": "nope"})
+    assert status == 404 and "/models/available" in body["error"]["message"]
+    status, body = await call(cluster, a, "POST", "/models/apply", {"id": "one",
+                                                                     "name": "../escape"})
+    assert status == 400
+    status, body = await call(cluster, a, "GET", "/models/jobs/not-a-uuid")
+    assert status == 404
+    answer = await treq.post(cluster.base_url(a) + "/models/apply", data=b"{nope",
+                             headers=AUTH)
+    assert answer.code == 400
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_queued_job_of_a_replica_that_stopped_reads_failed(cluster, files, tmp_path):
+    """A queued snapshot heard from a replica that is no longer live (it stopped before the
+    job started, so no row will ever come) reads failed with the reason, not queued forever.
+    Red when ``status`` trusts a queued broadcast without asking whether its replica lives."""
+    a, b = await start(cluster, tmp_path, [], "replica-a", "replica-b")
+    job_id = "00000000-0000-4000-8000-000000000001"
+    snapshot = {"id": job_id, "state": "queued", "replica": "replica-a", "seq": 1,
+                "processed": False, "error": None}
+    b.replica.gallery._heard(f"gallery.{job_id}", snapshot)
+    _, seen = await job(cluster, b, job_id)
+    assert seen["state"] == "queued"  # replica-a is live
+    b.replica.gallery._heard(f"gallery.{job_id}", dict(snapshot, replica="replica-gone"))
+    _, seen = await job(cluster, b, job_id)
+    assert seen["state"] == "failed" and "stopped before it started" in seen["error"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_index_over_http_is_read_and_bounded(cluster, files, tmp_path, monkeypatch):
+    """An index served over http:// is listed; one larger than the bound is a 502 naming the
+    bound, not memory spent on it.
+    Red when the body is read without the bound (the Content-Length check and ``_Bounded``)."""
+    from localai_tw.frontend import gallery
+
+    files.files["index.yaml"] = yaml.safe_dump(
+        [entry("web", [("web/a.bin", f"{files.base}/files/a.bin", None)])]).encode()
+    frontend = await cluster.frontend("replica-a",
+                                      galleries=[f"web={files.base}/files/index.yaml"])
+    status, listed = await call(cluster, frontend, "GET", "/models/available")
+    assert status == 200 and [m["id"] for m in listed] == ["web@web"]
+    monkeypatch.setattr(gallery, "MAX_INDEX_BYTES", 100)
+    status, body = await call(cluster, frontend, "GET", "/models/available")
+    assert status == 502 and "larger than 100 bytes" in body["error"]["message"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_running_row_of_a_dead_replica_does_not_hold_the_model(cluster, files,
+                                                                         tmp_path):
+    """A ``running`` row left by a replica that died (not live) is failed with the reason, and
+    the model installs.
+    Red without ``_CLAIM_STALE_SQL`` (the dead replica's row would hold the model forever)."""
+    files.files["a.bin"] = SMALL
+    (a,) = await start(cluster, tmp_path, [
+        entry("one", [("one/a.bin", f"{files.base}/files/a.bin", sha256_hex(SMALL))])],
+        "replica-a")
+    db = cluster.frontends[0].database_service.database
+    ghost = "00000000-0000-4000-8000-0000000000aa"
+    await db.runOperation(
+        "INSERT INTO gallery_jobs (id, model, state, replica, status) "
+        "VALUES (%s, 'one', 'running', 'replica-dead', '{}')", (ghost,))
+    _, applied = await call(cluster, a, "POST", "/models/apply", {"id": "one"})
+    _, done = await eventually(lambda: _done(job(cluster, a, applied["uuid"])), timeout=30,
+                               what="installed")
+    assert done["state"] == "done", done
+    _, old = await job(cluster, a, ghost)
+    assert old["state"] == "failed" and old["error"] == "the replica running it stopped"
