@@ -2,7 +2,7 @@
 
 Usage:  python benchmarks/bench_transport.py [--mib 256] [--mem-mib 64] [--rounds 2000]
                                              [--transports tcp,yamux,ws] [--json PATH]
-                                             [--profile DIR]
+                                             [--profile DIR] [--bulk-budget KiB]
 
 One run measures, on 127.0.0.1, for each transport:
 
@@ -240,7 +240,8 @@ def _protocols():
 def _session_config(args):
     from localai_tw.mux.session import SessionConfig
 
-    config = SessionConfig(max_window=args.window * 1024)
+    config = SessionConfig(max_window=args.window * 1024,
+                           bulk_in_flight=getattr(args, "bulk_budget", 0) * 1024)
     if args.frame:
         config.max_frame_size = args.frame
     return config
@@ -448,6 +449,7 @@ def _child_argv(args, role: str, transport: str, mib: int, extra=()) -> list[str
     argv = [sys.executable, os.path.abspath(__file__), "--role", role, "--transport", transport,
             "--mib", str(mib), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
             "--window", str(args.window), "--frame", str(args.frame), "--tests", args.tests,
+            "--bulk-budget", str(args.bulk_budget),
             *extra]
     if args.profile:
         argv += ["--profile", args.profile]
@@ -692,6 +694,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256, help="yamux max window, KiB")
     parser.add_argument("--frame", type=int, default=0,
                         help="yamux max frame size, bytes (0: the library default)")
+    parser.add_argument("--bulk-budget", type=int, default=0,
+                        help="yamux bulk bytes in flight per session, KiB (0: no limit)")
     parser.add_argument("--transports", default="tcp,yamux,ws")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved runs; each figure is the best of them")

@@ -39,7 +39,7 @@ import secrets
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from twisted.internet import threads
 from twisted.logger import Logger
@@ -375,6 +375,18 @@ class NodeRegistry:
         self._token_digest = (hashlib.sha256(registration_token.encode("utf-8")).digest()
                               if registration_token else b"")
         self._require_approval = require_approval
+        #: ``on_changed(node_id)``: the node's status, labels or existence changed (the
+        #: frontend's placement cache drops what it kept for it).  Never awaited, never fails
+        #: a write.
+        self.on_changed: Callable[[str], Any] | None = None
+
+    def _changed(self, node_id: str) -> None:
+        if self.on_changed is None:
+            return
+        try:
+            self.on_changed(node_id)
+        except Exception:
+            log.failure("on_changed of node {node} failed", node=node_id)
 
     # -- credentials ---------------------------------------------------------------------------
 
@@ -526,6 +538,8 @@ class NodeRegistry:
         changed = await self._db.runInteraction(change)
         if not changed:
             await self._require_exists(node_id)
+        else:
+            self._changed(node_id)
         return changed
 
     async def mark_offline(self, node_id: str) -> bool:
@@ -573,6 +587,7 @@ class NodeRegistry:
                 await cursor.execute(_UPSERT_LABEL_SQL, (node_id, key, value))
 
         await self._db.runInteraction(write)
+        self._changed(node_id)
         return await self.get_labels(node_id)
 
     async def get_labels(self, node_id: str) -> dict[str, str]:
@@ -584,6 +599,8 @@ class NodeRegistry:
         rows = await self._db.runQuery(
             "DELETE FROM node_labels WHERE node_id = %s AND key = %s RETURNING key",
             (_validate_node_id(node_id), _validate_label_key(key)))
+        if rows:
+            self._changed(node_id)
         return bool(rows)
 
     # -- reads and deletion ----------------------------------------------------------------------
@@ -633,6 +650,7 @@ class NodeRegistry:
 
         if not await self._db.runInteraction(delete):
             raise NodeNotFound(node_id)
+        self._changed(node_id)
 
     # -- helpers ---------------------------------------------------------------------------------
 

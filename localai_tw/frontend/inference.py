@@ -31,6 +31,11 @@ the caller's deadline, a cancellation
 Each call is counted in flight on this replica while it runs, and its use is touched (both
 in ``usage.ModelUse``: memory only, flushed to ``node_models.last_used`` once a second).
 Unloads are :mod:`.lifecycle`'s.
+The warm path reads no database: the loaded placements come from the chooser's
+``PlacementCache`` (``placement_cache.py``).  A call that fails with the worker's answer, a
+routing fact or an absence drops that model's entry first (``NodeChooser.forget``), then the
+failure is classified by the table above exactly as for a placement read from the database,
+and the retry (if any) excludes nothing cached: it reads the database.
 
 Retries happen only when the call is known not to have run: a dial failure (the splice was
 abandoned before any byte reached a backend) or a backend refusal before touching the model.
@@ -337,6 +342,7 @@ class InferenceRouter:
                 with hops.calling(getattr(client, "bridge", None)):
                     value = await call(client, request, deadline)
             except errors.WorkerAnswer as e:
+                self.chooser.forget(placement)  # the next request reads the database
                 if isinstance(e, errors.StreamRefused) or _reloadable(e):
                     await self.chooser.reap(placement, e)
                     last_error = e
@@ -353,7 +359,8 @@ class InferenceRouter:
                 # No route to that node now, or it is away within the grace: the call never
                 # reached a backend, so serve from another node (loading there if needed).
                 # Acts on nothing: the node's rows stay for its return (WorkerGone alone
-                # demotes it, status only).
+                # demotes it, status only).  Only the warm-path cache forgets the placement.
+                self.chooser.forget(placement)
                 if isinstance(e, errors.WorkerGone):
                     await self.chooser.mark_gone(placement.node_id)
                 exclude.add(placement.node_id)

@@ -15,6 +15,11 @@ the picked node's presence is read: ``gone`` -> ``mark_unhealthy`` (status only,
 and pick again, at most ``MAX_PICKS`` times; ``reconnecting``/``unknown`` stay eligible (nobody
 acts on absence within the grace).
 
+The loaded candidates of a model are kept by a ``PlacementCache`` when one is set
+(``placement_cache.py``: the warm path reads no database; a request that excludes a node, a
+miss and a cold load read it).  :meth:`NodeChooser.forget` drops a model's entry after a
+failed call.
+
 Reaping (:meth:`NodeChooser.reap`) deletes a ``loaded`` row, and is called by the router ONLY on
 the worker's answer (``WorkerAnswer``: ``StreamRefused`` at the dial, ``BackendAnswer`` of a
 dead or wrong backend).  It asserts that: handing it a routing fact, absence, a peer failure, a
@@ -131,6 +136,10 @@ class NodeChooser:
         self._grace = grace
         self._liveness = liveness
         self._random = random.Random()
+        #: ``PlacementCache`` of the warm path (``placement_cache.py``); None: always read.
+        self.cache = None
+        #: ``on_reaped(model_name)``: tell every replica's cache (``PlacementFanout``).
+        self.on_reaped = None
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -154,6 +163,26 @@ class NodeChooser:
             "live": float(self._liveness)})
         return [Candidate(r[0], int(r[1]), r[2], r[3] or "", bool(r[4])) for r in rows]
 
+    async def _loaded_candidates(self, model: ModelConfig, exclude: frozenset[str]):
+        """The candidates holding ``model`` loaded: from the cache on the warm path, else
+        read (and kept when the request excludes no node; see ``placement_cache.py``)."""
+        cache = self.cache
+        if cache is None or exclude:
+            return await self.candidates(model)
+        cached = cache.get(model)
+        if cached is not None:
+            return cached
+        token = cache.token()
+        loaded = [c for c in await self.candidates(model) if c.loaded_address]
+        cache.put(model, loaded, token)
+        return loaded
+
+    def forget(self, placement: Placement) -> None:
+        """A call on ``placement`` failed: the next request reads the database (whatever the
+        failure means is decided by the caller, as without a cache)."""
+        if self.cache is not None:
+            self.cache.drop_model(placement.model_name)
+
     def _shuffled(self, items: list) -> list:
         items = list(items)
         self._random.shuffle(items)
@@ -163,7 +192,7 @@ class NodeChooser:
                                exclude: frozenset[str] = frozenset()) -> Placement | None:
         """A loaded replica of ``model`` on a node that still matches: on a connected node
         when there is one, random among equals."""
-        loaded = [c for c in await self.candidates(model)
+        loaded = [c for c in await self._loaded_candidates(model, exclude)
                   if c.loaded_address and c.node_id not in exclude]
         if not loaded:
             return None
@@ -228,6 +257,8 @@ class NodeChooser:
         rows = await self._db.runQuery(
             "DELETE FROM node_models WHERE node_id = %s AND model_name = %s AND address = %s"
             " RETURNING id", (placement.node_id, placement.model_name, placement.address))
+        if self.on_reaped is not None:
+            self.on_reaped(placement.model_name)
         if rows:
             log.info("reaped model {model} on node {node} ({address}) on the worker's answer: "
                      "{evidence}", model=placement.model_name, node=placement.node_id,

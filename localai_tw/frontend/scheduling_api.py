@@ -91,7 +91,12 @@ class SchedulingResource(AdminResource):
                                  " RETURNING model_name", (model_name,))
         if not rows:
             raise not_found(f"no scheduling config for model {printable(model_name)!r}")
+        self._changed(model_name)
         return 200, {"deleted": True, "model_name": model_name}
+
+    def _changed(self, model_name: str) -> None:
+        if self._parts.on_scheduling_changed is not None:
+            self._parts.on_scheduling_changed(model_name)
 
     async def upsert(self, request):
         import json
@@ -128,6 +133,7 @@ class SchedulingResource(AdminResource):
             " min_replicas = EXCLUDED.min_replicas, max_replicas = EXCLUDED.max_replicas,"
             f" updated_at = now() RETURNING {_COLUMNS}",
             (name, json.dumps(selector), bounds["min_replicas"], bounds["max_replicas"]))
+        self._changed(name)
         return 200, _row(rows[0])
 
 

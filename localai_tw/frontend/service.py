@@ -16,7 +16,9 @@
         Preloader              preload: ``preload: true`` models and --preload-models
         ReplicaScaler          min_replicas floor, busy scale-up (frontend/replicas.py)
         PgBus                  the LISTEN/NOTIFY fan-out (the claim queue's wake hint, the
-                               gallery's job snapshots)
+                               gallery's job snapshots, the placement caches' invalidations)
+        PlacementFanout        the warm path's placement cache and its invalidations
+                               (frontend/placement_cache.py)
         GalleryJobs "gallery"  gallery installs and deletes (frontend/gallery.py)
         JobStatsService        reads the jobs queue's depth every 15 s (for /metrics)
         ClaimConsumer "jobs"   claims queued jobs and runs them on agent workers; stops
@@ -24,8 +26,8 @@
       ListeningService         listens at once behind the StartingGate (/healthz, /readyz,
                                503 elsewhere); stops first: accept nothing new
 
-So stopping runs: listener; the jobs consumer (its claims released at once), the bus; tunnels
-(releasing their claims), peer links, worker pools, all
+So stopping runs: listener; the jobs consumer (its claims released at once), the gallery, the
+placement fan-out and the bus; tunnels (releasing their claims), peer links, worker pools, all
 *before* leaving ``instances``; deregister; health; database.  The state of the start is a
 :class:`StartupState`, which ``/readyz`` reports.
 
@@ -42,8 +44,9 @@ So stopping runs: listener; the jobs consumer (its claims released at once), the
    ``--models-dir``, gRPC bridges under ``<data-dir>/run``, the node chooser, the load lock and the cold loader);
 4. ``MembershipService`` with the ``InstanceIdentity`` (whose peer secret is minted once per
    process and never leaves it);
-5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscriber drops this process's
-   per-node HTTP connection pools and gRPC bridges.
+5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscribers drop this process's
+   per-node HTTP connection pools and gRPC bridges, and the node's placements from every
+   replica's placement cache (through the bus, ``PlacementFanout``).
 
 The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
 ``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
@@ -115,6 +118,7 @@ from .jobs_cancel import CancelFanout
 from .jobs_dispatch import JobDispatcher, job_consumer
 from .jobs_stats import JobStatsService
 from .jobs_store import JobStore
+from .placement_cache import PlacementCache, PlacementFanout
 from .metrics_api import MetricsResource, NodeMetricsRouting
 from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
 from .traces import TraceRing, TracesResource
@@ -413,6 +417,7 @@ class Replica:
     health: HealthMonitor
     bus: PgBus
     jobs: JobParts
+    placements: PlacementFanout
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
     #: lifecycle parts (frontend/usage.py, lifecycle.py, preload.py)
     use: Any = None
@@ -435,7 +440,8 @@ class Replica:
                 TunnelRegistryService(self.tunnels, self.instance_id),
                 *[s for s in (self.use, self.watchdog, self.preloader, self.scaler)
                   if s is not None],
-                self.bus, *([self.gallery] if self.gallery is not None else []),
+                self.bus, self.placements,
+                *([self.gallery] if self.gallery is not None else []),
                 self.jobs.stats, self.jobs.consumer]
 
     def cluster_parts(self) -> ClusterParts:
@@ -446,6 +452,7 @@ class Replica:
                             control=self.control, lifecycle=self.lifecycle,
                             registration_limit=self.registration_limit,
                             downloads=self.downloads_in_progress,
+                            on_scheduling_changed=self.placements.model_changed,
                             staging=self.staging_of)
 
     def _downloads(self):
@@ -538,20 +545,29 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     chooser.in_flight = use.in_flight  # calls spread over a model's replicas
     scaler = ReplicaScaler(db, inference, use, reactor)
     inference.scaler = scaler
+    # The warm path's placement cache, told of changes here and by every replica through the
+    # bus (frontend/placement_cache.py): a warm request reads no database.  The bus is also the
+    # claim queue's wake hint and the gallery's job snapshots (below).
+    bus = PgBus(db, reactor=reactor)
+    placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
+    chooser.cache = placements.cache
+    chooser.on_reaped = placements.model_changed
+    nodes.on_changed = placements.node_changed
     # One subscriber drops every per-node connection of this process when a node departs:
-    # the HTTP pools and the gRPC bridges (their sockets and channels).
+    # the HTTP pools and the gRPC bridges (their sockets and channels); another drops the
+    # node's placements from every replica's cache.
     notifier = DepartureNotifier({
         "worker-http-connections": functools.partial(forget_worker_connections, worker_http,
-                                                     backend_clients)})
+                                                     backend_clients),
+        "placement-cache": placements.node_changed})
     membership = MembershipService(db, identity, reactor=reactor,
                                    reconnect_grace=grace or 0, on_reregistered=tunnels.reclaim)
     health = HealthMonitor(db, nodes, fence, notifier, reactor,
                            interval=config.health_interval, stale_after=config.stale_after,
                            grace=grace)
     metrics.watch_health(health)
-    # Jobs: the bus (LISTEN/NOTIFY, for the claim queue's wake hint), the claim queue, and the
-    # consumer every replica runs (frontend/jobs_dispatch.py).
-    bus = PgBus(db, reactor=reactor)
+    # Jobs: the claim queue (the bus above is its wake hint), and the consumer every replica
+    # runs (frontend/jobs_dispatch.py).
     queue = ClaimQueue(db, bus)
     store = JobStore(db, queue)
     dispatcher = JobDispatcher(store, db, control, config.instance_id)
@@ -570,9 +586,9 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, bus=bus, jobs=jobs, metrics=metrics,
-        use=use, lifecycle=lifecycle, watchdog=watchdog, preloader=preloader, scaler=scaler,
-        gallery=gallery,
+        membership=membership, health=health, bus=bus, placements=placements, jobs=jobs,
+        metrics=metrics, use=use, lifecycle=lifecycle, watchdog=watchdog, preloader=preloader,
+        scaler=scaler, gallery=gallery,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)

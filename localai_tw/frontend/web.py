@@ -935,6 +935,8 @@ class ClusterParts:
         None: unlimited.
     :param downloads: this replica's model downloads in progress (``downloads.py``
         ``ModelDownloads.in_progress``); None where there are none.
+    :param on_scheduling_changed: called with a model name after its scheduling row was
+        written or deleted (the placement caches drop the model).
     """
 
     db: Database
@@ -948,6 +950,7 @@ class ClusterParts:
     lifecycle: Any = None
     registration_limit: SourceRateLimit | None = None
     downloads: Callable[[], list] | None = None
+    on_scheduling_changed: Callable[[str], object] | None = None
     #: model name -> the bytes this replica's cold load of it staged so far, or None.
     staging: Callable[[str], dict | None] | None = None
 

@@ -113,6 +113,14 @@ class SessionConfig:
     # A well-behaved peer pings every 30 s: it never comes near either.
     reply_high_water: int = 16 * 1024
     reply_cap: int = 64 * 1024
+    # Bulk bytes in flight, session-wide (0: no limit).  A stream that has sent more than
+    # ``bulk_after`` bytes is a bulk stream; bulk streams together keep at most this many bytes
+    # (headers included) written but not yet acknowledged by the peer, so a control stream's
+    # frame never waits behind more than that in the socket buffers.  The acknowledgement is a
+    # ping sent every quarter of the budget: the peer answers it only after reading everything
+    # written before it.  No wire change; any yamux peer answers pings.
+    bulk_in_flight: int = 0
+    bulk_after: int = 256 * 1024
 
     def __post_init__(self):
         if self.initial_window != INITIAL_WINDOW:
@@ -125,6 +133,10 @@ class SessionConfig:
             raise ValueError("limits must not be negative")
         if not 0 < self.reply_high_water <= self.reply_cap:
             raise ValueError("reply_high_water must be positive and at most reply_cap")
+        if self.bulk_in_flight < 0 or self.bulk_after < 0:
+            raise ValueError("bulk_in_flight and bulk_after must not be negative")
+        if self.bulk_in_flight and self.bulk_in_flight < 4 * (self.max_frame_size + HEADER_SIZE):
+            raise ValueError("bulk_in_flight must be at least four frames")
 
 
 class SessionState(enum.Enum):
@@ -171,6 +183,11 @@ class Session(Protocol):
         self._lingering: dict[int, object] = {}
         self._reading = 0           # > 0 while a read's frames are handled
         self._grants: dict[Stream, None] = {}  # streams whose window grant waits for its end
+        # bulk budget: Data bytes written, acknowledged by a ping reply, and the pings out
+        self._data_out = 0
+        self._data_acked = 0
+        self._budget_mark = 0
+        self._budget_pings: dict[int, int] = {}
         # Wire bytes (headers included) read from and written to the carrier, for metrics:
         # one addition per read and per write call, never per stream.
         self.bytesReceived = 0
@@ -360,22 +377,35 @@ class Session(Protocol):
             stream._sessionPaused()
 
     def resumeProducing(self) -> None:
-        """Serve streams in rotation, stopping as soon as the transport pauses us again; the
-        stream served last goes to the back, so the next resume starts with the next one."""
+        """Serve streams fairly, stopping as soon as the transport pauses us again.
+
+        First the bytes streams buffered while we were paused go out in rounds of one frame
+        per stream (at most ``max_frame_size`` each), so a stream with a few bytes to send (a
+        control call, a reply) leaves within one frame of every other stream's, never behind a
+        whole window of a bulk stream's.  Then the streams' producers are resumed in rotation;
+        the stream served last goes to the back, so the next resume starts with the next one.
+        """
         if not self._paused:
             return
         self._paused = False
         self._owed = 0
+        self._serve()
+        if self._reading_paused and self.state is SessionState.OPEN:
+            # The peer read what we owed it: read again (held input may be delivered now).
+            self._reading_paused = False
+            self.transport.resumeProducing()
+
+    def _serve(self) -> None:
+        """Buffered frames in rounds, then producers in rotation (see ``resumeProducing``)."""
+        waiting = [s for s in self._rotation if s._out]
+        while waiting and self._writable():
+            waiting = [s for s in waiting if self._writable() and s._sessionResumedFrame()]
         for _ in range(len(self._rotation)):
             if self._paused or self.state is not SessionState.OPEN or not self._rotation:
                 break
             stream = self._rotation[0]
             self._rotation.rotate(-1)
             stream._sessionResumed()
-        if self._reading_paused and self.state is SessionState.OPEN:
-            # The peer read what we owed it: read again (held input may be delivered now).
-            self._reading_paused = False
-            self.transport.resumeProducing()
 
     def stopProducing(self) -> None:
         """The transport is going away; its connectionLost tells us how."""
@@ -403,6 +433,13 @@ class Session(Protocol):
             if self._keepalive_timer is not None and self._keepalive_timer.active():
                 self._keepalive_timer.cancel()
             self._keepalive_timer = None
+        mark = self._budget_pings.pop(opaque, None)
+        if mark is not None:
+            blocked = self._budgetSpent()
+            self._data_acked = max(self._data_acked, mark)
+            if blocked and not self._budgetSpent() and self._writable():
+                self._serve()
+            return
         waiting = self._pings.pop(opaque, None)
         if waiting is not None:
             d, sent = waiting
@@ -504,6 +541,17 @@ class Session(Protocol):
         """May stream data be written now?  Not while the transport has paused us."""
         return self.state is SessionState.OPEN and not self._paused
 
+    def _writableFor(self, stream: Stream) -> bool:
+        """May ``stream`` write now?  As ``_writable``, and a bulk stream not while the bulk
+        budget is spent."""
+        if self.state is not SessionState.OPEN or self._paused:
+            return False
+        return stream._sent < self.config.bulk_after or not self._budgetSpent()
+
+    def _budgetSpent(self) -> bool:
+        budget = self.config.bulk_in_flight
+        return bool(budget) and self._data_out - self._data_acked >= budget
+
     def _sendFrame(self, frame: Frame) -> None:
         if self.state is not SessionState.OPEN or self.transport is None:
             return
@@ -536,12 +584,27 @@ class Session(Protocol):
 
     def _sendData(self, stream_id: int, flags: int, parts: list, length: int) -> None:
         """Write one Data frame whose payload is ``parts`` (``length`` bytes in all, at least
-        one): the header and the pieces are joined once, with no intermediate payload copy."""
-        if self.state is not SessionState.OPEN or self.transport is None:
+        one).  A transport that declares ``writesPieces`` (the WebSocket carrier, which joins
+        a whole message's pieces once anyway) is given the header and the pieces as they are,
+        writev-style; any other gets them joined once, with no intermediate payload copy."""
+        transport = self.transport
+        if self.state is not SessionState.OPEN or transport is None:
             return
         self.bytesSent += HEADER_SIZE + length
-        self.transport.write(b"".join([HEADER.pack(VERSION, TYPE_DATA, flags, stream_id, length),
-                                       *parts]))
+        budget = self.config.bulk_in_flight
+        if budget:
+            self._data_out += HEADER_SIZE + length
+        header = HEADER.pack(VERSION, TYPE_DATA, flags, stream_id, length)
+        if getattr(transport, "writesPieces", False):
+            transport.writePieces([header, *parts], HEADER_SIZE + length)
+        else:
+            transport.write(b"".join([header, *parts]))
+        if budget and self._data_out - self._budget_mark >= budget // 4:
+            # Acknowledge what was written so far: the reply comes once the peer read it all.
+            self._budget_mark = self._data_out
+            opaque = self._nextOpaque()
+            self._budget_pings[opaque] = self._data_out
+            self._sendFrame(Frame.ping(opaque))
 
     def _addStream(self, sid: int, state: StreamState) -> Stream:
         stream = Stream(self, sid, state)
@@ -575,7 +638,8 @@ class Session(Protocol):
         nothing keep the keepalive satisfied with blind replies for 0, 1, 2, ..."""
         while True:
             opaque = secrets.randbits(32)
-            if opaque not in self._pings and opaque != self._keepalive_opaque:
+            if (opaque not in self._pings and opaque != self._keepalive_opaque
+                    and opaque not in self._budget_pings):
                 return opaque
 
     def _sendKeepalive(self) -> None:

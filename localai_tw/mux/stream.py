@@ -154,6 +154,7 @@ class Stream:
         self._out: deque[bytes] = deque()
         self._out_size = 0
         self._out_offset = 0         # bytes of _out[0] already sent
+        self._sent = 0               # payload bytes sent in all (past bulk_after: a bulk stream)
         self._fin_pending = False    # loseWriteConnection asked for FIN after the buffer drains
         self._producer = None
         self._streaming = False
@@ -315,26 +316,31 @@ class Stream:
             return FLAG_ACK
         return 0
 
-    def _flush(self) -> None:
-        """Send as much buffered data as the window, the frame size and the session allow; then
-        FIN if it was asked for and everything went.
+    def _flush(self, frames: int = -1) -> bool:
+        """Send as much buffered data as the window, the frame size and the session allow (at
+        most ``frames`` Data frames when that is not negative: the session's round robin on
+        resume); then FIN if it was asked for and everything went.  Returns whether this stream
+        still holds bytes it could send now (window left, session writable).
 
         FIN always goes on its own window update, never on the last Data frame: Go df201c7
         handles the FIN flag before it buffers the payload of the same frame, so its reader can
         see end-of-stream first and lose those bytes (the Go interop suite checks this)."""
         session = self.session
         max_frame = session.config.max_frame_size
-        while self._out and self._send_window > 0 and session._writable():
+        while self._out and self._send_window > 0 and frames and session._writableFor(self):
             take = min(self._send_window, max_frame, self._out_size)
             parts = self._popOut(take)
             self._send_window -= take
+            self._sent += take
             session._sendData(self.id, self._takeOpenFlags(), parts, take)
+            frames -= 1
             if self.state in _FINISHED:  # a producer or the transport reset us meanwhile
-                return
+                return False
         if not self._out and self._fin_pending and self.state in _LOCAL_OPEN:
             flags = self._takeOpenFlags() | FLAG_FIN
             session._sendFrame(Frame.window_update(self.id, 0, flags))
             self._finSent()
+        return bool(self._out) and self._send_window > 0 and session._writableFor(self)
 
     def _popOut(self, size: int) -> list:
         """Take ``size`` bytes off the front, as a list of pieces (whole chunks, or memoryviews
@@ -379,7 +385,7 @@ class Stream:
         producer = self._producer
         if producer is None:
             return
-        blocked = bool(self._out) or not self.session._writable()
+        blocked = bool(self._out) or not self.session._writableFor(self)
         if self._streaming:
             if blocked and not self._producer_paused:
                 self._producer_paused = True
@@ -397,7 +403,7 @@ class Stream:
         self._pulling = True
         try:
             while (self._producer is not None and not self._streaming and not self._out
-                   and self._send_window > 0 and self.session._writable()
+                   and self._send_window > 0 and self.session._writableFor(self)
                    and self._canWrite()):
                 before = self._out_size, self._send_window
                 self._callProducer(self._producer.resumeProducing)
@@ -421,6 +427,11 @@ class Stream:
     def _sessionResumed(self) -> None:
         self._flush()
         self._updateProducer()
+
+    def _sessionResumedFrame(self) -> bool:
+        """One round of the session's round robin: at most one frame of what was buffered while
+        the session was paused.  True if more could go."""
+        return self._flush(1)
 
     def _open(self, data: bytes) -> None:
         """Announce the stream.  With data and the default window the SYN rides the first

@@ -252,6 +252,29 @@ class WebSocketCarrier:
     def writeSequence(self, data) -> None:
         self.write(b"".join(data))
 
+    #: ``writePieces`` is offered: a yamux session hands its frame's header and payload pieces
+    #: over unjoined, and they are joined once, with the rest of the message, when it is sent.
+    writesPieces = True
+
+    def writePieces(self, pieces: list, size: int) -> None:
+        """``write(b"".join(pieces))`` without that join: ``pieces`` (``size`` bytes in all) are
+        bytes or read-only memoryviews of bytes, which stay unchanged while held, and join the
+        message of this reactor turn as they are.  Pieces larger than the message bound in all
+        are joined and go through ``write``."""
+        if not size or self.disconnecting or not self.connected:
+            return
+        if size > self._max_message_bytes:
+            self.write(b"".join(pieces))
+            return
+        if self._out_size + size > self._max_message_bytes:
+            self._flushOut()
+        self._out.extend(pieces)
+        self._out_size += size
+        if self._out_size >= self._coalesce_bytes:
+            self._flushOut()
+        elif not self._batching and self._flush_call is None:
+            self._flush_call = self._reactor.callLater(0, self._flushOut)
+
     def _flushOut(self) -> None:
         """Send what this turn wrote as one binary message."""
         call, self._flush_call = self._flush_call, None

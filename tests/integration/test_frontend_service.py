@@ -156,7 +156,8 @@ async def test_a_configured_address_is_published(started):
 @pytest_twisted.ensureDeferred
 async def test_departure_subscribers_include_the_worker_http_pools(started):
     service, _ = await started(**{"instance-id": "replica-d"})
-    assert set(service.replica.notifier.subscribers) == {"worker-http-connections"}
+    assert set(service.replica.notifier.subscribers) == {"worker-http-connections",
+                                                         "placement-cache"}
     # minted once
     assert service.replica.identity.peer_secret == service.config.identity_seed.peer_secret
     assert service.replica.health.grace == 90.0

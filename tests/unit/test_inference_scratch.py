@@ -51,6 +51,9 @@ class Chooser:
     def touch(self, placement):
         pass
 
+    def forget(self, placement):  # the warm-path cache's hook (no cache here)
+        pass
+
 
 class Client:
     def __init__(self, node_id, log):

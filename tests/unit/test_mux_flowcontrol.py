@@ -10,8 +10,10 @@ from localai_tw.mux.frame import (
     FLAG_SYN,
     HEADER_SIZE,
     TYPE_DATA,
+    TYPE_PING,
     TYPE_WINDOW_UPDATE,
     Frame,
+    FrameDecoder,
     encode,
 )
 from localai_tw.mux.testing import (
@@ -378,3 +380,106 @@ def test_sides_with_different_max_windows_interoperate():
     pump.flush()
     assert len(stream.protocol.received) == 8192 * KIB
     assert len(protos[0].received) == 1024 * KIB
+
+
+def test_a_control_write_leaves_within_one_frame_of_each_bulk_stream_on_resume():
+    # Two bulk streams filled their windows while the carrier had paused the session, then a
+    # control stream wrote one byte.  On resume the byte must not wait behind both windows
+    # (8 frames of 64 KiB): streams are served one frame each per round.
+    session, transport = raw()
+    bulk = [session.openStream(Recorder()) for _ in range(2)]
+    control = session.openStream(Recorder())
+    transport.frames()
+    session.pauseProducing()
+    for stream in bulk:
+        stream.write(b"b" * WINDOW)
+    control.write(b"x")
+    assert transport.frames() == []
+    session.resumeProducing()
+    frames = [f for f in transport.frames() if f.type == TYPE_DATA]
+    position = next(i for i, f in enumerate(frames) if f.stream_id == control.id)
+    assert position <= len(bulk)
+    # Every byte still went, in order per stream, within each stream's window.
+    for stream in bulk:
+        assert payload_bytes(frames, stream.id) == WINDOW
+    assert payload_bytes(frames, control.id) == 1
+
+
+def test_round_robin_on_resume_stops_when_the_carrier_pauses_again():
+    session, transport = raw(transport=CarrierTransport(limit=100 * KIB))
+    bulk = [session.openStream(Recorder()) for _ in range(3)]
+    transport.clear()
+    session.pauseProducing()
+    for stream in bulk:
+        stream.write(b"b" * WINDOW)
+    transport.drain()
+    frames = FrameDecoder(WINDOW).feed(transport.value())
+    # 64 KiB frames: the second one pushed the carrier past its limit; nothing after it.
+    assert [f.stream_id for f in frames] == [bulk[0].id, bulk[1].id]
+
+
+# -- the session-wide bulk budget, acknowledged by pings ----------------------------------------
+
+BUDGET = 4 * 64 * KIB
+
+
+def data_and_pings(transport):
+    frames = transport.frames()
+    pings = [f for f in frames if f.type == TYPE_PING and f.has(FLAG_SYN)]
+    return payload_bytes(frames), frames, pings
+
+
+def test_bulk_streams_together_stay_within_the_budget_until_pings_acknowledge_it():
+    session, transport = raw(bulk_in_flight=BUDGET, bulk_after=0)
+    streams = [session.openStream(Recorder()) for _ in range(3)]
+    transport.frames()
+    for stream in streams:
+        stream.write(b"b" * WINDOW)  # three windows' worth: far beyond the budget
+    sent, _, pings = data_and_pings(transport)
+    assert BUDGET - 64 * KIB < sent <= BUDGET + 64 * KIB
+    assert pings  # the acknowledgement was asked for while writing
+    # Nothing more while no acknowledgement came.
+    session.dataReceived(b"")
+    assert data_and_pings(transport)[0] == 0
+    session.dataReceived(b"".join(encode(Frame.ping(p.length, ack=True)) for p in pings))
+    more, _, _ = data_and_pings(transport)
+    assert more > 0
+    assert sent + more <= 3 * WINDOW
+
+
+def test_a_control_stream_is_not_held_by_the_spent_bulk_budget():
+    session, transport = raw(bulk_in_flight=BUDGET)  # bulk after 256 KiB sent, the default
+    bulk = session.openStream(Recorder())
+    session.dataReceived(encode(Frame.window_update(bulk.id, 4 * WINDOW, FLAG_ACK)))
+    bulk.write(b"b" * (5 * WINDOW))
+    transport.frames()
+    assert session._budgetSpent()
+    control = session.openStream(Recorder())
+    control.write(b"x")
+    frames = transport.frames()
+    assert payload_bytes(frames, control.id) == 1
+    assert payload_bytes(frames, bulk.id) == 0
+
+
+def test_a_budget_below_four_frames_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError):
+        SessionConfig(bulk_in_flight=64 * KIB)
+
+
+def test_bulk_streams_under_a_budget_finish_against_a_peer_with_larger_windows():
+    # Grants come only after half of the peer's window (2 MiB here) was read, far above the
+    # budget: the pings, not the windows, must keep the transfer moving.
+    protos = []
+    client, server, pump, clock = connectedSessions(
+        server_acceptor=lambda s: protos.append(HalfCloseRecorder()) or protos[-1],
+        client_config=SessionConfig(bulk_in_flight=BUDGET, bulk_after=0),
+        server_config=SessionConfig(max_window=4 * 1024 * KIB))
+    data = bytes(range(256)) * (12 * KIB)   # 3 MiB per stream
+    streams = [client.openStream(HalfCloseRecorder()) for _ in range(3)]
+    for stream in streams:
+        stream.write(data)
+        stream.loseWriteConnection()
+    pump.flush()
+    assert [p.received == data and p.read_lost for p in protos] == [True] * 3

@@ -46,6 +46,9 @@ SAMPLING_DEFAULTS = {
 }
 
 _seed_source = random.SystemRandom()
+#: Model views kept (``ModelView.of``), by model name: (config object, view).
+MAX_KEPT_VIEWS = 1024
+_VIEWS: dict[Any, tuple[Any, "ModelView"]] = {}
 
 
 # -- reading request fields ---------------------------------------------------------------------
@@ -211,6 +214,24 @@ class ModelView:
 
     @classmethod
     def of(cls, config: Any) -> "ModelView":
+        """The view of ``config``, built once per config object: the catalog replaces the
+        object when its file changes, so a view kept for the same object is still true (a
+        plain mapping, as in tests, is built every time).  Callers never mutate a view."""
+        if isinstance(config, Mapping):
+            return cls._build(config)
+        name = getattr(config, "name", None)
+        kept = _VIEWS.get(name)
+        if kept is not None and kept[0] is config:
+            return kept[1]
+        view = cls._build(config)
+        _VIEWS.pop(name, None)
+        _VIEWS[name] = (config, view)
+        while len(_VIEWS) > MAX_KEPT_VIEWS:
+            del _VIEWS[next(iter(_VIEWS))]
+        return view
+
+    @classmethod
+    def _build(cls, config: Any) -> "ModelView":
         template = config_value(config, "template")
         templates = PromptTemplates.from_config(
             template, roles=config_value(config, "roles") or config_value(template, "roles"),
