@@ -20,6 +20,7 @@ code that reports to it.
 
 from __future__ import annotations
 
+import contextvars
 import time
 from typing import Callable, Iterable
 
@@ -78,13 +79,143 @@ def condition_label(error: BaseException) -> str:
     return errors.condition_of(error)
 
 
+#: The hops of a request, in the order it passes them: they do not overlap, so their sum is at
+#: most the request's total (``docs/operators.md``, "Traces").
+HOPS = ("queue", "placement", "cold_load", "tunnel", "backend")
+#: The phases of a cold load (within ``cold_load``), as the load lock records them.
+LOAD_PHASES = ("starting", "staging", "loading")
+
+
+class Hops:
+    """Seconds one request spent in each hop (:data:`HOPS`, the phases of a cold load it drove,
+    and ``first_token``: from the start of the backend call to its first reply, within
+    ``backend``).  One small object per request, filled by the serving code through
+    :func:`current_hops`; a hop never passed stays None.  Durations from ``clock``
+    (monotonic; a ``task.Clock``'s ``seconds`` in tests).  Nothing of what was said is kept."""
+
+    __slots__ = HOPS + LOAD_PHASES + ("first_token", "clock", "_phase", "_phase_at",
+                                      "locked_at", "backend_at", "_bridge", "_dials")
+    _MARKS = ("_phase", "_phase_at", "locked_at", "backend_at", "_bridge", "_dials")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        for name in HOPS + LOAD_PHASES + ("first_token",) + self._MARKS:
+            setattr(self, name, None)
+
+    def now(self) -> float:
+        return self.clock()
+
+    def add(self, hop: str, since: float) -> float:
+        """Count the time from ``since`` (a :meth:`now`) to now in ``hop``; returns now."""
+        now = self.clock()
+        setattr(self, hop, (getattr(self, hop) or 0.0) + max(0.0, now - since))
+        return now
+
+    def phase(self, name: str | None) -> None:
+        """A cold load's phase ``name`` begins (None: the load ended); the one before ends."""
+        now = self.clock()
+        if self._phase is not None:
+            self.add(self._phase, self._phase_at)
+        self._phase, self._phase_at = name, now
+
+    def locked(self) -> None:
+        """The load lock is this request's: the wait (``queue``) ends, its load begins."""
+        self.locked_at = self.clock()
+
+    def loaded(self, since: float) -> None:
+        """``LoadLock.load`` returned (or failed): the time since ``since`` was the wait for
+        the lock (``queue``), then, if this request took it, the load it drove
+        (``cold_load``, with its last phase closed)."""
+        locked, self.locked_at = self.locked_at, None
+        if locked is None:
+            self.add("queue", since)  # another replica or request loaded it, or it failed
+            return
+        self.queue = (self.queue or 0.0) + max(0.0, locked - since)
+        self.phase(None)
+        self.add("cold_load", locked)
+
+    def calling(self, bridge=None) -> "Hops":
+        """``with hops.calling(bridge):`` around the backend call: its time is ``backend``,
+        less the time ``bridge`` (a ``GrpcBridge``) took to open a tunnel stream when the call
+        had to open one (``tunnel``: through the relay when another replica holds the
+        worker's tunnel)."""
+        self._bridge = bridge
+        self._dials = getattr(bridge, "dials_ok", None)
+        self.backend_at = self.clock()
+        return self
+
+    def __enter__(self) -> "Hops":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        elapsed = max(0.0, self.clock() - self.backend_at)
+        bridge, dials = self._bridge, self._dials
+        self._bridge = self._dials = None
+        dialled = getattr(bridge, "last_dial_seconds", None)
+        if dials is not None and dialled is not None and bridge.dials_ok > dials:
+            opened = min(elapsed, max(0.0, dialled))
+            self.tunnel = (self.tunnel or 0.0) + opened
+            elapsed -= opened
+        self.backend = (self.backend or 0.0) + elapsed
+
+    def as_dict(self) -> dict[str, float]:
+        """The hops passed, in seconds (4 decimals)."""
+        out = {}
+        for name in HOPS + LOAD_PHASES + ("first_token",):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = round(value, 4)
+        return out
+
+
+class _NoHops(Hops):
+    """Where no request is traced (a cold load started by a tool, a unit test): keeps nothing."""
+
+    __slots__ = ()
+
+    def add(self, hop: str, since: float) -> float:
+        return self.clock()
+
+    def phase(self, name: str | None) -> None:
+        return None
+
+    def locked(self) -> None:
+        return None
+
+    def loaded(self, since: float) -> None:
+        return None
+
+    def calling(self, bridge=None) -> "Hops":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_NO_HOPS = _NoHops()
+_current_hops: contextvars.ContextVar[Hops] = contextvars.ContextVar("localai_tw_hops",
+                                                                     default=_NO_HOPS)
+
+
+def trace_hops(hops: Hops) -> None:
+    """Make ``hops`` the current request's (``OpenAIResource`` at the start of each request:
+    each request runs in its own coroutine, so its own copy of the context, and the router
+    calls it starts inherit it)."""
+    _current_hops.set(hops)
+
+
+def current_hops() -> Hops:
+    """The hops of the request being served here (a sink that keeps nothing outside one)."""
+    return _current_hops.get()
+
+
 class RequestRecord:
     """What one OpenAI API request reports while it runs; :meth:`finished` records it once.
     The serving code sets ``model`` once the name resolves to a config and calls
     :meth:`replied` on the first backend reply of a stream (time to first token)."""
 
     __slots__ = ("_metrics", "endpoint", "model", "started", "first_reply", "prompt_tokens",
-                 "completion_tokens", "cause", "_done")
+                 "completion_tokens", "cause", "_done", "hops")
 
     def __init__(self, metrics: "ReplicaMetrics | None", endpoint: str):
         self._metrics = metrics
@@ -96,6 +227,8 @@ class RequestRecord:
         self.completion_tokens = 0
         self.cause: BaseException | None = None
         self._done = False
+        #: Time in each hop (traces only; the metrics do not read it).
+        self.hops = Hops()
 
     def replied(self) -> None:
         if self.first_reply is None:

@@ -13,6 +13,7 @@ its answers; a broken stream stays whatever the dialer said it was).
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 from typing import Any, Callable
@@ -111,6 +112,22 @@ class StagedFile:
     local_path: str | None
 
 
+#: Where the uploads of the current context report their bytes: an object with ``begin(size)``,
+#: ``moved(count)``, ``skipped(size)`` (a file the worker held) and ``expect(total)`` (the
+#: frontend's load lock sets one while a cold load stages, so ``/api/cluster/loads`` shows
+#: bytes; ``frontend/loadlock.py``), or None.
+STAGING_WATCH: contextvars.ContextVar[Any] = contextvars.ContextVar("localai_tw_staging_watch",
+                                                                    default=None)
+
+
+def expect_staging(total: int) -> None:
+    """Tell the current context's :data:`STAGING_WATCH` (if any) how many bytes the uploads
+    to come add up to, so its progress has its total from the start."""
+    watch = STAGING_WATCH.get()
+    if watch is not None:
+        watch.expect(total)
+
+
 class _CountingFile:
     """A file whose reads report progress; offers what ``FileBodyProducer`` uses."""
 
@@ -119,12 +136,17 @@ class _CountingFile:
         self.total = total
         self.sent = 0
         self._progress_cb = progress_cb
+        self._watch = STAGING_WATCH.get()  # made in the uploading coroutine: its context
+        if self._watch is not None:
+            self._watch.begin(total)
 
     def read(self, size: int) -> bytes:
         data = self._f.read(size)
         self.sent += len(data)
         if data and self._progress_cb is not None:
             self._progress_cb(self.sent, self.total)
+        if data and self._watch is not None:
+            self._watch.moved(len(data))
         return data
 
     def seek(self, offset: int, whence: int = 0) -> int:
@@ -223,6 +245,9 @@ async def _upload_file(client, base_url, key, path, progress_cb, node_id, token,
         ):
             if progress_cb is not None:
                 progress_cb(size, size)
+            watch = STAGING_WATCH.get()
+            if watch is not None:  # already there: done, with nothing moved
+                watch.skipped(size)
             return StagedFile(key, size, digest, True, _header(head, b"x-local-path"))
     elif head.code == 404:
         await _bounded_body(head)

@@ -6,7 +6,8 @@ backend, in this process, on a new database of the PostgreSQL at ``$LOCALAI_TEST
 (default ``postgresql://postgres@127.0.0.1:5432/postgres``; the database is dropped at the
 end), plus a model config that fails to load; then headless Chromium (``.ci/install-browser``)
 opens the dashboard, types the API key, runs a chat in the playground, starts a slow cold
-load (shown in progress) and saves the PNGs.
+load (shown in progress) and one held at the end of its staging (its bytes shown) and saves the
+PNGs.
 
     python docs/screenshots/make.py
 """
@@ -41,6 +42,23 @@ def admin(dsn: str, sql: str) -> None:
         connection.close()
 
 
+def hold_staging(frontend):
+    """Hold the replica's cold loads where staging ends (before ``loading`` is recorded), so
+    the page shows a load with its bytes staged; fire ``release`` to let them go on."""
+    loads = frontend.replica.inference.loads
+    staged, release = defer.Deferred(), defer.Deferred()
+    progress = loads._progress
+
+    async def held(model_name, attempt, phase=None, node_id=None):
+        if phase == "loading" and model_name == "echo-stage":
+            if not staged.called:
+                staged.callback(None)
+            await release
+        await progress(model_name, attempt, phase, node_id)
+    loads._progress = held
+    return staged, release
+
+
 async def shoot(dsn: str, base_dir: str) -> None:
     cluster = Cluster(dsn, base_dir)
     browser = None
@@ -55,9 +73,15 @@ async def shoot(dsn: str, base_dir: str) -> None:
             "name: echo-slow\nbackend: echo\nparameters:\n  model: echo.bin\n"
             f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
             "options: ['echo.load_delay_ms:8000']\n"))
+        big = bytes(range(256)) * (16 * 1024)  # 4 MiB, staged while the shots are taken
+        cluster.write_file("big.bin", big)
+        cluster.write_model("big.yaml", (
+            "name: echo-stage\nbackend: echo\nparameters:\n  model: big.bin\n"
+            f"files:\n  - path: big.bin\n    sha256: '{sha256_hex(big)}'\n"))
         cluster.write_model("broken.yaml", "name: [unclosed\n")
         frontend = await cluster.frontend("replica-a")
         await cluster.worker("gpu-box-1", frontend, labels={"zone": "lab"})
+        staged, release = hold_staging(frontend)
         browser = await Browser.start()
 
         def open_page(driver):
@@ -92,6 +116,15 @@ async def shoot(dsn: str, base_dir: str) -> None:
         await browser.wait_for(
             lambda d: "loading" in d.find_element("css selector", "#loads").text,
             what="the slow load in progress")
+        await browser.call(lambda d: d.execute_script(
+            "fetch('/v1/embeddings', {method: 'POST', headers: {'Content-Type':"
+            " 'application/json', 'Authorization': 'Bearer ' +"
+            " sessionStorage.getItem('localai-tw-api-key')},"
+            " body: JSON.stringify({model: 'echo-stage', input: 'x'})});"))
+        await staged
+        await browser.wait_for(
+            lambda d: "staged" in d.find_element("css selector", "#loads").text,
+            what="the staging load's bytes")
 
         def save(driver):
             driver.set_window_size(1400, 1500)  # every section whole, in one viewport
@@ -100,6 +133,7 @@ async def shoot(dsn: str, base_dir: str) -> None:
                 element.screenshot(os.path.join(HERE, f"{name}.png"))
             driver.save_screenshot(os.path.join(HERE, "dashboard.png"))
         await browser.call(save)
+        release.callback(None)
         await browser.wait_for(
             lambda d: d.find_element("css selector", "#loads").text == "none", timeout=60,
             what="the slow load finished")

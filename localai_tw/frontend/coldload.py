@@ -44,6 +44,7 @@ from twisted.logger import Logger
 from localai_tw import errors
 from localai_tw import metrics as replica_metrics
 from localai_tw.backends import backend_pb2
+from localai_tw.staging_client import expect_staging
 from localai_tw.tunnel.endpoint import upload_file
 
 from .downloads import ModelDownloads
@@ -206,6 +207,7 @@ class ColdLoader:
         primary_path = ""
         # The node's own control token (derived from its node key), never the shared one.
         token = await self._nodes.control_token(node_id) if plan.entries else ""
+        expect_staging(sum(e.size for e in plan.entries))  # /api/cluster/loads: the total
         for entry in plan.entries:
             worker_path = await self._stage_entry(model, node_id, entry, token)
             if entry is plan.primary:

@@ -104,6 +104,8 @@ class GrpcBridge:
         #: The latest of those events (kept after a successful dial clears last_dial_error).
         self.last_route_failure: errors.ClusterError | None = None
         self.dials_ok = 0
+        #: Seconds the last successful dial took to open its tunnel stream (relay included).
+        self.last_dial_seconds: float | None = None
 
     def listen(self) -> None:
         if os.path.exists(self.socket_path):
@@ -139,13 +141,16 @@ class GrpcBridge:
         dialing = self._dialer.open(self.node_id, preamble.TAG_GRPC, self.target, splice.b,
                                     deadline)
         self._dials.add(dialing)
-        dialing.addCallbacks(self._dialed, self._dial_failed, callbackArgs=(splice,),
+        dialing.addCallbacks(self._dialed, self._dial_failed,
+                             callbackArgs=(splice, deadline - self._dial_timeout),
                              errbackArgs=(splice,))
         dialing.addBoth(lambda _: self._dials.discard(dialing))
         splice.whenDone().addCallback(self._ended, splice)
         return splice.a
 
-    def _dialed(self, _protocol, splice: Splice) -> None:
+    def _dialed(self, _protocol, splice: Splice, started: float | None = None) -> None:
+        if started is not None:  # a request's trace counts it as its tunnel hop
+            self.last_dial_seconds = max(0.0, self._reactor.seconds() - started)
         self.dials_ok += 1
         if self.last_dial_error is not None:
             log.info("grpc bridge to worker {node} port {port}: route back after "

@@ -59,6 +59,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from localai_tw import errors
+from localai_tw.metrics import current_hops
 
 from .interfaces import (
     IInferenceRouter,
@@ -238,9 +239,13 @@ class InferenceRouter:
                        on_start=None, on_loading=None) -> defer.Deferred:
         started: list[bool] = []
 
+        hops = current_hops()
+
         def deliver(reply, node_id: str):
             if not started:
                 started.append(True)
+                if hops.backend_at is not None:  # time to first token, from the call's start
+                    hops.first_token = max(0.0, hops.now() - hops.backend_at)
                 if on_start is not None:
                     on_start(node_id)
             return on_reply(reply)
@@ -286,7 +291,10 @@ class InferenceRouter:
 
     async def _placement(self, config: ModelConfig, exclude: frozenset[str],
                          deadline, on_loading=None) -> Placement:
+        hops = current_hops()
+        since = hops.now()
         placement = await self.chooser.loaded_placement(config, exclude)
+        since = hops.add("placement", since)
         if placement is not None:
             return placement
         if on_loading is not None:
@@ -294,7 +302,10 @@ class InferenceRouter:
                 on_loading(config.name)
             except Exception:
                 log.failure("on_loading hook of {model} failed", model=config.name)
-        return await self.loads.load(config, exclude, deadline)
+        try:
+            return await self.loads.load(config, exclude, deadline)
+        finally:  # the wait for the lock, then the load it drove (``LoadLock`` marks both)
+            hops.loaded(since)
 
     async def _run(self, config, options, deadline, call, retry_allowed, on_loading=None):
         if on_loading is not None:
@@ -326,8 +337,10 @@ class InferenceRouter:
                 self.scaler.note(config, placement.node_id)
             call_id = (self.use.begin(placement.node_id, config.name)
                        if self.use is not None else None)
+            hops = current_hops()
             try:
-                value = await call(client, request, deadline)
+                with hops.calling(getattr(client, "bridge", None)):
+                    value = await call(client, request, deadline)
             except errors.WorkerAnswer as e:
                 self.chooser.forget(placement)  # the next request reads the database
                 if isinstance(e, errors.StreamRefused) or _reloadable(e):

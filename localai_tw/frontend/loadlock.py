@@ -46,6 +46,8 @@ from twisted.logger import Logger
 from localai_tw import errors
 from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS
 from localai_tw.deferreds import wait_at_most
+from localai_tw.metrics import current_hops
+from localai_tw.staging_client import STAGING_WATCH
 
 from .coldload import ColdLoader
 from .interfaces import ModelLoadFailed, NoNodeAvailable
@@ -101,6 +103,9 @@ class LoadLock:
         # model name -> (config fingerprint, the failure, reactor time it expires)
         self._failed: dict[str, tuple[str, ModelLoadFailed, float]] = {}
         self._liveness = liveness
+        #: model name -> bytes staged by the cold load this replica drives now (at most one
+        #: per model: the lock), for ``/api/cluster/loads``.
+        self.staging: dict[str, StagingProgress] = {}
 
     # -- cold load --------------------------------------------------------------------------
 
@@ -142,6 +147,7 @@ class LoadLock:
                                       f"{self.load_wait:g}s, try again")
             await task.deferLater(self._reactor, self.poll_interval, lambda: None)
 
+        current_hops().locked()  # the trace's queue ends, its cold load begins
         return await self._holding(model, attempt,
                                    lambda: self._load_somewhere(model, exclude, attempt))
 
@@ -231,12 +237,15 @@ class LoadLock:
 
     async def _progress(self, model_name: str, attempt: str, phase: str | None = None,
                         node_id: str | None = None) -> None:
+        if phase is not None:  # the load's own progress (not the heartbeat): time and bytes
+            self._phase_began(model_name, phase)
         await self._db.runOperation(
             "UPDATE model_load_jobs SET last_progress_at = now(),"
             " phase = COALESCE(%s, phase), node_id = COALESCE(%s, node_id)"
             " WHERE model_name = %s AND attempt = %s", (phase, node_id, model_name, attempt))
 
     async def _release(self, model_name: str, attempt: str) -> None:
+        self.staging.pop(model_name, None)
         await self._db.runOperation(
             "DELETE FROM model_load_jobs WHERE model_name = %s AND attempt = %s",
             (model_name, attempt))
@@ -245,6 +254,21 @@ class LoadLock:
         return defer.ensureDeferred(self._progress(model_name, attempt)).addErrback(
             lambda f: log.warn("load heartbeat of {model} failed: {err}", model=model_name,
                                err=f.getErrorMessage()))
+
+    # -- progress of the load this replica drives ---------------------------------------------
+
+    def _phase_began(self, model_name: str, phase: str) -> None:
+        """A phase of the load began: the request's trace times it, and while it is
+        ``staging`` the uploads it makes (``staging_client``, same request context) count
+        their bytes into :attr:`staging`."""
+        current_hops().phase(phase)
+        if phase == "staging":
+            watch = StagingProgress(self._reactor.seconds)
+            self.staging[model_name] = watch
+            STAGING_WATCH.set(watch)
+        else:
+            self.staging.pop(model_name, None)
+            STAGING_WATCH.set(None)
 
     # -- failed-load memory -----------------------------------------------------------------
 
@@ -281,3 +305,43 @@ class LoadLock:
             f"{error.detail} [localai-tw remembers this failure: the load of {name!r} is "
             f"tried again in {seconds} s, or at once when its config or its files change]",
             retry_in=float(seconds))
+
+
+class StagingProgress:
+    """The bytes one cold load staged so far (``staging_client`` reports each file it begins,
+    each chunk it reads for the body, and each file the worker already held, counted as
+    staged with nothing moved).  ``total`` is what the cold loader announced
+    (:func:`~localai_tw.staging_client.expect_staging`: every file of its plan), else the
+    size of the files begun so far."""
+
+    __slots__ = ("_clock", "started", "staged", "moved_bytes", "begun", "expected", "files")
+
+    def __init__(self, clock):
+        self._clock = clock
+        self.started = clock()
+        self.staged = self.moved_bytes = self.begun = self.files = 0
+        self.expected: int | None = None
+
+    def expect(self, total: int) -> None:
+        self.expected = max(0, total)
+
+    def begin(self, size: int) -> None:
+        self.files += 1
+        self.begun += max(0, size)
+
+    def moved(self, count: int) -> None:
+        self.staged += count
+        self.moved_bytes += count
+
+    def skipped(self, size: int) -> None:
+        self.begin(size)
+        self.staged += max(0, size)
+
+    def view(self) -> dict:
+        """``{"staged_bytes", "total_bytes", "files", "bytes_per_second"}`` (the rate of the
+        bytes that moved)."""
+        took = self._clock() - self.started
+        rate = self.moved_bytes / took if took > 0 else 0.0
+        total = self.expected if self.expected is not None else self.begun
+        return {"staged_bytes": self.staged, "total_bytes": max(total, self.staged),
+                "files": self.files, "bytes_per_second": round(rate, 1)}

@@ -34,11 +34,14 @@ GET /api/cluster/instances         ``{"instances": [{"id", "version", "advertise
                                    "last_seen", "registered_at", "self"}]}`` (live replicas;
                                    no credential material)
 GET /api/cluster/loads             ``{"loads": [{"model", "node_id", "phase", "replica",
-                                   "started_at", "seconds", "seconds_since_progress"}],
-                                   "downloads": [{"model", "file", "url", "received",
-                                   "total", "bytes_per_second", "seconds",
+                                   "started_at", "seconds", "seconds_since_progress",
+                                   "staging"}], "downloads": [{"model", "file", "url",
+                                   "received", "total", "bytes_per_second", "seconds",
                                    "waiting_requests", "replica"}]}`` (cold loads in
-                                   progress anywhere; this replica's model downloads)
+                                   progress anywhere, with ``staging``: ``{"staged_bytes",
+                                   "total_bytes", "files", "bytes_per_second"}`` from the
+                                   replica driving a load in its ``staging`` phase, else null;
+                                   this replica's model downloads)
 =================================  =============================================================
 
 A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
@@ -469,6 +472,14 @@ class LoadsResource(AdminResource):
         return 200, {"loads": [
             {"model": model, "node_id": node_id or None, "phase": phase, "replica": owner,
              "started_at": _iso(started), "seconds": round(age, 1),
-             "seconds_since_progress": round(quiet, 1)}
+             "seconds_since_progress": round(quiet, 1),
+             "staging": self._staging(model, owner, phase)}
             for model, node_id, phase, owner, started, age, quiet in rows],
             "downloads": [{**d, "replica": self._parts.instance_id} for d in downloads]}
+
+    def _staging(self, model: str, owner: str, phase: str) -> dict | None:
+        """Bytes staged so far, known to the replica driving the load (null elsewhere)."""
+        parts = self._parts
+        if phase != "staging" or owner != parts.instance_id or parts.staging is None:
+            return None
+        return parts.staging(model)

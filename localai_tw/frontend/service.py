@@ -452,7 +452,8 @@ class Replica:
                             control=self.control, lifecycle=self.lifecycle,
                             registration_limit=self.registration_limit,
                             downloads=self.downloads_in_progress,
-                            on_scheduling_changed=self.placements.model_changed)
+                            on_scheduling_changed=self.placements.model_changed,
+                            staging=self.staging_of)
 
     def _downloads(self):
         loader = getattr(self.inference, "loader", None)
@@ -462,6 +463,11 @@ class Replica:
         """This replica's model downloads in progress (``/api/cluster/loads``)."""
         downloads = self._downloads()
         return downloads.in_progress() if downloads is not None else []
+
+    def staging_of(self, model: str) -> dict | None:
+        """The bytes staged by this replica's cold load of ``model`` (None: none staging)."""
+        watch = getattr(getattr(self.inference, "loads", None), "staging", {}).get(model)
+        return watch.view() if watch is not None else None
 
     def node_registered(self, node_id: str) -> None:
         """The node's credential was just rotated: a tunnel held here with the old one goes."""

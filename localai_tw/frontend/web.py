@@ -951,6 +951,8 @@ class ClusterParts:
     registration_limit: SourceRateLimit | None = None
     downloads: Callable[[], list] | None = None
     on_scheduling_changed: Callable[[str], object] | None = None
+    #: model name -> the bytes this replica's cold load of it staged so far, or None.
+    staging: Callable[[str], dict | None] | None = None
 
 
 async def call_hook(what: str, hook: Callable[[str], Any] | None, node_id: str) -> None:

@@ -11,6 +11,7 @@ import os
 import pytest
 import pytest_twisted
 import treq
+from twisted.internet import defer
 
 from localai_tw.cluster.nodes import NodeStatus
 from localai_tw.config import PortRange
@@ -163,6 +164,10 @@ async def test_dashboard_shows_the_node_and_streams_a_chat(cluster, browser):
         what="the chat among the recent requests")
     assert "chat" in trace and "w-dash" in trace and "owner" in trace and "200" in trace
     assert "one two" not in await browser.call(text_of("#traces-body"))
+    # Its time in each hop: it drove the cold load (with its phases), then streamed.
+    hops = await browser.call(text_of("#traces-body tr .hops"))
+    assert "cold load" in hops and "staging" in hops and "backend" in hops, hops
+    assert "1st token" in hops, hops
 
 
 @pytest.mark.browser
@@ -233,6 +238,28 @@ async def test_a_departed_worker_is_reconnecting_with_the_grace_left_never_faile
 
 @pytest.mark.browser
 @pytest_twisted.ensureDeferred
+async def test_a_worker_away_longer_than_the_grace_is_gone_never_failed(cluster, browser):
+    """A tiny grace on purpose (0.5 s): the departed node passes reconnecting and ends gone."""
+    frontend = await cluster.frontend("replica-gone", **{"reconnect-grace": 0.5})
+    worker = await cluster.worker("w-gone", frontend)
+    await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+    await browser.wait_for(lambda d: text_of('tr[data-node="w-gone"] .presence')(d)
+                           == "connected", what="the node, connected")
+    await worker.stopService()  # its tunnel leaves and never comes back
+    presence = await browser.wait_for(
+        lambda d: text_of('tr[data-node="w-gone"] .presence')(d).startswith("gone") and
+        text_of('tr[data-node="w-gone"] .presence')(d), what="the node, gone")
+    assert presence == "gone (away longer than the grace)"
+    badge = await browser.call(lambda d: d.execute_script(
+        "return document.querySelector('tr[data-node=\"w-gone\"] .presence .badge')"
+        ".className"))
+    assert "gone" in badge.split() and "reconnecting" not in badge
+    row = await browser.call(text_of('tr[data-node="w-gone"]'))
+    assert "fail" not in row.lower() and "reconnecting" not in row.lower()
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
 async def test_a_cold_load_shows_its_progress_until_the_model_is_loaded(cluster, browser):
     cluster.write_file("echo.bin", WEIGHTS)
     cluster.write_model("slow.yaml", ECHO_MODEL.replace("echo-chat", "echo-slow").replace(
@@ -257,6 +284,51 @@ async def test_a_cold_load_shows_its_progress_until_the_model_is_loaded(cluster,
         lambda d: text_of("#play-status")(d).startswith(("finished", "done")) and
         text_of("#play-output")(d), timeout=60, what="the reply after the load")
     assert reply == "warm up"
+    await browser.wait_for(lambda d: text_of("#loads")(d) == "none", what="the load gone")
+
+
+@pytest.mark.browser
+@pytest_twisted.ensureDeferred
+async def test_a_staging_load_shows_the_bytes_staged_as_a_bar(cluster, browser):
+    """The load is held where its staging ends (before ``loading`` is recorded), so the page
+    is read while the load is still in its ``staging`` phase with every byte moved."""
+    big = bytes(range(256)) * (8 * 1024)  # 2 MiB
+    cluster.write_file("big.bin", big)
+    cluster.write_model("big.yaml", ECHO_MODEL.replace("echo-chat", "echo-big")
+                        .replace("echo.bin", "big.bin")
+                        .replace(sha256_hex(WEIGHTS), sha256_hex(big)))
+    frontend = await cluster.frontend("replica-s")
+    await cluster.worker("w-stage", frontend)
+    loads = frontend.replica.inference.loads
+    staged, release = defer.Deferred(), defer.Deferred()
+    progress = loads._progress
+
+    async def held(model_name, attempt, phase=None, node_id=None):
+        if phase == "loading":
+            staged.callback(None)
+            await release
+        await progress(model_name, attempt, phase, node_id)
+    loads._progress = held
+    asking = treq.post(cluster.base_url(frontend) + "/v1/embeddings",
+                       json.dumps({"model": "echo-big", "input": "x"}).encode(),
+                       headers={"Authorization": f"Bearer {ADMIN}",
+                                "Content-Type": "application/json"})
+    try:
+        await staged
+        await open_with_key(browser, cluster.base_url(frontend) + "/dashboard/")
+        text = await browser.wait_for(text_of('[data-load="echo-big"] .staging'),
+                                      what="the staging bar")
+        assert text == "2.0 of 2.0 MiB staged at " + text.split(" at ")[1]
+        value, top = await browser.call(lambda d: d.execute_script(
+            "const p = document.querySelector('[data-load=\"echo-big\"] .staging progress');"
+            " return [p.value, p.max];"))
+        assert value == top == len(big)
+    finally:
+        if not release.called:
+            release.callback(None)
+    answer = await asking
+    assert answer.code == 200
+    await treq.content(answer)
     await browser.wait_for(lambda d: text_of("#loads")(d) == "none", what="the load gone")
 
 

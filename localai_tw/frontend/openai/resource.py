@@ -181,6 +181,7 @@ class OpenAIResource(Resource):
         :data:`UNPREFIXED` (a 404 after the key check, counted as ``other``)."""
         exchange = Exchange(request, self._names,
                             self._metrics.request(segments if segments is not None else ()))
+        replica_metrics.trace_hops(exchange.record.hops)  # this request's context only
         try:
             await self._dispatch(request, exchange, segments)
         except AlreadyAnswered:

@@ -237,8 +237,39 @@ function renderLoads(loads, downloads, nodes) {
       // Full only once loaded: the bar counts the phases already done.
       el("progress", {max: PHASES.length, value: step - 1}),
       el("span", {class: "phase"}, l.phase + " (phase " + step + " of " + PHASES.length + ")"),
+      renderStaging(l.staging),
       el("span", {class: "small"}, Math.round(l.seconds) + " s, by " + l.replica));
   }));
+}
+
+// Bytes a cold load has staged to its node (known to the replica driving it): a second bar.
+function renderStaging(staging) {
+  if (!staging || !staging.total_bytes) return null;
+  const mb = n => (n / 1048576).toFixed(1);
+  return el("span", {class: "staging"},
+    el("progress", {max: staging.total_bytes, value: staging.staged_bytes}),
+    el("span", {class: "small"}, mb(staging.staged_bytes) + " of " + mb(staging.total_bytes)
+       + " MiB staged at " + mb(staging.bytes_per_second) + " MiB/s"));
+}
+
+// A trace's time in each hop (/api/traces "hops"), compact: "queue 0.002 · backend 0.041";
+// a cold load shows its phases in brackets; first token is within backend.
+const HOP_NAMES = [["queue", "queue"], ["placement", "place"], ["cold_load", "cold load"],
+                   ["tunnel", "tunnel"], ["backend", "backend"], ["first_token", "1st token"]];
+function renderHops(hops) {
+  const fmt = v => v < 0.001 ? "<1 ms" : v < 1 ? Math.round(v * 1000) + " ms" : v.toFixed(2) + " s";
+  const parts = [];
+  for (const [key, label] of HOP_NAMES) {
+    if (hops[key] === undefined) continue;
+    let text = label + " " + fmt(hops[key]);
+    if (key === "cold_load") {
+      const phases = ["starting", "staging", "loading"].filter(p => hops[p] !== undefined)
+        .map(p => p + " " + fmt(hops[p]));
+      if (phases.length) text += " (" + phases.join(", ") + ")";
+    }
+    parts.push(el("span", {class: "hop", "data-hop": key}, text));
+  }
+  return parts.length ? parts : [""];
 }
 
 // This replica's last requests (/api/traces): what was asked of whom and how it went.
@@ -253,7 +284,8 @@ function renderTraces(traces, nodes) {
        t.condition ? badge(t.condition, "error") : null),
     el("td", {}, t.seconds.toFixed(3) + " s"),
     el("td", {}, t.first_token_seconds === null ? "" : t.first_token_seconds.toFixed(3) + " s"),
-    el("td", {}, t.prompt_tokens + " / " + t.completion_tokens))));
+    el("td", {}, t.prompt_tokens + " / " + t.completion_tokens),
+    el("td", {class: "hops"}, ...renderHops(t.hops || {})))));
 }
 
 // The newest jobs of the cluster (/api/jobs, docs/jobs.md).
