@@ -741,7 +741,7 @@ class APIKeyGuard:
         """:raises APIError: 401 when no key is configured, or the key is missing or wrong."""
         if not self._digests:
             raise unauthorized(f"{self._what} is disabled because no API key is configured; "
-                               "start the frontend with --api-key (env LOCALAI_API_KEY)")
+                               "start the frontend with --api-key-file (or env LOCALAI_API_KEY)")
         presented = bearer_token(request)
         if presented is None:
             raise unauthorized(f"{self._what} requires one Authorization: Bearer <API key> "
