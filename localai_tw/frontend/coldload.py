@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from twisted.internet import threads
 from twisted.logger import Logger

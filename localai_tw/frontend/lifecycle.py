@@ -60,14 +60,14 @@ import dataclasses
 import os
 from typing import Any, Callable, Iterable
 
-from twisted.application.service import Service
-from twisted.internet import defer, task
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw import metrics as replica_metrics
 
 from .models import ModelConfig
+from .periodic import PeriodicPass
 from .usage import ModelUse
 
 log = Logger()
@@ -193,6 +193,9 @@ class ModelLifecycle:
         self._reactor = reactor
         self.max_active_backends = max_active_backends
         self.stop_timeout = stop_timeout
+        #: ``on_unloaded(model_name)`` after a row was deleted (the placement caches drop the
+        #: model, here and at every replica); never raises into the unload.
+        self.on_unloaded: Callable[[str], object] | None = None
 
     # -- unload -----------------------------------------------------------------------------
 
@@ -261,6 +264,12 @@ class ModelLifecycle:
         await self._db.runOperation(
             "DELETE FROM node_models WHERE node_id = %s AND model_name = %s AND address = %s"
             " AND state = 'unloading'", (node_id, model_name, address))
+        if self.on_unloaded is not None:
+            try:
+                self.on_unloaded(model_name)
+            except Exception as e:
+                log.warn("telling the placement caches of the unload of {model} failed: {err}",
+                         model=model_name, err=e)
         was = reply.get("state") or ""
         log.info("model {model} unloaded from node {node} ({why}; the worker answered "
                  "{state})", model=model_name, node=node_id, why=why, state=was or "stopped")
@@ -396,7 +405,7 @@ class ModelLifecycle:
         return bool(config is not None and config.pinned)
 
 
-class LifecycleWatchdog(Service):
+class LifecycleWatchdog(PeriodicPass):
     """The idle and busy watchdogs of one replica (module docstring); a no-op unless one of
     the timeouts is set.
 
@@ -404,6 +413,7 @@ class LifecycleWatchdog(Service):
     """
 
     name = "lifecycle-watchdog"
+    pass_name = "lifecycle watchdog pass"
 
     def __init__(self, db, lifecycle: ModelLifecycle, held_nodes: Callable[[], Iterable[str]],
                  reactor, *, idle_timeout: float = 0.0, busy_timeout: float = 0.0,
@@ -415,29 +425,13 @@ class LifecycleWatchdog(Service):
         self.idle_timeout = idle_timeout
         self.busy_timeout = busy_timeout
         self.interval = interval
-        self._loop: task.LoopingCall | None = None
 
     @property
     def enabled(self) -> bool:
         return self.idle_timeout > 0 or self.busy_timeout > 0
 
-    def startService(self) -> None:
-        super().startService()
-        if not self.enabled:
-            return
-        self._loop = task.LoopingCall(self._tick)
-        self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=False)
-
-    def stopService(self):
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
-
-    def _tick(self) -> defer.Deferred:
-        return defer.ensureDeferred(self.run_once()).addErrback(
-            lambda f: log.failure("lifecycle watchdog pass failed", f))
+    def pass_enabled(self) -> bool:
+        return self.enabled
 
     async def run_once(self) -> list[UnloadResult]:
         results: list[UnloadResult] = []

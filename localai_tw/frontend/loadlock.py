@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import uuid
+from typing import Callable
 
 from twisted.internet import defer, task
 from twisted.logger import Logger
@@ -106,6 +107,9 @@ class LoadLock:
         #: model name -> bytes staged by the cold load this replica drives now (at most one
         #: per model: the lock), for ``/api/cluster/loads``.
         self.staging: dict[str, StagingProgress] = {}
+        #: ``on_loaded(model_name)`` after a load under the lock placed the model (the placement
+        #: caches drop it, here and at every replica, so a new replica is used at once).
+        self.on_loaded: Callable[[str], object] | None = None
 
     # -- cold load --------------------------------------------------------------------------
 
@@ -177,7 +181,14 @@ class LoadLock:
         heartbeat.clock = self._reactor
         heartbeat.start(self.heartbeat_interval, now=False)
         try:
-            return await work()
+            placed = await work()
+            if placed is not None and self.on_loaded is not None:
+                try:
+                    self.on_loaded(model.name)
+                except Exception as e:
+                    log.warn("telling the placement caches of the load of {model} failed: "
+                             "{err}", model=model.name, err=e)
+            return placed
         finally:
             if heartbeat.running:
                 heartbeat.stop()

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from twisted.application.service import Service
-from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from localai_tw import errors
 
 from .interfaces import ModelLoadFailed, NoNodeAvailable
+from .periodic import PeriodicPass
 
 log = Logger()
 
@@ -46,7 +45,7 @@ DEFAULT_INTERVAL = 2.0
 DEFAULT_GIVE_UP_AFTER = 600.0
 
 
-class Preloader(Service):
+class Preloader(PeriodicPass):
     """Loads the wanted models once workers are connected (module docstring).
 
     :param inference: the ``InferenceRouter`` (``models()``, ``model(name)``, ``chooser``,
@@ -54,6 +53,8 @@ class Preloader(Service):
     """
 
     name = "preload"
+    pass_name = "preload pass"
+    run_first = True
 
     def __init__(self, inference, names: Iterable[str], reactor, *,
                  interval: float = DEFAULT_INTERVAL,
@@ -64,7 +65,6 @@ class Preloader(Service):
         self.interval = interval
         self.give_up_after = give_up_after
         self.settled: dict[str, str] = {}  # model -> how ("loaded on <node>", ...)
-        self._loop: task.LoopingCall | None = None
         self._started_at = 0.0
 
     def wanted(self) -> list[str]:
@@ -72,25 +72,8 @@ class Preloader(Service):
         return list(dict.fromkeys([*self.names, *marked]))
 
     def startService(self) -> None:
-        super().startService()
         self._started_at = self._reactor.seconds()
-        self._loop = task.LoopingCall(self._tick)
-        self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=True).addErrback(
-            lambda f: log.failure("the preload loop stopped", f))
-
-    def stopService(self):
-        super().stopService()
-        self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
-
-    def _tick(self) -> defer.Deferred:
-        return defer.ensureDeferred(self.run_once()).addErrback(
-            lambda f: log.failure("preload pass failed", f))
+        super().startService()
 
     async def run_once(self) -> bool:
         """One pass; True when nothing is left to preload (the loop then stops)."""
@@ -101,13 +84,13 @@ class Preloader(Service):
             await self._preload(name)
         left = [name for name in self.wanted() if name not in self.settled]
         if not left:
-            self._stop_loop()
+            self.stop_passes()
             return True
         if self._reactor.seconds() - self._started_at >= self.give_up_after:
             log.warn("preload gave up after {seconds:g} s waiting for a connected worker for "
                      "{models}; the first request will load them",
                      seconds=self.give_up_after, models=", ".join(left))
-            self._stop_loop()
+            self.stop_passes()
             return True
         return False
 

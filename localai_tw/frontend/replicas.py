@@ -24,20 +24,20 @@ load lock's failed-load memory answers at once meanwhile).
 
 from __future__ import annotations
 
-from twisted.application.service import Service
-from twisted.internet import defer, task
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from localai_tw import errors
 
 from .interfaces import NoNodeAvailable
+from .periodic import PeriodicPass
 
 log = Logger()
 
 DEFAULT_INTERVAL = 15.0
 
 
-class ReplicaScaler(Service):
+class ReplicaScaler(PeriodicPass):
     """Busy scale-up and the ``min_replicas`` floor (module docstring).
 
     :param inference: the ``InferenceRouter`` (``model``, ``chooser``, ``loads``);
@@ -45,6 +45,7 @@ class ReplicaScaler(Service):
     """
 
     name = "replica-scaler"
+    pass_name = "replica floor pass"
 
     def __init__(self, db, inference, use, reactor, *, interval: float = DEFAULT_INTERVAL):
         self._db = db
@@ -53,7 +54,6 @@ class ReplicaScaler(Service):
         self._reactor = reactor
         self.interval = interval
         self._scaling: set[str] = set()
-        self._loop: task.LoopingCall | None = None
 
     # -- busy scale-up --------------------------------------------------------------------
 
@@ -95,22 +95,6 @@ class ReplicaScaler(Service):
                      node=placement.node_id)
 
     # -- floor ----------------------------------------------------------------------------
-
-    def startService(self) -> None:
-        super().startService()
-        self._loop = task.LoopingCall(self._tick)
-        self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=False)
-
-    def stopService(self):
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
-
-    def _tick(self) -> defer.Deferred:
-        return defer.ensureDeferred(self.run_once()).addErrback(
-            lambda f: log.failure("replica floor pass failed", f))
 
     async def run_once(self) -> None:
         rows = await self._db.runQuery(

@@ -552,6 +552,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
     chooser.cache = placements.cache
     chooser.on_reaped = placements.model_changed
+    loads.on_loaded = placements.model_changed  # a new replica is used at once
+    lifecycle.on_unloaded = placements.model_changed
     nodes.on_changed = placements.node_changed
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels); another drops the

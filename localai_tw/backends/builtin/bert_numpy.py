@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import threading
 
 import grpc
@@ -335,15 +334,7 @@ class BertNumpyServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message="freed")
 
     def Status(self, request, context):
-        if self._busy:
-            state = backend_pb2.StatusResponse.BUSY
-        elif self.encoder is not None:
-            state = backend_pb2.StatusResponse.READY
-        else:
-            state = backend_pb2.StatusResponse.UNINITIALIZED
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return backend_pb2.StatusResponse(
-            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+        return serving.status_response(busy=bool(self._busy), loaded=self.encoder is not None)
 
     def _loaded(self, context) -> BertSentenceEncoder:
         encoder = self.encoder

@@ -31,7 +31,6 @@ import hashlib
 import math
 from collections import OrderedDict
 import os
-import resource
 import struct
 import threading
 import time
@@ -119,15 +118,7 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message="freed")
 
     def Status(self, request, context):
-        if self._busy:
-            state = backend_pb2.StatusResponse.BUSY
-        elif self.loaded:
-            state = backend_pb2.StatusResponse.READY
-        else:
-            state = backend_pb2.StatusResponse.UNINITIALIZED
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return backend_pb2.StatusResponse(
-            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+        return serving.status_response(busy=bool(self._busy), loaded=self.loaded)
 
     # -- inference ----------------------------------------------------------------------
 

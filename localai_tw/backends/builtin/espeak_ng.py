@@ -29,7 +29,6 @@ must never do: write anywhere but ``dst``, or answer success without a WAV there
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import subprocess
 import threading
@@ -116,12 +115,7 @@ class EspeakServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message="freed")
 
     def Status(self, request, context):
-        state = (backend_pb2.StatusResponse.BUSY if self._busy else
-                 backend_pb2.StatusResponse.READY if self.loaded else
-                 backend_pb2.StatusResponse.UNINITIALIZED)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return backend_pb2.StatusResponse(
-            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+        return serving.status_response(busy=bool(self._busy), loaded=self.loaded)
 
     def _some_voices(self) -> str:
         some = sorted(self.voices & {"en-us", "en-gb", "de", "fr", "es", "it"}) or \

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import resource
 import struct
 import zlib
 
@@ -85,11 +84,7 @@ class HashImageServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message="freed")
 
     def Status(self, request, context):
-        state = (backend_pb2.StatusResponse.READY if self.loaded
-                 else backend_pb2.StatusResponse.UNINITIALIZED)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return backend_pb2.StatusResponse(
-            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+        return serving.status_response(busy=False, loaded=self.loaded)
 
     def GenerateImage(self, request, context):
         if not self.loaded:

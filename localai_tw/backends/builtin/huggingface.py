@@ -44,7 +44,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import threading
 
 import grpc
@@ -208,15 +207,7 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message="freed")
 
     def Status(self, request, context):
-        if self._busy:
-            state = backend_pb2.StatusResponse.BUSY
-        elif self.model is not None or self.sentence_model is not None:
-            state = backend_pb2.StatusResponse.READY
-        else:
-            state = backend_pb2.StatusResponse.UNINITIALIZED
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return backend_pb2.StatusResponse(
-            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+        return serving.status_response(busy=bool(self._busy), loaded=self.model is not None or self.sentence_model is not None)
 
     # -- inference ----------------------------------------------------------------------
 

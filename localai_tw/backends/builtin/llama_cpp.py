@@ -47,7 +47,6 @@ import contextlib
 import ctypes
 import json
 import os
-import resource
 import sys
 import tempfile
 import threading
@@ -363,15 +362,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message="freed")
 
     def Status(self, request, context):
-        if self._busy:
-            state = backend_pb2.StatusResponse.BUSY
-        elif self.llm is not None:
-            state = backend_pb2.StatusResponse.READY
-        else:
-            state = backend_pb2.StatusResponse.UNINITIALIZED
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return backend_pb2.StatusResponse(
-            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+        return serving.status_response(busy=bool(self._busy), loaded=self.llm is not None)
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ What this program must never do: read any file but ``dst``, or fetch a model.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 
 import grpc
@@ -113,12 +112,7 @@ class PocketSphinxServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message="freed")
 
     def Status(self, request, context):
-        state = (backend_pb2.StatusResponse.BUSY if self._busy else
-                 backend_pb2.StatusResponse.READY if self.decoder is not None else
-                 backend_pb2.StatusResponse.UNINITIALIZED)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return backend_pb2.StatusResponse(
-            state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))
+        return serving.status_response(busy=bool(self._busy), loaded=self.decoder is not None)
 
     def _refuse_unhonoured(self, request, context) -> None:
         def refuse(text):

@@ -211,3 +211,17 @@ def serve(servicer, identity: ModelIdentity, address: str, *, max_workers: int |
     server.stop(0).wait(5)
     print("Server stopped.", file=sys.stderr, flush=True)
     sys.exit(0)
+
+
+def status_response(*, busy: bool, loaded: bool) -> "backend_pb2.StatusResponse":
+    """``Status``'s answer for a built-in backend: BUSY while a call runs, else READY once a
+    model is loaded, else UNINITIALIZED; memory is the process's peak RSS (what the worker's
+    eviction and the frontend's ``if_idle`` unload read)."""
+    import resource
+
+    state = (backend_pb2.StatusResponse.BUSY if busy else
+             backend_pb2.StatusResponse.READY if loaded else
+             backend_pb2.StatusResponse.UNINITIALIZED)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return backend_pb2.StatusResponse(
+        state=state, memory=backend_pb2.MemoryUsageData(total=rss, breakdown={"rss": rss}))

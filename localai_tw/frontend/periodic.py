@@ -1,0 +1,55 @@
+"""A service that runs one pass of its work every ``interval`` seconds while it runs.
+
+The lifecycle watchdog, the replica floor and the preloader each started, stopped and guarded a
+``LoopingCall`` by hand; this is that code once.  A pass that fails is logged with
+``pass_name`` and the next one runs on time; nothing here blocks the reactor (a pass is
+``async`` and runs on it).
+"""
+
+from __future__ import annotations
+
+from twisted.application.service import Service
+from twisted.internet import defer, task
+from twisted.logger import Logger
+
+log = Logger()
+
+
+class PeriodicPass(Service):
+    """Subclasses set ``self._reactor`` and ``self.interval`` and define ``async run_once()``.
+
+    ``pass_enabled()`` False at start: no loop at all.  ``run_first``: the first pass runs at
+    start instead of one interval later.  ``stop_passes()`` ends the loop from inside a pass.
+    """
+
+    pass_name = "periodic pass"
+    run_first = False
+    _loop: task.LoopingCall | None = None
+
+    def pass_enabled(self) -> bool:
+        return True
+
+    def startService(self) -> None:
+        super().startService()
+        if not self.pass_enabled():
+            return
+        self._loop = task.LoopingCall(self._tick)
+        self._loop.clock = self._reactor
+        self._loop.start(self.interval, now=self.run_first).addErrback(
+            lambda f: log.failure("the {what} loop stopped", f, what=self.pass_name))
+
+    def stopService(self):
+        super().stopService()
+        self.stop_passes()
+
+    def stop_passes(self) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._loop = None
+
+    def _tick(self) -> defer.Deferred:
+        return defer.ensureDeferred(self.run_once()).addErrback(
+            lambda f: log.failure("{what} failed", f, what=self.pass_name))
+
+    async def run_once(self):
+        raise NotImplementedError
