@@ -54,6 +54,7 @@ from localai_tw.cluster.clock import (
     INSTANCE_LIVENESS,
     LIVE_INSTANCE_IDS_SQL,
 )
+from localai_tw.bus.pgbus import BusStopped
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 
 from .downloads import REDIRECT_LIMIT, resolve_url, shown_url
@@ -400,9 +401,21 @@ class GalleryJobs(Service):
         super().startService()
         if self.bus is not None:
             return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallbacks(
-                lambda sub: setattr(self, "_subscription", sub),
-                lambda f: log.failure("gallery: cannot subscribe to the bus; this replica "
-                                      "answers gallery jobs from their rows only", f))
+                self._subscribed, self._not_subscribed)
+
+    def _subscribed(self, sub) -> None:
+        if not self.running:  # stopped while the subscription was on its way
+            defer.maybeDeferred(sub.unsubscribe).addErrback(lambda _: None)
+            return
+        self._subscription = sub
+
+    def _not_subscribed(self, failure: Failure) -> None:
+        if not self.running or failure.check(BusStopped):
+            # The replica is stopping (it may stop right after it started): nothing is lost.
+            log.info("gallery: the bus stopped before its subscription landed")
+            return
+        log.failure("gallery: cannot subscribe to the bus; this replica answers gallery jobs "
+                    "from their rows only", failure)
 
     def stopService(self):
         super().stopService()

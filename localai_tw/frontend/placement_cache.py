@@ -237,10 +237,11 @@ class PlacementFanout(Service):
             self.cache.clear()  # anything put before the subscription may have missed news
 
         def failed(f):
+            if not self.running:
+                return  # stopping (it may stop right after it started): nothing to retry
             log.warn("placement cache off: subscribing to {subject} failed ({err}); "
                      "retrying in {s:g}s", subject=SUBJECT, err=f.value, s=RESUBSCRIBE_SECONDS)
-            if self.running:
-                self._retry = self._reactor.callLater(RESUBSCRIBE_SECONDS, self._subscribe)
+            self._retry = self._reactor.callLater(RESUBSCRIBE_SECONDS, self._subscribe)
 
         self._bus.subscribe(SUBJECT, self._received).addCallbacks(subscribed, failed)
 

@@ -148,3 +148,49 @@ async def test_a_replica_queues_a_bounded_number_of_jobs(monkeypatch):
     with pytest.raises(gallery.GalleryBusy, match="2 gallery jobs are queued"):
         await jobs.delete("c")
     assert jobs.snapshots[first]["state"] == "queued" and len(jobs.snapshots) == 2
+
+
+def test_a_replica_stopped_before_its_gallery_subscription_lands_logs_no_failure():
+    """Found by CI: a frontend stopped right after it was ready logged a critical traceback
+    ("gallery: cannot subscribe to the bus", BusStopped).  A stop while the subscription is on
+    its way is normal: one info line, and a subscription landing after the stop is undone.
+    (Log the failure unconditionally in _not_subscribed: this fails.)"""
+    from twisted.internet import defer, task
+    from twisted.logger import LogLevel, globalLogPublisher
+
+    from localai_tw.bus.pgbus import BusStopped
+    from localai_tw.frontend.gallery import GalleryJobs
+
+    class Bus:
+        def __init__(self):
+            self.pending = []
+
+        def subscribe(self, subject, handler):
+            d = defer.Deferred()
+            self.pending.append(d)
+            return d
+
+    class Subscription:
+        unsubscribed = False
+
+        def unsubscribe(self):
+            self.unsubscribed = True
+
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        for outcome in ("fails", "lands"):
+            bus = Bus()
+            gallery = GalleryJobs(None, bus, "replica-a", "/nonexistent", None, [], task.Clock())
+            gallery.startService()
+            gallery.stopService()
+            if outcome == "fails":
+                bus.pending[0].errback(BusStopped("the bus was stopped"))
+            else:
+                late = Subscription()
+                bus.pending[0].callback(late)
+                assert late.unsubscribed
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    ours = [e for e in events if "gallery" in str(e.get("log_namespace", ""))]
+    assert not [e for e in ours if e["log_level"] >= LogLevel.error], ours
