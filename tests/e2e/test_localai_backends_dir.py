@@ -19,13 +19,13 @@ import urllib.request
 from pathlib import Path
 
 from tests.e2e.test_one_machine import free_port
+from tests.e2e.userenv import user_environment
 
 TWISTD = [str(Path(sys.executable).with_name("twistd"))]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 RUN_SH = f"""#!/bin/sh
 printf '%s\\n' "$(pwd)" "$*" > started.txt
-PYTHONPATH={REPO_ROOT} exec {sys.executable} -m localai_tw.backends.builtin.echo "$@"
+exec {sys.executable} -m localai_tw.backends.builtin.echo "$@"
 """
 
 
@@ -55,8 +55,7 @@ def test_localai_backends_path_reaches_the_local_worker(tmp_path, pg_dsn):
             "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALAI_")}
-    env["LOCALAI_BACKENDS_PATH"] = str(backends)
+    env = user_environment(LOCALAI_BACKENDS_PATH=str(backends))
     log_path = tmp_path / "twistd.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(

@@ -41,6 +41,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import readme
+from tests.e2e.userenv import user_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The installed twistd script beside this interpreter, as a user runs it (no PYTHONPATH).
@@ -104,8 +105,8 @@ class Cluster:
         self.base = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
         self.log_path = workdir / "twistd.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALAI_")}
-        env["HF_HUB_OFFLINE"] = "1"  # the model comes from the wheel, never from a hub
+        # the model comes from the wheel, never from a hub
+        env = user_environment(HF_HUB_OFFLINE="1")
         with open(self.log_path, "w") as log_file:
             self.proc = subprocess.Popen(
                 TWISTD + cluster_args(self.port, data_dir, database_url), cwd=workdir,

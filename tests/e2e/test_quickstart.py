@@ -33,6 +33,7 @@ import pytest
 
 from tests.e2e import readme
 from tests.e2e.test_one_machine import require_modules
+from tests.e2e.userenv import user_environment
 
 pytestmark = pytest.mark.heavy
 
@@ -64,10 +65,8 @@ def user():
     home, workdir = root / "home", root / "work"
     home.mkdir()
     workdir.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("LOCALAI_") and k not in ("PYTHONPATH", "XDG_DATA_HOME")}
-    env.update(HOME=str(home), PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-               HF_HUB_OFFLINE="1")
+    env = user_environment(HOME=str(home), HF_HUB_OFFLINE="1")
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     processes: list[subprocess.Popen] = []
 
     def start(name: str, command: str) -> subprocess.Popen:

@@ -10,7 +10,6 @@ terminated, waited for and, if need be, killed in a finalizer.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -23,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.e2e.userenv import user_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The installed twistd script beside this interpreter, as a user runs it (no PYTHONPATH).
@@ -40,9 +40,7 @@ def twistd(tmp_path):
     processes: list[subprocess.Popen] = []
 
     def environment(extra):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALAI_")}
-        env.update(extra or {})
-        return env
+        return user_environment(**(extra or {}))
 
     def run(args, env=None, wait=True, timeout=60):
         if wait:

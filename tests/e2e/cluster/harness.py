@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import http.client as httpclient
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -39,6 +38,7 @@ import psutil
 import psycopg2
 
 from .balancer import Balancer
+from tests.e2e.userenv import user_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 _TWISTD = "from twisted.scripts.twistd import run; run()"
@@ -246,11 +246,11 @@ class Cluster:
     # -- starting ----------------------------------------------------------------------------
 
     def _environment(self) -> dict:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALAI_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.plugin_path is not None:  # a drop-in plugin directory (docs/jobs.md)
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(self.plugin_path), env.get("PYTHONPATH", "")) if p)
+        env = user_environment(PYTHONUNBUFFERED="1")
+        if self.plugin_path is not None:
+            # The operator's way to add a drop-in plugin (localai_tw/plugins/__init__.py):
+            # that directory alone, never the checkout.
+            env["PYTHONPATH"] = str(self.plugin_path)
         return env
 
     def _spawn(self, name: str, code: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
