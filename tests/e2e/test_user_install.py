@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import readme
+from tests.e2e import userenv
 
 REPO_ROOT = readme.REPO_ROOT
 
@@ -50,12 +51,8 @@ def free_port() -> int:
 
 def user_environment(venv: Path, home: Path, **extra: str) -> dict:
     """A new user's shell with the venv activated: no PYTHONPATH, no LOCALAI_* settings."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("LOCALAI_") and k not in ("PYTHONPATH", "PYTHONHOME",
-                                                         "PYTHONSTARTUP", "VIRTUAL_ENV",
-                                                         "XDG_DATA_HOME")}
-    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv),
-               HOME=str(home))
+    env = userenv.user_environment(HOME=str(home), VIRTUAL_ENV=str(venv))
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra)
     return env
 
