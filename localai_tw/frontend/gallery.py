@@ -46,7 +46,7 @@ from twisted.application.service import Service
 from twisted.internet import defer, protocol, task, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, RedirectAgent, ResponseDone
+from twisted.web.client import Agent, HTTPConnectionPool, RedirectAgent
 from twisted.web.http_headers import Headers
 
 from localai_tw.cluster.clock import (
@@ -55,6 +55,7 @@ from localai_tw.cluster.clock import (
     LIVE_INSTANCE_IDS_SQL,
 )
 from localai_tw.bus.pgbus import BusStopped
+from localai_tw.web.readers import ResponseTooLarge, read_bounded
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 
 from .downloads import REDIRECT_LIMIT, resolve_url, shown_url
@@ -172,33 +173,6 @@ def _is_file_name(name: Any) -> bool:
 # -- reading -------------------------------------------------------------------------------
 
 
-class _Bounded(protocol.Protocol):
-    def __init__(self, limit: int, done: defer.Deferred, what: str):
-        self.limit, self.done, self.what = limit, done, what
-        self.chunks: list[bytes] = []
-        self.size = 0
-
-    def dataReceived(self, data: bytes) -> None:
-        self.size += len(data)
-        if self.size > self.limit:
-            self.chunks = []
-            self.transport.stopProducing()
-            if not self.done.called:
-                self.done.errback(GalleryError(f"{self.what} is larger than {self.limit} "
-                                               "bytes"))
-            return
-        self.chunks.append(data)
-
-    def connectionLost(self, reason) -> None:
-        if self.done.called:
-            return
-        if reason.check(ResponseDone):
-            self.done.callback(b"".join(self.chunks))
-        else:
-            self.done.errback(GalleryError(f"{self.what}: the connection broke "
-                                           f"({reason.getErrorMessage()[:200]})"))
-
-
 async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
     """The bytes at ``url`` (``file://``, ``http(s)://``, ``github:``), at most ``limit``.
     :raises GalleryError: naming the URL (without credentials or query) and the cause."""
@@ -236,9 +210,9 @@ async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
                 and response.length > limit:
             response.deliverBody(protocol.Protocol())
             raise GalleryError(f"{shown} is larger than {limit} bytes")
-        done: defer.Deferred = defer.Deferred()
-        response.deliverBody(_Bounded(limit, done, shown))
-        return await done
+        return await read_bounded(response, limit)
+    except ResponseTooLarge:
+        raise GalleryError(f"{shown} is larger than {limit} bytes") from None
     except defer.CancelledError:
         raise GalleryError(f"{shown}: no answer within {FETCH_TIMEOUT:.0f} s") from None
     except GalleryError:
