@@ -30,8 +30,8 @@ so the next request tries again.
 What this module must never do: hold a file in memory (one chunk at a time); write outside the
 models directory (the target is resolved with symlinks and checked); leave anything under the
 final name that was not verified; block the reactor on a whole file (hashing a present file and
-copying a ``file://`` run in threads; body chunks are written as they arrive, as the worker's
-staging does); log a URL's credentials or query string.
+copying a ``file://`` run in threads; body chunks are written and hashed in a thread, the
+connection paused while the disk is behind); log a URL's credentials or query string.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from twisted.internet import defer, protocol, threads
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.client import (
     Agent,
     HTTPConnectionPool,
@@ -57,6 +58,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH
 
 from localai_tw.deferreds import OneShotObserver
 from localai_tw.staging_client import PARTIAL_SUFFIX
+from localai_tw.threadwriter import ThreadedFileWriter, write_all
 
 from .interfaces import ModelDownloadFailed, ModelFileMismatch
 from .modelfiles import DigestCache
@@ -374,7 +376,7 @@ class ModelDownloads:
                     chunk = source.read(COPY_CHUNK)
                     if not chunk:
                         break
-                    _write_all(fd, chunk)
+                    write_all(fd, chunk)
                     digest.update(chunk)
                     download.received += len(chunk)
                     self._reactor.callFromThread(self._note, download)
@@ -449,12 +451,6 @@ def _open_temp(target: str) -> tuple[int, str]:
                             suffix=PARTIAL_SUFFIX)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -473,22 +469,26 @@ class _Discard(protocol.Protocol):
 
 
 class _BodyToFile(protocol.Protocol):
-    """A response body written chunk by chunk to ``fd`` and hashed; ``finished`` fires with the
-    hex digest, or fails with ``ModelDownloadFailed`` (cap, idle timeout, broken connection,
-    disk full)."""
+    """A response body written to ``fd`` and hashed off the reactor
+    (:class:`~localai_tw.threadwriter.ThreadedFileWriter`: the connection is paused while the
+    disk is behind); ``finished`` fires with the hex digest once every byte is on its way to the
+    disk, or fails with ``ModelDownloadFailed`` (cap, idle timeout, broken connection, disk
+    full)."""
 
     def __init__(self, owner: ModelDownloads, download: Download, fd: int, what: str):
         self.owner = owner
         self.download = download
-        self.fd = fd
         self.what = what
         self.hash = hashlib.sha256()
+        self.writer = ThreadedFileWriter(owner._reactor, fd, self.hash,
+                                         on_error=self._write_failed)
         self.finished: defer.Deferred = defer.Deferred()
         self.error: BaseException | None = None
         self.timer = None
         self.transport = None
 
     def connectionMade(self) -> None:
+        self.writer.producer = self.transport
         self.timer = self.owner._reactor.callLater(self.owner.idle_timeout, self._idle)
 
     def _idle(self) -> None:
@@ -501,6 +501,11 @@ class _BodyToFile(protocol.Protocol):
             self.error = error
             self.transport.stopProducing()
 
+    def _write_failed(self, e: BaseException) -> None:
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+        reason = "the disk is full" if full else (getattr(e, "strerror", None) or str(e))
+        self._abort(ModelDownloadFailed(f"{self.what}: writing failed: {reason}"))
+
     def dataReceived(self, data: bytes) -> None:
         if self.error is not None:
             return
@@ -508,14 +513,7 @@ class _BodyToFile(protocol.Protocol):
             self._abort(ModelDownloadFailed(f"{self.what}: more than the download cap of "
                                             f"{self.owner.max_bytes} bytes"))
             return
-        try:
-            _write_all(self.fd, data)
-        except OSError as e:
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            self._abort(ModelDownloadFailed(
-                f"{self.what}: writing failed: {'the disk is full' if full else e.strerror}"))
-            return
-        self.hash.update(data)
+        self.writer.write(data)
         self.download.received += len(data)
         if self.timer is not None and self.timer.active():
             self.timer.reset(self.owner.idle_timeout)
@@ -524,8 +522,16 @@ class _BodyToFile(protocol.Protocol):
     def connectionLost(self, reason) -> None:
         if self.timer is not None and self.timer.active():
             self.timer.cancel()
+        # The file descriptor is closed by the caller once ``finished`` fired: no batch may
+        # still be in a thread then, whatever the outcome.
+        self.writer.drained().addBoth(self._decide, reason)
+
+    def _decide(self, drained, reason) -> None:
         if self.error is not None:
             self.finished.errback(self.error)
+        elif isinstance(drained, Failure):
+            self._write_failed(drained.value)  # sets self.error when a transport is attached
+            self.finished.errback(self.error or drained.value)
         elif reason.check(ResponseDone) or (
                 reason.check(PotentialDataLoss) and self.download.total is None):
             if self.download.total is not None and self.download.received != self.download.total:

@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "bus": BASE | {"db", "cluster"},
     "web": BASE,  # the HTTP pieces both servers share (bearer rule, bodies, JSON, readers)
     "staging_client": BASE | {"web"},
+    "threadwriter": BASE,  # file writes and hashing off the reactor (downloads, staging)
     "metrics": BASE,  # every Prometheus metric in one place (docs/metrics.md)
     "tinychat": BASE,  # a user's tool (python -m localai_tw.tinychat): builds a local model
     "tinygguf": BASE,  # a user's tool (python -m localai_tw.tinygguf): builds a local GGUF
@@ -37,9 +38,10 @@ ALLOWED: dict[str, set[str]] = {
     # the agent worker (runs); plugins: the drop-in package IJobKind is scanned in
     "jobs": BASE | {"web", "plugins"},
     "worker": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                      "staging_client", "plugins", "web", "metrics", "jobs"},
+                      "staging_client", "plugins", "web", "metrics", "jobs", "threadwriter"},
     "frontend": BASE | {"mux", "splice", "tunnel", "db", "cluster", "bus", "backends",
-                        "staging_client", "plugins", "web", "metrics", "jobs"},
+                        "staging_client", "plugins", "web", "metrics", "jobs",
+                        "threadwriter"},
 }
 
 #: The only modules outside ``worker/`` that may import from it: the frontend's in-process
