@@ -531,9 +531,16 @@ class ClaimConsumer(service.Service):
             return
         if self._bus is not None:
             try:
-                self._wake_sub = await self._bus.subscribe(WAKE_SUBJECT, self._on_wake)
+                subscription = await self._bus.subscribe(WAKE_SUBJECT, self._on_wake)
             except Exception as e:
+                if not self.running:
+                    return  # stopped while subscribing: a normal stop, nothing to report
                 log.warn("claims: no wake hints (polling only): {err}", err=e)
+            else:
+                if not self.running:
+                    subscription.unsubscribe()  # landed after the stop: undo it
+                    return
+                self._wake_sub = subscription
         if not self.running:
             return
         self._loop = task.LoopingCall(self.wake)
