@@ -6,7 +6,7 @@ import time
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer, task
+from twisted.internet import task
 
 from localai_tw.cluster import membership, ownership
 from localai_tw.cluster.clock import LIVE_INSTANCE_IDS_SQL, departure_retention

@@ -14,7 +14,7 @@ from twisted.internet import defer, task
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
 from localai_tw.cluster.membership import InstanceIdentity, register_instance
-from localai_tw.cluster.nodes import NodeRegistry, NodeStatus
+from localai_tw.cluster.nodes import NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.db.pool import Database
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer, reactor, task
+from twisted.internet import defer, task
 
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.interfaces import (

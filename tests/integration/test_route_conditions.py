@@ -6,7 +6,6 @@ and, where it matters, the conditions the outcome must NOT be confused with.
 
 from __future__ import annotations
 
-import pytest
 import pytest_twisted
 from twisted.internet import defer, protocol, reactor
 

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from .harness import listening_sockets, wait_for
+from .harness import listening_sockets
 
 
 def _owners(cluster):
