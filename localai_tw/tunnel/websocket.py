@@ -58,7 +58,7 @@ from twisted.web.server import NOT_DONE_YET
 from zope.interface import Interface, implementer
 
 from localai_tw.tunnel import autobahn_compat as ab
-from localai_tw.tunnel.sockets import set_no_delay
+from localai_tw.tunnel.sockets import set_no_delay, set_not_sent_lowat
 from localai_tw.tunnel.wsframes import FastBinaryFrames
 from localai_tw.web import auth
 
@@ -504,6 +504,9 @@ class _CarrierMixin(FastBinaryFrames):
             return None
         self.carrier = carrier
         carrier.protocol = inner
+        # Bulk bytes wait in the yamux streams, where control frames can overtake them, rather
+        # than in the kernel's send queue (``tunnel/sockets.py``).
+        set_not_sent_lowat(self.transport)
         self.transport.registerProducer(_WritePressureRelay(carrier), True)
         inner.makeConnection(carrier)
         return inner
