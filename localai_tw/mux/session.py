@@ -10,7 +10,10 @@ go-away(protocol error) and a clean teardown of every stream), never let one str
 take the session down, never reuse a stream id, and never buffer more than the peers' windows
 allow: the session itself holds no stream data, it only writes frames while the transport is
 not paused.  Control frames (pings, window updates, go-away) are written at once, never queued
-behind stream data; but a peer that makes us answer (pings, refused SYNs) while it does not read
+behind stream data; over a carrier that offers ``writeUrgent`` (the WebSocket carrier, which
+holds up to one message of frames per reactor turn) they, and the frames of control streams
+(those that have sent less than ``bulk_after``), also go ahead of the bulk Data frames the
+carrier still holds, and on resume control streams are served before bulk streams; but a peer that makes us answer (pings, refused SYNs) while it does not read
 what we write is stopped: past ``reply_high_water`` bytes of answers written while the carrier
 has paused us, the session stops reading from the carrier until it drains, and past
 ``reply_cap`` it fails (Go blocks its receive loop on a bounded send queue; Twisted's HTTP/2
@@ -261,9 +264,9 @@ class Session(Protocol):
         if code == GOAWAY_NORMAL:
             if not self.localGoAway:
                 self.localGoAway = True
-                self._sendFrame(Frame.go_away(GOAWAY_NORMAL))
+                self._sendFrame(Frame.go_away(GOAWAY_NORMAL), urgent=False)
             return
-        self._sendFrame(Frame.go_away(code))
+        self._sendFrame(Frame.go_away(code), urgent=False)
         self._end(SessionFailed(f"local go-away ({_goAwayName(code)})"))
         self._closeTransport(abort=False)
 
@@ -380,9 +383,10 @@ class Session(Protocol):
         """Serve streams fairly, stopping as soon as the transport pauses us again.
 
         First the bytes streams buffered while we were paused go out in rounds of one frame
-        per stream (at most ``max_frame_size`` each), so a stream with a few bytes to send (a
-        control call, a reply) leaves within one frame of every other stream's, never behind a
-        whole window of a bulk stream's.  Then the streams' producers are resumed in rotation;
+        per stream (at most ``max_frame_size`` each), control streams (those that have sent
+        less than ``bulk_after``) first in every round, so a stream with a few bytes to send (a
+        control call, a reply) leaves before the bulk streams' frames, never behind a whole
+        window of theirs.  Then the streams' producers are resumed in rotation;
         the stream served last goes to the back, so the next resume starts with the next one.
         """
         if not self._paused:
@@ -396,8 +400,11 @@ class Session(Protocol):
             self.transport.resumeProducing()
 
     def _serve(self) -> None:
-        """Buffered frames in rounds, then producers in rotation (see ``resumeProducing``)."""
-        waiting = [s for s in self._rotation if s._out]
+        """Buffered frames in rounds, control streams first, then producers in rotation (see
+        ``resumeProducing``)."""
+        after = self.config.bulk_after
+        waiting = [s for s in self._rotation if s._out and s._sent < after]
+        waiting += [s for s in self._rotation if s._out and s._sent >= after]
         while waiting and self._writable():
             waiting = [s for s in waiting if self._writable() and s._sessionResumedFrame()]
         for _ in range(len(self._rotation)):
@@ -552,11 +559,28 @@ class Session(Protocol):
         budget = self.config.bulk_in_flight
         return bool(budget) and self._data_out - self._data_acked >= budget
 
-    def _sendFrame(self, frame: Frame) -> None:
-        if self.state is not SessionState.OPEN or self.transport is None:
+    def _sendFrame(self, frame: Frame, urgent: bool = True) -> None:
+        """Write a frame that is not stream data (or an empty one: FIN, RST, ACK).  ``urgent``:
+        it may overtake the Data frames still held by a carrier that offers ``writeUrgent``
+        (see ``_urgentFor``); the caller says False for any frame that must stay behind what
+        was written before it."""
+        transport = self.transport
+        if self.state is not SessionState.OPEN or transport is None:
             return
         self.bytesSent += HEADER_SIZE + len(frame.payload)
-        self.transport.write(encode(frame))
+        if urgent and getattr(transport, "writesUrgent", False):
+            transport.writeUrgent(encode(frame))
+        else:
+            transport.write(encode(frame))
+
+    def _urgentFor(self, stream: Stream) -> bool:
+        """May a frame of ``stream`` overtake the Data frames the carrier still holds?  Yes while
+        the stream is a control stream: it has sent less than ``bulk_after`` bytes before this
+        frame, so none of its frames went the plain way yet and its own order is kept (urgent
+        frames leave in the order they were written, ahead of every plain one).  Once it has
+        sent that much it is a bulk stream for good, and its frames (FIN, RST included) queue
+        behind the bulk frames before them."""
+        return stream._sent < self.config.bulk_after
 
     def _sendReply(self, frame: Frame) -> None:
         """Write an answer the peer asked for (ping reply, RST of a refused SYN), counting it
@@ -582,10 +606,13 @@ class Session(Protocol):
                                 "of answers unread"))
         self._closeTransport(abort=True)
 
-    def _sendData(self, stream_id: int, flags: int, parts: list, length: int) -> None:
+    def _sendData(self, stream_id: int, flags: int, parts: list, length: int,
+                  urgent: bool = False) -> None:
         """Write one Data frame whose payload is ``parts`` (``length`` bytes in all, at least
-        one).  A transport that declares ``writesPieces`` (the WebSocket carrier, which joins
-        a whole message's pieces once anyway) is given the header and the pieces as they are,
+        one).  ``urgent`` (a control stream's frame, ``_urgentFor``): joined and written with
+        ``writeUrgent`` where the transport offers it, ahead of held bulk frames.  Otherwise a
+        transport that declares ``writesPieces`` (the WebSocket carrier, which joins a whole
+        message's pieces once anyway) is given the header and the pieces as they are,
         writev-style; any other gets them joined once, with no intermediate payload copy."""
         transport = self.transport
         if self.state is not SessionState.OPEN or transport is None:
@@ -595,16 +622,19 @@ class Session(Protocol):
         if budget:
             self._data_out += HEADER_SIZE + length
         header = HEADER.pack(VERSION, TYPE_DATA, flags, stream_id, length)
-        if getattr(transport, "writesPieces", False):
+        if urgent and getattr(transport, "writesUrgent", False):
+            transport.writeUrgent(b"".join([header, *parts]))
+        elif getattr(transport, "writesPieces", False):
             transport.writePieces([header, *parts], HEADER_SIZE + length)
         else:
             transport.write(b"".join([header, *parts]))
         if budget and self._data_out - self._budget_mark >= budget // 4:
-            # Acknowledge what was written so far: the reply comes once the peer read it all.
+            # Acknowledge what was written so far: the reply comes once the peer read it all,
+            # so this ping must not overtake the frames before it (never urgent).
             self._budget_mark = self._data_out
             opaque = self._nextOpaque()
             self._budget_pings[opaque] = self._data_out
-            self._sendFrame(Frame.ping(opaque))
+            self._sendFrame(Frame.ping(opaque), urgent=False)
 
     def _addStream(self, sid: int, state: StreamState) -> Stream:
         stream = Stream(self, sid, state)
@@ -660,12 +690,12 @@ class Session(Protocol):
 
     def _protocolError(self, detail: str) -> None:
         log.warn("yamux protocol error from peer: {detail}", detail=detail)
-        self._sendFrame(Frame.go_away(GOAWAY_PROTOCOL_ERROR))
+        self._sendFrame(Frame.go_away(GOAWAY_PROTOCOL_ERROR), urgent=False)
         self._end(SessionFailed(f"protocol error: {detail}"))
         self._closeTransport(abort=False)
 
     def _internalError(self) -> None:
-        self._sendFrame(Frame.go_away(GOAWAY_INTERNAL_ERROR))
+        self._sendFrame(Frame.go_away(GOAWAY_INTERNAL_ERROR), urgent=False)
         self._end(SessionFailed("internal error"))
         self._closeTransport(abort=False)
 

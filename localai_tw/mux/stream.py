@@ -331,14 +331,15 @@ class Stream:
             take = min(self._send_window, max_frame, self._out_size)
             parts = self._popOut(take)
             self._send_window -= take
+            urgent = session._urgentFor(self)
             self._sent += take
-            session._sendData(self.id, self._takeOpenFlags(), parts, take)
+            session._sendData(self.id, self._takeOpenFlags(), parts, take, urgent)
             frames -= 1
             if self.state in _FINISHED:  # a producer or the transport reset us meanwhile
                 return False
         if not self._out and self._fin_pending and self.state in _LOCAL_OPEN:
             flags = self._takeOpenFlags() | FLAG_FIN
-            session._sendFrame(Frame.window_update(self.id, 0, flags))
+            session._sendFrame(Frame.window_update(self.id, 0, flags), session._urgentFor(self))
             self._finSent()
         return bool(self._out) and self._send_window > 0 and session._writableFor(self)
 
@@ -547,7 +548,10 @@ class Stream:
         if not flags and delta < self.session.config.max_window // 2:
             return
         self._recv_window += delta
-        self.session._sendFrame(Frame.window_update(self.id, delta, flags))
+        # A bare grant may overtake anything (it is about the other direction); one that
+        # carries SYN or ACK keeps this stream's order.
+        self.session._sendFrame(Frame.window_update(self.id, delta, flags),
+                                not flags or self.session._urgentFor(self))
 
     # -- endings ---------------------------------------------------------------------------
 
@@ -578,7 +582,8 @@ class Stream:
         self._move(StreamEvent.RESET)
         self._clearBuffers()
         if not remote and wire_live:
-            self.session._sendFrame(Frame.window_update(self.id, 0, FLAG_RST))
+            self.session._sendFrame(Frame.window_update(self.id, 0, FLAG_RST),
+                                    self.session._urgentFor(self))
         self._end(StreamReset(remote=remote, detail=detail), later=later)
 
     def _clearBuffers(self) -> None:

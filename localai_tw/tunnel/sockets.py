@@ -1,4 +1,5 @@
-"""Socket options for every TCP connection that carries tunnel, relay or API traffic.
+"""Socket options for every TCP connection that carries tunnel, relay or API traffic (and,
+for the tunnel's WebSocket alone, ``TCP_NOTSENT_LOWAT``: see ``set_not_sent_lowat``).
 
 ``TCP_NODELAY``: with Nagle's algorithm a small write waits while an earlier small write is
 unacknowledged, and the peer delays its ACK (36-40 ms measured on Linux loopback).  A streamed
@@ -37,3 +38,30 @@ def set_no_delay(transport) -> bool:
     except OSError:  # closed meanwhile: nothing to speed up
         return False
     return True
+
+
+#: ``TCP_NOTSENT_LOWAT`` for the sockets under a tunnel's WebSocket (see ``set_not_sent_lowat``).
+TUNNEL_NOT_SENT_LOWAT = 128 * 1024
+
+
+def set_not_sent_lowat(transport, nbytes: int = TUNNEL_NOT_SENT_LOWAT) -> bool:
+    """Let the kernel hold at most about ``nbytes`` of not-yet-sent data for the TCP socket
+    under ``transport`` (``TCP_NOTSENT_LOWAT``; Linux and macOS).  Beyond that the socket is not
+    writable, Twisted's buffer fills and pauses its producer (the yamux session), and the bulk
+    bytes wait in the streams, where the session's order (control streams first) still applies,
+    instead of in a kernel queue nothing can overtake.  Bytes already sent are not affected (the
+    peer's receive buffer is bounded by the yamux windows).  Returns whether it was set."""
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    while isinstance(transport, ProtocolWrapper):
+        transport = transport.transport
+    if option is None or not isinstance(transport, tcp.Connection):
+        return False
+    try:
+        handle = transport.getHandle()
+        if handle.family not in _TCP_FAMILIES:
+            return False
+        handle.setsockopt(socket.IPPROTO_TCP, option, nbytes)
+    except OSError:
+        return False
+    return True
+

@@ -58,7 +58,7 @@ from twisted.web.server import NOT_DONE_YET
 from zope.interface import Interface, implementer
 
 from localai_tw.tunnel import autobahn_compat as ab
-from localai_tw.tunnel.sockets import set_no_delay
+from localai_tw.tunnel.sockets import set_no_delay, set_not_sent_lowat
 from localai_tw.tunnel.wsframes import FastBinaryFrames
 from localai_tw.web import auth
 
@@ -205,8 +205,10 @@ class WebSocketCarrier:
         self._reactor = reactor
         self._max_message_bytes = max_message_bytes
         self._coalesce_bytes = max(1, min(coalesce_bytes, max_message_bytes))
-        # outbound: the writes of this reactor turn, not yet sent as one message
+        # outbound: the writes of this reactor turn, not yet sent as one message; the urgent
+        # ones (``writeUrgent``) go at its front.  ``_out_size`` counts both lists.
         self._out: list[bytes] = []
+        self._urgent: list[bytes] = []
         self._out_size = 0
         self._flush_call = None
         self._batching = 0  # > 0 inside a read or a resume: the flush comes when it returns
@@ -275,14 +277,45 @@ class WebSocketCarrier:
         elif not self._batching and self._flush_call is None:
             self._flush_call = self._reactor.callLater(0, self._flushOut)
 
+    #: ``writeUrgent`` is offered: a yamux session's control frames (window updates, pings, a
+    #: small stream's frames) go ahead of the bulk frames this turn already wrote.
+    writesUrgent = True
+
+    def writeUrgent(self, data: bytes) -> None:
+        """As ``write``, but ``data`` goes at the front of the message of this reactor turn, after
+        the urgent writes before it and before every plain ``write``/``writePieces`` still held:
+        a control frame does not wait behind up to ``coalesce_bytes`` of bulk frames.  The caller
+        keeps its own order: it writes urgently only what may overtake what it wrote plainly
+        (a yamux session: whole frames of streams that have no plain frame held)."""
+        if not data or self.disconnecting or not self.connected:
+            return
+        size = len(data)
+        if self._out_size + size > self._max_message_bytes:
+            self._flushOut()
+            if size > self._max_message_bytes:
+                self.write(data)
+                return
+        self._urgent.append(bytes(data))
+        self._out_size += size
+        if self._out_size >= self._coalesce_bytes:
+            self._flushOut()
+        elif not self._batching and self._flush_call is None:
+            self._flush_call = self._reactor.callLater(0, self._flushOut)
+
     def _flushOut(self) -> None:
-        """Send what this turn wrote as one binary message."""
+        """Send what this turn wrote as one binary message, the urgent writes first."""
         call, self._flush_call = self._flush_call, None
         if call is not None and call.active():
             call.cancel()
-        if not self._out:
+        if not self._out_size:
             return
-        chunks, size = self._out, self._out_size
+        size = self._out_size
+        if self._urgent:
+            chunks = self._urgent
+            chunks.extend(self._out)
+            self._urgent = []
+        else:
+            chunks = self._out
         self._out, self._out_size = [], 0
         if self.connected:
             self._ws._sendBinary(chunks, size)
@@ -292,13 +325,14 @@ class WebSocketCarrier:
         if call is not None and call.active():
             call.cancel()
         self._out, self._out_size = [], 0
+        self._urgent = []
 
     def _startBatch(self) -> None:
         self._batching += 1
 
     def _endBatch(self) -> None:
         self._batching -= 1
-        if not self._batching and self._out:
+        if not self._batching and self._out_size:
             self._flushOut()
 
     def loseConnection(self) -> None:
@@ -470,6 +504,9 @@ class _CarrierMixin(FastBinaryFrames):
             return None
         self.carrier = carrier
         carrier.protocol = inner
+        # Bulk bytes wait in the yamux streams, where control frames can overtake them, rather
+        # than in the kernel's send queue (``tunnel/sockets.py``).
+        set_not_sent_lowat(self.transport)
         self.transport.registerProducer(_WritePressureRelay(carrier), True)
         inner.makeConnection(carrier)
         return inner

@@ -233,7 +233,7 @@ class FastBinaryFrames:
 
     def sendData(self, data: bytes, sync: bool = False, chopsize: int | None = None) -> None:
         carrier = self.carrier
-        if carrier is not None and carrier._out:
+        if carrier is not None and carrier._out_size:
             carrier._flushOut()  # a frame of Autobahn's own (close, pong) never overtakes data
         if sync or chopsize or ab.writes_itself(self):
             super().sendData(data, sync, chopsize)

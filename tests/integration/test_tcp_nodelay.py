@@ -1,7 +1,9 @@
 """Every TCP connection that carries tunnel, relay or API traffic has ``TCP_NODELAY`` set, read
 back from the kernel on real sockets: the frontend listener's accepted HTTP connections, both
 ends of a worker's tunnel, both ends of a peer link (plain and TLS), and the worker's
-connection to a backend port.
+connection to a backend port.  The tunnel's and the peer links' sockets also have
+``TCP_NOTSENT_LOWAT`` (bulk bytes wait in the yamux streams, where control frames overtake them,
+not in the kernel's send queue; issue 15 §3).
 
 Without it a streamed token that follows another one waits for the peer's delayed ACK (36-40 ms
 on loopback).  These tests assert the socket option, not a time: the latency itself is
@@ -18,6 +20,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Factory, Protocol
 
 from localai_tw.config import PortRange
+from localai_tw.tunnel.sockets import TUNNEL_NOT_SENT_LOWAT
 from localai_tw.worker.streams import StreamRouter
 
 from .support import eventually, within
@@ -26,6 +29,10 @@ from .tlscerts import make_ca_and_server
 
 def nodelay(sock: socket.socket) -> bool:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def not_sent_lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
 
 
 def tcp_socket_under(transport) -> socket.socket:
@@ -84,6 +91,8 @@ async def test_a_worker_tunnel_has_nodelay_at_both_ends(cluster):
     assert dialled.getsockname() == accepted.getpeername()  # the two ends of one connection
     assert nodelay(dialled), "the worker's tunnel dial"
     assert nodelay(accepted), "the tunnel accepted by the frontend's listener"
+    assert not_sent_lowat(dialled) == TUNNEL_NOT_SENT_LOWAT, "the worker's tunnel dial"
+    assert not_sent_lowat(accepted) == TUNNEL_NOT_SENT_LOWAT, "the accepted tunnel"
 
 
 async def _peer_link(caller, callee):
@@ -105,6 +114,8 @@ async def test_a_peer_link_has_nodelay_at_both_ends(cluster):
     assert dialled.getsockname() == accepted.getpeername()
     assert nodelay(dialled), "the relaying replica's dial"
     assert nodelay(accepted), "the owner's accepted peer link"
+    assert not_sent_lowat(dialled) == TUNNEL_NOT_SENT_LOWAT, "the relaying replica's dial"
+    assert not_sent_lowat(accepted) == TUNNEL_NOT_SENT_LOWAT, "the owner's accepted peer link"
 
 
 @pytest_twisted.ensureDeferred
@@ -116,6 +127,8 @@ async def test_a_peer_link_over_tls_has_nodelay_at_both_ends(cluster, tmp_path):
     assert dialled.getsockname() == accepted.getpeername()
     assert nodelay(dialled), "the relaying replica's wss:// dial"
     assert nodelay(accepted), "the owner's accepted peer link, under TLS"
+    assert not_sent_lowat(dialled) == TUNNEL_NOT_SENT_LOWAT, "the wss:// dial"
+    assert not_sent_lowat(accepted) == TUNNEL_NOT_SENT_LOWAT, "the accepted link, under TLS"
 
 
 @pytest_twisted.ensureDeferred
