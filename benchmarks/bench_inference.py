@@ -4,6 +4,8 @@ a small completion from a fast backend.
 Usage:  python benchmarks/bench_inference.py [--dsn DSN] [--requests-c1 2000]
                                              [--requests-c16 4000] [--rounds 4] [--json PATH]
                                              [--profile DIR] [--keep]
+                                             [--concurrency 1,16] [--paths grpc,...]
+                                             [--access-log all|errors|off]
 
 The DSN (``--dsn``, else ``LOCALAI_TEST_DSN``, else ``postgresql://postgres@127.0.0.1:5432/
 postgres``) names a maintenance database on a server where this script may CREATE DATABASE: it
@@ -58,8 +60,9 @@ latency, the p50 added against the baseline (and the relay against the owner), a
 time (user + system) per request of the client and of every cluster process (psutil deltas
 around the measured part only): the client's own cost is there to be subtracted, and the CPU
 columns say where a path's time goes even on a busy machine.  ``--profile DIR`` runs the
-frontends and the worker under twistd's cProfile (``DIR/<name>.prof``, written at their clean
-shutdown; profiling slows everything, do not quote those figures).
+frontends and the worker under cProfile, timed by the CPU time of the reactor thread
+(``time.thread_time``: what the main thread spends, not its waits), in ``DIR/<name>.prof``,
+written at their clean shutdown; profiling slows everything, do not quote those figures.
 
 This is a script, not a test: it asserts nothing, but prints whether the targets of
 ``docs/benchmarks.md`` ("Inference") are met.  Every process it started is reaped (SIGTERM,
@@ -115,6 +118,25 @@ ADDED = {
     "http-relay": ("http-owner", "relay (HTTP)"),
 }
 _TWISTD = "from twisted.scripts.twistd import run; run()"
+#: twistd under cProfile with the CPU time of the reactor thread (``time.thread_time``), not wall
+#: time: idle waits and waits for the GIL do not count.  Written when twistd is done, before it
+#: re-raises the SIGTERM that stopped it (``app._exitWithSignal``).
+_TWISTD_PROFILED = (
+    "import cProfile, time\n"
+    "from twisted.application import app\n"
+    "from twisted.scripts.twistd import run\n"
+    "profile = cProfile.Profile(time.thread_time)\n"
+    "def dump():\n"
+    "    profile.disable()\n"
+    "    profile.dump_stats({path!r})\n"
+    "exit_with_signal = app._exitWithSignal\n"
+    "def dump_then_exit(sig):\n"
+    "    dump()\n"
+    "    exit_with_signal(sig)\n"
+    "app._exitWithSignal = dump_then_exit\n"
+    "profile.enable()\n"
+    "run()\n"
+    "dump()\n")
 CALL_TIMEOUT = 30.0
 
 
@@ -426,8 +448,9 @@ class Bench:
         argv = [sys.executable, "-c", _TWISTD, "-n", "--pidfile="]
         if self.args.profile:
             os.makedirs(self.args.profile, exist_ok=True)
-            argv += [f"--profile={os.path.join(os.path.abspath(self.args.profile), name)}.prof",
-                     "--profiler=cprofile", "--savestats"]
+            target = f"{os.path.join(os.path.abspath(self.args.profile), name)}.prof"
+            argv = [sys.executable, "-c", _TWISTD_PROFILED.format(path=target), "-n",
+                    "--pidfile="]
         with open(log_path, "w") as log_file:
             popen = subprocess.Popen(argv + twistd_args, cwd=self.workdir, env=self._env(),
                                      stdin=subprocess.DEVNULL, stdout=log_file,
@@ -435,6 +458,10 @@ class Bench:
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
         return proc
+
+    def _frontend_options(self) -> list[str]:
+        access_log = getattr(self.args, "access_log", None)  # bench_streaming has no such option
+        return ["--access-log", access_log] if access_log else []
 
     def start_frontend(self, name: str, models_dir: str) -> dict:
         port = free_port()
@@ -446,7 +473,8 @@ class Bench:
             "--database-url", self.dsn, "--instance-id", instance_id,
             "--advertise-address", f"127.0.0.1:{port}", "--single-host",
             "--registration-token", TOKEN, "--api-key", API_KEY,
-            "--data-dir", data_dir, "--models-dir", models_dir])
+            "--data-dir", data_dir, "--models-dir", models_dir,
+            *self._frontend_options()])
         fe = {"name": name, "proc": proc, "port": port, "instance_id": instance_id,
               "data_dir": data_dir}
         self.frontends[instance_id] = fe
@@ -631,7 +659,9 @@ def setup(bench: Bench, model_options: tuple[str, ...] = ()) -> dict:
         kind, target = targets[path]
         bench.start_load(path, kind, target, identity)
     watched = {"owner": owner_fe["proc"].pid, "relay": relay_fe["proc"].pid,
-               "worker": worker.pid}
+               "worker": worker.pid,
+               # the reactor (main) thread of each replica: the part of its CPU that serialises
+               "owner.reactor": owner_fe["proc"].pid, "relay.reactor": relay_fe["proc"].pid}
     if bench.backend_pid:
         watched["backend"] = bench.backend_pid
     return {"node_id": node_id, "owner": owner_fe["name"], "relay": relay_fe["name"],
@@ -645,6 +675,10 @@ def cpu_times(pids: dict) -> dict:
     out = {}
     for name, pid in pids.items():
         try:
+            if name.endswith(".reactor"):
+                main = [t for t in psutil.Process(pid).threads() if t.id == pid]
+                out[name] = main[0].user_time + main[0].system_time if main else float("nan")
+                continue
             t = psutil.Process(pid).cpu_times()
             out[name] = t.user + t.system
         except psutil.Error:
@@ -754,19 +788,24 @@ def render(report: dict, rows: dict) -> str:
     lines += ["", "CPU (user + system) per request, us, during the measured requests only; "
               "'client' is the load process (its share of a core in brackets); the cluster "
               "columns are the owner replica, the relaying replica, the worker and the echo "
-              "backend:", "",
-              "| path | c | client | " + " | ".join(names) + " | cluster total |",
-              "|---|---:|---:|" + "---:|" * (len(names) + 1)]
+              "backend; 'owner reactor' and 'relay reactor' are the main thread of each "
+              "replica (part of the replica's figure):", "",
+              "| path | c | client | " + " | ".join(names)
+              + " | cluster total | owner reactor | relay reactor |",
+              "|---|---:|---:|" + "---:|" * (len(names) + 3)]
     for conc in concurrencies:
         for path in PATHS:
             row = rows.get(f"{path}@{conc}")
             if row is None:
                 continue
             cells = [f"{row['cpu_us'].get(n, float('nan')):.0f}" for n in names]
-            total = sum(v for v in row["cpu_us"].values() if v == v)
+            total = sum(v for k, v in row["cpu_us"].items()
+                        if v == v and not k.endswith(".reactor"))
+            reactors = [f"{row['cpu_us'].get(n + '.reactor', float('nan')):.0f}"
+                        for n in ("owner", "relay")]
             lines.append(f"| {LABELS[path]} | {conc} | {row['client_cpu_us']:.0f} "
                          f"({row['client_cores']:.2f}) | " + " | ".join(cells)
-                         + f" | {total:.0f} |")
+                         + f" | {total:.0f} | " + " | ".join(reactors) + " |")
     lines += ["", "Targets (p50):"]
     for conc in concurrencies:
         for path, goal in (("grpc-owner", "the tunnel adds < 1 ms on the owner path"),
@@ -776,7 +815,28 @@ def render(report: dict, rows: dict) -> str:
                 added = row["p50_ms"] - ref["p50_ms"]
                 lines.append(f"- c={conc}: {goal}: {added:+.3f} ms -> "
                              f"{'met' if added < 1.0 else 'MISSED'}")
+    lines += _http_targets(rows)
     return "\n".join(lines)
+
+
+def _http_targets(rows: dict) -> list[str]:
+    """The HTTP path's targets (issue 15 section 2), where the run has the rows."""
+    lines = []
+    http1, grpc1 = rows.get("http-owner@1"), rows.get("grpc-owner@1")
+    if http1:
+        cpu = http1["cpu_us"].get("owner", float("nan"))
+        lines.append(f"- HTTP at owner, c=1: owner replica CPU {cpu:.0f} us per request "
+                     f"(target <= 400) -> {'met' if cpu <= 400 else 'MISSED'}")
+    if http1 and grpc1:
+        added = http1["p50_ms"] - grpc1["p50_ms"]
+        lines.append(f"- HTTP at owner, c=1: p50 added over gRPC via owner bridge "
+                     f"{added:+.3f} ms (target <= +0.5) -> {'met' if added <= 0.5 else 'MISSED'}")
+    http16, grpc16 = rows.get("http-owner@16"), rows.get("grpc-owner@16")
+    if http16 and grpc16 and grpc16["rps"]:
+        ratio = http16["rps"] / grpc16["rps"]
+        lines.append(f"- HTTP at owner, c=16: {http16['rps']:.0f} req/s = {ratio:.2f}x gRPC via "
+                     f"owner bridge (target >= 0.7x) -> {'met' if ratio >= 0.7 else 'MISSED'}")
+    return lines
 
 
 def machine() -> dict:
@@ -830,8 +890,11 @@ def main() -> None:
     parser.add_argument("--paths", default=",".join(PATHS), help="subset of " + ",".join(PATHS))
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     parser.add_argument("--profile", metavar="DIR",
-                        help="cProfile the frontends and the worker (twistd --profile)")
+                        help="cProfile the frontends and the worker (CPU time of the reactor "
+                             "thread)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    parser.add_argument("--access-log", choices=("all", "errors", "off"),
+                        help="the frontends' --access-log (default: theirs, all)")
     parser.add_argument("--role", choices=("load",), help=argparse.SUPPRESS)
     parser.add_argument("--kind", choices=("grpc", "http"), help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)

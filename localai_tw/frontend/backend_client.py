@@ -25,6 +25,8 @@ what happened                                      raised
 the caller's deadline passed (``DEADLINE_EXCEEDED``  ``CallerDeadlineExceeded``
 or the reactor clock says so)
 the caller cancelled                               ``defer.CancelledError``
+``CANCELLED`` because this replica closed the      ``TransportFailure`` (nothing was learned)
+client (no route event during the call)
 ``UNAVAILABLE`` and the bridge recorded a dial     that condition exactly: ``WorkerUnroutable``,
 error (now, or a route event during the call)      ``WorkerGone``, ``AbsentWithinGrace``,
                                                    ``PeerUnreachable``, ``TransportFailure``, or
@@ -104,6 +106,14 @@ def classify_rpc_failure(failure: Failure, bridge, snapshot: int, node_id: str, 
     elif code in _ROUTE_SHAPED_WITH_EVENT and bridge.route_events > snapshot:
         return Failure(bridge.route_failure_since(snapshot))
     return Failure(errors.BackendAnswer(node_id, code.name, details[:2048]))
+
+
+def _cut_by_close(failure: Failure, bridge, snapshot: int) -> bool:
+    """A ``CANCELLED`` status with no route event since the call started: what grpcio answers
+    to the calls in flight when the channel is closed."""
+    exc = failure.value
+    return (isinstance(exc, grpc.RpcError) and hasattr(exc, "code")
+            and exc.code() == grpc.StatusCode.CANCELLED and bridge.route_events <= snapshot)
 
 
 class StreamThreads:
@@ -218,6 +228,11 @@ class BridgedBackendClient:
 
     def _classify(self, failure: Failure, snapshot: int, what: str, deadline: float):
         passed = self._reactor.seconds() >= deadline
+        if self.closed and not passed and _cut_by_close(failure, self.bridge, snapshot):
+            # This replica closed the channel under the call (the backend dropped or
+            # forgotten): nothing was learned, and it is not the backend's answer.
+            return Failure(errors.TransportFailure(
+                f"{what}: the client was closed during the call"))
         return classify_rpc_failure(failure, self.bridge, snapshot, self.node_id, what, passed)
 
     def close(self) -> None:

@@ -791,7 +791,7 @@ class FrontendService(InOrderMultiService):
             self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES,
                                     uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES,
                                     b"/api/jobs": MAX_JOB_BODY_BYTES},
-            spool_prefixes=uploads)
+            spool_prefixes=uploads, access_log=_option(options, "access-log", "all"))
         # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
         for alias, twin in unprefixed_aliases():
             self.site.add_body_limit(alias, self.site.body_limit_for(twin))

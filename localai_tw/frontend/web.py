@@ -397,6 +397,10 @@ class EventsPerInterval:
         self._last, self._count = now, 0
 
 
+#: ``--access-log``: which requests get an access line (:meth:`FrontendSite.log`).
+ACCESS_LOG_CHOICES = ("all", "errors", "off")
+
+
 def _client_host(request) -> str:
     """The address a request came from, the key of per-source log limits."""
     address = request.getClientAddress()
@@ -421,7 +425,8 @@ class FrontendSite(server.Site):
     Refusals are logged at most once a minute per kind, with a count.  Access lines of
     requests answered with a 4xx status are rate-limited per client address
     (:attr:`refused_access`): a prober's thousands of refused requests make a few lines and a
-    summary, not a line each.
+    summary, not a line each.  ``access_log`` (``--access-log``) narrows the access log to
+    failed requests (``errors``) or turns it off (``off``).
 
     :param body_limits: raw path prefix -> body cap in bytes, for routes that take more than
         :data:`MAX_BODY_BYTES` (the longest matching prefix wins).  A prefix ending in ``/``
@@ -452,8 +457,13 @@ class FrontendSite(server.Site):
                  max_connections: int = MAX_CONNECTIONS,
                  max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT,
                  headers_deadline: float | None = HEADERS_DEADLINE_SECONDS,
-                 body_deadline: float | None = BODY_DEADLINE_SECONDS, **kwargs):
+                 body_deadline: float | None = BODY_DEADLINE_SECONDS,
+                 access_log: str = "all", **kwargs):
         super().__init__(resource, **kwargs)
+        if access_log not in ACCESS_LOG_CHOICES:
+            raise ValueError(f"access_log must be one of {ACCESS_LOG_CHOICES}: {access_log!r}")
+        #: ``all``, ``errors`` (status >= 400 only) or ``off`` (``--access-log``).
+        self.access_log = access_log
         self.header_guards: list[tuple[tuple[bytes, ...], Callable[[Any], None]]] = []
         self.early_answer_shapes: list[tuple[tuple[bytes, ...], Callable[[Any], Any]]] = []
         for prefix, guard in (header_guards or {}).items():
@@ -490,11 +500,17 @@ class FrontendSite(server.Site):
         and ``/readyz`` probes (a 503 there is the normal "not ready yet" answer; the replica
         logs why itself) and successful worker heartbeats (one per worker every 10 s).  Every
         API request, and any heartbeat that failed, is still logged, but refused ones (4xx)
-        only up to a burst per client address, then summarised (:attr:`refused_access`)."""
+        only up to a burst per client address, then summarised (:attr:`refused_access`).
+        :attr:`access_log` ``errors`` keeps only the lines of requests answered >= 400;
+        ``off`` keeps none (the refusal summaries of other kinds are still logged)."""
+        if self.access_log == "off":
+            return
+        code = request.code or 200
+        if code < 400 and self.access_log == "errors":
+            return
         path = request.path or b""
         if path in (b"/healthz", b"/readyz"):
             return
-        code = request.code or 200
         if path.startswith(b"/api/node/") and path.endswith(b"/heartbeat") and code < 400:
             return
         if 400 <= code < 500 and not self.refused_access.allow(_client_host(request)):

@@ -145,3 +145,26 @@ async def test_forget_and_close_remove_the_sockets(cluster):
     assert os.path.exists(other.socket_path)
     await frontend.stopService()
     assert not os.path.exists(other.socket_path)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_call_cut_by_closing_the_client_is_a_transport_failure(cluster):
+    """Closing the channel (a dropped or forgotten backend) ends the calls in flight: that is
+    this replica's doing, never the backend's answer (which may reap the model) nor a
+    cancellation the caller did not make."""
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    port = await started_backend(frontend, worker.node_id)
+    client = frontend.replica.backend_clients.client(worker.node_id, port)
+    assert (await client.call("LoadModel", backend_pb2.ModelOptions(Model="m"))).success
+    first = defer.Deferred()
+    streaming = client.stream(
+        "PredictStream", backend_pb2.PredictOptions(Prompt=" ".join(["w"] * 200)),
+        lambda r: None if first.called else first.callback(r))
+    await first
+    client.close()
+    with pytest.raises(errors.TransportFailure) as caught:
+        await streaming
+    assert not errors.may_act_on(caught.value)
+    with pytest.raises(errors.TransportFailure):
+        await client.call("Health", backend_pb2.HealthMessage())

@@ -537,6 +537,41 @@ def test_access_log_leaves_out_heartbeats_and_probes():
     assert lines == ["/v1/embeddings", "/api/node/register", "/api/node/n1/heartbeat"]
 
 
+def test_access_log_option_keeps_errors_only_or_nothing():
+    from twisted.internet.address import IPv4Address
+
+    from localai_tw.frontend.web import FrontendSite
+
+    class Request:
+        def __init__(self, path, code=200):
+            self.path, self.code = path, code
+
+        def getClientAddress(self):
+            return IPv4Address("TCP", "127.0.0.1", 40000)
+
+    requests = (Request(b"/v1/completions"), Request(b"/v1/completions", 502),
+                Request(b"/v1/embeddings", 401), Request(b"/api/node/n1/heartbeat", 503),
+                Request(b"/healthz", 500))
+    logged = {}
+    for choice in ("all", "errors", "off"):
+        lines = logged[choice] = []
+        site = FrontendSite(None, access_log=choice,
+                            logFormatter=lambda now, r: f"{r.path.decode()} {r.code}")
+        site._logFile = type("Sink", (), {"write": lambda self, line, lines=lines:
+                                          lines.append(line.strip())})()
+        for request in requests:
+            site.log(request)
+    assert logged["all"] == ["/v1/completions 200", "/v1/completions 502",
+                             "/v1/embeddings 401", "/api/node/n1/heartbeat 503"]
+    assert logged["errors"] == ["/v1/completions 502", "/v1/embeddings 401",
+                                "/api/node/n1/heartbeat 503"]
+    assert logged["off"] == []
+    assert parse(frontend_tap.Options, []).get("access-log") == "all"
+    assert parse(frontend_tap.Options, ["--access-log", "errors"]).get("access-log") == "errors"
+    with pytest.raises(usage.UsageError):
+        parse(frontend_tap.Options, ["--access-log", "some"])
+
+
 def test_exposure_line_says_what_is_open():
     from twisted.internet.address import IPv4Address
 
