@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import random
+import weakref
 
 import pytest
 import pytest_twisted
@@ -132,6 +134,29 @@ def test_echo_over_the_inner_protocol(servers):
     server_end = yield server.inner().ended
     assert isinstance(client_end, error.ConnectionDone)
     assert isinstance(server_end, error.ConnectionDone)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_held_tunnel_does_not_keep_its_upgrade_request_alive(servers):
+    """A fleet's idle tunnels cost memory each: the HTTP request that was upgraded (its channel,
+    headers and buffers) is garbage once the inner protocol is built."""
+    requests = []
+
+    def factory(request, authorization):
+        requests.append(weakref.ref(request))
+        return Echo()
+
+    server = servers()
+    cluster = server.port.factory.resource.children[b"api"].children[b"cluster"]
+    cluster.putChild(b"connect", TunnelWebSocketResource(factory, BearerTokenAuthorizer(TOKEN)))
+    client = yield connectWebSocket(reactor, server.url, lambda: Collector(expect=2),
+                                    headers=bearer())
+    client.transport.write(b"hi")
+    assert (yield client.got_all) == b"hi"
+    gc.collect()
+    assert len(requests) == 1 and requests[0]() is None
+    client.transport.loseConnection()
+    yield client.ended
 
 
 @pytest_twisted.inlineCallbacks
