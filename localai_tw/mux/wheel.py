@@ -102,7 +102,7 @@ class TickWheel:
             self._loop = None
 
 
-_wheels: "weakref.WeakKeyDictionary[object, dict[float, TickWheel]]" = (
+_wheels: weakref.WeakKeyDictionary[object, dict[float, TickWheel]] = (
     weakref.WeakKeyDictionary())
 
 

@@ -110,7 +110,7 @@ def test_a_ping_sent_on_a_late_tick_still_gets_its_whole_timeout():
     session, transport = tunnel_end(clock)
     clock.advance(2.0)
     clock.advance(1.6)  # the reactor runs the 3 s tick 0.6 s late: the ping leaves at 3.6
-    [ping] = pings(transport)
+    assert len(pings(transport)) == 1
     sent_at = clock.seconds()
     clock.pump([0.05] * round((TUNNEL_KEEPALIVE_TIMEOUT - 0.05) / 0.05))
     assert session.isOpen, clock.seconds() - sent_at
