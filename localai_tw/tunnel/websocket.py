@@ -500,6 +500,7 @@ class _CarrierMixin(FastBinaryFrames):
 
 class _CarrierServerProtocol(_CarrierMixin, WebSocketServerProtocol):
     def onOpen(self) -> None:
+        ab.forget_handshake(self)  # the parsed request would live as long as the tunnel
         self._openCarrier()
 
 
