@@ -170,8 +170,10 @@ class Session(Protocol):
         self._streams: dict[int, Stream] = {}
         self._rotation: deque[Stream] = deque()   # fair order for serving streams on resume
         self._next_id = 1 if client else 2
-        self._backlog: deque[Stream] = deque()
-        self._accept_waiters: deque[defer.Deferred] = deque()
+        # Lists, not deques: an empty deque is about 600 bytes, and a worker tunnel's session
+        # (the frontend's end accepts no stream) never uses either; both stay short.
+        self._backlog: list[Stream] = []
+        self._accept_waiters: list[defer.Deferred] = []
         self._closed = OneShotObserver()
         self._paused = False
         self._owed = 0              # bytes of answers written since the carrier paused us
@@ -232,7 +234,7 @@ class Session(Protocol):
         protocol with ``stream.connectProtocol(p)``; until then its bytes wait, within its
         window."""
         if self._backlog:
-            stream = self._backlog.popleft()
+            stream = self._backlog.pop(0)
             stream._sendAck()
             return defer.succeed(stream)
         if self.state is SessionState.ENDED:
@@ -511,7 +513,7 @@ class Session(Protocol):
         """Hand an inbound stream to the acceptor, to a waiting accept(), or to the backlog."""
         if self._acceptor is None:
             if self._accept_waiters:
-                d = self._accept_waiters.popleft()
+                d = self._accept_waiters.pop(0)
                 stream._sendAck()
                 d.callback(stream)
             else:
@@ -703,7 +705,7 @@ class Session(Protocol):
         pings, self._pings = self._pings, {}
         for d, _ in pings.values():
             d.errback(Failure(reason))
-        waiters, self._accept_waiters = self._accept_waiters, deque()
+        waiters, self._accept_waiters = self._accept_waiters, []
         for d in waiters:
             d.errback(Failure(reason))
         self._closed.fire(reason)
