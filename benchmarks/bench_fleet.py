@@ -114,6 +114,19 @@ def longest_run(samples, bad) -> int:
 # -- the simulated fleet (runs on the reactor) -----------------------------------------------
 
 
+class OwnClock:
+    """A simulated worker's own view of the reactor.  The keepalives of every session of one
+    reactor share a timer (``mux/wheel.py``): without this the fleet's sessions, all in this
+    process, would ping on the same ticks, which a real fleet (a process per worker, each on its
+    own phase) never does, and the replica would see its pings in bursts."""
+
+    def __init__(self, reactor):
+        self._reactor = reactor
+
+    def __getattr__(self, name):
+        return getattr(self._reactor, name)
+
+
 class Fleet:
     def __init__(self, reactor, port: int, count: int):
         from twisted.web.client import HTTPConnectionPool
@@ -182,7 +195,7 @@ class Fleet:
                 session = await connectWebSocket(
                     self.reactor,
                     f"ws://127.0.0.1:{self.port}/api/cluster/connect?id={worker['id']}",
-                    lambda: Session(client=True),
+                    lambda: Session(client=True, reactor=OwnClock(self.reactor)),
                     headers={"Authorization": f"Bearer {worker['credential']}"})
             except HandshakeFailed as e:
                 self.counts["dial_503" if e.status == 503 else "dial_failed"] += 1
