@@ -24,7 +24,6 @@ The loop runs only while calls are waiting, so a reactor without sessions (and a
 from __future__ import annotations
 
 import math
-import weakref
 from fractions import Fraction
 from typing import Callable
 
@@ -102,15 +101,13 @@ class TickWheel:
             self._loop = None
 
 
-_wheels: weakref.WeakKeyDictionary[object, dict[float, TickWheel]] = (
-    weakref.WeakKeyDictionary())
-
-
 def wheel_for(clock, tick: float) -> TickWheel:
-    """The wheel of ``clock`` ticking every ``tick`` seconds, shared by every session there."""
+    """The wheel of ``clock`` ticking every ``tick`` seconds, shared by every session there.
+    Kept in the clock's own ``__dict__`` (not in a registry of ours), so it lives exactly as
+    long as the clock: a test's ``Clock`` and its sessions are not pinned by a wheel."""
     try:
-        by_tick = _wheels.setdefault(clock, {})
-    except TypeError:  # a clock that cannot be weakly referenced: a wheel of its own
+        by_tick = vars(clock).setdefault("_localai_tick_wheels", {})
+    except TypeError:  # a clock without a __dict__: a wheel of its own
         return TickWheel(clock, tick)
     wheel = by_tick.get(tick)
     if wheel is None:

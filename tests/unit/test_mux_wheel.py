@@ -127,6 +127,19 @@ def test_the_timer_stops_once_no_session_waits():
     assert clock.getDelayedCalls() == []
 
 
+def test_a_clock_and_its_sessions_are_not_pinned_by_their_wheel():
+    import gc
+    import weakref
+
+    clock = task.Clock()
+    session, transport = tunnel_end(clock)
+    clock.advance(5)  # its keepalive is running
+    gone = weakref.ref(clock), weakref.ref(session)
+    del clock, session, transport
+    gc.collect()
+    assert gone[0]() is None and gone[1]() is None
+
+
 def test_a_missed_tick_runs_its_calls_in_order_at_the_next():
     clock = task.Clock()
     wheel = TickWheel(clock, 1.0)
