@@ -2,32 +2,43 @@
 
 A session pings every ``keepalive_interval`` and gives each ping ``keepalive_timeout`` to be
 answered.  With a ``LoopingCall`` and a ``callLater`` per session, a replica holding thousands of
-worker tunnels (a ping every 3 s, 7 s to answer) woke up once per session and timer, several
-thousand times a second, each wake-up a poll and a pass over the timers for one ping
-(docs/benchmarks.md, "A fleet on one replica").  A :class:`TickWheel` runs one ``LoopingCall``
-per tick for every session whose interval and timeout share that tick (their greatest common
-divisor: 1 s for 3 + 7, 10 s for Go's 30 + 10), and keeps the calls due on each tick in a list.
+worker tunnels (a ping every 3 s, 7 s to answer) woke up once per session and timer, thousands of
+times a second, each wake-up a poll and a pass over the timers for one ping (docs/benchmarks.md,
+"A fleet on one replica").  A :class:`TickWheel` keeps the calls due on each tick (at most
+:data:`MAX_TICK`, and one that divides interval and timeout: 0.1 s for 3 + 7 and for 30 + 10) in
+a list, and one ``callLater`` at a time for the earliest: a reactor with thousands of sessions
+wakes up at most once per tick for all of them, one with a single session only when that session
+has something due.  Sessions join on the tick of their opening, so a fleet's pings stay spread
+over interval / tick phases rather than leaving in a few bursts.
 
 Timing (what ``tunnel/keepalive.py`` documents is kept): calls made on a tick for whole ticks
-later run exactly that long after it, so a session's pings leave ``interval`` apart and each is
-declared unanswered ``timeout`` after the tick it left on; silence is still seen within
-interval + timeout.  A call made between ticks runs on the tick that ends its delay or on the one
-before (a session's first ping may leave up to one tick early, never late).  A delay asked with
-``at_least=True`` (a ping's timeout) is never shortened by more than a twentieth of a tick: when
-the reactor runs the tick late, the call gets one tick more.  A tick the reactor missed
-entirely (a stall) runs its calls at the next one, in order.
+later run that long after it, so a session's pings leave ``interval`` apart and each is declared
+unanswered ``timeout`` after the tick it left on; silence is still seen within interval +
+timeout.  A call made between ticks counts from the tick it falls in (a session's first ping may
+leave up to one tick early, never late).  Calls the reactor runs late count from the tick of the
+moment they run, and a delay asked with ``at_least=True`` (a ping's timeout) gets one tick more
+when even that is more than half a tick behind, so a ping is never given less than its timeout
+minus half a tick.  A call that raises is logged; the others of its tick still run.
 
-The loop runs only while calls are waiting, so a reactor without sessions (and a test's
-``Clock``) keeps no timer of ours.
+Nothing is kept when nothing waits, so a reactor without sessions (and a test's ``Clock``) has
+no timer of ours.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from fractions import Fraction
 from typing import Callable
 
-from twisted.internet import task
+from twisted.logger import Logger
+
+log = Logger()
+
+#: The longest tick: sessions join on the tick of their opening, so ticks this short spread a
+#: fleet's pings over interval / tick phases (30 for the tunnel's 3 s) instead of bursts.
+MAX_TICK = 0.1
+
 
 #: A tick is never shorter than this share of the shorter of interval and timeout (a config
 #: such as 3.001 + 7 would otherwise tick every millisecond); the delays are then rounded as
@@ -36,8 +47,9 @@ _MIN_TICK_SHARE = 10
 
 
 def common_tick(*seconds: float) -> float:
-    """The longest tick that divides every delay in ``seconds`` (to the millisecond), but no
-    shorter than a tenth of the shortest."""
+    """The longest tick of at most :data:`MAX_TICK` that divides every delay in ``seconds``
+    (to the millisecond); for delays whose common divisor is below a tenth of the shortest, that
+    tenth divided down to at most :data:`MAX_TICK` (the delays are then rounded)."""
     fractions = [Fraction(s).limit_denominator(1000) for s in seconds]
     numerator = 0
     denominator = 1
@@ -45,22 +57,27 @@ def common_tick(*seconds: float) -> float:
         denominator = denominator * f.denominator // math.gcd(denominator, f.denominator)
     for f in fractions:
         numerator = math.gcd(numerator, f.numerator * (denominator // f.denominator))
-    tick = numerator / denominator
-    return max(tick, min(seconds) / _MIN_TICK_SHARE)
+    tick = max(numerator / denominator, min(seconds) / _MIN_TICK_SHARE)
+    if tick > MAX_TICK:
+        tick /= math.ceil(tick / MAX_TICK - 1e-9)
+    return tick
 
 
 class TickWheel:
-    """Calls due on ticks of ``tick`` seconds of ``clock``, run by one ``LoopingCall``."""
+    """Calls due on ticks of ``tick`` seconds of ``clock``.  One ``callLater`` at a time, set
+    for the earliest tick with calls waiting: a reactor with one session wakes up for that
+    session's pings and expiries only, one with thousands at most once per tick."""
 
     def __init__(self, clock, tick: float):
         if tick <= 0:
             raise ValueError("tick must be positive")
         self._clock = clock
         self.tick = tick
+        self._epoch = clock.seconds()   # the clock time of tick 0
         self._slots: dict[int, list[tuple[Callable, tuple]]] = {}
-        self._index = 0          # the last tick run (0: the loop's start)
-        self._started = 0.0      # clock time of tick 0
-        self._loop: task.LoopingCall | None = None
+        self._due: list[int] = []       # a heap of the ticks in _slots
+        self._call = None               # the callLater for _due[0]
+        self._running: int | None = None  # the tick being run
 
     def ticks(self, seconds: float, *, up: bool) -> int:
         """``seconds`` in whole ticks: rounded up (a timeout, never shorter) or down (an
@@ -68,37 +85,54 @@ class TickWheel:
         exact = seconds / self.tick
         return max(1, math.ceil(exact - 1e-9) if up else math.floor(exact + 1e-9))
 
+    def _now(self) -> int:
+        return math.floor((self._clock.seconds() - self._epoch) / self.tick + 1e-9)
+
     def later(self, ticks: int, fn: Callable, *args, at_least: bool = False) -> None:
-        """Run ``fn(*args)`` ``ticks`` ticks from the current one (see the module docstring for
-        ``at_least``).  There is no cancel: ``fn`` checks whether it is still wanted."""
-        if self._loop is None:
-            self._started = self._clock.seconds()
-            self._index = 0
-            self._loop = task.LoopingCall.withCount(self._run)
-            self._loop.clock = self._clock
-            self._loop.start(self.tick, now=False)
-        slot = self._index + ticks
+        """Run ``fn(*args)`` ``ticks`` ticks after the current one (see the module docstring
+        for ``at_least``).  There is no cancel: ``fn`` checks whether it is still wanted."""
+        base = self._running if self._running is not None else self._now()
+        slot = base + ticks
         if at_least:
-            late = self._clock.seconds() - (self._started + self._index * self.tick)
-            if late > self.tick / 20:
+            late = self._clock.seconds() - (self._epoch + base * self.tick)
+            if late > self.tick / 2:
                 slot += 1
-        self._slots.setdefault(slot, []).append((fn, args))
+        calls = self._slots.get(slot)
+        if calls is None:
+            calls = self._slots[slot] = []
+            heapq.heappush(self._due, slot)
+            if self._running is None and self._due[0] == slot:
+                self._schedule()
+        calls.append((fn, args))
 
     @property
     def waiting(self) -> int:
         """Calls not yet run."""
         return sum(len(calls) for calls in self._slots.values())
 
-    def _run(self, count: int) -> None:
-        first, self._index = self._index + 1, self._index + count
-        for index in range(first, self._index + 1):
-            calls = self._slots.pop(index, None)
-            if calls:
-                for fn, args in calls:
-                    fn(*args)
-        if not self._slots and self._loop is not None:
-            self._loop.stop()
-            self._loop = None
+    def _schedule(self) -> None:
+        delay = max(0.0, self._epoch + self._due[0] * self.tick - self._clock.seconds())
+        if self._call is not None and self._call.active():
+            self._call.reset(delay)
+        else:
+            self._call = self._clock.callLater(delay, self._run)
+
+    def _run(self) -> None:
+        self._call = None
+        now = self._now()
+        try:
+            while self._due and self._due[0] <= now:
+                slot = heapq.heappop(self._due)
+                self._running = now  # calls made now count from the current tick
+                for fn, args in self._slots.pop(slot):
+                    try:
+                        fn(*args)
+                    except Exception:
+                        log.failure("a keepalive wheel call failed: {fn!r}", fn=fn)
+        finally:
+            self._running = None
+        if self._due:
+            self._schedule()
 
 
 def wheel_for(clock, tick: float) -> TickWheel:

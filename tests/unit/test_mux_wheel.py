@@ -44,10 +44,11 @@ def answer_all(ends, but=None):
 
 
 def test_the_tick_divides_interval_and_timeout():
-    assert common_tick(TUNNEL_KEEPALIVE_INTERVAL, TUNNEL_KEEPALIVE_TIMEOUT) == 1.0
-    assert common_tick(30.0, 10.0) == 10.0
-    assert common_tick(0.1, 0.5) == 0.1
-    assert common_tick(3.001, 7.0) == 0.3001  # never shorter than a tenth of the shortest
+    assert common_tick(TUNNEL_KEEPALIVE_INTERVAL, TUNNEL_KEEPALIVE_TIMEOUT) == 0.1
+    assert common_tick(30.0, 10.0) == 0.1
+    assert common_tick(0.2, 0.5) == 0.1
+    assert common_tick(0.05, 0.15) == 0.05
+    assert common_tick(3.001, 7.0) == 0.3001 / 4  # no millisecond ticks for an odd config
 
 
 def test_a_thousand_tunnels_keep_one_timer_not_two_each():
@@ -57,11 +58,18 @@ def test_a_thousand_tunnels_keep_one_timer_not_two_each():
         clock.advance(random.random() / 100)  # the tunnels open over about 5 s
         answer_all(ends)
         ends.append(tunnel_end(clock))
-    for _ in range(40):  # 10 s of pings, every one answered at once
-        clock.advance(0.25)
-        answer_all(ends)
+    sent_at = []
+    for _ in range(200):  # 10 s of pings, every one answered at once
+        clock.advance(0.05)
+        for session, transport in ends:
+            for ping in pings(transport):
+                sent_at.append(round(clock.seconds(), 1))
+                answer(session, ping)
         assert len(clock.getDelayedCalls()) == 1
     assert all(session.isOpen for session, _ in ends)
+    # and their pings stay spread as their openings were: with one tick a second, a third of
+    # the fleet (333) would ping on each
+    assert len(sent_at) >= 3000 and max(sent_at.count(t) for t in set(sent_at)) < 200
 
 
 def test_one_silent_tunnel_among_many_is_declared_dead_within_the_bound():
@@ -109,7 +117,7 @@ def test_a_ping_sent_on_a_late_tick_still_gets_its_whole_timeout():
     clock = task.Clock()
     session, transport = tunnel_end(clock)
     clock.advance(2.0)
-    clock.advance(1.6)  # the reactor runs the 3 s tick 0.6 s late: the ping leaves at 3.6
+    clock.advance(1.07)  # the reactor runs the 3 s tick 70 ms late: the ping leaves at 3.07
     assert len(pings(transport)) == 1
     sent_at = clock.seconds()
     clock.pump([0.05] * round((TUNNEL_KEEPALIVE_TIMEOUT - 0.05) / 0.05))
@@ -149,7 +157,40 @@ def test_a_missed_tick_runs_its_calls_in_order_at_the_next():
     clock.advance(2.5)
     assert ran == [1, 2]
     clock.advance(0.5)
-    assert ran == [1, 2, 3] and wheel.waiting == 0
+    assert ran == [1, 2, 3] and wheel.waiting == 0 and clock.getDelayedCalls() == []
+
+
+def test_a_lone_session_wakes_the_reactor_only_when_it_has_something_due():
+    clock = task.Clock()
+    session, transport = tunnel_end(clock)
+    wakeups = 0
+    for _ in range(600):  # 30 s in 50 ms steps
+        before = len(clock.getDelayedCalls()) and clock.getDelayedCalls()[0].getTime()
+        clock.advance(0.05)
+        wakeups += before <= clock.seconds()
+        for ping in pings(transport):
+            answer(session, ping)
+    # a ping every 3 s and its expiry 7 s later: about 20 in 30 s, not one per tick (300)
+    assert wakeups <= 25 and session.isOpen
+
+
+def test_a_call_that_raises_does_not_stop_the_others_of_its_tick():
+    from twisted.logger import globalLogPublisher
+
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        clock = task.Clock()
+        wheel = TickWheel(clock, 0.1)
+        ran = []
+        wheel.later(1, lambda: 1 / 0)
+        wheel.later(1, ran.append, "after")
+        clock.advance(0.1)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert ran == ["after"]
+    assert any(e.get("log_failure") and e["log_failure"].check(ZeroDivisionError)
+               for e in events)
 
 
 def test_keepalive_still_works_between_two_sessions():
