@@ -114,6 +114,19 @@ def longest_run(samples, bad) -> int:
 # -- the simulated fleet (runs on the reactor) -----------------------------------------------
 
 
+class OwnClock:
+    """A simulated worker's own view of the reactor.  The keepalives of every session of one
+    reactor share a timer (``mux/wheel.py``): without this the fleet's sessions, all in this
+    process, would ping on the same ticks, which a real fleet (a process per worker, each on its
+    own phase) never does, and the replica would see its pings in bursts."""
+
+    def __init__(self, reactor):
+        self._reactor = reactor
+
+    def __getattr__(self, name):
+        return getattr(self._reactor, name)
+
+
 class Fleet:
     def __init__(self, reactor, port: int, count: int):
         from twisted.web.client import HTTPConnectionPool
@@ -182,7 +195,7 @@ class Fleet:
                 session = await connectWebSocket(
                     self.reactor,
                     f"ws://127.0.0.1:{self.port}/api/cluster/connect?id={worker['id']}",
-                    lambda: Session(client=True),
+                    lambda: Session(client=True, reactor=OwnClock(self.reactor)),
                     headers={"Authorization": f"Bearer {worker['credential']}"})
             except HandshakeFailed as e:
                 self.counts["dial_503" if e.status == 503 else "dial_failed"] += 1
@@ -302,6 +315,9 @@ async def run(reactor, bench, args) -> dict:
         await fleet.start_one(worker)
     await fleet.sleep(2)
     rss_before = proc_rss(pid)
+    if args.snapshots:
+        await threads.deferToThread(take_snapshot, pid, args.snapshots, 1)
+        rss_before = proc_rss(pid)
     started = time.monotonic()
     for worker in fleet.workers[warm:]:
         defer.ensureDeferred(fleet.start_one(worker))
@@ -327,6 +343,10 @@ async def run(reactor, bench, args) -> dict:
         "healthz_p50_ms": round(1000 * bi.percentile(samples, 50), 1) if samples else None,
         "healthz_max_ms": round(1000 * samples[-1], 1) if samples else None,
     }
+    if args.snapshots:
+        await threads.deferToThread(take_snapshot, pid, args.snapshots, 2)
+        report["snapshots"] = snapshot_diff(args.snapshots, args.workers - warm)
+        os.environ.pop("FLEET_SNAPSHOT_DIR")  # the replica of the restart runs untraced
     seconds, size, nodes = await threads.deferToThread(list_nodes, fe["port"])
     report["api_nodes"] = {"seconds": round(seconds, 3), "bytes": size, "nodes": nodes}
 
@@ -363,6 +383,40 @@ async def run(reactor, bench, args) -> dict:
     await fleet.close()
     report["elapsed_seconds"] = round(time.monotonic() - started, 1)
     return report
+
+
+def take_snapshot(pid: int, directory: str, n: int) -> None:
+    """Ask the frontend (started with ``--snapshots``) for snapshot ``n`` and wait for it."""
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(directory, f"{n}-done")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the frontend wrote no snapshot {n} in {directory}")
+        time.sleep(0.2)
+
+
+def snapshot_diff(directory: str, tunnels: int, top: int = 25) -> dict:
+    """What grew between snapshot 1 (warm-up workers) and 2 (the fleet, idle), per tunnel:
+    tracemalloc by file:line and live objects by type."""
+    import tracemalloc
+
+    first = tracemalloc.Snapshot.load(os.path.join(directory, "1-snap.pickle"))
+    second = tracemalloc.Snapshot.load(os.path.join(directory, "2-snap.pickle"))
+    stats = second.compare_to(first, "lineno")
+    with open(os.path.join(directory, "1-types.json")) as f:
+        types1 = json.load(f)
+    with open(os.path.join(directory, "2-types.json")) as f:
+        types2 = json.load(f)
+    grown = sorted(((n - types1.get(t, 0), t) for t, n in types2.items()), reverse=True)
+    return {
+        "traced_bytes_per_tunnel": round(sum(s.size_diff for s in stats) / tunnels),
+        "lines": [{"where": f"{s.traceback[0].filename}:{s.traceback[0].lineno}",
+                   "bytes_per_tunnel": round(s.size_diff / tunnels, 1),
+                   "blocks_per_tunnel": round(s.count_diff / tunnels, 2)}
+                  for s in stats[:top]],
+        "objects_per_tunnel": [{"type": t, "count": round(n / tunnels, 2)}
+                               for n, t in grown[:top]],
+    }
 
 
 def start_frontend_on(bench, name: str, models_dir: str, previous: dict) -> dict:
@@ -431,8 +485,21 @@ def main() -> None:
                         "not; give the product's default, 1200, to see a NAT'd fleet)")
     parser.add_argument("--json", help="also write the report as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--snapshots", metavar="DIR",
+                        help="run the first replica with tracemalloc and write two snapshots "
+                        "into DIR (after the warm-up workers, at the end of the idle phase); "
+                        "the report then attributes the growth per tunnel by file:line and "
+                        "by object type (tracemalloc slows the replica: keep its CPU and "
+                        "connect figures out of comparisons)")
     args = parser.parse_args()
     args.profile = None
+    if args.snapshots:
+        args.snapshots = os.path.abspath(args.snapshots)
+        os.makedirs(args.snapshots, exist_ok=True)
+        os.environ["FLEET_SNAPSHOT_DIR"] = args.snapshots
+        hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fleet_snapshot")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (hook, os.environ.get("PYTHONPATH")) if p)
 
     from twisted.internet import defer, task
 
@@ -462,6 +529,16 @@ def main() -> None:
     m = report["machine"]
     print(render(report))
     print()
+    if report.get("snapshots"):
+        snap = report["snapshots"]
+        print(f"tracemalloc growth per tunnel: {snap['traced_bytes_per_tunnel']} bytes")
+        for line in snap["lines"]:
+            print(f"  {line['bytes_per_tunnel']:>9} B {line['blocks_per_tunnel']:>7} blocks  "
+                  f"{line['where']}")
+        print("live objects per tunnel:")
+        for row in snap["objects_per_tunnel"]:
+            print(f"  {row['count']:>7}  {row['type']}")
+        print()
     print(f"{m['cpus']} CPUs ({m['cpu_model']}), Python {m['python']}, Twisted {m['twisted']}; "
           f"load average {report['loadavg_before']} before, {report['loadavg_after']} after.")
     for problem in outcome.get("problems") or []:

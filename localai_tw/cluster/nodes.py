@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping
 
 from twisted.internet import threads
 from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
 
 from .membership import hash_secret, secret_matches_hash
 from .nodekey import control_token, node_key_hash, valid_node_key
@@ -264,6 +265,42 @@ def token_record(token: str, salt: bytes | None = None) -> str:
     return f"scrypt${_b64(salt)}${_b64(digest)}"
 
 
+#: Threads that compute scrypt records at once.  glibc keeps the 16 MiB an scrypt used in the
+#: malloc arena of the thread that ran it, for reuse, after it returned: on the reactor's own
+#: pool (up to 10 threads) a registration storm left about 160 MiB resident in the replica for
+#: good, which the fleet benchmark counted as memory per tunnel (docs/benchmarks.md).  Two
+#: threads keep 32 MiB at most and still use both cores of a small machine.
+SCRYPT_THREADS = 2
+
+
+class ScryptThreads:
+    """The threads :func:`token_record` runs in (at most ``size``, started at first use and
+    stopped with the reactor); shared by every ``NodeRegistry`` of the process."""
+
+    def __init__(self, size: int = SCRYPT_THREADS):
+        self.size = size
+        self._pool: ThreadPool | None = None
+
+    def run(self, fn, *args):
+        """``fn(*args)`` in one of the threads: a Deferred of its result."""
+        from twisted.internet import reactor
+
+        if self._pool is None:
+            pool = ThreadPool(0, self.size, name="localai-scrypt")
+            pool.start()
+            reactor.addSystemEventTrigger("during", "shutdown", self._stop, pool)
+            self._pool = pool
+        return threads.deferToThreadPool(reactor, self._pool, fn, *args)
+
+    def _stop(self, pool: ThreadPool) -> None:
+        if self._pool is pool:
+            self._pool = None
+        pool.stop()
+
+
+scrypt_threads = ScryptThreads()
+
+
 def _b64(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
 
@@ -457,8 +494,8 @@ class NodeRegistry:
         params = {
             "id": str(uuid.uuid4()), "name": name, "node_type": kind.value,
             "approve": not self._require_approval,
-            # Off the reactor thread: scrypt is slow by design.
-            "token_hash": (await threads.deferToThread(token_record, presented_token)
+            # Off the reactor thread: scrypt is slow by design (and 16 MiB: a bounded pool).
+            "token_hash": (await scrypt_threads.run(token_record, presented_token)
                            if presented_token else ""),
             "tunnel_hash": hash_secret(credential),
             "key_hash": node_key_hash(node_key) if node_key else "",

@@ -32,7 +32,6 @@ from twisted.internet import defer
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -70,6 +69,7 @@ from localai_tw.mux.frame import (
     encode,
 )
 from localai_tw.mux.stream import Stream, StreamState
+from localai_tw.mux.wheel import common_tick, wheel_for
 
 log = Logger()
 
@@ -173,16 +173,16 @@ class Session(Protocol):
         self._streams: dict[int, Stream] = {}
         self._rotation: deque[Stream] = deque()   # fair order for serving streams on resume
         self._next_id = 1 if client else 2
-        self._backlog: deque[Stream] = deque()
-        self._accept_waiters: deque[defer.Deferred] = deque()
+        # Lists, not deques: an empty deque is about 600 bytes, and a worker tunnel's session
+        # (the frontend's end accepts no stream) never uses either; both stay short.
+        self._backlog: list[Stream] = []
+        self._accept_waiters: list[defer.Deferred] = []
         self._closed = OneShotObserver()
         self._paused = False
         self._owed = 0              # bytes of answers written since the carrier paused us
         self._reading_paused = False  # we paused the carrier's reading: the peer is not reading
         self._pings: dict[int, tuple[defer.Deferred, float]] = {}
-        self._keepalive_loop: LoopingCall | None = None
         self._keepalive_opaque: int | None = None
-        self._keepalive_timer = None
         self._lingering: dict[int, object] = {}
         self._reading = 0           # > 0 while a read's frames are handled
         self._grants: dict[Stream, None] = {}  # streams whose window grant waits for its end
@@ -237,7 +237,7 @@ class Session(Protocol):
         protocol with ``stream.connectProtocol(p)``; until then its bytes wait, within its
         window."""
         if self._backlog:
-            stream = self._backlog.popleft()
+            stream = self._backlog.pop(0)
             stream._sendAck()
             return defer.succeed(stream)
         if self.state is SessionState.ENDED:
@@ -302,9 +302,9 @@ class Session(Protocol):
             register(self, True)
         interval = self.config.keepalive_interval
         if interval:
-            self._keepalive_loop = LoopingCall(self._sendKeepalive)
-            self._keepalive_loop.clock = self._reactor
-            self._keepalive_loop.start(interval, now=False)
+            # One timer for every session of the reactor (mux/wheel.py), not two per session.
+            wheel = wheel_for(self._reactor, common_tick(interval, self.config.keepalive_timeout))
+            wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
 
     def dataReceived(self, data: bytes) -> None:
         """Decode the read and handle its frames in order.  The hot path, a Data frame with no
@@ -436,10 +436,7 @@ class Session(Protocol):
             return
         opaque = frame.length
         if opaque == self._keepalive_opaque:
-            self._keepalive_opaque = None
-            if self._keepalive_timer is not None and self._keepalive_timer.active():
-                self._keepalive_timer.cancel()
-            self._keepalive_timer = None
+            self._keepalive_opaque = None  # its expiry, on the wheel, finds it answered
         mark = self._budget_pings.pop(opaque, None)
         if mark is not None:
             blocked = self._budgetSpent()
@@ -523,7 +520,7 @@ class Session(Protocol):
         """Hand an inbound stream to the acceptor, to a waiting accept(), or to the backlog."""
         if self._acceptor is None:
             if self._accept_waiters:
-                d = self._accept_waiters.popleft()
+                d = self._accept_waiters.pop(0)
                 stream._sendAck()
                 d.callback(stream)
             else:
@@ -672,16 +669,26 @@ class Session(Protocol):
                     and opaque not in self._budget_pings):
                 return opaque
 
-    def _sendKeepalive(self) -> None:
-        if self.state is not SessionState.OPEN or self._keepalive_opaque is not None:
+    def _keepaliveTick(self, wheel) -> None:
+        """Every ``keepalive_interval`` on the wheel: the next tick, then a ping (unless the
+        previous one is still running its timeout), whose expiry is ``keepalive_timeout``
+        later on the same wheel."""
+        if self.state is not SessionState.OPEN:
+            return
+        wheel.later(wheel.ticks(self.config.keepalive_interval, up=False),
+                    self._keepaliveTick, wheel)
+        if self._keepalive_opaque is not None:
             return  # the previous keepalive ping is still running its own timeout
-        self._keepalive_opaque = self._nextOpaque()
-        self._keepalive_timer = self._reactor.callLater(
-            self.config.keepalive_timeout, self._keepaliveExpired)
-        self._sendFrame(Frame.ping(self._keepalive_opaque))
+        opaque = self._keepalive_opaque = self._nextOpaque()
+        wheel.later(wheel.ticks(self.config.keepalive_timeout, up=True),
+                    self._keepaliveCheck, opaque, at_least=True)
+        self._sendFrame(Frame.ping(opaque))
+
+    def _keepaliveCheck(self, opaque: int) -> None:
+        if self.state is SessionState.OPEN and self._keepalive_opaque == opaque:
+            self._keepaliveExpired()
 
     def _keepaliveExpired(self) -> None:
-        self._keepalive_timer = None
         log.warn("yamux keepalive: no ping reply within {t}s", t=self.config.keepalive_timeout)
         self._end(KeepaliveTimeout(self.config.keepalive_timeout))
         self._closeTransport(abort=True)
@@ -715,10 +722,6 @@ class Session(Protocol):
             return
         self.state = SessionState.ENDED
         self._ending = reason
-        if self._keepalive_loop is not None and self._keepalive_loop.running:
-            self._keepalive_loop.stop()
-        if self._keepalive_timer is not None and self._keepalive_timer.active():
-            self._keepalive_timer.cancel()
         for timer in self._lingering.values():
             if timer.active():
                 timer.cancel()
@@ -732,7 +735,7 @@ class Session(Protocol):
         pings, self._pings = self._pings, {}
         for d, _ in pings.values():
             d.errback(Failure(reason))
-        waiters, self._accept_waiters = self._accept_waiters, deque()
+        waiters, self._accept_waiters = self._accept_waiters, []
         for d in waiters:
             d.errback(Failure(reason))
         self._closed.fire(reason)

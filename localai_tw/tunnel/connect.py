@@ -188,9 +188,12 @@ class WorkerTunnelAcceptor:
 
     def build_session(self, request, node) -> Session:
         peer = request.getClientAddress()
+        # The hook keeps what it logs, not the Node (its row, labels and dates would live as
+        # long as the tunnel).
+        node_id, name = node.id, node.name
         return OpenNotifyingSession(
             client=False, config=self._config_factory(), acceptor=None, reactor=self._reactor,
-            on_open=lambda session: self._opened(session, node.id, peer, node.name))
+            on_open=lambda session: self._opened(session, node_id, peer, name))
 
     def _opened(self, session: Session, node_id: str, peer, name: str = "") -> None:
         replica = self._registry.instance_id

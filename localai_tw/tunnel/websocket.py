@@ -493,8 +493,11 @@ class _CarrierMixin(FastBinaryFrames):
     def _openCarrier(self):
         carrier = WebSocketCarrier(self, self.factory.max_message_bytes,
                                    getattr(self.factory, "reactor", None))
+        # Called once: the server's factory closes over the upgrade request (and through it the
+        # HTTP channel, its headers and buffers), which must not live as long as the tunnel.
+        factory, self.inner_factory = self.inner_factory, None
         try:
-            inner = self.inner_factory()
+            inner = factory()
         except Exception:
             _log.failure("the inner protocol factory failed; dropping the WebSocket")
             ab.drop(self)
@@ -534,6 +537,7 @@ class _CarrierMixin(FastBinaryFrames):
 
 class _CarrierServerProtocol(_CarrierMixin, WebSocketServerProtocol):
     def onOpen(self) -> None:
+        ab.forget_handshake(self)  # the parsed request would live as long as the tunnel
         self._openCarrier()
 
 

@@ -1,8 +1,13 @@
 """The worker registry against a real PostgreSQL."""
 
+import threading
+import time
+
 import pytest
 import pytest_twisted
+from twisted.internet import defer
 
+from localai_tw.cluster import nodes as nodes_module
 from localai_tw.cluster.membership import hash_secret
 from localai_tw.cluster.nodes import (
     InvalidNodeInput,
@@ -57,6 +62,28 @@ async def test_register_stores_only_hashes_and_returns_credential_once(db):
     assert other_record != record and token_record_matches(TOKEN, other_record)
     assert out.node.labels == {"zone": "a"}
     assert out.node.total_vram == 24 << 30 and out.node.gpu_vendor == "nvidia"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_registration_storm_hashes_tokens_in_at_most_two_threads(db, monkeypatch):
+    """Each thread that ran an scrypt keeps its 16 MiB resident (glibc's arena): a storm of
+    registrations must not spread them over the reactor's pool of ten threads."""
+    threads_seen: set[str] = set()
+    real = nodes_module.token_record
+
+    def record(token, salt=None):
+        threads_seen.add(threading.current_thread().name)
+        time.sleep(0.01)  # hold the thread, so that waiting registrations would need others
+        return real(token, salt)
+
+    monkeypatch.setattr(nodes_module, "token_record", record)
+    reg = NodeRegistry(db, registration_token=TOKEN)
+    done = await defer.gatherResults([
+        defer.ensureDeferred(reg.register(f"storm-{i}", presented_token=TOKEN))
+        for i in range(12)])
+    assert len(done) == 12 and all(r.created for r in done)
+    assert 1 <= len(threads_seen) <= nodes_module.SCRYPT_THREADS
+    assert all("localai-scrypt" in name for name in threads_seen), threads_seen
 
 
 @pytest_twisted.ensureDeferred

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import pytest_twisted
@@ -13,6 +15,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 from zope.interface import implementer
 
+from localai_tw.tunnel import autobahn_compat as ab
 from localai_tw.tunnel.websocket import (
     DEFAULT_MAX_MESSAGE_BYTES,
     BearerTokenAuthorizer,
@@ -131,6 +134,33 @@ def test_echo_over_the_inner_protocol(servers):
     server_end = yield server.inner().ended
     assert isinstance(client_end, error.ConnectionDone)
     assert isinstance(server_end, error.ConnectionDone)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_held_tunnel_keeps_neither_its_upgrade_request_nor_the_parsed_handshake(servers):
+    """A fleet's idle tunnels cost memory each: the HTTP request that was upgraded (its channel,
+    headers and buffers) is garbage once the inner protocol is built."""
+    requests, inners = [], []
+
+    def factory(request, authorization):
+        requests.append(weakref.ref(request))
+        inners.append(Echo())
+        return inners[-1]
+
+    server = servers()
+    cluster = server.port.factory.resource.children[b"api"].children[b"cluster"]
+    cluster.putChild(b"connect", TunnelWebSocketResource(factory, BearerTokenAuthorizer(TOKEN)))
+    client = yield connectWebSocket(reactor, server.url, lambda: Collector(expect=2),
+                                    headers=bearer())
+    client.transport.write(b"hi")
+    assert (yield client.got_all) == b"hi"
+    gc.collect()
+    assert len(requests) == 1 and requests[0]() is None
+    # nor does Autobahn keep the request it parsed (its headers, the raw request and response)
+    websocket = inners[0].transport._ws
+    assert all(getattr(websocket, name) is None for name in ab.HANDSHAKE_LEFTOVERS)
+    client.transport.loseConnection()
+    yield client.ended
 
 
 @pytest_twisted.inlineCallbacks

@@ -278,6 +278,20 @@ def test_py_mask():
     assert ab.py_mask(key, data) == bytes(b ^ key[i % 4] for i, b in enumerate(data))
 
 
+def test_forget_handshake():
+    server, client = opened()
+    kept = {name: getattr(server, name) for name in ab.HANDSHAKE_LEFTOVERS}
+    assert kept["http_headers"] and kept["http_request_data"], "the names moved"
+    assert all(value is not None for value in kept.values()), kept
+    ab.forget_handshake(server)
+    assert all(getattr(server, name) is None for name in ab.HANDSHAKE_LEFTOVERS)
+    client.sendMessage(b"still open", isBinary=True)  # Autobahn needs none of it once open
+    server.dataReceived(client.transport.value())
+    assert server.messages == [(b"still open", True)]
+    server.sendMessage(b"back", isBinary=True)
+    assert server.transport.value()
+
+
 #: What only autobahn_compat may spell: Autobahn's internal modules and names.
 INTERNALS = re.compile(
     r"autobahn\.websocket\.(protocol|xormasker)|_nvx_xormasker|WebSocketProtocol\.|"

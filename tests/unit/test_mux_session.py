@@ -154,6 +154,19 @@ def test_accept_waiting_before_syn_fires_on_syn():
     assert transport.frames() == [Frame.window_update(1, 0, FLAG_ACK)]
 
 
+def test_accept_waiters_are_served_in_order_and_a_cancelled_one_is_skipped():
+    session, _, _ = raw_session()
+    first, cancelled, third = [], [], []
+    session.accept().addCallback(first.append)
+    gone = session.accept()
+    gone.addErrback(lambda f: cancelled.append(f))
+    session.accept().addCallback(third.append)
+    gone.cancel()
+    feed(session, Frame.window_update(1, 0, FLAG_SYN), Frame.window_update(3, 0, FLAG_SYN))
+    assert [s.id for s in first] == [1] and [s.id for s in third] == [3]
+    assert len(cancelled) == 1
+
+
 def test_backlog_overflow_is_refused_with_rst():
     session, transport, _ = raw_session(accept_backlog=2)
     feed(session, *[Frame.window_update(i, 0, FLAG_SYN) for i in (1, 3, 5)])
