@@ -38,6 +38,7 @@ from __future__ import annotations
 import hmac  # noqa: F401  (the tests spy on hmac.compare_digest through this module)
 import json
 import socket
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
@@ -333,7 +334,11 @@ class FrontendChannel(HTTPChannel):
     def lineReceived(self, line):
         if self.on_probe_reserve and not self._first_line_seen:
             self._first_line_seen = True
-            if not is_probe_request_line(line):
+            site = getattr(self, "site", None)
+            probe = is_probe_request_line(line)
+            if isinstance(site, FrontendSite):
+                probe = site.first_line_arrived(self.transport, probe)
+            if not probe:
                 self.refuse_beyond_the_cap(line)
                 return
         super().lineReceived(line)
@@ -463,9 +468,10 @@ class _ListenerConnection(ProtocolWrapper):
     counted (see :class:`FrontendSite`).
     """
 
-    #: What the site counts it as: ``"open"`` (nobody vouched for it yet), ``"reserve"`` (the
-    #: probe reserve), ``"refusing"`` (beyond the cap, being answered 503), ``"held"`` (an
-    #: authorized tunnel or peer link), or None (not counted: closed as it was accepted).
+    #: What the site counts it as: ``"open"`` (nobody vouched for it yet), ``"undecided"``
+    #: (beyond the cap, its first line not arrived yet), ``"reserve"`` (a probe, on the probe
+    #: reserve), ``"refusing"`` (beyond the cap, being answered 503), ``"held"`` (an
+    #: authorized tunnel or peer link), or None (not counted: closed at accept or evicted).
     kind: str | None = "open"
     #: Accepted beyond the cap: :meth:`makeConnection` decides its kind.
     over_cap = False
@@ -476,7 +482,7 @@ class _ListenerConnection(ProtocolWrapper):
 
     @property
     def on_probe_reserve(self) -> bool:
-        return self.kind == "reserve"
+        return self.kind in ("reserve", "undecided")
 
     def makeConnection(self, transport) -> None:
         set_no_delay(transport)
@@ -486,8 +492,10 @@ class _ListenerConnection(ProtocolWrapper):
         line = waiting_request_line(transport)
         action = self.factory.decide_over_cap(line)
         self.kind = None if action == "close" else action
-        self.wrappedProtocol.on_probe_reserve = action == "reserve"
+        self.wrappedProtocol.on_probe_reserve = action in ("reserve", "undecided")
         super().makeConnection(transport)
+        if action == "undecided":
+            self.factory.undecided.append(self)
         if action == "close":
             transport.abortConnection()
         elif action == "refusing":
@@ -538,18 +546,18 @@ class FrontendSite(server.Site):
     - beyond the cap, a connection is decided on its first line, looked at in the socket when
       it is accepted (``MSG_PEEK``, nothing consumed; :func:`waiting_request_line`), before it
       is counted: a reconnect storm that fills the cap must not make a serving replica look
-      down, and in a storm the dials queued in the listen backlog have sent their request
-      already.  A load balancer's probe (``GET``/``HEAD /healthz`` or ``/readyz``, exactly), or
-      a line not arrived yet, goes to the *probe reserve* (``probe_reserve`` connections,
-      ``reserve_connections``): one request, served if it is a probe without a body (then the
-      connection closes), else answered 503 ``too_many_connections`` with ``Retry-After``
-      before its headers are read; its head must arrive within
-      ``probe_reserve_headers_deadline``.  Any other first line is answered that 503 at once
-      without taking a reserve slot (at most ``max_refusing_connections`` such answers being
-      written at once).  A connection that finds its part full is closed as soon as it is
-      accepted, before a byte is read.  So beyond the cap a prober holds at most
-      ``probe_reserve`` file descriptors and as many request heads (``twisted.web`` caps a head
-      at 16 KiB), for seconds at most, plus answers being written;
+      down.  A load balancer's probe (``GET``/``HEAD /healthz`` or ``/readyz``, exactly) goes
+      to the *probe reserve* (``probe_reserve`` connections, ``reserve_connections``): one
+      request, served if it has no body, then the connection closes.  Any other first line is
+      answered 503 ``too_many_connections`` with ``Retry-After`` at once, before its headers
+      are read (at most ``max_refusing_connections`` such answers being written).  A
+      connection whose first line has not arrived waits for it (``undecided_connections``,
+      at most ``probe_reserve``: a newer one closes the one that waited longest, since a
+      probe sends its line at once and an empty connection must not crowd it out), then is
+      decided the same way; its head must arrive within ``probe_reserve_headers_deadline``.
+      A connection that finds its part full is closed at once.  So beyond the cap a prober
+      holds at most ``2 * probe_reserve`` file descriptors and request heads (``twisted.web``
+      caps a head at 16 KiB), for seconds at most, plus answers being written;
     - at most ``max_body_bytes_in_flight`` bytes of request bodies held at once (announced
       lengths, reserved when the headers end and released when the request ends); a request
       that would pass it is answered 503 with ``Retry-After`` before its body is read;
@@ -611,6 +619,10 @@ class FrontendSite(server.Site):
         #: ``max_refusing_connections``; beyond it such a connection is closed at once).
         self.refusing_connections = 0
         self.max_refusing_connections = max_refusing_connections
+        #: Connections beyond ``max_connections`` whose first line has not arrived (at most
+        #: ``probe_reserve``), oldest first in :attr:`undecided`.
+        self.undecided_connections = 0
+        self.undecided: deque = deque()
         #: Authorized tunnels and peer links: bounded by the process's file descriptors, not by
         #: ``max_connections`` (a replica holds thousands of workers).
         self.held_connections = 0
@@ -621,6 +633,10 @@ class FrontendSite(server.Site):
         self.refused_connections = EventsPerInterval(
             self.reactor, "refused {count} connection(s) since the last such line: this "
             "listener already holds {limit} (the connection cap) and its probe reserve is full")
+        self.evicted_connections = EventsPerInterval(
+            self.reactor, "closed {count} connection(s) since the last such line that were "
+            "accepted beyond the connection cap and had not sent a request line while "
+            "{limit} newer ones waited")
         self.refused_on_reserve = EventsPerInterval(
             self.reactor, "answered 503 to {count} request(s) other than /healthz and /readyz "
             "since the last such line: this listener holds {limit} connections (the connection "
@@ -743,25 +759,54 @@ class FrontendSite(server.Site):
     def buildProtocol(self, addr):
         connection = _ListenerConnection(self, super().buildProtocol(addr))
         if self.open_connections >= self.max_connections:
-            if self.reserve_connections >= self.probe_reserve and \
-                    self.refusing_connections >= self.max_refusing_connections:
-                self.refused_connections.note(limit=self.max_connections)
-                return None  # the listening port closes the socket at once
             connection.over_cap = True  # decided when its socket is known (makeConnection)
         return connection
 
     def decide_over_cap(self, line: bytes | None) -> str:
         """What becomes of a connection accepted beyond the cap, whose first line is ``line``
-        (None: not arrived yet): ``"reserve"`` (a probe, or not known yet: decided on its
-        request line), ``"refusing"`` (anything else: answered 503 at once) or ``"close"``
-        (the part of the reserve it would need is full)."""
-        if line is None or is_probe_request_line(line):
+        (None: not arrived yet): ``"reserve"`` (a probe), ``"undecided"`` (decided when its
+        request line arrives; when ``probe_reserve`` of them wait already, the one that waited
+        longest is closed to make room: a probe sends its line at once, a client that holds an
+        empty connection cannot crowd it out), ``"refusing"`` (anything else: answered 503 at
+        once) or ``"close"`` (the part it would need is full)."""
+        if line is None:
+            while self.undecided and self.undecided_connections >= self.probe_reserve:
+                self._evict(self.undecided.popleft())
+            if self.undecided_connections < self.probe_reserve:
+                return "undecided"
+        elif is_probe_request_line(line):
             if self.reserve_connections < self.probe_reserve:
                 return "reserve"
         elif self.refusing_connections < self.max_refusing_connections:
             return "refusing"
         self.refused_connections.note(limit=self.max_connections)
         return "close"
+
+    def _evict(self, connection) -> None:
+        """Close an undecided connection that waited longest, and stop counting it now."""
+        if connection.kind != "undecided":
+            return  # decided meanwhile
+        self._count(connection, -1)
+        connection.kind = None
+        self.evicted_connections.note(limit=self.probe_reserve)
+        if connection.transport is not None:
+            connection.transport.abortConnection()
+
+    def first_line_arrived(self, connection, probe: bool) -> bool:
+        """An undecided connection's first line arrived (``probe``: it is a probe's): it moves
+        to the reserve (a probe, while the reserve has room) or to the connections being
+        refused.  Whether it may be served as a probe."""
+        if getattr(connection, "kind", None) != "undecided":
+            return probe  # decided when it was accepted
+        try:
+            self.undecided.remove(connection)
+        except ValueError:
+            pass
+        self._count(connection, -1)
+        served = probe and self.reserve_connections < self.probe_reserve
+        connection.kind = "reserve" if served else "refusing"
+        self._count(connection, +1)
+        return served
 
     def registerProtocol(self, connection) -> None:
         self._count(connection, +1)
@@ -773,6 +818,11 @@ class FrontendSite(server.Site):
 
     def unregisterProtocol(self, connection) -> None:
         self._count(connection, -1)
+        if getattr(connection, "kind", None) == "undecided":
+            try:
+                self.undecided.remove(connection)
+            except ValueError:
+                pass
 
     def _count(self, connection, change: int) -> None:
         kind = getattr(connection, "kind", "open")
@@ -782,6 +832,8 @@ class FrontendSite(server.Site):
             self.reserve_connections += change
         elif kind == "refusing":
             self.refusing_connections += change
+        elif kind == "undecided":
+            self.undecided_connections += change
         elif kind == "held":
             self.held_connections += change
 

@@ -180,30 +180,31 @@ async def test_without_an_api_key_the_openai_api_stays_open(frontend):
 
 
 @pytest_twisted.ensureDeferred
-async def test_connections_beyond_the_cap_and_its_probe_reserve_are_closed_at_once(frontend):
+async def test_connections_beyond_the_cap_that_send_nothing_are_bounded(frontend):
+    """Beyond the cap, connections that have sent nothing wait for their request line, at
+    most ``probe_reserve`` of them: a newer one closes the one that waited longest (a probe
+    sends its line at once; an empty connection must not crowd it out)."""
     service = await frontend()
     service.site.max_connections = 4
     service.site.probe_reserve = 1
     holders = [await frontend.dial(service) for _ in range(4)]
     await eventually(lambda: service.site.open_connections == 4)
-    holders.append(await frontend.dial(service))  # the reserve's one connection
-    await eventually(lambda: service.site.reserve_connections == 1)
     lines = []
     observer = lambda event: lines.append(formatEvent(event))  # noqa: E731
     globalLogPublisher.addObserver(observer)
     try:
-        extra = [await frontend.dial(service) for _ in range(3)]
-        for client in extra:
+        waiting = [await frontend.dial(service) for _ in range(4)]
+        for client in waiting[:-1]:
             await client.lost.addTimeout(5, reactor)
             assert client.received == b""  # closed before a byte was read or written
     finally:
         globalLogPublisher.removeObserver(observer)
-    assert not any(client.closed for client in holders)
-    assert (service.site.open_connections, service.site.reserve_connections) == (4, 1)
-    refusals = [line for line in lines if "connection cap" in line]
-    assert refusals == ["refused 1 connection(s) since the last such line: this listener "
-                        "already holds 4 (the connection cap) and its probe reserve is "
-                        "full"]  # one line, not one each
+    assert not waiting[-1].closed and not any(client.closed for client in holders)
+    assert (service.site.open_connections, service.site.undecided_connections) == (4, 1)
+    evictions = [line for line in lines if "had not sent a request line" in line]
+    assert evictions == ["closed 1 connection(s) since the last such line that were accepted "
+                         "beyond the connection cap and had not sent a request line while 1 "
+                         "newer ones waited"]  # one line, not one each
 
     # Once two holders leave, a client is served again.
     holders[0].close()
@@ -238,13 +239,14 @@ async def test_a_probe_is_answered_while_the_cap_is_full(frontend, request_line)
     service = await frontend()
     holders = await fill_the_cap(frontend, service)
     probe = await frontend.dial(service)
-    await eventually(lambda: service.site.reserve_connections == 1)
+    await eventually(lambda: service.site.undecided_connections == 1)
     probe.send(request_line + b"\r\nHost: frontend\r\n\r\n")
     await probe.lost.addTimeout(5, reactor)  # one probe per reserve connection, then closed
     assert probe.received.startswith(request_line.split(b" ")[2] + b" 200 "), probe.received
     if request_line.startswith(b"GET /readyz"):
         assert probe.received.endswith(b'{"ready": true}')
-    await eventually(lambda: service.site.reserve_connections == 0)
+    await eventually(lambda: (service.site.undecided_connections,
+                              service.site.reserve_connections) == (0, 0))
     assert not any(h.closed for h in holders) and service.site.open_connections == 4
 
 
@@ -271,7 +273,7 @@ async def test_anything_but_a_probe_on_the_reserve_is_refused_clearly(frontend, 
     service = await frontend()
     await fill_the_cap(frontend, service)
     client = await frontend.dial(service)
-    await eventually(lambda: service.site.reserve_connections == 1)
+    await eventually(lambda: service.site.undecided_connections == 1)
     client.send(sent)
     status, headers, body = await client.response()
     assert status == 503 and headers["retry-after"] == "2"
@@ -280,7 +282,9 @@ async def test_anything_but_a_probe_on_the_reserve_is_refused_clearly(frontend, 
     if shape == "openai":
         assert "param" in body["error"]  # the OpenAI API's error shape
     await client.lost.addTimeout(5, reactor)
-    await eventually(lambda: service.site.reserve_connections == 0)
+    await eventually(lambda: (service.site.undecided_connections,
+                              service.site.reserve_connections,
+                              service.site.refusing_connections) == (0, 0, 0))
 
 
 @pytest_twisted.ensureDeferred
@@ -320,28 +324,30 @@ async def test_a_probe_in_a_storm_of_dials_beyond_the_cap_is_answered(frontend):
 
 @pytest_twisted.ensureDeferred
 async def test_the_probe_reserve_is_bounded(frontend):
-    """A prober cannot use the reserve to hold more file descriptors or heads: beyond
-    ``probe_reserve`` a connection is closed at accept, and a silent one on the reserve is cut
-    at the reserve's short head deadline.  Remove the reserve's bound in ``buildProtocol``, or
-    its deadline in ``_start_deadline``: this fails."""
+    """A prober cannot use the space beyond the cap to hold more file descriptors or heads:
+    at most ``probe_reserve`` connections wait for their request line (a newer one closes the
+    oldest), and each is cut at the reserve's short head deadline; a probe still gets through.
+    Remove the eviction in ``decide_over_cap``, or the short deadline in ``_start_deadline``:
+    this fails."""
     service = await frontend()
     await fill_the_cap(frontend, service, reserve=2)
     service.site.probe_reserve_headers_deadline = 1.0
-    silent = [await frontend.dial(service) for _ in range(2)]
-    await eventually(lambda: service.site.reserve_connections == 2)
-    beyond = await frontend.dial(service)
-    await beyond.lost.addTimeout(5, reactor)
-    assert beyond.received == b""
-    assert service.site.reserve_connections == 2
-    for client in silent:  # the cap's own head deadline (30 s) does not apply to them
+    silent = [await frontend.dial(service) for _ in range(5)]
+    for client in silent[:3]:
         await client.lost.addTimeout(5, reactor)
-        assert client.received.startswith(b"HTTP/1.1 408 ")
-    await eventually(lambda: service.site.reserve_connections == 0)
-    assert service.site.open_connections == 4
-    probe = await frontend.dial(service)  # the reserve serves again
+        assert client.received == b""
+    assert service.site.undecided_connections == 2
+    probe = await frontend.dial(service)  # evicts silent[3]
+    await silent[3].lost.addTimeout(5, reactor)
     probe.send(b"GET /healthz HTTP/1.1\r\nHost: f\r\n\r\n")
     await probe.lost.addTimeout(5, reactor)
     assert probe.received.startswith(b"HTTP/1.1 200 ")
+    # the cap's own head deadline (30 s) does not apply to the last one
+    await silent[4].lost.addTimeout(5, reactor)
+    assert silent[4].received.startswith(b"HTTP/1.1 408 ")
+    await eventually(lambda: (service.site.undecided_connections,
+                              service.site.reserve_connections) == (0, 0))
+    assert service.site.open_connections == 4
 
 
 # -- deadlines for the head and the body --------------------------------------------------------
