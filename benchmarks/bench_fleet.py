@@ -551,7 +551,8 @@ def render(report: dict) -> str:
         ("workers", report["workers"]),
         ("registration's scrypt", "N=16 (--cheap-registration, not the product's cost)"
          if report.get("cheap_registration") else "the product's (N=2**14)"),
-        ("frontend's gc.set_threshold", report.get("gc_threshold") or "Python's default"),
+        ("frontend's gc.set_threshold", report.get("gc_threshold")
+         or "its own (frontend/tap.py GC_THRESHOLDS; Python's default before it had one)"),
         ("all registered and connected (s)", report["connect_seconds"]),
         ("registrations refused 429 / failed; dials deferred 503 / failed",
          "{register_429} / {register_failed}; {dial_503} / {dial_failed}".format(

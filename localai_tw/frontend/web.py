@@ -11,7 +11,8 @@ API-key auth.
 - :class:`FrontendChannel`: total deadlines for a request's head and body (``408``), where
   ``twisted.web`` only has an idle timer that every byte restarts; and a cap on a listener's
   concurrent connections, beyond which a small reserve serves only the load balancer's probes.
-  Defaults: :data:`MAX_CONNECTIONS`, :data:`PROBE_RESERVE`, :data:`MAX_BODY_BYTES_IN_FLIGHT`, :data:`HEADERS_DEADLINE_SECONDS`,
+  Defaults: :data:`MAX_CONNECTIONS`, :data:`PROBE_RESERVE`, :data:`MAX_BODY_BYTES_IN_FLIGHT`,
+  :data:`HEADERS_DEADLINE_SECONDS`,
   :data:`BODY_DEADLINE_SECONDS` (``docs/operators.md``, "Limits").
 - :class:`APIError` and :func:`error_body`: every refusal is ``{"error": {"message", "type",
   "code"?, "field"?}}`` with a message naming the cause; ``field`` names the offending input.
@@ -77,13 +78,13 @@ MAX_BODY_BYTES = 64 * 1024
 #: Most connections one listener holds at once that are not authorized tunnels or peer links;
 #: beyond it a connection may only use the probe reserve.
 MAX_CONNECTIONS = 1024
-#: Connections a listener accepts beyond :data:`MAX_CONNECTIONS` for the load balancer's probes
-#: only: each may carry one ``GET``/``HEAD`` of :data:`PROBE_PATHS` without a body, decided on
-#: its request line; anything else is answered 503 at once and closed.  One more connection
-#: beyond the reserve is closed as soon as it is accepted.
+#: Connections a listener serves beyond :data:`MAX_CONNECTIONS` for the load balancer's probes
+#: only (one ``GET``/``HEAD`` of :data:`PROBE_PATHS` without a body each), and connections
+#: beyond it that wait for their first line (a newer one closes the oldest); anything else
+#: beyond the cap is answered 503 at once (:class:`FrontendSite`).
 PROBE_RESERVE = 64
-#: Connections beyond the cap and the reserve's use being answered 503 ``too_many_connections``
-#: at once (each lives until its answer is written); one more is closed at accept.
+#: Connections beyond the cap being answered 503 ``too_many_connections`` at once (each lives
+#: until its answer is written); one more is closed as soon as it is accepted.
 MAX_REFUSING_CONNECTIONS = 256
 #: Seconds a connection on the probe reserve has to send its request head (a load balancer's
 #: probe sends it at once).
@@ -287,7 +288,7 @@ class FrontendRequest(server.Request):
 
 
 def too_many_connections(limit: int) -> APIError:
-    """The answer to a request other than a probe on a connection of the probe reserve."""
+    """The answer to a request other than a probe on a connection beyond the cap."""
     return APIError(503, f"this replica already holds its cap of {limit} connections that are "
                     "not authorized tunnels; only /healthz and /readyz are served beyond it; "
                     "try again in a few seconds", "service_unavailable",
@@ -322,8 +323,9 @@ class FrontendChannel(HTTPChannel):
 
     _deadline = None
     _between_requests = False
-    #: True when the listener accepted this connection on its probe reserve (beyond its cap):
-    #: one request, which must be a probe (:func:`is_probe_request_line`) without a body.
+    #: True when the listener accepted this connection beyond its cap, for a probe (or not
+    #: known yet): one request, which must be a probe (:func:`is_probe_request_line`) without
+    #: a body.
     on_probe_reserve = False
     _first_line_seen = False
 
