@@ -2,7 +2,8 @@
 every 10 s and tunnels, no backends) against one ``twistd`` frontend, then a restart.
 
 Usage:  python benchmarks/bench_fleet.py [--dsn DSN] [--workers 1000] [--idle 30]
-                                         [--json PATH] [--keep]
+                                         [--cheap-registration] [--gc-threshold T0,T1,T2]
+                                         [--stall-profile DIR] [--json PATH] [--keep]
 
 What it measures (issue 15 §4), in one run:
 
@@ -17,7 +18,11 @@ What it measures (issue 15 §4), in one run:
 - **list**: ``GET /api/nodes`` followed through every page: time and bytes;
 - **restart**: SIGTERM to the replica (its stop time and the "release failed" lines it logged),
   a new replica on the same port and database, the time until every worker holds a tunnel
-  again, and what ``/readyz`` answered meanwhile (503s in a row at most).
+  again, and what ``/readyz`` answered meanwhile (not-200s in a row at most, and by kind: a
+  status, or ``closed``/``refused``/``timeout`` before one).
+
+``--stall-profile DIR`` adds what the frontend's main thread ran during its longest busy runs
+at idle (py-spy) and its garbage collections of 5 ms or more (benchmarks/README.md).
 
 The simulated worker is this process: ``localai_tw``'s own WebSocket and yamux client, one
 session per worker, the registration and heartbeat bodies a real worker sends; a dial refused
@@ -74,27 +79,47 @@ def proc_fds(pid: int) -> int:
 
 
 class Poller(threading.Thread):
-    """GETs ``path`` every ``interval`` and records (status, seconds) until stopped."""
+    """GETs ``path`` every ``interval`` (a new connection each time, as a load balancer's health
+    check does) and records ``(status, seconds, when)`` until stopped.
+
+    ``status`` is the HTTP status, or what went wrong before one arrived: ``"refused"`` (nothing
+    listening), ``"closed"`` (the connection was accepted, then closed or reset before an
+    answer: what a listener over its connection cap does), ``"timeout"`` (no answer within
+    5 s), ``"error:<kind>"`` otherwise.  ``when`` is ``time.monotonic()`` at the start.
+    """
 
     def __init__(self, port: int, path: str, interval: float = 0.1):
         super().__init__(daemon=True)
         self.port, self.path, self.interval = port, path, interval
-        self.samples: list[tuple[int, float]] = []
+        self.samples: list[tuple[int | str, float, float]] = []
+        #: The body of each answer that was not 200 (the first 200 bytes), by status.
+        self.reasons: dict[int, str] = {}
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.is_set():
             started = time.monotonic()
+            status: int | str
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", self.path)
-                response = conn.getresponse()
-                response.read()
-                status = response.status
-                conn.close()
-            except OSError:
-                status = 0
-            self.samples.append((status, time.monotonic() - started))
+                try:
+                    conn.request("GET", self.path)
+                    response = conn.getresponse()
+                    body = response.read()
+                    status = response.status
+                    if status != 200:
+                        self.reasons[status] = body[:200].decode("utf-8", "replace")
+                finally:
+                    conn.close()
+            except TimeoutError:
+                status = "timeout"
+            except ConnectionRefusedError:
+                status = "refused"
+            except (ConnectionResetError, BrokenPipeError, http.client.BadStatusLine):
+                status = "closed"  # RemoteDisconnected is both of the first and the last
+            except (OSError, http.client.HTTPException) as e:
+                status = f"error:{type(e).__name__}"
+            self.samples.append((status, time.monotonic() - started, started))
             self._stop_event.wait(self.interval)
 
     def stop(self) -> list[tuple[int, float]]:
@@ -103,9 +128,18 @@ class Poller(threading.Thread):
         return self.samples
 
 
+def kinds(samples) -> dict[str, int]:
+    """How many samples were not 200, by status or failure kind."""
+    counts: dict[str, int] = {}
+    for status, *_ in samples:
+        if status != 200:
+            counts[str(status)] = counts.get(str(status), 0) + 1
+    return counts
+
+
 def longest_run(samples, bad) -> int:
     best = run = 0
-    for status, _ in samples:
+    for status, *_ in samples:
         run = run + 1 if bad(status) else 0
         best = max(best, run)
     return best
@@ -305,7 +339,8 @@ async def run(reactor, bench, args) -> dict:
     fe = start_frontend_on(bench, "replica", models, {"port": bi.free_port()})
     await threads.deferToThread(bench.wait_ready, fe)
     pid = fe["proc"].pid
-    report: dict = {"workers": args.workers}
+    report: dict = {"workers": args.workers, "cheap_registration": args.cheap_registration,
+                    "gc_threshold": args.gc_threshold}
 
     fleet = Fleet(reactor, fe["port"], args.workers)
     # A few workers first, so the RSS baseline includes what any first tunnel costs (imports,
@@ -330,9 +365,15 @@ async def run(reactor, bench, args) -> dict:
     health = Poller(fe["port"], "/healthz")
     health.start()
     cpu0, tx0, t0 = proc_cpu_seconds(pid), xact_commits(bench), time.monotonic()
+    wall0 = time.time()
+    spy = start_py_spy(args, pid, "idle") if args.stall_profile else None
     await fleet.sleep(args.idle)
     cpu1, tx1, t1 = proc_cpu_seconds(pid), xact_commits(bench), time.monotonic()
-    samples = sorted(s for _, s in health.stop())
+    if spy is not None:
+        report["stalls"] = await threads.deferToThread(stall_report, args, spy, wall0,
+                                                       time.time(), fe["name"])
+    health_samples = health.stop()
+    samples = sorted(s for _, s, _ in health_samples)
     report["idle"] = {
         "rss_mib": round(proc_rss(pid) / 2**20, 1),
         "rss_per_tunnel_kib": round((proc_rss(pid) - rss_before)
@@ -342,6 +383,9 @@ async def run(reactor, bench, args) -> dict:
         "transactions_per_second": round((tx1 - tx0) / (t1 - t0), 1),
         "healthz_p50_ms": round(1000 * bi.percentile(samples, 50), 1) if samples else None,
         "healthz_max_ms": round(1000 * samples[-1], 1) if samples else None,
+        "healthz_not_200": kinds(health_samples),
+        "healthz_slowest": [[round(1000 * s, 1), round(when - t0, 2)] for _, s, when
+                            in sorted(health_samples, key=lambda x: -x[1])[:5]],
     }
     if args.snapshots:
         await threads.deferToThread(take_snapshot, pid, args.snapshots, 2)
@@ -374,9 +418,15 @@ async def run(reactor, bench, args) -> dict:
     serving = readyz[first_ready:]
     report["restart_readyz"] = {
         "samples_after_first_ready": len(serving),
-        "not_ready_after_first_ready": sum(1 for s, _ in serving if s != 200),
+        "not_ready_after_first_ready": sum(1 for s, *_ in serving if s != 200),
         "longest_not_ready_run_after_first_ready": longest_run(serving, lambda s: s != 200),
+        "not_ready_kinds": kinds(serving),
+        "not_ready_at_seconds_after_restart": [round(when - restarted, 2) for s, _, when
+                                               in serving if s != 200][:40],
+        "answers_not_200": {str(k): v for k, v in ready.reasons.items()},
+        "slowest_ms": round(1000 * max((s for _, s, _ in serving), default=0), 1),
     }
+
     report["restart_counts"] = dict(fleet.counts)
     fleet.running = False
     beating.cancel()
@@ -419,6 +469,117 @@ def snapshot_diff(directory: str, tunnels: int, top: int = 25) -> dict:
     }
 
 
+# -- --cheap-registration, --stall-profile: prepended to the frontend's program -------------
+
+#: ``--cheap-registration``: the frontend's scrypt of each presented registration token at a
+#: token cost (N=16 instead of 2**14, microseconds instead of about 50 ms of CPU).  Not the
+#: product: for runs about the tunnels, the restart storm and idle costs on a busy machine,
+#: where thousands of full-cost scrypts at once make the connect phase take many minutes.
+CHEAP_REGISTRATION = """
+import localai_tw.cluster.nodes as _nodes
+_nodes._TOKEN_SCRYPT = {"n": 2 ** 4, "r": 8, "p": 1}
+"""
+
+# -- --stall-profile: what runs on the frontend's reactor when /healthz is slow ---------------
+
+#: Prepended to the frontend's ``python -c`` program with ``--stall-profile``: every garbage
+#: collection that takes 5 ms or more is written to ``$BENCH_GC_LOG`` (wall time, generation,
+#: milliseconds, objects collected).
+GC_HOOK = """
+import gc as _gc, os as _os, time as _time
+_gc_file = open(_os.environ["BENCH_GC_LOG"], "a", buffering=1)
+_gc_started = [0.0]
+def _gc_timer(phase, info):
+    if phase == "start":
+        _gc_started[0] = _time.perf_counter()
+        return
+    took = _time.perf_counter() - _gc_started[0]
+    if took >= 0.005:
+        _gc_file.write("%.3f %d %.1f %d\\n" % (_time.time(), info["generation"], took * 1000,
+                                               info["collected"]))
+_gc.callbacks.append(_gc_timer)
+"""
+
+
+def start_py_spy(args, pid: int, phase: str):
+    """``py-spy record`` of ``pid`` for ``args.idle`` seconds (speedscope, 100 Hz, without
+    pausing the process, idle samples kept so the timeline is whole)."""
+    import subprocess
+
+    output = os.path.join(args.stall_profile, f"{phase}.speedscope.json")
+    popen = subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(args.idle))),
+         "--rate", "100", "--nonblocking", "--idle", "--format", "speedscope",
+         "--output", output], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return popen, output
+
+
+#: A main-thread sample whose innermost frame is one of these is the reactor waiting (py-spy
+#: names methods ``Class.method``).
+_IDLE_FRAMES = {"doPoll", "doSelect"}
+
+
+def stall_report(args, spy, wall0: float, wall1: float, name: str) -> dict:
+    """The longest runs of consecutive busy samples of the frontend's main thread (each sample
+    is 10 ms), with the frames most of each run was in, and the garbage collections of 5 ms or
+    more during the same window."""
+    from collections import Counter
+
+    popen, output = spy
+    _, err = popen.communicate(timeout=args.idle + 60)
+    report: dict = {"py_spy": output}
+    try:
+        with open(output) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        report["py_spy_error"] = err.decode(errors="replace")[-500:]
+        return report
+    frames = data["shared"]["frames"]
+    main = next((p for p in data["profiles"] if "MainThread" in p["name"]), None)
+    if main is None:
+        report["py_spy_error"] = "no MainThread in the profile"
+        return report
+    runs: list[tuple[int, int]] = []  # (start index, length)
+    start = None
+    samples = main["samples"]
+    for i, stack in enumerate(samples + [[]]):
+        busy = bool(stack) and \
+            frames[stack[-1]]["name"].rsplit(".", 1)[-1] not in _IDLE_FRAMES
+        if busy and start is None:
+            start = i
+        elif not busy and start is not None:
+            runs.append((start, i - start))
+            start = None
+    runs.sort(key=lambda r: -r[1])
+    report["main_thread_samples"] = len(samples)
+    report["busy_fraction"] = round(sum(n for _, n in runs) / max(1, len(samples)), 3)
+    longest = []
+    for first, length in runs[:5]:
+        counts: Counter = Counter()
+        for stack in samples[first:first + length]:
+            for index in set(stack):
+                frame = frames[index]
+                counts[f"{frame['name']} ({os.path.basename(frame['file'])}:{frame['line']})"] += 1
+        reactor = {"run", "mainLoop", "runUntilCurrent", "doIteration", "<module>",
+                   "runReactorWithLogging", "startReactor", "runApp", "postApplication",
+                   "doPoll", "_doReadOrWrite"}
+        top = [f"{what} {n}" for what, n in counts.most_common(40)
+               if what.split(" ")[0].rsplit(".", 1)[-1] not in reactor][:12]
+        longest.append({"ms": length * 10, "at_seconds": round(first / 100, 2), "frames": top})
+    report["longest_busy_runs"] = longest
+    gc_log = os.environ.get("BENCH_GC_LOG")
+    pauses = []
+    if gc_log and os.path.exists(gc_log):
+        with open(gc_log) as f:
+            for line in f:
+                when, generation, ms, collected = line.split()
+                if wall0 <= float(when) <= wall1:
+                    pauses.append((float(ms), int(generation), int(collected)))
+    report["gc_pauses_5ms_or_more"] = len(pauses)
+    report["gc_longest"] = sorted(pauses, reverse=True)[:5]
+    return report
+
+
 def start_frontend_on(bench, name: str, models_dir: str, previous: dict) -> dict:
     """A replica on ``previous``'s port and database (a restart), with a new instance id."""
     import uuid
@@ -442,6 +603,10 @@ def render(report: dict) -> str:
     idle = report["idle"]
     rows = [
         ("workers", report["workers"]),
+        ("registration's scrypt", "N=16 (--cheap-registration, not the product's cost)"
+         if report.get("cheap_registration") else "the product's (N=2**14)"),
+        ("frontend's gc.set_threshold", report.get("gc_threshold")
+         or "its own (frontend/tap.py GC_THRESHOLDS; Python's default before it had one)"),
         ("all registered and connected (s)", report["connect_seconds"]),
         ("registrations refused 429 / failed; dials deferred 503 / failed",
          "{register_429} / {register_failed}; {dial_503} / {dial_failed}".format(
@@ -462,11 +627,35 @@ def render(report: dict) -> str:
          f"{report['restart_readyz']['not_ready_after_first_ready']} of "
          f"{report['restart_readyz']['samples_after_first_ready']}; "
          f"{report['restart_readyz']['longest_not_ready_run_after_first_ready']}"),
+        ("/readyz not 200 after first ready, by kind; at s after restart",
+         f"{report['restart_readyz']['not_ready_kinds'] or '-'}; "
+         f"{report['restart_readyz']['not_ready_at_seconds_after_restart'] or '-'}"),
+        ("/readyz slowest answer after first ready (ms)", report["restart_readyz"]["slowest_ms"]),
         ("restart: dials deferred 503 / failed",
          "{dial_503} / {dial_failed}".format(**report["restart_counts"])),
     ]
     lines = ["| what | value |", "|---|---|"]
     lines += [f"| {what} | {value} |" for what, value in rows]
+    if report["restart_readyz"]["answers_not_200"]:
+        lines.append("")
+        lines += [f"/readyz answered {status}: {body}" for status, body
+                  in report["restart_readyz"]["answers_not_200"].items()]
+    if idle["healthz_not_200"]:
+        lines.append(f"/healthz not 200 at idle: {idle['healthz_not_200']}")
+    lines.append(f"/healthz slowest at idle (ms, at s into the idle phase): "
+                 f"{idle['healthz_slowest']}")
+    stalls = report.get("stalls")
+    if stalls:
+        lines.append("")
+        lines.append(f"stall profile ({stalls.get('py_spy')}): main thread busy "
+                     f"{stalls.get('busy_fraction')} of {stalls.get('main_thread_samples')} "
+                     f"samples; {stalls.get('py_spy_error', '')}")
+        for run in stalls.get("longest_busy_runs", []):
+            lines.append(f"- {run['ms']} ms busy from {run['at_seconds']} s into the idle phase: "
+                         + "; ".join(run["frames"]))
+        lines.append(f"garbage collections of 5 ms or more during the idle phase: "
+                     f"{stalls.get('gc_pauses_5ms_or_more')}; longest (ms, generation, "
+                     f"collected): {stalls.get('gc_longest')}")
     return "\n".join(lines)
 
 
@@ -483,6 +672,20 @@ def main() -> None:
                         help="the replica's --registration-limit (default 0, no limit: every "
                         "simulated worker registers from 127.0.0.1, which a real fleet does "
                         "not; give the product's default, 1200, to see a NAT'd fleet)")
+    parser.add_argument("--cheap-registration", action="store_true",
+                        help="the frontend's scrypt of each registration token at a token "
+                        "cost (N=16): not the product's registration cost; for runs about the "
+                        "tunnels, the restart storm and idle figures on a busy machine")
+    parser.add_argument("--gc-threshold", metavar="T0,T1,T2",
+                        help="the frontend's gc.set_threshold (Python's default: 700,10,10; "
+                        "the product's: frontend/tap.py GC_THRESHOLDS), set before it starts: "
+                        "an experiment on the garbage collector, not an option of the product")
+    parser.add_argument("--stall-profile", metavar="DIR",
+                        help="find the /healthz stalls: record the frontend with py-spy "
+                        "during the idle phase (DIR/idle.speedscope.json; needs py-spy, "
+                        "not a project dependency) and time its garbage collections "
+                        "(DIR/gc-*.log); the report adds the longest busy runs of its main "
+                        "thread and the longest collections. Costs the frontend some CPU.")
     parser.add_argument("--json", help="also write the report as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--snapshots", metavar="DIR",
@@ -503,6 +706,19 @@ def main() -> None:
 
     from twisted.internet import defer, task
 
+    if args.stall_profile:
+        args.stall_profile = os.path.abspath(args.stall_profile)
+        os.makedirs(args.stall_profile, exist_ok=True)
+        os.environ["BENCH_GC_LOG"] = os.path.join(args.stall_profile, f"gc-{os.getpid()}.log")
+        bi._TWISTD = GC_HOOK + bi._TWISTD  # read by Bench._spawn at each start
+    if args.cheap_registration:
+        bi._TWISTD = CHEAP_REGISTRATION + bi._TWISTD
+    if args.gc_threshold:
+        thresholds = tuple(int(t) for t in args.gc_threshold.split(","))
+        bi._TWISTD = (  # the product's makeService sets tap.GC_THRESHOLDS: replaced too
+            f"import gc as _gc\n_gc.set_threshold(*{thresholds!r})\n"
+            f"import localai_tw.frontend.tap as _tap\n_tap.GC_THRESHOLDS = {thresholds!r}\n"
+            + bi._TWISTD)
     bench = bi.Bench(args)
     bench.start_frontend_on = lambda name, models, previous: start_frontend_on(
         bench, name, models, previous)

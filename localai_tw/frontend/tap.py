@@ -331,11 +331,25 @@ def _exit_status_at_interpreter_exit(status: int) -> None:
     atexit.register(exit_now)
 
 
+#: The frontend process's ``gc.set_threshold``: Python's default (700, 10, 10) but full
+#: collections considered after 100 middle-generation ones instead of 10.  A replica holding
+#: 4000 tunnels ran a full collection of its whole heap about every 8 s at idle, 0.75-1.75 s
+#: of stalled reactor each on a shared 2-core machine, and every one collected nothing (the
+#: objects promoted that often die by reference count); with 100, about every 50-100 s
+#: (``docs/benchmarks.md``, "A fleet on one replica").  Cyclic garbage that reached the
+#: oldest generation waits longer to be freed.
+GC_THRESHOLDS = (700, 10, 100)
+
+
 def makeService(options: Options) -> MultiService:
     """The frontend replica: configuration report, then the ``FrontendService``; with
     ``--local-worker``, then the ``LocalWorkerService`` (started once the frontend is ready,
-    stopped before the frontend stops)."""
+    stopped before the frontend stops).  Sets the process's :data:`GC_THRESHOLDS`."""
+    import gc
+
     from localai_tw import logs
+
+    gc.set_threshold(*GC_THRESHOLDS)
 
     logs.quiet_grpc_core()  # before the inference core imports grpc
     from .localworker import LocalWorkerService

@@ -10,8 +10,9 @@ API-key auth.
   temporary file before the resource sees the request.)
 - :class:`FrontendChannel`: total deadlines for a request's head and body (``408``), where
   ``twisted.web`` only has an idle timer that every byte restarts; and a cap on a listener's
-  concurrent connections.  Defaults: :data:`MAX_CONNECTIONS`,
-  :data:`MAX_BODY_BYTES_IN_FLIGHT`, :data:`HEADERS_DEADLINE_SECONDS`,
+  concurrent connections, beyond which a small reserve serves only the load balancer's probes.
+  Defaults: :data:`MAX_CONNECTIONS`, :data:`PROBE_RESERVE`, :data:`MAX_BODY_BYTES_IN_FLIGHT`,
+  :data:`HEADERS_DEADLINE_SECONDS`,
   :data:`BODY_DEADLINE_SECONDS` (``docs/operators.md``, "Limits").
 - :class:`APIError` and :func:`error_body`: every refusal is ``{"error": {"message", "type",
   "code"?, "field"?}}`` with a message naming the cause; ``field`` names the offending input.
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import hmac  # noqa: F401  (the tests spy on hmac.compare_digest through this module)
 import json
+import socket
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
@@ -73,8 +76,21 @@ log = Logger()
 #: Body cap of the register, heartbeat and admin APIs (and of any path without its own cap).
 MAX_BODY_BYTES = 64 * 1024
 #: Most connections one listener holds at once that are not authorized tunnels or peer links;
-#: one more is closed as soon as it is accepted.
+#: beyond it a connection may only use the probe reserve.
 MAX_CONNECTIONS = 1024
+#: Connections a listener serves beyond :data:`MAX_CONNECTIONS` for the load balancer's probes
+#: only (one ``GET``/``HEAD`` of :data:`PROBE_PATHS` without a body each), and connections
+#: beyond it that wait for their first line (a newer one closes the oldest); anything else
+#: beyond the cap is answered 503 at once (:class:`FrontendSite`).
+PROBE_RESERVE = 64
+#: Connections beyond the cap being answered 503 ``too_many_connections`` at once (each lives
+#: until its answer is written); one more is closed as soon as it is accepted.
+MAX_REFUSING_CONNECTIONS = 256
+#: Seconds a connection on the probe reserve has to send its request head (a load balancer's
+#: probe sends it at once).
+PROBE_RESERVE_HEADERS_DEADLINE_SECONDS = 5.0
+#: The only paths served on the probe reserve (exact request targets, no query).
+PROBE_PATHS = (b"/healthz", b"/readyz")
 #: Most bytes of request bodies one listener holds at once (announced lengths); a request that
 #: would pass it is answered 503 with ``Retry-After`` before its body is read.
 MAX_BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
@@ -225,6 +241,11 @@ class FrontendRequest(server.Request):
             self.content = SpooledCappedBody(limit)
         if length == 0:
             return
+        if getattr(self.channel, "on_probe_reserve", False):
+            # A probe has no body: one announced on the reserve is not a probe.
+            limit_of = site.max_connections if site is not None else MAX_CONNECTIONS
+            self.answer_before_body(too_many_connections(limit_of))
+            return
         try:
             if site is not None:
                 site.guard_before_body(self, target)
@@ -266,6 +287,23 @@ class FrontendRequest(server.Request):
             answer_early(self.channel, answer.status, answer.body(), answer.headers)
 
 
+def too_many_connections(limit: int) -> APIError:
+    """The answer to a request other than a probe on a connection beyond the cap."""
+    return APIError(503, f"this replica already holds its cap of {limit} connections that are "
+                    "not authorized tunnels; only /healthz and /readyz are served beyond it; "
+                    "try again in a few seconds", "service_unavailable",
+                    code="too_many_connections", headers={"Retry-After": "2"})
+
+
+def is_probe_request_line(line: bytes) -> bool:
+    """Whether ``line`` (a request line) asks ``GET`` or ``HEAD`` of one of
+    :data:`PROBE_PATHS`, spelled exactly (no query, no percent-encoding: anything else is not
+    a probe, which fails closed)."""
+    parts = line.split(b" ")
+    return (len(parts) == 3 and parts[0] in (b"GET", b"HEAD") and parts[1] in PROBE_PATHS
+            and parts[2] in (b"HTTP/1.1", b"HTTP/1.0"))
+
+
 def request_timeout(what: str, seconds: float) -> APIError:
     return APIError(408, f"the request {what} did not arrive within {seconds:g} seconds",
                     "request_timeout", code="request_timeout")
@@ -285,10 +323,49 @@ class FrontendChannel(HTTPChannel):
 
     _deadline = None
     _between_requests = False
+    #: True when the listener accepted this connection beyond its cap, for a probe (or not
+    #: known yet): one request, which must be a probe (:func:`is_probe_request_line`) without
+    #: a body.
+    on_probe_reserve = False
+    _first_line_seen = False
 
     def connectionMade(self):
         super().connectionMade()
         self._start_deadline("head")
+
+    def lineReceived(self, line):
+        if self.on_probe_reserve and not self._first_line_seen:
+            self._first_line_seen = True
+            site = getattr(self, "site", None)
+            probe = is_probe_request_line(line)
+            if isinstance(site, FrontendSite):
+                probe = site.first_line_arrived(self.transport, probe)
+            if not probe:
+                self.refuse_beyond_the_cap(line)
+                return
+        super().lineReceived(line)
+
+    def refuse_beyond_the_cap(self, line: bytes | None) -> None:
+        """Answer 503 ``too_many_connections`` before the rest of the request (no request is
+        created, no header parsed), and ignore whatever follows while the connection closes."""
+        self._cancel_deadline()
+        site = getattr(self, "site", None)
+        limit = getattr(site, "max_connections", MAX_CONNECTIONS)
+        answer: Any = too_many_connections(limit)
+        self._first_line_seen = True
+        parts = (line or b"").split(b" ")
+        if isinstance(site, FrontendSite):
+            site.refused_on_reserve.note(limit=limit)
+            if len(parts) == 3:  # the OpenAI API's paths answer in its own error shape
+                answer = site.shape_early_answer(parts[1], answer)
+        self.lineReceived = self.rawDataReceived = lambda _data: None  # type: ignore
+        answer_early(self, answer.status, answer.body(), answer.headers)
+
+    def checkPersistence(self, request, version):
+        if self.on_probe_reserve:  # one probe per reserve connection, then its slot is free
+            request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+            return False
+        return super().checkPersistence(request, version)
 
     def dataReceived(self, data):
         if self._between_requests:  # the first byte of the next request
@@ -320,6 +397,10 @@ class FrontendChannel(HTTPChannel):
         site = getattr(self, "site", None)
         seconds = (getattr(site, "headers_deadline", HEADERS_DEADLINE_SECONDS) if what == "head"
                    else getattr(site, "body_deadline", BODY_DEADLINE_SECONDS))
+        if self.on_probe_reserve and what == "head":
+            reserve = getattr(site, "probe_reserve_headers_deadline",
+                              PROBE_RESERVE_HEADERS_DEADLINE_SECONDS)
+            seconds = reserve if seconds is None else min(seconds, reserve)
         if seconds is not None:
             self._deadline = self.callLater(seconds, self._deadline_passed, what, seconds)
 
@@ -349,6 +430,31 @@ class FrontendChannel(HTTPChannel):
             self._abortingCall = self.callLater(self.abortTimeout, self.forceAbortClient)
 
 
+#: Bytes of a connection's first line looked at (without consuming them) when it is accepted
+#: beyond the cap: a probe's request line is shorter.
+_PEEK_BYTES = 64
+
+
+def waiting_request_line(transport) -> bytes | None:
+    """The first line the client already sent on ``transport``'s socket, looked at with
+    ``MSG_PEEK`` (nothing is consumed: the channel reads it as usual), or None when it cannot
+    be told yet: nothing arrived, part of a short line, a TLS transport (its socket carries
+    ciphertext) or one without a socket.  A first line longer than :data:`_PEEK_BYTES` is
+    returned cut (it is no probe)."""
+    get_handle = getattr(transport, "getHandle", None)
+    try:
+        handle = get_handle() if get_handle is not None else None
+        if not isinstance(handle, socket.socket):
+            return None
+        data = handle.recv(_PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # nothing arrived yet (EAGAIN), or the socket is already gone
+        return None
+    end = data.find(b"\r\n")
+    if end >= 0:
+        return data[:end]
+    return data if len(data) >= _PEEK_BYTES else None
+
+
 class _ListenerConnection(ProtocolWrapper):
     """One accepted connection, counted by its site from its opening to its closing.
 
@@ -359,22 +465,51 @@ class _ListenerConnection(ProtocolWrapper):
     Every accepted socket gets ``TCP_NODELAY`` (``tunnel/sockets.py``): streamed tokens leave
     here as small writes, to API clients, to relaying replicas and, over a worker's tunnel, as
     yamux frames.
+
+    A connection accepted beyond the cap is decided in :meth:`makeConnection`, before it is
+    counted (see :class:`FrontendSite`).
     """
 
-    #: True once the connection became an authorized tunnel or peer link (``authorized``).
-    held = False
+    #: What the site counts it as: ``"open"`` (nobody vouched for it yet), ``"undecided"``
+    #: (beyond the cap, its first line not arrived yet), ``"reserve"`` (a probe, on the probe
+    #: reserve), ``"refusing"`` (beyond the cap, being answered 503), ``"held"`` (an
+    #: authorized tunnel or peer link), or None (not counted: closed at accept or evicted).
+    kind: str | None = "open"
+    #: Accepted beyond the cap: :meth:`makeConnection` decides its kind.
+    over_cap = False
+
+    @property
+    def held(self) -> bool:
+        return self.kind == "held"
+
+    @property
+    def on_probe_reserve(self) -> bool:
+        return self.kind in ("reserve", "undecided")
 
     def makeConnection(self, transport) -> None:
         set_no_delay(transport)
+        if not self.over_cap:
+            super().makeConnection(transport)
+            return
+        line = waiting_request_line(transport)
+        action = self.factory.decide_over_cap(line)
+        self.kind = None if action == "close" else action
+        self.wrappedProtocol.on_probe_reserve = action in ("reserve", "undecided")
         super().makeConnection(transport)
+        if action == "undecided":
+            self.factory.undecided.append(self)
+        if action == "close":
+            transport.abortConnection()
+        elif action == "refusing":
+            self.wrappedProtocol.refuse_beyond_the_cap(line)
 
     def authorized(self) -> None:
         """``tunnel.websocket`` calls this when it upgrades the connection for a caller it
         authorized (a worker's tunnel, a peer link): from then on it counts against the
         site's held connections, not against the cap on connections nobody vouched for."""
-        if not self.held:
-            self.held = True
-            self.factory.connection_held()
+        if self.kind != "held":
+            self.factory.connection_held(self)
+            self.kind = "held"
 
 
 class EventsPerInterval:
@@ -412,9 +547,23 @@ class FrontendSite(server.Site):
     :class:`FrontendChannel`, and the listener serving it is bounded:
 
     - at most ``max_connections`` connections at once that nobody vouched for (HTTP requests,
-      dials being authorized); one more is closed as soon as it is accepted, before a byte is
-      read.  A connection upgraded for an authorized tunnel or peer link leaves that count
-      (``held_connections``): a replica holds thousands of workers;
+      dials being authorized).  A connection upgraded for an authorized tunnel or peer link
+      leaves that count (``held_connections``): a replica holds thousands of workers;
+    - beyond the cap, a connection is decided on its first line, looked at in the socket when
+      it is accepted (``MSG_PEEK``, nothing consumed; :func:`waiting_request_line`), before it
+      is counted: a reconnect storm that fills the cap must not make a serving replica look
+      down.  A load balancer's probe (``GET``/``HEAD /healthz`` or ``/readyz``, exactly) goes
+      to the *probe reserve* (``probe_reserve`` connections, ``reserve_connections``): one
+      request, served if it has no body, then the connection closes.  Any other first line is
+      answered 503 ``too_many_connections`` with ``Retry-After`` at once, before its headers
+      are read (at most ``max_refusing_connections`` such answers being written).  A
+      connection whose first line has not arrived waits for it (``undecided_connections``,
+      at most ``probe_reserve``: a newer one closes the one that waited longest, since a
+      probe sends its line at once and an empty connection must not crowd it out), then is
+      decided the same way; its head must arrive within ``probe_reserve_headers_deadline``.
+      A connection that finds its part full is closed at once.  So beyond the cap a prober
+      holds at most ``2 * probe_reserve`` file descriptors and request heads (``twisted.web``
+      caps a head at 16 KiB), for seconds at most, plus answers being written;
     - at most ``max_body_bytes_in_flight`` bytes of request bodies held at once (announced
       lengths, reserved when the headers end and released when the request ends); a request
       that would pass it is answered 503 with ``Retry-After`` before its body is read;
@@ -455,6 +604,9 @@ class FrontendSite(server.Site):
                  spool_prefixes: Iterable[bytes] = (),
                  header_guards: Mapping[bytes, Callable[[Any], None]] | None = None,
                  max_connections: int = MAX_CONNECTIONS,
+                 probe_reserve: int = PROBE_RESERVE,
+                 max_refusing_connections: int = MAX_REFUSING_CONNECTIONS,
+                 probe_reserve_headers_deadline: float = PROBE_RESERVE_HEADERS_DEADLINE_SECONDS,
                  max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT,
                  headers_deadline: float | None = HEADERS_DEADLINE_SECONDS,
                  body_deadline: float | None = BODY_DEADLINE_SECONDS,
@@ -471,6 +623,18 @@ class FrontendSite(server.Site):
         self.max_connections = max_connections
         #: Connections not (yet) vouched for: HTTP requests, dials still being authorized.
         self.open_connections = 0
+        self.probe_reserve = probe_reserve
+        self.probe_reserve_headers_deadline = probe_reserve_headers_deadline
+        #: Connections accepted beyond ``max_connections``, for the probes only.
+        self.reserve_connections = 0
+        #: Connections accepted beyond ``max_connections`` being answered 503 (at most
+        #: ``max_refusing_connections``; beyond it such a connection is closed at once).
+        self.refusing_connections = 0
+        self.max_refusing_connections = max_refusing_connections
+        #: Connections beyond ``max_connections`` whose first line has not arrived (at most
+        #: ``probe_reserve``), oldest first in :attr:`undecided`.
+        self.undecided_connections = 0
+        self.undecided: deque = deque()
         #: Authorized tunnels and peer links: bounded by the process's file descriptors, not by
         #: ``max_connections`` (a replica holds thousands of workers).
         self.held_connections = 0
@@ -480,7 +644,15 @@ class FrontendSite(server.Site):
         self.body_deadline = body_deadline
         self.refused_connections = EventsPerInterval(
             self.reactor, "refused {count} connection(s) since the last such line: this "
-            "listener already holds {limit} (the connection cap)")
+            "listener already holds {limit} (the connection cap) and its probe reserve is full")
+        self.evicted_connections = EventsPerInterval(
+            self.reactor, "closed {count} connection(s) since the last such line that were "
+            "accepted beyond the connection cap and had not sent a request line while "
+            "{limit} newer ones waited")
+        self.refused_on_reserve = EventsPerInterval(
+            self.reactor, "answered 503 to {count} request(s) other than /healthz and /readyz "
+            "since the last such line: this listener holds {limit} connections (the connection "
+            "cap); beyond it only the probes are served")
         self.refused_bodies = EventsPerInterval(
             self.reactor, "answered 503 to {count} request(s) since the last such line: "
             "{limit} bytes of request bodies were already in flight")
@@ -603,24 +775,85 @@ class FrontendSite(server.Site):
         return release
 
     def buildProtocol(self, addr):
+        connection = _ListenerConnection(self, super().buildProtocol(addr))
         if self.open_connections >= self.max_connections:
-            self.refused_connections.note(limit=self.max_connections)
-            return None  # the listening port closes the socket at once
-        return _ListenerConnection(self, super().buildProtocol(addr))
+            connection.over_cap = True  # decided when its socket is known (makeConnection)
+        return connection
+
+    def decide_over_cap(self, line: bytes | None) -> str:
+        """What becomes of a connection accepted beyond the cap, whose first line is ``line``
+        (None: not arrived yet): ``"reserve"`` (a probe), ``"undecided"`` (decided when its
+        request line arrives; when ``probe_reserve`` of them wait already, the one that waited
+        longest is closed to make room: a probe sends its line at once, a client that holds an
+        empty connection cannot crowd it out), ``"refusing"`` (anything else: answered 503 at
+        once) or ``"close"`` (the part it would need is full)."""
+        if line is None:
+            while self.undecided and self.undecided_connections >= self.probe_reserve:
+                self._evict(self.undecided.popleft())
+            if self.undecided_connections < self.probe_reserve:
+                return "undecided"
+        elif is_probe_request_line(line):
+            if self.reserve_connections < self.probe_reserve:
+                return "reserve"
+        elif self.refusing_connections < self.max_refusing_connections:
+            return "refusing"
+        self.refused_connections.note(limit=self.max_connections)
+        return "close"
+
+    def _evict(self, connection) -> None:
+        """Close an undecided connection that waited longest, and stop counting it now."""
+        if connection.kind != "undecided":
+            return  # decided meanwhile
+        self._count(connection, -1)
+        connection.kind = None
+        self.evicted_connections.note(limit=self.probe_reserve)
+        if connection.transport is not None:
+            connection.transport.abortConnection()
+
+    def first_line_arrived(self, connection, probe: bool) -> bool:
+        """An undecided connection's first line arrived (``probe``: it is a probe's): it moves
+        to the reserve (a probe, while the reserve has room) or to the connections being
+        refused.  Whether it may be served as a probe."""
+        if getattr(connection, "kind", None) != "undecided":
+            return probe  # decided when it was accepted
+        try:
+            self.undecided.remove(connection)
+        except ValueError:
+            pass
+        self._count(connection, -1)
+        served = probe and self.reserve_connections < self.probe_reserve
+        connection.kind = "reserve" if served else "refusing"
+        self._count(connection, +1)
+        return served
 
     def registerProtocol(self, connection) -> None:
-        self.open_connections += 1
+        self._count(connection, +1)
 
-    def connection_held(self) -> None:
+    def connection_held(self, connection) -> None:
         """One counted connection became an authorized tunnel or peer link."""
-        self.open_connections -= 1
+        self._count(connection, -1)
         self.held_connections += 1
 
     def unregisterProtocol(self, connection) -> None:
-        if getattr(connection, "held", False):
-            self.held_connections -= 1
-        else:
-            self.open_connections -= 1
+        self._count(connection, -1)
+        if getattr(connection, "kind", None) == "undecided":
+            try:
+                self.undecided.remove(connection)
+            except ValueError:
+                pass
+
+    def _count(self, connection, change: int) -> None:
+        kind = getattr(connection, "kind", "open")
+        if kind == "open":
+            self.open_connections += change
+        elif kind == "reserve":
+            self.reserve_connections += change
+        elif kind == "refusing":
+            self.refusing_connections += change
+        elif kind == "undecided":
+            self.undecided_connections += change
+        elif kind == "held":
+            self.held_connections += change
 
 
 def read_json_object(request, *, required: bool = True) -> dict:

@@ -180,26 +180,31 @@ async def test_without_an_api_key_the_openai_api_stays_open(frontend):
 
 
 @pytest_twisted.ensureDeferred
-async def test_connections_beyond_the_cap_are_closed_at_once(frontend):
+async def test_connections_beyond_the_cap_that_send_nothing_are_bounded(frontend):
+    """Beyond the cap, connections that have sent nothing wait for their request line, at
+    most ``probe_reserve`` of them: a newer one closes the one that waited longest (a probe
+    sends its line at once; an empty connection must not crowd it out)."""
     service = await frontend()
     service.site.max_connections = 4
+    service.site.probe_reserve = 1
     holders = [await frontend.dial(service) for _ in range(4)]
     await eventually(lambda: service.site.open_connections == 4)
     lines = []
     observer = lambda event: lines.append(formatEvent(event))  # noqa: E731
     globalLogPublisher.addObserver(observer)
     try:
-        extra = [await frontend.dial(service) for _ in range(3)]
-        for client in extra:
+        waiting = [await frontend.dial(service) for _ in range(4)]
+        for client in waiting[:-1]:
             await client.lost.addTimeout(5, reactor)
             assert client.received == b""  # closed before a byte was read or written
     finally:
         globalLogPublisher.removeObserver(observer)
-    assert not any(client.closed for client in holders)
-    assert service.site.open_connections == 4
-    refusals = [line for line in lines if "connection cap" in line]
-    assert refusals == ["refused 1 connection(s) since the last such line: this listener "
-                        "already holds 4 (the connection cap)"]  # one line, not one each
+    assert not waiting[-1].closed and not any(client.closed for client in holders)
+    assert (service.site.open_connections, service.site.undecided_connections) == (4, 1)
+    evictions = [line for line in lines if "had not sent a request line" in line]
+    assert evictions == ["closed 1 connection(s) since the last such line that were accepted "
+                         "beyond the connection cap and had not sent a request line while 1 "
+                         "newer ones waited"]  # one line, not one each
 
     # Once two holders leave, a client is served again.
     holders[0].close()
@@ -209,6 +214,140 @@ async def test_connections_beyond_the_cap_are_closed_at_once(frontend):
         f"http://127.0.0.1:{service.listener.tcp_port()}").call(
             "GET", "/api/cluster/instances", token=ADMIN)
     assert status == 200 and instances["instances"]
+
+
+# -- the probe reserve: a full cap does not make a serving replica look down -------------------
+
+
+async def fill_the_cap(frontend, service, cap: int = 4, reserve: int = 2) -> list[RawClient]:
+    """``cap`` idle anonymous connections (nobody vouched for them), the cap full."""
+    service.site.max_connections = cap
+    service.site.probe_reserve = reserve
+    holders = [await frontend.dial(service) for _ in range(cap)]
+    await eventually(lambda: service.site.open_connections == cap)
+    return holders
+
+
+@pytest.mark.parametrize("request_line", [b"GET /readyz HTTP/1.1", b"GET /healthz HTTP/1.1",
+                                          b"HEAD /readyz HTTP/1.1", b"GET /readyz HTTP/1.0"])
+@pytest_twisted.ensureDeferred
+async def test_a_probe_is_answered_while_the_cap_is_full(frontend, request_line):
+    """Issue 15 §4: during a reconnect storm the cap of connections nobody vouched for fills
+    with worker dials and heartbeats, and the load balancer's probe was closed at accept like
+    any other: a serving replica was pulled.  Beyond the cap, the probe reserve serves the
+    probes.  Make ``buildProtocol`` refuse every connection over the cap again: this fails."""
+    service = await frontend()
+    holders = await fill_the_cap(frontend, service)
+    probe = await frontend.dial(service)
+    await eventually(lambda: service.site.undecided_connections == 1)
+    probe.send(request_line + b"\r\nHost: frontend\r\n\r\n")
+    await probe.lost.addTimeout(5, reactor)  # one probe per reserve connection, then closed
+    assert probe.received.startswith(request_line.split(b" ")[2] + b" 200 "), probe.received
+    if request_line.startswith(b"GET /readyz"):
+        assert probe.received.endswith(b'{"ready": true}')
+    await eventually(lambda: (service.site.undecided_connections,
+                              service.site.reserve_connections) == (0, 0))
+    assert not any(h.closed for h in holders) and service.site.open_connections == 4
+
+
+REFUSED_ON_THE_RESERVE = [
+    # (what is sent, the error shape's kind)
+    (b"POST /api/node/register HTTP/1.1\r\nHost: f\r\nContent-Length: 2\r\n\r\n{}", None),
+    (b"GET /api/cluster/connect?id=w1 HTTP/1.1\r\nHost: f\r\nUpgrade: websocket\r\n\r\n",
+     None),
+    (b"GET /readyz?x=1 HTTP/1.1\r\nHost: f\r\n\r\n", None),  # not spelled as a probe
+    (b"GET /%72eadyz HTTP/1.1\r\nHost: f\r\n\r\n", None),
+    (b"OPTIONS /readyz HTTP/1.1\r\nHost: f\r\n\r\n", None),
+    (b"GET /readyz HTTP/1.1\r\nHost: f\r\nContent-Length: 5\r\n\r\nhello", None),  # a body
+    (b"GET /readyz HTTP/1.1\r\nHost: f\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", None),
+    (b"GET /v1/models HTTP/1.1\r\nHost: f\r\n\r\n", "openai"),
+]
+
+
+@pytest.mark.parametrize("sent, shape", REFUSED_ON_THE_RESERVE)
+@pytest_twisted.ensureDeferred
+async def test_anything_but_a_probe_on_the_reserve_is_refused_clearly(frontend, sent, shape):
+    """A worker's dial or registration that lands on the reserve learns why (503, code
+    ``too_many_connections``, ``Retry-After``) instead of a closed connection, and frees its
+    slot at once.  Remove the request-line check: this fails."""
+    service = await frontend()
+    await fill_the_cap(frontend, service)
+    client = await frontend.dial(service)
+    await eventually(lambda: service.site.undecided_connections == 1)
+    client.send(sent)
+    status, headers, body = await client.response()
+    assert status == 503 and headers["retry-after"] == "2"
+    assert body["error"]["code"] == "too_many_connections"
+    assert "only /healthz and /readyz" in body["error"]["message"]
+    if shape == "openai":
+        assert "param" in body["error"]  # the OpenAI API's error shape
+    await client.lost.addTimeout(5, reactor)
+    await eventually(lambda: (service.site.undecided_connections,
+                              service.site.reserve_connections,
+                              service.site.refusing_connections) == (0, 0, 0))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_probe_in_a_storm_of_dials_beyond_the_cap_is_answered(frontend):
+    """The storm as the listener sees it: many connections wait in the listen backlog, each
+    with its request already sent, and are accepted in one batch.  Each is decided on the line
+    already waiting in its socket: the dials are answered 503 ``too_many_connections`` without
+    taking a reserve slot, so the probe among them finds one.  Decide only on the request line
+    read later (every connection takes a slot until then): the dials take both slots and the
+    probe is closed at accept."""
+    service = await frontend()
+    holders = await fill_the_cap(frontend, service, reserve=2)
+    port = service.listener.port
+    port.stopReading()  # the storm queues in the backlog, as behind a busy reactor
+    try:
+        dials = []
+        for i in range(12):
+            client = await frontend.dial(service)
+            client.send(f"GET /api/cluster/connect?id=w{i} HTTP/1.1\r\nHost: f\r\n"
+                        "Upgrade: websocket\r\n\r\n".encode())
+            dials.append(client)
+            if i == 6:
+                probe = await frontend.dial(service)
+                probe.send(b"GET /readyz HTTP/1.1\r\nHost: f\r\n\r\n")
+        await task.deferLater(reactor, 0.2, lambda: None)  # let the requests reach the backlog
+    finally:
+        port.startReading()
+    await probe.lost.addTimeout(5, reactor)
+    assert probe.received.startswith(b"HTTP/1.1 200 "), probe.received
+    for client in dials:
+        status, headers, body = await client.response()
+        assert status == 503 and body["error"]["code"] == "too_many_connections"
+    await eventually(lambda: (service.site.reserve_connections,
+                              service.site.refusing_connections) == (0, 0))
+    assert not any(h.closed for h in holders) and service.site.open_connections == 4
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_probe_reserve_is_bounded(frontend):
+    """A prober cannot use the space beyond the cap to hold more file descriptors or heads:
+    at most ``probe_reserve`` connections wait for their request line (a newer one closes the
+    oldest), and each is cut at the reserve's short head deadline; a probe still gets through.
+    Remove the eviction in ``decide_over_cap``, or the short deadline in ``_start_deadline``:
+    this fails."""
+    service = await frontend()
+    await fill_the_cap(frontend, service, reserve=2)
+    service.site.probe_reserve_headers_deadline = 1.0
+    silent = [await frontend.dial(service) for _ in range(5)]
+    for client in silent[:3]:
+        await client.lost.addTimeout(5, reactor)
+        assert client.received == b""
+    assert service.site.undecided_connections == 2
+    probe = await frontend.dial(service)  # evicts silent[3]
+    await silent[3].lost.addTimeout(5, reactor)
+    probe.send(b"GET /healthz HTTP/1.1\r\nHost: f\r\n\r\n")
+    await probe.lost.addTimeout(5, reactor)
+    assert probe.received.startswith(b"HTTP/1.1 200 ")
+    # the cap's own head deadline (30 s) does not apply to the last one
+    await silent[4].lost.addTimeout(5, reactor)
+    assert silent[4].received.startswith(b"HTTP/1.1 408 ")
+    await eventually(lambda: (service.site.undecided_connections,
+                              service.site.reserve_connections) == (0, 0))
+    assert service.site.open_connections == 4
 
 
 # -- deadlines for the head and the body --------------------------------------------------------
@@ -354,6 +493,7 @@ async def test_authorized_tunnels_do_not_count_against_the_connection_cap(fronte
     await eventually(lambda: service.site.held_connections == 3)
     await eventually(lambda: service.site.open_connections == 0)
     service.site.max_connections = 2
+    service.site.probe_reserve = 0
     holders = [await frontend.dial(service) for _ in range(2)]
     await eventually(lambda: service.site.open_connections == 2)
     extra = await frontend.dial(service)

@@ -700,3 +700,20 @@ def test_server_endpoints_get_a_backlog_sized_for_a_fleet():
     assert config.with_fleet_backlog("tcp:8080:backlog=10") == "tcp:8080:backlog=10"
     assert config.with_fleet_backlog("systemd:domain=INET:index=0") == \
         "systemd:domain=INET:index=0"
+
+
+def test_the_frontend_process_runs_full_garbage_collections_rarely(tmp_path):
+    """Issue 15 §4: at 4000 workers the frontend's full collections (every ~8 s with Python's
+    thresholds, collecting nothing) stalled ``/healthz`` for 1-2.5 s.  ``makeService`` (the
+    twistd process) sets rarer ones.  Remove the ``gc.set_threshold`` call: this fails."""
+    import gc
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        options = parse(frontend_tap.Options, ["--data-dir", str(tmp_path),
+                                               "--instance-id", "replica-gc"])
+        frontend_tap.makeService(options)
+        assert gc.get_threshold() == frontend_tap.GC_THRESHOLDS == (700, 10, 100)
+    finally:
+        gc.set_threshold(*before)
