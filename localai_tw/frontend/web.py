@@ -455,6 +455,17 @@ def waiting_request_line(transport) -> bytes | None:
     return data if len(data) >= _PEEK_BYTES else None
 
 
+def _listener_connection_of(request) -> "_ListenerConnection | None":
+    """The counting wrapper under ``request``'s HTTP channel (over TLS, under the TLS
+    protocol too), or None."""
+    transport = getattr(getattr(request, "channel", None), "transport", None)
+    for _ in range(3):
+        if transport is None or isinstance(transport, _ListenerConnection):
+            return transport
+        transport = getattr(transport, "transport", None)
+    return None
+
+
 class _ListenerConnection(ProtocolWrapper):
     """One accepted connection, counted by its site from its opening to its closing.
 
@@ -477,6 +488,8 @@ class _ListenerConnection(ProtocolWrapper):
     kind: str | None = "open"
     #: Accepted beyond the cap: :meth:`makeConnection` decides its kind.
     over_cap = False
+    #: The node whose heartbeats this connection carries, once it counts as held for them.
+    heartbeat_node: str | None = None
 
     @property
     def held(self) -> bool:
@@ -547,8 +560,9 @@ class FrontendSite(server.Site):
     :class:`FrontendChannel`, and the listener serving it is bounded:
 
     - at most ``max_connections`` connections at once that nobody vouched for (HTTP requests,
-      dials being authorized).  A connection upgraded for an authorized tunnel or peer link
-      leaves that count (``held_connections``): a replica holds thousands of workers;
+      dials being authorized).  A connection upgraded for an authorized tunnel or peer link,
+      and the kept-alive connection that carries a known node's heartbeats (one per node),
+      leave that count (``held_connections``): a replica holds thousands of workers;
     - beyond the cap, a connection is decided on its first line, looked at in the socket when
       it is accepted (``MSG_PEEK``, nothing consumed; :func:`waiting_request_line`), before it
       is counted: a reconnect storm that fills the cap must not make a serving replica look
@@ -635,9 +649,13 @@ class FrontendSite(server.Site):
         #: ``probe_reserve``), oldest first in :attr:`undecided`.
         self.undecided_connections = 0
         self.undecided: deque = deque()
-        #: Authorized tunnels and peer links: bounded by the process's file descriptors, not by
-        #: ``max_connections`` (a replica holds thousands of workers).
+        #: Authorized tunnels and peer links, and one kept-alive heartbeat connection per node:
+        #: bounded by the process's file descriptors, not by ``max_connections`` (a replica
+        #: holds thousands of workers).
         self.held_connections = 0
+        #: node id -> the connection that carries its heartbeats, counted as held
+        #: (:meth:`heartbeat_answered`).
+        self.heartbeat_connections: dict[str, _ListenerConnection] = {}
         self.max_body_bytes_in_flight = max_body_bytes_in_flight
         self.body_bytes_in_flight = 0
         self.headers_deadline = headers_deadline
@@ -834,8 +852,27 @@ class FrontendSite(server.Site):
         self._count(connection, -1)
         self.held_connections += 1
 
+    def heartbeat_answered(self, request, node_id: str) -> None:
+        """A known node's heartbeat, authenticated with the registration token, was answered
+        on ``request``'s connection: that connection (a worker keeps it alive between beats)
+        leaves the cap like a tunnel, one per node.  Without this a fleet of more than
+        ``max_connections`` workers would hold the whole cap with its heartbeat connections,
+        and every API client would be refused."""
+        connection = _listener_connection_of(request)
+        if connection is None or connection.kind != "open":
+            return
+        current = self.heartbeat_connections.get(node_id)
+        if current is not None and current is not connection and current.kind == "held":
+            return  # the node's heartbeats already hold a connection: this one stays counted
+        self.heartbeat_connections[node_id] = connection
+        connection.heartbeat_node = node_id
+        connection.authorized()
+
     def unregisterProtocol(self, connection) -> None:
         self._count(connection, -1)
+        node_id = getattr(connection, "heartbeat_node", None)
+        if node_id is not None and self.heartbeat_connections.get(node_id) is connection:
+            del self.heartbeat_connections[node_id]
         if getattr(connection, "kind", None) == "undecided":
             try:
                 self.undecided.remove(connection)

@@ -207,4 +207,7 @@ class WorkerRegistrationResource(JSONResource):
             if e.field == "id":
                 raise unknown from None
             raise bad_request(str(e), field=e.field) from None
+        heartbeat_answered = getattr(getattr(request, "site", None), "heartbeat_answered", None)
+        if heartbeat_answered is not None:
+            heartbeat_answered(request, node_id)
         return 200, {"status": status.value}

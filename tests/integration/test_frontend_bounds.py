@@ -503,3 +503,60 @@ async def test_authorized_tunnels_do_not_count_against_the_connection_cap(fronte
         session.loseConnection()
     await eventually(lambda: service.site.held_connections == 0)
     assert service.site.open_connections == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_fleets_kept_alive_heartbeat_connections_do_not_fill_the_cap(frontend):
+    """A worker keeps its heartbeat connection alive between beats (10 s, under the 60 s idle
+    timer), so a fleet larger than the cap (1024) held the whole cap with heartbeat connections
+    and every API client was refused.  The connection that carries a known node's heartbeats
+    leaves the cap like a tunnel, one per node; a second one of the same node, and a heartbeat
+    of an unknown node, stay counted.  Remove the heartbeat_answered call in worker_api: this
+    fails."""
+    service = await frontend()
+    port = service.listener.tcp_port()
+    client = Client(f"http://127.0.0.1:{port}")
+    nodes = []
+    for i in range(3):
+        status, node = await client.call(
+            "POST", "/api/node/register",
+            {"name": f"hb{i}", "node_key": f"hb{i}-node-key-" + "k" * 32}, token=TOKEN)
+        assert status == 201
+        nodes.append(node["id"])
+    await eventually(lambda: service.site.open_connections == 0)
+
+    def beat(node_id: str) -> bytes:
+        return head("POST", f"/api/node/{node_id}/heartbeat", 2, f"Bearer {TOKEN}") + b"{}"
+
+    beaters = []
+    for node_id in nodes:
+        beater = await frontend.dial(service)
+        beater.send(beat(node_id))
+        assert (await beater.response())[0] == 200
+        beaters.append(beater)
+    await eventually(lambda: service.site.held_connections == 3)
+    assert service.site.open_connections == 0
+
+    second = await frontend.dial(service)  # the same node on a second connection: counted
+    second.send(beat(nodes[0]))
+    assert (await second.response())[0] == 200
+    stranger = await frontend.dial(service)  # an unknown node: 404, counted
+    stranger.send(beat("0" * 8 + "-0000-4000-8000-" + "0" * 12))
+    assert (await stranger.response())[0] == 404
+    await eventually(lambda: service.site.open_connections == 2)
+    assert service.site.held_connections == 3
+
+    service.site.max_connections = 2
+    service.site.probe_reserve = 0
+    api = await frontend.dial(service)  # the cap is full of the two counted ones
+    await api.lost.addTimeout(5, reactor)
+    second.close()
+    await eventually(lambda: service.site.open_connections == 1)
+    api = await frontend.dial(service)  # room again: the three heartbeat connections hold none
+    api.send(b"GET /healthz HTTP/1.1\r\nHost: frontend\r\n\r\n")
+    await eventually(lambda: api.received.startswith(b"HTTP/1.1 200 "))
+    assert not any(b.closed for b in beaters)
+
+    beaters[0].close()  # a closed heartbeat connection leaves the held count and the map
+    await eventually(lambda: service.site.held_connections == 2)
+    assert nodes[0] not in service.site.heartbeat_connections
