@@ -10,27 +10,13 @@ from twisted.logger import LogLevel, globalLogPublisher
 from localai_tw.bus.claims import ClaimConsumer
 from localai_tw.bus.pgbus import BusStopped
 
+from .pendingbus import PendingBus as Bus
+from .pendingbus import Subscription
+
 
 class Queue:
     def release_held_by(self, owner):
         return defer.succeed([])
-
-
-class Bus:
-    def __init__(self):
-        self.pending = []
-
-    def subscribe(self, subject, handler):
-        d = defer.Deferred()
-        self.pending.append(d)
-        return d
-
-
-class Subscription:
-    unsubscribed = False
-
-    def unsubscribe(self):
-        self.unsubscribed = True
 
 
 def _consumer(bus, clock):

@@ -155,26 +155,14 @@ def test_a_replica_stopped_before_its_gallery_subscription_lands_logs_no_failure
     ("gallery: cannot subscribe to the bus", BusStopped).  A stop while the subscription is on
     its way is normal: one info line, and a subscription landing after the stop is undone.
     (Log the failure unconditionally in _not_subscribed: this fails.)"""
-    from twisted.internet import defer, task
+    from twisted.internet import task
     from twisted.logger import LogLevel, globalLogPublisher
 
     from localai_tw.bus.pgbus import BusStopped
     from localai_tw.frontend.gallery import GalleryJobs
 
-    class Bus:
-        def __init__(self):
-            self.pending = []
-
-        def subscribe(self, subject, handler):
-            d = defer.Deferred()
-            self.pending.append(d)
-            return d
-
-    class Subscription:
-        unsubscribed = False
-
-        def unsubscribe(self):
-            self.unsubscribed = True
+    from .pendingbus import PendingBus as Bus
+    from .pendingbus import Subscription
 
     events = []
     globalLogPublisher.addObserver(events.append)
