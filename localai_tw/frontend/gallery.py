@@ -89,6 +89,15 @@ class GalleryError(Exception):
     """A gallery or an entry that cannot be used; the message names the cause and the fix."""
 
 
+class GalleryExists(GalleryError):
+    """The install's name is a model config already and the request did not say replace."""
+
+
+def _exists_message(name: str) -> str:
+    return (f"model {name!r} exists already: send \"replace\": true to overwrite its config, "
+            "or choose another \"name\"")
+
+
 class GalleryBusy(GalleryError):
     """This replica has :data:`MAX_QUEUED` jobs waiting already."""
 
@@ -336,6 +345,7 @@ class _Op:
     deletion: bool
     entry: GalleryEntry | None = None
     overrides: dict = dataclasses.field(default_factory=dict)
+    replace: bool = False
     finished: bool = False
 
 
@@ -432,11 +442,19 @@ class GalleryJobs(Service):
     def installed(self, name: str) -> bool:
         return os.path.isfile(os.path.join(self.models_dir, name + ".yaml"))
 
+    def _config_exists(self, name: str) -> bool:
+        return os.path.lexists(os.path.join(self.models_dir, name + ".yaml"))
+
     # -- admitting -------------------------------------------------------------------------
 
-    async def apply(self, wanted: str, name: str | None, overrides: dict) -> str:
+    async def apply(self, wanted: str, name: str | None, overrides: dict, *,
+                    replace: bool = False) -> str:
+        """Admit an install.  :raises GalleryExists: the name is installed and ``replace``
+        is false (an install must not silently rewrite another model's config)."""
         entry = await self.find(wanted)
-        op = _Op(str(uuid.uuid4()), name or entry.name, False, entry, overrides)
+        op = _Op(str(uuid.uuid4()), name or entry.name, False, entry, overrides, replace)
+        if not replace and self._config_exists(op.name):
+            raise GalleryExists(_exists_message(op.name))
         await self._admit(op, description=entry.description, element=entry.id)
         return op.id
 
@@ -634,6 +652,8 @@ class GalleryJobs(Service):
             raise GalleryError(f"entry {entry.id}: config_file must be a YAML mapping")
         config = merge(merge(config, entry.overrides), op.overrides)
         config["name"] = op.name
+        if not op.replace and self._config_exists(op.name):  # written since it was admitted
+            raise GalleryExists(_exists_message(op.name))
         parsed = parse_model_config(config, f"gallery entry {entry.id}")
         model = dataclasses.replace(parsed, downloads=tuple(files))
 

@@ -8,14 +8,17 @@ They are admin routes (LocalAI puts them behind its admin middleware): the admin
 
 An install names an entry of a configured gallery (``id``: ``gallery@name`` or ``name``); a
 ``url``, ``files`` or ``config_url`` in the request is refused, so an API caller never makes a
-replica fetch a URL of its choosing.
+replica fetch a URL of its choosing.  ``overrides`` are restricted to harmless keys
+(``gallery_overrides``), and a ``name`` that is installed already is refused unless the
+request says ``"replace": true``.
 """
 
 from __future__ import annotations
 
 from twisted.web.resource import Resource
 
-from .gallery import GalleryBusy, GalleryError, GalleryJobs, _is_file_name
+from .gallery import GalleryBusy, GalleryError, GalleryExists, GalleryJobs, _is_file_name
+from .gallery_overrides import RefusedOverride, check_request_overrides
 from .web import (
     AdminResource,
     APIError,
@@ -29,7 +32,6 @@ from .web import (
 
 #: The first segments under /models that are the gallery's.
 GALLERY_SEGMENTS = frozenset({b"available", b"galleries", b"apply", b"jobs", b"delete"})
-MAX_OVERRIDES_JSON = 64 * 1024
 
 
 class GalleryResource(AdminResource):
@@ -61,7 +63,7 @@ class GalleryResource(AdminResource):
             if refused in body:
                 raise bad_request(f"{refused!r} is not accepted: install an entry of a "
                                   "configured gallery by its id (--galleries)", field=refused)
-        reject_unknown_fields(body, ("id", "name", "overrides", "variant"))
+        reject_unknown_fields(body, ("id", "name", "overrides", "variant", "replace"))
         wanted = body.get("id")
         if not isinstance(wanted, str) or not wanted or len(wanted) > 512:
             raise bad_request("'id' must name a gallery entry (gallery@name or name; GET "
@@ -73,11 +75,17 @@ class GalleryResource(AdminResource):
         if body.get("variant"):
             raise bad_request("'variant' is not supported: the entry itself is installed "
                               "(LocalAI's variants are not resolved here)", field="variant")
-        overrides = body.get("overrides") or {}
-        if not isinstance(overrides, dict):
-            raise bad_request("'overrides' must be an object", field="overrides")
+        replace = body.get("replace", False)
+        if not isinstance(replace, bool):
+            raise bad_request("'replace' must be true or false", field="replace")
         try:
-            job_id = await self._gallery.apply(wanted, name, overrides)
+            overrides = check_request_overrides(body.get("overrides") or {})
+        except RefusedOverride as e:
+            raise bad_request(str(e), field=e.field)
+        try:
+            job_id = await self._gallery.apply(wanted, name, overrides, replace=replace)
+        except GalleryExists as e:
+            raise APIError(409, str(e), "model_exists")
         except GalleryBusy as e:
             raise APIError(503, str(e), "gallery_busy", headers={"Retry-After": "30"})
         except GalleryError as e:

@@ -325,3 +325,74 @@ async def test_a_running_row_of_a_dead_replica_does_not_hold_the_model(cluster, 
     assert done["state"] == "done", done
     _, old = await job(cluster, a, ghost)
     assert old["state"] == "failed" and old["error"] == "the replica running it stopped"
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_overrides_cannot_choose_backend_code_files_or_node(cluster, files,
+                                                                          tmp_path):
+    """Issue 21 §2, the attacks through ``overrides`` on a real replica: a request that writes
+    ``backend: transformers`` + ``trust_remote_code``, a ``parameters.model`` URL or
+    ``download_files`` (the replica fetches them), a ``node_selector``, or 64 KiB of JSON, is
+    a 400 naming the key, and nothing is written; sampling defaults are accepted.
+    Red before the allow-list (``check_request_overrides`` not called): every one was
+    admitted and the first wrote ``trust_remote_code: true`` into the config."""
+    files.files["a.bin"] = SMALL
+    (a,) = await start(cluster, tmp_path, [entry("one", [
+        ("one/a.bin", f"{files.base}/files/a.bin", sha256_hex(SMALL))])], "replica-a")
+    attacks = [
+        ({"backend": "transformers", "trust_remote_code": True}, "overrides.backend"),
+        ({"trust_remote_code": True}, "overrides.trust_remote_code"),
+        ({"parameters": {"model": "file:///etc/passwd"}}, "overrides.parameters.model"),
+        ({"download_files": [{"filename": "p", "uri": "file:///etc/passwd"}]},
+         "overrides.download_files"),
+        ({"node_selector": {"node": "mine"}}, "overrides.node_selector"),
+        ({"description": "x" * (64 * 1024)}, "overrides"),
+    ]
+    for overrides, field in attacks:
+        status, body = await call(cluster, a, "POST", "/models/apply",
+                                  {"id": "one", "name": "evil", "overrides": overrides})
+        assert status == 400, (overrides, body)
+        assert body["error"]["field"] == field, body
+        assert field in body["error"]["message"] or field == "overrides"
+    assert model_files(cluster.models_dir) == []
+    status, applied = await call(cluster, a, "POST", "/models/apply", {
+        "id": "one", "overrides": {"parameters": {"temperature": 0.2, "top_k": 5},
+                                   "context_size": 512, "description": "ok"}})
+    assert status == 200, applied
+    _, done = await eventually(lambda: _done(job(cluster, a, applied["uuid"])), timeout=30,
+                               what="installed")
+    assert done["state"] == "done", done
+    written = yaml.safe_load(open(os.path.join(cluster.models_dir, "one.yaml")))
+    assert written["parameters"]["temperature"] == 0.2 and written["context_size"] == 512
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_install_does_not_overwrite_an_existing_model_unless_replace(cluster, files,
+                                                                              tmp_path):
+    """Issue 21 §2: an install named after an existing model (the operator's ``victim.yaml``)
+    is a 409 saying ``"replace": true``; the config is unchanged.  With ``"replace": true``
+    it is replaced.
+    Red without the existence check (``GalleryJobs.apply``): the config was overwritten."""
+    files.files["a.bin"] = SMALL
+    (a,) = await start(cluster, tmp_path, [entry("one", [
+        ("one/a.bin", f"{files.base}/files/a.bin", sha256_hex(SMALL))])], "replica-a")
+    victim = os.path.join(cluster.models_dir, "victim.yaml")
+    os.makedirs(cluster.models_dir, exist_ok=True)
+    original = "name: victim\nbackend: echo\nnode_selector: {pool: trusted}\n"
+    with open(victim, "w") as f:
+        f.write(original)
+    status, body = await call(cluster, a, "POST", "/models/apply",
+                              {"id": "one", "name": "victim"})
+    assert status == 409, body
+    assert '"replace": true' in body["error"]["message"]
+    assert open(victim).read() == original
+    status, body = await call(cluster, a, "POST", "/models/apply",
+                              {"id": "one", "name": "victim", "replace": "yes"})
+    assert status == 400 and body["error"]["field"] == "replace"
+    status, applied = await call(cluster, a, "POST", "/models/apply",
+                                 {"id": "one", "name": "victim", "replace": True})
+    assert status == 200, applied
+    _, done = await eventually(lambda: _done(job(cluster, a, applied["uuid"])), timeout=30,
+                               what="replaced")
+    assert done["state"] == "done", done
+    assert "node_selector" not in yaml.safe_load(open(victim))
