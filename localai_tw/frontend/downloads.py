@@ -10,7 +10,8 @@
   :data:`REDIRECT_LIMIT` redirects; a connect timeout; an idle timeout between body bytes; a
   size cap on ``Content-Length`` and on the bytes received), the body written chunk by chunk to
   a temporary file beside the target (``.<name>.<random>.partial``) and hashed as it arrives;
-  ``file://`` (an absolute path on this machine) is copied in a thread the same way;
+  ``file://`` (an absolute path on this machine, a regular file only: never a device or FIFO)
+  is copied in a thread the same way, its bytes counted against the cap as it is read;
   ``huggingface://``/``hf://`` and ``github:`` are rewritten to their https URLs as LocalAI
   does (``HF_ENDPOINT`` honoured);
 - the temporary file is checked against ``sha256`` and only then fsynced and renamed onto the
@@ -39,6 +40,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 import tempfile
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -363,7 +365,7 @@ class ModelDownloads:
                                       f"(file:///path)")
         digest = hashlib.sha256()
         try:
-            with open(path, "rb") as source:
+            with open_regular_file(path) as source:
                 download.total = os.fstat(source.fileno()).st_size
                 if download.total > self.max_bytes:
                     raise ModelDownloadFailed(
@@ -376,6 +378,10 @@ class ModelDownloads:
                     chunk = source.read(COPY_CHUNK)
                     if not chunk:
                         break
+                    if download.received + len(chunk) > self.max_bytes:  # it grew
+                        raise ModelDownloadFailed(
+                            f"model {model.name}: {path} is larger than the download cap of "
+                            f"{self.max_bytes} bytes")
                     write_all(fd, chunk)
                     digest.update(chunk)
                     download.received += len(chunk)
@@ -430,6 +436,29 @@ class ModelDownloads:
             return await body.finished
         finally:
             download.stop = None
+
+
+class NotARegularFile(OSError):
+    """A ``file://`` source that is a device, FIFO, socket or directory."""
+
+
+def open_regular_file(path: str):
+    """``path`` opened for reading in binary, only if it is a regular file.
+
+    Opened non-blocking first, so a FIFO with no writer cannot hold a thread, then checked
+    with ``fstat`` on the opened descriptor (no race with a rename): ``/dev/zero``, a FIFO or
+    ``/proc`` entry never ends or never answers, so none is read.
+    :raises NotARegularFile: (an ``OSError`` whose ``strerror`` says so)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile(errno.EINVAL, "not a regular file (a device, FIFO, socket "
+                                  "or directory is never read)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _reason(error: BaseException) -> str:

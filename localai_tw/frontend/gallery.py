@@ -58,7 +58,7 @@ from localai_tw.bus.pgbus import BusStopped
 from localai_tw.web.readers import ResponseTooLarge, read_bounded
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 
-from .downloads import REDIRECT_LIMIT, resolve_url, shown_url
+from .downloads import REDIRECT_LIMIT, open_regular_file, resolve_url, shown_url
 from .interfaces import ModelFileMismatch
 from .models import ModelConfigError, ModelDownload, parse_model_config
 
@@ -191,7 +191,7 @@ async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
         path = unquote(urlsplit(real).path)
 
         def read() -> bytes:
-            with open(path, "rb") as f:
+            with open_regular_file(path) as f:
                 data = f.read(limit + 1)
             if len(data) > limit:
                 raise GalleryError(f"{shown} is larger than {limit} bytes")

@@ -396,3 +396,29 @@ async def test_an_install_does_not_overwrite_an_existing_model_unless_replace(cl
                                what="replaced")
     assert done["state"] == "done", done
     assert "node_selector" not in yaml.safe_load(open(victim))
+
+
+@pytest_twisted.ensureDeferred
+async def test_file_sources_that_never_end_are_refused_and_bounded(cluster, files, tmp_path):
+    """Issue 21 §2: a ``file://`` source (here named by the operator's own index) that is
+    ``/dev/zero`` or a FIFO with no writer fails the job at once, naming it "not a regular
+    file", and leaves nothing; an index that is a FIFO is a 502, not a hung thread.
+    Red before ``open_regular_file``: ``/dev/zero`` (size 0 by ``fstat``) passed the cap check
+    and was copied without end (the 8 MiB cap set here never applied: the job never
+    finished), and the FIFO held a thread in ``open``."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (a,) = await start(cluster, tmp_path, [
+        entry("zero", [("zero.bin", "file:///dev/zero", None)]),
+        entry("fifo", [("fifo.bin", f"file://{fifo}", None)])], "replica-a")
+    a.replica.gallery.downloads.max_bytes = 8 * 1024 * 1024
+    for name in ("zero", "fifo"):
+        status, applied = await call(cluster, a, "POST", "/models/apply", {"id": name})
+        assert status == 200, applied
+        _, failed = await eventually(lambda j=applied["uuid"]: _done(job(cluster, a, j)),
+                                     timeout=30, what=f"{name} finished")
+        assert failed["state"] == "failed" and "not a regular file" in failed["error"], failed
+    assert model_files(cluster.models_dir) == []
+    frontend = await cluster.frontend("replica-b", galleries=[f"fifo=file://{fifo}"])
+    status, body = await call(cluster, frontend, "GET", "/models/available")
+    assert status == 502 and "not a regular file" in body["error"]["message"], body
