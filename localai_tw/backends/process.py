@@ -414,6 +414,11 @@ def _model_options(load) -> backend_pb2.ModelOptions:
 ExitListener = Callable[[BackendProcess], None]
 
 
+#: Whether a backend may run a model's own code (``trust_remote_code``): "1" only when the
+#: worker was started with ``--allow-remote-code``; the backends refuse it otherwise.
+REMOTE_CODE_ENV = "LOCALAI_ALLOW_REMOTE_CODE"
+
+
 class BackendSupervisor(Service):
     """Starts, watches and stops backend processes; one per process key ``model#replica``.
 
@@ -441,6 +446,7 @@ class BackendSupervisor(Service):
         liveness_interval: float | None = DEFAULT_LIVENESS_INTERVAL,
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
         auth_token: str | None = None,
+        allow_remote_code: bool = False,
         extra_env: Mapping[str, str] | None = None,
         log_max_bytes: int = 1 << 20,
         log_max_lines: int = 5000,
@@ -457,6 +463,8 @@ class BackendSupervisor(Service):
         self.health_timeout, self.load_timeout = health_timeout, load_timeout
         self.liveness_interval, self.liveness_timeout = liveness_interval, liveness_timeout
         self.auth_token = auth_token or None
+        #: the worker operator's decision, told to every backend (``REMOTE_CODE_ENV``)
+        self.allow_remote_code = allow_remote_code
         self.extra_env = dict(extra_env or {})
         self._log_limits = (log_max_bytes, log_max_lines)
         self._python = python
@@ -609,6 +617,8 @@ class BackendSupervisor(Service):
         environment.update(self.extra_env)
         environment.update(env)
         environment.setdefault("PYTHONUNBUFFERED", "1")
+        # set last: neither the worker's environment nor a start request's options decide it
+        environment[REMOTE_CODE_ENV] = "1" if self.allow_remote_code else "0"
         if self.auth_token:
             environment["LOCALAI_GRPC_AUTH_TOKEN"] = self.auth_token
         if cwd is not None and not isinstance(cwd, str):

@@ -445,6 +445,7 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     supervisor = BackendSupervisor(
         reactor, PortAllocator(port_range.first, port_range.last), backends,
         auth_token=options.get("registration-token") or None,
+        allow_remote_code=bool(options.get("allow-remote-code")),
         ledger=ProcessLedger(os.path.join(options["data-dir"], LEDGER_FILE))
         if options.get("data-dir") else None)
     verbs = ControlVerbs()

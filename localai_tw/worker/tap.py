@@ -42,6 +42,9 @@ SETTINGS = (
     config.value("registration-token-file", "LOCALAI_REGISTRATION_TOKEN_FILE",
                  "File holding the registration token (one trailing newline is ignored).",
                  parse=config.parse_secret_file),
+    config.flag("allow-remote-code", "LOCALAI_ALLOW_REMOTE_CODE",
+                "Let backends run a model's own Python code (transformers' trust_remote_code). "
+                "Off by default: a config asking for it fails to load on this worker."),
     config.value("node-name", "LOCALAI_NODE_NAME",
                  "This worker's name in the cluster; must be unique.",
                  default=socket.gethostname(),

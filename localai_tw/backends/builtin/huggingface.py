@@ -64,6 +64,15 @@ def parse_options(options) -> dict[str, str]:
     return parsed
 
 
+#: "1" when the worker's operator allows a model's own code (``--allow-remote-code``); the
+#: supervisor always sets it (``localai_tw.backends.process.REMOTE_CODE_ENV``).
+REMOTE_CODE_ENV = "LOCALAI_ALLOW_REMOTE_CODE"
+
+
+class RemoteCodeRefused(Exception):
+    """The config asks for ``trust_remote_code`` and the worker does not allow it."""
+
+
 class HubLoadFailed(Exception):
     """Loading ``source`` as a Hugging Face hub id failed; says what the user can do."""
 
@@ -122,6 +131,11 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message=message)
 
     def _load(self, request) -> str:
+        if request.TrustRemoteCode and os.environ.get(REMOTE_CODE_ENV) != "1":
+            raise RemoteCodeRefused(
+                "trust_remote_code is set in the model config, but this worker does not run a "
+                "model's own code: its operator starts it with --allow-remote-code (env "
+                "LOCALAI_ALLOW_REMOTE_CODE=1) to allow it, or remove trust_remote_code")
         import torch  # noqa: F401  (fail here, with the reason, if torch is missing)
 
         self._unload()

@@ -1,0 +1,48 @@
+"""A model's own code runs only where the worker's operator allows it (issue 21 §2): a config
+with ``trust_remote_code: true`` for the ``transformers`` backend fails to load on a worker
+started without ``--allow-remote-code``, naming the flag; the backend process is told the
+worker's decision in its environment, whatever the worker's own environment says.
+
+A real frontend replica, a real PostgreSQL and a real worker spawning the backend process.
+Red before the check (``huggingface.py`` ``_load``): the load went on with
+``trust_remote_code=True`` (here to the hub lookup of the model id)."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_twisted
+
+from localai_tw.backends import backend_pb2
+from localai_tw.frontend.interfaces import ModelLoadFailed
+
+from .inference_harness import supervisor_of
+
+CONFIG = ("name: remote\nbackend: transformers\ntrust_remote_code: true\n"
+          "parameters:\n  model: someone/model-with-code\n")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [p.partition(b"=") for p in f.read().split(b"\0") if p]
+    return {k.decode(): v.decode(errors="replace") for k, _, v in pairs}
+
+
+@pytest_twisted.ensureDeferred
+async def test_remote_code_is_refused_unless_the_worker_allows_it(cluster, monkeypatch):
+    monkeypatch.setenv("LOCALAI_ALLOW_REMOTE_CODE", "1")  # inherited: must not decide
+    cluster.write_model("remote.yaml", CONFIG)
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    with pytest.raises(ModelLoadFailed, match="--allow-remote-code"):
+        await frontend.replica.inference.predict("remote",
+                                                 backend_pb2.PredictOptions(Prompt="x"))
+    supervisor = supervisor_of(worker)
+    assert supervisor.allow_remote_code is False
+    # a backend that stays up, spawned the same way: what its environment says
+    cluster.write_model("plain.yaml", "name: plain\nbackend: echo\nparameters:\n"
+                                      "  model: plain\n")
+    await frontend.replica.inference.predict("plain", backend_pb2.PredictOptions(Prompt="x"))
+    running = [r for r in supervisor._live.values() if r.pid]
+    assert running, "the echo backend is running"
+    for record in running:
+        assert _environ(record.pid)["LOCALAI_ALLOW_REMOTE_CODE"] == "0"
