@@ -447,6 +447,7 @@ class BackendSupervisor(Service):
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
         auth_token: str | None = None,
         allow_remote_code: bool = False,
+        withheld_env: tuple[str, ...] = (),
         extra_env: Mapping[str, str] | None = None,
         log_max_bytes: int = 1 << 20,
         log_max_lines: int = 5000,
@@ -465,6 +466,9 @@ class BackendSupervisor(Service):
         self.auth_token = auth_token or None
         #: the worker operator's decision, told to every backend (``REMOTE_CODE_ENV``)
         self.allow_remote_code = allow_remote_code
+        #: variables of this process's environment a backend never inherits (the worker's
+        #: secrets: a backend runs code the cluster does not vouch for)
+        self.withheld_env = tuple(withheld_env)
         self.extra_env = dict(extra_env or {})
         self._log_limits = (log_max_bytes, log_max_lines)
         self._python = python
@@ -613,7 +617,7 @@ class BackendSupervisor(Service):
 
     def _spawn(self, record: BackendProcess, argv: list[str], env: Mapping[str, str],
                cwd) -> None:
-        environment = dict(os.environ)
+        environment = {k: v for k, v in os.environ.items() if k not in self.withheld_env}
         environment.update(self.extra_env)
         environment.update(env)
         environment.setdefault("PYTHONUNBUFFERED", "1")

@@ -446,6 +446,7 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
         reactor, PortAllocator(port_range.first, port_range.last), backends,
         auth_token=options.get("registration-token") or None,
         allow_remote_code=bool(options.get("allow-remote-code")),
+        withheld_env=WORKER_SECRET_ENV,
         ledger=ProcessLedger(os.path.join(options["data-dir"], LEDGER_FILE))
         if options.get("data-dir") else None)
     verbs = ControlVerbs()
@@ -454,6 +455,12 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
                            running_backends=supervisor.running_backends)
     supervisor.setServiceParent(worker)
     return worker
+
+
+#: The worker's secrets (and where they are) as environment variables: never passed on to a
+#: backend process.
+WORKER_SECRET_ENV = ("LOCALAI_REGISTRATION_TOKEN", "LOCALAI_REGISTRATION_TOKEN_FILE",
+                     "LOCALAI_API_TOKEN", "LOCALAI_API_TOKEN_FILE")
 
 
 class _ClosesOnStop(Service):

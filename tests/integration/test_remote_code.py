@@ -30,6 +30,8 @@ def _environ(pid: int) -> dict[str, str]:
 @pytest_twisted.ensureDeferred
 async def test_remote_code_is_refused_unless_the_worker_allows_it(cluster, monkeypatch):
     monkeypatch.setenv("LOCALAI_ALLOW_REMOTE_CODE", "1")  # inherited: must not decide
+    monkeypatch.setenv("LOCALAI_REGISTRATION_TOKEN", "cluster-secret-in-env")
+    monkeypatch.setenv("LOCALAI_API_TOKEN", "api-secret-in-env")
     cluster.write_model("remote.yaml", CONFIG)
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
@@ -45,4 +47,10 @@ async def test_remote_code_is_refused_unless_the_worker_allows_it(cluster, monke
     running = [r for r in supervisor._live.values() if r.pid]
     assert running, "the echo backend is running"
     for record in running:
-        assert _environ(record.pid)["LOCALAI_ALLOW_REMOTE_CODE"] == "0"
+        environ = _environ(record.pid)
+        assert environ["LOCALAI_ALLOW_REMOTE_CODE"] == "0"
+        # the worker's own secrets in its environment are not inherited (the token the
+        # replicas authenticate backend calls with still is: LOCALAI_GRPC_AUTH_TOKEN)
+        assert "LOCALAI_REGISTRATION_TOKEN" not in environ
+        assert "LOCALAI_API_TOKEN" not in environ
+        assert "cluster-secret-in-env" not in environ.values()
