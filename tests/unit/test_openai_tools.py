@@ -13,6 +13,7 @@ import pytest
 
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.models import parse_model_config
+from localai_tw.frontend.openai import constraints
 from localai_tw.frontend.toolcalls import (
     FunctionConfig,
     FunctionConfigError,
@@ -380,6 +381,16 @@ def test_what_the_backend_cannot_do_is_a_400_naming_the_model(site, router, mode
 
 
 @pytest.mark.parametrize("body, param, words", [
+    # issue 21 §1: a strict tool's arguments are validated, so a regex in its parameters would
+    # run on model output in the event loop; refused when the request is read, whatever
+    # tool_choice says.
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}}}}],
+      "tool_choice": "auto"},
+     "tools[0].function.parameters", ["'pattern'", "properties.a.pattern", "strict"]),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "patternProperties": {"^(a+)+$": {"type": "string"}}}}}]},
+     "tools[0].function.parameters", ["'patternProperties'"]),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": 5}}}}}]},
      "tools[0].function.parameters", ["not a valid JSON Schema"]),
@@ -614,3 +625,22 @@ def test_calls_to_a_strict_tool_are_checked_against_its_parameters(site, router,
     good = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     router.answer = good
     assert call(site, "POST", "/v1/chat/completions", chat(tools=[STRICT])).status == 200
+
+
+def test_a_property_named_pattern_is_no_regex():
+    """Names under ``properties`` and data under ``enum``/``const`` are not keywords."""
+    schema = {"type": "object", "properties": {"pattern": {"type": "string",
+              "enum": [{"pattern": "x"}]}}, "$defs": {"patternProperties": {"type": "null"}}}
+    assert constraints.regex_keyword(schema) is None
+    assert constraints.regex_keyword({"anyOf": [{"pattern": "x"}]}) == "anyOf[0].pattern"
+
+
+def test_output_validation_never_runs_a_requests_regex():
+    """The attack of issue 21 §1 against the validator itself: with Python's ``re`` this pattern
+    against 25 characters holds the GIL for seconds (each character more doubles it, and no
+    thread-based timeout can interrupt it), then answers "does not match"; the validators
+    refuse to match it instead."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}}}
+    validator = constraints._validator_class(schema)(schema)
+    errors = list(validator.iter_errors({"a": "a" * 24 + "!"}))
+    assert [e.message for e in errors] == ["a schema with a regular expression is not checked here"]

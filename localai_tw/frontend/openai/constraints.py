@@ -93,11 +93,59 @@ def _bounded(value: Any, limit: int) -> None:
             stack.extend((v, at + 1) for v in node)
 
 
+#: Keywords whose value is a regular expression.  A request's regex never runs here: Python's
+#: ``re`` backtracks, holds the GIL and cannot be interrupted, so one pattern such as
+#: ``^(a+)+$`` against a few dozen characters of model output froze a replica for seconds
+#: (issue 21 §1).  Where a schema is validated (strict tools, JSON schema answers) these are
+#: refused when the request is read; the validators below cannot run them at all.
+REGEX_KEYWORDS = ("pattern", "patternProperties")
+
+#: Keywords whose value maps names to subschemas (a key there is a name, not a keyword), and
+#: keywords whose value is data, not a schema.
+_NAME_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+_DATA = ("const", "enum", "default", "examples")
+
+
+def regex_keyword(schema: Any, path: str = "") -> str | None:
+    """The JSON path of the first regex keyword in ``schema``, or None.  The walk is bounded by
+    :func:`check_schema`'s limits, which run first."""
+    stack = [(schema, path, False)]
+    while stack:
+        node, at, names = stack.pop()
+        if isinstance(node, Mapping):
+            if not names:
+                for keyword in REGEX_KEYWORDS:
+                    if keyword in node:
+                        return f"{at}.{keyword}" if at else keyword
+            for key, value in node.items():
+                if not names and key in _DATA:
+                    continue
+                stack.append((value, f"{at}.{key}" if at else str(key),
+                              not names and key in _NAME_MAPS))
+        elif isinstance(node, list) and not names:
+            stack.extend((v, f"{at}[{i}]", False) for i, v in enumerate(node))
+    return None
+
+
+def _no_regex(validator, value, instance, schema):
+    """Stands in for ``pattern`` and ``patternProperties``: an answer is never matched against
+    a request's regex (see :data:`REGEX_KEYWORDS`)."""
+    yield jsonschema.exceptions.ValidationError(
+        "a schema with a regular expression is not checked here")
+
+
 def _validator_class(schema: Mapping):
     """The schema's own ``$schema`` draft, else Draft 7: its meta-schema check is about five
     times cheaper than 2020-12's (work done on the reactor thread), and every keyword of the
-    compiled subset means the same in both (``$defs`` is reached as a JSON pointer)."""
-    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+    compiled subset means the same in both (``$defs`` is reached as a JSON pointer).  Its
+    regex keywords never run (:func:`_no_regex`); ``format`` is not asserted (no format
+    checker is given), as JSON Schema's default is."""
+    base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+    return _WITHOUT_REGEX.setdefault(base, jsonschema.validators.extend(
+        base, {keyword: _no_regex for keyword in REGEX_KEYWORDS}))
+
+
+_WITHOUT_REGEX: dict = {}
 
 
 def check_schema(schema: Any, param: str, *, object_only: bool) -> dict:
@@ -198,6 +246,14 @@ def read_tools(body) -> tuple[list[dict], Any]:
         if strict is not None and not isinstance(strict, bool):
             raise invalid(f"'{where_fn}.strict' must be true or false", f"{where_fn}.strict",
                           code="invalid_type")
+        if strict:
+            where = regex_keyword(parameters)
+            if where is not None:
+                raise invalid(f"'{where_fn}.parameters' of a strict tool cannot use "
+                              f"{where.rsplit('.', 1)[-1]!r} (at {printable(where, 200)}): the "
+                              "arguments of strict tools are validated, and a request's "
+                              "regular expression never runs here (docs/openai-api.md)",
+                              f"{where_fn}.parameters", code="unsupported_schema")
         clean = {"name": name, "parameters": parameters}
         if description:
             clean["description"] = description
