@@ -94,6 +94,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
+from localai_tw.backends.builtin.serving import REMOTE_CODE_ENV
 from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
 from localai_tw.backends.ledger import ProcessLedger
@@ -412,11 +413,6 @@ def _model_options(load) -> backend_pb2.ModelOptions:
 # -- the supervisor -------------------------------------------------------------------------------
 
 ExitListener = Callable[[BackendProcess], None]
-
-
-#: Whether a backend may run a model's own code (``trust_remote_code``): "1" only when the
-#: worker was started with ``--allow-remote-code``; the backends refuse it otherwise.
-REMOTE_CODE_ENV = "LOCALAI_ALLOW_REMOTE_CODE"
 
 
 class BackendSupervisor(Service):

@@ -64,11 +64,6 @@ def parse_options(options) -> dict[str, str]:
     return parsed
 
 
-#: "1" when the worker's operator allows a model's own code (``--allow-remote-code``); the
-#: supervisor always sets it (``localai_tw.backends.process.REMOTE_CODE_ENV``).
-REMOTE_CODE_ENV = "LOCALAI_ALLOW_REMOTE_CODE"
-
-
 class RemoteCodeRefused(Exception):
     """The config asks for ``trust_remote_code`` and the worker does not allow it."""
 
@@ -131,7 +126,7 @@ class HuggingFaceServicer(backend_pb2_grpc.BackendServicer):
         return backend_pb2.Result(success=True, message=message)
 
     def _load(self, request) -> str:
-        if request.TrustRemoteCode and os.environ.get(REMOTE_CODE_ENV) != "1":
+        if request.TrustRemoteCode and os.environ.get(serving.REMOTE_CODE_ENV) != "1":
             raise RemoteCodeRefused(
                 "trust_remote_code is set in the model config, but this worker does not run a "
                 "model's own code: its operator starts it with --allow-remote-code (env "

@@ -41,6 +41,9 @@ SERVER_OPTIONS = [
 ]
 AUTH_TOKEN_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
 PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
+#: "1" when the worker's operator allows a model's own code (``--allow-remote-code``); the
+#: supervisor always sets it, last, so neither its environment nor a start request decides it.
+REMOTE_CODE_ENV = "LOCALAI_ALLOW_REMOTE_CODE"
 PARENT_WATCH_INTERVAL_ENV = "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL"
 MAX_WORKERS_ENV = "PYTHON_GRPC_MAX_WORKERS"
 
