@@ -102,7 +102,6 @@ from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
 from localai_tw.web.ratelimit import SourceRateLimit
-from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
 from localai_tw.tunnel.peertls import published_address
@@ -110,35 +109,18 @@ from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
 from localai_tw.frontend.inference.backend_client import BackendClients
-from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
 from localai_tw.frontend.inference.interfaces import IInferenceRouter
-from localai_tw.frontend.api.lifecycle import BackendResource
-from localai_tw.frontend.api.jobs import MAX_JOB_BODY_BYTES, JobsResource
 from localai_tw.frontend.jobs.cancel import CancelFanout
 from localai_tw.frontend.jobs.dispatch import JobDispatcher, job_consumer
 from localai_tw.frontend.jobs.stats import JobStatsService
 from localai_tw.frontend.jobs.store import JobStore
 from localai_tw.frontend.inference.placement_cache import PlacementCache, PlacementFanout
-from localai_tw.frontend.api.metrics import MetricsResource, NodeMetricsRouting
-from localai_tw.frontend.api.nodes import InstancesResource, LoadsResource, NodesAdminResource
-from localai_tw.frontend.api.traces import TraceRing, TracesResource
-from localai_tw.frontend.api.openai import (
-    OPENAI_MAX_BODY_BYTES,
-    OpenAIResource,
-    api_prefixes,
-    check_api_key,
-    early_error,
-    unprefixed_aliases,
-    unprefixed_roots,
-)
 from localai_tw.frontend.gallery.installs import GalleryJobs, parse_galleries
-from localai_tw.frontend.api.gallery import GalleryResource, ModelsRoot
-from localai_tw.frontend.api.generated import GeneratedFiles, GeneratedFilesResource
-from localai_tw.frontend.api.openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource, StartingGate
-from localai_tw.frontend.api.scheduling import NodesWithScheduling, SchedulingResource
-from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
-from localai_tw.frontend.api.workers import WorkerRegistrationResource
+from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts
+from localai_tw.web.listener import BoundedSite
+from localai_tw.frontend.api.routes import Wiring, apply_policies, build_root
+from localai_tw.frontend.api.workers import is_heartbeat_path
 
 log = Logger()
 
@@ -505,8 +487,15 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from localai_tw.frontend.inference.scratch import WorkerScratch
 
     grace = config.reconnect_grace
+    # The warm path's placement cache, told of changes here and by every replica through the
+    # bus (frontend/inference/placement_cache.py): a warm request reads no database.  The bus
+    # is also the claim queue's wake hint and the gallery's job snapshots (below).  Built
+    # first: the parts below are handed its callbacks when they are made.
+    bus = PgBus(db, reactor=reactor)
+    placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
     nodes = NodeRegistry(db, registration_token=config.registration_token,
-                         require_approval=config.require_approval)
+                         require_approval=config.require_approval,
+                         on_changed=placements.node_changed)
     fence = OwnershipFence(db)
     advertised = await advertised_address(config, db, port)
     identity = dataclasses.replace(  # wss://host:port when --listen is ssl:
@@ -529,32 +518,25 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     use = ModelUse(db, reactor, metrics=metrics)
     lifecycle = ModelLifecycle(db, control, use, catalog, reactor,
                                max_active_backends=config.max_active_backends,
-                               metrics=metrics)
-    chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle)
+                               metrics=metrics, on_unloaded=placements.model_changed)
+    # Calls spread over a model's replicas (in_flight); the cache serves the warm path.
+    chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle,
+                          in_flight=use.in_flight, cache=placements.cache,
+                          on_reaped=placements.model_changed)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
                         config.models_dir, reactor, metrics=metrics)
-    loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle)
+    # A new replica is used at once (on_loaded).
+    loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle,
+                     on_loaded=placements.model_changed)
+    scaler = ReplicaScaler(db, catalog, chooser, loads, use, reactor)
     inference = InferenceRouter(catalog, chooser, loads, loader, backend_clients, reactor,
                                 WorkerScratch(control, worker_http, nodes.control_token,
                                               reactor),
-                                use=use, lifecycle=lifecycle)
+                                use=use, lifecycle=lifecycle, scaler=scaler)
     watchdog = LifecycleWatchdog(db, lifecycle, tunnels.held_nodes, reactor,
                                  idle_timeout=config.idle_timeout,
                                  busy_timeout=config.busy_timeout)
     preloader = Preloader(inference, config.preload_models, reactor)
-    chooser.in_flight = use.in_flight  # calls spread over a model's replicas
-    scaler = ReplicaScaler(db, inference, use, reactor)
-    inference.scaler = scaler
-    # The warm path's placement cache, told of changes here and by every replica through the
-    # bus (frontend/inference/placement_cache.py): a warm request reads no database.  The bus is also the
-    # claim queue's wake hint and the gallery's job snapshots (below).
-    bus = PgBus(db, reactor=reactor)
-    placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
-    chooser.cache = placements.cache
-    chooser.on_reaped = placements.model_changed
-    loads.on_loaded = placements.model_changed  # a new replica is used at once
-    lifecycle.on_unloaded = placements.model_changed
-    nodes.on_changed = placements.node_changed
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels); another drops the
     # node's placements from every replica's cache.
@@ -784,26 +766,12 @@ class FrontendService(InOrderMultiService):
             b"healthz": LivenessResource(),
             b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
         self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
-        # Uploads (a transcription's audio) have their own cap and go to a temporary file;
-        # the unprefixed alias takes the cap of its twin below.
-        uploads = (b"/v1/audio/transcriptions", b"/audio/transcriptions")
-        self.site = FrontendSite(
-            self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES,
-                                    uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES,
-                                    b"/api/jobs": MAX_JOB_BODY_BYTES},
-            spool_prefixes=uploads, access_log=_option(options, "access-log", "all"))
-        # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
-        for alias, twin in unprefixed_aliases():
-            self.site.add_body_limit(alias, self.site.body_limit_for(twin))
-        # Authentication decided when the headers end, before a body byte is read (and, while
-        # starting, before the gate's 503): the API keys now, registration once wired.
-        # Refusals before the body on the OpenAI API's paths carry its error shape.
-        for prefix in api_prefixes():
-            self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
-            self.site.add_early_answer_shape(prefix, early_error)
-        for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
-                       b"/api/traces", b"/api/jobs", b"/metrics", b"/backend"):
-            self.site.add_header_guard(prefix, self.api_keys.check)
+        # The listener's policies come from the route table (frontend/api/routes.py):
+        # authentication decided when the headers end, before a body byte is read (and, while
+        # starting, before the gate's 503), body caps, uploads on disk.
+        self.site = BoundedSite(self.gate, access_log=_option(options, "access-log", "all"),
+                                quiet_on_success=is_heartbeat_path)
+        apply_policies(self.site, self.api_keys)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
         self.replica_service = ReplicaService(self.config, self.database_service,
@@ -820,54 +788,10 @@ class FrontendService(InOrderMultiService):
         self.gate.open(self._build_root(replica))
 
     def _build_root(self, replica: Replica) -> Resource:
-        """The resource tree of a wired replica (tests/e2e/cluster/probe.py wraps this)."""
-        parts = replica.cluster_parts()
-        root = RootWithDashboard(ROOT_INDEX)  # the page for a browser, JSON for the rest
-        root.putChild(b"dashboard", dashboard_files())
-        for name, probe in self._probe_resources.items():
-            root.putChild(name, probe)  # the same /healthz and /readyz
-        db = getattr(replica, "db", None)  # (a test's stand-in replica may have none)
-        generated = GeneratedFiles(db) if db is not None else None
-        openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
-                                reactor=self._reactor, node_names=replica.node_name,
-                                metrics=replica.metrics, generated=generated)
-        root.putChild(b"v1", openai)
-        root.putChild(b"backend", BackendResource(replica.inference, self.api_keys))
-        unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
-        for name in unprefixed_roots():
-            root.putChild(name, unprefixed)
-        # /models also holds LocalAI's gallery routes (admin; api/gallery.py).
-        gallery = getattr(replica, "gallery", None)
-        root.putChild(b"models", ModelsRoot(
-            GalleryResource(gallery, self.api_keys) if gallery is not None else None,
-            unprefixed))
-        # The images answered as URLs, which every replica serves from the shared store.
-        if generated is not None:
-            root.putChild(b"generated-images", GeneratedFilesResource(generated))
-        root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
-                                                  replica.tunnels, replica.control))
-        api = JSONDirectory()
-        root.putChild(b"api", api)
-        registration = WorkerRegistrationResource(parts)
-        api.putChild(b"node", registration)
-        traces = TraceRing()  # the recent requests, from the metrics' records
-        traces.watch(replica.metrics)
-        api.putChild(b"traces", TracesResource(traces, self.api_keys))
-        api.putChild(b"nodes", NodeMetricsRouting(
-            NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
-                                SchedulingResource(parts, self.api_keys)), parts, self.api_keys))
-        api.putChild(b"jobs", JobsResource(replica.jobs.store, replica.jobs.kinds,
-                                           replica.jobs.fanout, self.api_keys))
-        cluster = JSONDirectory()
-        api.putChild(b"cluster", cluster)
-        cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))
-        cluster.putChild(b"loads", LoadsResource(parts, self.api_keys))
-        cluster.putChild(b"connect", connect_resource(replica.nodes, replica.tunnels,
-                                                      self._reactor))
-        cluster.putChild(b"peer", replica.peer_links.resource())
-        # The registration token is checked by the registry, which exists from now on.
-        self.site.add_header_guard(b"/api/node", registration.guard)
-        return root
+        """The resource tree of a wired replica, from the route table (tests/e2e/cluster/probe.py
+        wraps this)."""
+        return build_root(Wiring(replica, api_keys=self.api_keys, reactor=self._reactor,
+                                 probes=self._probe_resources, site=self.site), ROOT_INDEX)
 
     # -- what the replica is -----------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
 
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource
-from localai_tw.frontend.api.kit import ACCESS_LOG_CHOICES
+from localai_tw.web.listener import ACCESS_LOG_CHOICES
 
 log = Logger()
 

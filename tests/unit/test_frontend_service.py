@@ -175,27 +175,28 @@ def test_unknown_paths_under_v1_are_json_404_in_the_openai_shape():
         "param": None, "code": "unknown_url"}}
 
 
-def test_the_unprefixed_openai_routes_have_their_v1_twins_cap_and_guard(monkeypatch):
+def test_the_unprefixed_openai_routes_have_their_v1_twins_cap_and_guard():
     """Each alias of ``openai.resource.UNPREFIXED`` takes the body cap of its /v1 twin (a twin
     with its own cap, as an upload route may have, passes it on) and the API-key guard; a path
     that merely starts like an alias does not."""
-    from localai_tw.frontend import service as service_module
+    import dataclasses
+
+    from localai_tw.frontend.api import routes
+    from localai_tw.frontend.api.kit import APIKeyGuard
     from localai_tw.frontend.api.openai import OPENAI_MAX_BODY_BYTES
-    from localai_tw.frontend.api.kit import FrontendSite, MAX_BODY_BYTES
+    from localai_tw.web.listener import MAX_BODY_BYTES, BoundedSite
 
-    class Site(FrontendSite):
-        def __init__(self, resource, *, body_limits, **kwargs):
-            super().__init__(resource, body_limits={**body_limits,
-                                                    b"/v1/audio/transcriptions": 10**9}, **kwargs)
-
-    monkeypatch.setattr(service_module, "FrontendSite", Site)
-    service, _ = frontend()
-    site = service.site
+    table = tuple(dataclasses.replace(row, body_cap=10**9)
+                  if row.path == b"/v1/audio/transcriptions" else row for row in routes.ROUTES)
+    site = BoundedSite(None)
+    routes.apply_policies(site, APIKeyGuard(["k"]), table)
     assert site.body_limit_for(b"/chat/completions") == OPENAI_MAX_BODY_BYTES
     assert site.body_limit_for(b"/models/capabilities") == OPENAI_MAX_BODY_BYTES
     assert site.body_limit_for(b"/audio/transcriptions") == 10**9
     assert site.body_limit_for(b"/tts") == OPENAI_MAX_BODY_BYTES
     assert site.body_limit_for(b"/embeddingsx") == MAX_BODY_BYTES
-    guarded = {prefix for prefix, _ in site.header_guards}
-    assert {(b"v1",), (b"chat",), (b"completions",), (b"embeddings",), (b"models",),
-            (b"audio",), (b"tts",), (b"images",)} <= guarded
+    service, _ = frontend()  # the replica's listener has the same guards
+    for checked in (site, service.site):
+        guarded = {prefix for prefix, _ in checked.header_guards}
+        assert {(b"v1",), (b"chat",), (b"completions",), (b"embeddings",), (b"models",),
+                (b"audio",), (b"tts",), (b"images",)} <= guarded

@@ -633,10 +633,10 @@ def test_models_list_and_one_model(site):
 
 def test_resource_accepts_a_router_object_directly(router):
     from twisted.web.resource import Resource
-    from localai_tw.frontend.api.kit import FrontendSite
+    from localai_tw.web.listener import BoundedSite
     root = Resource()
     root.putChild(b"v1", OpenAIResource(router))
-    assert call(FrontendSite(root, timeout=None), "GET", "/v1/models").status == 200
+    assert call(BoundedSite(root, timeout=None), "GET", "/v1/models").status == 200
 
 
 @settings(max_examples=60, deadline=None)
@@ -670,10 +670,10 @@ def test_stream_starting_on_a_full_transport_waits_at_once(site, router):
 
 def named_site(router, lookup):
     from twisted.web.resource import Resource
-    from localai_tw.frontend.api.kit import FrontendSite
+    from localai_tw.web.listener import BoundedSite
     root = Resource()
     root.putChild(b"v1", OpenAIResource(router, node_names=lookup, now=lambda: 1700000000))
-    return FrontendSite(root, timeout=None)
+    return BoundedSite(root, timeout=None)
 
 
 def test_node_header_names_the_node_and_asks_once_per_node(router):

@@ -91,21 +91,30 @@ from localai_tw.cluster.nodes import (
 from localai_tw.cluster.ownership import ConnectionView, Presence
 
 from localai_tw.frontend.api.kit import (
+
     AdminResource,
-    APIError,
+
     APIKeyGuard,
-    bad_request,
+
     call_hook,
+
     ClusterParts,
-    conflict,
+
     DATABASE_DOWN,
-    not_found,
+
     printable,
+
     read_json_object,
+
     reject_unknown_fields,
+
     Route,
+
     worker_call_error,
+
 )
+
+from localai_tw.web.errors import APIError, bad_request, conflict, not_found
 from localai_tw.frontend.api.lifecycle import answer_results, force_field
 from localai_tw.frontend.api.workers import valid_node_id
 

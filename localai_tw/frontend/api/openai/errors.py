@@ -39,7 +39,8 @@ from localai_tw.frontend.inference.interfaces import (
     NoNodeAvailable,
 )
 from localai_tw.localai.templates import TemplateError
-from localai_tw.frontend.api.kit import DATABASE_DOWN, APIError, database_unavailable, printable
+from localai_tw.frontend.api.kit import DATABASE_DOWN, database_unavailable, printable
+from localai_tw.web.errors import APIError
 
 #: Longest error text passed on from a worker or backend.
 MAX_ERROR_TEXT = 2000
@@ -106,7 +107,7 @@ _EARLY_TYPES = {401: "authentication_error", 408: "timeout_error",
 def early_error(refusal) -> OpenAIError:
     """A refusal the listener answers before the body (413 too large, 503 too many bodies in
     flight, 401 from the key check) in the OpenAI error shape, so clients read its ``code``
-    (``FrontendSite.add_early_answer_shape``)."""
+    (``BoundedSite.add_early_answer_shape``)."""
     if isinstance(refusal, OpenAIError):
         return refusal
     status = int(refusal.status)
