@@ -60,7 +60,7 @@ from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 
 from .downloads import REDIRECT_LIMIT, open_regular_file, resolve_url, shown_url
 from .interfaces import ModelFileMismatch
-from .models import ModelConfigError, ModelDownload, parse_model_config
+from .models import ModelCatalog, ModelConfigError, ModelDownload, parse_model_config
 
 log = Logger()
 
@@ -355,15 +355,19 @@ class GalleryJobs(Service):
 
     :param bus: a started-with-this-service ``PgBus`` (or None: snapshots stay local; tests).
     :param downloads: the replica's :class:`~.downloads.ModelDownloads`.
+    :param catalog: the replica's :class:`~.models.ModelCatalog` of ``models_dir`` (one of its
+        own when not given).
     """
 
     name = "gallery"
 
     def __init__(self, db, bus, instance_id: str, models_dir: str, downloads,
-                 galleries: tuple[Gallery, ...], reactor, *, agent=None,
+                 galleries: tuple[Gallery, ...], reactor, *, agent=None, catalog=None,
                  progress_interval: float = 1.0, broadcast: bool = True):
         self.db, self.bus, self.instance_id = db, bus, instance_id
         self.models_dir = models_dir
+        #: every config's ``name`` (the existing-name check reads it)
+        self.catalog = catalog if catalog is not None else ModelCatalog(models_dir)
         self.downloads = downloads
         self.galleries = galleries
         self._reactor = reactor
@@ -443,7 +447,15 @@ class GalleryJobs(Service):
         return os.path.isfile(os.path.join(self.models_dir, name + ".yaml"))
 
     def _config_exists(self, name: str) -> bool:
-        return os.path.lexists(os.path.join(self.models_dir, name + ".yaml"))
+        """Whether a model ``name`` exists: ``<name>.yaml`` or ``<name>.yml``, or any config
+        file of the models directory whose ``name:`` is ``name`` (also one that fails to load
+        but was meant for it), so an install cannot shadow or rewrite a model whose file is
+        named otherwise."""
+        for suffix in (".yaml", ".yml"):
+            if os.path.lexists(os.path.join(self.models_dir, name + suffix)):
+                return True
+        self.catalog.refresh()
+        return self.catalog.get(name) is not None or self.catalog.error(name) is not None
 
     # -- admitting -------------------------------------------------------------------------
 

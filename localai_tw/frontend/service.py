@@ -582,7 +582,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     metrics.watch_bus(bus, [consumer])
     metrics.watch_jobs(lambda: jobs.stats.snapshot)
     gallery = GalleryJobs(db, bus, config.instance_id, config.models_dir, loader.downloads,
-                          config.galleries, reactor)
+                          config.galleries, reactor, catalog=catalog)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
