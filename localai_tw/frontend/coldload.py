@@ -78,8 +78,11 @@ class ColdLoader:
                  start_timeout: float = DEFAULT_START_TIMEOUT,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
                  load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+                 allow_private_downloads: bool = False,
                  metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
         self._db = db
+        #: the operator's --allow-private-downloads (downloads.py, fetchpolicy.py)
+        self.allow_private_downloads = allow_private_downloads
         self._metrics = metrics
         self._nodes = nodes
         self._control = control
@@ -99,7 +102,8 @@ class ColdLoader:
     def downloads(self) -> ModelDownloads:
         """This replica's downloads into the models directory (made on first use)."""
         if self._downloads is None:
-            self._downloads = ModelDownloads(self.models_dir, self._reactor, self.digests)
+            self._downloads = ModelDownloads(self.models_dir, self._reactor, self.digests,
+                                             allow_private=self.allow_private_downloads)
         return self._downloads
 
     async def download(self, model: ModelConfig) -> None:

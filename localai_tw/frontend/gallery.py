@@ -46,7 +46,6 @@ from twisted.application.service import Service
 from twisted.internet import defer, protocol, task, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, RedirectAgent
 from twisted.web.http_headers import Headers
 
 from localai_tw.cluster.clock import (
@@ -58,7 +57,8 @@ from localai_tw.bus.pgbus import BusStopped
 from localai_tw.web.readers import ResponseTooLarge, read_bounded
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 
-from .downloads import REDIRECT_LIMIT, open_regular_file, resolve_url, shown_url
+from .downloads import failure_reason, open_regular_file, resolve_url, shown_url
+from .fetchpolicy import fetch_agent
 from .interfaces import ModelFileMismatch
 from .models import ModelCatalog, ModelConfigError, ModelDownload, parse_model_config
 
@@ -204,17 +204,26 @@ async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
     if not real.startswith(("http://", "https://")):
         raise GalleryError(f"{shown}: only file://, http(s):// and github: are read")
     if agent is None:
-        agent = RedirectAgent(Agent(reactor, connectTimeout=30,
-                                    pool=HTTPConnectionPool(reactor, persistent=False)),
-                              redirectLimit=REDIRECT_LIMIT)
-    requesting = agent.request(b"GET", real.encode("ascii", "replace"),
+        agent = fetch_agent(reactor, allow_private=False)
+
+    def failed(reason: str) -> GalleryError:
+        # One text for a refused destination, a closed port, a timeout or a status, as for
+        # model downloads (downloads.py): the reason is for the operator's log only.
+        log.warn("fetching {url} failed: {reason}", url=shown, reason=reason)
+        return GalleryError(f"{shown} cannot be fetched; the frontend's log says why")
+
+    try:
+        encoded = real.encode("ascii")
+    except UnicodeEncodeError:
+        raise GalleryError(f"{shown}: the URL must be ASCII (percent-encode it)") from None
+    requesting = agent.request(b"GET", encoded,
                                Headers({b"User-Agent": [b"localai-tw gallery"]}))
     timer = reactor.callLater(FETCH_TIMEOUT, requesting.cancel)
     try:
         response = await requesting
         if response.code != 200:
             response.deliverBody(protocol.Protocol())
-            raise GalleryError(f"{shown} answered HTTP {response.code}")
+            raise failed(f"HTTP {response.code}")
         if response.length is not None and isinstance(response.length, int) \
                 and response.length > limit:
             response.deliverBody(protocol.Protocol())
@@ -223,11 +232,11 @@ async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
     except ResponseTooLarge:
         raise GalleryError(f"{shown} is larger than {limit} bytes") from None
     except defer.CancelledError:
-        raise GalleryError(f"{shown}: no answer within {FETCH_TIMEOUT:.0f} s") from None
+        raise failed(f"no answer within {FETCH_TIMEOUT:.0f} s") from None
     except GalleryError:
         raise
     except Exception as e:
-        raise GalleryError(f"{shown} cannot be fetched: {str(e)[:200]}") from None
+        raise failed(failure_reason(e)) from None
     finally:
         if timer.active():
             timer.cancel()
@@ -371,7 +380,8 @@ class GalleryJobs(Service):
         self.downloads = downloads
         self.galleries = galleries
         self._reactor = reactor
-        self._agent = agent
+        # the downloads' agent: one destination policy for every fetch of this replica
+        self._agent = agent if agent is not None else getattr(downloads, "agent", None)
         self.progress_interval = progress_interval
         #: False is the deliberate break the tests name: a replica that publishes only to
         #: itself.

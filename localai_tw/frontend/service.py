@@ -282,6 +282,9 @@ class ReplicaConfig:
     registration_limit: int = 1200
     #: Model galleries (``--galleries``, ``frontend/gallery.py``).
     galleries: tuple = ()
+    #: Downloads and gallery fetches may reach private and loopback addresses
+    #: (``--allow-private-downloads``, ``frontend/fetchpolicy.py``).
+    allow_private_downloads: bool = False
     #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
     job_kinds: Any = None
 
@@ -314,7 +317,8 @@ class ReplicaConfig:
             preload_models=tuple(_option(options, "preload-models", ()))
             + tuple(_option(options, "load-to-memory", ())),
             registration_limit=int(_option(options, "registration-limit", 1200)),
-            galleries=parse_galleries(options.get("galleries") or ()))
+            galleries=parse_galleries(options.get("galleries") or ()),
+            allow_private_downloads=bool(options.get("allow-private-downloads")))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -532,7 +536,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                                metrics=metrics)
     chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
-                        config.models_dir, reactor, metrics=metrics)
+                        config.models_dir, reactor, metrics=metrics,
+                        allow_private_downloads=config.allow_private_downloads)
     loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle)
     inference = InferenceRouter(catalog, chooser, loads, loader, backend_clients, reactor,
                                 WorkerScratch(control, worker_http, nodes.control_token,
