@@ -175,10 +175,12 @@ class ColdLoader:
                                   (reply or {}).get("error") or "backend.start failed")
         address = str(reply.get("address") or "")
         try:
-            int(address.rsplit(":", 1)[1])
+            port = int(address.rsplit(":", 1)[1])
         except (IndexError, ValueError):
             raise errors.TunnelProtocolError(
                 f"backend.start on {node_id} answered an unusable address {address!r}") from None
+        # the backend process's own gRPC token (an older worker answers none: then asked)
+        self._clients.remember_token(node_id, port, reply.get("token"))
 
         row_written = False
         try:

@@ -526,9 +526,11 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     worker_http = WorkerHTTPClient(dialer, reactor)
     # Control calls carry each node's own control token, never the registration token.
     control = ControlClient(worker_http, reactor=reactor, token_for=nodes.control_token)
+    # gRPC calls carry each backend process's own token, asked of its worker over the
+    # control channel; the registration token only for a worker too old to tell it.
     backend_clients = BackendClients(
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
-        config.registration_token or None)
+        config.registration_token or None, control=control)
     catalog = ModelCatalog(config.models_dir)
     use = ModelUse(db, reactor, metrics=metrics)
     lifecycle = ModelLifecycle(db, control, use, catalog, reactor,
