@@ -467,6 +467,33 @@ class GalleryJobs(Service):
         self.catalog.refresh()
         return self.catalog.get(name) is not None or self.catalog.error(name) is not None
 
+    def _defined_elsewhere(self, name: str) -> str | None:
+        """The file other than ``<name>.yaml`` that defines model ``name``, if any: an install
+        writes ``<name>.yaml``, which would not replace that definition (the catalog keeps
+        the first file of a name), so even ``"replace": true`` is refused there."""
+        self.catalog.refresh()
+        config = self.catalog.get(name)
+        source = config.source if config is not None else None
+        if source is None:
+            error = self.catalog.error(name)
+            source = error.source if error is not None else None
+        if source and os.path.basename(source) != f"{name}.yaml":
+            return os.path.basename(source)
+        return None
+
+    def _check_name(self, name: str, replace: bool) -> None:
+        """:raises GalleryExists: when an install of ``name`` would shadow or rewrite a model
+        it was not told to replace."""
+        if not replace:
+            if self._config_exists(name):
+                raise GalleryExists(_exists_message(name))
+            return
+        elsewhere = self._defined_elsewhere(name)
+        if elsewhere is not None:
+            raise GalleryExists(f"model {name!r} is defined in {elsewhere}, which an install "
+                                f"(writing {name}.yaml) cannot replace: remove or edit that "
+                                "file, or choose another \"name\"")
+
     # -- admitting -------------------------------------------------------------------------
 
     async def apply(self, wanted: str, name: str | None, overrides: dict, *,
@@ -475,8 +502,7 @@ class GalleryJobs(Service):
         is false (an install must not silently rewrite another model's config)."""
         entry = await self.find(wanted)
         op = _Op(str(uuid.uuid4()), name or entry.name, False, entry, overrides, replace)
-        if not replace and self._config_exists(op.name):
-            raise GalleryExists(_exists_message(op.name))
+        self._check_name(op.name, replace)
         await self._admit(op, description=entry.description, element=entry.id)
         return op.id
 
@@ -674,8 +700,7 @@ class GalleryJobs(Service):
             raise GalleryError(f"entry {entry.id}: config_file must be a YAML mapping")
         config = merge(merge(config, entry.overrides), op.overrides)
         config["name"] = op.name
-        if not op.replace and self._config_exists(op.name):  # written since it was admitted
-            raise GalleryExists(_exists_message(op.name))
+        self._check_name(op.name, op.replace)  # (again: written since it was admitted?)
         parsed = parse_model_config(config, f"gallery entry {entry.id}")
         model = dataclasses.replace(parsed, downloads=tuple(files))
 

@@ -448,6 +448,11 @@ async def test_an_existing_model_is_found_whatever_its_file_is_called(cluster, f
                                   {"id": "one", "name": name})
         assert status == 409, (name, body)
         assert '"replace": true' in body["error"]["message"]
+    # "replace": true cannot replace a definition in another file (the install writes
+    # renamed.yaml; other-file.yaml would still win): a 409 naming the file
+    status, body = await call(cluster, a, "POST", "/models/apply",
+                              {"id": "one", "name": "renamed", "replace": True})
+    assert status == 409 and "other-file.yaml" in body["error"]["message"], body
     assert sorted(os.listdir(cluster.models_dir)) == sorted(written)
     for fname, text in written.items():
         assert open(os.path.join(cluster.models_dir, fname)).read() == text
