@@ -7,7 +7,7 @@
   or when its digest matches (hashed in a thread, cached by size and mtime); a present file
   whose digest differs is downloaded again, and replaced only by a verified copy;
 - ``http://`` and ``https://`` with Twisted's ``Agent`` (``RedirectAgent``: at most
-  :data:`REDIRECT_LIMIT` redirects; only public destinations, checked at every connection,
+  :data:`~.fetchpolicy.REDIRECT_LIMIT` redirects; only public destinations, checked at every connection,
   unless the operator allows private ones (``fetchpolicy.py``); a connect timeout; an idle
   timeout between body bytes; a size cap on ``Content-Length`` and on the bytes received), the body written chunk by chunk to
   a temporary file beside the target (``.<name>.<random>.partial``) and hashed as it arrives;
@@ -59,7 +59,7 @@ from localai_tw.deferreds import OneShotObserver
 from localai_tw.staging_client import PARTIAL_SUFFIX
 from localai_tw.threadwriter import ThreadedFileWriter, write_all
 
-from .fetchpolicy import REDIRECT_LIMIT, fetch_agent
+from .fetchpolicy import fetch_agent
 from .interfaces import ModelDownloadFailed, ModelFileMismatch
 from .modelfiles import DigestCache
 from .models import ModelConfig, ModelDownload
