@@ -111,8 +111,27 @@ def make_supervisor(child_pidfile):
             pass
 
 
-def stub_for(address):
-    channel = grpc.insecure_channel(address)
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the backend process's own token to every call (as the replicas do)."""
+
+    def __init__(self, token: str):
+        self.metadata = [("authorization", f"Bearer {token}")]
+
+    def _with_token(self, details):
+        return details._replace(metadata=list(details.metadata or ()) + self.metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+def stub_for(record):
+    """A channel and stub to ``record``'s backend, presenting its own gRPC token."""
+    channel = grpc.insecure_channel(record.address)
+    if record.grpc_token:
+        channel = grpc.intercept_channel(channel, _Bearer(record.grpc_token))
     return channel, backend_pb2_grpc.BackendStub(channel)
 
 
@@ -129,7 +148,7 @@ async def test_echo_start_ready_predict_stop(make_supervisor):
     assert os.getppid() != record.pid
     assert supervisor.ports.holder(record.port) == "tiny#0"
 
-    channel, stub = stub_for(record.address)
+    channel, stub = stub_for(record)
     try:
         from twisted.internet.threads import deferToThread
 
@@ -259,7 +278,7 @@ async def test_slow_health_during_predict_is_not_death(make_supervisor):
     supervisor = make_supervisor(liveness_interval=0.2, liveness_timeout=0.3)
     record = await supervisor.start("echo", "busy", {"env": {"PYTHON_GRPC_MAX_WORKERS": "1"}},
                                     load={"Model": "busy", "Options": ["echo.delay_ms:1000"]})
-    channel, stub = stub_for(record.address)
+    channel, stub = stub_for(record)
     try:
         from twisted.internet.threads import deferToThread
 
@@ -337,7 +356,7 @@ async def test_an_in_process_servicer_is_served_and_stopped(make_supervisor):
     supervisor.factories.add(InProcessEchoFactory())
     record = await supervisor.start("in-process-echo", "inproc", load={"Model": "inproc"})
     assert record.state == READY and record.pid is None and record.in_process
-    channel, stub = stub_for(record.address)
+    channel, stub = stub_for(record)
     try:
         from twisted.internet.threads import deferToThread
 
