@@ -10,7 +10,6 @@ import signal
 import sys
 import time
 
-import grpc
 import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor
@@ -29,7 +28,7 @@ from localai_tw.backends.process import (
     BackendSupervisor,
 )
 
-from .support import eventually
+from .support import backend_channel, eventually
 
 MISBEHAVING = os.path.join(os.path.dirname(__file__), "..", "fixtures", "backends",
                            "misbehaving.py")
@@ -111,27 +110,9 @@ def make_supervisor(child_pidfile):
             pass
 
 
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds the backend process's own token to every call (as the replicas do)."""
-
-    def __init__(self, token: str):
-        self.metadata = [("authorization", f"Bearer {token}")]
-
-    def _with_token(self, details):
-        return details._replace(metadata=list(details.metadata or ()) + self.metadata)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._with_token(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._with_token(details), request)
-
-
 def stub_for(record):
     """A channel and stub to ``record``'s backend, presenting its own gRPC token."""
-    channel = grpc.insecure_channel(record.address)
-    if record.grpc_token:
-        channel = grpc.intercept_channel(channel, _Bearer(record.grpc_token))
+    channel = backend_channel(record)
     return channel, backend_pb2_grpc.BackendStub(channel)
 
 
