@@ -173,6 +173,8 @@ class ModelDownloads:
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
         self.log_interval = log_interval
+        #: the operator's --allow-private-downloads (the gallery reads it too)
+        self.allow_private = allow_private
         if agent is None:
             agent = fetch_agent(reactor, allow_private=allow_private,
                                 connect_timeout=connect_timeout)

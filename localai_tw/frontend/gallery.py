@@ -26,7 +26,8 @@ run as jobs whose state every replica can answer (``docs/models.md``, "Gallery")
 - **Finished**: the row holds the final snapshot (``done`` or ``failed`` with the reason).
 
 What this module must never do: fetch a URL an API caller chose (only configured galleries and
-the URLs their entries name), write outside the models directory, leave a config naming a file
+the URLs their entries name), read a ``file://`` source for an install unless the operator
+allows local sources, write outside the models directory, leave a config naming a file
 that is not there, or treat a broadcast as the record (the row is).
 """
 
@@ -382,6 +383,8 @@ class GalleryJobs(Service):
         self._reactor = reactor
         # the downloads' agent: one destination policy for every fetch of this replica
         self._agent = agent if agent is not None else getattr(downloads, "agent", None)
+        #: an install may read file:// sources (the operator's --allow-private-downloads)
+        self.allow_local_sources = bool(getattr(downloads, "allow_private", False))
         self.progress_interval = progress_interval
         #: False is the deliberate break the tests name: a replica that publishes only to
         #: itself.
@@ -480,6 +483,16 @@ class GalleryJobs(Service):
         if source and os.path.basename(source) != f"{name}.yaml":
             return os.path.basename(source)
         return None
+
+    def _refuse_local(self, uri: str, where: str) -> None:
+        """An install reads no ``file://`` source unless the operator allows local and private
+        sources (``--allow-private-downloads``): the entry was picked by a request, and a
+        local file (a key, the database's files) would be copied into the models directory
+        and on to a worker.  :raises GalleryError: naming the key and the option."""
+        if self.allow_local_sources or not resolve_url(uri).startswith("file://"):
+            return
+        raise GalleryError(f"{where}: a gallery install reads no file:// source; the "
+                           "operator allows local sources with --allow-private-downloads")
 
     def _check_name(self, name: str, replace: bool) -> None:
         """:raises GalleryExists: when an install of ``name`` would shadow or rewrite a model
@@ -675,6 +688,7 @@ class GalleryJobs(Service):
         config_text: Any = entry.config_file
         files = list(entry.files)
         if entry.url:
+            self._refuse_local(entry.url, f"entry {entry.id}: url")
             data = await read_url(entry.url, MAX_CONFIG_BYTES, self._reactor, self._agent)
             try:
                 remote = _yaml_load(data)
@@ -702,6 +716,10 @@ class GalleryJobs(Service):
         config["name"] = op.name
         self._check_name(op.name, op.replace)  # (again: written since it was admitted?)
         parsed = parse_model_config(config, f"gallery entry {entry.id}")
+        # the entry's files and what its config downloads at a cold load: none may read the
+        # replica's own files (an install is a request's doing)
+        for download in (*files, *parsed.downloads):
+            self._refuse_local(download.uri, download.where)
         model = dataclasses.replace(parsed, downloads=tuple(files))
 
         targets = [os.path.join(self.models_dir, *f.filename.split("/")) for f in files]

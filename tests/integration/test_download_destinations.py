@@ -169,3 +169,41 @@ async def test_request_caused_fetches_never_reach_loopback_unless_the_operator_a
             f"model gone: downloading gone/a.bin from {files.base}/files/gone.bin {UNIFORM}")
     finally:
         await redirect_port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_install_reads_no_local_file_unless_the_operator_allows(cluster, tmp_path):
+    """An entry's ``file://`` file, a ``file://`` in its config's ``download_files`` (fetched
+    at a cold load) or a ``file://`` entry ``url`` fails the install naming the option, and
+    nothing is read or written; with ``--allow-private-downloads`` the same local file
+    installs.
+    Red without ``GalleryJobs._refuse_local``: the "files" install was done, the local file
+    copied into the models directory."""
+    secret = tmp_path / "secret.key"
+    secret.write_bytes(b"not for the models directory\n")
+    config = tmp_path / "entry.yaml"
+    config.write_text(yaml.safe_dump({"config_file": "backend: echo\n"}))
+    index = tmp_path / "index.yaml"
+    index.write_text(yaml.safe_dump([
+        entry("files", [("files/a.bin", f"file://{secret}", None)]),
+        {"name": "config", "config_file": "backend: echo\ndownload_files:\n"
+                                           f"  - {{filename: c.bin, uri: 'file://{secret}'}}\n"},
+        {"name": "viaurl", "url": f"file://{config}"},
+    ]))
+    a = await cluster.frontend("replica-a", galleries=[f"test=file://{index}"],
+                               **{"allow-private-downloads": False})
+    await eventually(lambda: a.replica.gallery._subscription is not None, timeout=20,
+                     what="listening")
+    for name in ("files", "config", "viaurl"):
+        done = await install(cluster, a, name)
+        assert done["state"] == "failed", (name, done)
+        assert "reads no file:// source" in done["error"], done
+        assert "--allow-private-downloads" in done["error"]
+    assert model_files(cluster.models_dir) == []
+
+    b = await cluster.frontend("replica-b", galleries=[f"test=file://{index}"],
+                               **{"allow-private-downloads": True})
+    await eventually(lambda: b.replica.gallery._subscription is not None, timeout=20,
+                     what="listening")
+    done = await install(cluster, b, "files")
+    assert done["state"] == "done", done
