@@ -375,8 +375,10 @@ class BackendTokens:
         try:
             reply = await self._control.call(node_id, "backend.token", {"port": port},
                                              timeout=TOKEN_TIMEOUT)
-        except errors.VerbNotServed:
-            return self._fallback  # an older worker (docs/operators.md, rollout order)
+        except errors.VerbNotServed:  # an older worker (docs/operators.md, rollout order)
+            if self._fallback:
+                self._known[key] = self._fallback  # asked once, not before every call
+            return self._fallback
         token = (reply or {}).get("token")
         if not isinstance(token, str) or not token:
             return ""  # no backend there now: the call itself answers that
