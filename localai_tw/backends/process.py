@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import collections
 import os
+import secrets
 import signal
 import sys
 import time
@@ -94,7 +95,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
-from localai_tw.backends.builtin.serving import REMOTE_CODE_ENV
+from localai_tw.backends.builtin.serving import AUTH_TOKEN_ENV, REMOTE_CODE_ENV
 from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
 from localai_tw.backends.ledger import ProcessLedger
@@ -304,6 +305,10 @@ class BackendProcess:
         self.health_misses = 0
         self.last_health_error: str | None = None
         self.in_process = False
+        #: this process's own gRPC bearer token (``LOCALAI_GRPC_AUTH_TOKEN``), minted when it
+        #: starts; held by the worker, told only to frontends over the control channel
+        #: (``backend.start``, ``backend.token``), never in ``describe()`` or a log
+        self.grpc_token: str | None = None
         self._transport = None
         self._server = None  # in-process grpc.Server
         self._client: BackendClient | None = None
@@ -441,7 +446,6 @@ class BackendSupervisor(Service):
         load_timeout: float | None = None,
         liveness_interval: float | None = DEFAULT_LIVENESS_INTERVAL,
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
-        auth_token: str | None = None,
         allow_remote_code: bool = False,
         withheld_env: tuple[str, ...] = (),
         extra_env: Mapping[str, str] | None = None,
@@ -459,7 +463,6 @@ class BackendSupervisor(Service):
         self.ready_timeout, self.health_interval = ready_timeout, health_interval
         self.health_timeout, self.load_timeout = health_timeout, load_timeout
         self.liveness_interval, self.liveness_timeout = liveness_interval, liveness_timeout
-        self.auth_token = auth_token or None
         #: the worker operator's decision, told to every backend (``REMOTE_CODE_ENV``)
         self.allow_remote_code = allow_remote_code
         #: variables of this process's environment a backend never inherits (the worker's
@@ -509,6 +512,13 @@ class BackendSupervisor(Service):
 
     def logs(self, name: str, tail: int | None = None) -> list[str]:
         return self.find(name).output.lines(tail)
+
+    def token_for_port(self, port: int) -> str | None:
+        """The gRPC token of the live backend listening on ``port``, or None."""
+        for record in self._live.values():
+            if record.port == port and record.grpc_token and not record.ended:
+                return record.grpc_token
+        return None
 
     def client(self, name: str) -> BackendClient:
         record = self.find(name, include_ended=False)
@@ -560,7 +570,10 @@ class BackendSupervisor(Service):
                 raise BackendStartError(str(e), record) from None
             record.address = f"{self.ports.host}:{record.port}"
             argv = factory.command(record.address, options)
-            record._client = BackendClient(self._reactor, record.address, self.auth_token)
+            # A token of its own (not the cluster's registration token): a backend runs code the
+            # cluster does not vouch for, and its environment is readable by its user.
+            record.grpc_token = secrets.token_urlsafe(32)
+            record._client = BackendClient(self._reactor, record.address, record.grpc_token)
             if argv is None:
                 self._serve_in_process(record, factory.servicer(options))
             else:
@@ -619,8 +632,8 @@ class BackendSupervisor(Service):
         environment.setdefault("PYTHONUNBUFFERED", "1")
         # set last: neither the worker's environment nor a start request's options decide it
         environment[REMOTE_CODE_ENV] = "1" if self.allow_remote_code else "0"
-        if self.auth_token:
-            environment["LOCALAI_GRPC_AUTH_TOKEN"] = self.auth_token
+        # set last too: the worker's own environment never chooses a backend's token
+        environment[AUTH_TOKEN_ENV] = record.grpc_token or ""
         if cwd is not None and not isinstance(cwd, str):
             raise ValueError("options.cwd must be a string")
         wrapper = [self._python, "-I", "-S", "-c", SPAWN_EXEC, str(os.getpid()), cwd or "",

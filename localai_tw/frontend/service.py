@@ -264,6 +264,9 @@ class ReplicaConfig:
     registration_limit: int = 1200
     #: Model galleries (``--galleries``, ``frontend/gallery/installs.py``).
     galleries: tuple = ()
+    #: Downloads and gallery fetches may reach private and loopback addresses
+    #: (``--allow-private-downloads``, ``frontend/inference/fetchpolicy.py``).
+    allow_private_downloads: bool = False
     #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
     job_kinds: Any = None
 
@@ -296,7 +299,8 @@ class ReplicaConfig:
             preload_models=tuple(_option(options, "preload-models", ()))
             + tuple(_option(options, "load-to-memory", ())),
             registration_limit=int(_option(options, "registration-limit", 1200)),
-            galleries=parse_galleries(options.get("galleries") or ()))
+            galleries=parse_galleries(options.get("galleries") or ()),
+            allow_private_downloads=bool(options.get("allow-private-downloads")))
 
 
 # -- the long-lived parts as services --------------------------------------------------------
@@ -511,9 +515,11 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     worker_http = WorkerHTTPClient(dialer, reactor)
     # Control calls carry each node's own control token, never the registration token.
     control = ControlClient(worker_http, reactor=reactor, token_for=nodes.control_token)
+    # gRPC calls carry each backend process's own token, asked of its worker over the
+    # control channel; the registration token only for a worker too old to tell it.
     backend_clients = BackendClients(
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
-        config.registration_token or None)
+        config.registration_token or None, control=control)
     catalog = ModelCatalog(config.models_dir)
     use = ModelUse(db, reactor, metrics=metrics)
     lifecycle = ModelLifecycle(db, control, use, catalog, reactor,
@@ -524,7 +530,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                           in_flight=use.in_flight, cache=placements.cache,
                           on_reaped=placements.model_changed)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
-                        config.models_dir, reactor, metrics=metrics)
+                        config.models_dir, reactor, metrics=metrics,
+                        allow_private_downloads=config.allow_private_downloads)
     # A new replica is used at once (on_loaded).
     loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle,
                      on_loaded=placements.model_changed)
@@ -564,7 +571,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     metrics.watch_bus(bus, [consumer])
     metrics.watch_jobs(lambda: jobs.stats.snapshot)
     gallery = GalleryJobs(db, bus, config.instance_id, config.models_dir, loader.downloads,
-                          config.galleries, reactor)
+                          config.galleries, reactor, catalog=catalog)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,

@@ -133,6 +133,11 @@ SETTINGS = (
     config.flag("allow-open-api", "LOCALAI_ALLOW_OPEN_API",
                 "Allow a --listen other machines can reach with no --api-key: the OpenAI API "
                 "then serves anyone who reaches it."),
+    config.flag("allow-private-downloads", "LOCALAI_ALLOW_PRIVATE_DOWNLOADS",
+                "Let model downloads and gallery fetches connect to loopback, private, "
+                "link-local and other non-public addresses (a mirror on the local network), "
+                "and gallery installs read file:// sources; by default only public "
+                "addresses are fetched from, checked at every connection and redirect."),
     config.value("reconnect-grace", "LOCALAI_RECONNECT_GRACE",
                  "How long a disconnected worker counts as reconnecting before it is gone "
                  "(90s, 1m30s, or seconds).",

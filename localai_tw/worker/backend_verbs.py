@@ -1,12 +1,14 @@
 """Worker control verbs over a :class:`~localai_tw.backends.process.BackendSupervisor`:
-``backend.start``, ``backend.stop``, ``backend.list`` and ``backend.logs``
+``backend.start``, ``backend.stop``, ``backend.list``, ``backend.logs`` and ``backend.token``
 (``POST /v1/control/backend/<verb>``).
 
 Replies (all 200: the worker's answer, evidence for the frontend):
 
 - ``backend.start`` ``{backend, model, options?, replica?, load?}`` ->
-  ``{success, address, process_key, error}``; ``address`` is ``127.0.0.1:<port>`` (the frontend
-  uses the port for its ``grpc`` tunnel streams); ``load`` (ModelOptions fields by their proto
+  ``{success, address, process_key, token, error}``; ``address`` is ``127.0.0.1:<port>`` (the
+  frontend uses the port for its ``grpc`` tunnel streams), ``token`` the backend process's own
+  gRPC bearer token (minted by the supervisor for this process; the frontend sends it in the
+  gRPC calls it makes through the tunnel); ``load`` (ModelOptions fields by their proto
   names, e.g. ``{"Model": "m", "ModelFile": "/models/m"}``) makes the worker call LoadModel
   before answering;
 - ``backend.stop`` ``{model | process_key, force?, if_idle?, absent_ok?}`` -> ``{success, error,
@@ -20,7 +22,10 @@ Replies (all 200: the worker's answer, evidence for the frontend):
 - ``backend.list`` ``{include_ended?}`` -> ``{backends: [{model, backend, process_key, address,
   state, pid, started_at, health_misses, ...}]}``;
 - ``backend.logs`` ``{model | process_key, tail?}`` -> ``{lines, process_key, state}``, or
-  ``{lines: [], error}`` for a name with no process.
+  ``{lines: [], error}`` for a name with no process;
+- ``backend.token`` ``{port}`` -> ``{token, error}``: the gRPC token of the live backend on
+  that port (a replica that did not start it asks before its first call), or ``token: ""``
+  with the reason.  Only over the control channel, whose per-node token protects it.
 
 A malformed request is a 400 (never evidence): checked by the verb schema before the handler
 runs.  ``backend.start`` and ``backend.stop`` are not cancelled when the caller goes away: a
@@ -93,7 +98,7 @@ def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError)
             key = e.record.key if e.record is not None else f"{body['model']}#{replica}"
             return {"success": False, "address": "", "process_key": key, "error": str(e)}
         return {"success": True, "address": record.address, "process_key": record.key,
-                "error": ""}
+                "token": record.grpc_token or "", "error": ""}
 
     async def stop(body: dict) -> dict:
         name = _name_of(body, bad_request)
@@ -126,8 +131,17 @@ def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError)
         return {"lines": record.output.lines(tail), "process_key": record.key,
                 "state": record.state, "dropped_lines": record.output.dropped_lines}
 
+    def token(body: dict) -> dict:
+        port = body["port"]
+        if not 0 < port < 65536:
+            raise bad_request("port must be a TCP port number")
+        found = supervisor.token_for_port(port)
+        if found is None:
+            return {"token": "", "error": f"no backend is running on port {port}"}
+        return {"token": found, "error": ""}
+
     return {"backend.start": start, "backend.stop": stop, "backend.list": list_,
-            "backend.logs": logs}
+            "backend.logs": logs, "backend.token": token}
 
 
 def register_backend_verbs(verbs: Any, supervisor: BackendSupervisor) -> list:
@@ -143,6 +157,7 @@ def register_backend_verbs(verbs: Any, supervisor: BackendSupervisor) -> list:
                                            "absent_ok": bool}),
         "backend.list": VerbRequestSchema({"include_ended": bool}),
         "backend.logs": VerbRequestSchema({**name_fields, "tail": int}),
+        "backend.token": VerbRequestSchema({"port": int}, frozenset({"port"})),
     }
     keep_going = {"backend.start", "backend.stop"}
     return [

@@ -444,7 +444,6 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
                  found=", ".join(backends.directory.names()) or "none installed")
     supervisor = BackendSupervisor(
         reactor, PortAllocator(port_range.first, port_range.last), backends,
-        auth_token=options.get("registration-token") or None,
         allow_remote_code=bool(options.get("allow-remote-code")),
         withheld_env=WORKER_SECRET_ENV,
         ledger=ProcessLedger(os.path.join(options["data-dir"], LEDGER_FILE))

@@ -36,3 +36,24 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02,
 def within(d, seconds: float = 20.0) -> defer.Deferred:
     """``d`` (a Deferred or a coroutine) failing with ``defer.TimeoutError`` after ``seconds``."""
     return defer.ensureDeferred(d).addTimeout(seconds, reactor)
+
+
+def backend_channel(record):
+    """A grpcio channel to a supervised backend (``record``: a ``BackendProcess``) that
+    presents the process's own gRPC token on every call, as the replicas do (each backend
+    process has one: ``backends/process.py``)."""
+    import grpc
+
+    class Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+        def _with_token(self, details):
+            return details._replace(metadata=list(details.metadata or ())
+                                    + [("authorization", f"Bearer {record.grpc_token}")])
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return continuation(self._with_token(details), request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return continuation(self._with_token(details), request)
+
+    channel = grpc.insecure_channel(record.address)
+    return grpc.intercept_channel(channel, Bearer()) if record.grpc_token else channel

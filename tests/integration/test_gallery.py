@@ -422,3 +422,37 @@ async def test_file_sources_that_never_end_are_refused_and_bounded(cluster, file
     frontend = await cluster.frontend("replica-b", galleries=[f"fifo=file://{fifo}"])
     status, body = await call(cluster, frontend, "GET", "/models/available")
     assert status == 502 and "not a regular file" in body["error"]["message"], body
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_existing_model_is_found_whatever_its_file_is_called(cluster, files,
+                                                                      tmp_path):
+    """Issue 21 §2: the existing-name check knows every config, not only ``<name>.yaml``: a
+    model ``renamed`` defined in ``other-file.yaml`` and a model ``short`` in ``short.yml``
+    are each a 409, and neither file changes (nor does a ``renamed.yaml`` appear that would
+    shadow it).
+    Red when only ``<name>.yaml`` is looked at: both were admitted and installed."""
+    files.files["a.bin"] = SMALL
+    (a,) = await start(cluster, tmp_path, [entry("one", [
+        ("one/a.bin", f"{files.base}/files/a.bin", sha256_hex(SMALL))])], "replica-a")
+    os.makedirs(cluster.models_dir, exist_ok=True)
+    written = {
+        "other-file.yaml": "name: renamed\nbackend: echo\nnode_selector: {pool: trusted}\n",
+        "short.yml": "name: short\nbackend: echo\n",
+    }
+    for fname, text in written.items():
+        with open(os.path.join(cluster.models_dir, fname), "w") as f:
+            f.write(text)
+    for name in ("renamed", "short"):
+        status, body = await call(cluster, a, "POST", "/models/apply",
+                                  {"id": "one", "name": name})
+        assert status == 409, (name, body)
+        assert '"replace": true' in body["error"]["message"]
+    # "replace": true cannot replace a definition in another file (the install writes
+    # renamed.yaml; other-file.yaml would still win): a 409 naming the file
+    status, body = await call(cluster, a, "POST", "/models/apply",
+                              {"id": "one", "name": "renamed", "replace": True})
+    assert status == 409 and "other-file.yaml" in body["error"]["message"], body
+    assert sorted(os.listdir(cluster.models_dir)) == sorted(written)
+    for fname, text in written.items():
+        assert open(os.path.join(cluster.models_dir, fname)).read() == text

@@ -238,7 +238,7 @@ async def test_a_url_model_and_a_file_url_and_an_http_error(cluster, files, tmp_
     with open(os.path.join(cluster.models_dir, "copied.bin"), "rb") as f:
         assert f.read() == WEIGHTS[:1000]
 
-    with pytest.raises(ModelDownloadFailed, match="answered HTTP 404"):
+    with pytest.raises(ModelDownloadFailed, match="failed; the frontend.s log says why"):
         await router.predict("missing", backend_pb2.PredictOptions(Prompt="m"))
     assert sorted(leftovers(cluster.models_dir)) == ["copied.bin", "tiny.gguf"]
 

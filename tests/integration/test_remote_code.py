@@ -49,8 +49,8 @@ async def test_remote_code_is_refused_unless_the_worker_allows_it(cluster, monke
     for record in running:
         environ = _environ(record.pid)
         assert environ["LOCALAI_ALLOW_REMOTE_CODE"] == "0"
-        # the worker's own secrets in its environment are not inherited (the token the
-        # replicas authenticate backend calls with still is: LOCALAI_GRPC_AUTH_TOKEN)
+        # the worker's own secrets in its environment are not inherited (the backend's own
+        # gRPC token is given: tests/integration/test_backend_tokens.py)
         assert "LOCALAI_REGISTRATION_TOKEN" not in environ
         assert "LOCALAI_API_TOKEN" not in environ
         assert "cluster-secret-in-env" not in environ.values()

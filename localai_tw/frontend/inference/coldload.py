@@ -84,8 +84,11 @@ class ColdLoader:
                  start_timeout: float = DEFAULT_START_TIMEOUT,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
                  load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+                 allow_private_downloads: bool = False,
                  metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
         self._db = db
+        #: the operator's --allow-private-downloads (downloads.py, fetchpolicy.py)
+        self.allow_private_downloads = allow_private_downloads
         self._metrics = metrics
         self._nodes = nodes
         self._control = control
@@ -105,7 +108,8 @@ class ColdLoader:
     def downloads(self) -> ModelDownloads:
         """This replica's downloads into the models directory (made on first use)."""
         if self._downloads is None:
-            self._downloads = ModelDownloads(self.models_dir, self._reactor, self.digests)
+            self._downloads = ModelDownloads(self.models_dir, self._reactor, self.digests,
+                                             allow_private=self.allow_private_downloads)
         return self._downloads
 
     async def download(self, model: ModelConfig) -> None:
@@ -177,10 +181,12 @@ class ColdLoader:
                                   (reply or {}).get("error") or "backend.start failed")
         address = str(reply.get("address") or "")
         try:
-            int(address.rsplit(":", 1)[1])
+            port = int(address.rsplit(":", 1)[1])
         except (IndexError, ValueError):
             raise errors.TunnelProtocolError(
                 f"backend.start on {node_id} answered an unusable address {address!r}") from None
+        # the backend process's own gRPC token (an older worker answers none: then asked)
+        self._clients.remember_token(node_id, port, reply.get("token"))
 
         row_written = False
         try:

@@ -79,7 +79,9 @@ def test_an_install_admitted_at_one_replica_is_seen_at_the_other_throughout(make
              "files": [{"filename": "second/b.bin", "uri": f"{base}/files/b.bin",
                         "sha256": hashlib.sha256(SMALL).hexdigest()}]}],
             allow_unicode=True))
-        args = ("--models-dir", str(models), "--galleries", f"e2e=file://{index}")
+        # the files are on 127.0.0.1: the operator's option for a local mirror
+        args = ("--models-dir", str(models), "--galleries", f"e2e=file://{index}",
+                "--allow-private-downloads")
         f0 = cluster.start_frontend(extra_args=args)
         f1 = cluster.start_frontend(extra_args=args)
 

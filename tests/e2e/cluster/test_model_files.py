@@ -49,7 +49,9 @@ def test_a_folder_model_and_a_downloaded_file_with_real_processes(make_cluster, 
             f"    sha256: '{hashlib.sha256(WEIGHTS).hexdigest()}'\n")
 
         cluster = make_cluster()
-        fe = cluster.start_frontend(extra_args=("--models-dir", str(models)))
+        # the download is served on 127.0.0.1: the operator's option for a local mirror
+        fe = cluster.start_frontend(extra_args=("--models-dir", str(models),
+                                                "--allow-private-downloads"))
         worker = cluster.start_worker(prefer=0)
         cluster.wait_owned(worker)
         auth = {"Authorization": f"Bearer {API_KEY}"}
