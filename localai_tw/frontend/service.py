@@ -82,6 +82,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from localai_tw import __version__
+from localai_tw.deferreds import OneShotObserver
 from localai_tw.config import with_fleet_backlog
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
@@ -188,12 +189,13 @@ class ListeningService(Service):
         self.description = description
         self.factory = factory
         self.port = None
-        self._outcome: Any = None
-        self._waiters: list[defer.Deferred] = []
+        #: The outcome of the current start's listen (the port, or why it failed).
+        self._listening = OneShotObserver()
 
     def startService(self) -> None:
         super().startService()
-        self._outcome = None
+        if self._listening.fired:  # started again: a new listen, a new outcome
+            self._listening = OneShotObserver()
         endpoint = endpoints.serverFromString(self._reactor,
                                               with_fleet_backlog(self.description))
         endpoint.listen(self.factory).addBoth(self._listened)
@@ -208,19 +210,11 @@ class ListeningService(Service):
             if not self.running:  # stopped while the listen was in flight
                 self.port = None
                 result.stopListening()
-        self._outcome = result
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            d.errback(result) if isinstance(result, Failure) else d.callback(result)
+        self._listening.fire(result)
 
     def whenListening(self) -> defer.Deferred:
         """Fires with the ``IListeningPort``, or fails with the reason it could not listen."""
-        if self._outcome is not None:
-            return defer.fail(self._outcome) if isinstance(self._outcome, Failure) \
-                else defer.succeed(self._outcome)
-        d = defer.Deferred()
-        self._waiters.append(d)
-        return d
+        return self._listening.when()
 
     def tcp_port(self) -> int | None:
         host = self.port.getHost() if self.port is not None else None
@@ -640,8 +634,8 @@ class ReplicaService(InOrderMultiService):
         self.state = StartupState.NOT_STARTED
         self.failure: Failure | None = None
         self._replica: Replica | None = None
-        self._outcome: Any = None
-        self._waiters: list[defer.Deferred] = []
+        #: The outcome of the current start (the Replica, or why it did not start).
+        self._ready = OneShotObserver()
 
     @property
     def replica(self) -> Replica:
@@ -652,6 +646,8 @@ class ReplicaService(InOrderMultiService):
 
     def startService(self) -> None:
         Service.startService(self)  # the children exist only once the replica is built
+        if self._ready.fired:  # started again: a new start, a new outcome
+            self._ready = OneShotObserver()
         self.state = StartupState.STARTING_DATABASE
         self.failure = None
         starting = defer.ensureDeferred(self._start())
@@ -700,20 +696,15 @@ class ReplicaService(InOrderMultiService):
         self._settle(failure)
 
     def _settle(self, outcome) -> None:
-        self._outcome = outcome
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            d.errback(outcome) if isinstance(outcome, Failure) else d.callback(outcome)
+        """The start's outcome; the first one stands (a stop while starting settles it
+        FrontendStopped before the start itself gives up)."""
+        if not self._ready.fired:
+            self._ready.fire(outcome)
 
     def whenReady(self) -> defer.Deferred:
         """Fires with the ``Replica`` once built and registered; fails with the startup error
         or ``FrontendStopped``."""
-        if self._outcome is not None:
-            return defer.fail(self._outcome) if isinstance(self._outcome, Failure) \
-                else defer.succeed(self._outcome)
-        d = defer.Deferred()
-        self._waiters.append(d)
-        return d
+        return self._ready.when()
 
     def stopService(self) -> defer.Deferred:
         if self.state is not StartupState.FAILED:
@@ -721,7 +712,7 @@ class ReplicaService(InOrderMultiService):
         stopping = super().stopService()
 
         def stopped(result):
-            if self._outcome is None:
+            if not self._ready.fired:
                 self._settle(Failure(FrontendStopped("the frontend was stopped while starting")))
             return result
 
