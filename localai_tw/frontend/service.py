@@ -122,6 +122,7 @@ from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts
 from localai_tw.web.listener import BoundedSite
 from localai_tw.frontend.api.routes import Wiring, apply_policies, build_root
 from localai_tw.frontend.api.workers import is_heartbeat_path
+from localai_tw.frontend.inference.crashes import CrashProbe
 
 log = Logger()
 
@@ -533,7 +534,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     inference = InferenceRouter(catalog, chooser, loads, loader, backend_clients, reactor,
                                 WorkerScratch(control, worker_http, nodes.control_token,
                                               reactor),
-                                use=use, lifecycle=lifecycle, scaler=scaler)
+                                use=use, lifecycle=lifecycle, scaler=scaler,
+                                crashes=CrashProbe(control))
     watchdog = LifecycleWatchdog(db, lifecycle, tunnels.held_nodes, reactor,
                                  idle_timeout=config.idle_timeout,
                                  busy_timeout=config.busy_timeout)

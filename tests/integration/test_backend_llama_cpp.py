@@ -482,3 +482,86 @@ async def test_a_bad_gguf_is_a_clear_error_for_the_api_user_and_the_worker_goes_
     # The worker goes on serving.
     code, answer = await _post(chat, {"model": "tiny-gguf", **ask})
     assert code == 200 and answer["usage"]["completion_tokens"] == 8
+
+
+@pytest_twisted.ensureDeferred
+async def test_localais_options_reach_llama_cpp(supervisor, gguf_file):
+    await _start(supervisor, gguf_file, Options=[
+        "no_mmap", "mlock:false", "flash_attention:on", "cache_type_k:f16", "-ctv:f16",
+        "--no-repack", "an_option_this_backend_does_not_know:1"])
+    loaded = [line for line in supervisor.logs("tiny") if "with llama.cpp: n_ctx" in line]
+    assert "mmap False, mlock False, flash attention True, extra buffer types off" \
+        in loaded[0], loaded
+    await supervisor.stop("tiny")
+    with pytest.raises(BackendLoadFailed) as caught:
+        await _start(supervisor, gguf_file, name="bad", Options=["mmap:maybe"])
+    assert "option 'mmap': 'maybe' is not a boolean" in str(caught.value)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_crash_on_the_first_evaluation_on_an_amx_cpu_falls_back_once(
+        cluster, gguf_file, monkeypatch):
+    """The backend dies by SIGSEGV on its first evaluation while llama.cpp's extra buffer types
+    are on (the test hook standing in for the AMX defect; ``LOCALAI_ASSUME_AMX=1`` standing in
+    for the CPU).  The request that crashed is served by one transparent retry on a backend
+    started with the extra buffer types off; the worker log and ``/api/nodes`` say so; nothing
+    crashes again and nothing falls back twice."""
+    import openai
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    from localai_tw.backends.builtin.llama_cpp import CRASH_TEST_ENV
+    from localai_tw.backends.process import CRASHED
+
+    monkeypatch.setenv("LOCALAI_ASSUME_AMX", "1")
+    monkeypatch.setenv(CRASH_TEST_ENV, "1")  # inherited by the backend processes
+    logged: list[str] = []
+
+    def observe(event):
+        logged.append(formatEvent(event) or "")
+
+    globalLogPublisher.addObserver(observe)
+    try:
+        data = open(gguf_file, "rb").read()
+        cluster.write_file("tiny.gguf", data)
+        cluster.write_model("tiny.yaml", _gguf_model("tiny-amx", "tiny.gguf", sha256_hex(data),
+                                                     "context_size: 96\nthreads: 1\n"))
+        holder = await cluster.frontend("replica-amx-a")
+        relay = await cluster.frontend("replica-amx-b")
+        worker = await cluster.worker("w-amx", holder)
+        sent = []
+        client = openai.OpenAI(
+            base_url=cluster.base_url(relay) + "/v1", api_key=ADMIN, timeout=120,
+            http_client=openai.DefaultHttpxClient(event_hooks={"request": [sent.append]}))
+
+        def ask():
+            return client.completions.create(model="tiny-amx", prompt="the cat sat",
+                                             max_tokens=4, temperature=0)
+
+        first = await deferToThread(ask)
+        assert first.usage.completion_tokens == 4 and len(sent) == 1
+        second = await deferToThread(ask)
+        assert second.choices[0].text == first.choices[0].text and len(sent) == 2
+
+        supervisor = supervisor_of(worker)
+        crashes = [r for r in supervisor._ended if r.model == "tiny-amx"]
+        assert [(r.state, r.signal_name()) for r in crashes] == [(CRASHED, "SIGSEGV")]
+        live = supervisor.find("tiny-amx", include_ended=False)
+        assert live.note and "extra buffer types off" in live.note
+        assert any("extra buffer types off" in line for line in supervisor.logs("tiny-amx"))
+        assert any("on its first evaluation after loading, on a CPU with AMX" in line
+                   for line in logged), logged[-20:]
+
+        code, nodes = await _get(cluster.base_url(relay) + "/api/nodes")
+        assert code == 200
+        entry, = [m for n in nodes["nodes"] for m in n["models"]
+                  if m["model_name"] == "tiny-amx"]
+        assert entry["state"] == "loaded"
+        assert "extra buffer types off (use_extra_bufts=false)" in entry["note"]
+        assert "killed by signal SIGSEGV on its first evaluation" in entry["note"]
+    finally:
+        globalLogPublisher.removeObserver(observe)
+
+
+async def _get(url: str):
+    response = await treq.get(url, headers={"Authorization": f"Bearer {ADMIN}"})
+    return response.code, json.loads(await treq.content(response))

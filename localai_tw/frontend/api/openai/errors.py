@@ -15,6 +15,7 @@ from typing import Mapping
 from localai_tw.errors import (
     AbsentWithinGrace,
     BackendAnswer,
+    BackendCrashed,
     CallerDeadlineExceeded,
     ClusterError,
     PeerRejected,
@@ -44,6 +45,8 @@ from localai_tw.web.errors import APIError
 
 #: Longest error text passed on from a worker or backend.
 MAX_ERROR_TEXT = 2000
+#: Characters of a crashed backend's last output quoted in its error.
+MAX_CRASH_OUTPUT = 1200
 
 
 class OpenAIError(Exception):
@@ -118,6 +121,27 @@ def early_error(refusal) -> OpenAIError:
                        headers=getattr(refusal, "headers", None))
 
 
+def crashed(error: BackendCrashed) -> OpenAIError:
+    """A backend process that died during the call, as its worker told it: model, node (by
+    name), signal or exit code, and its last output lines; never retried by an SDK (the same
+    request would most likely crash it again)."""
+    where = f" on node {printable(error.node_name, 64)!r}" if error.node_name else ""
+    text = (f"the backend of model {printable(error.model)!r}{where} crashed during the call: "
+            f"{printable(error.description, 64)}")
+    lines, room = [], MAX_CRASH_OUTPUT
+    for line in reversed(error.output):  # the last lines say most: kept first
+        if len(line) + 3 > room:
+            break
+        lines.insert(0, line)
+        room -= len(line) + 3
+    if lines:
+        text += "; its last output: " + " | ".join(lines)
+    if error.fallback:
+        text += f"; {error.fallback}"
+    return OpenAIError(502, _public(text), "upstream_error", code="backend_crashed",
+                       headers=NO_RETRY)
+
+
 def error_for(error: BaseException) -> OpenAIError:
     """The HTTP answer for a failure of the router (or of this API).  One row each, in the
     order of the table in ``docs/openai-api.md``; subclasses are matched before their bases.
@@ -186,6 +210,8 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(500, f"model {printable(error.name)!r} failed to load: "
                            f"{_public(error.detail)}", "server_error",
                            code="model_load_failed", headers={**retry, **NO_RETRY})
+    if isinstance(error, BackendCrashed):
+        return crashed(error)
     if isinstance(error, BackendAnswer):
         if error.code in _BACKEND_REFUSED_INPUT:
             return OpenAIError(400, f"the backend refused the request: "
