@@ -75,15 +75,15 @@ import enum
 import os
 from typing import Any, Callable, Mapping
 
-from twisted.application.service import MultiService, Service
-from twisted.internet import defer, endpoints
+from twisted.application.service import Service
+from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from localai_tw import __version__
 from localai_tw.deferreds import OneShotObserver
-from localai_tw.config import with_fleet_backlog
+from localai_tw.servicetree import InOrderMultiService
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
 from localai_tw.cluster.membership import (
@@ -120,6 +120,12 @@ from localai_tw.frontend.gallery.installs import GalleryJobs, parse_galleries
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource, StartingGate
 from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts
 from localai_tw.web.listener import BoundedSite
+from localai_tw.frontend.parts import (
+    ListeningService,
+    PeerService,
+    TunnelRegistryService,
+    WorkerClientsService,
+)
 from localai_tw.frontend.api.routes import Wiring, apply_policies, build_root
 from localai_tw.frontend.api.workers import is_heartbeat_path
 from localai_tw.frontend.inference.crashes import CrashProbe
@@ -155,78 +161,6 @@ class StartupState(enum.Enum):
     READY = "ready"
     STOPPING = "stopping"
     FAILED = "startup failed"
-
-
-class InOrderMultiService(MultiService):
-    """A ``MultiService`` that stops its children one at a time, last added first, each after
-    the previous one has finished stopping (the listener before the replica's parts, these
-    before the database; the local worker before its frontend)."""
-
-    def stopService(self):
-        Service.stopService(self)
-        return defer.ensureDeferred(self._stop_in_order())
-
-    async def _stop_in_order(self) -> None:
-        for service in reversed(list(self)):
-            if not service.running:
-                continue
-            try:
-                await defer.maybeDeferred(service.stopService)
-            except Exception:
-                log.failure("stopping {name} failed", name=getattr(service, "name", service))
-
-
-class ListeningService(Service):
-    """Listens on a server endpoint description and keeps the ``IListeningPort``.
-
-    Unlike ``strports.service``, the port is public (``port``), so the replica can advertise the
-    port it really got; a failure to listen arrives through ``whenListening()``.
-    """
-
-    name = "http"
-
-    def __init__(self, reactor, description: str, factory):
-        self._reactor = reactor
-        self.description = description
-        self.factory = factory
-        self.port = None
-        #: The outcome of the current start's listen (the port, or why it failed).
-        self._listening = OneShotObserver()
-
-    def startService(self) -> None:
-        super().startService()
-        if self._listening.fired:  # started again: a new listen, a new outcome
-            self._listening = OneShotObserver()
-        endpoint = endpoints.serverFromString(self._reactor,
-                                              with_fleet_backlog(self.description))
-        endpoint.listen(self.factory).addBoth(self._listened)
-
-    def _listened(self, result) -> None:
-        if isinstance(result, Failure):
-            log.error("cannot listen on {description}: {reason}", description=self.description,
-                      reason=result.getErrorMessage())
-        else:
-            self.port = result
-            log.info("listening on {address}", address=result.getHost())
-            if not self.running:  # stopped while the listen was in flight
-                self.port = None
-                result.stopListening()
-        self._listening.fire(result)
-
-    def whenListening(self) -> defer.Deferred:
-        """Fires with the ``IListeningPort``, or fails with the reason it could not listen."""
-        return self._listening.when()
-
-    def tcp_port(self) -> int | None:
-        host = self.port.getHost() if self.port is not None else None
-        return getattr(host, "port", None)
-
-    def stopService(self) -> defer.Deferred:
-        super().stopService()
-        port, self.port = self.port, None
-        if port is None:
-            return defer.succeed(None)
-        return defer.maybeDeferred(port.stopListening)
 
 
 def _option(options: Mapping[str, Any], name: str, default=None):
@@ -296,67 +230,6 @@ class ReplicaConfig:
             registration_limit=int(_option(options, "registration-limit", 1200)),
             galleries=parse_galleries(options.get("galleries") or ()),
             allow_private_downloads=bool(options.get("allow-private-downloads")))
-
-
-# -- the long-lived parts as services --------------------------------------------------------
-
-
-class TunnelRegistryService(Service):
-    """The worker tunnels held here: stopping closes them, releasing their claims."""
-
-    name = "tunnels"
-
-    def __init__(self, tunnels: TunnelRegistry, instance_id: str):
-        self.tunnels = tunnels
-        self._instance_id = instance_id
-
-    def stopService(self) -> defer.Deferred:
-        super().stopService()
-        log.info("frontend replica {replica} stopping: closing {count} tunnels",
-                 replica=self._instance_id, count=len(self.tunnels.held_nodes()))
-        return self.tunnels.close()
-
-
-class PeerService(Service):
-    """The replica links: those other replicas dialed here, and those dialed from here."""
-
-    name = "peers"
-
-    def __init__(self, accepted: AcceptedPeerLinks, pool: PeerPool):
-        self.accepted = accepted
-        self.pool = pool
-
-    def stopService(self) -> None:
-        super().stopService()
-        self.accepted.close()
-        self.pool.close()
-
-
-class WorkerClientsService(Service):
-    """This process's per-node connections: the gRPC bridges and the worker HTTP pools; and
-    its model downloads (``downloads.py``), stopped with them."""
-
-    name = "worker-clients"
-
-    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient,
-                 downloads=None):
-        self.backend_clients = backend_clients
-        self.worker_http = worker_http
-        self.downloads = downloads
-
-    def stopService(self) -> defer.Deferred:
-        super().stopService()
-        return defer.ensureDeferred(self._close())
-
-    async def _close(self) -> None:
-        if self.downloads is not None:
-            self.downloads.close()
-        for what, closing in (("the gRPC bridges", self.backend_clients),
-                              ("the worker HTTP pools", self.worker_http)):
-            try:
-                await defer.maybeDeferred(closing.close)
-            except Exception:
-                log.failure("closing {what} failed", Failure(), what=what)
 
 
 # -- the replica -------------------------------------------------------------------------------

@@ -358,7 +358,8 @@ def makeService(options: Options) -> MultiService:
 
     logs.quiet_grpc_core()  # before the inference core imports grpc
     from localai_tw.frontend.localworker import LocalWorkerService
-    from localai_tw.frontend.service import FrontendService, InOrderMultiService
+    from localai_tw.frontend.service import FrontendService
+    from localai_tw.servicetree import InOrderMultiService
 
     if options.get("instance-id") is None:
         try:

@@ -172,7 +172,7 @@ async def test_the_listener_has_a_backlog_for_a_fleet():
     from twisted.web.server import Site
     from twisted.web.resource import Resource
 
-    from localai_tw.frontend.service import ListeningService
+    from localai_tw.frontend.parts import ListeningService
 
     listener = ListeningService(reactor, "tcp:0:interface=127.0.0.1", Site(Resource()))
     listener.startService()
