@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import readme
-from tests.e2e.test_one_machine import require_modules
+from tests.e2e.support import require_modules
 from tests.e2e.userenv import user_environment
 
 pytestmark = pytest.mark.heavy

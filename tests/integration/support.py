@@ -36,3 +36,12 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02,
 def within(d, seconds: float = 20.0) -> defer.Deferred:
     """``d`` (a Deferred or a coroutine) failing with ``defer.TimeoutError`` after ``seconds``."""
     return defer.ensureDeferred(d).addTimeout(seconds, reactor)
+
+
+async def failure_of(d) -> BaseException:
+    """The exception ``d`` fails with (within 20 s); an ``AssertionError`` if it succeeds."""
+    try:
+        await within(d)
+    except Exception as e:  # noqa: BLE001 - the point is to inspect it
+        return e
+    raise AssertionError("expected a failure")

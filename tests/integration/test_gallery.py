@@ -1,7 +1,7 @@
 """Gallery installs on a cluster (issue 13 §3): two real ``FrontendService`` replicas on one
 PostgreSQL database and one shared models directory, a gallery index in LocalAI's format in a
 file, the model files served by a twisted.web server this test starts on 127.0.0.1
-(``test_model_downloads.FileServer``: ``/held/`` sends half and waits for ``release``).
+(``harness_downloads.FileServer``: ``/held/`` sends half and waits for ``release``).
 
 Each scenario's docstring names the deliberate break of the product that turns it red; each
 was checked once (commit message)."""
@@ -22,7 +22,7 @@ from localai_tw.localai.model_config import load_model_file
 
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually
-from .test_model_downloads import FileServer
+from .harness_downloads import FileServer
 
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 WEIGHTS = bytes(range(256)) * 4096  # 1 MiB

@@ -482,7 +482,7 @@ async def test_the_dashboard_lists_jobs_with_their_state(cluster):
 
     Deliberate break: ``renderJobs`` not called in ``poll`` -> the rows never appear (red)."""
     from .browser import Browser, require_browser
-    from .test_dashboard import open_with_key, text_of
+    from .harness_dashboard import open_with_key, text_of
 
     require_browser()
     a = await cluster.frontend("replica-da", job_kinds=kinds())
