@@ -826,8 +826,7 @@ class FrontendService(InOrderMultiService):
         root.putChild(b"dashboard", dashboard_files())
         for name, probe in self._probe_resources.items():
             root.putChild(name, probe)  # the same /healthz and /readyz
-        db = getattr(replica, "db", None)  # (a test's stand-in replica may have none)
-        generated = GeneratedFiles(db) if db is not None else None
+        generated = GeneratedFiles(replica.db)
         openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
                                 reactor=self._reactor, node_names=replica.node_name,
                                 metrics=replica.metrics, generated=generated)
@@ -837,13 +836,12 @@ class FrontendService(InOrderMultiService):
         for name in unprefixed_roots():
             root.putChild(name, unprefixed)
         # /models also holds LocalAI's gallery routes (admin; api/gallery.py).
-        gallery = getattr(replica, "gallery", None)
         root.putChild(b"models", ModelsRoot(
-            GalleryResource(gallery, self.api_keys) if gallery is not None else None,
+            GalleryResource(replica.gallery, self.api_keys) if replica.gallery is not None
+            else None,
             unprefixed))
         # The images answered as URLs, which every replica serves from the shared store.
-        if generated is not None:
-            root.putChild(b"generated-images", GeneratedFilesResource(generated))
+        root.putChild(b"generated-images", GeneratedFilesResource(generated))
         root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
                                                   replica.tunnels, replica.control))
         api = JSONDirectory()

@@ -96,7 +96,8 @@ async def test_an_install_admitted_at_a_is_seen_at_b_queued_downloading_done(
     """Replica B answers a job admitted at A while it is queued (no row yet), while it
     downloads (bytes, total, rate) and once it is done (its row); a ~9000-byte description
     round-trips byte-identical through the bus's spill path.
-    Red when A publishes only to itself (``GalleryJobs.broadcast = False``): B answers 404."""
+    Red when A publishes only to itself (``GalleryJobs._publish`` returning before
+    ``bus.publish``): B never sees the download's progress (the first wait, 20 s)."""
     files.files["a.bin"] = WEIGHTS
     files.files["b.bin"] = SMALL
     a, b = await start(cluster, tmp_path, [

@@ -15,6 +15,7 @@ from twisted.logger import capturedLogs
 
 from localai_tw.web.streaming import PacedWriter
 from localai_tw.worker import control, httpserve
+from localai_tw.worker.control import auth as control_auth
 from localai_tw.worker.control import (
     ControlAuth,
     ControlVerbs,
@@ -509,13 +510,13 @@ def test_verbs_that_must_finish_are_not_cancelled_by_a_disconnect():
 
 def test_bearer_token_missing_wrong_right(monkeypatch):
     compared = []
-    real = control.hmac.compare_digest
+    real = control_auth.hmac.compare_digest
 
     def spy(a, b):
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(control.hmac, "compare_digest", spy)
+    monkeypatch.setattr(control_auth.hmac, "compare_digest", spy)  # where the token is compared
     site, verbs = make_site(token="s3cret")
     verbs.register("node.status", lambda body: {"ok": True})
     code, headers, body = post(site, "/v1/control/node/status")

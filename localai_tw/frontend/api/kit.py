@@ -36,7 +36,6 @@ and never put a traceback or an internal exception text into a response.
 
 from __future__ import annotations
 
-import hmac  # noqa: F401  (the tests spy on hmac.compare_digest through this module)
 import json
 import socket
 from collections import deque

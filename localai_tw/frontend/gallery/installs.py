@@ -366,7 +366,7 @@ class GalleryJobs(Service):
 
     def __init__(self, db, bus, instance_id: str, models_dir: str, downloads,
                  galleries: tuple[Gallery, ...], reactor, *, agent=None,
-                 progress_interval: float = 1.0, broadcast: bool = True):
+                 progress_interval: float = 1.0):
         self.db, self.bus, self.instance_id = db, bus, instance_id
         self.models_dir = models_dir
         self.downloads = downloads
@@ -374,9 +374,6 @@ class GalleryJobs(Service):
         self._reactor = reactor
         self._agent = agent
         self.progress_interval = progress_interval
-        #: False is the deliberate break the tests name: a replica that publishes only to
-        #: itself.
-        self.broadcast = broadcast
         self.snapshots: OrderedDict[str, dict] = OrderedDict()
         self._queue: deque[_Op] = deque()
         self._running = False
@@ -531,7 +528,7 @@ class GalleryJobs(Service):
         self._seq += 1
         snapshot = dict(snapshot, seq=self._seq)
         self._remember(job_id, snapshot)
-        if self.bus is None or not self.broadcast:
+        if self.bus is None:
             return
         try:
             await self.bus.publish(f"{SUBJECT_ROOT}.{job_id}", snapshot)
