@@ -19,16 +19,11 @@ from localai_tw.worker.service import makeWorkerService
 
 from .browser import Browser, require_browser
 from .harness_dashboard import click, open_with_key, text_of
+from .harness_echo import WEIGHTS, echo_model
 from .inference_harness import ADMIN, TOKEN, _ports, sha256_hex
 from .support import eventually
 
-WEIGHTS = b"echo weights " * 100
-
-ECHO_MODEL = (
-    "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n  max_tokens: 64\n"
-    f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
-    "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
-    "options: ['echo.dim:6']\n")
+ECHO_MODEL = echo_model("echo-chat")
 
 
 @pytest_twisted.async_yield_fixture

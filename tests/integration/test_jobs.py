@@ -18,10 +18,10 @@ from localai_tw import errors
 from localai_tw.jobs.builtin import chat_job, embed_batch_job
 from localai_tw.jobs.kinds import IJobKind, JobKinds
 
+from .harness_echo import WEIGHTS
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually
 
-WEIGHTS = b"echo weights " * 100
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
