@@ -358,7 +358,7 @@ class GalleryJobs(Service):
     """The gallery of one replica: indexes, its queue of operations, and the snapshots of
     every job the cluster broadcast (module docstring).
 
-    :param bus: a started-with-this-service ``PgBus`` (or None: snapshots stay local; tests).
+    :param bus: a started-with-this-service ``PgBus``.
     :param downloads: the replica's :class:`~.downloads.ModelDownloads`.
     """
 
@@ -385,9 +385,8 @@ class GalleryJobs(Service):
 
     def startService(self):
         super().startService()
-        if self.bus is not None:
-            return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallbacks(
-                self._subscribed, self._not_subscribed)
+        return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallbacks(
+            self._subscribed, self._not_subscribed)
 
     def _subscribed(self, sub) -> None:
         if not self.running:  # stopped while the subscription was on its way
@@ -528,8 +527,6 @@ class GalleryJobs(Service):
         self._seq += 1
         snapshot = dict(snapshot, seq=self._seq)
         self._remember(job_id, snapshot)
-        if self.bus is None:
-            return
         try:
             await self.bus.publish(f"{SUBJECT_ROOT}.{job_id}", snapshot)
         except Exception as e:  # a hint: the row is the record
