@@ -57,3 +57,12 @@ def backend_channel(record):
 
     channel = grpc.insecure_channel(record.address)
     return grpc.intercept_channel(channel, Bearer()) if record.grpc_token else channel
+
+
+async def failure_of(d) -> BaseException:
+    """The exception ``d`` fails with (within 20 s); an ``AssertionError`` if it succeeds."""
+    try:
+        await within(d)
+    except Exception as e:  # noqa: BLE001 - the point is to inspect it
+        return e
+    raise AssertionError("expected a failure")

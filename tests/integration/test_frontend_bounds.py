@@ -15,7 +15,7 @@ from twisted.logger import formatEvent, globalLogPublisher
 from localai_tw.frontend.service import FrontendService
 
 from .support import eventually
-from .test_frontend_service import ADMIN, TOKEN, Client, options
+from .harness_frontend import ADMIN, TOKEN, Client, options
 
 
 class RawClient(protocol.Protocol):

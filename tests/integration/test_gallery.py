@@ -1,7 +1,7 @@
 """Gallery installs on a cluster (issue 13 §3): two real ``FrontendService`` replicas on one
 PostgreSQL database and one shared models directory, a gallery index in LocalAI's format in a
 file, the model files served by a twisted.web server this test starts on 127.0.0.1
-(``test_model_downloads.FileServer``: ``/held/`` sends half and waits for ``release``).
+(``harness_downloads.FileServer``: ``/held/`` sends half and waits for ``release``).
 
 Each scenario's docstring names the deliberate break of the product that turns it red; each
 was checked once (commit message)."""
@@ -22,7 +22,7 @@ from localai_tw.localai.model_config import load_model_file
 
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually
-from .test_model_downloads import FileServer
+from .harness_downloads import FileServer
 
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
@@ -96,7 +96,8 @@ async def test_an_install_admitted_at_a_is_seen_at_b_queued_downloading_done(
     """Replica B answers a job admitted at A while it is queued (no row yet), while it
     downloads (bytes, total, rate) and once it is done (its row); a ~9000-byte description
     round-trips byte-identical through the bus's spill path.
-    Red when A publishes only to itself (``GalleryJobs.broadcast = False``): B answers 404."""
+    Red when A publishes only to itself (``GalleryJobs._publish`` returning before
+    ``bus.publish``): B never sees the download's progress (the first wait, 20 s)."""
     files.files["a.bin"] = WEIGHTS
     files.files["b.bin"] = SMALL
     a, b = await start(cluster, tmp_path, [

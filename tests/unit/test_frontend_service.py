@@ -42,6 +42,7 @@ def wired():
     replica = SimpleNamespace(
         cluster_parts=lambda: ClusterParts(db=None, nodes=None, fence=None,
                                            instance_id="replica-u"),
+        db=None, gallery=None,  # nothing below reads them: the tree only routes here
         inference=object(), node_name=lambda node_id: None, nodes=None, tunnels=None,
         peer_links=SimpleNamespace(resource=Resource), metrics=ReplicaMetrics(), control=None,
         jobs=SimpleNamespace(store=None, kinds=None, fanout=None))
@@ -65,7 +66,7 @@ def test_ready_only_when_the_database_is_ready_and_membership_registered():
 
 
 def test_readyz_reports_the_startup_state():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, db = frontend()
     db.state = (True, "ready")
@@ -77,7 +78,7 @@ def test_readyz_reports_the_startup_state():
 
 
 def test_routes_answer_503_json_until_wired():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     for path in ("/api/cluster/connect", "/api/cluster/peer", "/api/node/register", "/nope"):
@@ -88,7 +89,7 @@ def test_routes_answer_503_json_until_wired():
 
 
 def test_the_openai_api_is_503_starting_until_wired():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     response = call(service.site, "GET", "/v1/models", headers={"Authorization": "Bearer k"})
@@ -101,7 +102,7 @@ def test_the_openai_api_is_503_starting_until_wired():
 def test_a_stopping_replica_says_it_is_stopping_not_starting():
     """Issue 15 §4: a stopping replica answered heartbeats and API calls with 503 "the frontend
     is starting", which sends an operator looking for the wrong problem."""
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     service.gate.open(service.gate.tree)
@@ -115,7 +116,7 @@ def test_a_stopping_replica_says_it_is_stopping_not_starting():
 
 
 def test_a_missing_api_key_is_refused_while_starting_too():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     openai = call(service.site, "GET", "/v1/models")
@@ -135,7 +136,7 @@ def test_the_peer_secret_is_minted_once_and_kept_out_of_repr():
 
 def test_the_root_says_where_the_apis_are():
     from localai_tw import __version__
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     response = call(service.site, "GET", "/")
@@ -154,7 +155,7 @@ def test_the_root_says_where_the_apis_are():
     ("GET", "/api/cluster"), ("GET", "/api/cluster/nope"),
 ])
 def test_unknown_paths_are_json_404_in_the_project_shape(method, path):
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service = wired()
     response = call(service.site, method, path)
@@ -165,7 +166,7 @@ def test_unknown_paths_are_json_404_in_the_project_shape(method, path):
 
 
 def test_unknown_paths_under_v1_are_json_404_in_the_openai_shape():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service = wired()
     response = call(service.site, "GET", "/v1/nope", headers={"Authorization": "Bearer k"})

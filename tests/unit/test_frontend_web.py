@@ -11,6 +11,7 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from localai_tw.frontend.api import kit as web
 from localai_tw.frontend.api.kit import APIKeyGuard, bearer_token
+from localai_tw.web import auth
 from localai_tw.web.errors import APIError, bad_request, conflict
 from localai_tw.web.listener import MAX_BODY_BYTES, BoundedSite
 
@@ -38,13 +39,13 @@ def test_a_repeated_authorization_header_gives_no_bearer_token():
 
 def test_api_key_guard_compares_every_key_in_constant_time(monkeypatch):
     compared = []
-    real = web.hmac.compare_digest
+    real = auth.hmac.compare_digest
 
     def spy(a, b):
         compared.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(web.hmac, "compare_digest", spy)
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)  # where the keys are compared
     guard = APIKeyGuard(["first-key", "a-much-longer-second-key", "k3"])
     guard.check(request_with(b"Bearer first-key"))  # matches the first: no early exit
     assert compared == [(32, 32)] * 3

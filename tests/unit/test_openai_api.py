@@ -17,7 +17,7 @@ from localai_tw.backends import backend_pb2
 from localai_tw.frontend.api.openai import OpenAIResource
 from localai_tw.frontend.api.kit import APIKeyGuard
 
-from .test_openai_fakes import Client, FakeRouter, call, make_site, model_config
+from .support_openai import Client, FakeRouter, assert_error, call, make_site, model_config
 
 
 @pytest.fixture
@@ -42,20 +42,6 @@ def chat(model="chatty", **more):
     body = {"model": model, "messages": [{"role": "user", "content": "hi there"}]}
     body.update(more)
     return body
-
-
-def assert_error(response, status, type_=None, param=None, code=None):
-    assert response.status == status, response.raw_body
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    if type_ is not None:
-        assert error["type"] == type_
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 # -- bad input ------------------------------------------------------------------------------

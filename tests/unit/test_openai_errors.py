@@ -31,7 +31,7 @@ from localai_tw.frontend.inference.interfaces import (
 )
 from localai_tw.frontend.api.openai import OpenAIError, error_for
 
-from .test_openai_fakes import FakeRouter, call, make_site, model_config
+from .support_openai import FakeRouter, call, make_site, model_config
 
 CASES = [
     # (error, status, type, code, retry-after, text the message must hold)

@@ -21,7 +21,6 @@ a secret with ``==``, and never put a traceback or an internal exception text in
 
 from __future__ import annotations
 
-import hmac  # noqa: F401  (the tests spy on hmac.compare_digest through this module)
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence

@@ -91,8 +91,7 @@ ROUTES: tuple[Mount, ...] = (
     *_openai_rows(),
     Mount(b"/backend", lambda w: BackendResource(w.replica.inference, w.api_keys),
           guard=ADMIN_KEY),
-    Mount(b"/generated-images",
-          lambda w: GeneratedFilesResource(w.generated) if w.generated is not None else None),
+    Mount(b"/generated-images", lambda w: GeneratedFilesResource(w.generated)),
     Mount(b"/metrics", lambda w: MetricsResource(w.replica.metrics, w.api_keys,
                                                  w.replica.tunnels, w.replica.control),
           guard=ADMIN_KEY),
@@ -153,9 +152,8 @@ class Wiring:
         return self.replica.cluster_parts()
 
     @functools.cached_property
-    def generated(self) -> GeneratedFiles | None:
-        db = getattr(self.replica, "db", None)  # (a test's stand-in replica may have none)
-        return GeneratedFiles(db) if db is not None else None
+    def generated(self) -> GeneratedFiles:
+        return GeneratedFiles(self.replica.db)
 
     @functools.cached_property
     def openai(self) -> OpenAIResource:
@@ -171,7 +169,7 @@ class Wiring:
     @functools.cached_property
     def models_root(self) -> Resource:
         """/models: LocalAI's gallery routes (admin) beside the unprefixed /models."""
-        gallery = getattr(self.replica, "gallery", None)
+        gallery = self.replica.gallery
         return ModelsRoot(GalleryResource(gallery, self.api_keys) if gallery is not None
                           else None, self.unprefixed)
 

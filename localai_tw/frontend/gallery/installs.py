@@ -373,7 +373,7 @@ class GalleryJobs(Service):
     """The gallery of one replica: indexes, its queue of operations, and the snapshots of
     every job the cluster broadcast (module docstring).
 
-    :param bus: a started-with-this-service ``PgBus`` (or None: snapshots stay local; tests).
+    :param bus: a started-with-this-service ``PgBus``.
     :param downloads: the replica's :class:`~.downloads.ModelDownloads`.
     :param catalog: the replica's :class:`~.models.ModelCatalog` of ``models_dir`` (one of its
         own when not given).
@@ -383,7 +383,7 @@ class GalleryJobs(Service):
 
     def __init__(self, db, bus, instance_id: str, models_dir: str, downloads,
                  galleries: tuple[Gallery, ...], reactor, *, agent=None, catalog=None,
-                 progress_interval: float = 1.0, broadcast: bool = True):
+                 progress_interval: float = 1.0):
         self.db, self.bus, self.instance_id = db, bus, instance_id
         self.models_dir = models_dir
         #: every config's ``name`` (the existing-name check reads it)
@@ -396,9 +396,6 @@ class GalleryJobs(Service):
         #: an install may read file:// sources (the operator's --allow-private-downloads)
         self.allow_local_sources = bool(getattr(downloads, "allow_private", False))
         self.progress_interval = progress_interval
-        #: False is the deliberate break the tests name: a replica that publishes only to
-        #: itself.
-        self.broadcast = broadcast
         self.snapshots: OrderedDict[str, dict] = OrderedDict()
         self._queue: deque[_Op] = deque()
         self._running = False
@@ -410,9 +407,8 @@ class GalleryJobs(Service):
 
     def startService(self):
         super().startService()
-        if self.bus is not None:
-            return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallbacks(
-                self._subscribed, self._not_subscribed)
+        return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallbacks(
+            self._subscribed, self._not_subscribed)
 
     def _subscribed(self, sub) -> None:
         if not self.running:  # stopped while the subscription was on its way
@@ -597,8 +593,6 @@ class GalleryJobs(Service):
         self._seq += 1
         snapshot = dict(snapshot, seq=self._seq)
         self._remember(job_id, snapshot)
-        if self.bus is None or not self.broadcast:
-            return
         try:
             await self.bus.publish(f"{SUBJECT_ROOT}.{job_id}", snapshot)
         except Exception as e:  # a hint: the row is the record

@@ -8,8 +8,8 @@ sees the second **queued, before any row exists**, with its ~9000-byte descripti
 byte-identical (it went through the bus's spill table), sees the first **downloading** (bytes,
 total), and then both **done** (their rows).
 
-Deliberate break: ``GalleryJobs.broadcast`` forced False (a replica that publishes only to
-itself) -> frontend 1 never sees the download's bytes (red at the first wait, after 60 s;
+Deliberate break: ``GalleryJobs._publish`` returning before ``bus.publish`` (a replica that
+publishes only to itself) -> frontend 1 never sees the download's bytes (red at the first wait, after 60 s;
 checked once), nor the queued job (404).
 """
 

@@ -327,3 +327,18 @@ class Client:
 
 def call(site, method, path, body=None, headers=None, raw=None) -> Response:
     return Client(site).send(method, path, body, headers, raw).response()
+
+
+def assert_error(response, status, type_=None, param=None, code=None):
+    """The answer is OpenAI's error shape with ``status`` (and the given fields); returns it."""
+    assert response.status == status, response.raw_body
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if type_ is not None:
+        assert error["type"] == type_
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
