@@ -66,3 +66,10 @@ async def failure_of(d) -> BaseException:
     except Exception as e:  # noqa: BLE001 - the point is to inspect it
         return e
     raise AssertionError("expected a failure")
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment of process ``pid`` as the kernel holds it (``/proc/<pid>/environ``)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [p.partition(b"=") for p in f.read().split(b"\0") if p]
+    return {k.decode(): v.decode(errors="replace") for k, _, v in pairs}

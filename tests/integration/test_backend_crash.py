@@ -184,7 +184,8 @@ async def test_the_node_client_does_not_retry_a_crash_either(cluster):
 
     from twisted.internet import utils
 
-    from .test_client_compat import NODE_CLIENT
+    NODE_CLIENT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
+                               "node-client")
 
     node = shutil.which("node")
     if node is None or not os.path.exists(os.path.join(NODE_CLIENT, "node_modules", "openai")):

@@ -22,7 +22,7 @@ from localai_tw.backends import backend_pb2, backend_pb2_grpc
 from localai_tw.nodekey import control_token, node_key_hash
 
 from .inference_harness import ADMIN, TOKEN, supervisor_of
-from .test_remote_code import _environ
+from .support import process_environ as _environ
 
 ECHO = "name: {name}\nbackend: echo\nparameters:\n  model: {name}\noptions: ['echo.dim:4']\n"
 

@@ -24,8 +24,8 @@ from localai_tw.frontend.inference import fetchpolicy
 
 from .inference_harness import sha256_hex
 from .support import eventually
-from .test_gallery import SMALL, _done, call, entry, job, model_files
-from .test_model_downloads import FileServer
+from .harness_gallery import SMALL, _done, call, entry, job, model_files
+from .harness_downloads import FileServer
 
 UNIFORM = "failed; the frontend's log says why"
 

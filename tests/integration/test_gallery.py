@@ -8,7 +8,6 @@ was checked once (commit message)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -20,13 +19,12 @@ from twisted.web import server
 
 from localai_tw.localai.model_config import load_model_file
 
-from .inference_harness import ADMIN, sha256_hex
+from .inference_harness import sha256_hex
 from .support import eventually
 from .harness_downloads import FileServer
+from .harness_gallery import AUTH, SMALL, _done, call, entry, job, model_files
 
-AUTH = {"Authorization": f"Bearer {ADMIN}"}
 WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
-SMALL = b"tokenizer bytes " * 64
 #: About 9000 bytes once JSON-encoded (non-ASCII is escaped on the bus): spilled.
 LONG_DESCRIPTION = ("Ein Modell für Grüße, naïve café — 模型 🚀\n" * 200)[:8600]
 
@@ -43,15 +41,6 @@ def files():
     port.stopListening()
 
 
-def entry(name: str, files: list[tuple[str, str, str | None]], description: str = "",
-          **extra) -> dict:
-    return {"name": name, "description": description, "license": "mit", "tags": ["test"],
-            "config_file": f"backend: echo\nparameters:\n  model: {files[0][0]}\n"
-                           "options: ['echo.dim:4']\n",
-            "files": [{"filename": f, "uri": u, "sha256": d or ""} for f, u, d in files],
-            **extra}
-
-
 async def start(cluster, tmp_path, entries: list[dict], *replicas: str):
     index = tmp_path / "index.yaml"
     index.write_text(yaml.safe_dump(entries, allow_unicode=True))
@@ -65,29 +54,10 @@ async def start(cluster, tmp_path, entries: list[dict], *replicas: str):
     return started
 
 
-async def call(cluster, frontend, method: str, path: str, body=None, headers=AUTH):
-    url = cluster.base_url(frontend) + path
-    if method == "POST":
-        answer = await treq.post(url, data=json.dumps(body or {}).encode(),
-                                 headers={**headers, "Content-Type": "application/json"})
-    else:
-        answer = await treq.get(url, headers=headers)
-    return answer.code, json.loads(await answer.content())
-
-
-async def job(cluster, frontend, job_id: str):
-    return await call(cluster, frontend, "GET", f"/models/jobs/{job_id}")
-
-
 async def row(cluster, job_id: str):
     db = cluster.frontends[0].database_service.database
     rows = await db.runQuery("SELECT state FROM gallery_jobs WHERE id = %s", (job_id,))
     return rows[0][0] if rows else None
-
-
-def model_files(models_dir: str) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, n), models_dir)
-                  for d, _, names in os.walk(models_dir) for n in names)
 
 
 @pytest_twisted.ensureDeferred
@@ -158,11 +128,6 @@ async def test_an_install_admitted_at_a_is_seen_at_b_queued_downloading_done(
 async def _ok(answer):
     code, body = await answer
     return (code, body) if code == 200 else None
-
-
-async def _done(answer):
-    code, body = await answer
-    return (code, body) if code == 200 and body["state"] in ("done", "failed") else None
 
 
 @pytest_twisted.ensureDeferred

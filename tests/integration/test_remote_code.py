@@ -16,15 +16,10 @@ from localai_tw.backends import backend_pb2
 from localai_tw.frontend.inference.interfaces import ModelLoadFailed
 
 from .inference_harness import supervisor_of
+from .support import process_environ as _environ
 
 CONFIG = ("name: remote\nbackend: transformers\ntrust_remote_code: true\n"
           "parameters:\n  model: someone/model-with-code\n")
-
-
-def _environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        pairs = [p.partition(b"=") for p in f.read().split(b"\0") if p]
-    return {k.decode(): v.decode(errors="replace") for k, _, v in pairs}
 
 
 @pytest_twisted.ensureDeferred
