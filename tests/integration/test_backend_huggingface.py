@@ -118,7 +118,7 @@ async def test_transformers_stream_counts_the_same_tokens_as_predict(supervisor,
         request = backend_pb2.PredictOptions(Prompt="the cat sat on the", Tokens=tokens,
                                              Temperature=0)
         whole = await deferToThread(call_backend, record, "Predict", request)
-        replies = await deferToThread(_stream, record.address, request)
+        replies = await deferToThread(_stream, record, request)
         assert b"".join(r.message for r in replies) == whole.message
         assert max(r.tokens for r in replies) == whole.tokens, tokens
         assert replies[-1].tokens == whole.tokens
