@@ -33,7 +33,9 @@ are on, as llama.cpp's AMX defect does on AMX CPUs (tests only; nothing else set
 Generation (``Predict``, ``PredictStream``) runs one token loop for both, so a stream's
 running ``tokens`` count ends equal to ``Predict``'s for the same output: the prompt is
 ``Prompt`` (rendered by the frontend), or ``Messages`` through the GGUF's own chat template
-(``tokenizer.chat_template``) when ``UseTokenizerTemplate``.  Sampling: ``Temperature`` (0 =
+(``tokenizer.chat_template``) when ``UseTokenizerTemplate``; a file without one is answered
+from ``Prompt`` when the frontend sent one too (the template was guessed, not asked for), else
+refused with ``FAILED_PRECONDITION`` saying what to configure.  Sampling: ``Temperature`` (0 =
 greedy), ``TopK``, ``TopP``, ``MinP``, ``TypicalP``, ``Penalty`` (repeat), ``Repeat`` (its
 window), ``FrequencyPenalty``, ``PresencePenalty``, ``Mirostat*``, ``Seed``, ``IgnoreEOS``;
 ``Tokens`` caps the answer (0: the rest of the context); ``StopPrompts`` end it (the stop text is
@@ -533,7 +535,8 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
 
     def _prompt_tokens(self, request, context) -> list[int]:
         llm = self.llm
-        if request.UseTokenizerTemplate and request.Messages:
+        if request.UseTokenizerTemplate and request.Messages and \
+                (self.chat_formatter is not None or not request.Prompt):
             if self.chat_formatter is None:
                 what = (f"has a chat template that does not compile ({self.template_error})"
                         if self.template_error else
