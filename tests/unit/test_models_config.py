@@ -196,3 +196,23 @@ def test_an_explicit_tokenizer_template_is_not_a_guess():
         "model": "m.gguf"}, "template": {"use_tokenizer_template": True}})
     assert cfg.template.use_tokenizer_template and not cfg.template.tokenizer_template_guessed
     assert cfg.guesses == ()
+
+
+@pytest.mark.parametrize("name,overrides,serves", [
+    # LocalAI's gallery index entries (on gallery/virtual.yaml, which sets nothing) that were
+    # refused here for their missing backend
+    ("nomic-embed-text-v1.5", {"embeddings": True,
+                               "parameters": {"model": "nomic-embed-text-v1.5.f16.gguf"}},
+     {"embeddings"}),
+    ("granite-embedding-125m-english", {
+        "embeddings": True, "known_usecases": ["embeddings"],
+        "parameters": {"model": "granite-embedding-125m-english-f16.gguf"}}, {"embeddings"}),
+    ("jina-reranker-v1-tiny-en", {
+        "f16": True, "known_usecases": ["rerank"], "reranking": True,
+        "parameters": {"model": "jina-reranker-v1-tiny-en.f16.gguf"}}, {"rerank"}),
+])
+def test_localai_gallery_gguf_entries_without_a_backend_load(name, overrides, serves):
+    from localai_tw.frontend.models import usecases
+
+    cfg = parse_model_config({"name": name, **overrides}, f"{name}.yaml")
+    assert cfg.backend == "llama-cpp" and usecases(cfg) == serves
