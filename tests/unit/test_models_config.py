@@ -212,7 +212,7 @@ def test_an_explicit_tokenizer_template_is_not_a_guess():
         "parameters": {"model": "jina-reranker-v1-tiny-en.f16.gguf"}}, {"rerank"}),
 ])
 def test_localai_gallery_gguf_entries_without_a_backend_load(name, overrides, serves):
-    from localai_tw.frontend.models import usecases
+    from localai_tw.localai.model_config import usecases
 
     cfg = parse_model_config({"name": name, **overrides}, f"{name}.yaml")
     assert cfg.backend == "llama-cpp" and usecases(cfg) == serves
