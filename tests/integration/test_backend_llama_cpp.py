@@ -273,6 +273,13 @@ async def test_chat_messages_go_through_the_ggufs_own_template(supervisor, gguf_
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "carries no chat template" in error.details() and "not loaded" not in \
         error.details()
+    # A guessed template (a llama-cpp config with none) sends the plain prompt as well: a file
+    # without a template is answered from it, as before the guess.
+    guessed = await deferToThread(_call, record, "Predict", _predict(
+        UseTokenizerTemplate=True, Messages=messages, Prompt="hello", Tokens=4))
+    plain = await deferToThread(_call, record, "Predict", _predict(
+        Prompt="hello", Tokens=4))
+    assert guessed.message == plain.message and guessed.prompt_tokens == plain.prompt_tokens
     # A template that does not compile leaves the model serving rendered prompts.
     broken = str(tmp_path / "broken.gguf")
     await deferToThread(build, broken, chat_template="{% for m in messages %}{{ m['content'] }")

@@ -133,3 +133,86 @@ def test_catalog_reloads_changed_files_and_skips_bad_ones(tmp_path):
     now[0] = 6.0
     assert catalog.get("a").source == "c.yml"
     assert catalog.get("zzz") is None
+
+
+# -- LocalAI's GGUF guesses (issue 22 §3) ----------------------------------------------------
+
+
+def test_a_gguf_model_with_no_backend_is_served_by_llama_cpp():
+    """LocalAI's gallery has embedding and reranker entries with no backend and a .gguf file:
+    LocalAI serves them with llama.cpp, so this does too (and says it guessed)."""
+    cfg = parse_model_config({"name": "e", "embeddings": True,
+                              "parameters": {"model": "nomic-embed-text-v1.5.f16.GGUF"}})
+    assert cfg.backend == "llama-cpp"
+    assert cfg.guesses[0] == "backend: llama-cpp (parameters.model is a .gguf file)"
+    cfg = parse_model_config({"name": "e", "model": "x.gguf"})  # LocalAI's top-level model:
+    assert cfg.backend == "llama-cpp"
+
+
+def test_no_backend_and_no_gguf_is_refused_saying_when_it_is_guessed():
+    with pytest.raises(ModelConfigError) as caught:
+        parse_model_config({"name": "m", "parameters": {"model": "m.bin"}}, "models/m.yaml")
+    assert caught.value.field == "backend"
+    assert "guessed only when parameters.model is a .gguf file" in str(caught.value)
+
+
+@pytest.mark.parametrize("data", [
+    {"name": "m", "backend": "llama-cpp", "parameters": {"model": "m.gguf"}},
+    {"name": "m", "parameters": {"model": "m.gguf"}},
+    {"name": "m", "backend": "llama-cpp", "parameters": {"model": "m.gguf"},
+     "template": {"use_tokenizer_template": False, "function": "{{.Input}}"}},
+])
+def test_a_llama_cpp_config_with_no_template_uses_the_models_own(data):
+    """LocalAI's minimal form (name, backend, parameters.model) chats through the GGUF's
+    chat template: without it SmolLM2 got the raw text and answered nothing."""
+    cfg = parse_model_config(data)
+    assert cfg.template.use_tokenizer_template and cfg.template.tokenizer_template_guessed
+    assert cfg.guesses[-1] == "template: the model's own chat template (no template in the " \
+                              "config)"
+
+
+@pytest.mark.parametrize("data", [
+    {"name": "m", "backend": "llama-cpp", "parameters": {"model": "m.gguf"},
+     "template": {"chat": "{{.Input}}"}},
+    {"name": "m", "backend": "llama-cpp", "parameters": {"model": "m.gguf"},
+     "template": {"chat_message": "{{.Content}}"}},
+    {"name": "m", "backend": "llama-cpp", "parameters": {"model": "m.gguf"},
+     "template": {"completion": "{{.Input}}"}},
+    {"name": "m", "backend": "llama-cpp", "parameters": {"model": "m.gguf"},
+     "template": {"edit": "{{.Input}}"}},  # LocalAI's HasTemplate counts edit too
+    {"name": "m", "backend": "llama-cpp", "parameters": {"model": "m.gguf"},
+     "known_usecases": ["FLAG_SCORE"]},  # reserved for a non-chat primitive
+    {"name": "m", "backend": "transformers", "parameters": {"model": "some/dir"}},
+    {"name": "m", "backend": "echo", "parameters": {"model": "m.gguf"}},
+])
+def test_a_config_that_chose_a_template_or_another_backend_is_left_alone(data):
+    cfg = parse_model_config(data)
+    assert not cfg.template.tokenizer_template_guessed
+    assert not any(g.startswith("template:") for g in cfg.guesses)
+
+
+def test_an_explicit_tokenizer_template_is_not_a_guess():
+    cfg = parse_model_config({"name": "m", "backend": "llama-cpp", "parameters": {
+        "model": "m.gguf"}, "template": {"use_tokenizer_template": True}})
+    assert cfg.template.use_tokenizer_template and not cfg.template.tokenizer_template_guessed
+    assert cfg.guesses == ()
+
+
+@pytest.mark.parametrize("name,overrides,serves", [
+    # LocalAI's gallery index entries (on gallery/virtual.yaml, which sets nothing) that were
+    # refused here for their missing backend
+    ("nomic-embed-text-v1.5", {"embeddings": True,
+                               "parameters": {"model": "nomic-embed-text-v1.5.f16.gguf"}},
+     {"embeddings"}),
+    ("granite-embedding-125m-english", {
+        "embeddings": True, "known_usecases": ["embeddings"],
+        "parameters": {"model": "granite-embedding-125m-english-f16.gguf"}}, {"embeddings"}),
+    ("jina-reranker-v1-tiny-en", {
+        "f16": True, "known_usecases": ["rerank"], "reranking": True,
+        "parameters": {"model": "jina-reranker-v1-tiny-en.f16.gguf"}}, {"rerank"}),
+])
+def test_localai_gallery_gguf_entries_without_a_backend_load(name, overrides, serves):
+    from localai_tw.localai.model_config import usecases
+
+    cfg = parse_model_config({"name": name, **overrides}, f"{name}.yaml")
+    assert cfg.backend == "llama-cpp" and usecases(cfg) == serves

@@ -245,3 +245,15 @@ def test_finding_actions_is_linear(text):
 def test_a_variable_doubled_in_a_loop_is_bounded():
     with pytest.raises(TemplateError, match="exceed"):
         compile_template('{{$t := "xxxxxxxx"}}{{range 64}}{{$t = print $t $t}}{{end}}').render({})
+def test_a_guessed_tokenizer_template_also_sends_the_plain_prompt():
+    """A guessed template (a llama-cpp config with none) sends the messages for the GGUF's
+    template and the joined text for a file without one; a written one sends no prompt."""
+    messages = [ChatMessage("system", "be brief"), ChatMessage("user", "hi")]
+    guessed = PromptTemplates.from_config({"use_tokenizer_template": True,
+                                           "tokenizer_template_guessed": True})
+    out = render_chat(guessed, messages)
+    assert out.use_tokenizer_template and out.messages == tuple(messages)
+    assert out.prompt == "be brief\nhi"
+    written = render_chat(PromptTemplates.from_config({"use_tokenizer_template": True}),
+                          messages)
+    assert written.use_tokenizer_template and written.prompt == ""

@@ -6,8 +6,8 @@
 ``LoadModel`` loads one ``.gguf`` file (``ModelFile``, else ``Model``).  It is checked first
 (exists, a file, starts with the GGUF magic) so a missing, foreign or truncated file fails with
 a message naming it and what was found, and llama.cpp's own error lines (captured from its log)
-are quoted when it refuses the file.  The load honours ``ContextSize`` (4096 when 0, LocalAI's
-default), ``Threads``, ``NGPULayers``, ``MMap``, ``MLock``, ``Embeddings``, ``Seed``, ``NBatch``,
+are quoted when it refuses the file.  The load honours ``ContextSize`` (when 0, LocalAI's
+default: the file's trained context capped at 8192, else 4096; :mod:`.gguf_header`), ``Threads``, ``NGPULayers``, ``MMap``, ``MLock``, ``Embeddings``, ``Seed``, ``NBatch``,
 ``F16Memory`` (a float16 KV cache, llama.cpp's default; false keeps float16 too, as LocalAI),
 ``CacheTypeKey``/``CacheTypeValue``, ``FlashAttention``, ``NoKVOffload``, ``RopeFreqBase``/
 ``RopeFreqScale``, ``MainGPU``, ``TensorSplit``, ``NUMA``, ``LoraAdapter``/``LoraBase``/
@@ -33,7 +33,9 @@ are on, as llama.cpp's AMX defect does on AMX CPUs (tests only; nothing else set
 Generation (``Predict``, ``PredictStream``) runs one token loop for both, so a stream's
 running ``tokens`` count ends equal to ``Predict``'s for the same output: the prompt is
 ``Prompt`` (rendered by the frontend), or ``Messages`` through the GGUF's own chat template
-(``tokenizer.chat_template``) when ``UseTokenizerTemplate``.  Sampling: ``Temperature`` (0 =
+(``tokenizer.chat_template``) when ``UseTokenizerTemplate``; a file without one is answered
+from ``Prompt`` when the frontend sent one too (the template was guessed, not asked for), else
+refused with ``FAILED_PRECONDITION`` saying what to configure.  Sampling: ``Temperature`` (0 =
 greedy), ``TopK``, ``TopP``, ``MinP``, ``TypicalP``, ``Penalty`` (repeat), ``Repeat`` (its
 window), ``FrequencyPenalty``, ``PresencePenalty``, ``Mirostat*``, ``Seed``, ``IgnoreEOS``;
 ``Tokens`` caps the answer (0: the rest of the context); ``StopPrompts`` end it (the stop text is
@@ -75,9 +77,9 @@ import grpc
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
 from localai_tw.backends.builtin import serving
+from localai_tw.backends.builtin.gguf_header import default_context
 
 GGUF_MAGIC = b"GGUF"
-DEFAULT_CONTEXT = 4096  # LocalAI's DefaultContextSize
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_LOG_LINES = 64
 MAX_QUOTED = 600
@@ -402,7 +404,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
 
         self._install_log(llama_cpp)
         threads = request.Threads if request.Threads > 0 else None
-        n_ctx = request.ContextSize if request.ContextSize > 0 else DEFAULT_CONTEXT
+        n_ctx = request.ContextSize if request.ContextSize > 0 else default_context(path)
         lora = request.LoraAdapter
         if lora and not os.path.isabs(lora) and request.ModelPath:
             lora = os.path.join(request.ModelPath, lora)
@@ -533,7 +535,8 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
 
     def _prompt_tokens(self, request, context) -> list[int]:
         llm = self.llm
-        if request.UseTokenizerTemplate and request.Messages:
+        if request.UseTokenizerTemplate and request.Messages and \
+                (self.chat_formatter is not None or not request.Prompt):
             if self.chat_formatter is None:
                 what = (f"has a chat template that does not compile ({self.template_error})"
                         if self.template_error else
