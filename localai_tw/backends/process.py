@@ -97,6 +97,7 @@ from twisted.python.failure import Failure
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
 from localai_tw.backends.builtin.serving import AUTH_TOKEN_ENV, REMOTE_CODE_ENV
 from localai_tw.backends.grpcfuture import deferred_from_future
+from localai_tw.backends.grpcoptions import CLIENT_OPTIONS
 from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
 from localai_tw.backends.ledger import ProcessLedger
 from localai_tw.backends.ports import NoFreePort, PortAllocator
@@ -130,19 +131,6 @@ SPAWN_EXEC = (
     "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
-MAX_MESSAGE_BYTES = 50 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Loopback only: never through an HTTP proxy named in the environment.
-    ("grpc.enable_http_proxy", 0),
-    # A backend that is still importing torch refuses connections; keep the reconnect backoff
-    # short so readiness is seen within one poll interval, not after a 1-120 s backoff.
-    # (grpc.min_reconnect_backoff_ms is left alone: gRPC core reads it as the minimum connect
-    # timeout, and a 100 ms one fails calls to a backend that is merely slow to answer.)
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 DEFAULT_READY_TIMEOUT = 60.0
 DEFAULT_HEALTH_INTERVAL = 0.2
@@ -252,7 +240,7 @@ class BackendClient:
     def __init__(self, reactor, address: str, auth_token: str | None = None):
         self._reactor = reactor
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = backend_pb2_grpc.BackendStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
 
@@ -727,7 +715,7 @@ class BackendSupervisor(Service):
         from concurrent import futures
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
-                             options=CHANNEL_OPTIONS[:2] + [("grpc.so_reuseport", 0)])
+                             options=[*CLIENT_OPTIONS[:2], ("grpc.so_reuseport", 0)])
         backend_pb2_grpc.add_BackendServicer_to_server(servicer, server)
         if server.add_insecure_port(record.address) == 0:
             raise BackendStartError(f"cannot bind {record.address} for in-process backend "

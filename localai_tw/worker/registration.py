@@ -38,6 +38,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.iweb import IBodyProducer
 from zope.interface import implementer
 
+from localai_tw import logsafe
 from localai_tw.web.readers import ResponseTooLarge, read_bounded
 
 log = Logger()
@@ -183,7 +184,7 @@ def _error_of(body: bytes) -> tuple[str, str | None]:
             message = decoded["message"]
     elif decoded is None:
         message = body.decode("utf-8", "replace")
-    message = "".join(c if c.isprintable() else " " for c in message).strip()[:256]
+    message = logsafe.printable(message, replacement=" ").strip()[:256]
     if field_name is not None:
         field_name = "".join(c for c in field_name if c.isprintable())[:64] or None
     return message, field_name

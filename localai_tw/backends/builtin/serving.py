@@ -31,14 +31,8 @@ from concurrent import futures
 import grpc
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
+from localai_tw.backends.grpcoptions import SERVER_OPTIONS
 
-MAX_MESSAGE_BYTES = 50 * 1024 * 1024
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
 AUTH_TOKEN_ENV = "LOCALAI_GRPC_AUTH_TOKEN"
 PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
 #: "1" when the worker's operator allows a model's own code (``--allow-remote-code``); the

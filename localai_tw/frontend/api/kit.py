@@ -31,7 +31,7 @@ from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.resource import Resource
 
-from localai_tw import errors
+from localai_tw import errors, logsafe
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.web import auth
 from localai_tw.web.errors import (
@@ -90,15 +90,13 @@ def worker_call_error(error: errors.ClusterError) -> APIError:
     return APIError(502, message, "upstream_error", code=error.condition)
 
 
-
 def printable(text: str, limit: int = _ECHO_MAX) -> str:
-    """``text`` made safe to echo in an error or a log: printable characters only, bounded."""
-    cleaned = "".join(c if c.isprintable() else "?" for c in text[:limit])
-    return cleaned + ("..." if len(text) > limit else "")
+    """``text`` made safe to echo in an error: the one rule (``logsafe.printable``), bounded to
+    a path segment's length."""
+    return logsafe.printable(text, limit)
 
 
-# -- bounded request bodies ------------------------------------------------------------------
-
+# -- request bodies --------------------------------------------------------------------------
 
 
 def read_json_object(request, *, required: bool = True) -> dict:

@@ -57,25 +57,13 @@ from twisted.python.threadpool import ThreadPool
 from localai_tw import errors
 from localai_tw.backends import backend_pb2_grpc
 from localai_tw.backends.grpcfuture import deferred_from_future
+from localai_tw.backends.grpcoptions import CLIENT_OPTIONS
 
 log = Logger()
 
-MAX_MESSAGE_BYTES = 50 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.enable_http_proxy", 0),
-    # The bridge is local; a failed dial is recorded there.  Retry the connect soon, so a
-    # worker that reconnects is used again within a second, not after grpc's 1-120 s backoff.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    # NOT grpc.min_reconnect_backoff_ms: gRPC core reads it as the minimum *connect timeout*.
-    # At 100 ms a loaded replica whose tunnel handshake took longer saw UNAVAILABLE with no
-    # dial error recorded, read it as the backend's answer, and reaped a healthy model.  The
-    # default (20 s) stays above the bridge's own 15 s dial timeout.
-    # Keep the HTTP/2 connection (one tunnel stream) alive across idle periods.
-    ("grpc.keepalive_time_ms", 60_000),
-]
+#: The shared options (backends/grpcoptions.py), and the HTTP/2 connection (one tunnel stream)
+#: kept alive across idle periods.
+CHANNEL_OPTIONS = [*CLIENT_OPTIONS, ("grpc.keepalive_time_ms", 60_000)]
 #: Per-call timeout when the caller gives no deadline.
 DEFAULT_CALL_TIMEOUT = 300.0
 #: Threads reading stream items (each open stream holds one only while it waits for an item).

@@ -43,6 +43,7 @@ from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw import metrics as replica_metrics
+from localai_tw import logsafe
 from localai_tw.logsafe import untrusted
 from localai_tw.backends import backend_pb2
 from localai_tw.staging_client import expect_staging
@@ -71,7 +72,7 @@ DEFAULT_LOAD_TIMEOUT = 300.0
 
 def _printable(text: str) -> str:
     """The worker's words for a row an admin reads: control characters replaced."""
-    return "".join(c if c.isprintable() else "?" for c in text)
+    return logsafe.printable(text)
 
 
 LOADED, STAGING, LOADING, UNLOADING = "loaded", "staging", "loading", "unloading"
