@@ -209,7 +209,8 @@ def test_an_explicit_tokenizer_template_is_not_a_guess():
         "parameters": {"model": "granite-embedding-125m-english-f16.gguf"}}, {"embeddings"}),
     ("jina-reranker-v1-tiny-en", {
         "f16": True, "known_usecases": ["rerank"], "reranking": True,
-        "parameters": {"model": "jina-reranker-v1-tiny-en.f16.gguf"}}, {"rerank"}),
+        "parameters": {"model": "jina-reranker-v1-tiny-en.f16.gguf"}},
+     {"rerank", "chat", "completion"}),  # listed use cases add to llama-cpp's guess
 ])
 def test_localai_gallery_gguf_entries_without_a_backend_load(name, overrides, serves):
     from localai_tw.localai.model_config import usecases

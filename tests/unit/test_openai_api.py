@@ -850,7 +850,9 @@ def test_capabilities_list_every_model_with_what_its_endpoints_accept():
     assert entries["embedder"]["output_modalities"] == []
     # a backend this package does not ship: what it may be asked, no tokenize promise
     assert entries["outside"]["capabilities"] == ["chat", "completion", "embeddings"]
-    assert entries["voice"]["capabilities"] == ["transcript", "tts"]
+    # known_usecases adds to what the backend is guessed to do (LocalAI's HasUsecases)
+    assert entries["voice"]["capabilities"] == ["chat", "completion", "embeddings",
+                                                "transcript", "tts"]
     assert entries["voice"]["input_modalities"] == ["text", "audio"]
     assert entries["voice"]["output_modalities"] == ["text", "audio"]
     assert router.calls == []
@@ -863,7 +865,8 @@ def test_capabilities_is_get_only_and_is_not_a_model_named_capabilities(site, ro
     assert_error(call(site, "GET", "/v1/models/capabilities/x"), 404, code="model_not_found")
 
 
-def test_a_capability_listed_is_one_the_endpoint_accepts():
+def test_a_capability_not_listed_is_still_asked_of_the_backend():
+    # LocalAI's rule: the list picks and shows, it never refuses; the backend answers
     router = FakeRouter([model_config("gen", backend="transformers"),
                          model_config("embedder", backend="sentence-transformers")])
     site = make_site(router)
@@ -871,11 +874,13 @@ def test_a_capability_listed_is_one_the_endpoint_accepts():
     asks = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
             "embeddings": ("/v1/embeddings", {"input": "x"}),
             "rerank": ("/v1/rerank", {"query": "q", "documents": ["a"]})}
+    unlisted = 0
     for entry in listing:
         for capability, (path, body) in asks.items():
+            unlisted += capability not in entry["capabilities"]
             response = call(site, "POST", path, {"model": entry["id"], **body})
-            assert (response.status == 200) == (capability in entry["capabilities"]), \
-                (entry, path, response.raw_body)
+            assert response.status == 200, (entry, path, response.raw_body)
+    assert unlisted == 3 and len(router.calls) == 6
 
 
 # -- routes without /v1 ---------------------------------------------------------------------------
@@ -1012,12 +1017,16 @@ def test_rerank_bad_requests_are_400_and_never_reach_the_router(site, router, bo
     assert router.calls == []
 
 
-def test_rerank_on_a_model_that_cannot_rerank_is_unsupported_by_model():
+def test_rerank_on_a_backend_without_rerank_is_its_unimplemented_answer():
+    from localai_tw.errors import BackendAnswer
+
     router = FakeRouter([model_config("gen", backend="transformers")])
+    router.fail_with = BackendAnswer("node-a", "UNIMPLEMENTED", "Method not implemented!")
     body = {"model": "gen", "query": "q", "documents": ["a"]}
-    assert_error(call(make_site(router), "POST", "/v1/rerank", body), 400, param="model",
-                 code="unsupported_by_model")
-    assert router.calls == []
+    error = assert_error(call(make_site(router), "POST", "/v1/rerank", body), 501,
+                         code="not_implemented_by_backend")
+    assert "Method not implemented!" in error["error"]["message"]
+    assert [verb for verb, _, _ in router.calls] == ["rerank"]
 
 
 def test_a_backend_index_the_request_did_not_have_is_a_500_not_a_crash(site, router):

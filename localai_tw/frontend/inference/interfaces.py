@@ -10,9 +10,6 @@ Failures (every returned Deferred fails with exactly one of these):
 - ``ModelNotFound(name)`` - no model config by that name (HTTP 404 ``model_not_found``).
 - ``ModelConfigInvalid(name, problem)`` - the file meant to define it cannot load (HTTP 500
   ``model_config_invalid``, naming the file and the reason).
-- ``ModelUsecaseUnsupported(name, asked, supported)`` - the model's config says it is not for
-  this call (``predict*`` needs ``chat`` or ``completion``, ``embed`` needs ``embeddings``; the
-  rule is ``models.usecases``).  Decided before any load or backend call (HTTP 400).
 - ``NoNodeAvailable(name, reason)`` - a routing fact: no healthy ``backend`` node matches the
   model's node selector, or every candidate has no route now (HTTP 503).
 - ``ModelLoadFailed(name, node_id, detail)`` - the worker answered: ``backend.start`` or
@@ -122,23 +119,6 @@ class ModelLoadFailed(WorkerAnswer):
         WorkerAnswer.__init__(self, node_id, f"model {name!r} failed to load: {detail}")
 
 
-class ModelUsecaseUnsupported(ClusterError):
-    """The model's config says it does not do what was asked (chat on an embeddings model,
-    embeddings on a chat model).  Decided from the config; no backend was called, nothing may
-    act on it."""
-
-    actionable = False
-    condition = "model-usecase-unsupported"
-
-    def __init__(self, name: str, asked: str, supported):
-        self.name = name
-        self.asked = asked
-        self.supported = tuple(sorted(supported))
-        does = ", ".join(self.supported) if self.supported else "nothing this server serves"
-        super().__init__(f"model {name!r} does not support {asked}; it supports: {does} "
-                         f"(its config's backend, embeddings and known_usecases decide)")
-
-
 class NoNodeAvailable(RoutingFact):
     """A routing fact: no node can serve ``name`` now (``reason`` says why: no backend node
     matches the selector, all candidates unhealthy or gone, or no route to any of them)."""
@@ -205,8 +185,8 @@ class IInferenceRouter(Interface):
 
     def rerank(name, request, deadline=None):
         """``Rerank`` of a ``backend_pb2.RerankRequest``: returns
-        ``Deferred[Served[backend_pb2.RerankResult]]``; refused (``ModelUsecaseUnsupported``)
-        for a model whose config rules reranking out."""
+        ``Deferred[Served[backend_pb2.RerankResult]]``; any configured model may be asked
+        (a backend without ``Rerank`` answers ``UNIMPLEMENTED``)."""
 
     def tts(name, request, max_bytes, deadline=None):
         """``TTS`` of a ``backend_pb2.TTSRequest`` (``dst`` is set here: a file in a scratch
@@ -230,7 +210,6 @@ __all__ = [
     "IInferenceRouter",
     "ModelLoadFailed",
     "ModelNotFound",
-    "ModelUsecaseUnsupported",
     "NoNodeAvailable",
     "Served",
 ]

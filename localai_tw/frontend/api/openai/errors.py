@@ -36,7 +36,6 @@ from localai_tw.frontend.inference.interfaces import (
     ModelFileMismatch,
     ModelLoadFailed,
     ModelNotFound,
-    ModelUsecaseUnsupported,
     NoNodeAvailable,
 )
 from localai_tw.localai.templates import TemplateError
@@ -172,9 +171,6 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(500, f"the model's files cannot be used: {_public(str(error))}",
                            "server_error", param="model", code="model_file_mismatch",
                            headers=NO_RETRY)
-    if isinstance(error, ModelUsecaseUnsupported):
-        return OpenAIError(400, detail(error), "invalid_request_error", param="model",
-                           code="unsupported_by_model")
     if isinstance(error, TemplateError):
         return OpenAIError(500, f"the model's prompt template cannot be rendered: "
                            f"{detail(error)}", "server_error", code="template_error",
