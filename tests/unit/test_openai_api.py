@@ -1025,7 +1025,7 @@ def test_rerank_on_a_backend_without_rerank_is_its_unimplemented_answer():
     body = {"model": "gen", "query": "q", "documents": ["a"]}
     error = assert_error(call(make_site(router), "POST", "/v1/rerank", body), 501,
                          code="not_implemented_by_backend")
-    assert "Method not implemented!" in error["error"]["message"]
+    assert "Method not implemented!" in error["message"]
     assert [verb for verb, _, _ in router.calls] == ["rerank"]
 
 
