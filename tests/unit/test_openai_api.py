@@ -412,10 +412,17 @@ def test_completions_n_bounds(site, router, body):
 
 
 def test_invalid_model_template_is_500_template_error(router):
-    router.configs["broken"] = model_config("broken", template={"chat": "{{.Nope}}"})
+    router.configs["broken"] = model_config("broken", template={"chat": "{{define \"x\"}}"})
     response = call(make_site(router), "POST", "/v1/chat/completions", chat(model="broken"))
     error = assert_error(response, 500, "server_error", code="template_error")
-    assert ".Nope" in error["message"]
+    assert "template.chat" in error["message"] and "define" in error["message"]
+
+
+def test_a_template_reading_a_field_it_lacks_is_left_out_as_localai_does(router):
+    router.configs["broken"] = model_config("broken", template={"chat": "{{.Nope}}"})
+    response = call(make_site(router), "POST", "/v1/chat/completions", chat(model="broken"))
+    assert response.status == 200, response.raw_body
+    assert router.calls[-1][2].Prompt == "hi there"  # the joined messages, as LocalAI sends
 
 
 # -- streaming ------------------------------------------------------------------------------------
