@@ -98,7 +98,6 @@ log = Logger()
 MAX_FILE_BYTES = 256 * 1024
 MAX_FILES = 2000
 MAX_NAME = 255
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _BACKEND_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -477,9 +476,10 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
         name = posixpath.basename(source).rsplit(".", 1)[0]  # LocalAI's gallery omits it
     if not isinstance(name, str) or not name:
         raise ModelConfigError(source, "name", "is required (a non-empty string)")
-    if len(name) > MAX_NAME or not _NAME_RE.match(name) or ".." in name:
-        raise ModelConfigError(source, "name", "may hold letters, digits and ._:@+/- "
-                               f"(at most {MAX_NAME}, no '..')")
+    if not is_model_name(name):
+        raise ModelConfigError(source, "name", "must be a file name: letters, digits and "
+                               "punctuation of any script, no '/', '\\', control characters "
+                               f"or leading '.' (at most {MAX_NAME} bytes in UTF-8)")
     backend = data.get("backend")
     guesses: list[str] = []
     if backend is None or backend == "":
@@ -795,6 +795,14 @@ def _bounded(warnings: list[str]) -> tuple[str, ...]:
     if len(warnings) <= MAX_WARNINGS:
         return tuple(warnings)
     return (*warnings[:MAX_WARNINGS], f"... and {len(warnings) - MAX_WARNINGS} more ignored keys")
+
+
+def is_model_name(name: str) -> bool:
+    """LocalAI's names, non-ASCII included (piper's voices), kept safe as file names: printable,
+    no path separator or NUL, no leading dot, at most ``MAX_NAME`` bytes in UTF-8."""
+    return (0 < len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME and name.isprintable()
+            and not name.startswith(".") and name.strip() == name
+            and not any(c in name for c in "/\\\x00"))
 
 
 def _known_usecases(source: str, raw) -> tuple[str, ...] | None:

@@ -254,16 +254,16 @@ async def test_speech_refusals_reach_no_backend(cluster):
         status, _, raw = await threads.deferToThread(_post_json, url, body)
         assert status == 400, (body, raw)
         assert json.loads(raw)["error"]["param"] == param, (body, raw)
-    # An image model asked to speak is asked (LocalAI's rule): its backend answers it cannot.
-    status, _, raw = await threads.deferToThread(_post_json, url,
-                                                 {"model": "painter", "input": "hi"})
-    assert status == 501 and json.loads(raw)["error"]["code"] == "not_implemented_by_backend"
     for path in ("/tts", "/v1/audio/speech"):  # the API keys guard LocalAI's /tts too
         status, _, raw = await threads.deferToThread(
             _post, cluster.base_url(relay) + path, b'{"model": "speaker", "input": "hi"}',
             "application/json", key=None)
         assert status == 401, (path, raw)
     assert await cluster.rows() == []  # nothing was loaded anywhere
+    # An image model asked to speak is asked (LocalAI's rule): its backend answers it cannot.
+    status, _, raw = await threads.deferToThread(_post_json, url,
+                                                 {"model": "painter", "input": "hi"})
+    assert status == 501 and json.loads(raw)["error"]["code"] == "not_implemented_by_backend"
     # The backend's own refusal (reached): an unknown voice, with valid ones named.
     status, _, raw = await threads.deferToThread(
         _post_json, url, {"model": "speaker", "input": "hi", "voice": "klingon-x"})

@@ -217,3 +217,18 @@ def test_localai_gallery_gguf_entries_without_a_backend_load(name, overrides, se
 
     cfg = parse_model_config({"name": name, **overrides}, f"{name}.yaml")
     assert cfg.backend == "llama-cpp" and usecases(cfg) == serves
+
+
+@pytest.mark.parametrize("name", ["voice-pt_PT-tugão-medium", "piper-pt_PT-tugão-medium-crispasr",
+                                  "模型", "localai@phi-2", "a b", "x:1+2"])
+def test_localais_names_non_ascii_included_are_accepted(name):
+    assert parse_model_config({"name": name, "backend": "echo"}).name == name
+
+
+@pytest.mark.parametrize("name", ["org/model", "a\\b", "nul\x00", "tab\there", ".hidden", "..",
+                                  "bidi\u202eevil", " padded", "é" * 128])
+def test_names_stay_safe_file_names(name):
+    from localai_tw.localai.model_config import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match="name: must be a file name"):
+        parse_model_config({"name": name, "backend": "echo"})
