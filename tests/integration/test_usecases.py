@@ -49,3 +49,28 @@ async def test_a_backend_that_cannot_embed_answers_with_its_own_error(cluster):
                              {"model": "painter", "prompt": "a red square", "size": "64x64",
                               "response_format": "b64_json"})
     assert status == 200, raw
+
+
+#: An echo model whose config claims log probabilities: the echo backend fills none, as
+#: LocalAI's own transformers backend does under the built-in's name.
+CLAIMS_LOGPROBS = echo_model("claims-logprobs") + "capabilities: {logprobs: true}\n"
+
+
+@pytest_twisted.ensureDeferred
+async def test_logprobs_a_backend_does_not_return_are_a_400_naming_them(cluster):
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("claims.yaml", CLAIMS_LOGPROBS)
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    base = cluster.base_url(frontend)
+    chat = {"model": "claims-logprobs", "logprobs": True,
+            "messages": [{"role": "user", "content": "one two"}]}
+    for body in (chat, {**chat, "stream": True},
+                 {"model": "claims-logprobs", "prompt": "one two", "logprobs": 1}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        status, raw = await post(base + path, body)
+        assert status == 400, (body, raw)  # never an empty list with 200
+        error = json.loads(raw)["error"]
+        assert error["param"] == "logprobs" and "does not honour logprobs" in error["message"]
+    status, raw = await post(base + "/v1/chat/completions", {**chat, "logprobs": False})
+    assert status == 200, raw  # the same model without logprobs

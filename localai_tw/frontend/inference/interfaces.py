@@ -10,6 +10,8 @@ Failures (every returned Deferred fails with exactly one of these):
 - ``ModelNotFound(name)`` - no model config by that name (HTTP 404 ``model_not_found``).
 - ``ModelConfigInvalid(name, problem)`` - the file meant to define it cannot load (HTTP 500
   ``model_config_invalid``, naming the file and the reason).
+- ``CapabilityNotHonoured(name, capability, node_id)`` - the backend answered without what
+  the request asked (``logprobs``) though its backend name claims it (HTTP 400).
 - ``NoNodeAvailable(name, reason)`` - a routing fact: no healthy ``backend`` node matches the
   model's node selector, or every candidate has no route now (HTTP 503).
 - ``ModelLoadFailed(name, node_id, detail)`` - the worker answered: ``backend.start`` or
@@ -119,6 +121,23 @@ class ModelLoadFailed(WorkerAnswer):
         WorkerAnswer.__init__(self, node_id, f"model {name!r} failed to load: {detail}")
 
 
+class CapabilityNotHonoured(ClusterError):
+    """The backend serving ``name`` answered without what the request asked of it
+    (``capability``: ``logprobs``), though its backend's name claims it: another program
+    under that name (a LocalAI backends directory's ``transformers``).  Told from the answer;
+    nothing may act on it."""
+
+    actionable = False
+    condition = "capability-not-honoured"
+
+    def __init__(self, name: str, capability: str, node_id: str):
+        self.name = name
+        self.capability = capability
+        self.node_id = node_id
+        super().__init__(f"the backend serving model {name!r} on node {node_id} answered "
+                         f"without {capability}: it does not honour {capability}")
+
+
 class NoNodeAvailable(RoutingFact):
     """A routing fact: no node can serve ``name`` now (``reason`` says why: no backend node
     matches the selector, all candidates unhealthy or gone, or no route to any of them)."""
@@ -207,6 +226,7 @@ class IInferenceRouter(Interface):
 
 
 __all__ = [
+    "CapabilityNotHonoured",
     "IInferenceRouter",
     "ModelLoadFailed",
     "ModelNotFound",

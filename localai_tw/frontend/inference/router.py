@@ -78,6 +78,7 @@ from localai_tw.frontend.inference.interfaces import (
 from localai_tw.localai.model_config import ModelCatalog, ModelConfig
 from localai_tw.frontend.inference.coldload import ColdLoader
 from localai_tw.frontend.inference.crashes import crash_shaped
+from localai_tw.frontend.inference.honoured import HeldUntilLogprobs, check_reply
 from localai_tw.frontend.inference.loadlock import LoadLock
 from localai_tw.frontend.inference.placement import NodeChooser, Placement
 
@@ -158,8 +159,13 @@ class InferenceRouter:
         return {name: str(e) for name, e in self.catalog.broken().items()}
 
     def predict(self, name, options, deadline=None) -> defer.Deferred:
+        def checked(served):
+            check_reply(name, options, served.value, served.served_by)
+            return served
+
         return self._serve(name, options, deadline,
-                           lambda client, req, dl: client.call("Predict", req, dl))
+                           lambda client, req, dl: client.call("Predict", req, dl)
+                           ).addCallback(checked)
 
     def embed(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
@@ -240,8 +246,11 @@ class InferenceRouter:
             return on_reply(reply)
 
         def call(client, req, dl):
-            d = client.stream("PredictStream", req, lambda r: deliver(r, client.node_id), dl)
-            return d
+            # logprobs asked: nothing goes out before the backend showed it honours them
+            gate = HeldUntilLogprobs(name, options, client.node_id,
+                                     lambda r: deliver(r, client.node_id))
+            d = client.stream("PredictStream", req, gate.reply, dl)
+            return d.addCallback(lambda _: defer.ensureDeferred(gate.end()))
 
         def retry_allowed() -> bool:
             return not started  # once a reply went out, a retry would repeat it

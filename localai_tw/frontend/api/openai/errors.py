@@ -31,6 +31,7 @@ from localai_tw.errors import (
 )
 
 from localai_tw.frontend.inference.interfaces import (
+    CapabilityNotHonoured,
     ModelConfigInvalid,
     ModelDownloadFailed,
     ModelFileMismatch,
@@ -171,6 +172,14 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(500, f"the model's files cannot be used: {_public(str(error))}",
                            "server_error", param="model", code="model_file_mismatch",
                            headers=NO_RETRY)
+    if isinstance(error, CapabilityNotHonoured):
+        cap = error.capability
+        return OpenAIError(400, f"the backend serving model {printable(error.name)!r} "
+                           f"answered without {cap}: it does not honour {cap} (LocalAI's own "
+                           f"transformers backend, for one); ask without {cap}, or set "
+                           f"capabilities.{cap}: false in the model's config",
+                           "invalid_request_error", param=error.capability,
+                           code="unsupported_parameter", headers=NO_RETRY)
     if isinstance(error, TemplateError):
         return OpenAIError(500, f"the model's prompt template cannot be rendered: "
                            f"{detail(error)}", "server_error", code="template_error",
