@@ -116,6 +116,10 @@ async def test_localai_transformers_backend_serves_through_a_relaying_replica(cl
             client.chat.completions.create(
                 model="localai-tiny", messages=[{"role": "user", "content": "hello"}],
                 max_tokens=4, temperature=0, logprobs=True)
+        # token ids (LangChain's default): LocalAI's backend reads text only, so a 400
+        with pytest.raises(openai.BadRequestError) as ids:
+            client.embeddings.create(model="localai-tiny-embed", input=[[464, 3797]])
+        assert ids.value.param == "input" and "takes text only" in ids.value.message
         return completion, pieces, chat, chat_pieces, embedded, refused.value
 
     completion, pieces, chat, chat_pieces, embedded, refused = \

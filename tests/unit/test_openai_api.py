@@ -736,10 +736,22 @@ def test_embeddings_usage_asks_tokenize_when_the_backend_reports_no_count(site, 
     assert response.json()["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
     tokenized = [o.Prompt for verb, _, o in router.calls if verb == "tokenize"]
     assert tokenized == ["one two three", "four five"]
-    router.calls.clear()
+
+
+def test_token_ids_a_backend_did_not_evaluate_are_a_400_naming_input(site, router):
+    # LocalAI's Python backends read Embeddings (text) only: ids they ignore embed nothing
+    uncounted(router)
     ids = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": [[1, 2, 3], [4]]})
-    assert ids.json()["usage"] == {"prompt_tokens": 4, "total_tokens": 4}  # ids count themselves
-    assert "tokenize" not in [verb for verb, _, _ in router.calls]
+    error = assert_error(ids, 400, param="input", code="unsupported_parameter")
+    assert "takes text only" in error["message"]
+    assert "check_embedding_ctx_length=False" in error["message"]
+
+
+def test_token_ids_as_langchain_sends_them_are_embedded(site, router):
+    ids = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": [[1, 2, 3], [4]]})
+    assert ids.status == 200, ids.raw_body
+    assert [list(o.EmbeddingTokens) for verb, _, o in router.calls if verb == "embed"] == \
+        [[1, 2, 3], [4]]
 
 
 def test_a_backend_that_cannot_count_gives_zero_usage_not_a_failure(site, router):

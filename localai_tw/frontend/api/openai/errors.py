@@ -86,6 +86,10 @@ def _public(text: str) -> str:
     return printable(" ".join(_NODE_ID_TEXT.sub("<node>", text).split()), MAX_ERROR_TEXT)
 
 
+#: For modules that word their own errors from a backend's answer (``embeddings``).
+public_text = _public
+
+
 def _worker_words(error: WorkerAnswer) -> str:
     """What the worker said, without the ``worker <id> answered:`` its message starts with."""
     text = str(error)
