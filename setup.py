@@ -23,7 +23,7 @@ setup(
     package_data={
         "localai_tw.db": ["migrations/*.sql"],
         "localai_tw.backends": ["backend.proto"],
-        "localai_tw.frontend.dashboard": ["static/*.html", "static/*.css", "static/*.js"],
+        "localai_tw.frontend.api.dashboard": ["static/*.html", "static/*.css", "static/*.js"],
     },
     include_package_data=True,
     install_requires=[
@@ -44,7 +44,7 @@ setup(
         # /metrics (localai_tw/metrics.py); 0.26 is what the tests ran against.
         "prometheus_client>=0.20,<1",
         # response_format json_schema and tool parameters: schema checks and the validation
-        # of structured answers (localai_tw/frontend/openai/constraints.py); 4.26 tested.
+        # of structured answers (localai_tw/frontend/api/openai/constraints.py); 4.26 tested.
         "jsonschema>=4.18,<5",
         # Model-config regexes (function.response_regex, json_regex_match, replace_*_results)
         # run on model output: RE2 matches in linear time, as Go's regexp (LocalAI's engine)

@@ -219,7 +219,7 @@ class _CountingDatabase(Database):
 
 
 async def bench_product_jobs(reactor, dsn: str) -> dict[str, float]:
-    from localai_tw.frontend.jobs_store import CLAIM_KIND, JobStore
+    from localai_tw.frontend.jobs.store import CLAIM_KIND, JobStore
 
     db = _CountingDatabase(dsn, size=4, reactor=reactor)
     await db.start()

@@ -574,7 +574,7 @@ def completion(port: int, timeout: float = 120.0) -> tuple[int, dict, str]:
 
 
 def bridge_socket(fe: dict, node_id: str, port: int) -> str:
-    """The replica's bridge socket for (node, port) (``frontend/grpcbridge.py``)."""
+    """The replica's bridge socket for (node, port) (``frontend/inference/grpcbridge.py``)."""
     name = hashlib.sha256(f"{node_id}:{port}".encode()).hexdigest()[:16] + ".sock"
     path = os.path.join(fe["data_dir"], "run", f"grpc-{fe['instance_id'][:12]}", name)
     if os.path.exists(path):

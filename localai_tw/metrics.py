@@ -386,7 +386,7 @@ class _BusCollector:
 
 
 class _JobsCollector:
-    """The jobs queue as a replica last read it (``frontend/jobs_stats.py`` reads it every 15 s;
+    """The jobs queue as a replica last read it (``frontend/jobs/stats.py`` reads it every 15 s;
     a scrape makes no query): nothing before the first read."""
 
     def __init__(self, read: Callable[[], dict | None]):
@@ -423,7 +423,7 @@ class ReplicaMetrics:
         self._path_of: Callable[[str], str] = lambda node: "owner"
         #: Called with every finished request as ``(record, status, nodes, path, ended)``
         #: (``ended``: ``time.monotonic()``), after the metrics: the trace ring
-        #: (``frontend/traces.py``).  A listener that raises is ignored.
+        #: (``frontend/api/traces.py``).  A listener that raises is ignored.
         self.listeners: list[Callable[[RequestRecord, str, list[str], str, float], None]] = []
         r = self.registry
         self.requests = Counter(

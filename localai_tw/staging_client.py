@@ -115,7 +115,7 @@ class StagedFile:
 #: Where the uploads of the current context report their bytes: an object with ``begin(size)``,
 #: ``moved(count)``, ``skipped(size)`` (a file the worker held) and ``expect(total)`` (the
 #: frontend's load lock sets one while a cold load stages, so ``/api/cluster/loads`` shows
-#: bytes; ``frontend/loadlock.py``), or None.
+#: bytes; ``frontend/inference/loadlock.py``), or None.
 STAGING_WATCH: contextvars.ContextVar[Any] = contextvars.ContextVar("localai_tw_staging_watch",
                                                                     default=None)
 

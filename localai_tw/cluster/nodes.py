@@ -1,6 +1,6 @@
 """The worker registry: ``backend_nodes`` rows, their credentials, labels and status.
 
-A worker registers by unique name and proves with its node key (``cluster/nodekey.py``) that it
+A worker registers by unique name and proves with its node key (``nodekey.py``) that it
 is the node the name belongs to.  The same name with the same key keeps its id and its approval,
 and is assumed to have restarted: its ``node_models`` rows are deleted.  The same name with a
 different key, or none, is refused (:class:`NodeNameTaken`) and changes nothing: the shared
@@ -46,7 +46,7 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from .membership import hash_secret, secret_matches_hash
-from .nodekey import control_token, node_key_hash, valid_node_key
+from localai_tw.nodekey import control_token, node_key_hash, valid_node_key
 
 log = Logger()
 

@@ -12,14 +12,14 @@
         PeerService            the accepted peer links and the peer pool
         TunnelRegistryService  the worker tunnels held here (their claims)
         ModelUse               batched last-used touches (flushed once more at stop)
-        LifecycleWatchdog      idle and busy watchdogs (frontend/lifecycle.py; off by default)
+        LifecycleWatchdog      idle and busy watchdogs (frontend/inference/lifecycle.py; off by default)
         Preloader              preload: ``preload: true`` models and --preload-models
-        ReplicaScaler          min_replicas floor, busy scale-up (frontend/replicas.py)
+        ReplicaScaler          min_replicas floor, busy scale-up (frontend/inference/replicas.py)
         PgBus                  the LISTEN/NOTIFY fan-out (the claim queue's wake hint, the
                                gallery's job snapshots, the placement caches' invalidations)
         PlacementFanout        the warm path's placement cache and its invalidations
-                               (frontend/placement_cache.py)
-        GalleryJobs "gallery"  gallery installs and deletes (frontend/gallery.py)
+                               (frontend/inference/placement_cache.py)
+        GalleryJobs "gallery"  gallery installs and deletes (frontend/gallery/installs.py)
         JobStatsService        reads the jobs queue's depth every 15 s (for /metrics)
         ClaimConsumer "jobs"   claims queued jobs and runs them on agent workers; stops
                                first, releasing its claims (docs/jobs.md)
@@ -52,13 +52,13 @@ The resource tree (:meth:`FrontendService._build_root`) is then built from that 
 ``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
 ``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
-``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
-``/backend/shutdown`` and ``/backend/load`` (admin, ``frontend/lifecycle_api.py``),
-``/api/jobs`` (``frontend/jobs_api.py``; admin, ``docs/jobs.md``),
-LocalAI's gallery routes under ``/models`` (``frontend/gallery_api.py``; admin),
+``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/api/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
+``/backend/shutdown`` and ``/backend/load`` (admin, ``frontend/api/lifecycle.py``),
+``/api/jobs`` (``frontend/api/jobs.py``; admin, ``docs/jobs.md``),
+LocalAI's gallery routes under ``/models`` (``frontend/api/gallery.py``; admin),
 ``/api/cluster/connect`` (worker tunnels),
 ``/api/cluster/peer`` (replica links), and the OpenAI-compatible ``/v1/...``
-(``frontend/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
+(``frontend/api/openai/``; open unless ``--api-key`` is set).  ``/readyz`` turns 200 once the
 gate is open (database ready *and* membership registered, and every readiness gate passed).
 
 Tunnel events are logged by the tunnel modules with node, replica and epoch; this module logs
@@ -109,20 +109,20 @@ from localai_tw.tunnel.peertls import published_address
 from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
-from .backend_client import BackendClients
-from .dashboard import RootWithDashboard, dashboard_files
-from .interfaces import IInferenceRouter
-from .lifecycle_api import BackendResource
-from .jobs_api import MAX_JOB_BODY_BYTES, JobsResource
-from .jobs_cancel import CancelFanout
-from .jobs_dispatch import JobDispatcher, job_consumer
-from .jobs_stats import JobStatsService
-from .jobs_store import JobStore
-from .placement_cache import PlacementCache, PlacementFanout
-from .metrics_api import MetricsResource, NodeMetricsRouting
-from .nodes_api import InstancesResource, LoadsResource, NodesAdminResource
-from .traces import TraceRing, TracesResource
-from .openai import (
+from localai_tw.frontend.inference.backend_client import BackendClients
+from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
+from localai_tw.frontend.inference.interfaces import IInferenceRouter
+from localai_tw.frontend.api.lifecycle import BackendResource
+from localai_tw.frontend.api.jobs import MAX_JOB_BODY_BYTES, JobsResource
+from localai_tw.frontend.jobs.cancel import CancelFanout
+from localai_tw.frontend.jobs.dispatch import JobDispatcher, job_consumer
+from localai_tw.frontend.jobs.stats import JobStatsService
+from localai_tw.frontend.jobs.store import JobStore
+from localai_tw.frontend.inference.placement_cache import PlacementCache, PlacementFanout
+from localai_tw.frontend.api.metrics import MetricsResource, NodeMetricsRouting
+from localai_tw.frontend.api.nodes import InstancesResource, LoadsResource, NodesAdminResource
+from localai_tw.frontend.api.traces import TraceRing, TracesResource
+from localai_tw.frontend.api.openai import (
     OPENAI_MAX_BODY_BYTES,
     OpenAIResource,
     api_prefixes,
@@ -131,14 +131,14 @@ from .openai import (
     unprefixed_aliases,
     unprefixed_roots,
 )
-from .gallery import GalleryJobs, parse_galleries
-from .gallery_api import GalleryResource, ModelsRoot
-from .generated import GeneratedFiles, GeneratedFilesResource
-from .openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
-from .probes import LivenessResource, ReadinessResource, StartingGate
-from .scheduling_api import NodesWithScheduling, SchedulingResource
-from .web import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
-from .worker_api import WorkerRegistrationResource
+from localai_tw.frontend.gallery.installs import GalleryJobs, parse_galleries
+from localai_tw.frontend.api.gallery import GalleryResource, ModelsRoot
+from localai_tw.frontend.api.generated import GeneratedFiles, GeneratedFilesResource
+from localai_tw.frontend.api.openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
+from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource, StartingGate
+from localai_tw.frontend.api.scheduling import NodesWithScheduling, SchedulingResource
+from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
+from localai_tw.frontend.api.workers import WorkerRegistrationResource
 
 log = Logger()
 
@@ -273,14 +273,14 @@ class ReplicaConfig:
     run_dir: str | None
     health_interval: float
     stale_after: float
-    #: lifecycle (frontend/lifecycle.py, frontend/preload.py); the defaults change nothing
+    #: lifecycle (frontend/inference/lifecycle.py, frontend/inference/preload.py); the defaults change nothing
     max_active_backends: int = 0
     idle_timeout: float = 0.0
     busy_timeout: float = 0.0
     preload_models: tuple[str, ...] = ()
     #: Registrations one source address may make per minute (burst and refill); 0: no limit.
     registration_limit: int = 1200
-    #: Model galleries (``--galleries``, ``frontend/gallery.py``).
+    #: Model galleries (``--galleries``, ``frontend/gallery/installs.py``).
     galleries: tuple = ()
     #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
     job_kinds: Any = None
@@ -419,7 +419,7 @@ class Replica:
     jobs: JobParts
     placements: PlacementFanout
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
-    #: lifecycle parts (frontend/usage.py, lifecycle.py, preload.py)
+    #: lifecycle parts (frontend/inference/usage.py, lifecycle.py, preload.py)
     use: Any = None
     lifecycle: Any = None
     watchdog: Any = None
@@ -492,17 +492,17 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                         reactor, listen_description: str = "") -> Replica:
     """Every part of the replica, wired on the ready database (module docstring, steps 1-5).
     Nothing is started here: :class:`ReplicaService` starts the services."""
-    from .coldload import ColdLoader
-    from .grpcbridge import GrpcBridges
-    from .inference import InferenceRouter
-    from .lifecycle import LifecycleWatchdog, ModelLifecycle
-    from .loadlock import LoadLock
-    from .models import ModelCatalog
-    from .placement import NodeChooser
-    from .preload import Preloader
-    from .replicas import ReplicaScaler
-    from .usage import ModelUse
-    from .scratch import WorkerScratch
+    from localai_tw.frontend.inference.coldload import ColdLoader
+    from localai_tw.frontend.inference.grpcbridge import GrpcBridges
+    from localai_tw.frontend.inference.router import InferenceRouter
+    from localai_tw.frontend.inference.lifecycle import LifecycleWatchdog, ModelLifecycle
+    from localai_tw.frontend.inference.loadlock import LoadLock
+    from localai_tw.localai.model_config import ModelCatalog
+    from localai_tw.frontend.inference.placement import NodeChooser
+    from localai_tw.frontend.inference.preload import Preloader
+    from localai_tw.frontend.inference.replicas import ReplicaScaler
+    from localai_tw.frontend.inference.usage import ModelUse
+    from localai_tw.frontend.inference.scratch import WorkerScratch
 
     grace = config.reconnect_grace
     nodes = NodeRegistry(db, registration_token=config.registration_token,
@@ -546,7 +546,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     scaler = ReplicaScaler(db, inference, use, reactor)
     inference.scaler = scaler
     # The warm path's placement cache, told of changes here and by every replica through the
-    # bus (frontend/placement_cache.py): a warm request reads no database.  The bus is also the
+    # bus (frontend/inference/placement_cache.py): a warm request reads no database.  The bus is also the
     # claim queue's wake hint and the gallery's job snapshots (below).
     bus = PgBus(db, reactor=reactor)
     placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
@@ -569,7 +569,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                            grace=grace)
     metrics.watch_health(health)
     # Jobs: the claim queue (the bus above is its wake hint), and the consumer every replica
-    # runs (frontend/jobs_dispatch.py).
+    # runs (frontend/jobs/dispatch.py).
     queue = ClaimQueue(db, bus)
     store = JobStore(db, queue)
     dispatcher = JobDispatcher(store, db, control, config.instance_id)
@@ -836,7 +836,7 @@ class FrontendService(InOrderMultiService):
         unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
         for name in unprefixed_roots():
             root.putChild(name, unprefixed)
-        # /models also holds LocalAI's gallery routes (admin; gallery_api.py).
+        # /models also holds LocalAI's gallery routes (admin; api/gallery.py).
         gallery = getattr(replica, "gallery", None)
         root.putChild(b"models", ModelsRoot(
             GalleryResource(gallery, self.api_keys) if gallery is not None else None,

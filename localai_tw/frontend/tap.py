@@ -16,7 +16,7 @@ Under twistd the options also move twistd's default pidfile into ``<data-dir>`` 
 ``config.EnvOptions``), and ``makeService`` reads or makes ``<data-dir>/instance-id`` and logs,
 once ready, one line saying who can use what (``exposure_line``).
 
-``/healthz`` and ``/readyz`` live in ``frontend/probes.py``.  This module only parses options
+``/healthz`` and ``/readyz`` live in ``frontend/api/probes.py``.  This module only parses options
 and composes services; it must not grow protocol logic of its own.
 """
 
@@ -40,8 +40,8 @@ from localai_tw.backends.directory import check_external_backends, parse_externa
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
 
-from .probes import LivenessResource, ReadinessResource
-from .web import ACCESS_LOG_CHOICES
+from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource
+from localai_tw.frontend.api.kit import ACCESS_LOG_CHOICES
 
 log = Logger()
 
@@ -218,7 +218,7 @@ class Options(config.EnvOptions):
                 f"({DEFAULT_LISTEN}), or pass --allow-open-api (env "
                 "LOCALAI_ALLOW_OPEN_API=true) to run it open on purpose")
         if self["galleries"]:
-            from .gallery import GalleryError, parse_galleries
+            from localai_tw.frontend.gallery.installs import GalleryError, parse_galleries
 
             try:
                 parse_galleries(self["galleries"])
@@ -232,7 +232,7 @@ class Options(config.EnvOptions):
                 "which other replicas cannot reach; pass --single-host (env "
                 "LOCALAI_SINGLE_HOST=true) if every replica runs on this machine")
         if self["local-worker"]:
-            from .localworker import is_tcp_endpoint
+            from localai_tw.frontend.localworker import is_tcp_endpoint
 
             if not is_tcp_endpoint(self["listen"]):
                 raise usage.UsageError(
@@ -296,7 +296,7 @@ def exit_on_startup_failure(service: Any, reactor: Any = None,
     stops the reactor (services stop in order, the embedded server with them), and once twistd
     has finished its own shutdown, exits with status 1 so a supervisor sees the failure.
     """
-    from .service import FrontendStopped
+    from localai_tw.frontend.service import FrontendStopped
 
     if reactor is None:
         from twisted.internet import reactor as _reactor
@@ -352,8 +352,8 @@ def makeService(options: Options) -> MultiService:
     gc.set_threshold(*GC_THRESHOLDS)
 
     logs.quiet_grpc_core()  # before the inference core imports grpc
-    from .localworker import LocalWorkerService
-    from .service import FrontendService, InOrderMultiService
+    from localai_tw.frontend.localworker import LocalWorkerService
+    from localai_tw.frontend.service import FrontendService, InOrderMultiService
 
     if options.get("instance-id") is None:
         try:

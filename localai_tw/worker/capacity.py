@@ -12,7 +12,7 @@ guess would mislead the scheduler).  A field that cannot be read is left out, ne
 
 ``memory_budget`` (the worker's ``--memory-budget``) caps every memory field it reports (RAM
 and GPU memory, total and available): the node offers models at most that much, and the
-frontends fit and evict models within it (``frontend/lifecycle.py``).
+frontends fit and evict models within it (``frontend/inference/lifecycle.py``).
 
 :func:`host_facts` (CPU count and load average) goes into the worker's own ``node.status``
 answer instead (``GET /api/nodes/{id}/status``): the registration wire has no field for them,

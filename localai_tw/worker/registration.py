@@ -295,7 +295,7 @@ class RegistrationClient:
     ``base_url`` is ``--register-to`` (``http``/``https``, or ``ws``/``wss`` mapped to them;
     a path is kept as a prefix).  ``registration_token`` may be None or empty when the frontend
     does not check one (no ``Authorization`` header is sent then).  ``node_key`` is this
-    node's key (``cluster/nodekey.py``), sent with every registration.  ``capacity_provider()`` is
+    node's key (``nodekey.py``), sent with every registration.  ``capacity_provider()`` is
     read on every request.  Call :meth:`close` when done: it drops the kept-alive connections.
     """
 

@@ -31,7 +31,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from localai_tw.cluster.nodekey import (
+from localai_tw.nodekey import (
     NODE_KEY_FILE,
     control_token,
     load_or_create_node_key,
@@ -331,7 +331,7 @@ class WorkerService(MultiService):
             register_node_status(self.verbs, self.node_name, self.node_type, running_backends,
                                  reactor)
         # Callers prove the per-node control token, never the shared registration token: a
-        # frontend derives it from the node key hash it stored (cluster/nodekey.py).
+        # frontend derives it from the node key hash it stored (nodekey.py).
         self.control_auth = ControlAuth(control_token(node_key_hash(self.node_key)))
         self.staging = None
         self.scratch = None

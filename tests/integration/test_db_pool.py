@@ -133,7 +133,7 @@ async def test_readyz_stays_ready_while_the_pool_is_busy_but_answering(pg_dsn):
     from twisted.internet import reactor
     from twisted.web.test.requesthelper import DummyRequest
 
-    from localai_tw.frontend.probes import ReadinessResource
+    from localai_tw.frontend.api.probes import ReadinessResource
 
     class Checked:
         def __init__(self, database):

@@ -17,10 +17,10 @@ from localai_tw.cluster import nodes as nodes_module
 from localai_tw.cluster.membership import InstanceIdentity, register_instance
 from localai_tw.cluster.nodes import NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
-from localai_tw.frontend.nodes_api import InstancesResource, NodesAdminResource
-from localai_tw.frontend.probes import StartingGate
-from localai_tw.frontend.web import MAX_BODY_BYTES, APIKeyGuard, ClusterParts, FrontendSite
-from localai_tw.frontend.worker_api import WorkerRegistrationResource
+from localai_tw.frontend.api.nodes import InstancesResource, NodesAdminResource
+from localai_tw.frontend.api.probes import StartingGate
+from localai_tw.frontend.api.kit import MAX_BODY_BYTES, APIKeyGuard, ClusterParts, FrontendSite
+from localai_tw.frontend.api.workers import WorkerRegistrationResource
 
 TOKEN = "registration-token-for-tests"
 ADMIN = "sk-admin-key"
@@ -380,7 +380,7 @@ async def test_wrong_method_and_unknown_path(frontend, http):
 
 @pytest_twisted.ensureDeferred
 async def test_503_while_the_frontend_is_starting(db, http):
-    # what the listener serves until the replica is built (frontend/probes.py)
+    # what the listener serves until the replica is built (frontend/api/probes.py)
     port = reactor.listenTCP(0, FrontendSite(StartingGate({}, {})), interface="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{port.getHost().port}"

@@ -511,7 +511,7 @@ async def test_a_fleets_kept_alive_heartbeat_connections_do_not_fill_the_cap(fro
     timer), so a fleet larger than the cap (1024) held the whole cap with heartbeat connections
     and every API client was refused.  The connection that carries a known node's heartbeats
     leaves the cap like a tunnel, one per node; a second one of the same node, and a heartbeat
-    of an unknown node, stay counted.  Remove the heartbeat_answered call in worker_api: this
+    of an unknown node, stay counted.  Remove the heartbeat_answered call in api/workers.py: this
     fails."""
     service = await frontend()
     port = service.listener.tcp_port()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest_twisted
 import treq
@@ -179,3 +181,22 @@ async def test_the_listener_has_a_backlog_for_a_fleet():
         assert port.backlog == 1024
     finally:
         await listener.stopService()
+
+
+def documented_replica_services() -> list[str]:
+    """The children of ``ReplicaService`` as docs/architecture.md's service tree lists them."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    tree = text.split("## The frontend replica as a service tree", 1)[1].split("```", 2)[1]
+    inside = tree.split("  ReplicaService", 1)[1].split("\n  ListeningService", 1)[0]
+    return [m.group(1) for m in re.finditer(r"^    (\w+)", inside, re.MULTILINE)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_docs_architecture_lists_the_replica_services_in_start_order(started):
+    """The service tree in docs/architecture.md is the one a real replica starts."""
+    service, _ = await started()
+    running = [type(child).__name__ for child in service.replica.services()]
+    documented = documented_replica_services()
+    assert set(running) <= set(documented), (
+        f"docs/architecture.md's service tree lacks {sorted(set(running) - set(documented))}")
+    assert [name for name in documented if name in running] == running

@@ -18,7 +18,7 @@ import yaml
 from twisted.internet import reactor
 from twisted.web import server
 
-from localai_tw.frontend.models import load_model_file
+from localai_tw.localai.model_config import load_model_file
 
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually
@@ -291,7 +291,7 @@ async def test_an_index_over_http_is_read_and_bounded(cluster, files, tmp_path, 
     """An index served over http:// is listed; one larger than the bound is a 502 naming the
     bound, not memory spent on it.
     Red when the body is read without the bound (the Content-Length check and ``_Bounded``)."""
-    from localai_tw.frontend import gallery
+    from localai_tw.frontend.gallery import installs as gallery
 
     files.files["index.yaml"] = yaml.safe_dump(
         [entry("web", [("web/a.bin", f"{files.base}/files/a.bin", None)])]).encode()

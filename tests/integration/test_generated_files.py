@@ -1,4 +1,4 @@
-"""The shared store of generated files (``frontend/generated.py``) on real PostgreSQL: what one
+"""The shared store of generated files (``frontend/api/generated.py``) on real PostgreSQL: what one
 replica stores another reads; rows expire; the total stays under its bound, newest kept."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import pytest_twisted
 
-from localai_tw.frontend.generated import GeneratedFiles
+from localai_tw.frontend.api.generated import GeneratedFiles
 
 
 @pytest_twisted.ensureDeferred

@@ -9,7 +9,7 @@ import pytest_twisted
 from twisted.internet import defer, task
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.interfaces import (
+from localai_tw.frontend.inference.interfaces import (
     IInferenceRouter,
     ModelLoadFailed,
     ModelNotFound,
@@ -95,7 +95,7 @@ async def test_unknown_model_no_node_and_failed_load(cluster):
 
 @pytest_twisted.ensureDeferred
 async def test_a_file_that_does_not_match_its_sha256_is_not_staged(cluster):
-    from localai_tw.frontend.coldload import ModelFileMismatch
+    from localai_tw.frontend.inference.coldload import ModelFileMismatch
 
     cluster.write_file("tiny.bin", WEIGHTS)
     cluster.write_model("tiny.yaml", tiny_model("00" * 32))
@@ -112,7 +112,7 @@ async def test_a_model_file_that_is_a_symlink_out_of_the_models_dir_is_not_stage
     """issue 9 §6: ``files: [{path: tiny.bin}]`` where tiny.bin links to a file outside."""
     import os
 
-    from localai_tw.frontend.coldload import ModelFileMismatch
+    from localai_tw.frontend.inference.coldload import ModelFileMismatch
 
     outside = tmp_path / "outside-secret.bin"
     outside.write_bytes(WEIGHTS)

@@ -228,7 +228,7 @@ async def test_oversized_upload_is_refused_before_its_body(cluster):
     is read (the client sends only the headers)."""
     import socket
 
-    from localai_tw.frontend.openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
+    from localai_tw.frontend.api.openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
 
     for filename, text in MODELS.items():
         cluster.write_model(filename, text)

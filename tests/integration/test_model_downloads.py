@@ -21,7 +21,7 @@ from twisted.logger import globalLogPublisher
 from twisted.web import resource, server
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.interfaces import ModelDownloadFailed, ModelFileMismatch
+from localai_tw.frontend.inference.interfaces import ModelDownloadFailed, ModelFileMismatch
 
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually, within

@@ -18,7 +18,7 @@ import pytest_twisted
 
 from localai_tw.backends import backend_pb2
 from localai_tw.backends.process import NoSuchBackend
-from localai_tw.frontend.interfaces import ModelFileMismatch, ModelLoadFailed
+from localai_tw.frontend.inference.interfaces import ModelFileMismatch, ModelLoadFailed
 
 from .inference_harness import supervisor_of
 from .test_backend_huggingface import _require

@@ -10,8 +10,8 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.interfaces import ModelLoadFailed, ModelUsecaseUnsupported
-from localai_tw.frontend.loadlock import DEFAULT_FAILED_LOAD_MEMORY
+from localai_tw.frontend.inference.interfaces import ModelLoadFailed, ModelUsecaseUnsupported
+from localai_tw.frontend.inference.loadlock import DEFAULT_FAILED_LOAD_MEMORY
 
 
 class CountingControl:

@@ -18,7 +18,7 @@ from twisted.internet import reactor
 from twisted.web.client import HTTPConnectionPool
 
 from localai_tw import errors
-from localai_tw.cluster.nodekey import NODE_KEY_FILE, control_token, mint_node_key, node_key_hash
+from localai_tw.nodekey import NODE_KEY_FILE, control_token, mint_node_key, node_key_hash
 from localai_tw.config import PortRange
 from localai_tw.frontend.service import FrontendService
 from localai_tw.tunnel.endpoint import ControlClient

@@ -12,8 +12,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor, threads
 
-from localai_tw.frontend.interfaces import NoNodeAvailable
-from localai_tw.frontend.web import APIKeyGuard
+from localai_tw.frontend.inference.interfaces import NoNodeAvailable
+from localai_tw.frontend.api.kit import APIKeyGuard
 
 from tests.integration.support import eventually
 from tests.unit.test_openai_fakes import FakeRouter, make_site, model_config
@@ -192,7 +192,7 @@ async def test_the_client_does_not_retry_a_deterministic_failure(server, router)
     # The official client retries every 5xx twice by default: a failure the same request
     # would meet again must reach the caller at once, a transient one is still retried.
     from localai_tw.errors import BackendAnswer
-    from localai_tw.frontend.interfaces import ModelLoadFailed
+    from localai_tw.frontend.inference.interfaces import ModelLoadFailed
 
     def ask():
         retrying = openai.OpenAI(base_url=server, api_key="sk-test", timeout=10)  # 2 retries

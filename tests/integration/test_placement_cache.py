@@ -14,7 +14,7 @@ from twisted.internet import reactor
 from twisted.web.client import HTTPConnectionPool
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.placement import _CANDIDATES_SQL
+from localai_tw.frontend.inference.placement import _CANDIDATES_SQL
 
 from .inference_harness import ADMIN
 from .support import eventually

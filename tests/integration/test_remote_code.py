@@ -13,7 +13,7 @@ import pytest
 import pytest_twisted
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.interfaces import ModelLoadFailed
+from localai_tw.frontend.inference.interfaces import ModelLoadFailed
 
 from .inference_harness import supervisor_of
 

@@ -162,7 +162,7 @@ async def test_a_route_failure_never_reaps_a_row(cluster):
                                          deadline=reactor.seconds() + 10)
     assert await cluster.rows("keep") == [row]
     # and the node chooser refuses to reap on anything but the worker's answer
-    from localai_tw.frontend.placement import Placement
+    from localai_tw.frontend.inference.placement import Placement
 
     placement = Placement("keep", worker.node_id, row[3], row[4])
     for condition in (errors.WorkerUnroutable(worker.node_id, "x"),
@@ -225,7 +225,7 @@ async def test_a_dead_loaders_lock_is_taken_over(cluster):
     cluster.write_model("other.yaml", echo_model("other"))
     frontend.replica.inference.catalog.refresh()
     frontend.replica.inference.loads.load_wait = 0.5
-    from localai_tw.frontend.interfaces import NoNodeAvailable
+    from localai_tw.frontend.inference.interfaces import NoNodeAvailable
 
     with pytest.raises(NoNodeAvailable, match="another load of it is in progress"):
         await frontend.replica.inference.predict("other", backend_pb2.PredictOptions(Prompt="x"))

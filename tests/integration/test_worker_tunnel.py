@@ -21,7 +21,7 @@ from twisted.internet import defer, protocol, reactor
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from localai_tw.cluster.nodekey import control_token, node_key_hash
+from localai_tw.nodekey import control_token, node_key_hash
 from localai_tw.config import PortRange
 from localai_tw.mux.session import Session, SessionConfig
 from localai_tw.tunnel import preamble

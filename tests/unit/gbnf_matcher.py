@@ -1,5 +1,5 @@
 """A small GBNF recogniser for tests: does a grammar accept a text?  It reads the subset
-``localai_tw.frontend.gbnf`` writes (rules ``name ::= body``, literals with ``\\`` escapes,
+``localai_tw.localai.gbnf`` writes (rules ``name ::= body``, literals with ``\\`` escapes,
 character classes with ranges and ``^``, groups, ``|``, and ``?``/``*``/``+``), so a test can
 check the generated grammar by what it accepts and refuses instead of by its exact text.
 Backtracking over sets of end positions: fine for the short texts tests use.

@@ -515,7 +515,7 @@ def test_grpc_core_logging_is_off_unless_asked():
 
 
 def test_access_log_leaves_out_heartbeats_and_probes():
-    from localai_tw.frontend.web import FrontendSite
+    from localai_tw.frontend.api.kit import FrontendSite
 
     class Request:
         def __init__(self, path, code=200):
@@ -540,7 +540,7 @@ def test_access_log_leaves_out_heartbeats_and_probes():
 def test_access_log_option_keeps_errors_only_or_nothing():
     from twisted.internet.address import IPv4Address
 
-    from localai_tw.frontend.web import FrontendSite
+    from localai_tw.frontend.api.kit import FrontendSite
 
     class Request:
         def __init__(self, path, code=200):

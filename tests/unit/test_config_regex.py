@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from localai_tw.frontend.configregex import (
+from localai_tw.localai.configregex import (
     MAX_MATCHES,
     ConfigRegex,
     GoTemplate,
     RegexError,
 )
-from localai_tw.frontend.models import ModelConfigError, parse_model_config
-from localai_tw.frontend.toolcalls import FunctionConfig, clean_content, parse_tool_calls
+from localai_tw.localai.model_config import ModelConfigError, parse_model_config
+from localai_tw.localai.toolcalls import FunctionConfig, clean_content, parse_tool_calls
 
 
 def _config(function: dict) -> FunctionConfig:

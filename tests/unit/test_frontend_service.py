@@ -11,7 +11,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from localai_tw.frontend.service import FrontendService, FrontendStartupError, StartupState
-from localai_tw.frontend.web import ClusterParts
+from localai_tw.frontend.api.kit import ClusterParts
 from localai_tw.metrics import ReplicaMetrics
 
 
@@ -180,8 +180,8 @@ def test_the_unprefixed_openai_routes_have_their_v1_twins_cap_and_guard(monkeypa
     with its own cap, as an upload route may have, passes it on) and the API-key guard; a path
     that merely starts like an alias does not."""
     from localai_tw.frontend import service as service_module
-    from localai_tw.frontend.openai import OPENAI_MAX_BODY_BYTES
-    from localai_tw.frontend.web import FrontendSite, MAX_BODY_BYTES
+    from localai_tw.frontend.api.openai import OPENAI_MAX_BODY_BYTES
+    from localai_tw.frontend.api.kit import FrontendSite, MAX_BODY_BYTES
 
     class Site(FrontendSite):
         def __init__(self, resource, *, body_limits, **kwargs):

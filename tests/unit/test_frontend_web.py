@@ -9,8 +9,8 @@ from twisted.web import server
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
-from localai_tw.frontend import web
-from localai_tw.frontend.web import APIError, APIKeyGuard, FrontendSite, bearer_token
+from localai_tw.frontend.api import kit as web
+from localai_tw.frontend.api.kit import APIError, APIKeyGuard, FrontendSite, bearer_token
 
 
 def request_with(authorization: bytes | None):

@@ -1,4 +1,4 @@
-"""The gallery's index reading (``frontend/gallery.py``): ``--galleries`` values, LocalAI's
+"""The gallery's index reading (``frontend/gallery/installs.py``): ``--galleries`` values, LocalAI's
 entry format (the snapshot in ``tests/fixtures/localai-gallery``), bounds, and the order in
 which a replica keeps job snapshots it hears."""
 
@@ -12,7 +12,7 @@ import pytest_twisted
 import yaml
 from twisted.internet import reactor
 
-from localai_tw.frontend.gallery import (
+from localai_tw.frontend.gallery.installs import (
     Gallery,
     GalleryError,
     GalleryJobs,
@@ -138,7 +138,7 @@ def test_progress_snapshots_without_the_description_keep_the_one_heard():
 
 @pytest_twisted.ensureDeferred
 async def test_a_replica_queues_a_bounded_number_of_jobs(monkeypatch):
-    from localai_tw.frontend import gallery
+    from localai_tw.frontend.gallery import installs as gallery
 
     monkeypatch.setattr(gallery, "MAX_QUEUED", 2)
     jobs = GalleryJobs(None, None, "r1", "/nowhere", None, (), reactor)
@@ -159,7 +159,7 @@ def test_a_replica_stopped_before_its_gallery_subscription_lands_logs_no_failure
     from twisted.logger import LogLevel, globalLogPublisher
 
     from localai_tw.bus.pgbus import BusStopped
-    from localai_tw.frontend.gallery import GalleryJobs
+    from localai_tw.frontend.gallery.installs import GalleryJobs
 
     from .pendingbus import PendingBus as Bus
     from .pendingbus import Subscription

@@ -1,4 +1,4 @@
-"""JSON Schema -> GBNF (``localai_tw.frontend.gbnf``): the generated grammar is checked by what
+"""JSON Schema -> GBNF (``localai_tw.localai.gbnf``): the generated grammar is checked by what
 it accepts and refuses (``tests/unit/gbnf_matcher.py`` recognises GBNF), every accepted text is
 valid under the schema (jsonschema), and everything outside the subset is refused naming the
 keyword.  With llama-cpp-python and the tiny GGUF builder, llama.cpp parses each grammar too
@@ -13,7 +13,7 @@ import os
 import jsonschema
 import pytest
 
-from localai_tw.frontend.gbnf import (
+from localai_tw.localai.gbnf import (
     JSON_OBJECT_GRAMMAR,
     MAX_ITEMS,
     SchemaError,

@@ -1,7 +1,7 @@
 """gRPC channel options that once made a slow handshake look like a dead backend."""
 
 from localai_tw.backends import process
-from localai_tw.frontend import backend_client
+from localai_tw.frontend.inference import backend_client
 
 
 def test_no_client_sets_the_minimum_connect_timeout_below_the_default():

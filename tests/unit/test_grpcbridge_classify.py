@@ -8,7 +8,7 @@ from twisted.internet import defer
 from twisted.python.failure import Failure
 
 from localai_tw import errors
-from localai_tw.frontend.backend_client import classify_rpc_failure
+from localai_tw.frontend.inference.backend_client import classify_rpc_failure
 
 
 class FakeBridge:

@@ -12,11 +12,11 @@ from twisted.internet import defer, task
 
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.inference import InferenceRouter
-from localai_tw.frontend.interfaces import ModelUsecaseUnsupported
-from localai_tw.frontend.models import parse_model_config
-from localai_tw.frontend.placement import Placement
-from localai_tw.frontend.scratch import BackendOutputTooLarge
+from localai_tw.frontend.inference.router import InferenceRouter
+from localai_tw.frontend.inference.interfaces import ModelUsecaseUnsupported
+from localai_tw.localai.model_config import parse_model_config
+from localai_tw.frontend.inference.placement import Placement
+from localai_tw.frontend.inference.scratch import BackendOutputTooLarge
 
 
 class Catalog:

@@ -10,13 +10,13 @@ from zope.interface import implementer
 
 from localai_tw import errors
 from localai_tw.bus.claims import Claim
-from localai_tw.frontend.jobs_cancel import CancelFanout, WorkerCancel, outcome_of
-from localai_tw.frontend.jobs_dispatch import (
+from localai_tw.frontend.jobs.cancel import CancelFanout, WorkerCancel, outcome_of
+from localai_tw.frontend.jobs.dispatch import (
     AllAgentsBusy,
     JobDispatcher,
     NoReachableAgent,
 )
-from localai_tw.frontend.jobs_store import Dispatch
+from localai_tw.frontend.jobs.store import Dispatch
 from localai_tw.jobs.builtin import chat_job, embed_batch_job
 from localai_tw.jobs.kinds import (
     MAX_EVENT_BYTES,

@@ -10,7 +10,7 @@ import pytest_twisted
 from twisted.internet import defer, task
 
 from localai_tw import errors
-from localai_tw.frontend.lifecycle import (
+from localai_tw.frontend.inference.lifecycle import (
     BUSY,
     LOADING,
     NOT_DELIVERED,
@@ -21,8 +21,8 @@ from localai_tw.frontend.lifecycle import (
     ModelLifecycle,
     memory_need,
 )
-from localai_tw.frontend.models import parse_model_config
-from localai_tw.frontend.usage import ModelUse
+from localai_tw.localai.model_config import parse_model_config
+from localai_tw.frontend.inference.usage import ModelUse
 
 
 class FakeDB:
@@ -361,7 +361,7 @@ class FakeInference:
 
 @pytest_twisted.ensureDeferred
 async def test_preload_waits_for_a_connected_worker_then_loads_once():
-    from localai_tw.frontend.preload import Preloader
+    from localai_tw.frontend.inference.preload import Preloader
 
     clock = task.Clock()
     inference = FakeInference([model("marked", preload=True), model("named"), model("other")])
@@ -380,7 +380,7 @@ async def test_preload_waits_for_a_connected_worker_then_loads_once():
 
 @pytest_twisted.ensureDeferred
 async def test_preload_of_a_model_already_loaded_on_a_connected_node_loads_nothing():
-    from localai_tw.frontend.preload import Preloader
+    from localai_tw.frontend.inference.preload import Preloader
 
     clock = task.Clock()
     inference = FakeInference([model("marked", preload=True)])
@@ -392,7 +392,7 @@ async def test_preload_of_a_model_already_loaded_on_a_connected_node_loads_nothi
 
 
 def test_model_config_lifecycle_keys_are_validated():
-    from localai_tw.frontend.models import ModelConfigError
+    from localai_tw.localai.model_config import ModelConfigError
 
     for bad in ({"pinned": "yes"}, {"preload": 1}, {"memory_bytes": "lots"},
                 {"memory_bytes": True}, {"memory_bytes": -1}):
@@ -406,7 +406,7 @@ def test_model_config_lifecycle_keys_are_validated():
 
 @pytest_twisted.ensureDeferred
 async def test_scale_up_is_considered_only_when_every_replica_is_busy_here():
-    from localai_tw.frontend.replicas import ReplicaScaler
+    from localai_tw.frontend.inference.replicas import ReplicaScaler
 
     clock = task.Clock()
     use = ModelUse(None, clock)
@@ -436,8 +436,8 @@ async def test_scale_up_is_considered_only_when_every_replica_is_busy_here():
 
 
 def test_each_unload_outcome_has_its_own_status_and_an_absent_worker_is_never_failed():
-    from localai_tw.frontend.lifecycle import UnloadResult
-    from localai_tw.frontend.lifecycle_api import UnloadRefused, answer_results, refusal_of
+    from localai_tw.frontend.inference.lifecycle import UnloadResult
+    from localai_tw.frontend.api.lifecycle import UnloadRefused, answer_results, refusal_of
 
     def status(outcome, error=None):
         refusal = refusal_of(UnloadResult("m", "n", outcome, "why", error))

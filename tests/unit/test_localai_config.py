@@ -8,9 +8,9 @@ from twisted.internet import defer
 from twisted.logger import capturedLogs
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.coldload import ColdLoader
-from localai_tw.frontend.inference import InferenceRouter
-from localai_tw.frontend.models import (
+from localai_tw.frontend.inference.coldload import ColdLoader
+from localai_tw.frontend.inference.router import InferenceRouter
+from localai_tw.localai.model_config import (
     DIFFUSERS_OPTIONS,
     LIMIT_OPTIONS,
     MODEL_OPTIONS,
@@ -21,7 +21,7 @@ from localai_tw.frontend.models import (
     ModelConfigError,
     parse_model_config,
 )
-from localai_tw.frontend.openai.requests import Fields, merge_sampling
+from localai_tw.frontend.api.openai.requests import Fields, merge_sampling
 
 from .test_openai_fakes import FakeRouter, call, make_site
 
@@ -242,7 +242,7 @@ def test_the_warnings_a_file_can_cause_are_bounded():
 def test_mmap_is_on_unless_the_config_turns_it_off(tmp_path):
     """LocalAI's default (generic_defaults.go): a GGUF is memory-mapped unless ``mmap: false``;
     without it llama.cpp read the whole file into memory."""
-    from localai_tw.frontend.models import parse_model_config
+    from localai_tw.localai.model_config import parse_model_config
 
     on = parse_model_config({"name": "a", "backend": "llama-cpp",
                              "parameters": {"model": "a.gguf"}}, "a.yaml")

@@ -11,9 +11,9 @@ import os
 import pytest
 import yaml
 
-from localai_tw.frontend.models import ModelCatalog, _Loader
-from localai_tw.frontend.openai.requests import ModelView
-from localai_tw.frontend.templates import (
+from localai_tw.localai.model_config import ModelCatalog, _Loader
+from localai_tw.frontend.api.openai.requests import ModelView
+from localai_tw.localai.templates import (
     ChatMessage,
     PromptTemplates,
     TemplateError,

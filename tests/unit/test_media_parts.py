@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from localai_tw.backends import backend_pb2
 from localai_tw.backends.builtin import espeak_ng, hash_image, pocketsphinx_asr, wavfile
-from localai_tw.frontend.openai import images, multipart, transcription
-from localai_tw.frontend.openai.errors import OpenAIError
-from localai_tw.frontend.openai.multipart import MultipartError, boundary_of, parse_form
+from localai_tw.frontend.api.openai import images, multipart, transcription
+from localai_tw.frontend.api.openai.errors import OpenAIError
+from localai_tw.frontend.api.openai.multipart import MultipartError, boundary_of, parse_form
 
 
 def form(parts, boundary=b"XyZ"):

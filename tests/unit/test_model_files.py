@@ -1,6 +1,6 @@
-"""Model files checked on the frontend before a load (``frontend/modelfiles.py``) and the
+"""Model files checked on the frontend before a load (``frontend/inference/modelfiles.py``) and the
 config keys that name them (``download_files``, a URL ``parameters.model``; ``models.py``),
-and the URL rules of ``frontend/downloads.py``: issue 11 §4 and §5."""
+and the URL rules of ``frontend/inference/downloads.py``: issue 11 §4 and §5."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import re
 
 import pytest
 
-from localai_tw.frontend import modelfiles
-from localai_tw.frontend.downloads import resolve_url, shown_url
-from localai_tw.frontend.interfaces import ModelFileMismatch
-from localai_tw.frontend.modelfiles import DigestCache, plan_blocking
-from localai_tw.frontend.models import ModelConfigError, parse_model_config
+from localai_tw.frontend.inference import modelfiles
+from localai_tw.frontend.inference.downloads import resolve_url, shown_url
+from localai_tw.frontend.inference.interfaces import ModelFileMismatch
+from localai_tw.frontend.inference.modelfiles import DigestCache, plan_blocking
+from localai_tw.localai.model_config import ModelConfigError, parse_model_config
 
 
 def parse(**data):
@@ -192,8 +192,8 @@ def test_download_progress_is_logged_at_most_every_interval_and_described(tmp_pa
     from twisted.internet import task
     from twisted.logger import globalLogPublisher
 
-    from localai_tw.frontend.downloads import Download, ModelDownloads
-    from localai_tw.frontend.models import ModelDownload
+    from localai_tw.frontend.inference.downloads import Download, ModelDownloads
+    from localai_tw.localai.model_config import ModelDownload
 
     clock = task.Clock()
     downloads = ModelDownloads(str(tmp_path), clock, agent=object(), log_interval=5.0)

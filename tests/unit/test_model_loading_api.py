@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from twisted.internet import task
 
-from localai_tw.frontend.interfaces import ModelLoadFailed
-from localai_tw.frontend.models import parse_model_config, usecases
-from localai_tw.frontend.openai import LOADING_NOTICE_INTERVAL
+from localai_tw.frontend.inference.interfaces import ModelLoadFailed
+from localai_tw.localai.model_config import parse_model_config, usecases
+from localai_tw.frontend.api.openai import LOADING_NOTICE_INTERVAL
 
 from .test_openai_fakes import Client, FakeRouter, call, make_site, model_config
 
@@ -67,7 +67,7 @@ def test_usecases_from_the_config(data, expected):
 
 @pytest.mark.parametrize("raw", ["chat", [1], ["no spaces allowed"]])
 def test_known_usecases_must_be_a_list_of_names(raw):
-    from localai_tw.frontend.models import ModelConfigError
+    from localai_tw.localai.model_config import ModelConfigError
 
     with pytest.raises(ModelConfigError, match="known_usecases"):
         parse_model_config({"name": "m", "backend": "echo", "known_usecases": raw})

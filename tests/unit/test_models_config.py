@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from localai_tw.frontend.models import ModelCatalog, ModelConfigError, load_model_file, \
+from localai_tw.localai.model_config import ModelCatalog, ModelConfigError, load_model_file, \
     parse_model_config
 
 GOOD = """

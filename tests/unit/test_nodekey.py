@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from localai_tw.cluster.nodekey import (
+from localai_tw.nodekey import (
     NODE_KEY_FILE,
     NodeKeyError,
     control_token,

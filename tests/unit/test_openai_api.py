@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from twisted.internet import defer
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.openai import OpenAIResource
-from localai_tw.frontend.web import APIKeyGuard
+from localai_tw.frontend.api.openai import OpenAIResource
+from localai_tw.frontend.api.kit import APIKeyGuard
 
 from .test_openai_fakes import Client, FakeRouter, call, make_site, model_config
 
@@ -483,7 +483,7 @@ def test_completion_stream_and_echo(site, router):
 
 
 def test_stream_failure_before_start_is_a_json_error(site, router):
-    from localai_tw.frontend.interfaces import NoNodeAvailable
+    from localai_tw.frontend.inference.interfaces import NoNodeAvailable
     router.fail_with = NoNodeAvailable("chatty", "no backend node matches")
     response = call(site, "POST", "/v1/chat/completions", chat(stream=True))
     assert_error(response, 503, "service_unavailable", code="no_node_available")
@@ -633,7 +633,7 @@ def test_models_list_and_one_model(site):
 
 def test_resource_accepts_a_router_object_directly(router):
     from twisted.web.resource import Resource
-    from localai_tw.frontend.web import FrontendSite
+    from localai_tw.frontend.api.kit import FrontendSite
     root = Resource()
     root.putChild(b"v1", OpenAIResource(router))
     assert call(FrontendSite(root, timeout=None), "GET", "/v1/models").status == 200
@@ -670,7 +670,7 @@ def test_stream_starting_on_a_full_transport_waits_at_once(site, router):
 
 def named_site(router, lookup):
     from twisted.web.resource import Resource
-    from localai_tw.frontend.web import FrontendSite
+    from localai_tw.frontend.api.kit import FrontendSite
     root = Resource()
     root.putChild(b"v1", OpenAIResource(router, node_names=lookup, now=lambda: 1700000000))
     return FrontendSite(root, timeout=None)

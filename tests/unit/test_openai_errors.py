@@ -21,14 +21,14 @@ from localai_tw.errors import (
     WorkerGone,
     WorkerUnroutable,
 )
-from localai_tw.frontend.interfaces import (
+from localai_tw.frontend.inference.interfaces import (
     ModelDownloadFailed,
     ModelFileMismatch,
     ModelLoadFailed,
     ModelNotFound,
     NoNodeAvailable,
 )
-from localai_tw.frontend.openai import OpenAIError, error_for
+from localai_tw.frontend.api.openai import OpenAIError, error_for
 
 from .test_openai_fakes import FakeRouter, call, make_site, model_config
 

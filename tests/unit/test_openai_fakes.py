@@ -1,6 +1,6 @@
 """Test doubles for the OpenAI API tests: a fake ``IInferenceRouter`` and raw-HTTP helpers.
 
-``FakeRouter`` implements the interface exactly as documented in ``frontend/interfaces.py``
+``FakeRouter`` implements the interface exactly as documented in ``frontend/inference/interfaces.py``
 (``Served`` results, ``on_start`` before the first reply, ``on_reply`` Deferreds awaited for
 backpressure, cancellation of the returned Deferred).  It records every call's options so tests
 can assert what the API layer sent.  No test lives here; the module holds shared helpers only.
@@ -19,9 +19,9 @@ from twisted.web.resource import Resource
 from zope.interface import implementer
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.interfaces import IInferenceRouter, Served
-from localai_tw.frontend.models import parse_model_config
-from localai_tw.frontend.openai import (
+from localai_tw.frontend.inference.interfaces import IInferenceRouter, Served
+from localai_tw.localai.model_config import parse_model_config
+from localai_tw.frontend.api.openai import (
     OPENAI_MAX_BODY_BYTES,
     OpenAIResource,
     api_prefixes,
@@ -29,7 +29,7 @@ from localai_tw.frontend.openai import (
     unprefixed_aliases,
     unprefixed_roots,
 )
-from localai_tw.frontend.web import FrontendSite
+from localai_tw.frontend.api.kit import FrontendSite
 
 
 def model_config(name: str, **more):

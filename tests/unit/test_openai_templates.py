@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from localai_tw.frontend.models import ModelTemplate
-from localai_tw.frontend.templates import (
+from localai_tw.localai.model_config import ModelTemplate
+from localai_tw.localai.templates import (
     ChatMessage,
     PromptTemplates,
     TemplateError,

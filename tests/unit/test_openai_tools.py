@@ -12,9 +12,9 @@ import json
 import pytest
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.models import parse_model_config
-from localai_tw.frontend.openai import constraints
-from localai_tw.frontend.toolcalls import (
+from localai_tw.localai.model_config import parse_model_config
+from localai_tw.frontend.api.openai import constraints
+from localai_tw.localai.toolcalls import (
     FunctionConfig,
     FunctionConfigError,
     ToolCallStream,

@@ -1,4 +1,4 @@
-"""The warm path's placement cache (frontend/placement_cache.py): what it keeps, for how long,
+"""The warm path's placement cache (frontend/inference/placement_cache.py): what it keeps, for how long,
 and every way an entry is dropped (the fan-out, the bus reconnecting, a failed call, the TTL).
 
 Time is a ``task.Clock``; the bus is a small fake with PgBus's surface (publish, subscribe,
@@ -13,8 +13,8 @@ import pytest
 from twisted.internet import defer, task
 
 from localai_tw import errors
-from localai_tw.frontend.placement import Candidate, NodeChooser, Placement
-from localai_tw.frontend.placement_cache import (
+from localai_tw.frontend.inference.placement import Candidate, NodeChooser, Placement
+from localai_tw.frontend.inference.placement_cache import (
     DEFAULT_TTL,
     RESUBSCRIBE_SECONDS,
     SUBJECT,
@@ -283,8 +283,8 @@ def test_a_reap_on_anything_but_the_worker_answer_still_refuses():
 
 
 def test_a_model_view_is_built_once_per_config_object():
-    from localai_tw.frontend.models import parse_model_config
-    from localai_tw.frontend.openai.requests import ModelView
+    from localai_tw.localai.model_config import parse_model_config
+    from localai_tw.frontend.api.openai.requests import ModelView
 
     first = parse_model_config({"name": "viewed", "backend": "echo"})
     assert ModelView.of(first) is ModelView.of(first)

@@ -4,7 +4,7 @@ and never holding what a client said."""
 from __future__ import annotations
 
 from localai_tw import errors
-from localai_tw.frontend.traces import TraceRing
+from localai_tw.frontend.api.traces import TraceRing
 from localai_tw.metrics import ReplicaMetrics
 
 ALLOWED = {"id", "time", "endpoint", "model", "nodes", "path", "status", "condition",
@@ -147,7 +147,7 @@ def test_staging_progress_counts_the_bytes_of_the_uploads_in_its_context():
 
     from twisted.internet.task import Clock
 
-    from localai_tw.frontend.loadlock import StagingProgress
+    from localai_tw.frontend.inference.loadlock import StagingProgress
     from localai_tw.staging_client import STAGING_WATCH, _CountingFile
 
     clock = Clock()
@@ -175,9 +175,9 @@ def test_the_router_times_placement_the_load_it_drove_the_tunnel_and_the_first_t
     from twisted.internet import defer, task
 
     from localai_tw.backends import backend_pb2
-    from localai_tw.frontend.inference import InferenceRouter
-    from localai_tw.frontend.models import parse_model_config
-    from localai_tw.frontend.placement import Placement
+    from localai_tw.frontend.inference.router import InferenceRouter
+    from localai_tw.localai.model_config import parse_model_config
+    from localai_tw.frontend.inference.placement import Placement
     from localai_tw.metrics import HOPS, Hops, current_hops, trace_hops
 
     clock = task.Clock()
@@ -247,7 +247,7 @@ def test_the_router_times_placement_the_load_it_drove_the_tunnel_and_the_first_t
 def test_staging_progress_has_the_announced_total_and_counts_a_held_file_as_staged():
     from twisted.internet.task import Clock
 
-    from localai_tw.frontend.loadlock import StagingProgress
+    from localai_tw.frontend.inference.loadlock import StagingProgress
 
     clock = Clock()
     watch = StagingProgress(clock.seconds)

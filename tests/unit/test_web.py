@@ -11,7 +11,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.test.requesthelper import DummyRequest
 
-from localai_tw.frontend.web import APIKeyGuard, bearer_token
+from localai_tw.frontend.api.kit import APIKeyGuard, bearer_token
 from localai_tw.tunnel.websocket import BearerTokenAuthorizer, ConnectRefused
 from localai_tw.web import auth
 from localai_tw.web.bodies import BodyTooLarge, CappedBody, answer_early

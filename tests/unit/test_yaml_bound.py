@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from localai_tw.frontend import gallery
-from localai_tw.frontend.models import ModelConfigError, load_model_file
-from localai_tw.yamlbound import AliasBombError, Limits, bounded_loader
+from localai_tw.frontend.gallery import installs as gallery
+from localai_tw.localai.model_config import ModelConfigError, load_model_file
+from localai_tw.localai.yamlbound import AliasBombError, Limits, bounded_loader
 
 
 def bomb(levels: int, width: int = 4) -> str:

@@ -1,6 +1,6 @@
 -- generated files served by every replica (docs/openai-api.md, "Images"): an image answered as
 -- a URL is kept here so that whichever replica the load balancer picks can serve it.  Bounded by
--- the store (frontend/generated.py): each row expires, and the newest rows within a total size
+-- the store (frontend/api/generated.py): each row expires, and the newest rows within a total size
 -- are kept; nothing else reads or writes this table.
 CREATE TABLE generated_files (
     name         varchar(64)  PRIMARY KEY,   -- <32 hex>.<ext>, random: the URL's capability

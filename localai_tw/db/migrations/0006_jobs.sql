@@ -33,7 +33,7 @@ CREATE INDEX jobs_state_created_idx ON jobs (state, created_at DESC, id DESC);
 CREATE INDEX jobs_created_idx ON jobs (created_at DESC, id DESC);
 
 -- Progress events of a job, in order (seq from 1).  Bounded per job by the writer
--- (localai_tw/frontend/jobs_store.py); deleted with the job.
+-- (localai_tw/frontend/jobs/store.py); deleted with the job.
 CREATE TABLE job_events (
     job_id  varchar(36)  NOT NULL REFERENCES jobs (id) ON DELETE CASCADE,
     seq     integer      NOT NULL,

@@ -1,4 +1,4 @@
--- gallery installs and deletes (frontend/gallery.py, docs/models.md "Gallery"): a job has a row
+-- gallery installs and deletes (frontend/gallery/installs.py, docs/models.md "Gallery"): a job has a row
 -- from the moment it starts until it is purged (7 days after it finished); while it is queued it
 -- lives only in its replica's memory and in the broadcasts (bus subject gallery.<id>).
 -- One running row per model across the cluster: the partial unique index is the claim.

@@ -1,0 +1,270 @@
+"""Streamed answers as server-sent events: :class:`SSEStream` (a ``text/event-stream``
+response that follows the transport's pace) and :func:`stream_reply`, which runs one
+``PredictStream`` into it for chat and completions alike (their event shapes are
+:class:`Chunks`).
+
+Backpressure: the stream writes through the shared
+:class:`~localai_tw.web.streaming.PacedWriter` (the request's push producer), and while the
+HTTP transport is paused each ``on_reply`` returns a Deferred that fires only when it resumes,
+so the router stops pulling replies from the backend; it fails when the client leaves, which
+cancels the backend call.  Only complete UTF-8 characters are sent (a character split across
+replies waits for its last byte).  A stream that waits for a cold load
+longer than ``LOADING_NOTICE_INTERVAL`` starts then and carries ``: loading model <name> (<n>
+s)`` comments until the first reply (``(<n> s; downloading <file> <x>/<y> MiB at <r> MiB/s)``
+while the replica downloads the model's files).
+
+What this module must never do: buffer replies while the client cannot take them, keep the
+backend call running after the client left, or send ``[DONE]`` after a failure.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from typing import Any
+
+from twisted.internet import defer, task
+from twisted.internet.error import ConnectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from localai_tw.backends import backend_pb2
+
+from localai_tw.web.streaming import PacedWriter
+from localai_tw.frontend.api.kit import printable
+from localai_tw.frontend.api.openai.context import Context
+from localai_tw.frontend.api.openai.errors import OpenAIError, detail, error_for
+from localai_tw.frontend.api.openai.requests import Sampling
+from localai_tw.frontend.api.openai.responses import (
+    NODE_HEADER,
+    Exchange,
+    Usage,
+    finish_reason,
+    path_text,
+)
+
+log = Logger()
+
+#: Seconds between ``: loading model ...`` SSE comments while a stream waits for a cold load
+#: (the first after this long, so a quick load answers as if nothing had waited).
+LOADING_NOTICE_INTERVAL = 3.0
+
+
+class SSEStream:
+    """A ``text/event-stream`` response that follows the transport's pace: SSE framing over
+    the shared :class:`~localai_tw.web.streaming.PacedWriter`.
+
+    While the HTTP transport is paused, :meth:`send` returns a Deferred that fires when it
+    resumes and fails when the client leaves, which the router awaits before pulling the next
+    backend reply (and which cancels the backend call when it fails).
+    """
+
+    def __init__(self, exchange: Exchange):
+        self.exchange = exchange
+        self.request = exchange.request
+        self.writer = PacedWriter(self.request, "stream of " + printable(
+            path_text(self.request)))
+
+    @property
+    def started(self) -> bool:
+        return self.writer.started
+
+    @property
+    def gone(self) -> bool:
+        """Whether the client left (learnt from the request or from the transport)."""
+        return self.exchange.gone or self.writer.gone
+
+    def start(self, node: str | None) -> None:
+        if self.writer.started:
+            return
+        self.exchange.served_by(node)
+        request = self.request
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
+        request.setHeader(b"cache-control", b"no-cache")
+        request.setHeader(b"x-accel-buffering", b"no")
+        request.setHeader(b"x-content-type-options", b"nosniff")
+        header = self.exchange.node_header()
+        if header is not None:
+            request.setHeader(NODE_HEADER, header)
+        self.writer.start()
+
+    def comment(self, text: str) -> None:
+        """Write an SSE comment line (``: text``), which clients ignore: a sign of life while
+        nothing else can be sent.  Starts the stream (status 200) if it has not started."""
+        if self.gone or self.writer.finished:
+            return
+        self.start(None)
+        _unawaited(self.writer.write(b": " + " ".join(text.split()).encode("utf-8") + b"\n\n"))
+
+    def send(self, payload: Any) -> defer.Deferred | None:
+        """Write one event (``payload`` as JSON, or a literal string such as ``[DONE]``).
+        Returns a Deferred while the transport is paused (failed once the client left),
+        else None."""
+        if self.exchange.gone:
+            return defer.fail(ConnectionDone("the client disconnected"))
+        text = payload if isinstance(payload, str) else \
+            json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        return self.writer.write(b"data: " + text.encode("utf-8") + b"\n\n")
+
+    def close(self) -> None:
+        self.writer.finish()
+
+
+def _unawaited(waiting: defer.Deferred | None) -> None:
+    """A write whose pace is not followed (a comment, the last few small events): a pause is
+    not awaited and a departed client is handled by the exchange."""
+    if waiting is not None:
+        waiting.addErrback(lambda _: None)
+
+
+class Chunks:
+    """The event payloads of one streamed answer.  :meth:`pieces` and :meth:`closing` are what
+    :func:`stream_reply` calls; by default one ``delta`` per piece of text and one ``finish``,
+    and endpoints that hold text back (tool calls) or carry log probabilities override them."""
+
+    def first(self) -> dict | None:
+        raise NotImplementedError
+
+    def pieces(self, text: str, reply: backend_pb2.Reply) -> list:
+        """The events for one backend reply's complete text (possibly empty)."""
+        return [self.delta(text)] if text else []
+
+    def closing(self, reason: str) -> list:
+        """The events that end the answer (``reason``: its finish reason).  May raise an
+        ``OpenAIError`` (an answer outside the requested format): sent as an error event."""
+        return [self.finish(reason)]
+
+    def delta(self, text: str) -> dict:
+        raise NotImplementedError
+
+    def finish(self, reason: str) -> dict:
+        raise NotImplementedError
+
+    def usage(self, usage: dict) -> dict:
+        raise NotImplementedError
+
+
+class AlreadyAnswered(Exception):
+    """The failure was already written into a started stream."""
+
+
+async def stream_reply(context: Context, exchange: Exchange, name: str,
+                       options: backend_pb2.PredictOptions, sampling: Sampling,
+                       include_usage: bool, chunks: Chunks) -> None:
+    """Answer with one ``PredictStream`` of model ``name`` as events shaped by ``chunks``:
+    the first chunk, one per complete piece of text, the finish, the usage when asked, then
+    ``[DONE]``.  :raises: the failure to answer as JSON while the stream has not started."""
+    router = context.router
+    stream = SSEStream(exchange)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    usage = Usage()
+    last = backend_pb2.Reply()
+    begun: list[bool] = []
+    clock = context.clock()
+    notices = task.LoopingCall(lambda: None)
+    notices.clock = clock
+
+    def on_loading(model_name: str) -> None:
+        """A cold load: a comment every few seconds until the first reply, so the client
+        (and any proxy) is not left in silence for the whole load."""
+        started = clock.seconds()
+        detail = getattr(router, "loading_detail", None)
+
+        def notice() -> None:
+            extra = detail(model_name) if detail is not None else None
+            stream.comment(f"loading model {model_name} ({clock.seconds() - started:.0f} s"
+                           f"{'; ' + extra if extra else ''})")
+
+        notices.f = notice
+        if not notices.running and not begun and not exchange.gone:
+            notices.start(LOADING_NOTICE_INTERVAL, now=False)
+
+    def quiet() -> None:
+        if notices.running:
+            notices.stop()
+
+    def emit(payload) -> None:
+        """Send without waiting (the last few small events); a pause is not awaited and
+        a departed client is already handled by the exchange."""
+        _unawaited(stream.send(payload))
+
+    def on_start(node_id=None) -> None:
+        quiet()
+        if begun or exchange.gone:
+            return
+        exchange.served_by(node_id)
+        if not exchange.named():
+            return  # the first reply starts the stream, once the node's name is known
+        begun.append(True)
+        stream.start(node_id)
+        first = chunks.first()
+        if first is not None:
+            emit(first)
+
+    def on_reply(reply: backend_pb2.Reply):
+        if stream.gone:
+            return defer.fail(ConnectionDone("the client disconnected"))
+        if not begun and not exchange.named():
+            return defer.ensureDeferred(exchange.name_nodes()).addCallback(
+                lambda _: on_reply(reply))
+        on_start(None)
+        exchange.record.replied()
+        usage.update(reply)
+        last.tokens = max(last.tokens, reply.tokens)
+        text = decoder.decode(reply.message)
+        payloads = chunks.pieces(text, reply)
+        if not payloads:
+            return None  # nothing complete yet, or held back: nothing to send
+        for payload in payloads[:-1]:
+            _unawaited(stream.send(payload))
+        return stream.send(payloads[-1])  # the last one's pace is followed
+
+    try:
+        served = await exchange.call(router.predict_stream(
+            name, options, on_reply, context.deadline(), on_start=on_start,
+            on_loading=on_loading))
+    except defer.CancelledError:
+        if stream.gone:
+            stream.close()
+            return
+        raise _stream_failed(stream, OpenAIError(
+            500, "the stream was cancelled", "server_error", code="cancelled"))
+    except Exception as e:
+        if stream.gone:
+            stream.close()
+            return
+        raise _stream_failed(stream, e)
+    finally:
+        quiet()
+    on_start(served.served_by if served is not None else None)
+    tail = decoder.decode(b"", final=True)
+    try:
+        for payload in chunks.pieces(tail, backend_pb2.Reply()) if tail else ():
+            emit(payload)
+        for payload in chunks.closing(finish_reason(last, sampling.max_tokens)):
+            emit(payload)
+    except OpenAIError as e:
+        raise _stream_failed(stream, e)
+    exchange.record.usage(usage.body())
+    if include_usage:
+        emit(chunks.usage(usage.body()))
+    emit("[DONE]")
+    stream.close()
+
+
+def _stream_failed(stream: SSEStream, error: BaseException) -> BaseException:
+    """Before the stream started: the error to answer as JSON.  After: it is sent as an
+    ``error`` event (what OpenAI clients raise on), without ``[DONE]``, and logged."""
+    if not stream.started:
+        return error
+    stream.exchange.record.failed(error)
+    answer = error_for(error)
+    log.info("stream of {path} failed after it started: {status} {code}: {message}",
+             path=printable(path_text(stream.request)), status=answer.status,
+             code=answer.code, message=detail(error))
+    if answer.code == "internal_error":
+        log.failure("stream failure", Failure(error))
+    _unawaited(stream.send(answer.body()))
+    stream.close()
+    return AlreadyAnswered()

@@ -1,0 +1,213 @@
+"""The worker-facing registration API: ``POST /api/node/register`` and the node heartbeat.
+
+Mounted at ``/api/node``.  Both routes take ``Authorization: Bearer <registration token>``,
+checked in constant time by the ``NodeRegistry`` (which also decides what an empty configured
+token means: see ``localai_tw.cluster.nodes``).  The token is checked before the body is looked
+at, so a caller without it learns nothing about the schema or about which node ids exist.
+
+``POST /api/node/register``, body (at most 64 KiB)::
+
+    {"name": str, "node_key": str, "node_type": "backend"|"agent", "labels": {k: v},
+     "capacity": {"total_vram"|"available_vram"|"total_ram"|"available_ram"|
+                  "total_disk"|"available_disk": int},
+     "max_replicas_per_model": int, "gpu_vendor": str}
+
+``name`` and ``node_key`` (the worker's per-node key, ``nodekey.py``) are required; the
+rest is optional (``backend``, no labels, no capacity, 1, "").  An unknown field, in the body or
+in ``capacity``, is a 400 naming it: a typo must not be dropped silently.  Answers
+``201 {"id", "status", "tunnel_token"}``; the tunnel credential is the only copy of the plaintext
+(the database keeps its sha256) and every registration rotates it.  Right after a registration,
+before the answer, ``on_registered(node_id)`` runs: the frontend wires it to drop any tunnel this
+replica still holds for the node with the previous credential.
+
+An existing name with another node key is ``409 {"error": {"type": "conflict", "code":
+"node_name_taken"}}`` naming the fix; nothing changes (no credential rotated, no tunnel dropped,
+no approval handed over): the shared token admits workers, it does not make them a given node.
+
+``POST /api/node/{id}/heartbeat``, body optional, ``{"capacity": {...}}``: ``200 {"status"}``;
+``404`` for a node id the frontend does not know, which tells the worker to register again.
+
+Errors are ``{"error": {"message", "type", "field"?}}``: 400 ``invalid_request`` naming the
+field, 401 ``unauthorized`` (the registration token is missing or wrong), 404 ``not_found``,
+409 ``conflict`` (the name belongs to another node), 413 over the body cap, 429
+``rate_limited`` with ``Retry-After`` when the source address made more than
+``--registration-limit`` registrations in the last minute (checked first, before the token),
+503 while the frontend is starting.
+
+This module must never log or echo the registration token, the node key or the tunnel
+credential (the credential appears only in the 201 body), never accept a body over the cap,
+and never change a node except through the ``NodeRegistry``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from twisted.logger import Logger
+
+from localai_tw.cluster.nodes import (
+    InvalidNodeInput,
+    NodeCapacity,
+    NodeNameTaken,
+    NodeNotFound,
+    Unauthorized,
+)
+
+from localai_tw.frontend.api.kit import (
+    APIError,
+    ClusterParts,
+    JSONResource,
+    Route,
+    bad_request,
+    bearer_token,
+    call_hook,
+    conflict,
+    not_found,
+    printable,
+    read_json_object,
+    reject_unknown_fields,
+    unauthorized,
+)
+
+log = Logger()
+
+REGISTER_FIELDS = ("name", "node_key", "node_type", "labels", "capacity",
+                   "max_replicas_per_model", "gpu_vendor")
+HEARTBEAT_FIELDS = ("capacity",)
+
+#: What a node id in a URL may look like (ids are UUIDs; at most 36 characters in the table).
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,35}$")
+
+_REGISTRATION_TOKEN_HINT = ("the registration token is missing or wrong; start the worker with "
+                            "--registration-token (env LOCALAI_REGISTRATION_TOKEN) set to the "
+                            "frontend's")
+
+
+def valid_node_id(node_id: str) -> bool:
+    return bool(_NODE_ID.match(node_id))
+
+
+def parse_capacity(value: Any) -> NodeCapacity | None:
+    """``capacity`` from a request body: None, or an object of known integer fields.
+
+    :raises APIError: 400 naming ``capacity`` or ``capacity.<field>``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("capacity must be an object of byte counts", field="capacity")
+    reject_unknown_fields(value, NodeCapacity.FIELDS, prefix="capacity.")
+    try:
+        return NodeCapacity(**value).validated()
+    except InvalidNodeInput as e:
+        raise bad_request(f"capacity.{e}", field=f"capacity.{e.field}") from None
+
+
+class WorkerRegistrationResource(JSONResource):
+    """``/api/node``: register and heartbeat.
+
+    :param parts: the replica's :class:`~localai_tw.frontend.api.kit.ClusterParts`.
+    """
+
+    def __init__(self, parts: ClusterParts):
+        super().__init__()
+        self._parts = parts
+
+    def routes(self):
+        return (Route("POST", ("register",), self.register),
+                Route("POST", ("{node_id}", "heartbeat"), self.heartbeat))
+
+    def guard(self, request) -> None:
+        """From the headers alone (``FrontendSite`` also runs it when the headers of a request
+        with a body end): 429 for a source over its registration limit, then 401 without the
+        registration token."""
+        self._check_rate(self._parts, request)
+        self._check_token(self._parts, request)
+
+    @staticmethod
+    def _check_rate(parts, request) -> None:
+        """``--registration-limit``: registrations per source address per minute, checked
+        before the token (guessing tokens is limited too) and once per request (the guard runs
+        at the end of the headers and again at dispatch)."""
+        limit = parts.registration_limit
+        segments = getattr(request, "guarded_segments", None)
+        if segments is None:  # at dispatch: the path is parsed by then
+            segments = tuple(request.path.split(b"?", 1)[0].split(b"/"))
+        if limit is None or [s for s in segments if s][-1:] != [b"register"]:
+            return
+        wait = getattr(request, "_ltw_registration_wait", None)
+        if wait is None:
+            source = getattr(request.getClientAddress(), "host", None) or "?"
+            wait = limit.take(source)
+            request._ltw_registration_wait = wait  # the site logs 4xx answers, rate-limited
+        if wait:
+            raise APIError(
+                429, f"too many registrations from this address (at most {limit.burst} per "
+                f"minute, --registration-limit); retry after {limit.retry_after(wait)} s",
+                "rate_limited", headers={"Retry-After": limit.retry_after(wait)})
+
+    @staticmethod
+    def _check_token(parts, request) -> str | None:
+        presented = bearer_token(request)
+        try:
+            parts.nodes.check_registration_token(presented)
+        except Unauthorized:
+            raise unauthorized(_REGISTRATION_TOKEN_HINT) from None
+        return presented
+
+    async def register(self, request) -> tuple[int, dict]:
+        parts = self._parts
+        presented = self._check_token(parts, request)
+        body = read_json_object(request)
+        reject_unknown_fields(body, REGISTER_FIELDS)
+        for text_field in ("name", "node_key", "node_type", "gpu_vendor"):
+            if text_field in body and not isinstance(body[text_field], str):
+                raise bad_request(f"{text_field} must be a string", field=text_field)
+        if not body.get("node_key"):
+            raise bad_request("node_key is required: the worker's per-node key proves which node "
+                              "it is (upgrade the worker)", field="node_key")
+        capacity = parse_capacity(body.get("capacity"))
+        try:
+            registration = await parts.nodes.register(
+                body.get("name"),
+                node_type=body.get("node_type", "backend"),
+                presented_token=presented or "",
+                node_key=body["node_key"],
+                capacity=capacity,
+                gpu_vendor=body.get("gpu_vendor", ""),
+                max_replicas_per_model=body.get("max_replicas_per_model", 1),
+                labels=body.get("labels"),
+            )
+        except InvalidNodeInput as e:
+            raise bad_request(str(e), field=e.field) from None
+        except Unauthorized:
+            raise unauthorized(_REGISTRATION_TOKEN_HINT) from None
+        except NodeNameTaken as e:
+            raise conflict(str(e), code="node_name_taken") from None
+        node = registration.node
+        await call_hook("on_registered", parts.on_registered, node.id)
+        return 201, {"id": node.id, "status": node.status.value,
+                     "tunnel_token": registration.tunnel_credential}
+
+    async def heartbeat(self, request, node_id: str) -> tuple[int, dict]:
+        parts = self._parts
+        self._check_token(parts, request)
+        unknown = not_found(f"unknown node {printable(node_id)!r}; register again")
+        if not valid_node_id(node_id):
+            raise unknown
+        body = read_json_object(request, required=False)
+        reject_unknown_fields(body, HEARTBEAT_FIELDS)
+        capacity = parse_capacity(body.get("capacity"))
+        try:
+            status = await parts.nodes.heartbeat(node_id, capacity)
+        except NodeNotFound:
+            raise unknown from None
+        except InvalidNodeInput as e:
+            if e.field == "id":
+                raise unknown from None
+            raise bad_request(str(e), field=e.field) from None
+        heartbeat_answered = getattr(getattr(request, "site", None), "heartbeat_answered", None)
+        if heartbeat_answered is not None:
+            heartbeat_answered(request, node_id)
+        return 200, {"status": status.value}

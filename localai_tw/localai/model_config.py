@@ -1,0 +1,933 @@
+"""Model configs: one YAML file per model in the models directory, LocalAI style.
+
+A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
+
+    name: tiny-echo                 # required; what clients put in "model"
+    backend: echo                   # required; a backend the workers know
+    parameters:
+      model: tiny.bin               # file or folder (relative to the models dir), a URL
+                                    # (downloaded, then its file name), or an identifier
+      temperature: 0.2              # defaults for requests (the API layer merges them)
+      top_p: 0.9
+      max_tokens: 64
+      stop: ["</s>"]
+    files:                          # staged on the worker before LoadModel
+      - path: tiny.bin              # relative to the models dir, inside it
+        sha256: 9f86d0...           # optional; checked before staging when given
+        key: models/tiny-echo/tiny.bin   # optional worker key (default models/<name>/<basename>)
+    download_files:                 # LocalAI's key: fetched into the models dir first
+      - {filename: tiny.bin, uri: "https://example.org/tiny.bin", sha256: "9f86d0..."}
+    template:
+      chat: "{{.Input}}"
+      chat_message: "{{.RoleName}}: {{.Content}}"
+      completion: "{{.Input}}"
+      use_tokenizer_template: false
+    context_size: 2048
+    embeddings: false               # true: an embeddings model (see "What a model is for")
+    known_usecases: [chat]          # optional, LocalAI's key: what the model may be asked for
+    options: ["echo.dim:16"]        # ModelOptions.Options, passed through
+    node_selector: {gpu: "yes"}     # labels a node must carry (AND of all pairs)
+
+LocalAI's own keys are read as LocalAI reads them (``docs/models.md``): those that map to a
+``ModelOptions`` or ``PredictOptions`` field are carried in :attr:`ModelConfig.model_options` /
+:attr:`ModelConfig.predict_options` (tables :data:`MODEL_OPTIONS`, :data:`PREDICT_OPTIONS`, ...);
+LocalAI keys this project does not act on, and keys nobody knows, are warnings
+(:attr:`ModelConfig.warnings`, logged once per change) and the model is kept.  ``name`` may be
+left out: the file name without ``.yaml`` is used (LocalAI's gallery configs carry none).
+
+Validation errors name the file and the field (``models/tiny.yaml: files[0].path: ...``); a
+known key of the wrong type refuses the file.  An invalid file is skipped (and logged once per
+change), never fatal to the others, and :meth:`ModelCatalog.error` keeps why, under the name it
+meant to define, so a request for it is answered with the reason.  Two files
+with the same ``name``: the first by file name wins and the other is reported.
+
+What a model is for (:func:`usecases`), decided from the config alone so that a request the
+model cannot serve is refused before any backend is called:
+
+1. ``known_usecases`` when given (LocalAI's key; ``chat``, ``completion``, ``embeddings``,
+   ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
+   dropped);
+2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
+3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
+   ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three;
+   a backend not in the table (``external``, plugins) is asked for chat, completion and
+   embeddings and answers for itself; ``espeak-ng`` does ``tts``, ``pocketsphinx``
+   ``transcript``, ``hash-image`` ``image`` (any other backend does those only when
+   ``known_usecases`` lists them).
+4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
+   this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
+   ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
+
+Reloading: :class:`ModelCatalog` re-reads on access at most every ``check_interval`` seconds,
+and then only the files whose (mtime, size) changed; the directory is listed with
+``os.scandir`` (one stat per file, no reads).  That is small, local, bounded work (at most
+``MAX_FILES`` files of at most ``MAX_FILE_BYTES`` each), done on the caller's thread.
+
+What this module must never do: read a file bigger than ``MAX_FILE_BYTES``; accept a file path
+that leaves the models directory (``..``, absolute paths, symlinks out); execute anything from
+YAML (``yaml.safe_load`` only); raise from :meth:`ModelCatalog.models` because of a bad file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+from twisted.logger import Logger
+
+from localai_tw.localai.capabilities import read_overrides
+from localai_tw.localai.toolcalls import FunctionConfig, FunctionConfigError
+from localai_tw.localai.yamlbound import MODEL_CONFIG, AliasBombError, bounded_loader
+
+log = Logger()
+
+MAX_FILE_BYTES = 256 * 1024
+MAX_FILES = 2000
+MAX_NAME = 255
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+_BACKEND_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_USECASE_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
+MAX_USECASES = 32
+
+CHAT, COMPLETION, EMBEDDINGS, RERANK = "chat", "completion", "embeddings", "rerank"
+#: LocalAI's FLAG_TTS, FLAG_TRANSCRIPT and FLAG_IMAGE.
+TTS, TRANSCRIPT, IMAGE = "tts", "transcript", "image"
+ALL_USECASES = frozenset({CHAT, COMPLETION, EMBEDDINGS})
+#: Backends whose ``Rerank`` this package ships: an embeddings model on one of them also reranks
+#: (bi-encoder cosine in ``bert-numpy`` and ``sentence-transformers``; word overlap in ``echo``).
+RERANK_BACKENDS = frozenset({"bert-numpy", "sentence-transformers", "echo"})
+#: What the backends this package knows can be asked for when a config says nothing
+#: (``embeddings: true`` or ``known_usecases`` take precedence; see the module docstring).
+BACKEND_USECASES: dict[str, frozenset[str]] = {
+    "echo": ALL_USECASES,
+    "transformers": frozenset({CHAT, COMPLETION}),
+    "sentence-transformers": frozenset({EMBEDDINGS}),
+    # llama.cpp embeds only a model loaded with embeddings: true (rule 2.)
+    "llama-cpp": frozenset({CHAT, COMPLETION}),
+    "espeak-ng": frozenset({TTS}),
+    "pocketsphinx": frozenset({TRANSCRIPT}),
+    "hash-image": frozenset({IMAGE}),
+}
+
+#: Sampling defaults a model file may set, and their types.
+PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "max_tokens": (int,),
+    "seed": (int,),
+    "stop": (list, str),
+    "repeat_penalty": (int, float),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "batch": (int,),
+}
+
+# LocalAI's model config keys (core/config ModelConfig, LLMConfig, schema.PredictionOptions),
+# by what happens to them here.  A value of a key below is checked against its kind ("bool",
+# "int" (int32), "float", "str", "strs" (list of strings), "floats", "map"); a wrong kind
+# refuses the file naming the key, as LocalAI's YAML decoder does.
+
+#: Top-level keys sent to the backend in ``ModelOptions`` at LoadModel: key -> (kind, field).
+MODEL_OPTIONS: dict[str, tuple[str, str]] = {
+    "f16": ("bool", "F16Memory"), "threads": ("int", "Threads"),
+    "gpu_layers": ("int", "NGPULayers"), "mmap": ("bool", "MMap"), "mmlock": ("bool", "MLock"),
+    "low_vram": ("bool", "LowVRAM"), "numa": ("bool", "NUMA"), "type": ("str", "Type"),
+    "main_gpu": ("str", "MainGPU"), "tensor_split": ("str", "TensorSplit"),
+    "rms_norm_eps": ("float", "RMSNormEps"), "ngqa": ("int", "NGQA"),
+    "mmproj": ("str", "MMProj"), "draft_model": ("str", "DraftModel"),
+    "quantization": ("str", "Quantization"), "load_format": ("str", "LoadFormat"),
+    "gpu_memory_utilization": ("float", "GPUMemoryUtilization"),
+    "trust_remote_code": ("bool", "TrustRemoteCode"), "enforce_eager": ("bool", "EnforceEager"),
+    "swap_space": ("int", "SwapSpace"), "max_model_len": ("int", "MaxModelLen"),
+    "tensor_parallel_size": ("int", "TensorParallelSize"),
+    "disable_log_stats": ("bool", "DisableLogStatus"), "dtype": ("str", "DType"),
+    "flash_attention": ("str", "FlashAttention"), "no_kv_offloading": ("bool", "NoKVOffload"),
+    "cache_type_k": ("str", "CacheTypeKey"), "cache_type_v": ("str", "CacheTypeValue"),
+    "rope_scaling": ("str", "RopeScaling"), "yarn_ext_factor": ("float", "YarnExtFactor"),
+    "yarn_attn_factor": ("float", "YarnAttnFactor"), "yarn_beta_fast": ("float", "YarnBetaFast"),
+    "yarn_beta_slow": ("float", "YarnBetaSlow"), "cfg_scale": ("float", "CFGScale"),
+    "cuda": ("bool", "CUDA"), "lora_adapter": ("str", "LoraAdapter"),
+    "lora_base": ("str", "LoraBase"), "lora_scale": ("float", "LoraScale"),
+    "lora_adapters": ("strs", "LoraAdapters"), "lora_scales": ("floats", "LoraScales"),
+    "no_mulmatq": ("bool", "NoMulMatQ"), "audio_path": ("str", "AudioPath"),
+    "overrides": ("strs", "Overrides"), "reranking": ("bool", "Reranking"),
+}
+#: Top-level keys sent in every request's ``PredictOptions``: key -> (kind, field).  ``f16``,
+#: ``threads``, ``mmap``, ``mmlock``, ``main_gpu`` and ``tensor_split`` go to both messages, as
+#: LocalAI sends them.
+PREDICT_OPTIONS: dict[str, tuple[str, str]] = {
+    "stopwords": ("strs", "StopPrompts"), "f16": ("bool", "F16KV"),
+    "threads": ("int", "Threads"), "mmap": ("bool", "MMap"), "mmlock": ("bool", "MLock"),
+    "main_gpu": ("str", "MainGPU"), "tensor_split": ("str", "TensorSplit"),
+    "grammar": ("str", "Grammar"), "n_draft": ("int", "NDraft"),
+    "prompt_cache_path": ("str", "PromptCachePath"),
+    "prompt_cache_all": ("bool", "PromptCacheAll"), "prompt_cache_ro": ("bool", "PromptCacheRO"),
+    "mirostat": ("int", "Mirostat"), "mirostat_eta": ("float", "MirostatETA"),
+    "mirostat_tau": ("float", "MirostatTAU"), "debug": ("bool", "Debug"),
+}
+#: ``parameters`` keys (beyond :data:`PARAMETER_TYPES`) sent in ``PredictOptions``.
+PARAMETER_PREDICT: dict[str, tuple[str, str]] = {
+    "repeat_last_n": ("int", "Repeat"), "n_keep": ("int", "NKeep"),
+    "tfz": ("float", "TailFreeSamplingZ"), "typical_p": ("float", "TypicalP"),
+    "ignore_eos": ("bool", "IgnoreEOS"), "rope_freq_base": ("float", "RopeFreqBase"),
+    "rope_freq_scale": ("float", "RopeFreqScale"), "negative_prompt": ("str", "NegativePrompt"),
+    "negative_prompt_scale": ("float", "NegativePromptScale"),
+}
+#: ``parameters`` keys also sent in ``ModelOptions``.
+PARAMETER_MODEL: dict[str, tuple[str, str]] = {
+    "rope_freq_base": ("float", "RopeFreqBase"), "rope_freq_scale": ("float", "RopeFreqScale"),
+    "tokenizer": ("str", "Tokenizer"),
+}
+#: ``diffusers`` keys sent in ``ModelOptions``.
+DIFFUSERS_OPTIONS: dict[str, tuple[str, str]] = {
+    "cuda": ("bool", "CUDA"), "pipeline_type": ("str", "PipelineType"),
+    "scheduler_type": ("str", "SchedulerType"), "img2img": ("bool", "IMG2IMG"),
+    "clip_skip": ("int", "CLIPSkip"), "clip_model": ("str", "CLIPModel"),
+    "clip_subfolder": ("str", "CLIPSubfolder"), "control_net": ("str", "ControlNet"),
+}
+#: ``limit_mm_per_prompt`` keys sent in ``ModelOptions``.
+LIMIT_OPTIONS: dict[str, tuple[str, str]] = {
+    "image": ("int", "LimitImagePerPrompt"), "video": ("int", "LimitVideoPerPrompt"),
+    "audio": ("int", "LimitAudioPerPrompt"),
+}
+#: LocalAI keys accepted and not acted on here (a warning says so): features of LocalAI's own
+#: API server (function calling, agents, pipelines, routing, ...) this project does not have.
+LOCALAI_IGNORED = frozenset({
+    "alias", "artifacts", "known_input_modalities", "known_output_modalities", "pipeline",
+    "reasoning", "compression", "reasoning_effort", "chat_template_kwargs",
+    "feature_flags", "step", "grpc", "tts", "disabled",
+    "concurrency_groups", "mcp", "agent", "pii", "pii_detection", "router", "proxy", "mitm",
+    "limits", "cutstrings", "extract_regex", "trimspace", "trimsuffix",
+})
+PARAMETER_IGNORED = frozenset({
+    "echo", "n", "logprobs", "top_logprobs", "language", "translate", "pooling",
+    "pooling_half_life_tokens", "clip_skip", "encoding_format", "logit_bias",
+})
+TEMPLATE_FIELDS = ("chat", "chat_message", "completion", "use_tokenizer_template",
+                   "join_chat_messages_by_character", "function")
+TEMPLATE_IGNORED = frozenset({"edit", "multimodal", "reply_prefix", "image",
+                              "audio", "video"})
+TOP_LEVEL_FIELDS = frozenset({
+    "name", "backend", "model", "parameters", "files", "template", "context_size",
+    "embeddings", "options", "node_selector", "description", "known_usecases", "usage",
+    "roles", "system_prompt", "engine_args", "diffusers", "limit_mm_per_prompt",
+    "function", "capabilities", "download_files",
+    "pinned", "preload", "memory_bytes",
+}) | set(MODEL_OPTIONS) | set(PREDICT_OPTIONS)
+INT32 = (-(2 ** 31), 2 ** 31 - 1)
+MAX_LIST = 256
+MAX_STOPWORDS = 32
+MAX_WARNINGS = 32
+
+
+class ModelConfigError(ValueError):
+    """A model file is invalid.  ``str()`` names the file and the field."""
+
+    def __init__(self, source: str, field_name: str | None, problem: str):
+        self.source = source
+        self.field = field_name
+        self.problem = problem
+        self.model_name: str | None = None  # the name it would have had (set by the loader)
+        where = f"{source}: {field_name}: " if field_name else f"{source}: "
+        super().__init__(where + problem)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A file staged on a worker before the model loads."""
+
+    path: str           # relative to the models dir (normalised, '/' separated)
+    key: str            # the worker's staging key (models/...)
+    sha256: str | None  # expected digest, lowercase hex, or None
+
+    def local_path(self, models_dir: str) -> str:
+        return os.path.join(models_dir, *self.path.split("/"))
+
+    def contained_path(self, models_dir: str) -> str:
+        """The file's real path, symlinks resolved, checked to lie inside ``models_dir``.
+
+        ``path`` is validated as relative and free of ``..`` when the config loads, but a
+        symlink inside the models directory can still point anywhere; the worker's staging
+        resolves and checks the same way.  :raises ValueError: it resolves outside.
+        """
+        root = os.path.realpath(models_dir)
+        real = os.path.realpath(self.local_path(models_dir))
+        if os.path.commonpath([root, real]) != root:
+            raise ValueError(f"file {self.path} resolves outside the models directory "
+                             f"(a symbolic link?); model files must lie inside {models_dir}")
+        return real
+
+
+#: URL schemes ``download_files`` and a URL ``parameters.model`` may use (``docs/models.md``);
+#: ``huggingface://``, ``hf://`` and ``github:`` are rewritten to https as LocalAI does.
+DOWNLOAD_SCHEMES = ("file://", "http://", "https://", "huggingface://", "hf://", "github://",
+                    "github:")
+#: Schemes LocalAI knows that this project refuses, named in the refusal.
+REFUSED_SCHEMES = ("ollama://", "oci://", "ocifile://", "hf.co/")
+MAX_DOWNLOADS = 256
+
+
+@dataclass(frozen=True)
+class ModelDownload:
+    """A file the frontend downloads into the models directory before the model loads
+    (LocalAI's ``download_files``, or ``parameters.model`` given as a URL)."""
+
+    filename: str       # relative to the models dir (normalised, '/' separated)
+    uri: str            # as written in the config (file://, http(s)://, huggingface://, ...)
+    sha256: str | None  # expected digest, lowercase hex, or None (then a present file is kept)
+    where: str          # the config key that asked for it, for errors
+
+
+@dataclass(frozen=True)
+class ModelTemplate:
+    chat: str = ""
+    chat_message: str = ""
+    completion: str = ""
+    use_tokenizer_template: bool = False
+    join_chat_messages_by_character: str | None = None
+    function: str = ""  # LocalAI's template.function: the chat template when tools are used
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One configured model (see the module docstring for the YAML)."""
+
+    name: str
+    backend: str
+    model: str
+    files: tuple[ModelFile, ...] = ()
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+    template: ModelTemplate = ModelTemplate()
+    context_size: int = 0
+    embeddings: bool = False
+    options: tuple[str, ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    description: str = ""
+    source: str = ""
+    known_usecases: tuple[str, ...] | None = None
+    roles: Mapping[str, str] = field(default_factory=dict)
+    system_prompt: str = ""
+    #: ``ModelOptions`` fields from the config (LoadModel); see :data:`MODEL_OPTIONS`.
+    model_options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``PredictOptions`` fields from the config (every request); see :data:`PREDICT_OPTIONS`.
+    predict_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Keys accepted but not acted on, or not known at all (logged once per file change).
+    warnings: tuple[str, ...] = ()
+    #: The ``function`` section as acted on (tool call parsing, grammar settings).
+    functions: FunctionConfig = FunctionConfig()
+    #: ``capabilities`` overrides of what the backend honours (see ``capabilities.py``).
+    capabilities: Mapping[str, bool] = field(default_factory=dict)
+    #: Files downloaded into the models directory before a load (``download_files``, a URL
+    #: ``parameters.model``): ``frontend/inference/downloads.py``.
+    downloads: tuple[ModelDownload, ...] = ()
+    #: LocalAI's ``pinned``: never evicted (idle watchdog, memory or count eviction); an
+    #: explicit unload still stops it (docs/models.md, "Lifecycle").
+    pinned: bool = False
+    #: ``preload: true``: loaded when a replica starts, on a node the scheduler picks.
+    preload: bool = False
+    #: ``memory_bytes``: what the model needs loaded (bytes, or 512M / 2G); 0 = estimated
+    #: from the sizes of its ``files`` (``lifecycle.memory_need``).
+    memory_bytes: int = 0
+
+    def file_for_model(self) -> ModelFile | None:
+        """The staged file ``model`` names, if it names one."""
+        for f in self.files:
+            if f.path == self.model or posixpath.basename(f.path) == self.model:
+                return f
+        return None
+
+
+# -- validation ----------------------------------------------------------------------------
+
+
+def _relative_path(source: str, fieldname: str, raw) -> str:
+    if not isinstance(raw, str) or not raw.strip():
+        raise ModelConfigError(source, fieldname, "must be a non-empty string")
+    if len(raw) > 1024 or "\x00" in raw or "\\" in raw:
+        raise ModelConfigError(source, fieldname, "is not a usable relative path")
+    if raw.startswith("/"):
+        raise ModelConfigError(source, fieldname, "must be relative to the models directory")
+    normal = posixpath.normpath(raw)
+    if normal == "." or normal == ".." or normal.startswith("../"):
+        raise ModelConfigError(source, fieldname, "leaves the models directory")
+    return normal
+
+
+def _worker_key(source: str, fieldname: str, raw) -> str:
+    if not isinstance(raw, str):
+        raise ModelConfigError(source, fieldname, "must be a string")
+    normal = posixpath.normpath(raw)
+    if raw.startswith("/") or normal.startswith("..") or "\x00" in raw or len(raw) > 1024:
+        raise ModelConfigError(source, fieldname, "must be a relative worker key")
+    if not normal.startswith("models/"):
+        raise ModelConfigError(source, fieldname, "must start with models/ (worker model root)")
+    return normal
+
+
+_KIND_TEXT = {"bool": "true or false", "int": "an integer", "float": "a number",
+              "str": "a string", "strs": "a list of strings", "floats": "a list of numbers",
+              "map": "a mapping"}
+
+
+def _typed(source: str, fieldname: str, value, kind: str):
+    """``value`` checked as ``kind`` (see :data:`MODEL_OPTIONS`), in its proto type.
+    :raises ModelConfigError: naming ``fieldname``."""
+    def bad(extra: str = "") -> ModelConfigError:
+        return ModelConfigError(source, fieldname, f"must be {_KIND_TEXT[kind]}{extra}")
+
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise bad()
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+        if not INT32[0] <= value <= INT32[1]:
+            raise bad(" that fits 32 bits")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad()
+        return float(value)
+    if kind == "str":  # a YAML scalar read into a Go string: numbers and booleans as text
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if not isinstance(value, (str, int, float)):
+            raise bad()
+        return str(value)
+    if kind in ("strs", "floats"):
+        item = str if kind == "strs" else (int, float)
+        if not isinstance(value, list) or len(value) > MAX_LIST or \
+                not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+            raise bad(f" (at most {MAX_LIST})")
+        return [v if kind == "strs" else float(v) for v in value]
+    if not isinstance(value, dict):
+        raise bad()
+    return value
+
+
+def _sub_options(source: str, data: dict, key: str, table: dict, model_options: dict,
+                 warnings: list) -> None:
+    raw = data.get(key)
+    if raw is None:
+        return
+    if not isinstance(raw, dict):
+        raise ModelConfigError(source, key, "must be a mapping")
+    for sub, value in raw.items():
+        entry = table.get(sub)
+        if entry is None:
+            warnings.append(f"{key}.{str(sub)[:64]}: not used by localai-tw; ignored")
+            continue
+        if value is not None:
+            model_options[entry[1]] = _typed(source, f"{key}.{sub}", value, entry[0])
+
+
+def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
+    """Validate one decoded YAML document.  :raises ModelConfigError:"""
+    if not isinstance(data, dict):
+        raise ModelConfigError(source, None, "the file must hold a YAML mapping")
+    warnings: list[str] = []
+    for key in data:
+        if key in TOP_LEVEL_FIELDS:
+            continue
+        shown = str(key)[:64]
+        if key in LOCALAI_IGNORED:
+            warnings.append(f"{shown}: a LocalAI key localai-tw does not act on; ignored")
+        else:
+            warnings.append(f"{shown}: unknown key; ignored")
+    name = data.get("name")
+    if name is None and source.endswith((".yaml", ".yml")):
+        name = posixpath.basename(source).rsplit(".", 1)[0]  # LocalAI's gallery omits it
+    if not isinstance(name, str) or not name:
+        raise ModelConfigError(source, "name", "is required (a non-empty string)")
+    if len(name) > MAX_NAME or not _NAME_RE.match(name) or ".." in name:
+        raise ModelConfigError(source, "name", "may hold letters, digits and ._:@+/- "
+                               f"(at most {MAX_NAME}, no '..')")
+    backend = data.get("backend")
+    if not isinstance(backend, str) or not _BACKEND_RE.match(backend or ""):
+        raise ModelConfigError(source, "backend", "is required (a backend name such as echo)")
+
+    parameters = data.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise ModelConfigError(source, "parameters", "must be a mapping")
+    model = parameters.get("model", data.get("model"))
+    if model is None or model == "":
+        model = name  # LocalAI's gallery writes model: "" for backends that fetch their own
+    if not isinstance(model, str) or not model or len(model) > 1024:
+        raise ModelConfigError(source, "parameters.model", "must be a non-empty string")
+    downloads = _downloads(source, data.get("download_files"))
+    if _looks_like_url(model):
+        _check_scheme(source, "parameters.model", model)
+        filename = _filename_from_url(model)
+        downloads.append(ModelDownload(filename, model, None, "parameters.model"))
+        model = filename  # LocalAI: the model is the downloaded file from then on
+    if len({d.filename for d in downloads}) != len(downloads):
+        raise ModelConfigError(source, "download_files", "two entries write the same filename")
+    defaults: dict[str, Any] = {}
+    model_options: dict[str, Any] = {}
+    predict_options: dict[str, Any] = {}
+    for key, value in parameters.items():
+        if key == "model" or value is None:
+            continue
+        where = f"parameters.{str(key)[:64]}"
+        types = PARAMETER_TYPES.get(key)
+        if types is not None:
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise ModelConfigError(source, where,
+                                       f"must be {' or '.join(t.__name__ for t in types)}")
+            if key == "stop" and isinstance(value, list) and \
+                    not all(isinstance(s, str) for s in value):
+                raise ModelConfigError(source, "parameters.stop", "must be strings")
+            defaults[key] = value
+        elif key in PARAMETER_PREDICT or key in PARAMETER_MODEL:
+            for table, out in ((PARAMETER_PREDICT, predict_options),
+                               (PARAMETER_MODEL, model_options)):
+                if key in table:
+                    out[table[key][1]] = _typed(source, where, value, table[key][0])
+        elif key in PARAMETER_IGNORED:
+            warnings.append(f"{where}: a LocalAI key localai-tw does not act on; ignored")
+        else:
+            warnings.append(f"{where}: unknown parameter; ignored")
+    for key, (kind, proto) in MODEL_OPTIONS.items():
+        if data.get(key) is not None:
+            model_options[proto] = _typed(source, key, data[key], kind)
+    for key, (kind, proto) in PREDICT_OPTIONS.items():
+        if data.get(key) is not None:
+            predict_options[proto] = _typed(source, key, data[key], kind)
+    # LocalAI's default (core/config/generic_defaults.go): memory-mapped unless the config says
+    # mmap: false; without it a GGUF would be read whole into memory.
+    model_options.setdefault("MMap", True)
+    predict_options.setdefault("MMap", True)
+    if len(predict_options.get("StopPrompts", ())) > MAX_STOPWORDS:
+        raise ModelConfigError(source, "stopwords", f"at most {MAX_STOPWORDS} are accepted")
+    _sub_options(source, data, "diffusers", DIFFUSERS_OPTIONS, model_options, warnings)
+    _sub_options(source, data, "limit_mm_per_prompt", LIMIT_OPTIONS, model_options, warnings)
+    if model_options.get("CUDA") is False and data.get("cuda") is True:
+        model_options["CUDA"] = True  # LocalAI: cuda || diffusers.cuda
+    engine_args = data.get("engine_args")
+    if engine_args is not None:
+        _typed(source, "engine_args", engine_args, "map")
+        try:
+            model_options["EngineArgs"] = json.dumps(engine_args, separators=(",", ":"),
+                                                     sort_keys=True, default=str)
+        except (TypeError, ValueError):
+            raise ModelConfigError(source, "engine_args", "cannot be written as JSON") from None
+    roles = data.get("roles") or {}
+    if not isinstance(roles, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in roles.items()):
+        raise ModelConfigError(source, "roles", "must map role names to strings")
+    system_prompt = data.get("system_prompt") or ""
+    if not isinstance(system_prompt, str):
+        raise ModelConfigError(source, "system_prompt", "must be a string")
+
+    files_raw = data.get("files") or []
+    if not isinstance(files_raw, list):
+        raise ModelConfigError(source, "files", "must be a list")
+    files: list[ModelFile] = []
+    for i, entry in enumerate(files_raw):
+        where = f"files[{i}]"
+        if isinstance(entry, str):
+            entry = {"path": entry}
+        if not isinstance(entry, dict):
+            raise ModelConfigError(source, where, "must be a mapping with path (and sha256, key)")
+        for key in entry:
+            if key not in ("path", "sha256", "key"):
+                raise ModelConfigError(source, f"{where}.{key}", "unknown field (path, sha256, key)")
+        path = _relative_path(source, f"{where}.path", entry.get("path"))
+        digest = entry.get("sha256")
+        if digest is not None:
+            if isinstance(digest, int) and not isinstance(digest, bool):
+                raise ModelConfigError(source, f"{where}.sha256", "was read as a number; quote "
+                                       "it (an all-digit hash loses its leading zeros)")
+            if not isinstance(digest, str) or not _SHA256_RE.match(digest.lower()):
+                raise ModelConfigError(source, f"{where}.sha256", "must be 64 hex digits")
+            digest = digest.lower()
+        key = entry.get("key")
+        key = (_worker_key(source, f"{where}.key", key) if key is not None
+               else f"models/{name.replace('/', '_')}/{posixpath.basename(path)}")
+        files.append(ModelFile(path, key, digest))
+    if len({f.key for f in files}) != len(files):
+        raise ModelConfigError(source, "files", "two files map to the same worker key")
+
+    template_raw = data.get("template") or {}
+    if not isinstance(template_raw, dict):
+        raise ModelConfigError(source, "template", "must be a mapping")
+    template_kept = {}
+    for key, value in template_raw.items():
+        if key not in TEMPLATE_FIELDS:
+            what = "a LocalAI key localai-tw does not act on" if key in TEMPLATE_IGNORED \
+                else "unknown key"
+            warnings.append(f"template.{str(key)[:64]}: {what}; ignored")
+            continue
+        if value is None:
+            continue
+        expected = bool if key == "use_tokenizer_template" else str
+        if not isinstance(value, expected):
+            raise ModelConfigError(source, f"template.{key}", f"must be a {expected.__name__}")
+        template_kept[key] = value
+    template = ModelTemplate(**template_kept)
+
+    context_size = data.get("context_size", 0) or 0
+    if isinstance(context_size, bool) or not isinstance(context_size, int) or \
+            not 0 <= context_size <= 10_000_000:
+        raise ModelConfigError(source, "context_size", "must be an integer >= 0")
+    embeddings = data.get("embeddings", False)
+    if not isinstance(embeddings, bool):
+        raise ModelConfigError(source, "embeddings", "must be true or false")
+    options = data.get("options") or []
+    if not isinstance(options, list) or not all(isinstance(o, str) for o in options) or \
+            len(options) > 256:
+        raise ModelConfigError(source, "options", "must be a list of strings (at most 256)")
+    selector = data.get("node_selector") or {}
+    if not isinstance(selector, dict):
+        raise ModelConfigError(source, "node_selector", "must be a mapping of label: value")
+    clean_selector: dict[str, str] = {}
+    for key, value in selector.items():
+        if not isinstance(key, str) or not _LABEL_KEY_RE.match(key):
+            raise ModelConfigError(source, f"node_selector.{str(key)[:64]}",
+                                   "is not a label key")
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ModelConfigError(source, f"node_selector.{key}", "must be a string")
+        clean_selector[key] = str(value)
+    description = data.get("description") or ""
+    if not isinstance(description, str):
+        raise ModelConfigError(source, "description", "must be a string")
+    known = _known_usecases(source, data.get("known_usecases"))
+    try:
+        functions = FunctionConfig.from_yaml(data.get("function"), warnings)
+    except FunctionConfigError as e:
+        raise ModelConfigError(source, e.field, e.problem) from None
+    try:
+        overrides = read_overrides(data.get("capabilities"))
+    except ValueError as e:
+        raise ModelConfigError(source, "capabilities", str(e)) from None
+    lifecycle = {}
+    for key in ("pinned", "preload"):
+        value = data.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ModelConfigError(source, key, "must be true or false")
+        lifecycle[key] = bool(value)
+    lifecycle["memory_bytes"] = _memory_bytes(source, data.get("memory_bytes"))
+    return ModelConfig(name=name, backend=backend, model=model, files=tuple(files),
+                       parameters=defaults, template=template, context_size=context_size,
+                       embeddings=embeddings, options=tuple(options),
+                       node_selector=clean_selector, description=description[:1024],
+                       source=source, known_usecases=known, roles=dict(roles),
+                       system_prompt=system_prompt, model_options=model_options,
+                       predict_options=predict_options, warnings=_bounded(warnings),
+                       functions=functions, capabilities=overrides,
+                       downloads=tuple(downloads), **lifecycle)
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def _memory_bytes(source: str, raw) -> int:
+    """``memory_bytes``: a whole number of bytes, or a size such as ``512M``, ``1.5GiB``."""
+    if raw is None:
+        return 0
+    if isinstance(raw, bool):
+        raise ModelConfigError(source, "memory_bytes", "must be a size (bytes, or 512M, 2G)")
+    if isinstance(raw, int):
+        size = raw
+    else:
+        match = _SIZE_RE.match(raw) if isinstance(raw, str) else None
+        if match is None:
+            raise ModelConfigError(source, "memory_bytes", "must be a size (bytes, or 512M, 2G)")
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if not 0 <= size <= 1 << 50:
+        raise ModelConfigError(source, "memory_bytes", "must be between 0 and 1 PiB")
+    return size
+
+
+def _looks_like_url(value: str) -> bool:
+    """LocalAI's ``LooksLikeURL`` plus ``file://`` and the schemes refused here (so a refused
+    one is named instead of being taken for a file name)."""
+    return value.startswith(DOWNLOAD_SCHEMES + REFUSED_SCHEMES)
+
+
+def _check_scheme(source: str, fieldname: str, uri: str) -> None:
+    if not uri.startswith(DOWNLOAD_SCHEMES):
+        scheme = "hf.co/" if uri.startswith("hf.co/") else uri.split("://", 1)[0][:32] + "://"
+        raise ModelConfigError(source, fieldname, f"{scheme} URLs are not downloaded by "
+                               "localai-tw (file://, http://, https://, huggingface://, hf://, "
+                               "github: are); put the file in the models directory instead")
+    if len(uri) > 4096 or any(ord(c) < 0x21 or ord(c) == 0x7F for c in uri):
+        raise ModelConfigError(source, fieldname, "is not a usable URL (spaces, control "
+                               "characters, or longer than 4096)")
+
+
+def _filename_from_url(uri: str) -> str:
+    """The file name LocalAI gives a URL ``parameters.model``: the last path segment (what
+    follows ``@`` dropped), else the MD5 of the URL."""
+    import hashlib
+    from urllib.parse import unquote, urlsplit
+
+    base = posixpath.basename(unquote(urlsplit(uri.split("@", 1)[0]).path))
+    if not base or base in (".", "..") or "\\" in base or "\x00" in base or len(base) > 200:
+        return hashlib.md5(uri.encode("utf-8")).hexdigest()  # a name, not security
+    return base
+
+
+def _downloads(source: str, raw) -> list[ModelDownload]:
+    """LocalAI's ``download_files``: a list of ``{filename, uri, sha256}``."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > MAX_DOWNLOADS:
+        raise ModelConfigError(source, "download_files", "must be a list of {filename, uri, "
+                               f"sha256}} (at most {MAX_DOWNLOADS})")
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"download_files[{i}]"
+        if not isinstance(entry, dict):
+            raise ModelConfigError(source, where, "must be a mapping with filename, uri, sha256")
+        for key in entry:
+            if key not in ("filename", "uri", "sha256"):
+                raise ModelConfigError(source, f"{where}.{str(key)[:64]}",
+                                       "unknown field (filename, uri, sha256)")
+        filename = _relative_path(source, f"{where}.filename", entry.get("filename"))
+        uri = entry.get("uri")
+        if not isinstance(uri, str) or not uri:
+            raise ModelConfigError(source, f"{where}.uri", "must be a URL (file://, http://, "
+                                   "https://, huggingface://)")
+        _check_scheme(source, f"{where}.uri", uri)
+        out.append(ModelDownload(filename, uri, _digest(source, f"{where}.sha256",
+                                                        entry.get("sha256")), where))
+    return out
+
+
+def _digest(source: str, fieldname: str, digest) -> str | None:
+    if digest is None or digest == "":
+        return None
+    if isinstance(digest, int) and not isinstance(digest, bool):
+        raise ModelConfigError(source, fieldname, "was read as a number; quote it (an "
+                               "all-digit hash loses its leading zeros)")
+    if not isinstance(digest, str) or not _SHA256_RE.match(digest.lower()):
+        raise ModelConfigError(source, fieldname, "must be 64 hex digits")
+    return digest.lower()
+
+
+def _bounded(warnings: list[str]) -> tuple[str, ...]:
+    """At most ``MAX_WARNINGS`` lines a file can make the log carry, then a count."""
+    if len(warnings) <= MAX_WARNINGS:
+        return tuple(warnings)
+    return (*warnings[:MAX_WARNINGS], f"... and {len(warnings) - MAX_WARNINGS} more ignored keys")
+
+
+def _known_usecases(source: str, raw) -> tuple[str, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(u, str) for u in raw) or \
+            len(raw) > MAX_USECASES:
+        raise ModelConfigError(source, "known_usecases", "must be a list of names such as "
+                               f"chat, completion, embeddings (at most {MAX_USECASES})")
+    names = []
+    for item in raw:
+        name = item.strip().lower()
+        name = name[len("flag_"):] if name.startswith("flag_") else name
+        if not _USECASE_RE.match(name):
+            raise ModelConfigError(source, "known_usecases",
+                                   f"{item[:64]!r} is not a use-case name")
+        names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
+def usecases(config: ModelConfig) -> frozenset[str]:
+    """What ``config`` may be asked for (the rule of the module docstring)."""
+    if config.known_usecases is not None:
+        return frozenset(config.known_usecases)
+    if config.embeddings:
+        found = frozenset({EMBEDDINGS})
+    else:
+        found = BACKEND_USECASES.get(config.backend, ALL_USECASES)
+    if EMBEDDINGS in found and config.backend in RERANK_BACKENDS:
+        found |= {RERANK}
+    return found
+
+
+class _GoLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``\\'`` in a double-quoted string as ``'``, as Go's
+    YAML decoder (libyaml's rules) does: LocalAI's gallery has ``key: "\\'"`` in two files."""
+
+    ESCAPE_REPLACEMENTS = {**yaml.SafeLoader.ESCAPE_REPLACEMENTS, "'": "'"}
+
+
+#: ... and whose aliases may add only a bounded number of values (``localai_tw/yamlbound.py``):
+#: a 422-byte file of nested aliases under ``engine_args`` stalled the reactor 2.2 s.
+_Loader = bounded_loader(_GoLoader, MODEL_CONFIG)
+
+
+def _name_guess(data: Any, source: str) -> str:
+    """The model name a file was meant to define, for answering requests about it when it
+    cannot load: its ``name`` if readable, else the file name without ``.yaml``."""
+    if isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"]:
+        return data["name"][:MAX_NAME]
+    return posixpath.basename(source).rsplit(".", 1)[0]
+
+
+def load_model_file(path: str, source: str | None = None) -> ModelConfig:
+    """Read and validate one YAML file.  :raises ModelConfigError: with ``model_name`` set."""
+    source = source or path
+    try:
+        return _load_model_file(path, source)
+    except ModelConfigError as e:
+        if e.model_name is None:
+            e.model_name = _name_guess(None, source)
+        raise
+
+
+def _load_model_file(path: str, source: str) -> ModelConfig:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise ModelConfigError(source, None, f"cannot be read: {e.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ModelConfigError(source, None, f"is larger than {MAX_FILE_BYTES} bytes")
+    try:
+        data = yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except AliasBombError as e:
+        raise ModelConfigError(source, None, f"is refused: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ModelConfigError(source, None, f"is not valid YAML{where}") from None
+    except RecursionError:
+        # PyYAML's composer recurses once per level: a file nested thousands deep exhausts the
+        # stack.  A failure like any other, remembered by the catalog until the file changes.
+        raise ModelConfigError(source, None, "nests too deeply to be a model config") from None
+    try:
+        return parse_model_config(data, source)
+    except ModelConfigError as e:
+        e.model_name = _name_guess(data, source)
+        raise
+    except RecursionError:
+        raise ModelConfigError(source, None, "nests too deeply to be a model config") from None
+
+
+# -- the catalog ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    stamp: tuple[int, int]
+    config: ModelConfig | None
+    error: ModelConfigError | None
+
+
+class ModelCatalog:
+    """The model configs of one directory, re-read when files change (see the module
+    docstring).  ``clock`` is ``time.monotonic`` unless given (tests)."""
+
+    def __init__(self, models_dir: str, *, check_interval: float = 1.0, clock=time.monotonic):
+        self.models_dir = os.path.abspath(models_dir)
+        self._interval = check_interval
+        self._clock = clock
+        self._checked_at: float | None = None
+        self._entries: dict[str, _Entry] = {}
+        self._by_name: dict[str, ModelConfig] = {}
+        self.errors: dict[str, str] = {}
+        self._broken: dict[str, ModelConfigError] = {}  # meant model name -> why it failed
+
+    def models(self) -> list[ModelConfig]:
+        self._refresh()
+        return [self._by_name[n] for n in sorted(self._by_name)]
+
+    def get(self, name: str) -> ModelConfig | None:
+        self._refresh()
+        return self._by_name.get(name)
+
+    def error(self, name: str) -> ModelConfigError | None:
+        """Why the file meant to define model ``name`` could not load (its ``name``, or its
+        file name without ``.yaml`` when even that cannot be read), or ``None``: lets a request
+        for it be answered with the reason instead of "does not exist"."""
+        self._refresh()
+        return None if name in self._by_name else self._broken.get(name)
+
+    def broken(self) -> dict[str, ModelConfigError]:
+        """Every model name whose config failed to load, with the error (sorted by name)."""
+        self._refresh()
+        return {n: self._broken[n] for n in sorted(self._broken) if n not in self._by_name}
+
+    def refresh(self) -> None:
+        """Re-scan now, whatever the interval."""
+        self._checked_at = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        now = self._clock()
+        if self._checked_at is not None and now - self._checked_at < self._interval:
+            return
+        self._checked_at = now
+        seen: dict[str, tuple[int, int]] = {}
+        try:
+            with os.scandir(self.models_dir) as listing:
+                for entry in listing:
+                    if not entry.name.endswith((".yaml", ".yml")) or entry.name.startswith("."):
+                        continue
+                    try:
+                        if not entry.is_file():
+                            continue
+                        st = entry.stat()
+                    except OSError:
+                        continue
+                    seen[entry.name] = (st.st_mtime_ns, st.st_size)
+                    if len(seen) >= MAX_FILES:
+                        log.warn("models directory {dir} holds more than {n} YAML files; the "
+                                 "rest are ignored", dir=self.models_dir, n=MAX_FILES)
+                        break
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warn("cannot list models directory {dir}: {err}", dir=self.models_dir, err=e)
+            return
+        changed = set(seen) ^ set(self._entries)
+        for fname, stamp in seen.items():
+            old = self._entries.get(fname)
+            if old is None or old.stamp != stamp:
+                changed.add(fname)
+                try:
+                    cfg = load_model_file(os.path.join(self.models_dir, fname), fname)
+                    self._entries[fname] = _Entry(stamp, cfg, None)
+                    for warning in cfg.warnings:
+                        log.warn("model config {file}: {warning}", file=fname, warning=warning)
+                except ModelConfigError as e:
+                    self._entries[fname] = _Entry(stamp, None, e)
+                    log.warn("model config skipped: {err}", err=str(e))
+        for fname in list(self._entries):
+            if fname not in seen:
+                del self._entries[fname]
+        if not changed:
+            return
+        by_name: dict[str, ModelConfig] = {}
+        errors: dict[str, str] = {}
+        broken: dict[str, ModelConfigError] = {}
+        for fname in sorted(self._entries):
+            entry = self._entries[fname]
+            if entry.error is not None:
+                errors[fname] = str(entry.error)
+                broken.setdefault(entry.error.model_name or fname, entry.error)
+                continue
+            cfg = entry.config
+            if cfg.name in by_name:
+                msg = (f"{fname}: name: model {cfg.name!r} is already defined by "
+                       f"{by_name[cfg.name].source}; this file is ignored")
+                if self.errors.get(fname) != msg:
+                    log.warn("{msg}", msg=msg)
+                errors[fname] = msg
+                continue
+            by_name[cfg.name] = cfg
+        self._by_name = by_name
+        self.errors = errors
+        self._broken = broken
