@@ -1,0 +1,104 @@
+"""The CPU work a request's schemas cause on the reactor is bounded (issue 21 §1): all the
+schemas of one request together, a validated schema with its ``$ref`` s expanded, the grammar
+one schema compiles to, and the validation of one answer.  Each refusal is a clear 4xx (or, for
+an answer, a 500 ``invalid_model_output``) naming the bound."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from localai_tw.frontend.api.openai import constraints
+from localai_tw.localai import gbnf
+
+from .test_openai_api import assert_error
+from .test_openai_fakes import call, make_site
+from .test_openai_tools import chat, router  # noqa: F401 (the fixture)
+
+
+@pytest.fixture
+def site(router):  # noqa: F811
+    return make_site(router)
+
+
+def tool(i: int, properties: int) -> dict:
+    return {"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string", "description": "d"}
+                                         for j in range(properties)}}}}
+
+
+def test_many_tools_together_are_a_400_before_any_is_checked(site, router):  # noqa: F811
+    # 128 tools of 40 properties: each within the per-schema bound, 15 000 values together
+    # (128 tools of 1300 properties took 13 s of meta-schema checks on the reactor).
+    error = assert_error(call(site, "POST", "/v1/chat/completions", chat(
+        tools=[tool(i, 40) for i in range(128)])), 400, param="tools")
+    assert f"more than {constraints.MAX_REQUEST_SCHEMA_NODES} values in all" in \
+        error["message"]
+    # the same tools, fewer of them, are fine
+    assert call(site, "POST", "/v1/chat/completions",
+                chat(tools=[tool(i, 40) for i in range(10)])).status == 200
+
+
+def doubling(links: int) -> dict:
+    """``a0 = anyOf[$ref a1, $ref a1]``, ...: 2 ** links paths to validate, 3 values a link."""
+    defs = {f"a{i}": {"anyOf": [{"$ref": f"#/$defs/a{i + 1}"}, {"$ref": f"#/$defs/a{i + 1}"}]}
+            for i in range(links)}
+    defs[f"a{links}"] = {"type": "string"}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}, "$defs": defs}
+
+
+def test_a_schema_whose_refs_double_is_refused_where_answers_are_validated(site, router):  # noqa: F811,E501
+    # 15 links compile to a small grammar, but validating one wrong answer walked 2 ** 15
+    # paths (16 links: 11.6 s).
+    strict = {"type": "function", "function": {"name": "f", "strict": True,
+                                               "parameters": doubling(15)}}
+    error = assert_error(call(site, "POST", "/v1/chat/completions", chat(tools=[strict])),
+                         400, param="tools[0].function.parameters")
+    assert error["code"] == "unsupported_schema"
+    assert "with its $refs expanded" in error["message"]
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "d", "schema": doubling(15)}}
+    error = assert_error(call(site, "POST", "/v1/chat/completions",
+                              chat("llama", response_format=response_format)),
+                         400, param="response_format.json_schema.schema")
+    assert "with its $refs expanded" in error["message"]
+    # a few links are fine
+    response_format["json_schema"]["schema"] = doubling(4)
+    router.answer = '{"x": "y"}'
+    assert call(site, "POST", "/v1/chat/completions",
+                chat("llama", response_format=response_format)).status == 200
+
+
+def test_a_schema_that_compiles_to_a_huge_grammar_is_a_400(site, router):  # noqa: F811
+    # 256 enum strings of 2000 characters under maxItems 64: a 33 MB grammar in 4 s before.
+    schema = {"type": "object", "properties": {"x": {
+        "type": "array", "maxItems": 64,
+        "items": {"enum": ["x" * 2000 + str(i) for i in range(256)]}}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}}
+    error = assert_error(call(site, "POST", "/v1/chat/completions",
+                              chat("llama", response_format=response_format)),
+                         400, param="response_format.json_schema.schema")
+    assert error["code"] == "unsupported_schema"
+    assert f"longer than {gbnf.MAX_GRAMMAR_CHARS} characters" in error["message"]
+
+
+def test_maxitems_repetition_is_still_exact():
+    grammar = gbnf.schema_to_gbnf({"type": "array", "items": {"type": "integer"},
+                                   "minItems": 1, "maxItems": 3})
+    assert '( "," ws integer ( "," ws integer )? )?' in grammar
+
+
+def test_an_answer_too_big_to_validate_is_a_500_naming_the_bound(site, router):  # noqa: F811
+    schema = {"type": "object", "properties": {"rows": {"type": "array", "items": {
+        "type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(20)}}}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}}
+    row = {f"k{i}": "v" for i in range(20)}
+    router.answer = json.dumps({"rows": [row] * 2000})  # about 80 000 keyword checks
+    error = assert_error(call(site, "POST", "/v1/chat/completions",
+                              chat("llama", response_format=response_format)),
+                         500, "server_error", code="invalid_model_output")
+    assert f"within {constraints.MAX_VALIDATION_STEPS} keyword checks" in error["message"]
+    router.answer = json.dumps({"rows": [row] * 20})
+    assert call(site, "POST", "/v1/chat/completions",
+                chat("llama", response_format=response_format)).status == 200
