@@ -6,10 +6,13 @@ an answer, a 500 ``invalid_model_output``) naming the bound."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
+import pytest_twisted
 
 from localai_tw.frontend.api.openai import constraints
+from localai_tw.frontend.api.openai.errors import OpenAIError
 from localai_tw.localai import gbnf
 
 from .test_openai_api import assert_error
@@ -89,16 +92,43 @@ def test_maxitems_repetition_is_still_exact():
     assert '( "," ws integer ( "," ws integer )? )?' in grammar
 
 
-def test_an_answer_too_big_to_validate_is_a_500_naming_the_bound(site, router):  # noqa: F811
-    schema = {"type": "object", "properties": {"rows": {"type": "array", "items": {
-        "type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(20)}}}}}
-    response_format = {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}}
-    row = {f"k{i}": "v" for i in range(20)}
-    router.answer = json.dumps({"rows": [row] * 2000})  # about 40 000 keyword checks
-    error = assert_error(call(site, "POST", "/v1/chat/completions",
-                              chat("llama", response_format=response_format)),
-                         500, "server_error", code="invalid_model_output")
-    assert f"within {constraints.MAX_VALIDATION_STEPS} keyword checks" in error["message"]
-    router.answer = json.dumps({"rows": [row] * 20})
-    assert call(site, "POST", "/v1/chat/completions",
-                chat("llama", response_format=response_format)).status == 200
+ROWS = {"type": "object", "properties": {"rows": {"type": "array", "items": {
+    "type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(20)}}}}}
+ROW = {f"k{i}": "v" for i in range(20)}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_big_answer_is_validated_in_the_answer_checks_thread(monkeypatch):
+    # 2000 rows: about 40 000 keyword checks, past the reactor's 5000: validated again in the
+    # one answer-checks thread (5 to 9 us a check would hold the reactor 0.2 to 0.4 s).
+    plan = constraints.Plan(json_mode="json_schema", schema=ROWS)
+    where = []
+    first_error = constraints._first_error
+
+    def recording(schema, instance, steps):
+        where.append((threading.current_thread() is threading.main_thread(), steps))
+        return first_error(schema, instance, steps)
+
+    monkeypatch.setattr(constraints, "_first_error", recording)
+    await constraints.check_output(plan, "m", json.dumps({"rows": [ROW] * 2000}), "stop")
+    assert where == [(True, constraints.MAX_VALIDATION_STEPS),
+                     (False, constraints.MAX_THREAD_VALIDATION_STEPS)]
+    bad = [ROW] * 1999 + [dict(ROW, k7=7)]
+    with pytest.raises(OpenAIError) as caught:
+        await constraints.check_output(plan, "m", json.dumps({"rows": bad}), "stop")
+    assert caught.value.code == "invalid_model_output"
+    assert "7 is not of type 'string'" in str(caught.value)
+    # small answers never leave the reactor
+    where.clear()
+    await constraints.check_output(plan, "m", json.dumps({"rows": [ROW] * 3}), "stop")
+    assert where == [(True, constraints.MAX_VALIDATION_STEPS)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_answer_too_big_for_the_thread_too_is_a_500_naming_the_bound(monkeypatch):
+    monkeypatch.setattr(constraints, "MAX_THREAD_VALIDATION_STEPS", 20_000)
+    plan = constraints.Plan(json_mode="json_schema", schema=ROWS)
+    with pytest.raises(OpenAIError) as caught:
+        await constraints.check_output(plan, "m", json.dumps({"rows": [ROW] * 2000}), "stop")
+    assert caught.value.code == "invalid_model_output"
+    assert "too large to be checked against the schema" in str(caught.value)

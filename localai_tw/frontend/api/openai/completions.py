@@ -77,7 +77,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
             usage.add(reply_usage(reply))
             text = reply.message.decode("utf-8", "replace")
             reason = finish_reason(reply, sampling.max_tokens)
-            check_output(plan, name, text, reason)
+            await check_output(plan, name, text, reason)
             logprobs = legacy_logprobs(logprobs_content(reply.logprobs)) \
                 if plan.logprobs else None
             choices.append({"index": len(choices), "text": (prompt + text) if echo else text,
@@ -129,8 +129,8 @@ class _CompletionChunks(Chunks):
         self.offset += sum(len(e["token"]) for e in entries)
         return [chunk]
 
-    def closing(self, reason: str) -> list:
-        check_output(self.plan, self.model, self.text, reason)
+    async def closing(self, reason: str) -> list:
+        await check_output(self.plan, self.model, self.text, reason)
         return [self.finish(reason)]
 
     def _chunk(self, choices: list, **more) -> dict:

@@ -42,6 +42,7 @@ from localai_tw.localai.gbnf import JSON_OBJECT_GRAMMAR, SchemaError, schema_to_
 from localai_tw.localai.templates import uses_functions
 from localai_tw.localai.toolcalls import FunctionConfig
 from localai_tw.frontend.api.kit import printable
+from localai_tw.frontend.api.openai import offload
 from localai_tw.frontend.api.openai.errors import NO_RETRY, OpenAIError, invalid
 
 #: Most tools in one request (OpenAI's limit) and deepest schema accepted anywhere.
@@ -55,10 +56,13 @@ MAX_REQUEST_SCHEMA_NODES = 4_000
 #: A validated schema (strict tool, json_schema) with every ``$ref`` expanded: a chain of
 #: ``anyOf: [$ref next, $ref next]`` doubles the validation work per link (16 links: 11.6 s).
 MAX_EXPANDED_SCHEMA_NODES = 8_000
-#: Keyword checks one answer's validation may make, on the reactor (5 to 9 us each with
-#: jsonschema's descent, so about 25 to 45 ms at most): an answer too big to be checked within
-#: them (an array of a few hundred objects) is a 500 ``invalid_model_output`` naming the bound.
+#: Keyword checks one answer's validation may make on the reactor (5 to 9 us each with
+#: jsonschema's descent, so about 25 to 45 ms at most); an answer that needs more is validated
+#: again in the replica's one thread for such work (``offload.py``) with
+#: :data:`MAX_THREAD_VALIDATION_STEPS` (a few seconds of that thread), and past those it is a
+#: 500 ``invalid_model_output`` naming the bound.
 MAX_VALIDATION_STEPS = 5_000
+MAX_THREAD_VALIDATION_STEPS = 500_000
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -237,15 +241,28 @@ def _counted(check):
     return counted
 
 
-def _first_error(schema: Mapping, instance: Any):
-    """The best validation error of ``instance`` under ``schema`` or None, within
-    :data:`MAX_VALIDATION_STEPS` keyword checks.  :raises _OutOfSteps:"""
-    token = _STEPS.set([MAX_VALIDATION_STEPS])
+def _first_error(schema: Mapping, instance: Any, steps: int):
+    """The best validation error of ``instance`` under ``schema`` or None, within ``steps``
+    keyword checks.  :raises _OutOfSteps:"""
+    token = _STEPS.set([steps])
     try:
         return jsonschema.exceptions.best_match(
             _validator_class(schema)(schema).iter_errors(instance))
     finally:
         _STEPS.reset(token)
+
+
+async def _validate(schema: Mapping, instance: Any, reactor):
+    """:func:`_first_error`: on the reactor within :data:`MAX_VALIDATION_STEPS`, else in the
+    answer-checks thread within :data:`MAX_THREAD_VALIDATION_STEPS`.  :raises _OutOfSteps:"""
+    try:
+        return _first_error(schema, instance, MAX_VALIDATION_STEPS)
+    except _OutOfSteps:
+        pass
+    if reactor is None:
+        from twisted.internet import reactor
+    return await offload.run(reactor, _first_error, schema, instance,
+                             MAX_THREAD_VALIDATION_STEPS)
 
 
 def _validator_class(schema: Mapping):
@@ -611,7 +628,8 @@ def plan_completion(body, model: str, view, *, echo: bool) -> Plan:
 
 
 _TOO_BIG = (f"the answer is too large to be checked against the schema within "
-            f"{MAX_VALIDATION_STEPS} keyword checks (docs/openai-api.md); ask for a smaller one")
+            f"{MAX_THREAD_VALIDATION_STEPS} keyword checks (docs/openai-api.md); ask for a "
+            "smaller one")
 
 
 def invalid_output(model: str, why: str) -> OpenAIError:
@@ -620,8 +638,10 @@ def invalid_output(model: str, why: str) -> OpenAIError:
                        code="invalid_model_output", headers=NO_RETRY)
 
 
-def check_output(plan: Plan, model: str, text: str, finish_reason: str) -> None:
-    """Validate a structured answer (module docstring).  :raises OpenAIError: 500."""
+async def check_output(plan: Plan, model: str, text: str, finish_reason: str,
+                       reactor=None) -> None:
+    """Validate a structured answer (module docstring; small answers on the reactor, big ones
+    in the answer-checks thread: :func:`_validate`).  :raises OpenAIError: 500."""
     if plan.json_mode is None or finish_reason == "length":
         return
     try:
@@ -633,14 +653,14 @@ def check_output(plan: Plan, model: str, text: str, finish_reason: str) -> None:
             raise invalid_output(model, "not a JSON object")
         return
     try:
-        error = _first_error(plan.schema, value)
+        error = await _validate(plan.schema, value, reactor)
     except _OutOfSteps:
         raise invalid_output(model, _TOO_BIG) from None
     if error is not None:
         raise invalid_output(model, f"{error.message} (at {error.json_path})")
 
 
-def check_calls(plan: Plan, model: str, calls) -> None:
+async def check_calls(plan: Plan, model: str, calls, reactor=None) -> None:
     """The arguments of each call to a ``strict`` tool must be valid under its parameters
     (OpenAI's promise for strict tools; a grammar enforces it when a call is required, this
     checks it always).  :raises OpenAIError: 500 ``invalid_model_output``."""
@@ -658,7 +678,7 @@ def check_calls(plan: Plan, model: str, calls) -> None:
             raise invalid_output(model, f"the arguments of the call to strict tool "
                                  f"{call.name!r} are not JSON") from None
         try:
-            error = _first_error(schema, arguments)
+            error = await _validate(schema, arguments, reactor)
         except _OutOfSteps:
             raise invalid_output(model, f"the arguments of the call to strict tool "
                                  f"{call.name!r}: {_TOO_BIG}") from None
