@@ -51,7 +51,8 @@ def doubling(links: int) -> dict:
     return {"type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}, "$defs": defs}
 
 
-def test_a_schema_whose_refs_double_is_refused_where_answers_are_validated(site, router):  # noqa: F811,E501
+def test_a_schema_whose_refs_double_is_refused_where_answers_are_validated(
+        site, router):  # noqa: F811
     # 15 links compile to a small grammar, but validating one wrong answer walked 2 ** 15
     # paths (16 links: 11.6 s).
     strict = {"type": "function", "function": {"name": "f", "strict": True,
