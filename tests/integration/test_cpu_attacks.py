@@ -10,12 +10,12 @@ whatever the attacker writes.  The attacks:
   28 ``a`` s and a ``!`` (Python's ``re``: seconds, x4 per two characters; RE2: linear);
 - a model file of about 500 bytes whose aliases under ``engine_args`` expand to 16 million
   strings (read by the catalog on the reactor; ``json.dumps`` walked them all);
-- 128 tools of 200 properties each (meta-schema checks, about 25 us a value);
+- 128 tools of 60 properties each (meta-schema checks, about 25 us a value);
 - a strict tool whose parameters chain ``anyOf: [$ref next, $ref next]`` 15 times, answered
   with arguments that fail at every leaf (validation walked 2 ** 15 paths);
 - a ``json_schema`` that compiles to a 33 MB grammar (256 long ``enum`` strings, maxItems 64);
 - an answer of 5000 rows validated against a ``json_schema`` (200 000 keyword checks: in the
-  replica's one answer-checks thread, past the reactor's 5000);
+  replica's one answer-checks thread, past the reactor's 2000);
 - a strict tool with a ``pattern`` (refused since issue 21 §1's first part).
 
 Every attack gets a clear answer (a 4xx naming the cause, a config error, or for the answer
@@ -122,9 +122,9 @@ ATTACKS = [
      (200, "")),
     ("YAML alias bomb under engine_args", "echo-bomb", chat("echo-bomb", "hi"),
      (None, "alias")),
-    ("128 tools of 200 properties", "echo-tools",
+    ("128 tools of 60 properties", "echo-tools",
      chat("echo-tools", "hi", tools=[{"type": "function", "function": {
-         "name": f"f{i}", "parameters": props(200)}} for i in range(128)]),
+         "name": f"f{i}", "parameters": props(60)}} for i in range(128)]),
      (400, "values in all")),
     ("strict tool whose $refs double 15 times", "echo-tools",
      chat("echo-tools", '<tool_call>{"name":"f","arguments":{"x":1}}</tool_call>',

@@ -100,7 +100,7 @@ ROW = {f"k{i}": "v" for i in range(20)}
 
 @pytest_twisted.ensureDeferred
 async def test_a_big_answer_is_validated_in_the_answer_checks_thread(monkeypatch):
-    # 2000 rows: about 40 000 keyword checks, past the reactor's 5000: validated again in the
+    # 2000 rows: about 40 000 keyword checks, past the reactor's 2000: validated again in the
     # one answer-checks thread (5 to 9 us a check would hold the reactor 0.2 to 0.4 s).
     plan = constraints.Plan(json_mode="json_schema", schema=ROWS)
     where = []

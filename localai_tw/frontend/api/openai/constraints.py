@@ -57,11 +57,11 @@ MAX_REQUEST_SCHEMA_NODES = 4_000
 #: ``anyOf: [$ref next, $ref next]`` doubles the validation work per link (16 links: 11.6 s).
 MAX_EXPANDED_SCHEMA_NODES = 8_000
 #: Keyword checks one answer's validation may make on the reactor (5 to 9 us each with
-#: jsonschema's descent, so about 25 to 45 ms at most); an answer that needs more is validated
+#: jsonschema's descent, so about 10 to 20 ms at most); an answer that needs more is validated
 #: again in the replica's one thread for such work (``offload.py``) with
 #: :data:`MAX_THREAD_VALIDATION_STEPS` (a few seconds of that thread), and past those it is a
 #: 500 ``invalid_model_output`` naming the bound.
-MAX_VALIDATION_STEPS = 5_000
+MAX_VALIDATION_STEPS = 2_000
 MAX_THREAD_VALIDATION_STEPS = 500_000
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
