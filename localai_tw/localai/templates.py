@@ -151,6 +151,12 @@ _FUNCTIONS: dict[str, tuple[int, int | None]] = {
 #: Most output one rendering may produce, and most actions it may run (``range`` multiplies).
 MAX_OUTPUT_CHARS = 4 * 1024 * 1024
 MAX_STEPS = 200_000
+#: Most characters one rendering's function calls may read and write (string arguments, and
+#: what ``toJson`` and ``print`` return): a call costs its text, and a loop of calls whose
+#: result is never emitted (``{{range 1000000}}{{$x := toJson $.Input}}{{end}}``) is not
+#: bounded by the output.  That loop with a 100 KB prompt ran 77 s on the reactor before this
+#: bound (issue 21 §1); 8 Mi characters of ``toJson`` take 40 to 50 ms.
+MAX_WORK_CHARS = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -450,6 +456,13 @@ class _Run:
         self.out: list[str] = []
         self.size = 0
         self.steps = 0
+        self.work = 0  # characters read and written by function calls (MAX_WORK_CHARS)
+
+    def spend(self, chars: int) -> None:
+        self.work += chars
+        if self.work > MAX_WORK_CHARS:
+            raise TemplateError(f"the template's functions handle more than {MAX_WORK_CHARS} "
+                                "characters (toJson or print in a loop?)")
 
     def emit(self, text: str) -> None:
         self.size += len(text)
@@ -536,10 +549,14 @@ class _Run:
                     return value
             return value
         values = [self.value(a, dot, scopes) for a in args]
+        self.spend(sum(len(v) for v in values if isinstance(v, str)))
         try:
-            return _call(function, values)
+            result = _call(function, values)
         except TemplateError as e:
             raise TemplateError(f"{function}: {e}") from None
+        if isinstance(result, str):
+            self.spend(len(result))
+        return result
 
     def field(self, expression: _Field, dot, scopes: list):
         if expression.var is None:

@@ -16,7 +16,9 @@ whatever the attacker writes.  The attacks:
 - a ``json_schema`` that compiles to a 33 MB grammar (256 long ``enum`` strings, maxItems 64);
 - an answer of 5000 rows validated against a ``json_schema`` (200 000 keyword checks: in the
   replica's one answer-checks thread, past the reactor's 2000);
-- a strict tool with a ``pattern`` (refused since issue 21 §1's first part).
+- a strict tool with a ``pattern`` (refused since issue 21 §1's first part);
+- a model config whose chat template calls ``toJson`` on the prompt a million times without
+  emitting it (the output bound never fired), with a 10 KB prompt.
 
 Every attack gets a clear answer (a 4xx naming the cause, a config error, or for the answer
 too large to check a 500 ``invalid_model_output``), never a stall.
@@ -149,6 +151,8 @@ ATTACKS = [
               "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
                   "x": {"type": "string", "pattern": "^(a+)+$"}}}}}]),
      (400, "pattern")),
+    ("a template looping toJson over a 10 KB prompt", "echo-template",
+     chat("echo-template", "x" * 10_000), (500, "functions handle more than")),
 ]
 
 
@@ -163,6 +167,10 @@ async def test_healthz_answers_under_100_ms_while_cpu_attacks_run(cluster):
     cluster.write_model("echo-json.yaml", (
         "name: echo-json\nbackend: echo\nparameters:\n  model: echo\n"
         "template:\n  use_tokenizer_template: true\ncapabilities: {grammar: true}\n"))
+    cluster.write_model("echo-template.yaml", (
+        "name: echo-template\nbackend: echo\nparameters:\n  model: echo\ntemplate:\n"
+        "  chat_message: '{{.Content}}'\n"
+        "  chat: '{{range $i := 1000000}}{{$x := toJson $.Input}}{{end}}{{.Input}}'\n"))
     frontend = await cluster.frontend("replica-cpu")
     await cluster.worker("w-cpu", frontend)
     base = cluster.base_url(frontend)

@@ -243,5 +243,17 @@ def test_finding_actions_is_linear(text):
 
 
 def test_a_variable_doubled_in_a_loop_is_bounded():
-    with pytest.raises(TemplateError, match="exceed"):
+    with pytest.raises(TemplateError, match="exceed|functions handle more than"):
         compile_template('{{$t := "xxxxxxxx"}}{{range 64}}{{$t = print $t $t}}{{end}}').render({})
+
+
+@pytest.mark.parametrize("body", ["{{$x := toJson $.Input}}", "{{if eq $.Input $.Input}}{{end}}",
+                                  "{{$x := print $.Input}}"])
+def test_function_calls_in_a_loop_are_bounded_by_the_text_they_handle(body):
+    # Issue 21 §1: toJson of a 100 KB prompt a million times emits nothing, so the output bound
+    # never fired: 77 s on the reactor.  Now every call costs its text, 8 Mi characters in all.
+    template = compile_template("{{range $i := 1000000}}" + body + "{{end}}done")
+    with pytest.raises(TemplateError, match="functions handle more than 8388608 characters"):
+        template.render({"Input": "x" * 100_000})
+    assert compile_template("{{range $i := 3}}" + body + "{{end}}done").render(
+        {"Input": "x" * 100_000}) == "done"
