@@ -18,7 +18,9 @@ whatever the attacker writes.  The attacks:
   replica's one answer-checks thread, past the reactor's 2000);
 - a strict tool with a ``pattern`` (refused since issue 21 §1's first part);
 - a model config whose chat template calls ``toJson`` on the prompt a million times without
-  emitting it (the output bound never fired), with a 10 KB prompt.
+  emitting it (the output bound never fired), with a 10 KB prompt;
+- a model config whose ``chat_message`` nests empty ranges (``300 x 200000`` iterations that
+  ran no action, so the action bound never fired), rendered once per message.
 
 Every attack gets a clear answer (a 4xx naming the cause, a config error, or for the answer
 too large to check a 500 ``invalid_model_output``), never a stall.
@@ -153,6 +155,9 @@ ATTACKS = [
      (400, "pattern")),
     ("a template looping toJson over a 10 KB prompt", "echo-template",
      chat("echo-template", "x" * 10_000), (500, "functions handle more than")),
+    ("a chat_message of nested empty ranges, 4 messages", "echo-ranges",
+     {"model": "echo-ranges", "messages": [{"role": "user", "content": "hi"}] * 4},
+     (500, "runs more than")),
 ]
 
 
@@ -171,6 +176,9 @@ async def test_healthz_answers_under_100_ms_while_cpu_attacks_run(cluster):
         "name: echo-template\nbackend: echo\nparameters:\n  model: echo\ntemplate:\n"
         "  chat_message: '{{.Content}}'\n"
         "  chat: '{{range $i := 1000000}}{{$x := toJson $.Input}}{{end}}{{.Input}}'\n"))
+    cluster.write_model("echo-ranges.yaml", (
+        "name: echo-ranges\nbackend: echo\nparameters:\n  model: echo\ntemplate:\n"
+        "  chat_message: '{{range $i := 300}}{{range $j := 200000}}{{end}}{{end}}'\n"))
     frontend = await cluster.frontend("replica-cpu")
     await cluster.worker("w-cpu", frontend)
     base = cluster.base_url(frontend)

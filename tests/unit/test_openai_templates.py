@@ -257,3 +257,22 @@ def test_function_calls_in_a_loop_are_bounded_by_the_text_they_handle(body):
         template.render({"Input": "x" * 100_000})
     assert compile_template("{{range $i := 3}}" + body + "{{end}}done").render(
         {"Input": "x" * 100_000}) == "done"
+
+
+def test_nested_empty_ranges_count_their_iterations():
+    # Issue 21 §1: an empty range body ran no action, so this nest iterated 60 million times
+    # (51 s on the reactor) under a 200 000-action bound.
+    with pytest.raises(TemplateError, match="runs more than 50000 actions"):
+        compile_template("{{range $i := 300}}{{range $j := 200000}}{{end}}{{end}}").render({})
+    assert compile_template("{{range $i := 3}}{{range $j := 4}}{{end}}{{end}}ok").render({}) \
+        == "ok"
+
+
+def test_one_budget_for_every_message_of_a_conversation():
+    # chat_message renders once per message: 40 000 iterations each is within the bound for
+    # one message, and the conversation's renderings share it.
+    templates = PromptTemplates(chat_message="{{range $i := 40000}}{{end}}{{.Content}}")
+    one = render_chat(templates, [ChatMessage(role="user", content="hi")])
+    assert one.prompt == "hi"
+    with pytest.raises(TemplateError, match="runs more than 50000 actions"):
+        render_chat(templates, [ChatMessage(role="user", content="hi")] * 2)
