@@ -14,6 +14,8 @@ whatever the attacker writes.  The attacks:
 - a strict tool whose parameters chain ``anyOf: [$ref next, $ref next]`` 15 times, answered
   with arguments that fail at every leaf (validation walked 2 ** 15 paths);
 - a ``json_schema`` that compiles to a 33 MB grammar (256 long ``enum`` strings, maxItems 64);
+- a ``json_schema`` of 3000 values, within the bounds (its meta-schema check and grammar, 17 to
+  28 us a value, run in the answer-checks thread, not on the reactor);
 - an answer of 5000 rows validated against a ``json_schema`` (200 000 keyword checks: in the
   replica's one answer-checks thread, past the reactor's 2000);
 - a strict tool with a ``pattern`` (refused since issue 21 §1's first part);
@@ -141,6 +143,13 @@ ATTACKS = [
              "type": "array", "maxItems": 64,
              "items": {"enum": ["x" * 2000 + str(i) for i in range(256)]}}}}}}),
      (400, "grammar longer than")),
+    ("a json_schema of 3000 values, answered", "echo-json",
+     chat("echo-json", '{"p0":"x","p1":2}', response_format={
+         "type": "json_schema", "json_schema": {"name": "d", "schema": {
+             "type": "object", "properties": {f"p{i}": {"anyOf": [
+                 {"type": t} for t in ("string", "integer", "boolean", "null", "number")]}
+                 for i in range(250)}}}}),
+     (200, "")),
     ("an answer of 5000 rows validated against json_schema, the last one wrong", "echo-json",
      chat("echo-json", json.dumps({"rows": [ROW] * 4999 + [dict(ROW, k7=7)]},
                                   separators=(",", ":")),

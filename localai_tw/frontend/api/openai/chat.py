@@ -38,6 +38,7 @@ from localai_tw.frontend.api.openai.constraints import (
     invalid_output,
     logprobs_content,
     plan_chat,
+    planned,
 )
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import invalid
@@ -68,7 +69,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     exchange.record.model = name  # a configured name: a bounded label
     refuse_unhonoured(body, name, chat=True)
     messages, images = parse_messages(body.raw("messages"))
-    plan = plan_chat(body, name, model)
+    plan = await planned(plan_chat, body, name, model)
     stream = bool(body.boolean("stream"))
     n = body.integer("n", 1, MAX_CHOICES) or 1
     if stream and n != 1:

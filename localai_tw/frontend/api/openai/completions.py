@@ -19,6 +19,7 @@ from localai_tw.frontend.api.openai.constraints import (
     legacy_logprobs,
     logprobs_content,
     plan_completion,
+    planned,
 )
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import invalid
@@ -55,7 +56,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     if len(prompts) * n > MAX_PROMPTS:
         raise invalid(f"at most {MAX_PROMPTS} choices are answered (prompts times 'n')", "n",
                       code="invalid_value")
-    plan = plan_completion(body, name, model, echo=echo)
+    plan = await planned(plan_completion, body, name, model, echo=echo)
     include_usage = usage_requested(body, stream)
     sampling = merge_sampling(model.parameters, body, model.predict)
     completion_id, created = context.ids("cmpl")

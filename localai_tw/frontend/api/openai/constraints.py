@@ -56,6 +56,10 @@ MAX_REQUEST_SCHEMA_NODES = 4_000
 #: A validated schema (strict tool, json_schema) with every ``$ref`` expanded: a chain of
 #: ``anyOf: [$ref next, $ref next]`` doubles the validation work per link (16 links: 11.6 s).
 MAX_EXPANDED_SCHEMA_NODES = 8_000
+#: A request whose schemas hold more values than this is planned (meta-schema checks, grammar
+#: compilation: about 17 to 28 us a value, so up to 0.1 s at 4000) in the answer-checks thread
+#: (``offload.py``), not on the reactor; smaller ones stay inline.
+OFFLOAD_SCHEMA_NODES = 500
 #: Keyword checks one answer's validation may make on the reactor (5 to 9 us each with
 #: jsonschema's descent, so about 10 to 20 ms at most); an answer that needs more is validated
 #: again in the replica's one thread for such work (``offload.py``) with
@@ -109,10 +113,10 @@ def _bounded(value: Any, limit: int) -> None:
             stack.extend((v, at + 1) for v in node)
 
 
-def request_schemas_bounded(body) -> None:
-    """Every schema a request carries together holds at most :data:`MAX_REQUEST_SCHEMA_NODES`
-    values (a walk that stops at the bound, before any schema is checked or compiled).
-    :raises OpenAIError: 400 naming the bound."""
+def request_schemas_bounded(body) -> int:
+    """How many values the schemas a request carries hold together: at most
+    :data:`MAX_REQUEST_SCHEMA_NODES` (a walk that stops at the bound, before any schema is
+    checked or compiled).  :raises OpenAIError: 400 naming the bound."""
     stack = [body.raw(name) for name in ("tools", "functions", "response_format")]
     seen = 0
     while stack:
@@ -130,6 +134,7 @@ def request_schemas_bounded(body) -> None:
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
+    return seen
 
 
 def _expanded_nodes(root: Mapping) -> int:
@@ -534,6 +539,17 @@ def _request_grammar(body, model: str, caps: Capabilities, plan: Plan) -> None:
     plan.grammar = grammar
 
 
+async def planned(plan, body, *args, reactor=None, **kwargs) -> Plan:
+    """``plan(body, *args, **kwargs)`` (:func:`plan_chat` or :func:`plan_completion`): inline
+    when the request's schemas are small, else in the answer-checks thread
+    (:data:`OFFLOAD_SCHEMA_NODES`).  :raises OpenAIError:"""
+    if request_schemas_bounded(body) <= OFFLOAD_SCHEMA_NODES:
+        return plan(body, *args, **kwargs)
+    if reactor is None:
+        from twisted.internet import reactor
+    return await offload.run(reactor, plan, body, *args, **kwargs)
+
+
 def plan_chat(body, model: str, view) -> Plan:
     """The checked plan of a chat request for the model ``view`` (a ``ModelView``).
     :raises OpenAIError: 400 for whatever the model cannot honour or the request got wrong."""
@@ -727,5 +743,5 @@ def legacy_logprobs(content: list[dict], offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-__all__ = ["Plan", "ToolPlan", "call_schema", "check_calls", "check_output", "check_schema",
+__all__ = ["Plan", "ToolPlan", "call_schema", "planned", "check_calls", "check_output", "check_schema",
            "legacy_logprobs", "logprobs_content", "plan_chat", "plan_completion", "read_tools"]

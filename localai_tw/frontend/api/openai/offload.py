@@ -1,5 +1,6 @@
-"""One thread, shared by the replica, for CPU work an answer's size decides that is too big to
-do on the reactor within its inline budget (today: validating a large structured answer).
+"""One thread, shared by the replica, for CPU work a request or an answer makes too big to do
+on the reactor within its inline budget: checking and compiling a request's big schemas, and
+validating a large structured answer.
 
 Why one thread and not the reactor's pool: that work is pure Python, so it holds the GIL
 between switches.  With one such thread the reactor waits at most a switch interval (5 ms) each
