@@ -96,6 +96,8 @@ sys.path.insert(0, REPO_ROOT)
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 TOKEN = "bench-inference-registration-token"
+#: How the load client is told the backend's own gRPC token.
+BACKEND_TOKEN_ENV = "LOCALAI_BENCH_BACKEND_TOKEN"
 API_KEY = "sk-bench-inference"
 MODEL = "echo-bench"
 MODEL_IDENTIFIER = "echo-bench-model"
@@ -153,6 +155,17 @@ def cpu_seconds_self() -> float:
 # -- the load client (one process per path) ----------------------------------------------------
 
 
+def backend_token(pid: int) -> str:
+    """The gRPC token of the backend process ``pid`` (``LOCALAI_GRPC_AUTH_TOKEN`` in its
+    environment; readable by its owner and root, as this benchmark is)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        for item in f.read().split(b"\0"):
+            name, _, value = item.partition(b"=")
+            if name == b"LOCALAI_GRPC_AUTH_TOKEN":
+                return value.decode()
+    return ""
+
+
 class GrpcLoad:
     """Unary ``Predict`` on one shared channel (thread-safe in grpcio)."""
 
@@ -168,7 +181,8 @@ class GrpcLoad:
         self.stub = backend_pb2_grpc.BackendStub(self.channel)
         self.request = backend_pb2.PredictOptions(Prompt=PROMPT, Tokens=MAX_TOKENS,
                                                   ModelIdentity=identity)
-        self.metadata = (("authorization", f"Bearer {TOKEN}"),)
+        token = os.environ.get(BACKEND_TOKEN_ENV, "")
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     def session(self):
         predict, request, metadata = self.stub.Predict, self.request, self.metadata
@@ -385,6 +399,9 @@ class Bench:
         self.procs: list[Proc] = []
         self.loads: dict[str, tuple[Proc, object]] = {}
         self.backend_pid: int | None = None
+        #: the echo backend's own gRPC token (each backend process has one), for the direct
+        #: gRPC baseline: read from the process's environment, as its owner can
+        self.backend_token = ""
         self.db_name = f"bench_inference_{uuid.uuid4().hex[:10]}"
         self.admin_dsn = args.dsn
         self.dsn = None
@@ -502,8 +519,10 @@ class Bench:
     def start_load(self, path: str, kind: str, target: str, identity: str) -> None:
         argv = [sys.executable, os.path.abspath(__file__), "--role", "load", "--kind", kind,
                 "--target", target, "--identity", identity]
+        # the backend process's own gRPC token, in the environment (not on a command line)
+        env = dict(self._env(), **{BACKEND_TOKEN_ENV: self.backend_token})
         popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True, env=self._env())
+                                 text=True, env=env)
         proc = Proc(f"load-{path}", popen, None)
         self.procs.append(proc)
         hello = popen.stdout.readline()
@@ -648,6 +667,7 @@ def setup(bench: Bench, model_options: tuple[str, ...] = ()) -> dict:
                 if any("echo" in part for part in c.cmdline())]
     if backends:
         bench.backend_pid = backends[-1].pid
+        bench.backend_token = backend_token(bench.backend_pid)
     targets = {
         "grpc": ("grpc", address),
         "grpc-owner": ("grpc", "unix:" + bridge_socket(owner_fe, node_id, backend_port)),

@@ -65,7 +65,7 @@ def words(count: int) -> str:
     return " ".join(f"w{i}" for i in range(count))
 
 
-def grpc_stream(target: str, identity: str, tokens: int):
+def grpc_stream(target: str, identity: str, tokens: int, token: str):
     """A callable running one ``PredictStream``; returns the arrival times of its tokens."""
     import grpc
 
@@ -75,7 +75,7 @@ def grpc_stream(target: str, identity: str, tokens: int):
     stub = backend_pb2_grpc.BackendStub(channel)
     request = backend_pb2.PredictOptions(Prompt=words(tokens), Tokens=tokens,
                                          ModelIdentity=identity)
-    metadata = (("authorization", f"Bearer {bi.TOKEN}"),)
+    metadata = (("authorization", f"Bearer {token}"),)  # the backend process's own token
 
     def one() -> list[float]:
         clock, arrivals = time.perf_counter, []
@@ -129,7 +129,7 @@ def run(bench: bi.Bench, args) -> dict:
     for path in args.paths:
         kind, target = info["targets"][path]
         if kind == "grpc":
-            streams[path] = grpc_stream(target, identity, args.tokens)
+            streams[path] = grpc_stream(target, identity, args.tokens, bench.backend_token)
         else:
             streams[path] = sse_stream(int(target.rsplit(":", 1)[1]), args.tokens)
     try:

@@ -169,6 +169,24 @@ class BackendAnswer(WorkerAnswer):
         super().__init__(node_id, f"backend answered {code}: {details}")
 
 
+class BackendCrashed(WorkerAnswer):
+    """The worker said the backend process serving a call ended by itself during it (a signal
+    or an exit code nobody asked for): its answer to ``backend.exit``, asked after the call
+    failed.  Never inferred from a broken stream alone (that stays a ``TransportFailure``)."""
+
+    def __init__(self, node_id: str, model: str, description: str, output: list[str],
+                 node_name: str = "", fallback: str = "", signal: str | None = None,
+                 exit_code: int | None = None):
+        self.model = model
+        self.description = description
+        self.output = list(output)
+        self.node_name = node_name
+        self.fallback = fallback
+        self.signal = signal
+        self.exit_code = exit_code
+        super().__init__(node_id, f"the backend of model {model} {description} during the call")
+
+
 # -- outside the four ----------------------------------------------------------------------------
 
 

@@ -1,9 +1,12 @@
 """A service that runs one pass of its work every ``interval`` seconds while it runs.
 
-The lifecycle watchdog, the replica floor and the preloader each started, stopped and guarded a
-``LoopingCall`` by hand; this is that code once.  A pass that fails is logged with
-``pass_name`` and the next one runs on time; nothing here blocks the reactor (a pass is
-``async`` and runs on it).
+The lifecycle watchdog, the replica floor, the preloader, the health monitor and the jobs
+figures each started, stopped and guarded a ``LoopingCall`` by hand, with two different stop
+semantics; this is that code once, with ``TimerService``'s: stopping ends the loop and waits
+for a pass in flight, so a stopped service runs nothing and owes nothing.  A pass that fails
+is logged with ``pass_name`` and the next one runs on time; nothing here blocks the reactor (a
+pass is ``async`` and runs on it).  (``TimerService`` itself is not used because its call
+cannot be async and its failures end the loop.)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class PeriodicPass(Service):
     pass_name = "periodic pass"
     run_first = False
     _loop: task.LoopingCall | None = None
+    _loop_finished: defer.Deferred | None = None
 
     def pass_enabled(self) -> bool:
         return True
@@ -35,14 +39,21 @@ class PeriodicPass(Service):
             return
         self._loop = task.LoopingCall(self._tick)
         self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=self.run_first).addErrback(
+        self._loop_finished = self._loop.start(self.interval, now=self.run_first)
+        self._loop_finished.addErrback(
             lambda f: log.failure("the {what} loop stopped", f, what=self.pass_name))
 
-    def stopService(self):
+    def stopService(self) -> defer.Deferred:
+        """Fires once the loop has ended and a pass in flight has finished."""
         super().stopService()
         self.stop_passes()
+        finished, self._loop_finished = self._loop_finished, None
+        if finished is None:
+            return defer.succeed(None)
+        return finished.addCallback(lambda _: None)
 
     def stop_passes(self) -> None:
+        """End the loop (from a pass too); a pass in flight still finishes."""
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         self._loop = None

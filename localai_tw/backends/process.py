@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import collections
 import os
+import secrets
 import signal
 import sys
 import time
@@ -94,7 +95,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
-from localai_tw.backends.builtin.serving import REMOTE_CODE_ENV
+from localai_tw.backends.builtin.serving import AUTH_TOKEN_ENV, REMOTE_CODE_ENV
 from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.interfaces import BackendFactories, UnknownBackend
 from localai_tw.backends.ledger import ProcessLedger
@@ -153,6 +154,10 @@ DEFAULT_LIVENESS_INTERVAL = 30.0
 DEFAULT_LIVENESS_TIMEOUT = 30.0
 #: Lines of output quoted in a start failure.
 FAILURE_TAIL_LINES = 20
+#: Lines of a crashed backend's output in its crash report (``crash_report``), each cut at
+#: :data:`CRASH_LINE_CHARS` characters: the report reaches an API client.
+CRASH_TAIL_LINES = 10
+CRASH_LINE_CHARS = 300
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -303,7 +308,17 @@ class BackendProcess:
         self.error: str | None = None
         self.health_misses = 0
         self.last_health_error: str | None = None
+        #: What a start-environment provider changed for this start (e.g. llama.cpp's extra
+        #: buffer types turned off after a crash); shown by ``backend.list`` and ``/api/nodes``.
+        self.note: str | None = None
+        #: Set by an exit listener when a crash of this process made it change the next start
+        #: of the same model (quoted in the crash report).
+        self.fallback: str | None = None
         self.in_process = False
+        #: this process's own gRPC bearer token (``LOCALAI_GRPC_AUTH_TOKEN``), minted when it
+        #: starts; held by the worker, told only to frontends over the control channel
+        #: (``backend.start``, ``backend.token``), never in ``describe()`` or a log
+        self.grpc_token: str | None = None
         self._transport = None
         self._server = None  # in-process grpc.Server
         self._client: BackendClient | None = None
@@ -329,11 +344,7 @@ class BackendProcess:
 
     def exit_description(self) -> str:
         if self.exit_signal is not None:
-            try:
-                name = signal.Signals(self.exit_signal).name
-            except ValueError:
-                name = str(self.exit_signal)
-            return f"killed by signal {name}"
+            return f"killed by signal {self.signal_name()}"
         if self.exit_code is not None:
             return f"exited with code {self.exit_code}"
         return "exited"
@@ -349,7 +360,32 @@ class BackendProcess:
                              exit_signal=self.exit_signal)
         if self.error:
             described["error"] = self.error
+        if self.note:
+            described["note"] = self.note
         return described
+
+    def signal_name(self) -> str | None:
+        if self.exit_signal is None:
+            return None
+        try:
+            return signal.Signals(self.exit_signal).name
+        except ValueError:
+            return str(self.exit_signal)
+
+    def crash_report(self) -> dict[str, Any]:
+        """How this process ended, for the frontend's crash answer: ``crashed`` only for an
+        exit nobody asked for (``state`` crashed); the last lines of its output, without the
+        supervisor's own notes, each bounded."""
+        tail = [line[:CRASH_LINE_CHARS] for line in self.output.lines(CRASH_TAIL_LINES + 8)
+                if not line.startswith("[localai-tw] ")][-CRASH_TAIL_LINES:]
+        return {
+            "crashed": self._ended and self.state == CRASHED,
+            "state": self.state, "model": self.model, "backend": self.backend,
+            "process_key": self.key, "pid": self.pid, "exit_code": self.exit_code,
+            "exit_signal": self.exit_signal, "signal": self.signal_name(),
+            "description": self.exit_description() if self._ended else "running",
+            "output": tail if self._ended else [], "fallback": self.fallback or "",
+        }
 
 
 class _BackendProcessProtocol(ProcessProtocol):
@@ -413,6 +449,9 @@ def _model_options(load) -> backend_pb2.ModelOptions:
 # -- the supervisor -------------------------------------------------------------------------------
 
 ExitListener = Callable[[BackendProcess], None]
+#: ``provider(backend, model) -> (environment, note)``: variables added to a backend's
+#: environment at its start, and a note saying why (None: nothing changed).
+StartEnvironment = Callable[[str, str], "tuple[Mapping[str, str], str | None]"]
 
 
 class BackendSupervisor(Service):
@@ -441,7 +480,6 @@ class BackendSupervisor(Service):
         load_timeout: float | None = None,
         liveness_interval: float | None = DEFAULT_LIVENESS_INTERVAL,
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
-        auth_token: str | None = None,
         allow_remote_code: bool = False,
         withheld_env: tuple[str, ...] = (),
         extra_env: Mapping[str, str] | None = None,
@@ -459,7 +497,6 @@ class BackendSupervisor(Service):
         self.ready_timeout, self.health_interval = ready_timeout, health_interval
         self.health_timeout, self.load_timeout = health_timeout, load_timeout
         self.liveness_interval, self.liveness_timeout = liveness_interval, liveness_timeout
-        self.auth_token = auth_token or None
         #: the worker operator's decision, told to every backend (``REMOTE_CODE_ENV``)
         self.allow_remote_code = allow_remote_code
         #: variables of this process's environment a backend never inherits (the worker's
@@ -473,11 +510,28 @@ class BackendSupervisor(Service):
         self._live: dict[str, BackendProcess] = {}
         self._ended: collections.deque[BackendProcess] = collections.deque(maxlen=keep_ended)
         self._exit_listeners: list[ExitListener] = [on_exit] if on_exit else []
+        self._start_environments: list[StartEnvironment] = []
 
     # -- queries ------------------------------------------------------------------------------
 
     def add_exit_listener(self, listener: ExitListener) -> None:
         self._exit_listeners.append(listener)
+
+    def add_start_environment(self, provider: StartEnvironment) -> None:
+        """Ask ``provider`` for extra environment at every start (after the factory's own, so
+        a provider's decision wins)."""
+        self._start_environments.append(provider)
+
+    def find_by_port(self, port: int) -> BackendProcess | None:
+        """The live process on ``port``, else the latest ended one that had it (a port stays
+        quarantined after its process exits, so the ended record is still the right one)."""
+        for record in self._live.values():
+            if record.port == port:
+                return record
+        for record in reversed(self._ended):
+            if record.port == port:
+                return record
+        return None
 
     def find(self, name: str, *, include_ended: bool = True) -> BackendProcess:
         """The record for a process key, or for a model with exactly one live process (the
@@ -509,6 +563,13 @@ class BackendSupervisor(Service):
 
     def logs(self, name: str, tail: int | None = None) -> list[str]:
         return self.find(name).output.lines(tail)
+
+    def token_for_port(self, port: int) -> str | None:
+        """The gRPC token of the live backend listening on ``port``, or None."""
+        for record in self._live.values():
+            if record.port == port and record.grpc_token and not record.ended:
+                return record.grpc_token
+        return None
 
     def client(self, name: str) -> BackendClient:
         record = self.find(name, include_ended=False)
@@ -560,14 +621,19 @@ class BackendSupervisor(Service):
                 raise BackendStartError(str(e), record) from None
             record.address = f"{self.ports.host}:{record.port}"
             argv = factory.command(record.address, options)
-            record._client = BackendClient(self._reactor, record.address, self.auth_token)
+            # A token of its own (not the cluster's registration token): a backend runs code the
+            # cluster does not vouch for, and its environment is readable by its user.
+            record.grpc_token = secrets.token_urlsafe(32)
+            record._client = BackendClient(self._reactor, record.address, record.grpc_token)
             if argv is None:
                 self._serve_in_process(record, factory.servicer(options))
             else:
                 cwd = options.get("cwd")
                 if cwd is None and hasattr(factory, "working_directory"):
                     cwd = factory.working_directory(options)
-                self._spawn(record, list(argv), factory.environment(options), cwd)
+                env = dict(factory.environment(options))
+                env.update(self._extra_start_environment(record))
+                self._spawn(record, list(argv), env, cwd)
             await self._wait_ready(record)
             if model_options is not None:
                 record.state = LOADING
@@ -611,6 +677,23 @@ class BackendSupervisor(Service):
             kind = BackendLoadFailed if isinstance(e, BackendLoadFailed) else BackendStartError
             raise kind(message, record) from None
 
+    def _extra_start_environment(self, record: BackendProcess) -> dict[str, str]:
+        extra: dict[str, str] = {}
+        notes = []
+        for provider in self._start_environments:
+            try:
+                env, note = provider(record.backend, record.model)
+            except Exception:
+                log.failure("start environment provider failed for {key}", key=record.key)
+                continue
+            extra.update(env or {})
+            if note:
+                notes.append(note)
+        if notes:
+            record.note = "; ".join(notes)
+            record.output.note(record.note)
+        return extra
+
     def _spawn(self, record: BackendProcess, argv: list[str], env: Mapping[str, str],
                cwd) -> None:
         environment = {k: v for k, v in os.environ.items() if k not in self.withheld_env}
@@ -619,8 +702,8 @@ class BackendSupervisor(Service):
         environment.setdefault("PYTHONUNBUFFERED", "1")
         # set last: neither the worker's environment nor a start request's options decide it
         environment[REMOTE_CODE_ENV] = "1" if self.allow_remote_code else "0"
-        if self.auth_token:
-            environment["LOCALAI_GRPC_AUTH_TOKEN"] = self.auth_token
+        # set last too: the worker's own environment never chooses a backend's token
+        environment[AUTH_TOKEN_ENV] = record.grpc_token or ""
         if cwd is not None and not isinstance(cwd, str):
             raise ValueError("options.cwd must be a string")
         wrapper = [self._python, "-I", "-S", "-c", SPAWN_EXEC, str(os.getpid()), cwd or "",

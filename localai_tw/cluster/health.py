@@ -60,10 +60,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from twisted.application.service import Service
-from twisted.internet import defer, task
+from twisted.internet import defer
 from twisted.logger import Logger
 
+from localai_tw.periodic import PeriodicPass
 from localai_tw.db.pool import LOCK_HEALTH_CHECK, DatabaseUnavailable, PoolClosed
 
 from .clock import effective_grace, interval_seconds
@@ -106,7 +106,7 @@ class PassReport:
     presence: dict[str, int] = field(default_factory=dict)
 
 
-class HealthMonitor(Service):
+class HealthMonitor(PeriodicPass):
     """Periodic node health pass under the health-check advisory lock.
 
     :param db: a started ``Database`` (``tryWithAdvisoryLock``, ``runQuery``).
@@ -122,6 +122,7 @@ class HealthMonitor(Service):
     """
 
     name = "health"
+    pass_name = "health check pass"
 
     def __init__(self, db, registry, fence, notifier, reactor=None,
                  interval: float = HEALTH_CHECK_INTERVAL,
@@ -145,8 +146,6 @@ class HealthMonitor(Service):
         self.grace = effective_grace(grace)
         self.stale_after = max(interval_seconds(stale_after), self.grace)
         self._model_probe = model_probe
-        self._loop: task.LoopingCall | None = None
-        self._loop_done: defer.Deferred | None = None
         #: The report of the last pass this replica ran (None before the first), and the
         #: number of the tick that ran it (ticks count from 1; no clock is read for this).
         self.last_report: PassReport | None = None
@@ -157,24 +156,16 @@ class HealthMonitor(Service):
 
     def startService(self) -> None:
         super().startService()
-        self._loop = task.LoopingCall(self.tick)
-        self._loop.clock = self._reactor
-        self._loop_done = self._loop.start(self.interval, now=False)
         log.info("health monitor started: every {interval:g}s, stale after {stale:g}s, "
                  "reconnect grace {grace:g}s", interval=self.interval, stale=self.stale_after,
                  grace=self.grace)
 
     def stopService(self) -> defer.Deferred:
-        super().stopService()
-        return defer.ensureDeferred(self._stop())
+        # an in-flight pass finishes (and unlocks) before we report stopped
+        return super().stopService().addCallback(lambda _: log.info("health monitor stopped"))
 
-    async def _stop(self) -> None:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        if self._loop_done is not None:
-            done, self._loop_done = self._loop_done, None
-            await done  # an in-flight pass finishes (and unlocks) before we report stopped
-        log.info("health monitor stopped")
+    async def run_once(self) -> None:
+        await self.tick()
 
     # -- one tick ---------------------------------------------------------------------------
 

@@ -399,7 +399,8 @@ class NodeRegistry:
     """
 
     def __init__(self, db, *, registration_token: str = "", require_auth: bool = False,
-                 require_approval: bool = False):
+                 require_approval: bool = False,
+                 on_changed: Callable[[str], Any] | None = None):
         if not registration_token and require_auth:
             raise RegistrationTokenRequired(
                 "registration requires a token (require-auth mode) but none is configured; "
@@ -415,7 +416,7 @@ class NodeRegistry:
         #: ``on_changed(node_id)``: the node's status, labels or existence changed (the
         #: frontend's placement cache drops what it kept for it).  Never awaited, never fails
         #: a write.
-        self.on_changed: Callable[[str], Any] | None = None
+        self.on_changed = on_changed
 
     def _changed(self, node_id: str) -> None:
         if self.on_changed is None:

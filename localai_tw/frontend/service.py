@@ -75,14 +75,15 @@ import enum
 import os
 from typing import Any, Callable, Mapping
 
-from twisted.application.service import MultiService, Service
-from twisted.internet import defer, endpoints
+from twisted.application.service import Service
+from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
 from localai_tw import __version__
-from localai_tw.config import with_fleet_backlog
+from localai_tw.deferreds import OneShotObserver
+from localai_tw.servicetree import InOrderMultiService
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
 from localai_tw.cluster.membership import (
@@ -102,7 +103,6 @@ from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
 from localai_tw.web.ratelimit import SourceRateLimit
-from localai_tw.tunnel.connect import connect_resource
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
 from localai_tw.tunnel.peertls import published_address
@@ -110,35 +110,25 @@ from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
 from localai_tw.frontend.inference.backend_client import BackendClients
-from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
 from localai_tw.frontend.inference.interfaces import IInferenceRouter
-from localai_tw.frontend.api.lifecycle import BackendResource
-from localai_tw.frontend.api.jobs import MAX_JOB_BODY_BYTES, JobsResource
 from localai_tw.frontend.jobs.cancel import CancelFanout
 from localai_tw.frontend.jobs.dispatch import JobDispatcher, job_consumer
 from localai_tw.frontend.jobs.stats import JobStatsService
 from localai_tw.frontend.jobs.store import JobStore
 from localai_tw.frontend.inference.placement_cache import PlacementCache, PlacementFanout
-from localai_tw.frontend.api.metrics import MetricsResource, NodeMetricsRouting
-from localai_tw.frontend.api.nodes import InstancesResource, LoadsResource, NodesAdminResource
-from localai_tw.frontend.api.traces import TraceRing, TracesResource
-from localai_tw.frontend.api.openai import (
-    OPENAI_MAX_BODY_BYTES,
-    OpenAIResource,
-    api_prefixes,
-    check_api_key,
-    early_error,
-    unprefixed_aliases,
-    unprefixed_roots,
-)
 from localai_tw.frontend.gallery.installs import GalleryJobs, parse_galleries
-from localai_tw.frontend.api.gallery import GalleryResource, ModelsRoot
-from localai_tw.frontend.api.generated import GeneratedFiles, GeneratedFilesResource
-from localai_tw.frontend.api.openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource, StartingGate
-from localai_tw.frontend.api.scheduling import NodesWithScheduling, SchedulingResource
-from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts, FrontendSite, JSONDirectory
-from localai_tw.frontend.api.workers import WorkerRegistrationResource
+from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts
+from localai_tw.web.listener import BoundedSite
+from localai_tw.frontend.parts import (
+    ListeningService,
+    PeerService,
+    TunnelRegistryService,
+    WorkerClientsService,
+)
+from localai_tw.frontend.api.routes import Wiring, apply_policies, build_root
+from localai_tw.frontend.api.workers import is_heartbeat_path
+from localai_tw.frontend.inference.crashes import CrashProbe
 
 log = Logger()
 
@@ -173,85 +163,6 @@ class StartupState(enum.Enum):
     FAILED = "startup failed"
 
 
-class InOrderMultiService(MultiService):
-    """A ``MultiService`` that stops its children one at a time, last added first, each after
-    the previous one has finished stopping (the listener before the replica's parts, these
-    before the database; the local worker before its frontend)."""
-
-    def stopService(self):
-        Service.stopService(self)
-        return defer.ensureDeferred(self._stop_in_order())
-
-    async def _stop_in_order(self) -> None:
-        for service in reversed(list(self)):
-            if not service.running:
-                continue
-            try:
-                await defer.maybeDeferred(service.stopService)
-            except Exception:
-                log.failure("stopping {name} failed", name=getattr(service, "name", service))
-
-
-class ListeningService(Service):
-    """Listens on a server endpoint description and keeps the ``IListeningPort``.
-
-    Unlike ``strports.service``, the port is public (``port``), so the replica can advertise the
-    port it really got; a failure to listen arrives through ``whenListening()``.
-    """
-
-    name = "http"
-
-    def __init__(self, reactor, description: str, factory):
-        self._reactor = reactor
-        self.description = description
-        self.factory = factory
-        self.port = None
-        self._outcome: Any = None
-        self._waiters: list[defer.Deferred] = []
-
-    def startService(self) -> None:
-        super().startService()
-        self._outcome = None
-        endpoint = endpoints.serverFromString(self._reactor,
-                                              with_fleet_backlog(self.description))
-        endpoint.listen(self.factory).addBoth(self._listened)
-
-    def _listened(self, result) -> None:
-        if isinstance(result, Failure):
-            log.error("cannot listen on {description}: {reason}", description=self.description,
-                      reason=result.getErrorMessage())
-        else:
-            self.port = result
-            log.info("listening on {address}", address=result.getHost())
-            if not self.running:  # stopped while the listen was in flight
-                self.port = None
-                result.stopListening()
-        self._outcome = result
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            d.errback(result) if isinstance(result, Failure) else d.callback(result)
-
-    def whenListening(self) -> defer.Deferred:
-        """Fires with the ``IListeningPort``, or fails with the reason it could not listen."""
-        if self._outcome is not None:
-            return defer.fail(self._outcome) if isinstance(self._outcome, Failure) \
-                else defer.succeed(self._outcome)
-        d = defer.Deferred()
-        self._waiters.append(d)
-        return d
-
-    def tcp_port(self) -> int | None:
-        host = self.port.getHost() if self.port is not None else None
-        return getattr(host, "port", None)
-
-    def stopService(self) -> defer.Deferred:
-        super().stopService()
-        port, self.port = self.port, None
-        if port is None:
-            return defer.succeed(None)
-        return defer.maybeDeferred(port.stopListening)
-
-
 def _option(options: Mapping[str, Any], name: str, default=None):
     value = options.get(name, default)
     return default if value is None else value
@@ -282,6 +193,9 @@ class ReplicaConfig:
     registration_limit: int = 1200
     #: Model galleries (``--galleries``, ``frontend/gallery/installs.py``).
     galleries: tuple = ()
+    #: Downloads and gallery fetches may reach private and loopback addresses
+    #: (``--allow-private-downloads``, ``frontend/inference/fetchpolicy.py``).
+    allow_private_downloads: bool = False
     #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
     job_kinds: Any = None
 
@@ -314,68 +228,8 @@ class ReplicaConfig:
             preload_models=tuple(_option(options, "preload-models", ()))
             + tuple(_option(options, "load-to-memory", ())),
             registration_limit=int(_option(options, "registration-limit", 1200)),
-            galleries=parse_galleries(options.get("galleries") or ()))
-
-
-# -- the long-lived parts as services --------------------------------------------------------
-
-
-class TunnelRegistryService(Service):
-    """The worker tunnels held here: stopping closes them, releasing their claims."""
-
-    name = "tunnels"
-
-    def __init__(self, tunnels: TunnelRegistry, instance_id: str):
-        self.tunnels = tunnels
-        self._instance_id = instance_id
-
-    def stopService(self) -> defer.Deferred:
-        super().stopService()
-        log.info("frontend replica {replica} stopping: closing {count} tunnels",
-                 replica=self._instance_id, count=len(self.tunnels.held_nodes()))
-        return self.tunnels.close()
-
-
-class PeerService(Service):
-    """The replica links: those other replicas dialed here, and those dialed from here."""
-
-    name = "peers"
-
-    def __init__(self, accepted: AcceptedPeerLinks, pool: PeerPool):
-        self.accepted = accepted
-        self.pool = pool
-
-    def stopService(self) -> None:
-        super().stopService()
-        self.accepted.close()
-        self.pool.close()
-
-
-class WorkerClientsService(Service):
-    """This process's per-node connections: the gRPC bridges and the worker HTTP pools; and
-    its model downloads (``downloads.py``), stopped with them."""
-
-    name = "worker-clients"
-
-    def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient,
-                 downloads=None):
-        self.backend_clients = backend_clients
-        self.worker_http = worker_http
-        self.downloads = downloads
-
-    def stopService(self) -> defer.Deferred:
-        super().stopService()
-        return defer.ensureDeferred(self._close())
-
-    async def _close(self) -> None:
-        if self.downloads is not None:
-            self.downloads.close()
-        for what, closing in (("the gRPC bridges", self.backend_clients),
-                              ("the worker HTTP pools", self.worker_http)):
-            try:
-                await defer.maybeDeferred(closing.close)
-            except Exception:
-                log.failure("closing {what} failed", Failure(), what=what)
+            galleries=parse_galleries(options.get("galleries") or ()),
+            allow_private_downloads=bool(options.get("allow-private-downloads")))
 
 
 # -- the replica -------------------------------------------------------------------------------
@@ -505,8 +359,15 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from localai_tw.frontend.inference.scratch import WorkerScratch
 
     grace = config.reconnect_grace
+    # The warm path's placement cache, told of changes here and by every replica through the
+    # bus (frontend/inference/placement_cache.py): a warm request reads no database.  The bus
+    # is also the claim queue's wake hint and the gallery's job snapshots (below).  Built
+    # first: the parts below are handed its callbacks when they are made.
+    bus = PgBus(db, reactor=reactor)
+    placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
     nodes = NodeRegistry(db, registration_token=config.registration_token,
-                         require_approval=config.require_approval)
+                         require_approval=config.require_approval,
+                         on_changed=placements.node_changed)
     fence = OwnershipFence(db)
     advertised = await advertised_address(config, db, port)
     identity = dataclasses.replace(  # wss://host:port when --listen is ssl:
@@ -522,39 +383,36 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     worker_http = WorkerHTTPClient(dialer, reactor)
     # Control calls carry each node's own control token, never the registration token.
     control = ControlClient(worker_http, reactor=reactor, token_for=nodes.control_token)
+    # gRPC calls carry each backend process's own token, asked of its worker over the
+    # control channel; the registration token only for a worker too old to tell it.
     backend_clients = BackendClients(
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
-        config.registration_token or None)
+        config.registration_token or None, control=control)
     catalog = ModelCatalog(config.models_dir)
     use = ModelUse(db, reactor, metrics=metrics)
     lifecycle = ModelLifecycle(db, control, use, catalog, reactor,
                                max_active_backends=config.max_active_backends,
-                               metrics=metrics)
-    chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle)
+                               metrics=metrics, on_unloaded=placements.model_changed)
+    # Calls spread over a model's replicas (in_flight); the cache serves the warm path.
+    chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle,
+                          in_flight=use.in_flight, cache=placements.cache,
+                          on_reaped=placements.model_changed)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
-                        config.models_dir, reactor, metrics=metrics)
-    loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle)
+                        config.models_dir, reactor, metrics=metrics,
+                        allow_private_downloads=config.allow_private_downloads)
+    # A new replica is used at once (on_loaded).
+    loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle,
+                     on_loaded=placements.model_changed)
+    scaler = ReplicaScaler(db, catalog, chooser, loads, use, reactor)
     inference = InferenceRouter(catalog, chooser, loads, loader, backend_clients, reactor,
                                 WorkerScratch(control, worker_http, nodes.control_token,
                                               reactor),
-                                use=use, lifecycle=lifecycle)
+                                use=use, lifecycle=lifecycle, scaler=scaler,
+                                crashes=CrashProbe(control))
     watchdog = LifecycleWatchdog(db, lifecycle, tunnels.held_nodes, reactor,
                                  idle_timeout=config.idle_timeout,
                                  busy_timeout=config.busy_timeout)
     preloader = Preloader(inference, config.preload_models, reactor)
-    chooser.in_flight = use.in_flight  # calls spread over a model's replicas
-    scaler = ReplicaScaler(db, inference, use, reactor)
-    inference.scaler = scaler
-    # The warm path's placement cache, told of changes here and by every replica through the
-    # bus (frontend/inference/placement_cache.py): a warm request reads no database.  The bus is also the
-    # claim queue's wake hint and the gallery's job snapshots (below).
-    bus = PgBus(db, reactor=reactor)
-    placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
-    chooser.cache = placements.cache
-    chooser.on_reaped = placements.model_changed
-    loads.on_loaded = placements.model_changed  # a new replica is used at once
-    lifecycle.on_unloaded = placements.model_changed
-    nodes.on_changed = placements.node_changed
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels); another drops the
     # node's placements from every replica's cache.
@@ -582,7 +440,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     metrics.watch_bus(bus, [consumer])
     metrics.watch_jobs(lambda: jobs.stats.snapshot)
     gallery = GalleryJobs(db, bus, config.instance_id, config.models_dir, loader.downloads,
-                          config.galleries, reactor)
+                          config.galleries, reactor, catalog=catalog)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
@@ -651,8 +509,8 @@ class ReplicaService(InOrderMultiService):
         self.state = StartupState.NOT_STARTED
         self.failure: Failure | None = None
         self._replica: Replica | None = None
-        self._outcome: Any = None
-        self._waiters: list[defer.Deferred] = []
+        #: The outcome of the current start (the Replica, or why it did not start).
+        self._ready = OneShotObserver()
 
     @property
     def replica(self) -> Replica:
@@ -663,6 +521,8 @@ class ReplicaService(InOrderMultiService):
 
     def startService(self) -> None:
         Service.startService(self)  # the children exist only once the replica is built
+        if self._ready.fired:  # started again: a new start, a new outcome
+            self._ready = OneShotObserver()
         self.state = StartupState.STARTING_DATABASE
         self.failure = None
         starting = defer.ensureDeferred(self._start())
@@ -711,20 +571,15 @@ class ReplicaService(InOrderMultiService):
         self._settle(failure)
 
     def _settle(self, outcome) -> None:
-        self._outcome = outcome
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            d.errback(outcome) if isinstance(outcome, Failure) else d.callback(outcome)
+        """The start's outcome; the first one stands (a stop while starting settles it
+        FrontendStopped before the start itself gives up)."""
+        if not self._ready.fired:
+            self._ready.fire(outcome)
 
     def whenReady(self) -> defer.Deferred:
         """Fires with the ``Replica`` once built and registered; fails with the startup error
         or ``FrontendStopped``."""
-        if self._outcome is not None:
-            return defer.fail(self._outcome) if isinstance(self._outcome, Failure) \
-                else defer.succeed(self._outcome)
-        d = defer.Deferred()
-        self._waiters.append(d)
-        return d
+        return self._ready.when()
 
     def stopService(self) -> defer.Deferred:
         if self.state is not StartupState.FAILED:
@@ -732,7 +587,7 @@ class ReplicaService(InOrderMultiService):
         stopping = super().stopService()
 
         def stopped(result):
-            if self._outcome is None:
+            if not self._ready.fired:
                 self._settle(Failure(FrontendStopped("the frontend was stopped while starting")))
             return result
 
@@ -784,26 +639,12 @@ class FrontendService(InOrderMultiService):
             b"healthz": LivenessResource(),
             b"readyz": ReadinessResource(self, reactor, state=lambda: self.state.name.lower())}
         self.gate = StartingGate(self._probe_resources, ROOT_INDEX)
-        # Uploads (a transcription's audio) have their own cap and go to a temporary file;
-        # the unprefixed alias takes the cap of its twin below.
-        uploads = (b"/v1/audio/transcriptions", b"/audio/transcriptions")
-        self.site = FrontendSite(
-            self.gate, body_limits={b"/v1/": OPENAI_MAX_BODY_BYTES,
-                                    uploads[0]: TRANSCRIPTION_MAX_UPLOAD_BYTES,
-                                    b"/api/jobs": MAX_JOB_BODY_BYTES},
-            spool_prefixes=uploads, access_log=_option(options, "access-log", "all"))
-        # The paths LocalAI also serves without /v1 take the cap of their /v1 twin.
-        for alias, twin in unprefixed_aliases():
-            self.site.add_body_limit(alias, self.site.body_limit_for(twin))
-        # Authentication decided when the headers end, before a body byte is read (and, while
-        # starting, before the gate's 503): the API keys now, registration once wired.
-        # Refusals before the body on the OpenAI API's paths carry its error shape.
-        for prefix in api_prefixes():
-            self.site.add_header_guard(prefix, functools.partial(check_api_key, self.api_keys))
-            self.site.add_early_answer_shape(prefix, early_error)
-        for prefix in (b"/api/nodes", b"/api/cluster/instances", b"/api/cluster/loads",
-                       b"/api/traces", b"/api/jobs", b"/metrics", b"/backend"):
-            self.site.add_header_guard(prefix, self.api_keys.check)
+        # The listener's policies come from the route table (frontend/api/routes.py):
+        # authentication decided when the headers end, before a body byte is read (and, while
+        # starting, before the gate's 503), body caps, uploads on disk.
+        self.site = BoundedSite(self.gate, access_log=_option(options, "access-log", "all"),
+                                quiet_on_success=is_heartbeat_path)
+        apply_policies(self.site, self.api_keys)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)
         self.replica_service = ReplicaService(self.config, self.database_service,
@@ -820,54 +661,10 @@ class FrontendService(InOrderMultiService):
         self.gate.open(self._build_root(replica))
 
     def _build_root(self, replica: Replica) -> Resource:
-        """The resource tree of a wired replica (tests/e2e/cluster/probe.py wraps this)."""
-        parts = replica.cluster_parts()
-        root = RootWithDashboard(ROOT_INDEX)  # the page for a browser, JSON for the rest
-        root.putChild(b"dashboard", dashboard_files())
-        for name, probe in self._probe_resources.items():
-            root.putChild(name, probe)  # the same /healthz and /readyz
-        db = getattr(replica, "db", None)  # (a test's stand-in replica may have none)
-        generated = GeneratedFiles(db) if db is not None else None
-        openai = OpenAIResource(replica.inference, api_keys=self.api_keys,
-                                reactor=self._reactor, node_names=replica.node_name,
-                                metrics=replica.metrics, generated=generated)
-        root.putChild(b"v1", openai)
-        root.putChild(b"backend", BackendResource(replica.inference, self.api_keys))
-        unprefixed = openai.unprefixed()  # /chat/completions, /models ... (LocalAI's aliases)
-        for name in unprefixed_roots():
-            root.putChild(name, unprefixed)
-        # /models also holds LocalAI's gallery routes (admin; api/gallery.py).
-        gallery = getattr(replica, "gallery", None)
-        root.putChild(b"models", ModelsRoot(
-            GalleryResource(gallery, self.api_keys) if gallery is not None else None,
-            unprefixed))
-        # The images answered as URLs, which every replica serves from the shared store.
-        if generated is not None:
-            root.putChild(b"generated-images", GeneratedFilesResource(generated))
-        root.putChild(b"metrics", MetricsResource(replica.metrics, self.api_keys,
-                                                  replica.tunnels, replica.control))
-        api = JSONDirectory()
-        root.putChild(b"api", api)
-        registration = WorkerRegistrationResource(parts)
-        api.putChild(b"node", registration)
-        traces = TraceRing()  # the recent requests, from the metrics' records
-        traces.watch(replica.metrics)
-        api.putChild(b"traces", TracesResource(traces, self.api_keys))
-        api.putChild(b"nodes", NodeMetricsRouting(
-            NodesWithScheduling(NodesAdminResource(parts, self.api_keys),
-                                SchedulingResource(parts, self.api_keys)), parts, self.api_keys))
-        api.putChild(b"jobs", JobsResource(replica.jobs.store, replica.jobs.kinds,
-                                           replica.jobs.fanout, self.api_keys))
-        cluster = JSONDirectory()
-        api.putChild(b"cluster", cluster)
-        cluster.putChild(b"instances", InstancesResource(parts, self.api_keys))
-        cluster.putChild(b"loads", LoadsResource(parts, self.api_keys))
-        cluster.putChild(b"connect", connect_resource(replica.nodes, replica.tunnels,
-                                                      self._reactor))
-        cluster.putChild(b"peer", replica.peer_links.resource())
-        # The registration token is checked by the registry, which exists from now on.
-        self.site.add_header_guard(b"/api/node", registration.guard)
-        return root
+        """The resource tree of a wired replica, from the route table (tests/e2e/cluster/probe.py
+        wraps this)."""
+        return build_root(Wiring(replica, api_keys=self.api_keys, reactor=self._reactor,
+                                 probes=self._probe_resources, site=self.site), ROOT_INDEX)
 
     # -- what the replica is -----------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
 
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource
-from localai_tw.frontend.api.kit import ACCESS_LOG_CHOICES
+from localai_tw.web.listener import ACCESS_LOG_CHOICES
 
 log = Logger()
 
@@ -133,6 +133,11 @@ SETTINGS = (
     config.flag("allow-open-api", "LOCALAI_ALLOW_OPEN_API",
                 "Allow a --listen other machines can reach with no --api-key: the OpenAI API "
                 "then serves anyone who reaches it."),
+    config.flag("allow-private-downloads", "LOCALAI_ALLOW_PRIVATE_DOWNLOADS",
+                "Let model downloads and gallery fetches connect to loopback, private, "
+                "link-local and other non-public addresses (a mirror on the local network), "
+                "and gallery installs read file:// sources; by default only public "
+                "addresses are fetched from, checked at every connection and redirect."),
     config.value("reconnect-grace", "LOCALAI_RECONNECT_GRACE",
                  "How long a disconnected worker counts as reconnecting before it is gone "
                  "(90s, 1m30s, or seconds).",
@@ -353,7 +358,8 @@ def makeService(options: Options) -> MultiService:
 
     logs.quiet_grpc_core()  # before the inference core imports grpc
     from localai_tw.frontend.localworker import LocalWorkerService
-    from localai_tw.frontend.service import FrontendService, InOrderMultiService
+    from localai_tw.frontend.service import FrontendService
+    from localai_tw.servicetree import InOrderMultiService
 
     if options.get("instance-id") is None:
         try:

@@ -750,25 +750,24 @@ class ByteTally:
         self._ended = [0, 0]
 
     def watch(self, session: Session) -> None:
-        """Count ``session`` (anything without ``whenClosed``, a test's stand-in, is not)."""
-        when_closed = getattr(session, "whenClosed", None)
-        if session in self._live or when_closed is None:
+        """Count ``session`` until it ends, then keep its totals."""
+        if session in self._live:
             return
         self._live.add(session)
-        when_closed().addBoth(lambda _: self._ended_session(session))
+        session.whenClosed().addBoth(lambda _: self._ended_session(session))
 
     def _ended_session(self, session: Session) -> None:
         if session in self._live:
             self._live.discard(session)
-            self._ended[0] += getattr(session, "bytesReceived", 0)
-            self._ended[1] += getattr(session, "bytesSent", 0)
+            self._ended[0] += session.bytesReceived
+            self._ended[1] += session.bytesSent
 
     def totals(self) -> tuple[int, int]:
         """(received, sent) by every session watched, ended ones included."""
         received, sent = self._ended
         for session in self._live:
-            received += getattr(session, "bytesReceived", 0)
-            sent += getattr(session, "bytesSent", 0)
+            received += session.bytesReceived
+            sent += session.bytesSent
         return received, sent
 
 

@@ -331,14 +331,8 @@ class TunnelRegistry:
         return waiting.addCallback(lambda _: None)
 
     async def _release_all(self, held: list[HeldTunnel]) -> None:
-        release_many = getattr(self._fence, "release_many", None)
-        if release_many is None:  # a fence without the batch form (tests' hand fences)
-            await defer.DeferredList(
-                [defer.ensureDeferred(self._release(e.node_id, e.claim_epoch, e.name))
-                 for e in held], consumeErrors=True)
-            return
         claims = [(e.node_id, e.claim_epoch) for e in held]
-        released = await release_many(self.instance_id, claims)
+        released = await self._fence.release_many(self.instance_id, claims)
         log.info("tunnel registry close replica={replica}: departure recorded for {released} "
                  "of {count} nodes ({fenced} fenced out: those workers already moved)",
                  replica=self.instance_id, released=len(released), count=len(claims),

@@ -58,7 +58,7 @@ from twisted.web.server import NOT_DONE_YET
 from zope.interface import Interface, implementer
 
 from localai_tw.tunnel import autobahn_compat as ab
-from localai_tw.tunnel.sockets import set_no_delay, set_not_sent_lowat
+from localai_tw.web.sockets import set_no_delay, set_not_sent_lowat
 from localai_tw.tunnel.wsframes import FastBinaryFrames
 from localai_tw.web import auth
 
@@ -508,7 +508,7 @@ class _CarrierMixin(FastBinaryFrames):
         self.carrier = carrier
         carrier.protocol = inner
         # Bulk bytes wait in the yamux streams, where control frames can overtake them, rather
-        # than in the kernel's send queue (``tunnel/sockets.py``).
+        # than in the kernel's send queue (``web/sockets.py``).
         set_not_sent_lowat(self.transport)
         self.transport.registerProducer(_WritePressureRelay(carrier), True)
         inner.makeConnection(carrier)
@@ -558,7 +558,7 @@ class _CarrierClientProtocol(_CarrierMixin, WebSocketClientProtocol):
 
     def connectionMade(self):
         # A worker's tunnel and a replica's peer link: every streamed token crosses as a small
-        # write, which Nagle would hold for the peer's delayed ACK (``tunnel/sockets.py``).
+        # write, which Nagle would hold for the peer's delayed ACK (``web/sockets.py``).
         set_no_delay(self.transport)
         return super().connectionMade()
 

@@ -1,12 +1,15 @@
 """Worker control verbs over a :class:`~localai_tw.backends.process.BackendSupervisor`:
-``backend.start``, ``backend.stop``, ``backend.list`` and ``backend.logs``
+``backend.start``, ``backend.stop``, ``backend.list``, ``backend.logs``, ``backend.token`` and
+``backend.exit``
 (``POST /v1/control/backend/<verb>``).
 
 Replies (all 200: the worker's answer, evidence for the frontend):
 
 - ``backend.start`` ``{backend, model, options?, replica?, load?}`` ->
-  ``{success, address, process_key, error}``; ``address`` is ``127.0.0.1:<port>`` (the frontend
-  uses the port for its ``grpc`` tunnel streams); ``load`` (ModelOptions fields by their proto
+  ``{success, address, process_key, token, error}``; ``address`` is ``127.0.0.1:<port>`` (the
+  frontend uses the port for its ``grpc`` tunnel streams), ``token`` the backend process's own
+  gRPC bearer token (minted by the supervisor for this process; the frontend sends it in the
+  gRPC calls it makes through the tunnel); ``load`` (ModelOptions fields by their proto
   names, e.g. ``{"Model": "m", "ModelFile": "/models/m"}``) makes the worker call LoadModel
   before answering;
 - ``backend.stop`` ``{model | process_key, force?, if_idle?, absent_ok?}`` -> ``{success, error,
@@ -20,7 +23,18 @@ Replies (all 200: the worker's answer, evidence for the frontend):
 - ``backend.list`` ``{include_ended?}`` -> ``{backends: [{model, backend, process_key, address,
   state, pid, started_at, health_misses, ...}]}``;
 - ``backend.logs`` ``{model | process_key, tail?}`` -> ``{lines, process_key, state}``, or
-  ``{lines: [], error}`` for a name with no process.
+  ``{lines: [], error}`` for a name with no process;
+- ``backend.token`` ``{port}`` -> ``{token, error}``: the gRPC token of the live backend on
+  that port (a replica that did not start it asks before its first call), or ``token: ""``
+  with the reason.  Only over the control channel, whose per-node token protects it;
+- ``backend.exit`` ``{port}`` -> how the backend on that port ended, asked by a frontend whose
+  call to it failed: ``{crashed, state, model, backend, process_key, pid, exit_code,
+  exit_signal, signal, description, output, fallback, node_name}`` (``output``: its last
+  lines, bounded; ``fallback``: what its next start changes, or ""), or ``{crashed: false,
+  state: "absent"}`` when no process had that port.  A process not reaped yet is given
+  :data:`EXIT_WAIT` seconds when it is exiting (a zombie), :data:`ALIVE_WAIT` when it looks
+  alive (its sockets close a moment before it becomes a zombie), then answered
+  ``{crashed: false, state: "ready"}`` if it still runs.
 
 A malformed request is a 400 (never evidence): checked by the verb schema before the handler
 runs.  ``backend.start`` and ``backend.stop`` are not cancelled when the caller goes away: a
@@ -37,6 +51,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from twisted.internet import defer
 
 from localai_tw.backends import backend_pb2
 from localai_tw.backends.process import (
@@ -51,6 +66,27 @@ from localai_tw.worker.control import BadVerbRequest, VerbRequestSchema
 MAX_LOG_TAIL = 5000
 #: Seconds ``backend.stop`` with ``if_idle`` waits for the backend's ``Status``.
 STATUS_TIMEOUT = 5.0
+#: Seconds ``backend.exit`` waits for a process that is exiting (a zombie, or gone from
+#: ``/proc``) to be reaped, and for one that still looks alive (its sockets close a moment before
+#: the kernel makes it a zombie; a backend that answered an error and lives on costs this much).
+EXIT_WAIT = 2.0
+ALIVE_WAIT = 0.25
+
+
+def _exiting(pid: int | None) -> bool:
+    """Whether ``pid`` is a zombie or gone (``/proc/<pid>/stat``'s state, after the command
+    name in parentheses); False when unknown (no pid, no ``/proc``)."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    state = stat.rpartition(b")")[2].split()[:1]
+    return state in ([b"Z"], [b"X"], [b"x"])
 
 
 async def _busy(supervisor: BackendSupervisor, name: str) -> bool:
@@ -78,8 +114,9 @@ def _name_of(body: dict, bad_request) -> str:
     return name
 
 
-def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError):
-    """The four handlers as plain functions ``handler(body) -> Deferred/dict``."""
+def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError,
+                          node_name: str = ""):
+    """The handlers as plain functions ``handler(body) -> Deferred/dict``."""
 
     async def start(body: dict) -> dict:
         replica = body.get("replica", 0)
@@ -93,7 +130,8 @@ def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError)
             key = e.record.key if e.record is not None else f"{body['model']}#{replica}"
             return {"success": False, "address": "", "process_key": key, "error": str(e)}
         return {"success": True, "address": record.address, "process_key": record.key,
-                "error": ""}
+                "token": record.grpc_token or "", "error": "",
+                "note": record.note or ""}
 
     async def stop(body: dict) -> dict:
         name = _name_of(body, bad_request)
@@ -126,14 +164,41 @@ def backend_verb_handlers(supervisor: BackendSupervisor, bad_request=ValueError)
         return {"lines": record.output.lines(tail), "process_key": record.key,
                 "state": record.state, "dropped_lines": record.output.dropped_lines}
 
+    def token(body: dict) -> dict:
+        port = body["port"]
+        if not 0 < port < 65536:
+            raise bad_request("port must be a TCP port number")
+        found = supervisor.token_for_port(port)
+        if found is None:
+            return {"token": "", "error": f"no backend is running on port {port}"}
+        return {"token": found, "error": ""}
+
+    async def exit_(body: dict) -> dict:
+        port = body["port"]
+        if not 0 < port < 65536:
+            raise bad_request("port must be between 1 and 65535")
+        record = supervisor.find_by_port(port)
+        if record is None:
+            return {"crashed": False, "state": "absent", "node_name": node_name}
+        if not record.ended:
+            ended = record.when_ended()
+            ended.addTimeout(EXIT_WAIT if _exiting(record.pid) else ALIVE_WAIT,
+                             supervisor._reactor)
+            try:
+                await ended
+            except defer.TimeoutError:
+                pass
+        return {**record.crash_report(), "node_name": node_name}
+
     return {"backend.start": start, "backend.stop": stop, "backend.list": list_,
-            "backend.logs": logs}
+            "backend.logs": logs, "backend.token": token, "backend.exit": exit_}
 
 
-def register_backend_verbs(verbs: Any, supervisor: BackendSupervisor) -> list:
-    """Register ``backend.start/stop/list/logs`` on a worker's
+def register_backend_verbs(verbs: Any, supervisor: BackendSupervisor,
+                           node_name: str = "") -> list:
+    """Register ``backend.start/stop/list/logs/token/exit`` on a worker's
     :class:`~localai_tw.worker.control.ControlVerbs`.  Returns the registered verbs."""
-    handlers = backend_verb_handlers(supervisor, BadVerbRequest)
+    handlers = backend_verb_handlers(supervisor, BadVerbRequest, node_name)
     name_fields = {"model": str, "process_key": str}
     schemas = {
         "backend.start": VerbRequestSchema(
@@ -143,6 +208,8 @@ def register_backend_verbs(verbs: Any, supervisor: BackendSupervisor) -> list:
                                            "absent_ok": bool}),
         "backend.list": VerbRequestSchema({"include_ended": bool}),
         "backend.logs": VerbRequestSchema({**name_fields, "tail": int}),
+        "backend.token": VerbRequestSchema({"port": int}, frozenset({"port"})),
+        "backend.exit": VerbRequestSchema({"port": int}, frozenset({"port"})),
     }
     keep_going = {"backend.start", "backend.stop"}
     return [

@@ -426,6 +426,7 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     if (options.get("node-type") or "backend") != "backend":
         return WorkerService(options, reactor)
 
+    from localai_tw.backends.amx_fallback import ExtraBuftsFallback
     from localai_tw.backends.directory import LocalAIBackends
     from localai_tw.backends.interfaces import BackendFactories
     from localai_tw.backends.ledger import LEDGER_FILE, ProcessLedger
@@ -444,13 +445,13 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
                  found=", ".join(backends.directory.names()) or "none installed")
     supervisor = BackendSupervisor(
         reactor, PortAllocator(port_range.first, port_range.last), backends,
-        auth_token=options.get("registration-token") or None,
         allow_remote_code=bool(options.get("allow-remote-code")),
         withheld_env=WORKER_SECRET_ENV,
         ledger=ProcessLedger(os.path.join(options["data-dir"], LEDGER_FILE))
         if options.get("data-dir") else None)
+    ExtraBuftsFallback().install(supervisor)  # llama.cpp on AMX CPUs (issue 22 §1)
     verbs = ControlVerbs()
-    register_backend_verbs(verbs, supervisor)
+    register_backend_verbs(verbs, supervisor, node_name=str(options.get("node-name") or ""))
     worker = WorkerService(options, reactor, verbs=verbs,
                            running_backends=supervisor.running_backends)
     supervisor.setServiceParent(worker)

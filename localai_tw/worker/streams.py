@@ -48,7 +48,7 @@ from localai_tw.config import PortRange
 from localai_tw.logs import RateLimitedLog
 from localai_tw.splice import HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
-from localai_tw.tunnel.sockets import set_no_delay
+from localai_tw.web.sockets import set_no_delay
 from localai_tw.worker.httpserve import serve_http_on_transport
 
 log = Logger()

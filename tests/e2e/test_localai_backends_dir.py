@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.e2e.test_one_machine import free_port
+from tests.e2e.support import free_port
 from tests.e2e.userenv import user_environment
 
 TWISTD = [str(Path(sys.executable).with_name("twistd"))]

@@ -23,13 +23,11 @@ started is terminated and waited for (then killed) whatever happens.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import readme
+from tests.e2e.support import free_port, require_modules
 from tests.e2e.userenv import user_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,20 +48,6 @@ TWISTD = [str(Path(sys.executable).with_name("twistd"))]
 MODEL = "all-minilm-l6-v2"
 
 pytestmark = pytest.mark.heavy
-
-
-def require_modules(*modules: str, extra: str) -> None:
-    """Skip (locally) or fail (CI) when ``modules`` are not importable."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if not missing:
-        return
-    message = (f"needs {', '.join(missing)}: bash .ci/install-heavy-extras "
-               f"(or pip install 'localai-tw[{extra}]')")
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
 
 
 @pytest.fixture
@@ -89,12 +74,6 @@ def cluster_args(port: int, data_dir: Path, database_url: str | None) -> list[st
     if database_url is not None:
         args += ["--database-url", database_url]
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

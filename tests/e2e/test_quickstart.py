@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,18 +31,12 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import readme
-from tests.e2e.test_one_machine import require_modules
+from tests.e2e.support import free_port, require_modules
 from tests.e2e.userenv import user_environment
 
 pytestmark = pytest.mark.heavy
 
 BIN = str(Path(sys.executable).parent)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(url: str, body=None, timeout: float = 30.0):

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.e2e.support import free_port
 from tests.e2e.userenv import user_environment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -74,12 +75,6 @@ def data_dir():
     path = Path(tempfile.mkdtemp(prefix="ltw-e2e-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str) -> tuple[int, bytes]:

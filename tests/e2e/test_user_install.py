@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,14 +38,9 @@ import pytest
 
 from tests.e2e import readme
 from tests.e2e import userenv
+from tests.e2e.support import free_port
 
 REPO_ROOT = readme.REPO_ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def user_environment(venv: Path, home: Path, **extra: str) -> dict:

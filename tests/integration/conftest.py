@@ -3,7 +3,8 @@
 - ``cluster``: an in-process :class:`~tests.integration.inference_harness.Cluster` (real
   ``FrontendService`` replicas and real workers on the test's database), closed at the end.
 - ``frontends``, ``workers``, ``real_worker``: the tunnel harness's pieces
-  (``test_tunnel_harness.py``), each stopped at the end.
+  (``harness_tunnel.py``), each stopped at the end.
+- ``consumers``: starts ``ClaimConsumer`` services and stops the running ones at the end.
 
 Waiting helpers live in ``tests/integration/support.py``.
 """
@@ -14,8 +15,10 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer
 
+from localai_tw.bus.claims import ClaimConsumer
+
 from .inference_harness import Cluster
-from .test_tunnel_harness import Frontend, RealWorkerParts, TestWorker
+from .harness_tunnel import Frontend, RealWorkerParts, TestWorker
 
 
 @pytest_twisted.async_yield_fixture
@@ -63,3 +66,22 @@ def real_worker(tmp_path):
     parts = RealWorkerParts(tmp_path)
     yield parts
     pytest_twisted.blockon(defer.maybeDeferred(parts.stop))
+
+
+@pytest_twisted.async_yield_fixture
+async def consumers():
+    """``start(*args, **kw)`` builds and starts a ClaimConsumer; running ones are stopped."""
+    started = []
+
+    def start(*args, **kwargs):
+        c = ClaimConsumer(*args, **kwargs)
+        c.startService()
+        started.append(c)
+        return c
+
+    try:
+        yield start
+    finally:
+        for c in started:
+            if c.running:
+                await c.stopService()

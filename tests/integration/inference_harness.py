@@ -56,7 +56,9 @@ class Cluster:
             {"listen": "tcp:0:interface=127.0.0.1", "database-url": self.dsn,
              "instance-id": instance_id, "single-host": True, "registration-token": TOKEN,
              "api-key": [ADMIN], "reconnect-grace": 90.0, "data-dir": data_dir,
-             "models-dir": self.models_dir, **options}, reactor=reactor, job_kinds=job_kinds)
+             "models-dir": self.models_dir,
+             # the operator's option: the tests' file servers listen on 127.0.0.1
+             "allow-private-downloads": True, **options}, reactor=reactor, job_kinds=job_kinds)
         service.startService()
         self.frontends.append(service)
         await service.whenReady().addTimeout(30, reactor)

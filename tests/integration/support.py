@@ -36,3 +36,40 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02,
 def within(d, seconds: float = 20.0) -> defer.Deferred:
     """``d`` (a Deferred or a coroutine) failing with ``defer.TimeoutError`` after ``seconds``."""
     return defer.ensureDeferred(d).addTimeout(seconds, reactor)
+
+
+def backend_channel(record):
+    """A grpcio channel to a supervised backend (``record``: a ``BackendProcess``) that
+    presents the process's own gRPC token on every call, as the replicas do (each backend
+    process has one: ``backends/process.py``)."""
+    import grpc
+
+    class Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+        def _with_token(self, details):
+            return details._replace(metadata=list(details.metadata or ())
+                                    + [("authorization", f"Bearer {record.grpc_token}")])
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return continuation(self._with_token(details), request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return continuation(self._with_token(details), request)
+
+    channel = grpc.insecure_channel(record.address)
+    return grpc.intercept_channel(channel, Bearer()) if record.grpc_token else channel
+
+
+async def failure_of(d) -> BaseException:
+    """The exception ``d`` fails with (within 20 s); an ``AssertionError`` if it succeeds."""
+    try:
+        await within(d)
+    except Exception as e:  # noqa: BLE001 - the point is to inspect it
+        return e
+    raise AssertionError("expected a failure")
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment of process ``pid`` as the kernel holds it (``/proc/<pid>/environ``)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [p.partition(b"=") for p in f.read().split(b"\0") if p]
+    return {k.decode(): v.decode(errors="replace") for k, _, v in pairs}

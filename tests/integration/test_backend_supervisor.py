@@ -10,7 +10,6 @@ import signal
 import sys
 import time
 
-import grpc
 import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor
@@ -29,7 +28,7 @@ from localai_tw.backends.process import (
     BackendSupervisor,
 )
 
-from .support import eventually
+from .support import backend_channel, eventually
 
 MISBEHAVING = os.path.join(os.path.dirname(__file__), "..", "fixtures", "backends",
                            "misbehaving.py")
@@ -111,8 +110,9 @@ def make_supervisor(child_pidfile):
             pass
 
 
-def stub_for(address):
-    channel = grpc.insecure_channel(address)
+def stub_for(record):
+    """A channel and stub to ``record``'s backend, presenting its own gRPC token."""
+    channel = backend_channel(record)
     return channel, backend_pb2_grpc.BackendStub(channel)
 
 
@@ -129,7 +129,7 @@ async def test_echo_start_ready_predict_stop(make_supervisor):
     assert os.getppid() != record.pid
     assert supervisor.ports.holder(record.port) == "tiny#0"
 
-    channel, stub = stub_for(record.address)
+    channel, stub = stub_for(record)
     try:
         from twisted.internet.threads import deferToThread
 
@@ -259,7 +259,7 @@ async def test_slow_health_during_predict_is_not_death(make_supervisor):
     supervisor = make_supervisor(liveness_interval=0.2, liveness_timeout=0.3)
     record = await supervisor.start("echo", "busy", {"env": {"PYTHON_GRPC_MAX_WORKERS": "1"}},
                                     load={"Model": "busy", "Options": ["echo.delay_ms:1000"]})
-    channel, stub = stub_for(record.address)
+    channel, stub = stub_for(record)
     try:
         from twisted.internet.threads import deferToThread
 
@@ -337,7 +337,7 @@ async def test_an_in_process_servicer_is_served_and_stopped(make_supervisor):
     supervisor.factories.add(InProcessEchoFactory())
     record = await supervisor.start("in-process-echo", "inproc", load={"Model": "inproc"})
     assert record.state == READY and record.pid is None and record.in_process
-    channel, stub = stub_for(record.address)
+    channel, stub = stub_for(record)
     try:
         from twisted.internet.threads import deferToThread
 

@@ -153,3 +153,28 @@ async def test_stop_if_idle_leaves_a_busy_backend_running_and_absent_ok(site_and
     assert code == 200 and reply["success"] is True and reply["state"] == "absent"
     code, reply = await post(site, "backend/stop", {"model": "gone"})
     assert code == 200 and reply["success"] is False  # without absent_ok: as before
+
+
+@pytest_twisted.ensureDeferred
+async def test_backend_exit_tells_a_crash_from_a_live_or_unknown_process(site_and_supervisor):
+    site, supervisor = site_and_supervisor
+    code, started = await post(site, "backend/start", {"backend": "echo", "model": "m"})
+    assert code == 200 and started["success"] and started["note"] == ""
+    port = int(started["address"].rsplit(":", 1)[1])
+    code, alive = await post(site, "backend/exit", {"port": port})
+    assert code == 200 and alive["crashed"] is False and alive["state"] == "ready"
+    code, absent = await post(site, "backend/exit", {"port": port + 1})
+    assert absent == {"crashed": False, "state": "absent", "node_name": ""}
+    code, refused = await post(site, "backend/exit", {"port": "x"})
+    assert code == 400
+    os.kill(supervisor.find("m").pid, signal.SIGKILL)
+    code, crashed = await post(site, "backend/exit", {"port": port})
+    assert crashed["crashed"] is True and crashed["signal"] == "SIGKILL", crashed
+    assert crashed["description"] == "killed by signal SIGKILL" and crashed["model"] == "m"
+    assert all(not line.startswith("[localai-tw]") for line in crashed["output"])
+    # a stop that was asked for is not a crash
+    code, again = await post(site, "backend/start", {"backend": "echo", "model": "m"})
+    await post(site, "backend/stop", {"model": "m"})
+    code, stopped = await post(site, "backend/exit",
+                               {"port": int(again["address"].rsplit(":", 1)[1])})
+    assert stopped["crashed"] is False and stopped["state"] == "stopped"

@@ -24,29 +24,8 @@ from localai_tw.bus.pgbus import PgBus
 from localai_tw.db.pool import Database
 from localai_tw.errors import TransportFailure
 
+from .harness_claims import make_live, make_stale, row
 from .support import eventually, sleep, within
-
-
-# Until a test needs more, an instance row is (id, last_seen), written with the DB clock.
-async def make_live(db, *ids: str) -> None:
-    for i in ids:
-        await db.runOperation(
-            "INSERT INTO instances (id, last_seen) VALUES (%s, now())"
-            " ON CONFLICT (id) DO UPDATE SET last_seen = now()", (i,))
-
-
-async def make_stale(db, instance_id: str) -> None:
-    await db.runOperation(
-        "UPDATE instances SET last_seen = now() - interval '1 hour' WHERE id = %s",
-        (instance_id,))
-
-
-async def row(db, work_id: str):
-    rows = await db.runQuery(
-        "SELECT claimed_by, claimed_at IS NOT NULL, attempts, failures,"
-        " extract(epoch FROM not_before - now())::float8"
-        " FROM work_claims WHERE id = %s", (work_id,))
-    return rows[0] if rows else None
 
 
 @pytest_twisted.ensureDeferred
@@ -219,24 +198,6 @@ async def test_work_failures_count_then_exhaust(db):
 
 
 # -- the consumer ----------------------------------------------------------------------------------
-
-
-@pytest_twisted.async_yield_fixture
-async def consumers():
-    started = []
-
-    def start(*args, **kwargs):
-        c = ClaimConsumer(*args, **kwargs)
-        c.startService()
-        started.append(c)
-        return c
-
-    try:
-        yield start
-    finally:
-        for c in started:
-            if c.running:
-                await c.stopService()
 
 
 @pytest_twisted.ensureDeferred

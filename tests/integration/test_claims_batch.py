@@ -22,7 +22,7 @@ from localai_tw.bus.claims import (
 from localai_tw.db.pool import Database, DatabaseUnavailable
 
 from .support import eventually, sleep
-from .test_claims import consumers, make_live, make_stale, row  # noqa: F401
+from .harness_claims import make_live, make_stale, row
 
 
 async def insert_jobs(db, total: int, kind: str = "task", prefix: str = "job-") -> list[str]:

@@ -26,7 +26,7 @@ import pytest_twisted
 from twisted.internet import threads, utils
 
 from .inference_harness import ADMIN, sha256_hex
-from .test_media_endpoints import MODELS as MEDIA_MODELS, _require_media
+from .harness_media import MODELS as MEDIA_MODELS, require_media
 
 openai = pytest.importorskip("openai")
 
@@ -352,7 +352,7 @@ def node_binary() -> str:
 
 @pytest_twisted.ensureDeferred
 async def test_the_python_client_through_a_relaying_replica(cluster):
-    _require_media()
+    require_media()
     base = await relaying_replica(cluster)
     report = await threads.deferToThread(python_calls, base)
     check(report)
@@ -362,7 +362,7 @@ async def test_the_python_client_through_a_relaying_replica(cluster):
 @pytest_twisted.ensureDeferred
 async def test_the_node_client_through_a_relaying_replica(node_binary, cluster):
     node = node_binary
-    _require_media()
+    require_media()
     base = await relaying_replica(cluster)
     env = {"PATH": os.environ.get("PATH", ""), "LOCALAI_BASE": base, "LOCALAI_KEY": ADMIN,
            "LOCALAI_MODEL": MODEL, "LOCALAI_EMBED_MODEL": EMBED_ONLY,

@@ -18,16 +18,12 @@ from localai_tw.config import PortRange
 from localai_tw.worker.service import makeWorkerService
 
 from .browser import Browser, require_browser
+from .harness_dashboard import click, open_with_key, text_of
+from .harness_echo import WEIGHTS, echo_model
 from .inference_harness import ADMIN, TOKEN, _ports, sha256_hex
 from .support import eventually
 
-WEIGHTS = b"echo weights " * 100
-
-ECHO_MODEL = (
-    "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n  max_tokens: 64\n"
-    f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
-    "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
-    "options: ['echo.dim:6']\n")
+ECHO_MODEL = echo_model("echo-chat")
 
 
 @pytest_twisted.async_yield_fixture
@@ -38,57 +34,6 @@ async def browser():
         yield b
     finally:
         await b.stop()
-
-
-def by_css(selector):
-    from selenium.webdriver.common.by import By
-
-    def find(driver):
-        found = driver.find_elements(By.CSS_SELECTOR, selector)
-        return found[0] if found else None
-    return find
-
-
-def text_of(selector):
-    """The element's text, or "" while it is missing or being replaced (every poll re-renders
-    the tables, so an element found a moment ago may be stale)."""
-    from selenium.common.exceptions import StaleElementReferenceException
-
-    find = by_css(selector)
-
-    def read(driver):
-        try:
-            element = find(driver)
-            return element.text if element is not None else ""
-        except StaleElementReferenceException:
-            return ""
-    return read
-
-
-def click(selector):
-    """Click the element, trying again when a poll replaced it between finding and clicking."""
-    from selenium.common.exceptions import StaleElementReferenceException
-
-    find = by_css(selector)
-
-    def act(driver):
-        try:
-            element = find(driver)
-            if element is None:
-                return False
-            element.click()
-            return True
-        except StaleElementReferenceException:
-            return False
-    return act
-
-
-async def open_with_key(browser, url):
-    """Load the page and type the admin key into its form, as an operator does once."""
-    await browser.call(lambda d: d.get(url))
-    field = await browser.wait_for(by_css("#api-key"), what="the key field")
-    await browser.call(lambda d: (field.send_keys(ADMIN), d.find_element(
-        "css selector", "#key-save").click()))
 
 
 @pytest_twisted.ensureDeferred
@@ -382,8 +327,8 @@ async def test_a_model_download_shows_its_bytes_until_it_is_done(cluster, browse
 
     from localai_tw.backends import backend_pb2
 
-    from .test_model_downloads import WEIGHTS as FILE
-    from .test_model_downloads import FileServer, download_model
+    from .harness_downloads import WEIGHTS as FILE
+    from .harness_downloads import FileServer, download_model
 
     site = server.Site(FileServer())
     port = reactor.listenTCP(0, site, interface="127.0.0.1")

@@ -19,7 +19,8 @@ from localai_tw.cluster.nodes import NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.frontend.api.nodes import InstancesResource, NodesAdminResource
 from localai_tw.frontend.api.probes import StartingGate
-from localai_tw.frontend.api.kit import MAX_BODY_BYTES, APIKeyGuard, ClusterParts, FrontendSite
+from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts
+from localai_tw.web.listener import BoundedSite, MAX_BODY_BYTES
 from localai_tw.frontend.api.workers import WorkerRegistrationResource
 
 TOKEN = "registration-token-for-tests"
@@ -58,7 +59,7 @@ async def frontend(db):
     fe = Frontend("", 0, db, registry, fence, parts)
     parts.on_registered = fe.registered.append
     parts.on_deleted = fe.deleted.append
-    port = reactor.listenTCP(0, FrontendSite(build_root(parts, APIKeyGuard([ADMIN, "sk-2"]))),
+    port = reactor.listenTCP(0, BoundedSite(build_root(parts, APIKeyGuard([ADMIN, "sk-2"]))),
                              interface="127.0.0.1")
     fe.port = port.getHost().port
     fe.url = f"http://127.0.0.1:{fe.port}"
@@ -381,7 +382,7 @@ async def test_wrong_method_and_unknown_path(frontend, http):
 @pytest_twisted.ensureDeferred
 async def test_503_while_the_frontend_is_starting(db, http):
     # what the listener serves until the replica is built (frontend/api/probes.py)
-    port = reactor.listenTCP(0, FrontendSite(StartingGate({}, {})), interface="127.0.0.1")
+    port = reactor.listenTCP(0, BoundedSite(StartingGate({}, {})), interface="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{port.getHost().port}"
         status, answer, response = await http.call("POST", url + "/api/node/register",
@@ -420,7 +421,7 @@ async def test_admin_api_needs_an_api_key(frontend, http, method, path):
 
 @pytest_twisted.ensureDeferred
 async def test_admin_api_with_no_key_configured_refuses_everything(frontend, http):
-    port = reactor.listenTCP(0, FrontendSite(build_root(frontend.parts, APIKeyGuard([]))),
+    port = reactor.listenTCP(0, BoundedSite(build_root(frontend.parts, APIKeyGuard([]))),
                              interface="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{port.getHost().port}/api/nodes"
@@ -663,7 +664,7 @@ async def test_registrations_per_source_are_limited_with_a_clear_429(db, http):
     parts = ClusterParts(db=db, nodes=registry, fence=OwnershipFence(db), instance_id=REPLICA,
                          registration_limit=SourceRateLimit(3 / 60.0, 3, clock))
     registration_api = WorkerRegistrationResource(parts)
-    site = FrontendSite(build_root(parts, APIKeyGuard([ADMIN])),
+    site = BoundedSite(build_root(parts, APIKeyGuard([ADMIN])),
                         header_guards={b"/api/node": registration_api.guard})
     port = reactor.listenTCP(0, site, interface="127.0.0.1")
     url = f"http://127.0.0.1:{port.getHost().port}/api/node"

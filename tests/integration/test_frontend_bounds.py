@@ -15,7 +15,7 @@ from twisted.logger import formatEvent, globalLogPublisher
 from localai_tw.frontend.service import FrontendService
 
 from .support import eventually
-from .test_frontend_service import ADMIN, TOKEN, Client, options
+from .harness_frontend import ADMIN, TOKEN, Client, options
 
 
 class RawClient(protocol.Protocol):
@@ -511,7 +511,7 @@ async def test_a_fleets_kept_alive_heartbeat_connections_do_not_fill_the_cap(fro
     timer), so a fleet larger than the cap (1024) held the whole cap with heartbeat connections
     and every API client was refused.  The connection that carries a known node's heartbeats
     leaves the cap like a tunnel, one per node; a second one of the same node, and a heartbeat
-    of an unknown node, stay counted.  Remove the heartbeat_answered call in api/workers.py: this
+    of an unknown node, stay counted.  Remove the hold_connection call in api/workers.py: this
     fails."""
     service = await frontend()
     port = service.listener.tcp_port()
@@ -559,4 +559,4 @@ async def test_a_fleets_kept_alive_heartbeat_connections_do_not_fill_the_cap(fro
 
     beaters[0].close()  # a closed heartbeat connection leaves the held count and the map
     await eventually(lambda: service.site.held_connections == 2)
-    assert nodes[0] not in service.site.heartbeat_connections
+    assert nodes[0] not in service.site.held_for_key

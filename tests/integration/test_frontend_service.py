@@ -2,47 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest_twisted
-import treq
 from twisted.internet import reactor
-from twisted.web.client import HTTPConnectionPool
 
 from localai_tw.frontend.service import FrontendService
 from localai_tw.mux.session import Session
 from localai_tw.tunnel.websocket import connectWebSocket
 
+from .harness_frontend import ADMIN, TOKEN, Client, options
 from .support import eventually
-
-TOKEN = "service-registration-token"
-ADMIN = "sk-service-admin"
-
-
-def options(pg_dsn, **overrides):
-    base = {"listen": "tcp:0:interface=127.0.0.1", "database-url": pg_dsn, "data-dir": None,
-            "instance-id": "replica-a", "advertise-address": None, "single-host": True,
-            "registration-token": TOKEN, "api-key": [ADMIN], "reconnect-grace": 90.0,
-            "require-approval": False}
-    base.update(overrides)
-    return base
-
-
-class Client:
-    def __init__(self, base):
-        self.base = base
-        self.pool = HTTPConnectionPool(reactor, persistent=False)
-
-    async def call(self, method, path, body=None, token=None):
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        kwargs = {"json": body} if body is not None else {}
-        response = await treq.request(method, self.base + path, headers=headers, pool=self.pool,
-                                      reactor=reactor, **kwargs).addTimeout(10, reactor)
-        content = await treq.content(response)
-        return response.code, (json.loads(content) if content.startswith((b"{", b"[")) else
-                               content)
 
 
 @pytest_twisted.async_yield_fixture
@@ -172,7 +143,7 @@ async def test_the_listener_has_a_backlog_for_a_fleet():
     from twisted.web.server import Site
     from twisted.web.resource import Resource
 
-    from localai_tw.frontend.service import ListeningService
+    from localai_tw.frontend.parts import ListeningService
 
     listener = ListeningService(reactor, "tcp:0:interface=127.0.0.1", Site(Resource()))
     listener.startService()

@@ -1,14 +1,13 @@
 """Gallery installs on a cluster (issue 13 §3): two real ``FrontendService`` replicas on one
 PostgreSQL database and one shared models directory, a gallery index in LocalAI's format in a
 file, the model files served by a twisted.web server this test starts on 127.0.0.1
-(``test_model_downloads.FileServer``: ``/held/`` sends half and waits for ``release``).
+(``harness_downloads.FileServer``: ``/held/`` sends half and waits for ``release``).
 
 Each scenario's docstring names the deliberate break of the product that turns it red; each
 was checked once (commit message)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -20,13 +19,12 @@ from twisted.web import server
 
 from localai_tw.localai.model_config import load_model_file
 
-from .inference_harness import ADMIN, sha256_hex
+from .inference_harness import sha256_hex
 from .support import eventually
-from .test_model_downloads import FileServer
+from .harness_downloads import FileServer
+from .harness_gallery import AUTH, SMALL, _done, call, entry, job, model_files
 
-AUTH = {"Authorization": f"Bearer {ADMIN}"}
 WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
-SMALL = b"tokenizer bytes " * 64
 #: About 9000 bytes once JSON-encoded (non-ASCII is escaped on the bus): spilled.
 LONG_DESCRIPTION = ("Ein Modell für Grüße, naïve café — 模型 🚀\n" * 200)[:8600]
 
@@ -43,15 +41,6 @@ def files():
     port.stopListening()
 
 
-def entry(name: str, files: list[tuple[str, str, str | None]], description: str = "",
-          **extra) -> dict:
-    return {"name": name, "description": description, "license": "mit", "tags": ["test"],
-            "config_file": f"backend: echo\nparameters:\n  model: {files[0][0]}\n"
-                           "options: ['echo.dim:4']\n",
-            "files": [{"filename": f, "uri": u, "sha256": d or ""} for f, u, d in files],
-            **extra}
-
-
 async def start(cluster, tmp_path, entries: list[dict], *replicas: str):
     index = tmp_path / "index.yaml"
     index.write_text(yaml.safe_dump(entries, allow_unicode=True))
@@ -65,29 +54,10 @@ async def start(cluster, tmp_path, entries: list[dict], *replicas: str):
     return started
 
 
-async def call(cluster, frontend, method: str, path: str, body=None, headers=AUTH):
-    url = cluster.base_url(frontend) + path
-    if method == "POST":
-        answer = await treq.post(url, data=json.dumps(body or {}).encode(),
-                                 headers={**headers, "Content-Type": "application/json"})
-    else:
-        answer = await treq.get(url, headers=headers)
-    return answer.code, json.loads(await answer.content())
-
-
-async def job(cluster, frontend, job_id: str):
-    return await call(cluster, frontend, "GET", f"/models/jobs/{job_id}")
-
-
 async def row(cluster, job_id: str):
     db = cluster.frontends[0].database_service.database
     rows = await db.runQuery("SELECT state FROM gallery_jobs WHERE id = %s", (job_id,))
     return rows[0][0] if rows else None
-
-
-def model_files(models_dir: str) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, n), models_dir)
-                  for d, _, names in os.walk(models_dir) for n in names)
 
 
 @pytest_twisted.ensureDeferred
@@ -96,7 +66,8 @@ async def test_an_install_admitted_at_a_is_seen_at_b_queued_downloading_done(
     """Replica B answers a job admitted at A while it is queued (no row yet), while it
     downloads (bytes, total, rate) and once it is done (its row); a ~9000-byte description
     round-trips byte-identical through the bus's spill path.
-    Red when A publishes only to itself (``GalleryJobs.broadcast = False``): B answers 404."""
+    Red when A publishes only to itself (``GalleryJobs._publish`` returning before
+    ``bus.publish``): B never sees the download's progress (the first wait, 20 s)."""
     files.files["a.bin"] = WEIGHTS
     files.files["b.bin"] = SMALL
     a, b = await start(cluster, tmp_path, [
@@ -157,11 +128,6 @@ async def test_an_install_admitted_at_a_is_seen_at_b_queued_downloading_done(
 async def _ok(answer):
     code, body = await answer
     return (code, body) if code == 200 else None
-
-
-async def _done(answer):
-    code, body = await answer
-    return (code, body) if code == 200 and body["state"] in ("done", "failed") else None
 
 
 @pytest_twisted.ensureDeferred
@@ -422,3 +388,37 @@ async def test_file_sources_that_never_end_are_refused_and_bounded(cluster, file
     frontend = await cluster.frontend("replica-b", galleries=[f"fifo=file://{fifo}"])
     status, body = await call(cluster, frontend, "GET", "/models/available")
     assert status == 502 and "not a regular file" in body["error"]["message"], body
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_existing_model_is_found_whatever_its_file_is_called(cluster, files,
+                                                                      tmp_path):
+    """Issue 21 §2: the existing-name check knows every config, not only ``<name>.yaml``: a
+    model ``renamed`` defined in ``other-file.yaml`` and a model ``short`` in ``short.yml``
+    are each a 409, and neither file changes (nor does a ``renamed.yaml`` appear that would
+    shadow it).
+    Red when only ``<name>.yaml`` is looked at: both were admitted and installed."""
+    files.files["a.bin"] = SMALL
+    (a,) = await start(cluster, tmp_path, [entry("one", [
+        ("one/a.bin", f"{files.base}/files/a.bin", sha256_hex(SMALL))])], "replica-a")
+    os.makedirs(cluster.models_dir, exist_ok=True)
+    written = {
+        "other-file.yaml": "name: renamed\nbackend: echo\nnode_selector: {pool: trusted}\n",
+        "short.yml": "name: short\nbackend: echo\n",
+    }
+    for fname, text in written.items():
+        with open(os.path.join(cluster.models_dir, fname), "w") as f:
+            f.write(text)
+    for name in ("renamed", "short"):
+        status, body = await call(cluster, a, "POST", "/models/apply",
+                                  {"id": "one", "name": name})
+        assert status == 409, (name, body)
+        assert '"replace": true' in body["error"]["message"]
+    # "replace": true cannot replace a definition in another file (the install writes
+    # renamed.yaml; other-file.yaml would still win): a 409 naming the file
+    status, body = await call(cluster, a, "POST", "/models/apply",
+                              {"id": "one", "name": "renamed", "replace": True})
+    assert status == 409 and "other-file.yaml" in body["error"]["message"], body
+    assert sorted(os.listdir(cluster.models_dir)) == sorted(written)
+    for fname, text in written.items():
+        assert open(os.path.join(cluster.models_dir, fname)).read() == text

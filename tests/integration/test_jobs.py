@@ -18,10 +18,10 @@ from localai_tw import errors
 from localai_tw.jobs.builtin import chat_job, embed_batch_job
 from localai_tw.jobs.kinds import IJobKind, JobKinds
 
+from .harness_echo import WEIGHTS
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually
 
-WEIGHTS = b"echo weights " * 100
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
@@ -482,7 +482,7 @@ async def test_the_dashboard_lists_jobs_with_their_state(cluster):
 
     Deliberate break: ``renderJobs`` not called in ``poll`` -> the rows never appear (red)."""
     from .browser import Browser, require_browser
-    from .test_dashboard import open_with_key, text_of
+    from .harness_dashboard import open_with_key, text_of
 
     require_browser()
     a = await cluster.frontend("replica-da", job_kinds=kinds())

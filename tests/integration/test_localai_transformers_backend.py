@@ -27,7 +27,7 @@ from twisted.internet import threads
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
 
-from .inference_harness import ADMIN, TOKEN, supervisor_of
+from .inference_harness import ADMIN, supervisor_of
 
 openai = pytest.importorskip("openai")
 
@@ -140,7 +140,7 @@ async def test_localai_transformers_backend_serves_through_a_relaying_replica(cl
             backend_pb2_grpc.BackendStub(channel).Predict(backend_pb2.PredictOptions(
                 UseTokenizerTemplate=True, Tokens=2,
                 Messages=[backend_pb2.Message(role="user", content="hello")]),
-                timeout=60, metadata=[("authorization", f"Bearer {TOKEN}")])
+                timeout=60, metadata=[("authorization", f"Bearer {record.grpc_token}")])
         except grpc.RpcError as e:
             return e.code(), e.details()
         return None

@@ -32,7 +32,8 @@ from localai_tw.frontend.localworker import (
     LocalWorkerService,
     ensure_default_embeddings_model,
 )
-from localai_tw.frontend.service import FrontendService, InOrderMultiService
+from localai_tw.frontend.service import FrontendService
+from localai_tw.servicetree import InOrderMultiService
 from localai_tw.frontend.tap import Options
 
 from .support import eventually

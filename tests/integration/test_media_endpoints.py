@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import struct
 import time
 import urllib.error
@@ -23,32 +22,10 @@ import pytest
 import pytest_twisted
 from twisted.internet import threads
 
+from .harness_media import MODELS, require_media
 from .inference_harness import ADMIN
 
 SENTENCE = "one two three four five"
-
-
-def _require_media() -> None:
-    import importlib.util
-
-    missing = []
-    if shutil.which("espeak-ng") is None:
-        missing.append("espeak-ng (apt-get install espeak-ng)")
-    if importlib.util.find_spec("pocketsphinx") is None:
-        missing.append("pocketsphinx (pip install 'localai-tw[speech]')")
-    if not missing:
-        return
-    message = f"the speech backends need {', '.join(missing)}"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message + " [failing because CI=true]", pytrace=False)
-    pytest.skip(message)
-
-
-MODELS = {
-    "speech.yaml": "name: speaker\nbackend: espeak-ng\nparameters:\n  model: speaker\n",
-    "listen.yaml": "name: listener\nbackend: pocketsphinx\nparameters:\n  model: listener\n",
-    "draw.yaml": "name: painter\nbackend: hash-image\nparameters:\n  model: painter\n",
-}
 
 
 async def _relaying_cluster(cluster):
@@ -103,7 +80,7 @@ def _scratch_dirs(worker) -> list[str]:
 async def test_speak_then_transcribe_through_a_relaying_replica(cluster):
     """The key round trip: /v1/audio/speech (espeak-ng) then /v1/audio/transcriptions
     (pocketsphinx), both sent to the replica that does not hold the worker's tunnel."""
-    _require_media()
+    require_media()
     owner, relay, worker = await _relaying_cluster(cluster)
     base = cluster.base_url(relay)
 
@@ -152,7 +129,7 @@ async def test_speak_then_transcribe_through_a_relaying_replica(cluster):
 
 @pytest_twisted.ensureDeferred
 async def test_transcription_formats_and_bad_uploads(cluster):
-    _require_media()
+    require_media()
     owner, relay, worker = await _relaying_cluster(cluster)
     base = cluster.base_url(relay)
     status, _, wav = await threads.deferToThread(
@@ -257,7 +234,7 @@ async def test_oversized_upload_is_refused_before_its_body(cluster):
 
 @pytest_twisted.ensureDeferred
 async def test_speech_refusals_reach_no_backend(cluster):
-    _require_media()
+    require_media()
     owner, relay, worker = await _relaying_cluster(cluster)
     url = cluster.base_url(relay) + "/v1/audio/speech"
     cases = [
@@ -369,7 +346,7 @@ async def test_image_refusals_reach_no_backend(cluster):
 async def test_the_official_openai_client_through_a_relaying_replica(cluster):
     """openai-python's audio.speech, audio.transcriptions and images calls, as a user makes
     them (its default fields), against the relaying replica."""
-    _require_media()
+    require_media()
     openai = pytest.importorskip("openai")
     owner, relay, worker = await _relaying_cluster(cluster)
     client = openai.OpenAI(base_url=cluster.base_url(relay) + "/v1", api_key=ADMIN,

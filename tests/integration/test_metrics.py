@@ -6,8 +6,6 @@ its cold load (a worker answer).  The scrapes are parsed with ``prometheus_clien
 
 from __future__ import annotations
 
-import json
-
 import pytest_twisted
 import treq
 from twisted.internet import defer
@@ -15,24 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from localai_tw.db.pool import LOCK_HEALTH_CHECK
 
-from .inference_harness import ADMIN, sha256_hex
-
-WEIGHTS = b"echo weights " * 100
-
-
-def echo_model(name: str, backend: str = "echo") -> str:
-    return (f"name: {name}\nbackend: {backend}\nparameters:\n  model: echo.bin\n"
-            f"  max_tokens: 64\nfiles:\n  - path: echo.bin\n"
-            f"    sha256: '{sha256_hex(WEIGHTS)}'\n"
-            "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
-            "options: ['echo.dim:6']\n")
-
-
-async def post(url: str, body: dict, key: str = ADMIN):
-    response = await treq.post(url, json.dumps(body).encode(),
-                               headers={"Authorization": f"Bearer {key}",
-                                        "Content-Type": "application/json"})
-    return response.code, await treq.content(response)
+from .harness_echo import WEIGHTS, echo_model, post
+from .inference_harness import ADMIN
 
 
 async def scrape(base: str, key: str | None = ADMIN, path: str = "/metrics"):
@@ -214,7 +196,7 @@ async def test_bus_and_claim_counters_reach_the_exposition(db):
     from localai_tw.metrics import ReplicaMetrics, exposition
 
     from .support import eventually
-    from .test_claims import make_live
+    from .harness_claims import make_live
 
     bus = PgBus(db, health_interval=0.5)
     bus.startService()

@@ -18,53 +18,14 @@ import pytest_twisted
 import treq
 from twisted.internet import defer, reactor
 from twisted.logger import globalLogPublisher
-from twisted.web import resource, server
+from twisted.web import server
 
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.inference.interfaces import ModelDownloadFailed, ModelFileMismatch
 
+from .harness_downloads import WEIGHTS, FileServer, download_model
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually, within
-
-WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
-
-
-class FileServer(resource.Resource):
-    """``/files/<name>`` whole; ``/held/<name>`` half, then the rest when ``release`` fires;
-    ``/broken/<name>`` half, then the connection drops; ``/redirect/<name>`` -> ``/files/``."""
-
-    isLeaf = True
-
-    def __init__(self):
-        super().__init__()
-        self.files: dict[str, bytes] = {}
-        self.gets: list[bytes] = []
-        self.release: defer.Deferred = defer.Deferred()
-
-    def render_GET(self, request):
-        self.gets.append(request.path)
-        kind, name = request.postpath[0].decode(), request.postpath[-1].decode()
-        if kind == "redirect":
-            request.redirect(b"/files/" + name.encode())
-            return b""
-        data = self.files.get(name)
-        if data is None:
-            request.setResponseCode(404)
-            return b"no such file"
-        request.setHeader(b"content-length", b"%d" % len(data))
-        if kind == "files":
-            return data
-        request.write(data[: len(data) // 2])
-        if kind == "broken":
-            reactor.callLater(0.05, request.channel.transport.loseConnection)
-            return server.NOT_DONE_YET
-
-        def rest(_):
-            request.write(data[len(data) // 2:])
-            request.finish()
-
-        self.release.addCallback(rest)
-        return server.NOT_DONE_YET
 
 
 @pytest.fixture
@@ -77,14 +38,6 @@ def files():
     if not served.release.called:
         served.release.callback(None)
     port.stopListening()
-
-
-def download_model(url: str, digest: str | None, name: str = "dl",
-                   filename: str = "dl/weights.bin") -> str:
-    sha = f", sha256: '{digest}'" if digest else ""
-    return (f"name: {name}\nbackend: echo\nparameters:\n  model: {filename}\n"
-            f"options: ['echo.dim:4']\n"
-            f"download_files:\n  - {{filename: {filename}, uri: '{url}'{sha}}}\n")
 
 
 def leftovers(models_dir: str) -> list[str]:
@@ -238,7 +191,7 @@ async def test_a_url_model_and_a_file_url_and_an_http_error(cluster, files, tmp_
     with open(os.path.join(cluster.models_dir, "copied.bin"), "rb") as f:
         assert f.read() == WEIGHTS[:1000]
 
-    with pytest.raises(ModelDownloadFailed, match="answered HTTP 404"):
+    with pytest.raises(ModelDownloadFailed, match="failed; the frontend.s log says why"):
         await router.predict("missing", backend_pb2.PredictOptions(Prompt="m"))
     assert sorted(leftovers(cluster.models_dir)) == ["copied.bin", "tiny.gguf"]
 

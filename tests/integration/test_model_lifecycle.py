@@ -298,7 +298,13 @@ async def test_the_idle_watchdog_unloads_what_was_not_used_for_its_timeout(clust
     await predict(frontend, "p")
     dog = frontend.replica.watchdog
     assert dog.enabled and dog.idle_timeout == 1.0
+    # "Just used" must not depend on how fast this machine is: with the configured 1 s, a
+    # loaded machine can take longer than that between the call above and this pass.  The
+    # pass is asked with a timeout no run of this test reaches, then with the configured one
+    # (the other replica keeps 1 s: whatever the timing, the worker is not its to unload).
+    dog.idle_timeout = 600.0
     assert await dog.run_once() == []  # just used
+    dog.idle_timeout = 1.0
     assert await other.replica.watchdog.run_once() == []  # not its worker: never its call
 
     async def unloaded():  # this pass, or the service's own tick (every 5 s), unloads it

@@ -16,7 +16,7 @@ from localai_tw.frontend.inference.interfaces import NoNodeAvailable
 from localai_tw.frontend.api.kit import APIKeyGuard
 
 from tests.integration.support import eventually
-from tests.unit.test_openai_fakes import FakeRouter, make_site, model_config
+from tests.unit.support_openai import FakeRouter, make_site, model_config
 
 openai = pytest.importorskip("openai")
 

@@ -8,21 +8,16 @@ import pytest
 import pytest_twisted
 from twisted.internet import threads
 
+from .harness_echo import WEIGHTS, echo_model
 from .inference_harness import ADMIN, sha256_hex
 
 openai = pytest.importorskip("openai")
-
-WEIGHTS = b"echo weights " * 100
 
 
 @pytest_twisted.ensureDeferred
 async def test_openai_client_through_frontend_worker_and_echo_backend(cluster):
     cluster.write_file("echo.bin", WEIGHTS)
-    cluster.write_model("echo.yaml", (
-        "name: echo-chat\nbackend: echo\nparameters:\n  model: echo.bin\n  max_tokens: 64\n"
-        f"files:\n  - path: echo.bin\n    sha256: '{sha256_hex(WEIGHTS)}'\n"
-        "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
-        "options: ['echo.dim:6']\n"))
+    cluster.write_model("echo.yaml", echo_model("echo-chat"))
     frontend = await cluster.frontend("replica-o")
     await cluster.worker("w-openai", frontend)
     base = cluster.base_url(frontend) + "/v1"

@@ -15,10 +15,9 @@ from localai_tw import errors
 from localai_tw.frontend.service import FrontendService
 from localai_tw.mux.session import Session
 from localai_tw.tunnel.websocket import connectWebSocket
-from tests.integration.test_frontend_service import TOKEN, options
-from tests.integration.test_route_conditions import Collect, failure_of, only_condition
-from tests.integration.support import eventually, within
-from tests.integration.test_tunnel_harness import TestWorker, scripted
+from tests.integration.harness_frontend import TOKEN, options
+from tests.integration.harness_tunnel import Collect, TestWorker, only_condition, scripted
+from tests.integration.support import eventually, failure_of, within
 from tests.integration.tlscerts import make_ca_and_server
 
 

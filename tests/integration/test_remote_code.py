@@ -16,15 +16,10 @@ from localai_tw.backends import backend_pb2
 from localai_tw.frontend.inference.interfaces import ModelLoadFailed
 
 from .inference_harness import supervisor_of
+from .support import process_environ as _environ
 
 CONFIG = ("name: remote\nbackend: transformers\ntrust_remote_code: true\n"
           "parameters:\n  model: someone/model-with-code\n")
-
-
-def _environ(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        pairs = [p.partition(b"=") for p in f.read().split(b"\0") if p]
-    return {k.decode(): v.decode(errors="replace") for k, _, v in pairs}
 
 
 @pytest_twisted.ensureDeferred
@@ -49,8 +44,8 @@ async def test_remote_code_is_refused_unless_the_worker_allows_it(cluster, monke
     for record in running:
         environ = _environ(record.pid)
         assert environ["LOCALAI_ALLOW_REMOTE_CODE"] == "0"
-        # the worker's own secrets in its environment are not inherited (the token the
-        # replicas authenticate backend calls with still is: LOCALAI_GRPC_AUTH_TOKEN)
+        # the worker's own secrets in its environment are not inherited (the backend's own
+        # gRPC token is given: tests/integration/test_backend_tokens.py)
         assert "LOCALAI_REGISTRATION_TOKEN" not in environ
         assert "LOCALAI_API_TOKEN" not in environ
         assert "cluster-secret-in-env" not in environ.values()

@@ -7,7 +7,7 @@ and, where it matters, the conditions the outcome must NOT be confused with.
 from __future__ import annotations
 
 import pytest_twisted
-from twisted.internet import defer, protocol, reactor
+from twisted.internet import protocol, reactor
 
 from localai_tw import errors
 from localai_tw.cluster.membership import InstanceIdentity, register_instance
@@ -15,37 +15,8 @@ from localai_tw.db.pool import Database
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.tunnel import preamble
 from localai_tw.tunnel.route import WorkerDialer, deadline_after
-from tests.integration.support import eventually, within
-from tests.integration.test_tunnel_harness import scripted
-
-
-class Collect(protocol.Protocol):
-    def __init__(self, expect: int):
-        self.expect = expect
-        self.data = b""
-        self.done = defer.Deferred()
-
-    def dataReceived(self, data):
-        self.data += data
-        if len(self.data) >= self.expect and not self.done.called:
-            self.done.callback(self.data)
-
-
-async def failure_of(d) -> BaseException:
-    try:
-        await within(d)
-    except Exception as e:  # noqa: BLE001 - the point is to inspect it
-        return e
-    raise AssertionError("expected a failure")
-
-
-def only_condition(error, expected):
-    """``error`` is ``expected`` and none of the other conditions."""
-    assert isinstance(error, expected), repr(error)
-    for other in (errors.RoutingFact, errors.AbsentWithinGrace, errors.PeerUnreachable,
-                  errors.WorkerAnswer, errors.CallerDeadlineExceeded):
-        if not issubclass(expected, other):
-            assert not isinstance(error, other), f"{error!r} must not be {other.__name__}"
+from tests.integration.harness_tunnel import Collect, only_condition, scripted
+from tests.integration.support import eventually, failure_of, within
 
 
 # -- local route -------------------------------------------------------------------------------

@@ -11,25 +11,7 @@ from zope.interface import implementer
 
 from localai_tw.splice import EndingKind, Splice
 
-
-@implementer(IHalfCloseableProtocol)
-class HashBack(protocol.Protocol):
-    """A backend that speaks first (a banner), reads until EOF, answers with the sha256 of what
-    it read, and closes: it needs the relay to half-close, not close."""
-
-    def connectionMade(self):
-        self.digest = hashlib.sha256()
-        self.transport.write(b"banner\n")
-
-    def dataReceived(self, data):
-        self.digest.update(data)
-
-    def readConnectionLost(self):
-        self.transport.write(self.digest.hexdigest().encode())
-        self.transport.loseConnection()
-
-    def writeConnectionLost(self):
-        pass
+from .harness_tcp import HashBack
 
 
 class Dropper(protocol.Protocol):

@@ -20,7 +20,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Factory, Protocol
 
 from localai_tw.config import PortRange
-from localai_tw.tunnel.sockets import TUNNEL_NOT_SENT_LOWAT
+from localai_tw.web.sockets import TUNNEL_NOT_SENT_LOWAT
 from localai_tw.worker.streams import StreamRouter
 
 from .support import eventually, within

@@ -14,7 +14,7 @@ from twisted.internet import defer
 from localai_tw.metrics import HOPS
 
 from .inference_harness import ADMIN, sha256_hex
-from .test_metrics import WEIGHTS, echo_model, post
+from .harness_echo import WEIGHTS, echo_model, post
 
 
 @pytest_twisted.ensureDeferred

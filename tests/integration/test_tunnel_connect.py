@@ -12,7 +12,7 @@ from localai_tw.mux.errors import SessionFailed
 from localai_tw.mux.session import Session
 from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 from tests.integration.support import eventually, within
-from tests.integration.test_tunnel_harness import TOKEN, EchoBackend, scripted
+from tests.integration.harness_tunnel import TOKEN, EchoBackend, scripted
 
 UPGRADE = {"Upgrade": "websocket", "Connection": "Upgrade",
            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version": "13"}

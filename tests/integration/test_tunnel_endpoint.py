@@ -16,9 +16,8 @@ from localai_tw.tunnel.endpoint import (
     worker_url,
 )
 from localai_tw.worker.control import NoFreeSlot, VerbRequestSchema
-from tests.integration.support import eventually, within
-from tests.integration.test_tunnel_harness import TOKEN
-from tests.integration.test_route_conditions import failure_of, only_condition
+from tests.integration.harness_tunnel import TOKEN, only_condition
+from tests.integration.support import eventually, failure_of, within
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from twisted.internet.protocol import Protocol
 
 from localai_tw.mux.frame import FLAG_SYN, Frame, encode
 from tests.integration.support import eventually, within
-from tests.integration.test_tunnel_harness import EchoBackend
+from tests.integration.harness_tunnel import EchoBackend
 
 MiB = 1024 * 1024
 FLOOD_SECONDS = 5.0

@@ -15,9 +15,8 @@ from localai_tw.tunnel import preamble
 from localai_tw.tunnel.endpoint import upload_file
 from localai_tw.tunnel.peer import PEER_MAX_WINDOW, PeerPool
 from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
-from tests.integration.support import eventually, within
-from tests.integration.test_tunnel_harness import TOKEN, MiB, scripted, sha256_hex
-from tests.integration.test_route_conditions import Collect, failure_of
+from tests.integration.harness_tunnel import TOKEN, Collect, MiB, scripted, sha256_hex
+from tests.integration.support import eventually, failure_of, within
 
 
 async def raw_peer_dial(target, headers, peer_id):

@@ -17,7 +17,7 @@ from localai_tw.mux.session import Session
 from localai_tw.splice import EndingKind, HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
 from localai_tw.tunnel.websocket import BearerTokenAuthorizer, TunnelWebSocketResource, connectWebSocket
-from tests.integration.test_splice_tcp import HashBack
+from tests.integration.harness_tcp import HashBack
 
 TOKEN = "tunnel-credential"
 

@@ -19,11 +19,7 @@ from localai_tw.worker import control
 from localai_tw.worker.control import ControlAuth, ControlVerbs, NoFreeSlot, build_worker_site
 from localai_tw.worker.httpserve import TunnelStreamAddress, serve_http_on_transport
 
-TIMEOUT = 10
-
-
-def with_timeout(d):
-    return d.addTimeout(TIMEOUT, reactor)
+from .harness_tcp import raw_exchange, with_timeout
 
 
 class PreambleThenHTTP(protocol.Protocol):
@@ -129,26 +125,6 @@ async def test_every_status_of_the_contract(served):
     assert (await post(base, "/v1/control/broken"))[0] == 500
     code, _, body = await post(base, "/v1/control/node/status", b"")
     assert code == 200 and json.loads(body)["node_name"] == "node-a"
-
-
-class RawClient(protocol.Protocol):
-    def __init__(self):
-        self.received = b""
-        self.closed = defer.Deferred()
-
-    def dataReceived(self, data):
-        self.received += data
-
-    def connectionLost(self, reason):
-        self.closed.callback(self.received)
-
-
-async def raw_exchange(port: int, data: bytes) -> RawClient:
-    client = RawClient()
-    await with_timeout(protocol.ClientCreator(reactor, lambda: client).connectTCP(
-        "127.0.0.1", port))
-    client.transport.write(data)
-    return client
 
 
 @pytest_twisted.ensureDeferred

@@ -15,7 +15,7 @@ from localai_tw import errors, staging_client
 from localai_tw.worker import staging
 from localai_tw.worker.control import ControlAuth, ControlVerbs, build_worker_site
 from localai_tw.worker.staging import FileStaging, StagingRoots
-from tests.integration.test_worker_control_tcp import raw_exchange, with_timeout
+from tests.integration.harness_tcp import raw_exchange, with_timeout
 
 MiB = 1024 * 1024
 TOKEN = "stage-token"

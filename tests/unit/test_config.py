@@ -515,7 +515,7 @@ def test_grpc_core_logging_is_off_unless_asked():
 
 
 def test_access_log_leaves_out_heartbeats_and_probes():
-    from localai_tw.frontend.api.kit import FrontendSite
+    from localai_tw.web.listener import BoundedSite
 
     class Request:
         def __init__(self, path, code=200):
@@ -526,8 +526,11 @@ def test_access_log_leaves_out_heartbeats_and_probes():
 
     from twisted.internet.address import IPv4Address
 
+    from localai_tw.frontend.api.workers import is_heartbeat_path
+
     lines = []
-    site = FrontendSite(None, logFormatter=lambda now, request: request.path.decode())
+    site = BoundedSite(None, logFormatter=lambda now, request: request.path.decode(),
+                       quiet_on_success=is_heartbeat_path)
     site._logFile = type("Sink", (), {"write": lambda self, line: lines.append(line.strip())})()
     for request in (Request(b"/api/node/n1/heartbeat"), Request(b"/healthz"),
                     Request(b"/readyz"), Request(b"/v1/embeddings"),
@@ -540,7 +543,7 @@ def test_access_log_leaves_out_heartbeats_and_probes():
 def test_access_log_option_keeps_errors_only_or_nothing():
     from twisted.internet.address import IPv4Address
 
-    from localai_tw.frontend.api.kit import FrontendSite
+    from localai_tw.web.listener import BoundedSite
 
     class Request:
         def __init__(self, path, code=200):
@@ -555,8 +558,8 @@ def test_access_log_option_keeps_errors_only_or_nothing():
     logged = {}
     for choice in ("all", "errors", "off"):
         lines = logged[choice] = []
-        site = FrontendSite(None, access_log=choice,
-                            logFormatter=lambda now, r: f"{r.path.decode()} {r.code}")
+        site = BoundedSite(None, access_log=choice,
+                           logFormatter=lambda now, r: f"{r.path.decode()} {r.code}")
         site._logFile = type("Sink", (), {"write": lambda self, line, lines=lines:
                                           lines.append(line.strip())})()
         for request in requests:

@@ -42,6 +42,7 @@ def wired():
     replica = SimpleNamespace(
         cluster_parts=lambda: ClusterParts(db=None, nodes=None, fence=None,
                                            instance_id="replica-u"),
+        db=None, gallery=None,  # nothing below reads them: the tree only routes here
         inference=object(), node_name=lambda node_id: None, nodes=None, tunnels=None,
         peer_links=SimpleNamespace(resource=Resource), metrics=ReplicaMetrics(), control=None,
         jobs=SimpleNamespace(store=None, kinds=None, fanout=None))
@@ -65,7 +66,7 @@ def test_ready_only_when_the_database_is_ready_and_membership_registered():
 
 
 def test_readyz_reports_the_startup_state():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, db = frontend()
     db.state = (True, "ready")
@@ -77,7 +78,7 @@ def test_readyz_reports_the_startup_state():
 
 
 def test_routes_answer_503_json_until_wired():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     for path in ("/api/cluster/connect", "/api/cluster/peer", "/api/node/register", "/nope"):
@@ -88,7 +89,7 @@ def test_routes_answer_503_json_until_wired():
 
 
 def test_the_openai_api_is_503_starting_until_wired():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     response = call(service.site, "GET", "/v1/models", headers={"Authorization": "Bearer k"})
@@ -101,7 +102,7 @@ def test_the_openai_api_is_503_starting_until_wired():
 def test_a_stopping_replica_says_it_is_stopping_not_starting():
     """Issue 15 §4: a stopping replica answered heartbeats and API calls with 503 "the frontend
     is starting", which sends an operator looking for the wrong problem."""
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     service.gate.open(service.gate.tree)
@@ -115,7 +116,7 @@ def test_a_stopping_replica_says_it_is_stopping_not_starting():
 
 
 def test_a_missing_api_key_is_refused_while_starting_too():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     openai = call(service.site, "GET", "/v1/models")
@@ -135,7 +136,7 @@ def test_the_peer_secret_is_minted_once_and_kept_out_of_repr():
 
 def test_the_root_says_where_the_apis_are():
     from localai_tw import __version__
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service, _ = frontend()
     response = call(service.site, "GET", "/")
@@ -154,7 +155,7 @@ def test_the_root_says_where_the_apis_are():
     ("GET", "/api/cluster"), ("GET", "/api/cluster/nope"),
 ])
 def test_unknown_paths_are_json_404_in_the_project_shape(method, path):
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service = wired()
     response = call(service.site, method, path)
@@ -165,7 +166,7 @@ def test_unknown_paths_are_json_404_in_the_project_shape(method, path):
 
 
 def test_unknown_paths_under_v1_are_json_404_in_the_openai_shape():
-    from tests.unit.test_openai_fakes import call
+    from tests.unit.support_openai import call
 
     service = wired()
     response = call(service.site, "GET", "/v1/nope", headers={"Authorization": "Bearer k"})
@@ -175,27 +176,28 @@ def test_unknown_paths_under_v1_are_json_404_in_the_openai_shape():
         "param": None, "code": "unknown_url"}}
 
 
-def test_the_unprefixed_openai_routes_have_their_v1_twins_cap_and_guard(monkeypatch):
+def test_the_unprefixed_openai_routes_have_their_v1_twins_cap_and_guard():
     """Each alias of ``openai.resource.UNPREFIXED`` takes the body cap of its /v1 twin (a twin
     with its own cap, as an upload route may have, passes it on) and the API-key guard; a path
     that merely starts like an alias does not."""
-    from localai_tw.frontend import service as service_module
+    import dataclasses
+
+    from localai_tw.frontend.api import routes
+    from localai_tw.frontend.api.kit import APIKeyGuard
     from localai_tw.frontend.api.openai import OPENAI_MAX_BODY_BYTES
-    from localai_tw.frontend.api.kit import FrontendSite, MAX_BODY_BYTES
+    from localai_tw.web.listener import MAX_BODY_BYTES, BoundedSite
 
-    class Site(FrontendSite):
-        def __init__(self, resource, *, body_limits, **kwargs):
-            super().__init__(resource, body_limits={**body_limits,
-                                                    b"/v1/audio/transcriptions": 10**9}, **kwargs)
-
-    monkeypatch.setattr(service_module, "FrontendSite", Site)
-    service, _ = frontend()
-    site = service.site
+    table = tuple(dataclasses.replace(row, body_cap=10**9)
+                  if row.path == b"/v1/audio/transcriptions" else row for row in routes.ROUTES)
+    site = BoundedSite(None)
+    routes.apply_policies(site, APIKeyGuard(["k"]), table)
     assert site.body_limit_for(b"/chat/completions") == OPENAI_MAX_BODY_BYTES
     assert site.body_limit_for(b"/models/capabilities") == OPENAI_MAX_BODY_BYTES
     assert site.body_limit_for(b"/audio/transcriptions") == 10**9
     assert site.body_limit_for(b"/tts") == OPENAI_MAX_BODY_BYTES
     assert site.body_limit_for(b"/embeddingsx") == MAX_BODY_BYTES
-    guarded = {prefix for prefix, _ in site.header_guards}
-    assert {(b"v1",), (b"chat",), (b"completions",), (b"embeddings",), (b"models",),
-            (b"audio",), (b"tts",), (b"images",)} <= guarded
+    service, _ = frontend()  # the replica's listener has the same guards
+    for checked in (site, service.site):
+        guarded = {prefix for prefix, _ in checked.header_guards}
+        assert {(b"v1",), (b"chat",), (b"completions",), (b"embeddings",), (b"models",),
+                (b"audio",), (b"tts",), (b"images",)} <= guarded

@@ -10,7 +10,10 @@ from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
 from localai_tw.frontend.api import kit as web
-from localai_tw.frontend.api.kit import APIError, APIKeyGuard, FrontendSite, bearer_token
+from localai_tw.frontend.api.kit import APIKeyGuard, bearer_token
+from localai_tw.web import auth
+from localai_tw.web.errors import APIError, bad_request, conflict
+from localai_tw.web.listener import MAX_BODY_BYTES, BoundedSite
 
 
 def request_with(authorization: bytes | None):
@@ -36,13 +39,13 @@ def test_a_repeated_authorization_header_gives_no_bearer_token():
 
 def test_api_key_guard_compares_every_key_in_constant_time(monkeypatch):
     compared = []
-    real = web.hmac.compare_digest
+    real = auth.hmac.compare_digest
 
     def spy(a, b):
         compared.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(web.hmac, "compare_digest", spy)
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)  # where the keys are compared
     guard = APIKeyGuard(["first-key", "a-much-longer-second-key", "k3"])
     guard.check(request_with(b"Bearer first-key"))  # matches the first: no early exit
     assert compared == [(32, 32)] * 3
@@ -64,30 +67,30 @@ def test_api_key_guard_without_keys_refuses_and_says_what_to_set():
 
 
 def test_error_body_shape():
-    error = web.bad_request("name: is required", field="name")
+    error = bad_request("name: is required", field="name")
     assert error.body() == {"error": {"message": "name: is required",
                                       "type": "invalid_request", "field": "name"}}
-    assert web.conflict("x", code="not_pending").body()["error"]["code"] == "not_pending"
+    assert conflict("x", code="not_pending").body()["error"]["code"] == "not_pending"
 
 
 def test_body_limit_for_picks_the_longest_prefix():
-    site = FrontendSite(Resource(), body_limits={b"/v1/": 1000, b"/v1/files/": 5000})
+    site = BoundedSite(Resource(), body_limits={b"/v1/": 1000, b"/v1/files/": 5000})
     assert site.body_limit_for(b"/v1/chat?x=1") == 1000
     assert site.body_limit_for(b"/v1/files/a") == 5000
-    assert site.body_limit_for(b"/api/node/register") == web.MAX_BODY_BYTES
-    assert site.body_limit_for(None) == web.MAX_BODY_BYTES
+    assert site.body_limit_for(b"/api/node/register") == MAX_BODY_BYTES
+    assert site.body_limit_for(None) == MAX_BODY_BYTES
 
 
 def test_a_body_limit_without_a_trailing_slash_covers_that_path_and_below_only():
-    site = FrontendSite(Resource(), body_limits={b"/completions": 1000})
+    site = BoundedSite(Resource(), body_limits={b"/completions": 1000})
     assert site.body_limit_for(b"/completions") == 1000
     assert site.body_limit_for(b"/completions?stream=1") == 1000
     assert site.body_limit_for(b"/completions/x") == 1000
     # no header guard covers this path: it keeps the small default cap
-    assert site.body_limit_for(b"/completionsx") == web.MAX_BODY_BYTES
+    assert site.body_limit_for(b"/completionsx") == MAX_BODY_BYTES
 
 
-def feed(site: FrontendSite, data: bytes) -> bytes:
+def feed(site: BoundedSite, data: bytes) -> bytes:
     channel = site.buildProtocol(None)
     transport = StringTransport()
     channel.makeConnection(transport)
@@ -98,7 +101,7 @@ def feed(site: FrontendSite, data: bytes) -> bytes:
 def test_the_request_path_is_known_before_the_body():
     """Pins the Twisted internal the per-path cap relies on (``HTTPChannel._path`` while the
     headers end).  If it disappears, the default cap applies (fail closed) and this goes red."""
-    site = FrontendSite(Resource(), body_limits={b"/big/": 200_000})
+    site = BoundedSite(Resource(), body_limits={b"/big/": 200_000})
     head = b"Host: x\r\nContent-Length: 100000\r\n\r\n"
     assert feed(site, b"POST /big/upload HTTP/1.1\r\n" + head) == b""  # waiting for the body
     refused = feed(site, b"POST /small HTTP/1.1\r\n" + head)
@@ -126,7 +129,7 @@ def test_deadlines_stop_while_answering_and_start_again_with_the_next_request():
     deadline of its own from its first byte."""
     clock = task.Clock()
     resource = Pending()
-    site = FrontendSite(resource, reactor=clock, headers_deadline=30, body_deadline=120)
+    site = BoundedSite(resource, reactor=clock, headers_deadline=30, body_deadline=120)
     channel = site.buildProtocol(None)
     transport = StringTransport()
     channel.makeConnection(transport)
@@ -163,7 +166,7 @@ def test_uploads_are_spooled_to_a_file_and_still_capped():
     from localai_tw.web.bodies import CappedBody, SpooledCappedBody
 
     keeps = Keeps()
-    site = FrontendSite(keeps, body_limits={b"/v1/": 1000, b"/v1/up": 5000},
+    site = BoundedSite(keeps, body_limits={b"/v1/": 1000, b"/v1/up": 5000},
                         spool_prefixes=(b"/v1/up",))
     body = b"x" * 3000
     feed(site, b"POST /v1/up HTTP/1.1\r\nHost: x\r\nContent-Length: 3000\r\n\r\n" + body)

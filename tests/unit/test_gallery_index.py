@@ -23,6 +23,8 @@ from localai_tw.frontend.gallery.installs import (
     read_url,
 )
 
+from .pendingbus import PendingBus
+
 FIXTURES = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "localai-gallery")
 G = Gallery("test", "file:///index.yaml")
 
@@ -117,7 +119,7 @@ async def test_an_index_larger_than_the_bound_is_refused(tmp_path):
 
 
 def test_a_late_older_snapshot_does_not_replace_a_newer_one():
-    jobs = GalleryJobs(None, None, "r1", "/nowhere", None, (), reactor)
+    jobs = GalleryJobs(None, PendingBus(), "r1", "/nowhere", None, (), reactor)
     jobs._heard("gallery.j1", {"id": "j1", "replica": "r1", "seq": 5, "state": "downloading"})
     jobs._heard("gallery.j1", {"id": "j1", "replica": "r1", "seq": 4, "state": "queued"})
     assert jobs.snapshots["j1"]["state"] == "downloading"
@@ -128,7 +130,7 @@ def test_a_late_older_snapshot_does_not_replace_a_newer_one():
 
 
 def test_progress_snapshots_without_the_description_keep_the_one_heard():
-    jobs = GalleryJobs(None, None, "r1", "/nowhere", None, (), reactor)
+    jobs = GalleryJobs(None, PendingBus(), "r1", "/nowhere", None, (), reactor)
     jobs._heard("gallery.j1", {"id": "j1", "replica": "r1", "seq": 1, "state": "queued",
                                "description": "long text"})
     jobs._heard("gallery.j1", {"id": "j1", "replica": "r1", "seq": 2, "state": "downloading"})
@@ -141,13 +143,17 @@ async def test_a_replica_queues_a_bounded_number_of_jobs(monkeypatch):
     from localai_tw.frontend.gallery import installs as gallery
 
     monkeypatch.setattr(gallery, "MAX_QUEUED", 2)
-    jobs = GalleryJobs(None, None, "r1", "/nowhere", None, (), reactor)
+    bus = PendingBus()
+    jobs = GalleryJobs(None, bus, "r1", "/nowhere", None, (), reactor)
     jobs._running = True  # (a job runs: nothing is started here)
     first = await jobs.delete("a")
-    await jobs.delete("b")
+    second = await jobs.delete("b")
     with pytest.raises(gallery.GalleryBusy, match="2 gallery jobs are queued"):
         await jobs.delete("c")
     assert jobs.snapshots[first]["state"] == "queued" and len(jobs.snapshots) == 2
+    # each queued job is broadcast to the other replicas; the refused one is not
+    assert [(subject, s["state"]) for subject, s in bus.published] == [
+        (f"gallery.{first}", "queued"), (f"gallery.{second}", "queued")]
 
 
 def test_a_replica_stopped_before_its_gallery_subscription_lands_logs_no_failure():

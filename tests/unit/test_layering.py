@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "localai_tw"
 
-BASE = {"errors", "deferreds", "config", "logsafe", "logs", "periodic", "nodekey"}
+BASE = {"errors", "deferreds", "config", "logsafe", "logs", "periodic", "nodekey", "servicetree"}
 
 #: The frontend's sub-packages, each a group of its own (docs/architecture.md, "Rooms").
 FRONTEND_ROOMS = {"api", "inference", "jobs", "gallery"}

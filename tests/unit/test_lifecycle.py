@@ -424,7 +424,8 @@ async def test_scale_up_is_considered_only_when_every_replica_is_busy_here():
     inference.replica_bounds = replica_bounds
     inference.scale_up = scale_up
     inference.where = [Candidate("n1", True, "127.0.0.1:1"), Candidate("n2", True)]
-    scaler = ReplicaScaler(None, inference, use, clock)
+    catalog = type("Catalog", (), {"get": staticmethod(inference.model)})()
+    scaler = ReplicaScaler(None, catalog, inference.chooser, inference.loads, use, clock)
     scaler.note(model("m"), "n1")
     assert asked == [] and scaled == []  # nothing in flight here: not even a query
     use.begin("n1", "m")

@@ -72,3 +72,45 @@ def test_a_utf8_sequence_split_across_tokens_waits_for_its_end():
 def test_a_logprob_entry_has_openais_chat_fields():
     assert logprob_entry(7, " hé".encode(), -0.5) == {
         "id": 7, "token": " hé", "bytes": [32, 104, 195, 169], "logprob": -0.5}
+
+
+def test_localais_options_set_what_llama_cpp_python_can_take():
+    from localai_tw.backends.builtin.llama_cpp import CACHE_TYPES, load_options
+
+    assert load_options(["no_mmap", "mlock:true", "flash_attention:on", "cache_type_k:q8_0",
+                         "cache_type_v:F16", "use_extra_bufts:false", "gpu:1", "n_ctx"]) == {
+        "use_mmap": False, "use_mlock": True, "flash_attn": True,
+        "type_k": CACHE_TYPES["q8_0"], "type_v": CACHE_TYPES["f16"], "extra_bufts": False}
+    # llama-server's flags, as LocalAI passes them through
+    assert load_options(["--no-mmap", "--mlock", "-fa:auto", "-ctk:f16", "--cache-type-v:q4_0",
+                         "--no-repack"]) == {
+        "use_mmap": False, "use_mlock": True, "flash_attn": False,
+        "type_k": CACHE_TYPES["f16"], "type_v": CACHE_TYPES["q4_0"], "extra_bufts": False}
+    assert load_options(["mmap:yes", "no_extra_bufts:false", "repack"]) == {
+        "use_mmap": True, "extra_bufts": True}
+    assert load_options([]) == {}
+
+
+@pytest.mark.parametrize("option, named", [
+    ("mmap:maybe", "'mmap'"), ("no_repack:2", "'no_repack'"),
+    ("cache_type_k:q3", "'cache_type_k'"), ("flash_attention:sometimes", "'flash_attention'"),
+])
+def test_an_option_value_that_cannot_be_read_refuses_the_load_naming_it(option, named):
+    from localai_tw.backends.builtin.llama_cpp import load_options
+
+    with pytest.raises(LoadError) as caught:
+        load_options([option])
+    assert named in str(caught.value)
+
+
+def test_extra_buffer_types_reach_the_model_parameters_only_while_loading():
+    llama = pytest.importorskip("llama_cpp")
+    from localai_tw.backends.builtin.llama_cpp import model_params_with
+
+    assert llama.llama_cpp.llama_model_default_params().use_extra_bufts is True
+    with model_params_with(llama, use_extra_bufts=False):
+        assert llama.llama_cpp.llama_model_default_params().use_extra_bufts is False
+    assert llama.llama_cpp.llama_model_default_params().use_extra_bufts is True
+    with pytest.raises(LoadError):
+        with model_params_with(llama, no_such_field=1):
+            pass

@@ -23,7 +23,7 @@ from localai_tw.localai.model_config import (
 )
 from localai_tw.frontend.api.openai.requests import Fields, merge_sampling
 
-from .test_openai_fakes import FakeRouter, call, make_site
+from .support_openai import FakeRouter, call, make_site
 
 SAMPLE = {"bool": True, "int": 7, "float": 0.5, "str": "x1", "strs": ["a", "b"],
           "floats": [0.25, 0.5]}

@@ -12,7 +12,7 @@ from localai_tw.frontend.inference.interfaces import ModelLoadFailed
 from localai_tw.localai.model_config import parse_model_config, usecases
 from localai_tw.frontend.api.openai import LOADING_NOTICE_INTERVAL
 
-from .test_openai_fakes import Client, FakeRouter, call, make_site, model_config
+from .support_openai import Client, FakeRouter, call, make_site, model_config
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from localai_tw.backends import backend_pb2
 from localai_tw.frontend.api.openai import OpenAIResource
 from localai_tw.frontend.api.kit import APIKeyGuard
 
-from .test_openai_fakes import Client, FakeRouter, call, make_site, model_config
+from .support_openai import Client, FakeRouter, assert_error, call, make_site, model_config
 
 
 @pytest.fixture
@@ -42,20 +42,6 @@ def chat(model="chatty", **more):
     body = {"model": model, "messages": [{"role": "user", "content": "hi there"}]}
     body.update(more)
     return body
-
-
-def assert_error(response, status, type_=None, param=None, code=None):
-    assert response.status == status, response.raw_body
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
-    if type_ is not None:
-        assert error["type"] == type_
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -633,10 +619,10 @@ def test_models_list_and_one_model(site):
 
 def test_resource_accepts_a_router_object_directly(router):
     from twisted.web.resource import Resource
-    from localai_tw.frontend.api.kit import FrontendSite
+    from localai_tw.web.listener import BoundedSite
     root = Resource()
     root.putChild(b"v1", OpenAIResource(router))
-    assert call(FrontendSite(root, timeout=None), "GET", "/v1/models").status == 200
+    assert call(BoundedSite(root, timeout=None), "GET", "/v1/models").status == 200
 
 
 @settings(max_examples=60, deadline=None)
@@ -670,10 +656,10 @@ def test_stream_starting_on_a_full_transport_waits_at_once(site, router):
 
 def named_site(router, lookup):
     from twisted.web.resource import Resource
-    from localai_tw.frontend.api.kit import FrontendSite
+    from localai_tw.web.listener import BoundedSite
     root = Resource()
     root.putChild(b"v1", OpenAIResource(router, node_names=lookup, now=lambda: 1700000000))
-    return FrontendSite(root, timeout=None)
+    return BoundedSite(root, timeout=None)
 
 
 def test_node_header_names_the_node_and_asks_once_per_node(router):

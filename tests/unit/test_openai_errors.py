@@ -9,6 +9,7 @@ from localai_tw.db import pool as db_pool
 from localai_tw.errors import (
     AbsentWithinGrace,
     BackendAnswer,
+    BackendCrashed,
     CallerDeadlineExceeded,
     ControlVerbFailed,
     PeerRejected,
@@ -30,7 +31,7 @@ from localai_tw.frontend.inference.interfaces import (
 )
 from localai_tw.frontend.api.openai import OpenAIError, error_for
 
-from .test_openai_fakes import FakeRouter, call, make_site, model_config
+from .support_openai import FakeRouter, call, make_site, model_config
 
 CASES = [
     # (error, status, type, code, retry-after, text the message must hold)
@@ -68,6 +69,12 @@ CASES = [
      "backend_unavailable", "1", "socket closed"),
     (BackendAnswer("n1", "RESOURCE_EXHAUSTED", "queue full"), 503, "service_unavailable",
      "backend_unavailable", "1", "queue full"),
+    (BackendCrashed("5b1c2a34-0d1e-4f5a-8b9c-0a1b2c3d4e5f", "m", "killed by signal SIGSEGV",
+                    ["loading", "Segmentation fault in ggml_backend_amx_mul_mat\x1b[0m"],
+                    node_name="gpu-1", signal="SIGSEGV"), 502, "upstream_error",
+     "backend_crashed", None,
+     "the backend of model 'm' on node 'gpu-1' crashed during the call: killed by signal "
+     "SIGSEGV; its last output: loading | Segmentation fault in ggml_backend_amx_mul_mat?[0m"),
     (WorkerBusy("n1"), 503, "service_unavailable", "worker_busy", "1", "no free slot"),
     (StreamRefused("n1", "unavailable", "backend port closed"), 502, "upstream_error",
      "worker_error", None, "backend port closed"),
@@ -103,7 +110,7 @@ def test_error_for(error, status, type_, code, retry, text):
 #: Answers the same request would get again: the official clients must not retry them.
 DETERMINISTIC = {"model_load_failed", "not_implemented_by_backend", "backend_error",
                  "peer_rejected", "model_config_invalid", "template_error",
-                 "model_file_mismatch"}
+                 "model_file_mismatch", "backend_crashed"}
 
 
 @pytest.mark.parametrize("error, status, type_, code, retry, text", CASES,
@@ -116,6 +123,17 @@ def test_deterministic_failures_tell_clients_not_to_retry(error, status, type_, 
     deterministic = code in DETERMINISTIC or (code == "worker_error" and status == 500)
     assert answer.headers.get("X-Should-Retry") == ("false" if deterministic else None)
     assert deterministic or status != 500 or code == "internal_error"
+
+
+def test_a_crash_quotes_the_last_output_lines_within_a_bound_and_no_node_id():
+    lines = [f"line {i} " + "x" * 290 for i in range(10)]
+    crash = BackendCrashed("5b1c2a34-0d1e-4f5a-8b9c-0a1b2c3d4e5f", "m", "exited with code 3",
+                           lines, node_name="w1", fallback="the next start turns X off")
+    answer = error_for(crash)
+    assert "line 9 " in answer.message and "line 0 " not in answer.message
+    assert len(answer.message) < 1600
+    assert "5b1c2a34" not in answer.message
+    assert answer.message.endswith("the next start turns X off")
 
 
 def test_internal_errors_never_leak_their_text():

@@ -3,7 +3,7 @@ tool calls read out of answers (every format LocalAI's configs name; stream and 
 tools shown to the model through the templates, grammars sent only to backends that honour
 them (and what each grammar accepts), structured answers validated, and every request a model
 cannot honour refused with a 400 before any backend is called.  The router is the fake of
-``test_openai_fakes`` (answers are scripted)."""
+``support_openai`` (answers are scripted)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,14 @@ from localai_tw.localai.toolcalls import (
 )
 
 from .gbnf_matcher import Grammar
-from .test_openai_api import assert_error
-from .test_openai_fakes import FakeRouter, call, call_settled, make_site, model_config
+from .support_openai import (
+    FakeRouter,
+    assert_error,
+    call,
+    call_settled,
+    make_site,
+    model_config,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

@@ -15,14 +15,29 @@ from localai_tw.frontend.api.openai import constraints
 from localai_tw.frontend.api.openai.errors import OpenAIError
 from localai_tw.localai import gbnf
 
-from .test_openai_api import assert_error
-from .test_openai_fakes import call, call_settled, make_site
-from .test_openai_tools import chat, router  # noqa: F401 (the fixture)
+from .support_openai import FakeRouter, assert_error, call, call_settled, make_site, model_config
+
+FUNCTION_TEMPLATE = "Tools:{{range .Functions}} {{.Name}}{{end}}\n{{.Input}}"
 
 
 @pytest.fixture
-def site(router):  # noqa: F811
+def router():
+    return FakeRouter([
+        model_config("tooly", template={"chat": "{{.Input}}", "function": FUNCTION_TEMPLATE}),
+        model_config("llama", backend="llama-cpp",
+                     template={"chat": "{{.Input}}", "function": FUNCTION_TEMPLATE}),
+    ])
+
+
+@pytest.fixture
+def site(router):
     return make_site(router)
+
+
+def chat(model="tooly", **more):
+    body = {"model": model, "messages": [{"role": "user", "content": "weather in Paris?"}]}
+    body.update(more)
+    return body
 
 
 def tool(i: int, properties: int) -> dict:
@@ -32,7 +47,7 @@ def tool(i: int, properties: int) -> dict:
 
 
 @pytest_twisted.ensureDeferred
-async def test_many_tools_together_are_a_400_before_any_is_checked(site, router):  # noqa: F811
+async def test_many_tools_together_are_a_400_before_any_is_checked(site, router):
     # 128 tools of 40 properties: each within the per-schema bound, 15 000 values together
     # (128 tools of 1300 properties took 13 s of meta-schema checks on the reactor).
     error = assert_error(call(site, "POST", "/v1/chat/completions", chat(
@@ -55,7 +70,7 @@ def doubling(links: int) -> dict:
 
 
 def test_a_schema_whose_refs_double_is_refused_where_answers_are_validated(
-        site, router):  # noqa: F811
+        site, router):
     # 15 links compile to a small grammar, but validating one wrong answer walked 2 ** 15
     # paths (16 links: 11.6 s).
     strict = {"type": "function", "function": {"name": "f", "strict": True,
@@ -77,7 +92,7 @@ def test_a_schema_whose_refs_double_is_refused_where_answers_are_validated(
                 chat("llama", response_format=response_format)).status == 200
 
 
-def test_a_schema_that_compiles_to_a_huge_grammar_is_a_400(site, router):  # noqa: F811
+def test_a_schema_that_compiles_to_a_huge_grammar_is_a_400(site, router):
     # 256 enum strings of 2000 characters under maxItems 64: a 33 MB grammar in 4 s before.
     schema = {"type": "object", "properties": {"x": {
         "type": "array", "maxItems": 64,

@@ -34,6 +34,11 @@ class HandFence:
         self.calls.append(("release", node_id, epoch))
         return defer.succeed(None)
 
+    def release_many(self, owner_id, claims):
+        """The batch form a closing registry uses: every claim released, none fenced out."""
+        self.calls += [("release", node_id, epoch) for node_id, epoch in claims]
+        return defer.succeed({node_id for node_id, _ in claims})
+
     def land_next_claim(self):
         kind, node, d = self.pending.pop(0)
         d.callback(next(self._epochs))
@@ -43,9 +48,16 @@ class FakeSession:
     def __init__(self):
         self.isOpen = True
         self.streams = []
+        self.bytesReceived = self.bytesSent = 0
+        self._closed = defer.Deferred()
+
+    def whenClosed(self):
+        return self._closed
 
     def loseConnection(self):
-        self.isOpen = False
+        if self.isOpen:
+            self.isOpen = False
+            self._closed.callback(None)
 
     def openStream(self, protocol, data=b""):
         if not self.isOpen:

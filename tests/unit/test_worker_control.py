@@ -15,6 +15,7 @@ from twisted.logger import capturedLogs
 
 from localai_tw.web.streaming import PacedWriter
 from localai_tw.worker import control, httpserve
+from localai_tw.worker.control import auth as control_auth
 from localai_tw.worker.control import (
     ControlAuth,
     ControlVerbs,
@@ -27,73 +28,8 @@ from localai_tw.worker.httpserve import (
     TunnelStreamAddress,
     serve_http_on_transport,
 )
-
-LOOPBACK = IPv4Address("TCP", "127.0.0.1", 40000)
-REMOTE = IPv4Address("TCP", "192.0.2.7", 40000)
-
-
-# -- helpers shared with the staging tests ------------------------------------------------------
-
-
-def parse_response(raw: bytes):
-    """(code, headers {lower name: [values]}, body) of the first HTTP/1.1 response in ``raw``."""
-    head, sep, rest = raw.partition(b"\r\n\r\n")
-    assert sep, f"no complete response head in {raw[:200]!r}"
-    lines = head.split(b"\r\n")
-    code = int(lines[0].split(b" ", 2)[1])
-    headers: dict[bytes, list[bytes]] = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers.setdefault(name.strip().lower(), []).append(value.strip())
-    if b"content-length" in headers:
-        body = rest[: int(headers[b"content-length"][0])]
-    elif headers.get(b"transfer-encoding") == [b"chunked"]:
-        body = b""
-        while rest:
-            size_line, _, rest = rest.partition(b"\r\n")
-            size = int(size_line, 16)
-            if size == 0:
-                break
-            body += rest[:size]
-            rest = rest[size + 2:]
-    else:
-        body = rest
-    return code, headers, body
-
-
-def http_request(method: str, path: str, body: bytes | None = b"", headers=()) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: worker.invalid"]
-    lines += [f"{k}: {v}" for k, v in headers]
-    if body is not None:
-        lines.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
-
-
-def connect(site, peer=LOOPBACK, leftover=b"", over_tunnel=False):
-    """A site protocol on a StringTransport: directly (peer as given) or as a tunnel stream."""
-    transport = StringTransport(peerAddress=peer)
-    if over_tunnel:
-        protocol = serve_http_on_transport(site, transport, leftover)
-    else:
-        protocol = site.buildProtocol(peer)
-        protocol.makeConnection(transport)
-        if leftover:
-            protocol.dataReceived(leftover)
-    return transport, protocol
-
-
-def exchange(site, raw: bytes, peer=LOOPBACK, over_tunnel=False):
-    transport, protocol = connect(site, peer, over_tunnel=over_tunnel)
-    protocol.dataReceived(raw)
-    return parse_response(transport.value()), transport, protocol
-
-
-def post(site, verb_path: str, payload=b"{}", headers=(), peer=LOOPBACK):
-    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    (code, hdrs, body), transport, _ = exchange(
-        site, http_request("POST", verb_path, body, headers), peer
-    )
-    return code, hdrs, body
+from .support_worker_http import (LOOPBACK, REMOTE, connect, exchange, http_request,
+                                  parse_response, post)
 
 
 def make_site(verbs=None, token=None, readiness=lambda: None):
@@ -574,13 +510,13 @@ def test_verbs_that_must_finish_are_not_cancelled_by_a_disconnect():
 
 def test_bearer_token_missing_wrong_right(monkeypatch):
     compared = []
-    real = control.hmac.compare_digest
+    real = control_auth.hmac.compare_digest
 
     def spy(a, b):
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(control.hmac, "compare_digest", spy)
+    monkeypatch.setattr(control_auth.hmac, "compare_digest", spy)  # where the token is compared
     site, verbs = make_site(token="s3cret")
     verbs.register("node.status", lambda body: {"ok": True})
     code, headers, body = post(site, "/v1/control/node/status")

@@ -12,11 +12,20 @@ import pytest
 from localai_tw.worker.control import ControlAuth, ControlVerbs, build_worker_site
 from localai_tw.worker.scratch import ScratchArea
 from localai_tw.worker.staging import FileStaging
-from tests.unit.test_worker_control import connect, exchange, http_request, parse_response, post
-from tests.unit.test_worker_staging import SynchronousThreads, put_head, roots, sha  # noqa: F401
+
+from .support_worker_http import (
+    SynchronousThreads,
+    connect,
+    exchange,
+    http_request,
+    parse_response,
+    post,
+    put_head,
+    sha,
+)
 
 
-def make(roots, **kw):  # noqa: F811
+def make(roots, **kw):
     auth = ControlAuth(None)
     files = FileStaging(roots, auth, SynchronousThreads())
     area = ScratchArea(files.scratch_root, SynchronousThreads(), **kw)

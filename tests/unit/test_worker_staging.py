@@ -26,41 +26,19 @@ from localai_tw.worker.staging import (
     StagingRoots,
     parse_key,
 )
-from tests.unit.test_worker_control import (
+
+from .support_worker_http import (
     REMOTE,
+    SynchronousThreads,
     connect,
     exchange,
     http_request,
     parse_response,
+    put_head,
+    sha,
 )
 
 MiB = 1024 * 1024
-
-
-class SynchronousThreads:
-    """A reactor stand-in whose thread pool runs work at once, so tests stay deterministic."""
-
-    def getThreadPool(self):
-        return self
-
-    def callInThreadWithCallback(self, on_result, f, *args, **kwargs):
-        try:
-            result = f(*args, **kwargs)
-        except BaseException:
-            on_result(False, Failure())
-        else:
-            on_result(True, result)
-
-    def callFromThread(self, f, *args, **kwargs):
-        f(*args, **kwargs)
-
-
-@pytest.fixture
-def roots(tmp_path):
-    for name in ("models", "data", "staging"):
-        (tmp_path / name).mkdir()
-    return StagingRoots(str(tmp_path / "models"), str(tmp_path / "data"),
-                        str(tmp_path / "staging"))
 
 
 def make_staging(roots, token=None, max_upload=staging.DEFAULT_MAX_UPLOAD_BYTES):
@@ -72,17 +50,6 @@ def make_staging(roots, token=None, max_upload=staging.DEFAULT_MAX_UPLOAD_BYTES)
     )
     return site, files
 
-
-def put_head(key: str, size: int, digest: str | None, extra=()) -> bytes:
-    lines = [f"PUT /v1/files/{key} HTTP/1.1", "Host: w", f"Content-Length: {size}"]
-    if digest is not None:
-        lines.append(f"X-Content-SHA256: {digest}")
-    lines += [f"{k}: {v}" for k, v in extra]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def leftovers(directory) -> list[str]:

@@ -6,7 +6,11 @@ benchmarks.  Run as ``python -m localai_tw.backends.builtin.echo --addr 127.0.0.
   ``echo.fail_load:<message>``: then ``success=false`` with that message (as Python backends
   report a failed load).  Other options: ``echo.delay_ms:<n>`` (sleep per generated word),
   ``echo.dim:<n>`` (embedding width, default 8), ``echo.load_delay_ms:<n>`` (a slow load,
-  at most 60 s: the dashboard's test watches a cold load in progress).
+  at most 60 s: the dashboard's test watches a cold load in progress).  Test hooks for crash
+  reporting: ``echo.crash_on:<word>`` makes the process die by SIGSEGV when it reaches that
+  word of a prompt (a stream sends the words before it first), ``echo.exit_on:<word>`` makes it
+  exit with code 3 there, ``echo.crash_load`` makes ``LoadModel`` die by SIGSEGV; each writes
+  one line to stderr first.
 - ``Predict`` answers the prompt (or the last message when ``UseTokenizerTemplate``) word by
   word, at most ``Tokens`` words when ``Tokens`` > 0; ``tokens`` / ``prompt_tokens`` count
   words.  ``PredictStream`` yields one word per reply (with its trailing space) and the running
@@ -31,6 +35,7 @@ import hashlib
 import math
 from collections import OrderedDict
 import os
+import signal
 import struct
 import threading
 import time
@@ -98,6 +103,10 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
 
     def LoadModel(self, request, context):
         options = parse_options(request.Options)
+        if "echo.crash_load" in options:
+            os.write(2, b"echo: crashing on purpose while loading (echo.crash_load)\n")
+            signal.raise_signal(signal.SIGSEGV)
+            time.sleep(5)
         failure = options.get("echo.fail_load")
         if failure is not None:
             return backend_pb2.Result(success=False, message=failure or "load refused")
@@ -138,6 +147,16 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
         answer = prompt[: request.Tokens] if request.Tokens > 0 else prompt
         return answer, len(prompt)
 
+    def _crash_at(self, word: str) -> None:
+        """The crash test hooks (module docstring)."""
+        if word == self.options.get("echo.crash_on"):
+            os.write(2, f"echo: crashing on purpose at {word!r} (echo.crash_on)\n".encode())
+            signal.raise_signal(signal.SIGSEGV)  # this thread, before anything else
+            time.sleep(5)
+        if word == self.options.get("echo.exit_on"):
+            os.write(2, f"echo: exiting on purpose at {word!r} (echo.exit_on)\n".encode())
+            os._exit(3)
+
     def _busy_enter(self):
         with self._lock:
             self._busy += 1
@@ -151,6 +170,8 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
         self._busy_enter()
         try:
             answer, prompt_tokens = self._answer_words(request)
+            for word in answer:
+                self._crash_at(word)
             delay = self._delay(request)
             if delay:
                 time.sleep(delay * len(answer))
@@ -170,6 +191,7 @@ class EchoServicer(backend_pb2_grpc.BackendServicer):
                     return
                 if delay:
                     time.sleep(delay)
+                self._crash_at(word)
                 piece = word if index == len(answer) - 1 else word + " "
                 yield backend_pb2.Reply(message=piece.encode("utf-8"), tokens=index + 1,
                                         prompt_tokens=prompt_tokens)

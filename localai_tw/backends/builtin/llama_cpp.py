@@ -12,6 +12,23 @@ default), ``Threads``, ``NGPULayers``, ``MMap``, ``MLock``, ``Embeddings``, ``Se
 ``CacheTypeKey``/``CacheTypeValue``, ``FlashAttention``, ``NoKVOffload``, ``RopeFreqBase``/
 ``RopeFreqScale``, ``MainGPU``, ``TensorSplit``, ``NUMA``, ``LoraAdapter``/``LoraBase``/
 ``LoraScale``; its ``Result.message`` states the effective context, threads and GPU layers.
+LocalAI's ``options:`` entries (``name:value``, or ``name`` alone for true) that llama-cpp-python
+can honour override those fields (:func:`load_options`): ``mmap``/``use_mmap``, ``no_mmap``,
+``mlock``/``use_mlock``, ``flash_attention``/``flash_attn``/``fa``, ``cache_type_k``/``ctk``,
+``cache_type_v``/``ctv``, ``use_extra_bufts``/``extra_bufts``/``repack`` and
+``no_extra_bufts``/``no_repack``, and the llama-server flags LocalAI passes through
+(``--no-mmap``, ``--mlock``, ``-fa``/``--flash-attn``, ``-ctk``/``--cache-type-k``,
+``-ctv``/``--cache-type-v``, ``-nr``/``--no-repack``).  Other options are ignored, as LocalAI's
+backend ignores names it does not know.  llama.cpp's extra buffer types (weight repacking, the
+AMX kernels on CPUs that have them) are a model parameter ``Llama(...)`` does not take: it is
+set in the parameters the bindings start from (:func:`model_params_with`).  The worker's
+decision in ``LOCALAI_LLAMA_EXTRA_BUFTS=0`` (its AMX fallback) wins over the options.
+
+The first evaluation after a load is announced on stderr (``serving.FIRST_EVAL_STARTED`` with
+the extra buffer types' state, then ``FIRST_EVAL_FINISHED``), so the worker can tell a crash
+there from a later one.  Test hook: with ``LOCALAI_TEST_CRASH_FIRST_EVAL_WITH_EXTRA_BUFTS=1`` in
+its environment the process kills itself with SIGSEGV at that point while the extra buffer types
+are on, as llama.cpp's AMX defect does on AMX CPUs (tests only; nothing else sets it).
 
 Generation (``Predict``, ``PredictStream``) runs one token loop for both, so a stream's
 running ``tokens`` count ends equal to ``Predict``'s for the same output: the prompt is
@@ -45,11 +62,14 @@ import codecs
 import collections
 import contextlib
 import ctypes
+import itertools
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
+import time
 
 import grpc
 
@@ -62,6 +82,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_LOG_LINES = 64
 MAX_QUOTED = 600
 #: ggml type ids for CacheTypeKey / CacheTypeValue (llama.cpp's --cache-type-k names).
+#: The crash test hook (module docstring).
+CRASH_TEST_ENV = "LOCALAI_TEST_CRASH_FIRST_EVAL_WITH_EXTRA_BUFTS"
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
                "iq4_nl": 20, "bf16": 30}
 
@@ -194,6 +216,97 @@ def _cache_type(name: str, field: str):
                         f"({', '.join(sorted(CACHE_TYPES))})") from None
 
 
+_TRUE = frozenset({"true", "1", "yes", "on", "enabled"})
+_FALSE = frozenset({"false", "0", "no", "off", "disabled"})
+#: options name -> (key of :func:`load_options`' answer, how its value is read)
+_OPTION_NAMES = {
+    "mmap": ("use_mmap", "bool"), "use_mmap": ("use_mmap", "bool"),
+    "no_mmap": ("use_mmap", "not"), "--no-mmap": ("use_mmap", "not"),
+    "mlock": ("use_mlock", "bool"), "use_mlock": ("use_mlock", "bool"),
+    "mmlock": ("use_mlock", "bool"), "--mlock": ("use_mlock", "bool"),
+    "flash_attention": ("flash_attn", "flash"), "flash_attn": ("flash_attn", "flash"),
+    "fa": ("flash_attn", "flash"), "-fa": ("flash_attn", "flash"),
+    "--flash-attn": ("flash_attn", "flash"),
+    "cache_type_k": ("type_k", "cache"), "ctk": ("type_k", "cache"),
+    "-ctk": ("type_k", "cache"), "--cache-type-k": ("type_k", "cache"),
+    "cache_type_v": ("type_v", "cache"), "ctv": ("type_v", "cache"),
+    "-ctv": ("type_v", "cache"), "--cache-type-v": ("type_v", "cache"),
+    "use_extra_bufts": ("extra_bufts", "bool"), "extra_bufts": ("extra_bufts", "bool"),
+    "repack": ("extra_bufts", "bool"), "--repack": ("extra_bufts", "bool"),
+    "no_extra_bufts": ("extra_bufts", "not"), "no_repack": ("extra_bufts", "not"),
+    "-nr": ("extra_bufts", "not"), "--no-repack": ("extra_bufts", "not"),
+}
+
+
+def _flag(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise LoadError(f"option {name!r}: {value!r} is not a boolean (true/false, on/off, 1/0)")
+
+
+def _flash(name: str, value: str) -> bool:
+    """llama-cpp-python's ``Llama`` takes flash attention on or off; ``auto`` (llama.cpp's own
+    default) is off here."""
+    if value.strip().lower() == "auto":
+        return False
+    return _flag(name, value)
+
+
+def load_options(options, request=None) -> dict:
+    """The load parameters LocalAI's ``options:`` list sets (module docstring), as
+    ``{use_mmap, use_mlock, flash_attn, type_k, type_v, extra_bufts}`` (only those given).  A
+    value that cannot be read refuses the load naming the option."""
+    chosen: dict = {}
+    for item in options:
+        name, sep, value = str(item).partition(":")
+        name = name.strip()
+        known = _OPTION_NAMES.get(name) or _OPTION_NAMES.get(name.lower())
+        if known is None:
+            continue
+        key, kind = known
+        value = value if sep else "true"
+        if kind == "bool":
+            chosen[key] = _flag(name, value)
+        elif kind == "not":
+            chosen[key] = not _flag(name, value)
+        elif kind == "flash":
+            chosen[key] = _flash(name, value)
+        else:
+            chosen[key] = _cache_type(value.strip(), f"option {name!r}")
+    return chosen
+
+
+@contextlib.contextmanager
+def model_params_with(llama_cpp_module, **fields):
+    """While the bindings' ``Llama`` loads: the model parameters it starts from
+    (``llama_model_default_params``) carry ``fields`` (e.g. ``use_extra_bufts=False``), which
+    ``Llama(...)`` has no argument for.  Loads are serialized, so the swap is private."""
+    low_level = llama_cpp_module.llama_cpp
+    default = low_level.llama_model_default_params
+    if not fields:
+        yield
+        return
+    names = {name for name, _ in low_level.llama_model_params._fields_}
+    missing = sorted(set(fields) - names)
+    if missing:
+        raise LoadError(f"this llama-cpp-python has no model parameter {', '.join(missing)}")
+
+    def with_fields():
+        params = default()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    low_level.llama_model_default_params = with_fields
+    try:
+        yield
+    finally:
+        low_level.llama_model_default_params = default
+
+
 def _tensor_split(text: str):
     if not text:
         return None
@@ -246,6 +359,8 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         self._busy = 0
         self._lock = threading.Lock()  # one llama context: one operation at a time
         self._count_lock = threading.Lock()
+        self.extra_bufts = True
+        self._first_evaluation = False  # True from a load until its first evaluation ends
         self.log = LlamaLog()
         self._log_callback = None  # the ctypes callback (kept referenced)
 
@@ -291,6 +406,10 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         lora = request.LoraAdapter
         if lora and not os.path.isabs(lora) and request.ModelPath:
             lora = os.path.join(request.ModelPath, lora)
+        chosen = load_options(request.Options)
+        extra_bufts = chosen.pop("extra_bufts", True)
+        if os.environ.get(serving.EXTRA_BUFTS_ENV, "").strip() == "0":
+            extra_bufts = False  # the worker's decision (its AMX fallback) wins
         kwargs = dict(
             model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
             n_gpu_layers=request.NGPULayers, use_mmap=request.MMap, use_mlock=request.MLock,
@@ -301,6 +420,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
             type_v=_cache_type(request.CacheTypeValue, "CacheTypeValue"),
             tensor_split=_tensor_split(request.TensorSplit),
         )
+        kwargs.update(chosen)
         if request.Seed:
             kwargs["seed"] = request.Seed & 0xFFFFFFFF
         if request.NBatch > 0:
@@ -316,13 +436,17 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
                           lora_scale=request.LoraScale or 1.0)
         self.log.mark()
         try:
-            with lenient_chat_templates(llama_chat_format):
+            with lenient_chat_templates(llama_chat_format), \
+                    model_params_with(llama_cpp,
+                                      **({} if extra_bufts else {"use_extra_bufts": False})):
                 llm = llama_cpp.Llama(**kwargs)
         except Exception as e:
             said = self.log.errors()
             raise LoadError(f"llama.cpp could not load {path}: "
                             f"{said or f'{type(e).__name__}: {e}'}") from None
         self.llm, self.path, self.embeddings = llm, path, bool(request.Embeddings)
+        self.extra_bufts = extra_bufts
+        self._first_evaluation = True
         template = llm.metadata.get("tokenizer.chat_template")
         self.template_error = ""
         if template:
@@ -342,7 +466,9 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         gpu = (f"gpu layers {request.NGPULayers} requested" +
                ("" if offload else " (this llama.cpp build has no GPU offload: all on CPU)"))
         return (f"loaded {path} with llama.cpp: n_ctx {self._n_ctx()}, "
-                f"threads {llm.n_threads}, {gpu}, mmap {bool(request.MMap)}, "
+                f"threads {llm.n_threads}, {gpu}, mmap {kwargs['use_mmap']}, "
+                f"mlock {kwargs['use_mlock']}, flash attention {kwargs['flash_attn']}, "
+                f"extra buffer types {'on' if extra_bufts else 'off'}, "
                 f"embeddings {self.embeddings}, chat template "
                 f"{'from the GGUF' if self.chat_formatter else 'none'}")
 
@@ -470,6 +596,25 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         llama_cpp.llama_sampler_free(sampler)
         return LlamaGrammar.from_string(text, verbose=False)
 
+    @contextlib.contextmanager
+    def _evaluation(self):
+        """Around an evaluation: the first one after a load is announced on stderr (module
+        docstring), with the crash test hook."""
+        first = self._first_evaluation
+        if first:
+            state = "on" if self.extra_bufts else "off"
+            os.write(2, f"{serving.FIRST_EVAL_STARTED} {state}\n".encode())
+            if self.extra_bufts and os.environ.get(CRASH_TEST_ENV) == "1":
+                os.write(2, b"crashing on purpose (" + CRASH_TEST_ENV.encode() + b")\n")
+                signal.raise_signal(signal.SIGSEGV)  # this thread, before anything else
+                time.sleep(5)
+        try:
+            yield
+        finally:  # an exception ended it too: only a crash leaves it unfinished
+            if first:
+                self._first_evaluation = False
+                os.write(2, f"{serving.FIRST_EVAL_FINISHED}\n".encode())
+
     # -- generation ----------------------------------------------------------------------
 
     def _refuse_generation_on_embeddings(self, context):
@@ -527,7 +672,9 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         entries: list[dict] = []
         generator = llm.generate(prompt, **sampling)
         try:
-            for token in generator:
+            with self._evaluation():  # the prompt is evaluated before the first token
+                first = next(generator, None)
+            for token in itertools.chain([] if first is None else [first], generator):
                 if not context.is_active():
                     return
                 if llama_cpp.llama_vocab_is_eog(vocab, token) and not request.IgnoreEOS:
@@ -622,7 +769,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         text = request.Embeddings or request.Prompt
         self._busy_enter()
         try:
-            with self._lock:
+            with self._lock, self._evaluation():
                 vector, count = llm.embed(text, return_count=True)
         finally:
             self._busy_exit()

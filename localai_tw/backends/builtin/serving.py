@@ -45,6 +45,13 @@ PARENT_WATCH_ENV = "LOCALAI_BACKEND_PARENT_WATCH"
 #: supervisor always sets it, last, so neither its environment nor a start request decides it.
 REMOTE_CODE_ENV = "LOCALAI_ALLOW_REMOTE_CODE"
 PARENT_WATCH_INTERVAL_ENV = "LOCALAI_BACKEND_PARENT_WATCH_INTERVAL"
+#: "0" when the worker decided llama.cpp's extra buffer types must be off for this start (the
+#: AMX fallback, ``backends/amx_fallback.py``); wins over the model's options.
+EXTRA_BUFTS_ENV = "LOCALAI_LLAMA_EXTRA_BUFTS"
+#: The lines a backend writes to stderr around its first evaluation after a load, so the worker
+#: can tell a crash there from a later one; the first ends with the extra buffer types' state.
+FIRST_EVAL_STARTED = "[llama-cpp] first evaluation after the load: started, extra buffer types"
+FIRST_EVAL_FINISHED = "[llama-cpp] first evaluation after the load: finished"
 MAX_WORKERS_ENV = "PYTHON_GRPC_MAX_WORKERS"
 
 #: Methods whose request carries ``ModelIdentity`` and is checked.

@@ -27,14 +27,12 @@ from localai_tw.frontend.gallery.installs import (
 from localai_tw.frontend.gallery.overrides import RefusedOverride, check_request_overrides
 from localai_tw.frontend.api.kit import (
     AdminResource,
-    APIError,
     APIKeyGuard,
-    Route,
-    bad_request,
-    not_found,
     read_json_object,
     reject_unknown_fields,
+    Route,
 )
+from localai_tw.web.errors import APIError, bad_request, not_found
 
 #: The first segments under /models that are the gallery's.
 GALLERY_SEGMENTS = frozenset({b"available", b"galleries", b"apply", b"jobs", b"delete"})

@@ -32,16 +32,13 @@ from localai_tw.frontend.jobs.cancel import CANCELLED, CancelFanout
 from localai_tw.frontend.jobs.store import FINISHED, STATES, JobStore
 from localai_tw.frontend.api.kit import (
     AdminResource,
-    APIError,
     APIKeyGuard,
-    Route,
-    bad_request,
-    conflict,
-    not_found,
     printable,
     read_json_object,
     reject_unknown_fields,
+    Route,
 )
+from localai_tw.web.errors import APIError, bad_request, conflict, not_found
 
 #: Body cap of ``POST /api/jobs``: the input cap plus room for the envelope.
 MAX_JOB_BODY_BYTES = MAX_INPUT_BYTES + 64 * 1024

@@ -44,15 +44,14 @@ from localai_tw.frontend.inference.lifecycle import (
 )
 from localai_tw.frontend.api.kit import (
     AdminResource,
-    APIError,
     APIKeyGuard,
-    bad_request,
     printable,
     read_json_object,
     reject_unknown_fields,
     Route,
     worker_call_error,
 )
+from localai_tw.web.errors import APIError, bad_request
 
 log = Logger()
 

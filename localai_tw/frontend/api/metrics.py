@@ -23,7 +23,8 @@ from localai_tw.metrics import CONTENT_TYPE, ReplicaMetrics, exposition, gathere
 
 from localai_tw.frontend.api.kit import worker_call_error
 from localai_tw.frontend.api.nodes import WORKER_CALL_TIMEOUT, NodesAdminResource
-from localai_tw.frontend.api.kit import APIError, APIKeyGuard, ClusterParts, render_error
+from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts, render_error
+from localai_tw.web.errors import APIError
 
 log = Logger()
 

@@ -47,9 +47,10 @@ GET /api/cluster/loads             ``{"loads": [{"model", "node_id", "phase", "r
 A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
 "gpu_vendor", "max_replicas_per_model", "last_heartbeat", "created_at", "owner": {"replica",
 "epoch"} | null, "presence", "never_connected", "models": [{"model_name", "replica_index",
-"state", "in_flight", "backend_type", "last_used"}]}`` (``in_flight``: requests in flight
-through this replica).  ``owner`` is the *live* replica holding the node's
-tunnel (null when none does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or
+"state", "in_flight", "backend_type", "last_used", "note"}]}`` (``in_flight``: requests in
+flight through this replica; ``note``: what the worker changed when it started the model's
+backend, e.g. llama.cpp's extra buffer types off after a crash on an AMX CPU, else null).
+``owner`` is the *live* replica holding the node's tunnel (null when none does); ``presence`` is ``connected``, ``reconnecting``, ``unknown`` or
 ``gone``, and when the presence query failed it is ``unknown`` with ``presence_error`` set.
 ``reconnect_grace_left`` is the seconds of the reconnect grace left to a ``reconnecting`` node
 whose departure is recorded (null otherwise).
@@ -91,29 +92,38 @@ from localai_tw.cluster.nodes import (
 from localai_tw.cluster.ownership import ConnectionView, Presence
 
 from localai_tw.frontend.api.kit import (
+
     AdminResource,
-    APIError,
+
     APIKeyGuard,
-    bad_request,
+
     call_hook,
+
     ClusterParts,
-    conflict,
+
     DATABASE_DOWN,
-    not_found,
+
     printable,
+
     read_json_object,
+
     reject_unknown_fields,
+
     Route,
+
     worker_call_error,
+
 )
+
+from localai_tw.web.errors import APIError, bad_request, conflict, not_found
 from localai_tw.frontend.api.lifecycle import answer_results, force_field
 from localai_tw.frontend.api.workers import valid_node_id
 
 log = Logger()
 
 _MODELS_SQL = (
-    "SELECT node_id, model_name, replica_index, state, in_flight, backend_type, last_used"
-    " FROM node_models WHERE node_id = ANY(%s) ORDER BY model_name, replica_index"
+    "SELECT node_id, model_name, replica_index, state, in_flight, backend_type, last_used,"
+    " note FROM node_models WHERE node_id = ANY(%s) ORDER BY model_name, replica_index"
 )
 
 
@@ -235,14 +245,14 @@ class NodesAdminResource(AdminResource):
         rows = await parts.db.runQuery(_MODELS_SQL, (ids,))
         models: dict[str, list[dict]] = {}
         use = getattr(parts.lifecycle, "use", None)
-        for node_id, model_name, replica_index, state, in_flight, backend_type, last_used \
-                in rows:
+        for node_id, model_name, replica_index, state, in_flight, backend_type, last_used, \
+                note in rows:
             if use is not None:
                 in_flight = use.in_flight(node_id, model_name)
             models.setdefault(node_id, []).append({
                 "model_name": model_name, "replica_index": replica_index, "state": state,
                 "in_flight": in_flight, "backend_type": backend_type,
-                "last_used": _iso(last_used)})
+                "last_used": _iso(last_used), "note": note or None})
         connections: dict[str, ConnectionView] = {}
         failed: BaseException | None = None
         try:

@@ -18,7 +18,9 @@ from twisted.internet import defer
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from localai_tw.frontend.api.kit import JSONDirectory, not_ready, render_error
+from localai_tw.frontend.api.kit import JSONDirectory, render_error
+
+from localai_tw.web.errors import not_ready
 
 
 class LivenessResource(Resource):

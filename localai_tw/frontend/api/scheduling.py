@@ -28,16 +28,24 @@ import re
 from twisted.web.resource import Resource
 
 from localai_tw.frontend.api.kit import (
+
     AdminResource,
+
     APIKeyGuard,
+
     ClusterParts,
-    Route,
-    bad_request,
-    not_found,
+
     printable,
+
     read_json_object,
+
     reject_unknown_fields,
+
+    Route,
+
 )
+
+from localai_tw.web.errors import bad_request, not_found
 
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 MAX_SELECTOR_PAIRS = 32

@@ -21,7 +21,9 @@ from typing import Iterable
 from localai_tw import errors
 from localai_tw.metrics import RequestRecord, condition_label
 
-from localai_tw.frontend.api.kit import AdminResource, APIKeyGuard, Route, bad_request
+from localai_tw.frontend.api.kit import AdminResource, APIKeyGuard, Route
+
+from localai_tw.web.errors import bad_request
 
 #: How many requests a replica remembers (the oldest is dropped first): about 1 KB each as
 #: measured with tracemalloc (1.4 KB for a cold load's trace with every hop).

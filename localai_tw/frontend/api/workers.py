@@ -42,7 +42,7 @@ and never change a node except through the ``NodeRegistry``.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 from twisted.logger import Logger
 
@@ -55,20 +55,26 @@ from localai_tw.cluster.nodes import (
 )
 
 from localai_tw.frontend.api.kit import (
-    APIError,
-    ClusterParts,
-    JSONResource,
-    Route,
-    bad_request,
+
     bearer_token,
+
     call_hook,
-    conflict,
-    not_found,
+
+    ClusterParts,
+
+    JSONResource,
+
     printable,
+
     read_json_object,
+
     reject_unknown_fields,
-    unauthorized,
+
+    Route,
+
 )
+
+from localai_tw.web.errors import APIError, bad_request, conflict, not_found, unauthorized
 
 log = Logger()
 
@@ -108,18 +114,24 @@ class WorkerRegistrationResource(JSONResource):
     """``/api/node``: register and heartbeat.
 
     :param parts: the replica's :class:`~localai_tw.frontend.api.kit.ClusterParts`.
+    :param hold_connection: ``hold_connection(request, node_id)``, called when a known node's
+        heartbeat was answered: the listener's
+        :meth:`~localai_tw.web.listener.BoundedSite.hold_connection`, so the connection a
+        worker keeps alive between beats leaves the connection cap (one per node).
     """
 
-    def __init__(self, parts: ClusterParts):
+    def __init__(self, parts: ClusterParts,
+                 hold_connection: Callable[[Any, str], None] | None = None):
         super().__init__()
         self._parts = parts
+        self._hold_connection = hold_connection
 
     def routes(self):
         return (Route("POST", ("register",), self.register),
                 Route("POST", ("{node_id}", "heartbeat"), self.heartbeat))
 
     def guard(self, request) -> None:
-        """From the headers alone (``FrontendSite`` also runs it when the headers of a request
+        """From the headers alone (``BoundedSite`` also runs it when the headers of a request
         with a body end): 429 for a source over its registration limit, then 401 without the
         registration token."""
         self._check_rate(self._parts, request)
@@ -207,7 +219,11 @@ class WorkerRegistrationResource(JSONResource):
             if e.field == "id":
                 raise unknown from None
             raise bad_request(str(e), field=e.field) from None
-        heartbeat_answered = getattr(getattr(request, "site", None), "heartbeat_answered", None)
-        if heartbeat_answered is not None:
-            heartbeat_answered(request, node_id)
+        if self._hold_connection is not None:
+            self._hold_connection(request, node_id)
         return 200, {"status": status.value}
+
+
+def is_heartbeat_path(path: bytes) -> bool:
+    """Whether ``path`` is a node's heartbeat (whose successful answers get no access line)."""
+    return path.startswith(b"/api/node/") and path.endswith(b"/heartbeat")

@@ -26,7 +26,8 @@ run as jobs whose state every replica can answer (``docs/models.md``, "Gallery")
 - **Finished**: the row holds the final snapshot (``done`` or ``failed`` with the reason).
 
 What this module must never do: fetch a URL an API caller chose (only configured galleries and
-the URLs their entries name), write outside the models directory, leave a config naming a file
+the URLs their entries name), read a ``file://`` source for an install unless the operator
+allows local sources, write outside the models directory, leave a config naming a file
 that is not there, or treat a broadcast as the record (the row is).
 """
 
@@ -46,7 +47,6 @@ from twisted.application.service import Service
 from twisted.internet import defer, protocol, task, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, RedirectAgent
 from twisted.web.http_headers import Headers
 
 from localai_tw.cluster.clock import (
@@ -60,13 +60,19 @@ from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.localai.yamlbound import GALLERY_INDEX, MODEL_CONFIG, bounded_loader
 
 from localai_tw.frontend.inference.downloads import (
-    REDIRECT_LIMIT,
+    failure_reason,
     open_regular_file,
     resolve_url,
     shown_url,
 )
+from localai_tw.frontend.inference.fetchpolicy import fetch_agent
 from localai_tw.frontend.inference.interfaces import ModelFileMismatch
-from localai_tw.localai.model_config import ModelConfigError, ModelDownload, parse_model_config
+from localai_tw.localai.model_config import (
+    ModelCatalog,
+    ModelConfigError,
+    ModelDownload,
+    parse_model_config,
+)
 
 log = Logger()
 
@@ -210,17 +216,26 @@ async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
     if not real.startswith(("http://", "https://")):
         raise GalleryError(f"{shown}: only file://, http(s):// and github: are read")
     if agent is None:
-        agent = RedirectAgent(Agent(reactor, connectTimeout=30,
-                                    pool=HTTPConnectionPool(reactor, persistent=False)),
-                              redirectLimit=REDIRECT_LIMIT)
-    requesting = agent.request(b"GET", real.encode("ascii", "replace"),
+        agent = fetch_agent(reactor, allow_private=False)
+
+    def failed(reason: str) -> GalleryError:
+        # One text for a refused destination, a closed port, a timeout or a status, as for
+        # model downloads (downloads.py): the reason is for the operator's log only.
+        log.warn("fetching {url} failed: {reason}", url=shown, reason=reason)
+        return GalleryError(f"{shown} cannot be fetched; the frontend's log says why")
+
+    try:
+        encoded = real.encode("ascii")
+    except UnicodeEncodeError:
+        raise GalleryError(f"{shown}: the URL must be ASCII (percent-encode it)") from None
+    requesting = agent.request(b"GET", encoded,
                                Headers({b"User-Agent": [b"localai-tw gallery"]}))
     timer = reactor.callLater(FETCH_TIMEOUT, requesting.cancel)
     try:
         response = await requesting
         if response.code != 200:
             response.deliverBody(protocol.Protocol())
-            raise GalleryError(f"{shown} answered HTTP {response.code}")
+            raise failed(f"HTTP {response.code}")
         if response.length is not None and isinstance(response.length, int) \
                 and response.length > limit:
             response.deliverBody(protocol.Protocol())
@@ -229,11 +244,11 @@ async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
     except ResponseTooLarge:
         raise GalleryError(f"{shown} is larger than {limit} bytes") from None
     except defer.CancelledError:
-        raise GalleryError(f"{shown}: no answer within {FETCH_TIMEOUT:.0f} s") from None
+        raise failed(f"no answer within {FETCH_TIMEOUT:.0f} s") from None
     except GalleryError:
         raise
     except Exception as e:
-        raise GalleryError(f"{shown} cannot be fetched: {str(e)[:200]}") from None
+        raise failed(failure_reason(e)) from None
     finally:
         if timer.active():
             timer.cancel()
@@ -368,25 +383,29 @@ class GalleryJobs(Service):
     """The gallery of one replica: indexes, its queue of operations, and the snapshots of
     every job the cluster broadcast (module docstring).
 
-    :param bus: a started-with-this-service ``PgBus`` (or None: snapshots stay local; tests).
+    :param bus: a started-with-this-service ``PgBus``.
     :param downloads: the replica's :class:`~.downloads.ModelDownloads`.
+    :param catalog: the replica's :class:`~.models.ModelCatalog` of ``models_dir`` (one of its
+        own when not given).
     """
 
     name = "gallery"
 
     def __init__(self, db, bus, instance_id: str, models_dir: str, downloads,
-                 galleries: tuple[Gallery, ...], reactor, *, agent=None,
-                 progress_interval: float = 1.0, broadcast: bool = True):
+                 galleries: tuple[Gallery, ...], reactor, *, agent=None, catalog=None,
+                 progress_interval: float = 1.0):
         self.db, self.bus, self.instance_id = db, bus, instance_id
         self.models_dir = models_dir
+        #: every config's ``name`` (the existing-name check reads it)
+        self.catalog = catalog if catalog is not None else ModelCatalog(models_dir)
         self.downloads = downloads
         self.galleries = galleries
         self._reactor = reactor
-        self._agent = agent
+        # the downloads' agent: one destination policy for every fetch of this replica
+        self._agent = agent if agent is not None else getattr(downloads, "agent", None)
+        #: an install may read file:// sources (the operator's --allow-private-downloads)
+        self.allow_local_sources = bool(getattr(downloads, "allow_private", False))
         self.progress_interval = progress_interval
-        #: False is the deliberate break the tests name: a replica that publishes only to
-        #: itself.
-        self.broadcast = broadcast
         self.snapshots: OrderedDict[str, dict] = OrderedDict()
         self._queue: deque[_Op] = deque()
         self._running = False
@@ -398,9 +417,8 @@ class GalleryJobs(Service):
 
     def startService(self):
         super().startService()
-        if self.bus is not None:
-            return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallbacks(
-                self._subscribed, self._not_subscribed)
+        return self.bus.subscribe(f"{SUBJECT_ROOT}.*", self._heard).addCallbacks(
+            self._subscribed, self._not_subscribed)
 
     def _subscribed(self, sub) -> None:
         if not self.running:  # stopped while the subscription was on its way
@@ -459,7 +477,52 @@ class GalleryJobs(Service):
         return os.path.isfile(os.path.join(self.models_dir, name + ".yaml"))
 
     def _config_exists(self, name: str) -> bool:
-        return os.path.lexists(os.path.join(self.models_dir, name + ".yaml"))
+        """Whether a model ``name`` exists: ``<name>.yaml`` or ``<name>.yml``, or any config
+        file of the models directory whose ``name:`` is ``name`` (also one that fails to load
+        but was meant for it), so an install cannot shadow or rewrite a model whose file is
+        named otherwise."""
+        for suffix in (".yaml", ".yml"):
+            if os.path.lexists(os.path.join(self.models_dir, name + suffix)):
+                return True
+        self.catalog.refresh()
+        return self.catalog.get(name) is not None or self.catalog.error(name) is not None
+
+    def _defined_elsewhere(self, name: str) -> str | None:
+        """The file other than ``<name>.yaml`` that defines model ``name``, if any: an install
+        writes ``<name>.yaml``, which would not replace that definition (the catalog keeps
+        the first file of a name), so even ``"replace": true`` is refused there."""
+        self.catalog.refresh()
+        config = self.catalog.get(name)
+        source = config.source if config is not None else None
+        if source is None:
+            error = self.catalog.error(name)
+            source = error.source if error is not None else None
+        if source and os.path.basename(source) != f"{name}.yaml":
+            return os.path.basename(source)
+        return None
+
+    def _refuse_local(self, uri: str, where: str) -> None:
+        """An install reads no ``file://`` source unless the operator allows local and private
+        sources (``--allow-private-downloads``): the entry was picked by a request, and a
+        local file (a key, the database's files) would be copied into the models directory
+        and on to a worker.  :raises GalleryError: naming the key and the option."""
+        if self.allow_local_sources or not resolve_url(uri).startswith("file://"):
+            return
+        raise GalleryError(f"{where}: a gallery install reads no file:// source; the "
+                           "operator allows local sources with --allow-private-downloads")
+
+    def _check_name(self, name: str, replace: bool) -> None:
+        """:raises GalleryExists: when an install of ``name`` would shadow or rewrite a model
+        it was not told to replace."""
+        if not replace:
+            if self._config_exists(name):
+                raise GalleryExists(_exists_message(name))
+            return
+        elsewhere = self._defined_elsewhere(name)
+        if elsewhere is not None:
+            raise GalleryExists(f"model {name!r} is defined in {elsewhere}, which an install "
+                                f"(writing {name}.yaml) cannot replace: remove or edit that "
+                                "file, or choose another \"name\"")
 
     # -- admitting -------------------------------------------------------------------------
 
@@ -469,8 +532,7 @@ class GalleryJobs(Service):
         is false (an install must not silently rewrite another model's config)."""
         entry = await self.find(wanted)
         op = _Op(str(uuid.uuid4()), name or entry.name, False, entry, overrides, replace)
-        if not replace and self._config_exists(op.name):
-            raise GalleryExists(_exists_message(op.name))
+        self._check_name(op.name, replace)
         await self._admit(op, description=entry.description, element=entry.id)
         return op.id
 
@@ -542,8 +604,6 @@ class GalleryJobs(Service):
         self._seq += 1
         snapshot = dict(snapshot, seq=self._seq)
         self._remember(job_id, snapshot)
-        if self.bus is None or not self.broadcast:
-            return
         try:
             await self.bus.publish(f"{SUBJECT_ROOT}.{job_id}", snapshot)
         except Exception as e:  # a hint: the row is the record
@@ -643,6 +703,7 @@ class GalleryJobs(Service):
         config_text: Any = entry.config_file
         files = list(entry.files)
         if entry.url:
+            self._refuse_local(entry.url, f"entry {entry.id}: url")
             data = await read_url(entry.url, MAX_CONFIG_BYTES, self._reactor, self._agent)
             try:
                 remote = _yaml_load(data)
@@ -668,9 +729,12 @@ class GalleryJobs(Service):
             raise GalleryError(f"entry {entry.id}: config_file must be a YAML mapping")
         config = merge(merge(config, entry.overrides), op.overrides)
         config["name"] = op.name
-        if not op.replace and self._config_exists(op.name):  # written since it was admitted
-            raise GalleryExists(_exists_message(op.name))
+        self._check_name(op.name, op.replace)  # (again: written since it was admitted?)
         parsed = parse_model_config(config, f"gallery entry {entry.id}")
+        # the entry's files and what its config downloads at a cold load: none may read the
+        # replica's own files (an install is a request's doing)
+        for download in (*files, *parsed.downloads):
+            self._refuse_local(download.uri, download.where)
         model = dataclasses.replace(parsed, downloads=tuple(files))
 
         targets = [os.path.join(self.models_dir, *f.filename.split("/")) for f in files]

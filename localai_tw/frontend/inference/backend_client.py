@@ -14,8 +14,10 @@
   backend) -- that is the backpressure.  Items are delivered on the reactor thread, in order.
   Cancelling cancels the RPC, which ends the blocked ``next()`` at once.
 
-Every call carries ``authorization: Bearer <registration token>`` when a token is configured
-(the worker's backends check it) and uses 50 MiB message limits both ways.
+Every call carries ``authorization: Bearer <the backend process's own token>``: the worker's
+supervisor mints one per process and tells it to this replica over the control channel
+(:class:`BackendTokens`; a call the backend refuses as ``UNAUTHENTICATED``, one restarted on
+the same port, asks again and is retried once), and uses 50 MiB message limits both ways.
 
 Failure mapping (:func:`classify_rpc_failure`), the heart of "may anyone act on this":
 
@@ -150,7 +152,8 @@ class BridgedBackendClient:
     """Calls to one backend (node, port) through its :class:`GrpcBridge`."""
 
     def __init__(self, bridge, reactor, stream_threads: StreamThreads,
-                 auth_token: str | None = None, default_timeout: float = DEFAULT_CALL_TIMEOUT):
+                 auth_token: str | None = None, default_timeout: float = DEFAULT_CALL_TIMEOUT,
+                 *, tokens: "BackendTokens | None" = None):
         self.bridge = bridge
         self.node_id = bridge.node_id
         self.port = bridge.port
@@ -159,8 +162,16 @@ class BridgedBackendClient:
         self._default_timeout = default_timeout
         self._channel = grpc.insecure_channel(bridge.address, options=CHANNEL_OPTIONS)
         self._stub = backend_pb2_grpc.BackendStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        #: the backend process's own token, learnt over the control channel (when given);
+        #: else the fixed ``auth_token`` (tests, and nothing at all when that is None)
+        self._tokens = tokens
+        self._metadata = _bearer(auth_token)
         self.closed = False
+
+    def _metadata_now(self) -> defer.Deferred:
+        if self._tokens is None:
+            return defer.succeed(self._metadata)
+        return self._tokens.get(self.node_id, self.port).addCallback(_bearer)
 
     def _timeout(self, deadline: float | None) -> tuple[float, float]:
         now = self._reactor.seconds()
@@ -173,12 +184,30 @@ class BridgedBackendClient:
         what = f"{method} on worker {self.node_id} port {self.port}"
         if self.closed:
             return defer.fail(errors.TransportFailure(f"{what}: the client is closed"))
-        timeout, absolute = self._timeout(deadline)
+        _, absolute = self._timeout(deadline)
         snapshot = self.bridge.snapshot()
-        future = getattr(self._stub, method).future(request, timeout=timeout,
-                                                    metadata=self._metadata)
-        return deferred_from_future(self._reactor, future).addErrback(
+        return self._attempt(method, request, absolute, retry=True).addErrback(
             self._classify, snapshot, what, absolute)
+
+    def _attempt(self, method: str, request, absolute: float, *, retry: bool):
+        def send(metadata):
+            timeout = max(absolute - self._reactor.seconds(), 0.001)
+            future = getattr(self._stub, method).future(request, timeout=timeout,
+                                                        metadata=metadata)
+            return deferred_from_future(self._reactor, future)
+
+        sent = self._metadata_now().addCallback(send)
+        if retry and self._tokens is not None:
+            def again(failure):
+                # The backend refused the token before running anything (it was restarted
+                # on this port with a new one): learn the current token and try once more.
+                if not _unauthenticated(failure):
+                    return failure
+                self._tokens.forget(self.node_id, self.port)
+                return self._attempt(method, request, absolute, retry=False)
+
+            sent.addErrback(again)
+        return sent
 
     def stream(self, method: str, request, on_item: Callable[[Any], Any],
                deadline: float | None = None) -> defer.Deferred:
@@ -188,18 +217,27 @@ class BridgedBackendClient:
         what = f"{method} on worker {self.node_id} port {self.port}"
         if self.closed:
             return defer.fail(errors.TransportFailure(f"{what}: the client is closed"))
-        timeout, absolute = self._timeout(deadline)
+        _, absolute = self._timeout(deadline)
         snapshot = self.bridge.snapshot()
-        call = getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
-        state = {"cancelled": False}
+        getting = self._metadata_now()
+        state: dict[str, Any] = {"cancelled": False, "call": None}
 
         def cancel(_):
             state["cancelled"] = True
-            call.cancel()
+            if state["call"] is not None:
+                state["call"].cancel()
+            else:
+                getting.cancel()
 
         result: defer.Deferred = defer.Deferred(cancel)
 
         async def pump():
+            metadata = await getting
+            if result.called:
+                return
+            timeout = max(absolute - self._reactor.seconds(), 0.001)
+            call = state["call"] = getattr(self._stub, method)(request, timeout=timeout,
+                                                               metadata=metadata)
             while True:
                 item = await self._threads.run(_next_item, call)
                 if result.called:
@@ -216,8 +254,10 @@ class BridgedBackendClient:
             if result.called:
                 return None
             if isinstance(outcome, Failure):
-                if not outcome.check(grpc.RpcError):
-                    call.cancel()  # the consumer failed: stop the backend's work too
+                if not outcome.check(grpc.RpcError) and state["call"] is not None:
+                    state["call"].cancel()  # the consumer failed: stop the backend's work too
+                if self._tokens is not None and _unauthenticated(outcome):
+                    self._tokens.forget(self.node_id, self.port)  # the next call asks again
                 result.errback(outcome)
             else:
                 result.callback(None)
@@ -245,11 +285,13 @@ class BackendClients:
     """One :class:`BridgedBackendClient` per (node, port), over :class:`GrpcBridges`."""
 
     def __init__(self, bridges, reactor, auth_token: str | None = None,
-                 default_timeout: float = DEFAULT_CALL_TIMEOUT):
+                 default_timeout: float = DEFAULT_CALL_TIMEOUT, *, control=None):
         self.bridges = bridges
         self._reactor = reactor
         self._token = auth_token
         self._default_timeout = default_timeout
+        #: with a ``ControlClient``: each backend's own token, asked of its worker
+        self.tokens = BackendTokens(control, auth_token) if control is not None else None
         self.stream_threads = StreamThreads(reactor)
         self._clients: dict[tuple[str, int], BridgedBackendClient] = {}
 
@@ -262,17 +304,26 @@ class BackendClients:
             existing.close()
         bridge = self.bridges.bridge(node_id, port)
         client = BridgedBackendClient(bridge, self._reactor, self.stream_threads, self._token,
-                                      self._default_timeout)
+                                      self._default_timeout, tokens=self.tokens)
         self._clients[key] = client
         return client
 
+    def remember_token(self, node_id: str, port: int, token: str | None) -> None:
+        """The token ``backend.start`` answered for the backend on (node, port)."""
+        if self.tokens is not None:
+            self.tokens.remember(node_id, port, token)
+
     def drop(self, node_id: str, port: int) -> defer.Deferred:
+        # (the token stays known: a backend started on that port later has another one,
+        # which the first call refused UNAUTHENTICATED learns)
         client = self._clients.pop((node_id, int(port)), None)
         if client is not None:
             client.close()
         return self.bridges.drop(node_id, port)
 
     def forget(self, node_id: str) -> defer.Deferred:
+        if self.tokens is not None:
+            self.tokens.forget(node_id)
         for key in [k for k in self._clients if k[0] == node_id]:
             self._clients.pop(key).close()
         return self.bridges.forget(node_id)
@@ -283,3 +334,62 @@ class BackendClients:
         self._clients.clear()
         self.stream_threads.stop()
         return self.bridges.close()
+
+
+def _bearer(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def _unauthenticated(failure: Failure) -> bool:
+    exc = failure.value
+    return (isinstance(exc, grpc.RpcError) and hasattr(exc, "code")
+            and exc.code() == grpc.StatusCode.UNAUTHENTICATED)
+
+
+#: Seconds a ``backend.token`` control call may take.
+TOKEN_TIMEOUT = 30.0
+
+
+class BackendTokens:
+    """Each backend process's own gRPC token, by (node, port), as its worker tells it over the
+    control channel (``backend.start`` answers it; ``backend.token`` when this replica did not
+    start the backend).  The control channel carries the node's own control token, so only a
+    replica learns a backend's token; the cluster's registration token is never sent to a
+    backend, except to one of a worker too old to serve ``backend.token`` (``fallback``: its
+    backends were started with that token)."""
+
+    def __init__(self, control, fallback: str | None = None):
+        self._control = control
+        self._fallback = fallback or ""
+        self._known: dict[tuple[str, int], str] = {}
+
+    def get(self, node_id: str, port: int) -> defer.Deferred:
+        """Fires with the token ('' when the worker knows none: the call then tells why)."""
+        key = (node_id, int(port))
+        if key in self._known:
+            return defer.succeed(self._known[key])
+        return defer.ensureDeferred(self._ask(key))
+
+    async def _ask(self, key: tuple[str, int]) -> str:
+        node_id, port = key
+        try:
+            reply = await self._control.call(node_id, "backend.token", {"port": port},
+                                             timeout=TOKEN_TIMEOUT)
+        except errors.VerbNotServed:  # an older worker (docs/operators.md, rollout order)
+            if self._fallback:
+                self._known[key] = self._fallback  # asked once, not before every call
+            return self._fallback
+        token = (reply or {}).get("token")
+        if not isinstance(token, str) or not token:
+            return ""  # no backend there now: the call itself answers that
+        self._known[key] = token
+        return token
+
+    def remember(self, node_id: str, port: int, token: str | None) -> None:
+        if isinstance(token, str) and token:
+            self._known[(node_id, int(port))] = token
+
+    def forget(self, node_id: str, port: int | None = None) -> None:
+        for key in [k for k in self._known
+                    if k[0] == node_id and (port is None or k[1] == int(port))]:
+            del self._known[key]

@@ -43,10 +43,12 @@ from twisted.logger import Logger
 
 from localai_tw import errors
 from localai_tw import metrics as replica_metrics
+from localai_tw.logsafe import untrusted
 from localai_tw.backends import backend_pb2
 from localai_tw.staging_client import expect_staging
 from localai_tw.tunnel.endpoint import upload_file
 
+from localai_tw.frontend.inference.crashes import CrashProbe, crash_shaped
 from localai_tw.frontend.inference.downloads import ModelDownloads
 from localai_tw.frontend.inference.interfaces import ModelFileMismatch, ModelLoadFailed
 from localai_tw.frontend.inference.modelfiles import (
@@ -61,9 +63,16 @@ from localai_tw.frontend.inference.placement import Placement
 
 log = Logger()
 
+#: Characters of a worker's start note kept in ``node_models.note``.
+MAX_NOTE = 1000
 DEFAULT_START_TIMEOUT = 120.0
 DEFAULT_STAGE_TIMEOUT = 3600.0
 DEFAULT_LOAD_TIMEOUT = 300.0
+
+def _printable(text: str) -> str:
+    """The worker's words for a row an admin reads: control characters replaced."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
 
 LOADED, STAGING, LOADING, UNLOADING = "loaded", "staging", "loading", "unloading"
 
@@ -84,11 +93,16 @@ class ColdLoader:
                  start_timeout: float = DEFAULT_START_TIMEOUT,
                  stage_timeout: float = DEFAULT_STAGE_TIMEOUT,
                  load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+                 allow_private_downloads: bool = False,
                  metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
         self._db = db
+        #: the operator's --allow-private-downloads (downloads.py, fetchpolicy.py)
+        self.allow_private_downloads = allow_private_downloads
         self._metrics = metrics
         self._nodes = nodes
         self._control = control
+        #: asks the worker whether a backend that failed LoadModel crashed
+        self.crashes = CrashProbe(control)
         self._http = worker_http
         self._clients = clients
         self.instance_id = instance_id
@@ -105,7 +119,8 @@ class ColdLoader:
     def downloads(self) -> ModelDownloads:
         """This replica's downloads into the models directory (made on first use)."""
         if self._downloads is None:
-            self._downloads = ModelDownloads(self.models_dir, self._reactor, self.digests)
+            self._downloads = ModelDownloads(self.models_dir, self._reactor, self.digests,
+                                             allow_private=self.allow_private_downloads)
         return self._downloads
 
     async def download(self, model: ModelConfig) -> None:
@@ -176,11 +191,17 @@ class ColdLoader:
             raise ModelLoadFailed(model.name, node_id,
                                   (reply or {}).get("error") or "backend.start failed")
         address = str(reply.get("address") or "")
+        note = reply.get("note") if isinstance(reply.get("note"), str) else ""
+        if note:
+            log.info("model {model} on node {node}: the worker says: {note}", model=model.name,
+                     node=node_id, note=untrusted(note, 500))
         try:
-            int(address.rsplit(":", 1)[1])
+            port = int(address.rsplit(":", 1)[1])
         except (IndexError, ValueError):
             raise errors.TunnelProtocolError(
                 f"backend.start on {node_id} answered an unusable address {address!r}") from None
+        # the backend process's own gRPC token (an older worker answers none: then asked)
+        self._clients.remember_token(node_id, port, reply.get("token"))
 
         row_written = False
         try:
@@ -192,7 +213,7 @@ class ColdLoader:
             await progress("loading")
             model_id = model_file or model.model
             await self._load_model(model, node_id, address, model_id, model_file)
-            await self._set_row(node_id, model, address, LOADED, model_id)
+            await self._set_row(node_id, model, address, LOADED, model_id, note)
         except BaseException as e:
             if row_written:
                 try:
@@ -272,7 +293,18 @@ class ColdLoader:
         port = int(address.rsplit(":", 1)[1])
         client = self._clients.client(node_id, port)
         deadline = self._reactor.seconds() + self.load_timeout
-        result = await client.call("LoadModel", options, deadline)
+        try:
+            result = await client.call("LoadModel", options, deadline)
+        except (errors.BackendAnswer, errors.TransportFailure) as e:
+            # A backend that died while loading: the worker says how (crashes.py),
+            # and the load failed (remembered like any failed load), not the route.
+            crash = await self.crashes.explain(Placement(model.name, node_id, address, model_id)) \
+                if crash_shaped(e) else None
+            if crash is None:
+                raise
+            said = f"; its last output: {' | '.join(crash.output)}" if crash.output else ""
+            raise ModelLoadFailed(model.name, node_id, f"the backend {crash.description} "
+                                  f"while loading the model{said}") from e
         if not result.success:
             raise ModelLoadFailed(model.name, node_id, result.message or "LoadModel failed")
 
@@ -287,17 +319,18 @@ class ColdLoader:
     # -- node_models rows -------------------------------------------------------------------
 
     async def _set_row(self, node_id: str, model: ModelConfig, address: str, state: str,
-                       loaded_model: str = "") -> None:
+                       loaded_model: str = "", note: str = "") -> None:
         await self._db.runOperation(
             "INSERT INTO node_models (node_id, model_name, replica_index, address, state,"
-            " loading_by, backend_type, loaded_model, last_used)"
-            " VALUES (%s, %s, 0, %s, %s, %s, %s, %s, now())"
+            " loading_by, backend_type, loaded_model, note, last_used)"
+            " VALUES (%s, %s, 0, %s, %s, %s, %s, %s, %s, now())"
             " ON CONFLICT (node_id, model_name, replica_index) DO UPDATE SET"
             " address = EXCLUDED.address, state = EXCLUDED.state,"
             " loading_by = EXCLUDED.loading_by, backend_type = EXCLUDED.backend_type,"
-            " loaded_model = EXCLUDED.loaded_model, updated_at = now()",
+            " loaded_model = EXCLUDED.loaded_model, note = EXCLUDED.note, updated_at = now()",
             (node_id, model.name, address, state,
-             "" if state == LOADED else self.instance_id, model.backend, loaded_model))
+             "" if state == LOADED else self.instance_id, model.backend, loaded_model,
+             _printable(note[:MAX_NOTE])))
 
     async def _remove_row(self, node_id: str, model_name: str) -> None:
         await self._db.runOperation(

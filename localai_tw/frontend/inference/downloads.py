@@ -7,8 +7,9 @@
   or when its digest matches (hashed in a thread, cached by size and mtime); a present file
   whose digest differs is downloaded again, and replaced only by a verified copy;
 - ``http://`` and ``https://`` with Twisted's ``Agent`` (``RedirectAgent``: at most
-  :data:`REDIRECT_LIMIT` redirects; a connect timeout; an idle timeout between body bytes; a
-  size cap on ``Content-Length`` and on the bytes received), the body written chunk by chunk to
+  :data:`~.fetchpolicy.REDIRECT_LIMIT` redirects; only public destinations, checked at every connection,
+  unless the operator allows private ones (``fetchpolicy.py``); a connect timeout; an idle
+  timeout between body bytes; a size cap on ``Content-Length`` and on the bytes received), the body written chunk by chunk to
   a temporary file beside the target (``.<name>.<random>.partial``) and hashed as it arrives;
   ``file://`` (an absolute path on this machine, a regular file only: never a device or FIFO)
   is copied in a thread the same way, its bytes counted against the cap as it is read;
@@ -25,8 +26,10 @@
 
 A failure raises :class:`~.interfaces.ModelFileMismatch` (a digest that does not match: the
 file and both digests named) or :class:`~.interfaces.ModelDownloadFailed` (the transfer
-failed: the URL, shown without credentials or query, and the reason); nothing is remembered,
-so the next request tries again.
+failed: the URL, shown without credentials or query, and the reason, except before a 200:
+then one text whatever happened, the reason in the log, so an error cannot tell a refused
+destination from a closed port or a timeout); nothing is remembered, so the next request tries
+again.
 
 What this module must never do: hold a file in memory (one chunk at a time); write outside the
 models directory (the target is resolved with symlinks and checked); leave anything under the
@@ -48,13 +51,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from twisted.internet import defer, protocol, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import (
-    Agent,
-    HTTPConnectionPool,
-    PotentialDataLoss,
-    RedirectAgent,
-    ResponseDone,
-)
+from twisted.web.client import PotentialDataLoss, ResponseDone
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
 
@@ -62,6 +59,7 @@ from localai_tw.deferreds import OneShotObserver
 from localai_tw.staging_client import PARTIAL_SUFFIX
 from localai_tw.threadwriter import ThreadedFileWriter, write_all
 
+from localai_tw.frontend.inference.fetchpolicy import fetch_agent
 from localai_tw.frontend.inference.interfaces import ModelDownloadFailed, ModelFileMismatch
 from localai_tw.frontend.inference.modelfiles import DigestCache
 from localai_tw.localai.model_config import ModelConfig, ModelDownload
@@ -70,7 +68,6 @@ log = Logger()
 
 #: Largest file one download may bring (Content-Length or bytes received).
 DEFAULT_MAX_DOWNLOAD_BYTES = 512 * 1024**3
-REDIRECT_LIMIT = 5
 DEFAULT_CONNECT_TIMEOUT = 30.0
 #: Seconds without a byte (response headers, then body) before a download is abandoned.
 DEFAULT_IDLE_TIMEOUT = 120.0
@@ -160,30 +157,36 @@ class ModelDownloads:
 
     :param digests: the :class:`~.modelfiles.DigestCache` staging uses (a verified download is
         recorded there, so staging does not hash it again).
-    :param agent: an ``IAgent`` (tests); default a ``RedirectAgent`` over an ``Agent`` with a
-        non-persistent pool and ``connect_timeout``.
+    :param agent: an ``IAgent`` (tests); default :func:`~.fetchpolicy.fetch_agent`: redirects
+        followed, public destinations only unless ``allow_private`` (the operator's
+        ``--allow-private-downloads``), ``connect_timeout``, a non-persistent pool.
     """
 
     def __init__(self, models_dir: str, reactor, digests: DigestCache | None = None, *,
                  agent=None, max_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-                 log_interval: float = LOG_INTERVAL):
+                 log_interval: float = LOG_INTERVAL, allow_private: bool = False):
         self.models_dir = models_dir
         self._reactor = reactor
         self.digests = digests or DigestCache()
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
         self.log_interval = log_interval
+        #: the operator's --allow-private-downloads (the gallery reads it too)
+        self.allow_private = allow_private
         if agent is None:
-            agent = RedirectAgent(
-                Agent(reactor, connectTimeout=connect_timeout,
-                      pool=HTTPConnectionPool(reactor, persistent=False)),
-                redirectLimit=REDIRECT_LIMIT)
+            agent = fetch_agent(reactor, allow_private=allow_private,
+                                connect_timeout=connect_timeout)
         self._agent = agent
         #: downloads running, by real target path
         self._active: dict[str, Download] = {}
         self._closed = False
+
+    @property
+    def agent(self):
+        """The ``IAgent`` downloads use (the gallery fetches with it too: one policy)."""
+        return self._agent
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -407,10 +410,9 @@ class ModelDownloads:
         except defer.CancelledError:
             if download.stopping:
                 raise ModelDownloadFailed(f"{what}: the replica is stopping") from None
-            raise ModelDownloadFailed(f"{what}: no answer within {self.idle_timeout:g} s") \
-                from None
+            raise self._failed(what, f"no answer within {self.idle_timeout:g} s") from None
         except Exception as e:
-            raise ModelDownloadFailed(f"{what}: {_reason(e)}") from None
+            raise self._failed(what, failure_reason(e)) from None
         finally:
             if timer.active():
                 timer.cancel()
@@ -420,8 +422,8 @@ class ModelDownloads:
             raise ModelDownloadFailed(f"{what}: the replica is stopping")
         if response.code != 200:
             response.deliverBody(_Discard())
-            raise ModelDownloadFailed(f"{what}: the server answered HTTP {response.code} "
-                                      f"{_phrase(response)}")
+            raise self._failed(what, f"the server answered HTTP {response.code} "
+                                     f"{_phrase(response)}")
         if response.length is not UNKNOWN_LENGTH:
             if response.length > self.max_bytes:
                 response.deliverBody(_Discard())
@@ -436,6 +438,14 @@ class ModelDownloads:
             return await body.finished
         finally:
             download.stop = None
+
+    @staticmethod
+    def _failed(what: str, reason: str) -> ModelDownloadFailed:
+        """One text for every way a request can fail before a 200 (refused destination,
+        connection refused, timeout, DNS, TLS, an HTTP status), so whoever reads the error
+        cannot map the replica's network with it; the reason goes to the operator's log."""
+        log.warn("{what} failed: {reason}", what=what, reason=reason)
+        return ModelDownloadFailed(f"{what} failed; the frontend's log says why")
 
 
 class NotARegularFile(OSError):
@@ -461,7 +471,7 @@ def open_regular_file(path: str):
         raise
 
 
-def _reason(error: BaseException) -> str:
+def failure_reason(error: BaseException) -> str:
     reasons = getattr(error, "reasons", None)  # ResponseFailed and friends wrap Failures
     if reasons:
         return "; ".join(r.getErrorMessage() for r in reasons)[:500]
@@ -573,5 +583,5 @@ class _BodyToFile(protocol.Protocol):
             total = self.download.total if self.download.total is not None else "?"
             self.finished.errback(ModelDownloadFailed(
                 f"{self.what}: the connection broke after {self.download.received} of {total} "
-                f"bytes ({_reason(reason.value)}); nothing was kept, the next request tries "
-                f"again"))
+                f"bytes ({failure_reason(reason.value)}); nothing was kept, the next request "
+                "tries again"))

@@ -184,7 +184,8 @@ class ModelLifecycle:
     def __init__(self, db, control, use: ModelUse, catalog, reactor, *,
                  max_active_backends: int = 0,
                  stop_timeout: float = DEFAULT_STOP_TIMEOUT,
-                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD):
+                 metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD,
+                 on_unloaded: Callable[[str], object] | None = None):
         self._db = db
         self._metrics = metrics
         self._control = control
@@ -195,7 +196,7 @@ class ModelLifecycle:
         self.stop_timeout = stop_timeout
         #: ``on_unloaded(model_name)`` after a row was deleted (the placement caches drop the
         #: model, here and at every replica); never raises into the unload.
-        self.on_unloaded: Callable[[str], object] | None = None
+        self.on_unloaded = on_unloaded
 
     # -- unload -----------------------------------------------------------------------------
 

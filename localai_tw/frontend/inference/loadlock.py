@@ -88,7 +88,8 @@ class LoadLock:
                  heartbeat_interval: float = DEFAULT_HEARTBEAT,
                  poll_interval: float = DEFAULT_POLL,
                  failed_load_memory: float = DEFAULT_FAILED_LOAD_MEMORY,
-                 liveness: float = INSTANCE_LIVENESS, room=None):
+                 liveness: float = INSTANCE_LIVENESS, room=None,
+                 on_loaded: Callable[[str], object] | None = None):
         self._db = db
         #: ``room.make_room(model, node_id)`` runs before each cold load (never raises).
         self.room = room
@@ -109,7 +110,7 @@ class LoadLock:
         self.staging: dict[str, StagingProgress] = {}
         #: ``on_loaded(model_name)`` after a load under the lock placed the model (the placement
         #: caches drop it, here and at every replica, so a new replica is used at once).
-        self.on_loaded: Callable[[str], object] | None = None
+        self.on_loaded = on_loaded
 
     # -- cold load --------------------------------------------------------------------------
 

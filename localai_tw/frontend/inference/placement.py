@@ -125,21 +125,22 @@ class NodeChooser:
     (presence)."""
 
     def __init__(self, db, nodes, fence, *, grace: float | None = None,
-                 liveness: float = INSTANCE_LIVENESS, room=None):
+                 liveness: float = INSTANCE_LIVENESS, room=None, in_flight=None, cache=None,
+                 on_reaped=None):
         self._db = db
         #: ``room.prefer(model, candidates)`` -> the candidates with room (or all of them).
         self.room = room
         #: ``in_flight(node_id, model_name)`` -> this replica's calls running there.
-        self.in_flight = None
+        self.in_flight = in_flight
         self._nodes = nodes
         self._fence = fence
         self._grace = grace
         self._liveness = liveness
         self._random = random.Random()
         #: ``PlacementCache`` of the warm path (``placement_cache.py``); None: always read.
-        self.cache = None
+        self.cache = cache
         #: ``on_reaped(model_name)``: tell every replica's cache (``PlacementFanout``).
-        self.on_reaped = None
+        self.on_reaped = on_reaped
 
     # -- reads ------------------------------------------------------------------------------
 

@@ -40,16 +40,20 @@ DEFAULT_INTERVAL = 15.0
 class ReplicaScaler(PeriodicPass):
     """Busy scale-up and the ``min_replicas`` floor (module docstring).
 
-    :param inference: the ``InferenceRouter`` (``model``, ``chooser``, ``loads``);
+    :param catalog: the ``ModelCatalog`` (``get(name)``);
+    :param chooser: the ``NodeChooser``; :param loads: the ``LoadLock`` (``scale_up``);
     :param use: this replica's ``ModelUse``.
     """
 
     name = "replica-scaler"
     pass_name = "replica floor pass"
 
-    def __init__(self, db, inference, use, reactor, *, interval: float = DEFAULT_INTERVAL):
+    def __init__(self, db, catalog, chooser, loads, use, reactor, *,
+                 interval: float = DEFAULT_INTERVAL):
         self._db = db
-        self._inference = inference
+        self._catalog = catalog
+        self._chooser = chooser
+        self._loads = loads
         self._use = use
         self._reactor = reactor
         self.interval = interval
@@ -69,7 +73,7 @@ class ReplicaScaler(PeriodicPass):
         d.addBoth(lambda _: self._scaling.discard(config.name))
 
     async def _consider(self, config) -> None:
-        chooser = self._inference.chooser
+        chooser = self._chooser
         _, most = await chooser.replica_bounds(config.name)
         if most <= 1:
             return
@@ -85,7 +89,7 @@ class ReplicaScaler(PeriodicPass):
 
     async def _scale(self, config, want: int) -> None:
         try:
-            placement = await self._inference.loads.scale_up(config, want)
+            placement = await self._loads.scale_up(config, want)
         except (NoNodeAvailable, errors.ClusterError) as e:
             log.info("another replica of model {model} could not be loaded: {err}",
                      model=config.name, err=e)
@@ -101,10 +105,10 @@ class ReplicaScaler(PeriodicPass):
             "SELECT model_name, min_replicas FROM model_scheduling_configs"
             " WHERE min_replicas > 0 ORDER BY model_name")
         for name, least in rows:
-            config = self._inference.model(name)
+            config = self._catalog.get(name)
             if config is None or name in self._scaling:
                 continue
-            candidates = await self._inference.chooser.candidates(config)
+            candidates = await self._chooser.candidates(config)
             held = sum(1 for c in candidates if c.loaded_address)
             if held >= least or held == len(candidates):
                 continue

@@ -16,6 +16,10 @@ said the backend port is not there)        retry once: the call never reached a 
 ``BackendAnswer`` ``FAILED_PRECONDITION``  reap, reload, retry once: the backend lost its model
 "model not loaded", or ``NOT_FOUND``       or another model holds the port; nothing ran
 "model identity mismatch"
+``BackendCrashed`` (asked after a failure  reap the row and raise (502 ``backend_crashed``);
+shaped like a dying process, the worker    retried once only when the worker changed the
+said its process died: ``crashes.py``)     model's next start (``fallback``) and nothing was
+                                           sent yet
 ``BackendAnswer`` ``UNAVAILABLE`` (no      reap the row and raise: the backend died under the
 dial error: the backend went away mid-call) call; the next request reloads
 any other ``BackendAnswer``                raise; the row stays (a bad request, a backend bug)
@@ -38,7 +42,11 @@ failure is classified by the table above exactly as for a placement read from th
 and the retry (if any) excludes nothing cached: it reads the database.
 
 Retries happen only when the call is known not to have run: a dial failure (the splice was
-abandoned before any byte reached a backend) or a backend refusal before touching the model.
+abandoned before any byte reached a backend) or a backend refusal before touching the model;
+and once after a crash the worker answered with a ``fallback`` (it starts the model differently
+next time, the AMX fallback of ``backends/amx_fallback.py``) while nothing was sent to the
+client: the crashed call left nothing behind, and the same input would crash it again
+otherwise.
 
 ``tts``, ``transcribe`` and ``generate_image`` name files by path on the backend's machine: each
 runs in a scratch directory of the serving node (``WorkerScratch``, ``frontend/inference/scratch.py``),
@@ -47,7 +55,8 @@ classified by the same table (a route failure skips the node); once the backend 
 nothing is retried (reading its output back failed after the work ran).
 
 What this module must never do: reap a row on anything but the worker's answer; retry a call
-that may have run (a Predict that failed mid-way is reported, not repeated); block the reactor.
+that may have run (a Predict that failed mid-way is reported, not repeated; the one exception
+above is a crash the worker changes the next start for); block the reactor.
 """
 
 from __future__ import annotations
@@ -81,6 +90,7 @@ from localai_tw.localai.model_config import (
     usecases,
 )
 from localai_tw.frontend.inference.coldload import ColdLoader
+from localai_tw.frontend.inference.crashes import crash_shaped
 from localai_tw.frontend.inference.loadlock import LoadLock
 from localai_tw.frontend.inference.placement import NodeChooser, Placement
 
@@ -133,8 +143,10 @@ class InferenceRouter:
 
     def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
                  loader: ColdLoader, clients, reactor, scratch=None, *, use=None,
-                 lifecycle=None, scaler=None):
+                 lifecycle=None, scaler=None, crashes=None):
         self.use = use
+        #: ``crashes.CrashProbe``: asks the worker whether a failed call's backend crashed.
+        self.crashes = crashes
         self.lifecycle = lifecycle
         #: ``replicas.ReplicaScaler``: told of each call (a busy model gets another replica).
         self.scaler = scaler
@@ -273,6 +285,19 @@ class InferenceRouter:
 
     # -- the request path --------------------------------------------------------------------
 
+    async def _crash_told(self, placement: Placement, calling):
+        """``calling``'s result; when it failed the way a dying backend makes calls fail, the
+        worker is asked, and its answer that the process crashed replaces the failure."""
+        try:
+            return await calling
+        except (errors.BackendAnswer, errors.TransportFailure) as e:
+            if self.crashes is None or not crash_shaped(e):
+                raise
+            crash = await self.crashes.explain(placement)
+            if crash is None:
+                raise
+            raise crash from e
+
     def _serve(self, name, options, deadline, call: Callable,
                retry_allowed: Callable[[], bool] = lambda: True,
                needs: tuple[str, frozenset[str]] | None = None,
@@ -340,7 +365,23 @@ class InferenceRouter:
             hops = current_hops()
             try:
                 with hops.calling(getattr(client, "bridge", None)):
-                    value = await call(client, request, deadline)
+                    value = await self._crash_told(placement, call(client, request, deadline))
+            except errors.BackendCrashed as e:
+                # The worker says the process died under the call: its row goes (the model
+                # is not loaded there any more) and the next request loads it again.  Not
+                # retried, the same input would crash it again, unless the worker changed
+                # the next start because of this crash (``fallback``) and nothing was sent.
+                self.chooser.forget(placement)
+                await self.chooser.reap(placement, e)
+                last_error = e
+                if e.fallback and retry_allowed() and reloads + 1 < MAX_ATTEMPTS:
+                    reloads += 1
+                    log.info("model {model} on node {node}: {err}; the worker changed its next "
+                             "start ({fallback}): loading again and retrying once",
+                             model=config.name, node=placement.node_id, err=e,
+                             fallback=e.fallback)
+                    continue
+                raise
             except errors.WorkerAnswer as e:
                 self.chooser.forget(placement)  # the next request reads the database
                 if isinstance(e, errors.StreamRefused) or _reloadable(e):

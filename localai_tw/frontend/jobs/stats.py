@@ -7,11 +7,10 @@ claim rows by status.  A failed read keeps the previous snapshot and is logged o
 
 from __future__ import annotations
 
-from twisted.application.service import Service
-from twisted.internet import defer, task
 from twisted.logger import Logger
 
 from localai_tw.deferreds import shielded
+from localai_tw.periodic import PeriodicPass
 
 from localai_tw.frontend.jobs.store import CLAIM_KIND
 
@@ -30,37 +29,22 @@ _CLAIMS_SQL = (
     " FROM work_claims WHERE kind = %s")
 
 
-class JobStatsService(Service):
+class JobStatsService(PeriodicPass):
+    """The queue's depth for ``/metrics``, read every ``interval`` (the first at start)."""
+
     name = "jobs-stats"
+    pass_name = "jobs figures pass"
+    run_first = True
 
     def __init__(self, db, reactor, interval: float = JOBS_STATS_INTERVAL):
         self.db = db
         self.snapshot: dict | None = None
-        self._loop = task.LoopingCall(self._read)
-        self._loop.clock = reactor
-        self._interval = interval
+        self._reactor = reactor
+        self.interval = interval
         self._failing = False
-        self._reading: defer.Deferred | None = None
 
-    def startService(self) -> None:
-        super().startService()
-        self._loop.start(self._interval, now=True)
-
-    def stopService(self):
-        super().stopService()
-        if self._loop.running:
-            self._loop.stop()
-        reading, self._reading = self._reading, None
-        return reading if reading is not None else defer.succeed(None)
-
-    def _read(self) -> None:
-        if self._reading is not None:
-            return
-        self._reading = defer.ensureDeferred(self.read_once())
-        self._reading.addBoth(self._done)
-
-    def _done(self, _) -> None:
-        self._reading = None
+    async def run_once(self) -> None:
+        await self.read_once()
 
     async def read_once(self) -> None:
         try:

@@ -30,8 +30,6 @@ rule, ``node.status``), :mod:`.auth` (who may call), :mod:`.replies` (JSON and N
 whole site).  Its names are re-exported here.
 """
 
-import hmac  # noqa: F401  (the tests spy on hmac.compare_digest through this package)
-
 from localai_tw.worker.control.auth import ControlAuth, Refusal, is_local_caller
 from localai_tw.worker.control.plane import (
     MAX_REQUEST_BYTES,

@@ -39,7 +39,7 @@ def _error(e: BaseException) -> dict:
 
 
 def _resource(frontend, replica):
-    from localai_tw.frontend.api.kit import JSONResource, Route, read_json_object
+    from localai_tw.frontend.api.kit import JSONResource, read_json_object, Route
     from localai_tw.tunnel.endpoint import upload_file
 
     class ProbeResource(JSONResource):

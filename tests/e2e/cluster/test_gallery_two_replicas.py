@@ -8,8 +8,8 @@ sees the second **queued, before any row exists**, with its ~9000-byte descripti
 byte-identical (it went through the bus's spill table), sees the first **downloading** (bytes,
 total), and then both **done** (their rows).
 
-Deliberate break: ``GalleryJobs.broadcast`` forced False (a replica that publishes only to
-itself) -> frontend 1 never sees the download's bytes (red at the first wait, after 60 s;
+Deliberate break: ``GalleryJobs._publish`` returning before ``bus.publish`` (a replica that
+publishes only to itself) -> frontend 1 never sees the download's bytes (red at the first wait, after 60 s;
 checked once), nor the queued job (404).
 """
 
@@ -79,7 +79,9 @@ def test_an_install_admitted_at_one_replica_is_seen_at_the_other_throughout(make
              "files": [{"filename": "second/b.bin", "uri": f"{base}/files/b.bin",
                         "sha256": hashlib.sha256(SMALL).hexdigest()}]}],
             allow_unicode=True))
-        args = ("--models-dir", str(models), "--galleries", f"e2e=file://{index}")
+        # the files are on 127.0.0.1: the operator's option for a local mirror
+        args = ("--models-dir", str(models), "--galleries", f"e2e=file://{index}",
+                "--allow-private-downloads")
         f0 = cluster.start_frontend(extra_args=args)
         f1 = cluster.start_frontend(extra_args=args)
 

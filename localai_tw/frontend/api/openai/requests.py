@@ -26,10 +26,11 @@ from localai_tw.frontend.inference.interfaces import (
 from localai_tw.localai.model_config import usecases
 from localai_tw.localai.templates import PromptTemplates
 from localai_tw.localai.toolcalls import FunctionConfig
-from localai_tw.frontend.api.kit import APIError, printable, read_json_object
+from localai_tw.frontend.api.kit import printable, read_json_object
+from localai_tw.web.errors import APIError
 from localai_tw.frontend.api.openai.errors import error_for, invalid
 
-#: Body cap of every ``/v1/`` request (give it to ``FrontendSite(body_limits=...)``).
+#: Body cap of every ``/v1/`` request (give it to ``BoundedSite(body_limits=...)``).
 OPENAI_MAX_BODY_BYTES = 8 * 1024 * 1024
 #: Most messages in one chat request.
 MAX_MESSAGES = 4096
@@ -146,7 +147,7 @@ def _stop_list(value, param: str) -> list[str]:
 
 
 def read_body(request) -> Fields:
-    """The request's JSON object body (its size already capped by ``FrontendSite``)."""
+    """The request's JSON object body (its size already capped by ``BoundedSite``)."""
     try:
         return Fields(read_json_object(request))
     except APIError as e:

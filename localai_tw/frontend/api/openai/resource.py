@@ -14,7 +14,7 @@ same key check, bounds and metrics label as the route it names.
 Authentication: ``Authorization: Bearer <key>`` checked by the frontend's
 :class:`~localai_tw.frontend.api.kit.APIKeyGuard` (constant time) **only when a key is
 configured**; without one this API is open, as LocalAI's is (unlike the admin API, which is then
-closed).  The check is :meth:`OpenAIResource.guard`, which ``FrontendSite`` runs when the
+closed).  The check is :meth:`OpenAIResource.guard`, which ``BoundedSite`` runs when the
 headers of a request with a body end, so a refused client never has a body byte read.
 
 What this module must never do: block the reactor, answer a request before its key is checked,
@@ -36,7 +36,8 @@ from twisted.web.resource import Resource
 from localai_tw import metrics as replica_metrics
 
 from localai_tw.frontend.inference.interfaces import IInferenceRouter
-from localai_tw.frontend.api.kit import APIError, APIKeyGuard, bearer_token, printable
+from localai_tw.frontend.api.kit import APIKeyGuard, bearer_token, printable
+from localai_tw.web.errors import APIError
 from localai_tw.frontend.api.openai import (
     capabilities,
     chat,
@@ -212,7 +213,7 @@ class OpenAIResource(Resource):
         exchange.send_json(answer.status, answer.body(), answer.headers)
 
     def guard(self, request) -> None:
-        """The API-key check, from the headers alone: ``FrontendSite`` runs it when the headers
+        """The API-key check, from the headers alone: ``BoundedSite`` runs it when the headers
         of a request with a body end, so a refused client never has a body byte read."""
         check_api_key(self._api_keys, request)
 

@@ -20,7 +20,7 @@ from localai_tw import metrics
 from localai_tw.backends import backend_pb2
 
 from localai_tw.frontend.inference.interfaces import Served
-from localai_tw.frontend.api.kit import JSON_HEADERS
+from localai_tw.web.json import JSON_HEADERS
 
 log = Logger()
 

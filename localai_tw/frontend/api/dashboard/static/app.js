@@ -188,6 +188,8 @@ function renderModels(models, nodes) {
         place.append(el("button", {class: "unload", "data-node": n.name,
                                    "data-model": m.model_name,
                                    onclick: () => unloadModel(n, m)}, "Unload"));
+      // what the worker changed when it started the model (e.g. the AMX fallback of llama.cpp)
+      if (m.note) place.append(el("div", {class: "small note"}, m.note));
       (where[m.model_name] = where[m.model_name] || []).push(place);
     }
   const body = document.getElementById("models-body");

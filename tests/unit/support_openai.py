@@ -29,7 +29,7 @@ from localai_tw.frontend.api.openai import (
     unprefixed_aliases,
     unprefixed_roots,
 )
-from localai_tw.frontend.api.kit import FrontendSite
+from localai_tw.web.listener import BoundedSite
 
 
 def model_config(name: str, **more):
@@ -221,14 +221,14 @@ class FakeRouter:
 # -- raw HTTP over a StringTransport ------------------------------------------------------------
 
 
-def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES, reactor=None) -> FrontendSite:
+def make_site(router, api_keys=None, limit=OPENAI_MAX_BODY_BYTES, reactor=None) -> BoundedSite:
     """``/v1`` and its unprefixed aliases, mounted and capped as ``FrontendService`` does."""
     root = Resource()
     openai = OpenAIResource(router, api_keys=api_keys, now=lambda: 1700000000, reactor=reactor)
     root.putChild(b"v1", openai)
     for name in unprefixed_roots():
         root.putChild(name, openai.unprefixed())
-    site = FrontendSite(root, body_limits={b"/v1/": limit}, timeout=None)
+    site = BoundedSite(root, body_limits={b"/v1/": limit}, timeout=None)
     for alias, twin in unprefixed_aliases():
         site.add_body_limit(alias, site.body_limit_for(twin))
     for prefix in api_prefixes():
@@ -343,3 +343,18 @@ async def call_settled(site, method, path, body=None, headers=None, raw=None,
             break
         await task.deferLater(reactor, 0.01, lambda: None)
     return client.response()
+
+
+def assert_error(response, status, type_=None, param=None, code=None):
+    """The answer is OpenAI's error shape with ``status`` (and the given fields); returns it."""
+    assert response.status == status, response.raw_body
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if type_ is not None:
+        assert error["type"] == type_
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error

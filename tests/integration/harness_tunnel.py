@@ -9,6 +9,9 @@ A :class:`TestWorker` dials a frontend with ``connectWebSocket`` and runs a yamu
 whose acceptor is either the real worker stream router (``localai_tw.worker.streams``) or a
 scripted answer.  Nothing here mocks PostgreSQL, yamux or the WebSocket layer.
 
+:class:`Collect` and :func:`only_condition` are what the routing tests assert with: the bytes
+a caller received, and that a failure is one of the four conditions and none of the others.
+
 The fixtures that build and stop them (``frontends``, ``workers``, ``real_worker``) are in
 ``conftest.py``.
 """
@@ -18,11 +21,12 @@ from __future__ import annotations
 import hashlib
 import os
 
-from twisted.internet import reactor
+from twisted.internet import defer, protocol, reactor
 from twisted.internet.protocol import Factory, Protocol
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
+from localai_tw import errors
 from localai_tw.cluster.membership import InstanceIdentity, MembershipService
 from localai_tw.cluster.nodes import NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
@@ -215,3 +219,26 @@ def sha256_hex(data: bytes) -> str:
 
 def random_bytes(n: int) -> bytes:
     return os.urandom(n)
+
+
+class Collect(protocol.Protocol):
+    """A caller's end of a routed stream: ``done`` fires with the bytes once ``expect`` came."""
+
+    def __init__(self, expect: int):
+        self.expect = expect
+        self.data = b""
+        self.done = defer.Deferred()
+
+    def dataReceived(self, data):
+        self.data += data
+        if len(self.data) >= self.expect and not self.done.called:
+            self.done.callback(self.data)
+
+
+def only_condition(error, expected):
+    """``error`` is ``expected`` and none of the other conditions."""
+    assert isinstance(error, expected), repr(error)
+    for other in (errors.RoutingFact, errors.AbsentWithinGrace, errors.PeerUnreachable,
+                  errors.WorkerAnswer, errors.CallerDeadlineExceeded):
+        if not issubclass(expected, other):
+            assert not isinstance(error, other), f"{error!r} must not be {other.__name__}"
