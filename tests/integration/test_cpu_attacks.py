@@ -19,6 +19,8 @@ whatever the attacker writes.  The attacks:
 - an answer of 5000 rows validated against a ``json_schema`` (200 000 keyword checks: in the
   replica's one answer-checks thread, past the reactor's 2000);
 - a strict tool with a ``pattern`` (refused since issue 21 §1's first part);
+- a strict tool with ``uniqueItems`` answered with 5000 distinct objects (jsonschema compares
+  every pair of objects: 23.7 s in one keyword check);
 - a model config whose chat template calls ``toJson`` on the prompt a million times without
   emitting it (the output bound never fired), with a 10 KB prompt;
 - a model config whose ``chat_message`` nests empty ranges (``300 x 200000`` iterations that
@@ -162,6 +164,13 @@ ATTACKS = [
               "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
                   "x": {"type": "string", "pattern": "^(a+)+$"}}}}}]),
      (400, "pattern")),
+    ("a strict tool with uniqueItems, 5000 distinct objects in the arguments", "echo-tools",
+     chat("echo-tools", '<tool_call>{"name":"f","arguments":{"x":' + json.dumps(
+         [{"a": i} for i in range(5000)], separators=(",", ":")) + '}}</tool_call>',
+          tools=[{"type": "function", "function": {
+              "name": "f", "strict": True, "parameters": {"type": "object", "properties": {
+                  "x": {"type": "array", "uniqueItems": True}}}}}]),
+     (200, "tool_calls")),
     ("a template looping toJson over a 10 KB prompt", "echo-template",
      chat("echo-template", "x" * 10_000), (500, "functions handle more than")),
     ("a chat_message of nested empty ranges, 4 messages", "echo-ranges",
