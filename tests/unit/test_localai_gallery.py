@@ -148,3 +148,17 @@ def test_a_chatml_gallery_model_renders_tool_calls_as_json(catalog):
     assert '{"function":{"arguments":"{\\"city\\":\\"Rome\\"}","name":"weather"},' \
         '"id":"c1","type":"function"}' in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_gallery_use_cases_add_to_the_guess_as_localai_does(catalog):
+    from localai_tw.localai.model_config import usecases
+
+    chat_listed = [c for c in catalog.models() if c.known_usecases == ("chat",)]
+    assert chat_listed, "the gallery has chat-only listed configs"
+    for config in catalog.models():
+        found = usecases(config)
+        assert set(config.known_usecases or ()) <= found, config.source
+        if config.backend == "llama-cpp" and not config.embeddings and \
+                not {"score", "token_classify"} & set(config.known_usecases or ()):
+            # listed for chat only, a completion still goes to llama.cpp (issue 22 §5)
+            assert {"chat", "completion"} <= found, config.source
