@@ -53,8 +53,9 @@ PLUS what is guessed from the rest of the config, as LocalAI adds its ``GuessUse
 2. else what the backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
    ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three,
    LocalAI's ``whisper`` transcript (not with the ``vad_only`` option), ``piper``, ``kokoro``
-   and ``transformers-musicgen`` tts, ``stablediffusion``, ``stablediffusion-ggml`` and ``diffusers`` (with
-   a ``diffusers.pipeline_type``) image, ``rerankers`` rerank; a backend not in the table
+   and ``transformers-musicgen`` tts, ``stablediffusion``, ``stablediffusion-ggml`` and
+   ``diffusers`` (with a ``diffusers.pipeline_type``) image, ``rerankers`` rerank, ``silero-vad``
+   vad; a backend not in the table
    (``external``, plugins) chat, completion and embeddings;
 3. ``rerank`` too when ``reranking: true``, or when 1. or 2. gave ``embeddings`` on a backend
    whose ``Rerank`` this package ships (:data:`RERANK_BACKENDS`).

@@ -497,13 +497,15 @@ class _Run:
     def spend(self, chars: int) -> None:
         self.budget.work += chars
         if self.budget.work > MAX_WORK_CHARS:
-            raise TemplateBudgetExceeded(f"the template's functions handle more than {MAX_WORK_CHARS} "
-                                "characters (toJson or print in a loop?)")
+            raise TemplateBudgetExceeded(f"the template's functions handle more than "
+                                         f"{MAX_WORK_CHARS} characters (toJson or print in a "
+                                         "loop?)")
 
     def emit(self, text: str) -> None:
         self.budget.size += len(text)
         if self.budget.size > MAX_OUTPUT_CHARS:
-            raise TemplateBudgetExceeded(f"the rendered text would exceed {MAX_OUTPUT_CHARS} characters")
+            raise TemplateBudgetExceeded(f"the rendered text would exceed {MAX_OUTPUT_CHARS} "
+                                         "characters")
         self.out.append(text)
 
     def block(self, nodes: list, dot, scopes: list) -> None:

@@ -1,9 +1,10 @@
 """``InferenceRouter``: the ``IInferenceRouter`` of a frontend replica.
 
 For each request: the model's config (``ModelCatalog``; its use cases are never a reason to
-refuse, as in LocalAI: the backend answers what it cannot do) -> a loaded placement (warm path, ``NodeChooser``), or a cold load under the
-cross-replica lock (``LoadLock``, ``ColdLoader``) -> the gRPC call through the (node, port) bridge ->
-``Served(value, served_by=node)``.
+refuse, as in LocalAI: the backend answers what it cannot do) -> a loaded placement (warm
+path, ``NodeChooser``), or a cold load under the cross-replica lock (``LoadLock``,
+``ColdLoader``) -> the gRPC call through the (node, port) bridge -> the answer checked for
+what was asked of it (``honoured.py``) -> ``Served(value, served_by=node)``.
 
 Warm-path failures, and what may happen on each (docs/inference.md):
 
