@@ -15,6 +15,10 @@ backends of the same names.  A model config may say otherwise for its model with
 runs LocalAI's ``llama-cpp``, for one), and ``function.grammar.disable: true`` turns grammar
 off as LocalAI reads it.  The table is ``docs/openai-api.md``'s "What each backend honours".
 
+A name's claim is the built-in's: a worker whose LocalAI backends directory holds a program of
+that name runs that one instead, so what the answer can tell is checked against it as well
+(``frontend/inference/honoured.py``: log probabilities).
+
 What this module must never do: guess a capability for a backend it does not know (unknown is
 "no", so the request is refused, not ignored).
 """
