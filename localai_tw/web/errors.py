@@ -68,7 +68,14 @@ def too_large(limit: int) -> APIError:
 
 
 
-def bodies_busy() -> APIError:
+def bodies_busy(source_share: int | None = None) -> APIError:
+    """503 for a body over the listener's budget, or (``source_share``: bytes) over the share
+    of it one client address may hold."""
+    if source_share is not None:
+        return APIError(503, f"this address already sends {source_share} bytes of request "
+                        "bodies to this replica (its share of the bodies in flight); finish "
+                        "or close those requests, then retry", "service_unavailable",
+                        code="too_many_bodies_from_source", headers={"Retry-After": "5"})
     return APIError(503, "this replica is receiving too many request bodies at once; try again "
                     "in a few seconds", "service_unavailable", code="too_many_bodies_in_flight",
                     headers={"Retry-After": "5"})

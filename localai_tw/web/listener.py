@@ -13,6 +13,8 @@ and body bytes are capped.
   ``twisted.web`` only has an idle timer that every byte restarts; and a cap on a listener's
   concurrent connections, beyond which a small reserve serves only the load balancer's probes.
   Defaults: :data:`MAX_CONNECTIONS`, :data:`PROBE_RESERVE`, :data:`MAX_BODY_BYTES_IN_FLIGHT`,
+  :data:`MAX_BODY_BYTES_PER_SOURCE`, :data:`NODE_BODY_RESERVE`,
+  :data:`BODY_FIRST_BYTE_DEADLINE_SECONDS`,
   :data:`HEADERS_DEADLINE_SECONDS`, :data:`BODY_DEADLINE_SECONDS` (``docs/operators.md``,
   "Limits").
 - :meth:`BoundedSite.hold_connection`: a connection an API vouches for (a worker's kept-alive
@@ -31,6 +33,7 @@ an internal exception text into a response.  It imports only the base and ``web`
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
@@ -80,12 +83,37 @@ PROBE_PATHS = (b"/healthz", b"/readyz")
 #: Most bytes of request bodies one listener holds at once (announced lengths); a request that
 #: would pass it is answered 503 with ``Retry-After`` before its body is read.
 MAX_BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
+#: Most of :data:`MAX_BODY_BYTES_IN_FLIGHT` one source (an IPv4 address, an IPv6 /64) holds
+#: at once: one client announcing big bodies on many connections cannot take the whole budget.
+MAX_BODY_BYTES_PER_SOURCE = 64 * 1024 * 1024
+#: Bytes of :data:`MAX_BODY_BYTES_IN_FLIGHT` only the workers' API (``/api/node/``: register,
+#: heartbeats, 64 KiB each) may use, so a flood of other bodies never starves a heartbeat.
+NODE_BODY_RESERVE = 16 * 1024 * 1024
+#: The path prefix whose bodies may use :data:`NODE_BODY_RESERVE`.
+NODE_PATH_SEGMENT = b"node"
+#: Seconds a client has, once its head announced a body, to send the body's first byte: a
+#: reservation nobody fills is given back early (the whole body still has
+#: :data:`BODY_DEADLINE_SECONDS`).
+BODY_FIRST_BYTE_DEADLINE_SECONDS = 10.0
 #: Seconds a client has to send a whole request head (request line and headers).
 HEADERS_DEADLINE_SECONDS = 30.0
 #: Seconds a client has to send a whole request body, counted from the end of its head.
 BODY_DEADLINE_SECONDS = 120.0
-#: Longest path segment (node id) echoed back in an error message.
 
+
+def source_key(address) -> str:
+    """The source a per-client limit counts: an IPv4 address, an IPv6 address's /64 (one host
+    usually holds a whole /64, so counting single IPv6 addresses would limit nothing), the
+    text of anything else (a UNIX socket: one source)."""
+    host = str(getattr(address, "host", address))
+    if ":" in host:
+        try:
+            network = ipaddress.IPv6Network(f"{host.split('%', 1)[0]}/64", strict=False)
+        except ValueError:
+            return host
+        mapped = ipaddress.IPv6Address(host.split('%', 1)[0]).ipv4_mapped
+        return str(mapped) if mapped is not None else str(network)
+    return host
 
 
 def _segments_of(target: bytes) -> tuple[bytes, ...]:
@@ -150,7 +178,8 @@ class BoundedRequest(server.Request):
             if length is not None and length > limit:
                 raise too_large(limit)
             if site is not None:
-                release = site.reserve_body_bytes(limit if length is None else length)
+                release = site.reserve_body_bytes(limit if length is None else length,
+                                                  source_key(self.getClientAddress()), target)
                 self.notifyFinish().addBoth(lambda _: release())
         except Exception as refusal:
             self.answer_before_body(_as_early_answer(refusal))
@@ -264,10 +293,34 @@ class BoundedChannel(HTTPChannel):
         request = self.requests[-1] if self.requests else None
         if self.length != 0 and request is not None and not request.answered_before_body:
             self._start_deadline("body")  # cancelled in allContentReceived
+            self._start_first_byte_deadline()
+
+    def rawDataReceived(self, data):
+        if data:
+            self._cancel_first_byte_deadline()
+        super().rawDataReceived(data)
 
     def allContentReceived(self):
         self._cancel_deadline()
+        self._cancel_first_byte_deadline()
         super().allContentReceived()
+
+    _first_byte = None
+
+    def _start_first_byte_deadline(self) -> None:
+        """A body's reservation (:meth:`BoundedSite.reserve_body_bytes`) is given back early
+        when not one byte of the body arrives within ``site.body_first_byte_deadline``: a
+        client announcing big bodies and sending nothing holds the budget for seconds, not
+        for the whole body deadline."""
+        seconds = getattr(getattr(self, "site", None), "body_first_byte_deadline", None)
+        if seconds is not None and (self.transport is not None):
+            self._first_byte = self.callLater(seconds, self._deadline_passed, "body's first "
+                                              "byte", seconds)
+
+    def _cancel_first_byte_deadline(self) -> None:
+        timer, self._first_byte = self._first_byte, None
+        if timer is not None and timer.active():
+            timer.cancel()
 
     def requestDone(self, request):
         self._between_requests = True  # before the channel replays pipelined bytes
@@ -275,6 +328,7 @@ class BoundedChannel(HTTPChannel):
 
     def connectionLost(self, reason):
         self._cancel_deadline()
+        self._cancel_first_byte_deadline()
         super().connectionLost(reason)
 
     def _start_deadline(self, what: str) -> None:
@@ -295,7 +349,8 @@ class BoundedChannel(HTTPChannel):
             deadline.cancel()
 
     def _deadline_passed(self, what: str, seconds: float) -> None:
-        self._deadline = None
+        self._cancel_deadline()
+        self._cancel_first_byte_deadline()
         if self.transport is None:
             return  # the connection was handed over (a WebSocket) or is gone
         site = getattr(self, "site", None)
@@ -303,7 +358,7 @@ class BoundedChannel(HTTPChannel):
             site.late_requests.note(what=what, seconds=seconds)
         answer = request_timeout(what, seconds)
         request = self.requests[-1] if self.requests else None
-        if isinstance(request, BoundedRequest) and what == "body":
+        if isinstance(request, BoundedRequest) and what != "head":
             request.answer_before_body(answer)
         else:
             if isinstance(request, BoundedRequest):
@@ -464,8 +519,11 @@ class BoundedSite(server.Site):
       holds at most ``2 * probe_reserve`` file descriptors and request heads (``twisted.web``
       caps a head at 16 KiB), for seconds at most, plus answers being written;
     - at most ``max_body_bytes_in_flight`` bytes of request bodies held at once (announced
-      lengths, reserved when the headers end and released when the request ends); a request
-      that would pass it is answered 503 with ``Retry-After`` before its body is read;
+      lengths, reserved when the headers end and released when the request ends, or when the
+      body's first byte does not come within ``body_first_byte_deadline``), at most
+      ``max_body_bytes_per_source`` of them by one source (:func:`source_key`), the last
+      ``node_body_reserve`` only for ``/api/node/``; a request that would pass one of them is
+      answered 503 with ``Retry-After`` before its body is read;
     - a request with a body is first put to the *header guard* of its path: authentication is
       decided when the headers end, and a refused request never has a byte of its body read;
     - deadlines for each request's head and body (:class:`BoundedChannel`).
@@ -507,6 +565,9 @@ class BoundedSite(server.Site):
                  max_refusing_connections: int = MAX_REFUSING_CONNECTIONS,
                  probe_reserve_headers_deadline: float = PROBE_RESERVE_HEADERS_DEADLINE_SECONDS,
                  max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT,
+                 max_body_bytes_per_source: int = MAX_BODY_BYTES_PER_SOURCE,
+                 node_body_reserve: int = NODE_BODY_RESERVE,
+                 body_first_byte_deadline: float | None = BODY_FIRST_BYTE_DEADLINE_SECONDS,
                  headers_deadline: float | None = HEADERS_DEADLINE_SECONDS,
                  body_deadline: float | None = BODY_DEADLINE_SECONDS,
                  access_log: str = "all",
@@ -546,6 +607,11 @@ class BoundedSite(server.Site):
         self.held_for_key: dict[str, _ListenerConnection] = {}
         self.max_body_bytes_in_flight = max_body_bytes_in_flight
         self.body_bytes_in_flight = 0
+        self.max_body_bytes_per_source = max_body_bytes_per_source
+        self.node_body_reserve = node_body_reserve
+        self.body_first_byte_deadline = body_first_byte_deadline
+        #: source (:func:`source_key`) -> body bytes it holds in flight (only sources > 0).
+        self.body_bytes_of_source: dict[str, int] = {}
         self.headers_deadline = headers_deadline
         self.body_deadline = body_deadline
         self.refused_connections = EventsPerInterval(
@@ -562,6 +628,9 @@ class BoundedSite(server.Site):
         self.refused_bodies = EventsPerInterval(
             self.reactor, "answered 503 to {count} request(s) since the last such line: "
             "{limit} bytes of request bodies were already in flight")
+        self.refused_source_bodies = EventsPerInterval(
+            self.reactor, "answered 503 to {count} request(s) since the last such line: their "
+            "source already held its share of {limit} bytes of request bodies in flight")
         self.late_requests = EventsPerInterval(
             self.reactor, "closed {count} connection(s) since the last such line whose request "
             "{what} took longer than {seconds:g} s to arrive")
@@ -665,19 +734,39 @@ class BoundedSite(server.Site):
 
     # -- listener bounds --------------------------------------------------------------------
 
-    def reserve_body_bytes(self, size: int) -> Callable[[], None]:
-        """Count ``size`` body bytes as in flight; the returned callable (idempotent) gives
-        them back.  :raises APIError: 503 when they would pass ``max_body_bytes_in_flight``."""
-        if self.body_bytes_in_flight + size > self.max_body_bytes_in_flight:
+    def reserve_body_bytes(self, size: int, source: str = "?",
+                           target: bytes | None = None) -> Callable[[], None]:
+        """Count ``size`` body bytes as in flight for ``source`` (:func:`source_key`); the
+        returned callable (idempotent) gives them back.
+
+        Fair shares: one source holds at most ``max_body_bytes_per_source``, and the last
+        ``node_body_reserve`` bytes of the budget go only to the workers' API (``target``
+        under ``/api/node/``), so neither one client nor a flood of clients starves the
+        heartbeats.
+
+        :raises APIError: 503 when the bytes would pass the budget or the source's share."""
+        node = target is not None and _segments_of(target)[:2] == (b"api", NODE_PATH_SEGMENT)
+        budget = self.max_body_bytes_in_flight - (0 if node else self.node_body_reserve)
+        if self.body_bytes_in_flight + size > budget:
             self.refused_bodies.note(limit=self.max_body_bytes_in_flight)
             raise bodies_busy()
+        held = self.body_bytes_of_source.get(source, 0)
+        if held + size > self.max_body_bytes_per_source:
+            self.refused_source_bodies.note(limit=self.max_body_bytes_per_source)
+            raise bodies_busy(self.max_body_bytes_per_source)
         self.body_bytes_in_flight += size
+        self.body_bytes_of_source[source] = held + size
         released = []
 
         def release() -> None:
             if not released:
                 released.append(True)
                 self.body_bytes_in_flight -= size
+                left = self.body_bytes_of_source.get(source, 0) - size
+                if left > 0:
+                    self.body_bytes_of_source[source] = left
+                else:
+                    self.body_bytes_of_source.pop(source, None)
 
         return release
 

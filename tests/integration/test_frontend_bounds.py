@@ -67,8 +67,11 @@ class RawClient(protocol.Protocol):
             self.transport.abortConnection()
 
 
-async def connect(port: int) -> RawClient:
-    endpoint = endpoints.TCP4ClientEndpoint(reactor, "127.0.0.1", port)
+async def connect(port: int, source: str | None = None) -> RawClient:
+    """A raw client of the replica on ``port``, from the loopback address ``source`` (another
+    client machine, as the listener sees it) when given."""
+    endpoint = endpoints.TCP4ClientEndpoint(
+        reactor, "127.0.0.1", port, bindAddress=(source, 0) if source else None)
     return await endpoints.connectProtocol(endpoint, RawClient())
 
 
@@ -93,8 +96,8 @@ async def frontend(pg_dsn):
         await service.whenReady().addTimeout(30, reactor)
         return service
 
-    async def dial(service) -> RawClient:
-        client = await connect(service.listener.tcp_port())
+    async def dial(service, source: str | None = None) -> RawClient:
+        client = await connect(service.listener.tcp_port(), source)
         clients.append(client)
         return client
 
@@ -427,6 +430,87 @@ async def test_bodies_beyond_the_in_flight_cap_get_503_before_they_are_read(fron
     third.send(head("POST", "/api/node/register", len(body), f"Bearer {TOKEN}") + body)
     status, _, answer = await third.response()
     assert status == 201, answer
+
+
+async def register(service, name: str) -> str:
+    client = Client(f"http://127.0.0.1:{service.listener.tcp_port()}")
+    status, node = await client.call("POST", "/api/node/register",
+                                     {"name": name, "node_key": f"{name}-key-" + "k" * 40},
+                                     token=TOKEN)
+    assert status == 201, node
+    return node["id"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_client_announcing_big_bodies_leaves_the_others_and_the_heartbeats_theirs(
+        frontend):
+    """Issue 21 §4: one key holder announced 8 MiB on 32 connections and sent nothing: the
+    256 MiB budget was gone, every other client's body got 503, and so did the workers'
+    heartbeats.  Now one source holds at most its share (64 MiB), the last 16 MiB are the
+    workers' only, and a reservation whose body does not start within 10 s is given back."""
+    service = await frontend()
+    node_id = await register(service, "w-budget")
+    attacker = []
+    for _ in range(32):
+        client = await frontend.dial(service)
+        client.send(head("POST", "/v1/chat/completions", 8 * 1024 * 1024, f"Bearer {ADMIN}"))
+        attacker.append(client)
+    await eventually(lambda: sum(c.closed or c.received != b"" for c in attacker) >= 24
+                     or service.site.body_bytes_in_flight >= 256 * 1024 * 1024)
+    held = service.site.body_bytes_in_flight
+    assert held <= 64 * 1024 * 1024, f"one source holds {held} bytes of the body budget"
+    refused = [c for c in attacker if c.received]
+    assert len(refused) == 24
+    status, _, answer = await refused[0].response()
+    assert status == 503 and answer["error"]["code"] == "too_many_bodies_from_source"
+
+    # another client machine still sends its body ...
+    other = await frontend.dial(service, source="127.0.0.2")
+    other.send(head("POST", "/api/nodes/scheduling", 2, f"Bearer {ADMIN}"))
+    await silent_for(other, 0.3)  # its reservation was granted: waiting for the body
+    other.send(b"{}")
+    status, _, answer = await other.response()
+    assert status != 503, answer
+    # ... and a worker's heartbeat is answered
+    beat = await frontend.dial(service, source="127.0.0.3")
+    beat.send(head("POST", f"/api/node/{node_id}/heartbeat", 2, f"Bearer {TOKEN}") + b"{}")
+    status, _, answer = await beat.response()
+    assert status == 200, answer
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_last_bytes_of_the_body_budget_are_the_workers(frontend):
+    """Many sources together fill the budget: a heartbeat still finds the reserve."""
+    service = await frontend()
+    node_id = await register(service, "w-reserve")
+    service.site.max_body_bytes_in_flight = 20 * 1024 * 1024
+    hogs = []
+    for i in range(2):
+        hog = await frontend.dial(service, source=f"127.0.1.{i + 1}")
+        hog.send(head("POST", "/v1/chat/completions", 2 * 1024 * 1024, f"Bearer {ADMIN}"))
+        hogs.append(hog)
+    await eventually(lambda: service.site.body_bytes_in_flight == 4 * 1024 * 1024)
+    late = await frontend.dial(service, source="127.0.1.9")
+    late.send(head("POST", "/v1/chat/completions", 1024, f"Bearer {ADMIN}"))
+    status, _, answer = await late.response()
+    assert status == 503 and answer["error"]["code"] == "too_many_bodies_in_flight"
+    beat = await frontend.dial(service, source="127.0.1.10")
+    beat.send(head("POST", f"/api/node/{node_id}/heartbeat", 2, f"Bearer {TOKEN}") + b"{}")
+    status, _, answer = await beat.response()
+    assert status == 200, answer
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_body_that_never_starts_gives_its_reservation_back_early(frontend):
+    service = await frontend()
+    service.site.body_first_byte_deadline = 1.0
+    client = await frontend.dial(service)
+    client.send(head("POST", "/v1/chat/completions", 8 * 1024 * 1024, f"Bearer {ADMIN}"))
+    await eventually(lambda: service.site.body_bytes_in_flight == 8 * 1024 * 1024)
+    await client.lost.addTimeout(5, reactor)
+    status, _, answer = client.complete_response()
+    assert status == 408 and "first byte" in answer["error"]["message"]
+    assert service.site.body_bytes_in_flight == 0
 
 
 # -- log volume -------------------------------------------------------------------------------
