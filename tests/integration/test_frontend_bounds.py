@@ -513,6 +513,70 @@ async def test_a_body_that_never_starts_gives_its_reservation_back_early(fronten
     assert service.site.body_bytes_in_flight == 0
 
 
+# -- the workers' API: failures and registrations have their own budgets ----------------------
+
+
+async def post_node(service, path: str, token: str, body: dict, source: str | None = None):
+    """One request on a fresh raw connection: (status, decoded body)."""
+    client = await frontend_dial(service, source)
+    payload = json.dumps(body).encode()
+    client.send(head("POST", path, len(payload), f"Bearer {token}") + payload)
+    status, _, answer = await client.response()
+    client.close()
+    return status, answer
+
+
+async def frontend_dial(service, source=None) -> RawClient:
+    return await connect(service.listener.tcp_port(), source)
+
+
+@pytest_twisted.ensureDeferred
+async def test_anonymous_requests_do_not_spend_the_workers_registrations(frontend):
+    """Issue 21 §4: the registration limit ran before the token check, per address, so
+    anonymous requests from a worker's NAT address spent the workers' registrations (the
+    worker then got 429).  Now a wrong token spends only the source's failures."""
+    service = await frontend(**{"registration-limit": 3})
+    for i in range(10):
+        status, _ = await post_node(service, "/api/node/register", "wrong-token",
+                                    {"name": f"x{i}", "node_key": "k" * 64})
+        assert status == 401
+    status, answer = await post_node(service, "/api/node/register", TOKEN,
+                                     {"name": "behind-the-nat", "node_key": "n" * 64})
+    assert status == 201, answer
+
+
+@pytest.mark.parametrize("path", ["/api/node/register", "/api/node/{id}/heartbeat",
+                                  "/api/node/regi%73ter", "/api/node/nothing-here"])
+@pytest_twisted.ensureDeferred
+async def test_wrong_tokens_are_limited_on_every_node_route(frontend, path):
+    """Issue 21 §4: wrong tokens on the heartbeat route were never counted.  Every route of
+    /api/node counts a source's failures: past 30 a minute, 429 with Retry-After, while
+    another address still gets its 401 (and the right token its answer)."""
+    service = await frontend()
+    node_id = await register(service, "w-failures")
+    path = path.replace("{id}", node_id)
+    statuses = [(await post_node(service, path, "wrong-token", {}))[0] for _ in range(31)]
+    assert statuses[:30] == [401] * 30 and statuses[30] == 429, statuses
+    status, answer = await post_node(service, path, "wrong-token", {}, source="127.0.0.2")
+    assert status == 401, answer
+    status, answer = await post_node(service, f"/api/node/{node_id}/heartbeat", TOKEN, {})
+    assert status == 200, answer
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_percent_encoded_registration_is_a_registration(frontend):
+    """Issue 21 §4: ``POST /api/node/regi%73ter`` without a body (so checked only at dispatch,
+    on the raw path) was never counted as a registration."""
+    service = await frontend(**{"registration-limit": 2})
+    statuses = []
+    for _ in range(3):
+        client = await frontend_dial(service)
+        client.send(head("POST", "/api/node/regi%73ter", None, f"Bearer {TOKEN}"))
+        statuses.append((await client.response())[0])
+        client.close()
+    assert statuses == [400, 400, 429]  # 400: the body is empty
+
+
 # -- log volume -------------------------------------------------------------------------------
 
 
