@@ -89,6 +89,15 @@ def too_many_connections(limit: int) -> APIError:
                     code="too_many_connections", headers={"Retry-After": "2"})
 
 
+def too_many_connections_from_source(limit: int) -> APIError:
+    """The answer to a connection whose source holds its share of the connection cap, every
+    one of them in the middle of a request."""
+    return APIError(503, f"this address already holds {limit} connections to this replica "
+                    "(its share of the connection cap), each in the middle of a request; "
+                    "finish or close some, then retry", "service_unavailable",
+                    code="too_many_connections_from_source", headers={"Retry-After": "2"})
+
+
 def request_timeout(what: str, seconds: float) -> APIError:
     return APIError(408, f"the request {what} did not arrive within {seconds:g} seconds",
                     "request_timeout", code="request_timeout")

@@ -57,6 +57,7 @@ from localai_tw.web.errors import (
     request_timeout,
     too_large,
     too_many_connections,
+    too_many_connections_from_source,
 )
 from localai_tw.web.sockets import set_no_delay
 
@@ -67,6 +68,11 @@ MAX_BODY_BYTES = 64 * 1024
 #: Most connections one listener holds at once that are not authorized tunnels or peer links;
 #: beyond it a connection may only use the probe reserve.
 MAX_CONNECTIONS = 1024
+#: Most of :data:`MAX_CONNECTIONS` one source (:func:`source_key`) holds at once.  A new
+#: connection from a source at its share closes that source's oldest connection still sending
+#: its head (or idle between requests), or is answered 503 when all of them are busy.  Behind a
+#: proxy every client shares the proxy's address: raise it there.
+MAX_CONNECTIONS_PER_SOURCE = 256
 #: Connections a listener serves beyond :data:`MAX_CONNECTIONS` for the load balancer's probes
 #: only (one ``GET``/``HEAD`` of :data:`PROBE_PATHS` without a body each), and connections
 #: beyond it that wait for their first line (a newer one closes the oldest); anything else
@@ -243,6 +249,11 @@ class BoundedChannel(HTTPChannel):
     on_probe_reserve = False
     _first_line_seen = False
 
+    #: True while the connection waits for (the rest of) a request head, or idles between
+    #: requests: nothing of a request is in progress, so it may be closed to make room
+    #: (:meth:`BoundedSite.buildProtocol`).
+    awaiting_head = True
+
     def connectionMade(self):
         super().connectionMade()
         self._start_deadline("head")
@@ -259,17 +270,20 @@ class BoundedChannel(HTTPChannel):
                 return
         super().lineReceived(line)
 
-    def refuse_beyond_the_cap(self, line: bytes | None) -> None:
-        """Answer 503 ``too_many_connections`` before the rest of the request (no request is
-        created, no header parsed), and ignore whatever follows while the connection closes."""
+    def refuse_beyond_the_cap(self, line: bytes | None, answer: Any = None) -> None:
+        """Answer 503 ``too_many_connections`` (or ``answer``) before the rest of the request
+        (no request is created, no header parsed), and ignore whatever follows while the
+        connection closes."""
         self._cancel_deadline()
         site = getattr(self, "site", None)
         limit = getattr(site, "max_connections", MAX_CONNECTIONS)
-        answer: Any = too_many_connections(limit)
+        refused_on_reserve = answer is None
+        answer = too_many_connections(limit) if answer is None else answer
         self._first_line_seen = True
         parts = (line or b"").split(b" ")
         if isinstance(site, BoundedSite):
-            site.refused_on_reserve.note(limit=limit)
+            if refused_on_reserve:
+                site.refused_on_reserve.note(limit=limit)
             if len(parts) == 3:  # the OpenAI API's paths answer in its own error shape
                 answer = site.shape_early_answer(parts[1], answer)
         self.lineReceived = self.rawDataReceived = lambda _data: None  # type: ignore
@@ -288,6 +302,7 @@ class BoundedChannel(HTTPChannel):
         super().dataReceived(data)
 
     def allHeadersReceived(self):
+        self.awaiting_head = False
         self._cancel_deadline()
         super().allHeadersReceived()
         request = self.requests[-1] if self.requests else None
@@ -324,6 +339,7 @@ class BoundedChannel(HTTPChannel):
 
     def requestDone(self, request):
         self._between_requests = True  # before the channel replays pipelined bytes
+        self.awaiting_head = True
         super().requestDone(request)
 
     def connectionLost(self, reason):
@@ -430,6 +446,10 @@ class _ListenerConnection(ProtocolWrapper):
     over_cap = False
     #: The key an API holds this connection for (:meth:`BoundedSite.hold_connection`).
     held_for: str | None = None
+    #: Its source (:func:`source_key`), set when it is built.
+    source: str | None = None
+    #: Its source held its share of connections, none of them awaiting a head: refused.
+    source_full = False
 
     @property
     def held(self) -> bool:
@@ -445,6 +465,19 @@ class _ListenerConnection(ProtocolWrapper):
             super().makeConnection(transport)
             return
         line = waiting_request_line(transport)
+        if self.source_full:
+            self.factory.refused_sources.note(limit=self.factory.max_connections_per_source)
+            room = self.factory.refusing_connections < self.factory.max_refusing_connections
+            self.kind = "refusing" if room else None
+            self.wrappedProtocol.on_probe_reserve = False
+            super().makeConnection(transport)
+            if room:
+                self.wrappedProtocol.refuse_beyond_the_cap(
+                    line, too_many_connections_from_source(
+                        self.factory.max_connections_per_source))
+            else:
+                transport.abortConnection()
+            return
         action = self.factory.decide_over_cap(line)
         self.kind = None if action == "close" else action
         self.wrappedProtocol.on_probe_reserve = action in ("reserve", "undecided")
@@ -561,6 +594,7 @@ class BoundedSite(server.Site):
                  spool_prefixes: Iterable[bytes] = (),
                  header_guards: Mapping[bytes, Callable[[Any], None]] | None = None,
                  max_connections: int = MAX_CONNECTIONS,
+                 max_connections_per_source: int = MAX_CONNECTIONS_PER_SOURCE,
                  probe_reserve: int = PROBE_RESERVE,
                  max_refusing_connections: int = MAX_REFUSING_CONNECTIONS,
                  probe_reserve_headers_deadline: float = PROBE_RESERVE_HEADERS_DEADLINE_SECONDS,
@@ -587,6 +621,9 @@ class BoundedSite(server.Site):
         self.max_connections = max_connections
         #: Connections not (yet) vouched for: HTTP requests, dials still being authorized.
         self.open_connections = 0
+        self.max_connections_per_source = max_connections_per_source
+        #: source (:func:`source_key`) -> its open connections, oldest first.
+        self.open_of_source: dict[str, deque] = {}
         self.probe_reserve = probe_reserve
         self.probe_reserve_headers_deadline = probe_reserve_headers_deadline
         #: Connections accepted beyond ``max_connections``, for the probes only.
@@ -621,6 +658,13 @@ class BoundedSite(server.Site):
             self.reactor, "closed {count} connection(s) since the last such line that were "
             "accepted beyond the connection cap and had not sent a request line while "
             "{limit} newer ones waited")
+        self.source_evictions = EventsPerInterval(
+            self.reactor, "closed {count} connection(s) since the last such line that were "
+            "sending a request head (or idle) to make room for a newer connection: their "
+            "source ({source}) held the most connections, or its share of {limit}")
+        self.refused_sources = EventsPerInterval(
+            self.reactor, "answered 503 to {count} connection(s) since the last such line: "
+            "their source already held its share of {limit} connections, all busy")
         self.refused_on_reserve = EventsPerInterval(
             self.reactor, "answered 503 to {count} request(s) other than /healthz and /readyz "
             "since the last such line: this listener holds {limit} connections (the connection "
@@ -770,11 +814,42 @@ class BoundedSite(server.Site):
 
         return release
 
+    @property
+    def saturated(self) -> bool:
+        """Whether the cap on connections nobody vouched for is full (``/readyz`` says so)."""
+        return self.open_connections >= self.max_connections
+
     def buildProtocol(self, addr):
         connection = _ListenerConnection(self, super().buildProtocol(addr))
+        connection.source = source = source_key(addr)
+        mine = self.open_of_source.get(source, ())
+        if len(mine) >= self.max_connections_per_source:
+            if not self._evict_awaiting_head(source, self.max_connections_per_source):
+                connection.over_cap = connection.source_full = True
+                return connection
         if self.open_connections >= self.max_connections:
-            connection.over_cap = True  # decided when its socket is known (makeConnection)
+            # Fair share of a full cap: the source holding the most connections gives up its
+            # oldest one still sending its head, if it holds more than this one's source.
+            biggest = max(self.open_of_source, key=lambda s: len(self.open_of_source[s]),
+                          default=None)
+            if (biggest is None or len(self.open_of_source[biggest]) <= len(mine) + 1
+                    or not self._evict_awaiting_head(biggest, self.max_connections)):
+                connection.over_cap = True  # decided when its socket is known
         return connection
+
+    def _evict_awaiting_head(self, source: str, limit: int) -> bool:
+        """Close ``source``'s oldest open connection that awaits a request head (nothing of a
+        request in progress), and stop counting it now; whether there was one."""
+        for connection in self.open_of_source.get(source, ()):
+            channel = connection.wrappedProtocol
+            if getattr(channel, "awaiting_head", False):
+                self._count(connection, -1)
+                connection.kind = None
+                self.source_evictions.note(source=source, limit=limit)
+                if connection.transport is not None:
+                    connection.transport.abortConnection()
+                return True
+        return False
 
     def decide_over_cap(self, line: bytes | None) -> str:
         """What becomes of a connection accepted beyond the cap, whose first line is ``line``
@@ -861,6 +936,18 @@ class BoundedSite(server.Site):
         kind = getattr(connection, "kind", "open")
         if kind == "open":
             self.open_connections += change
+            source = getattr(connection, "source", None)
+            if source is not None:
+                mine = self.open_of_source.setdefault(source, deque())
+                if change > 0:
+                    mine.append(connection)
+                else:
+                    try:
+                        mine.remove(connection)
+                    except ValueError:
+                        pass
+                if not mine:
+                    del self.open_of_source[source]
         elif kind == "reserve":
             self.reserve_connections += change
         elif kind == "refusing":

@@ -219,6 +219,61 @@ async def test_connections_beyond_the_cap_that_send_nothing_are_bounded(frontend
     assert status == 200 and instances["instances"]
 
 
+# -- fair shares of the connection cap ---------------------------------------------------------
+
+
+async def served(service, source: str) -> int:
+    """The status of ``GET /api/cluster/instances`` (admin key) from ``source``."""
+    client = await connect(service.listener.tcp_port(), source)
+    client.send(head("GET", "/api/cluster/instances", None, f"Bearer {ADMIN}"))
+    try:
+        return (await client.response())[0]
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_address_cannot_hold_the_whole_connection_cap(frontend):
+    """Issue 21 §4: one anonymous address held all 1024 connections; every API, admin and
+    registration request got 503 while /readyz said 200.  Now one source holds at most its
+    share (here 4 of 16): its newer connections close its oldest ones still sending their
+    head, and other addresses are served.  /readyz says when the cap is full."""
+    service = await frontend()
+    service.site.max_connections = 16
+    service.site.max_connections_per_source = 4
+    attacker = [await frontend.dial(service) for _ in range(24)]
+    await eventually(lambda: sum(not c.closed for c in attacker) <= 4,
+                     what="the attacker's connections beyond its share closed")
+    assert service.site.open_connections == 4
+    assert all(c.closed for c in attacker[:20]) and not any(c.closed for c in attacker[20:])
+    assert await served(service, "127.0.0.2") == 200
+    # a source whose connections are all in the middle of a request is refused clearly
+    for client in attacker[20:]:
+        client.send(head("POST", "/api/nodes/scheduling", 100, f"Bearer {ADMIN}"))
+    await eventually(lambda: service.site.body_bytes_in_flight == 400)
+    extra = await frontend.dial(service)
+    status, _, answer = await extra.response()
+    assert status == 503 and answer["error"]["code"] == "too_many_connections_from_source"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_full_cap_makes_room_from_the_source_that_holds_the_most(frontend):
+    """Many sources together fill the cap: a newcomer takes the place of the oldest
+    connection, still sending its head, of the source that holds the most."""
+    service = await frontend()
+    service.site.max_connections = 6
+    service.site.max_connections_per_source = 4
+    big = [await frontend.dial(service, source="127.0.0.5") for _ in range(4)]
+    small = [await frontend.dial(service, source="127.0.0.6") for _ in range(2)]
+    await eventually(lambda: service.site.open_connections == 6)
+    client = Client(f"http://127.0.0.1:{service.listener.tcp_port()}")
+    status, answer = await client.call("GET", "/readyz")
+    assert (status, answer["listener"]["saturated"]) == (200, True)  # and still ready
+    assert await served(service, "127.0.0.7") == 200
+    await big[0].lost.addTimeout(5, reactor)
+    assert not any(c.closed for c in big[1:] + small)
+
+
 # -- the probe reserve: a full cap does not make a serving replica look down -------------------
 
 
@@ -246,8 +301,10 @@ async def test_a_probe_is_answered_while_the_cap_is_full(frontend, request_line)
     probe.send(request_line + b"\r\nHost: frontend\r\n\r\n")
     await probe.lost.addTimeout(5, reactor)  # one probe per reserve connection, then closed
     assert probe.received.startswith(request_line.split(b" ")[2] + b" 200 "), probe.received
-    if request_line.startswith(b"GET /readyz"):
-        assert probe.received.endswith(b'{"ready": true}')
+    if request_line.startswith(b"GET /readyz"):  # ready, and it says the cap is full
+        assert json.loads(probe.received.partition(b"\r\n\r\n")[2]) == {
+            "ready": True, "listener": {"saturated": True, "open_connections": 4,
+                                        "max_connections": 4}}
     await eventually(lambda: (service.site.undecided_connections,
                               service.site.reserve_connections) == (0, 0))
     assert not any(h.closed for h in holders) and service.site.open_connections == 4
