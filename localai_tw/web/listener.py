@@ -38,7 +38,7 @@ import socket
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.protocols.policies import ProtocolWrapper
 from twisted.python.failure import Failure
 from twisted.web import server
@@ -53,12 +53,15 @@ from localai_tw.web.bodies import (
 )
 from localai_tw.web.errors import (
     APIError,
+    bad_request,
     bodies_busy,
+    error_body,
     request_timeout,
     too_large,
     too_many_connections,
     too_many_connections_from_source,
 )
+from localai_tw.web.json import json_body
 from localai_tw.web.sockets import set_no_delay
 
 log = Logger()
@@ -128,6 +131,49 @@ def _segments_of(target: bytes) -> tuple[bytes, ...]:
     header guard cannot be sidestepped by spelling ``/v1`` as ``/%761``."""
     path = target.split(b"?", 1)[0]
     return tuple(unquote(segment) for segment in path[1:].split(b"/"))
+
+
+def _unsafe(text: bytes) -> str | None:
+    if b"\x00" in text:
+        return "a NUL byte (%00)"
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes that are not UTF-8"
+    return None
+
+
+def unsafe_target(target: bytes) -> APIError | None:
+    """A 400 naming the part of ``target`` (a request target) that holds, once
+    percent-decoded, a NUL byte or bytes that are not UTF-8, or None.  No path segment or query
+    parameter of any route may: file names, node ids, model names and database text all refuse
+    them, further in, with a 500 and a traceback."""
+    path, _, query = target.partition(b"?")
+    for segment in path.split(b"/"):
+        what = _unsafe(unquote(segment))
+        if what is not None:
+            return bad_request(f"the request path holds {what}, which no name here can "
+                               "contain; percent-encode only UTF-8 text without NUL")
+    for pair in query.split(b"&") if query else ():
+        name, _, value = pair.partition(b"=")
+        for part in (name, value):
+            what = _unsafe(unquote(part.replace(b"+", b" ")))
+            if what is not None:
+                return bad_request(f"the query parameter {printable_name(name)!r} holds "
+                                   f"{what}; percent-encode only UTF-8 text without NUL")
+    return None
+
+
+def printable_name(raw: bytes, limit: int = 32) -> str:
+    text = unquote(raw).decode("utf-8", "replace")[:limit]
+    return "".join(c if c.isprintable() and c != "\ufffd" else "?" for c in text)
+
+
+def may_log_failure(request) -> bool:
+    """Whether the traceback of ``request``'s failure may be logged: the first few of each
+    client address per window (``BoundedSite.failure_log``, which logs a summary of the rest)."""
+    limiter = getattr(getattr(request, "site", None), "failure_log", None)
+    return limiter is None or limiter.allow(_client_host(request))
 
 
 def _as_early_answer(refusal: Exception):
@@ -202,6 +248,33 @@ class BoundedRequest(server.Request):
         if self.answered_before_body:
             return  # already answered; the connection is closing
         super().requestReceived(command, path, version)
+
+    def process(self):
+        """A target with a NUL or non-UTF-8 byte in a path segment or query parameter is a 400
+        (:func:`unsafe_target`) before any resource sees it."""
+        refusal = unsafe_target(self.uri or b"")
+        if refusal is None:
+            return super().process()
+        site = getattr(self.channel, "site", None)
+        self.site = site
+        if isinstance(site, BoundedSite):
+            refusal = site.shape_early_answer(self.uri, refusal)
+        self.write(json_body(self, refusal.status, refusal.body(), refusal.headers))
+        self.finish()
+
+    def processingFailed(self, reason):
+        """A resource failed: 500 with a generic JSON body; the traceback is logged, at most a
+        burst of them per client (:func:`may_log_failure`): a client that can make a resource
+        fail must not be able to fill the log."""
+        if may_log_failure(self):
+            log.failure("{method} {path} failed", reason,
+                        method=(self.method or b"?").decode("ascii", "replace"),
+                        path=printable_name((self.path or b"")[:200], 200))
+        if not self.finished and self.channel is not None:
+            self.write(json_body(self, 500, error_body("internal error; see the frontend log",
+                                                       "internal_error")))
+            self.finish()
+        return reason
 
     def answer_before_body(self, answer) -> None:
         """Answer ``answer`` (an :class:`APIError`-like refusal) on the raw transport before the
@@ -562,7 +635,7 @@ class BoundedSite(server.Site):
     - deadlines for each request's head and body (:class:`BoundedChannel`).
 
     Refusals are logged at most once a minute per kind, with a count.  Access lines of
-    requests answered with a 4xx status are rate-limited per client address
+    requests answered with a 4xx or 5xx status are rate-limited per client address
     (:attr:`refused_access`): a prober's thousands of refused requests make a few lines and a
     summary, not a line each.  ``access_log`` (``--access-log``) narrows the access log to
     failed requests (``errors``) or turns it off (``off``).
@@ -679,8 +752,13 @@ class BoundedSite(server.Site):
             self.reactor, "closed {count} connection(s) since the last such line whose request "
             "{what} took longer than {seconds:g} s to arrive")
         self.refused_access = RateLimitedLog(
-            "answered {count} requests from {source} with a 4xx status in the last "
+            "answered {count} requests from {source} with a 4xx or 5xx status in the last "
             "{seconds:g} s ({suppressed} of them not logged one by one)", clock=self.reactor)
+        #: Tracebacks of failed requests, per client (:meth:`allow_failure_log`).
+        self.failure_log = RateLimitedLog(
+            "{count} requests from {source} failed with an internal error in the last "
+            "{seconds:g} s ({suppressed} of their tracebacks not logged)", clock=self.reactor,
+            level=LogLevel.warn)
         self.default_limit = default_limit
         self.spool_prefixes = tuple(spool_prefixes)
         self.body_limits = sorted((body_limits or {}).items(), key=lambda kv: len(kv[0]),
@@ -691,7 +769,7 @@ class BoundedSite(server.Site):
         and ``/readyz`` probes (a 503 there is the normal "not ready yet" answer; the replica
         logs why itself) and the successful requests of :attr:`quiet_on_success` (the
         workers' heartbeats).  Every other request, and any of those that failed, is still
-        logged, but refused ones (4xx)
+        logged, but refused and failed ones (4xx, 5xx)
         only up to a burst per client address, then summarised (:attr:`refused_access`).
         :attr:`access_log` ``errors`` keeps only the lines of requests answered >= 400;
         ``off`` keeps none (the refusal summaries of other kinds are still logged)."""
@@ -705,12 +783,13 @@ class BoundedSite(server.Site):
             return
         if code < 400 and self.quiet_on_success is not None and self.quiet_on_success(path):
             return
-        if 400 <= code < 500 and not self.refused_access.allow(_client_host(request)):
+        if code >= 400 and not self.refused_access.allow(_client_host(request)):
             return
         super().log(request)
 
     def stopFactory(self) -> None:
         self.refused_access.flush()
+        self.failure_log.flush()
         super().stopFactory()
 
     def add_body_limit(self, prefix: bytes, limit: int) -> None:

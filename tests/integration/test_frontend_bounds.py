@@ -650,7 +650,7 @@ async def test_thousands_of_refused_requests_make_a_few_log_lines_and_a_true_cou
         return [e for e in events if '"GET /v1/models HTTP/1.1" 401' in formatEvent(e)]
 
     def summaries():
-        return [e for e in events if "with a 4xx status in the last" in formatEvent(e)]
+        return [e for e in events if "with a 4xx or 5xx status in the last" in formatEvent(e)]
 
     def told() -> int:
         """Refusals the log accounts for: each summary's count (its window's logged lines
@@ -765,3 +765,67 @@ async def test_a_fleets_kept_alive_heartbeat_connections_do_not_fill_the_cap(fro
     beaters[0].close()  # a closed heartbeat connection leaves the held count and the map
     await eventually(lambda: service.site.held_connections == 2)
     assert nodes[0] not in service.site.held_for_key
+
+
+# -- logs and small leaks (issue 21 §7) ---------------------------------------------------------
+
+
+BAD_TARGETS = [
+    ("GET", "/dashboard/%00"),
+    ("GET", "/dashboard/%ff"),
+    ("GET", "/api/cluster/connect?id=%00"),
+    ("GET", "/api/nodes/scheduling/%00"),
+    ("POST", "/api/nodes/some-node/models/%00/unload"),
+    ("GET", "/api/nodes/%ff%fe"),
+    ("GET", "/v1/models/%00"),
+]
+
+
+@pytest.mark.parametrize("method, target", BAD_TARGETS)
+@pytest_twisted.ensureDeferred
+async def test_a_nul_or_invalid_byte_in_a_path_parameter_is_a_400(frontend, method, target):
+    """Issue 21 §7: ``GET /dashboard/%00`` wrote a 1.3 KB critical traceback per request,
+    ``/api/cluster/connect?id=%00`` 0.3 KB, ``/api/nodes/scheduling/%00`` a 500.  Now each is
+    a 400 naming the cause and the fix, and nothing but the access line is logged."""
+    service = await frontend()
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        client = await frontend.dial(service)
+        client.send(head(method, target, 0 if method == "POST" else None, f"Bearer {ADMIN}"))
+        status, _, answer = await client.response()
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert status == 400, answer
+    assert "NUL" in answer["error"]["message"] or "UTF-8" in answer["error"]["message"]
+    logged = "\n".join(formatEvent(e) for e in events if e.get("log_failure") is not None)
+    assert logged == "", logged
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_that_makes_requests_fail_cannot_fill_the_log(frontend, monkeypatch):
+    """Issue 21 §7: requests answered 5xx were logged in full, without a limit: 81 MB of log in
+    15 s from one client.  Their access lines and tracebacks now go under the per-client
+    limiter: a burst, then one summary with the count."""
+    from localai_tw.frontend.api import kit
+
+    def broken(self, request):
+        raise RuntimeError("a resource bug a client can trigger")
+
+    monkeypatch.setattr(kit.NotFoundResource, "render", broken)
+    service = await frontend()
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        client = await frontend.dial(service)
+        request = b"GET /no-such-path HTTP/1.1\r\nHost: frontend\r\n\r\n"
+        client.send(request * 200)
+        await eventually(lambda: client.received.count(b"HTTP/1.1 500 ") == 200)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    tracebacks = [e for e in events if e.get("log_failure") is not None]
+    size = sum(len(formatEvent(e)) + len(e["log_failure"].getTraceback()) for e in tracebacks)
+    access = [e for e in events if '"GET /no-such-path HTTP/1.1" 500' in formatEvent(e)]
+    assert len(tracebacks) <= 5 and size < 20_000, (len(tracebacks), size)
+    assert len(access) <= 5, len(access)  # a burst per window, then a summary
+    assert b"a resource bug" not in client.received and b"Traceback" not in client.received

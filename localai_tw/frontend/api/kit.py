@@ -43,7 +43,7 @@ from localai_tw.web.errors import (
     unauthorized,
 )
 from localai_tw.web.json import COMPACT, json_body, write_json
-from localai_tw.web.listener import MAX_BODY_BYTES
+from localai_tw.web.listener import MAX_BODY_BYTES, may_log_failure
 from localai_tw.web.ratelimit import SourceRateLimit
 
 if TYPE_CHECKING:  # the parts' types only: the APIs serve them, they never build them
@@ -306,9 +306,10 @@ class JSONResource(Resource):
             answer = database_unavailable()
             status, body, headers = answer.status, answer.body(), answer.headers
         except Exception:
-            log.failure("{method} {path} failed", Failure(),
-                        method=request.method.decode("ascii", "replace"),
-                        path=printable(_path_text(request)))
+            if may_log_failure(request):  # a burst per client, then a summary
+                log.failure("{method} {path} failed", Failure(),
+                            method=request.method.decode("ascii", "replace"),
+                            path=printable(_path_text(request)))
             status, headers = 500, {}
             body = error_body("internal error; see the frontend log", "internal_error")
         if gone:
