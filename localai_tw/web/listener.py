@@ -226,6 +226,7 @@ class BoundedRequest(server.Request):
             return
         try:
             if site is not None:
+                site.check_host(self, target)
                 site.guard_before_body(self, target)
             if length is not None and length > limit:
                 raise too_large(limit)
@@ -251,11 +252,17 @@ class BoundedRequest(server.Request):
 
     def process(self):
         """A target with a NUL or non-UTF-8 byte in a path segment or query parameter is a 400
-        (:func:`unsafe_target`) before any resource sees it."""
+        (:func:`unsafe_target`), and a ``Host`` the site's :attr:`BoundedSite.host_check`
+        refuses a 403, before any resource sees the request."""
+        site = getattr(self.channel, "site", None)
         refusal = unsafe_target(self.uri or b"")
+        if refusal is None and isinstance(site, BoundedSite):
+            try:
+                site.check_host(self, self.uri)
+            except APIError as wrong_host:
+                refusal = wrong_host
         if refusal is None:
             return super().process()
-        site = getattr(self.channel, "site", None)
         self.site = site
         if isinstance(site, BoundedSite):
             refusal = site.shape_early_answer(self.uri, refusal)
@@ -677,7 +684,7 @@ class BoundedSite(server.Site):
                  body_first_byte_deadline: float | None = BODY_FIRST_BYTE_DEADLINE_SECONDS,
                  headers_deadline: float | None = HEADERS_DEADLINE_SECONDS,
                  body_deadline: float | None = BODY_DEADLINE_SECONDS,
-                 access_log: str = "all",
+                 access_log: str = "all", host_check: Any = None,
                  quiet_on_success: Callable[[bytes], bool] | None = None, **kwargs):
         super().__init__(resource, **kwargs)
         #: Paths whose successful requests get no access line (``quiet_on_success(path)``:
@@ -687,6 +694,8 @@ class BoundedSite(server.Site):
             raise ValueError(f"access_log must be one of {ACCESS_LOG_CHOICES}: {access_log!r}")
         #: ``all``, ``errors`` (status >= 400 only) or ``off`` (``--access-log``).
         self.access_log = access_log
+        #: ``web.hosts.HostCheck`` while the API is open (no key), else None.
+        self.host_check = host_check
         self.header_guards: list[tuple[tuple[bytes, ...], Callable[[Any], None]]] = []
         self.early_answer_shapes: list[tuple[tuple[bytes, ...], Callable[[Any], Any]]] = []
         for prefix, guard in (header_guards or {}).items():
@@ -854,6 +863,15 @@ class BoundedSite(server.Site):
             if segments[:len(prefix)] == prefix:
                 guard(request)
                 return
+
+    def check_host(self, request, target: bytes | None) -> None:
+        """:attr:`host_check` (``web/hosts.py``) for every path but the probes: raises its
+        403."""
+        if self.host_check is None or target is None:
+            return
+        if target.split(b"?", 1)[0] in PROBE_PATHS:
+            return
+        self.host_check.check(request)
 
     # -- listener bounds --------------------------------------------------------------------
 

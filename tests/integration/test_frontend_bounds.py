@@ -164,7 +164,7 @@ async def test_the_right_credential_still_sends_its_body(frontend):
 @pytest_twisted.ensureDeferred
 async def test_without_an_api_key_the_openai_api_stays_open(frontend):
     """Documented: with no --api-key the OpenAI API is open (the admin API is then closed)."""
-    service = await frontend(**{"api-key": []})
+    service = await frontend(**{"api-key": [], "allowed-host": ["frontend"]})
     client = await frontend.dial(service)
     body = json.dumps({"model": "no-such-model",
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -829,3 +829,64 @@ async def test_a_client_that_makes_requests_fail_cannot_fill_the_log(frontend, m
     assert len(tracebacks) <= 5 and size < 20_000, (len(tracebacks), size)
     assert len(access) <= 5, len(access)  # a burst per window, then a summary
     assert b"a resource bug" not in client.received and b"Traceback" not in client.received
+
+
+def request_with(host: str, method: str = "GET", path: str = "/v1/models",
+                 body: bytes | None = None, content_type: str | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
+    if content_type is not None:
+        lines.append(f"Content-Type: {content_type}")
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+
+
+async def answer_to(frontend, service, raw: bytes):
+    client = await frontend.dial(service)
+    client.send(raw)
+    return await client.response(timeout=10)
+
+
+@pytest_twisted.ensureDeferred
+async def test_an_open_api_answers_no_rebound_host_name(frontend):
+    """Issue 21 §7: with no API key (the loopback default) the Host was not checked, so a web
+    page whose name was rebound to 127.0.0.1 could drive the API and read its answers.  Now a
+    Host name that is not localhost, the advertised host or an --allowed-host is a 403 naming
+    the fix; IP literals (rebinding needs a name) and the probes still pass."""
+    service = await frontend(**{"api-key": [], "allowed-host": ["llm.internal"]})
+    port = service.listener.tcp_port()
+    status, _, answer = await answer_to(frontend, service,
+                                        request_with(f"attacker.example:{port}"))
+    assert status == 403, answer
+    assert answer["error"]["code"] == "host_not_allowed"
+    assert "--allowed-host attacker.example" in answer["error"]["message"]
+    body = json.dumps({"model": "x", "messages": []}).encode()
+    status, _, answer = await answer_to(frontend, service, request_with(
+        "attacker.example", "POST", "/v1/chat/completions", body, "application/json"))
+    assert status == 403, answer  # refused when the headers end, before the body
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "llm.internal"):
+        status, _, answer = await answer_to(frontend, service, request_with(host))
+        assert status == 200, (host, answer)
+    status, _, _ = await answer_to(frontend, service, request_with("attacker.example",
+                                                                   path="/readyz"))
+    assert status == 200
+    # with a key configured a page cannot present it: no Host check
+    keyed = await frontend()
+    status, _, _ = await answer_to(frontend, keyed, request_with(
+        "attacker.example", "GET", "/api/cluster/instances") [:-2]
+        + f"Authorization: Bearer {ADMIN}\r\n\r\n".encode())
+    assert status == 200
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain"])
+@pytest_twisted.ensureDeferred
+async def test_a_json_body_must_say_it_is_json(frontend, content_type):
+    """Issue 21 §7: a JSON body with no Content-Type was accepted, and a web page can send one
+    (or ``text/plain``) cross-origin without the browser asking first (CSRF against the open
+    API).  Now it is a 415 naming the header to send."""
+    service = await frontend(**{"api-key": []})
+    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    status, _, answer = await answer_to(frontend, service, request_with(
+        "127.0.0.1", "POST", "/v1/chat/completions", body, content_type))
+    assert status == 415, answer
+    assert "Content-Type: application/json" in answer["error"]["message"]
