@@ -4,7 +4,21 @@ refusals the listener and every API share."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
+
+#: An absolute POSIX path of two or more components, not part of a URL (``host/a/b``,
+#: ``file:///a/b``): group 1 is its last component.
+_HOST_PATH = re.compile(r"(?<![\w:/.~-])/(?:[^\s'\"/:,;()<>]+/)+([^\s'\"/:,;()<>]+)")
+
+
+def hide_host_paths(text: str) -> str:
+    """``text`` with each absolute path of the machine that wrote it cut to its last component
+    (``/srv/llm/models/x.gguf`` -> ``x.gguf``, a worker's interpreter ``/opt/venv/bin/python3``
+    -> ``python3``): an API client knows models by their names in the models directory, and
+    the layout of a frontend's or a worker's disk is none of its business (the log keeps the
+    whole text)."""
+    return _HOST_PATH.sub(r"\1", text)
 
 
 class APIError(Exception):

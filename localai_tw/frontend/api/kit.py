@@ -38,6 +38,7 @@ from localai_tw.web.errors import (
     APIError,
     bad_request,
     error_body,
+    hide_host_paths,
     not_found,
     too_large,
     unauthorized,
@@ -73,8 +74,9 @@ def database_unavailable() -> APIError:
 
 def worker_call_error(error: errors.ClusterError) -> APIError:
     """The admin API's answer for a failed call to a worker; one status per condition, so an
-    operator never reads a peer failure or a reconnecting tunnel as the worker's verdict."""
-    message = str(error)
+    operator never reads a peer failure or a reconnecting tunnel as the worker's verdict; no
+    absolute path of the worker's disk."""
+    message = hide_host_paths(str(error))
     if isinstance(error, errors.RoutingFact):
         return APIError(503, message, "service_unavailable", code=error.condition)
     if isinstance(error, errors.AbsentWithinGrace):
