@@ -570,6 +570,19 @@ async def test_a_body_that_never_starts_gives_its_reservation_back_early(fronten
     assert service.site.body_bytes_in_flight == 0
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_body_that_has_started_is_not_cut_at_the_first_byte_deadline(frontend):
+    service = await frontend()
+    service.site.body_first_byte_deadline = 0.5
+    client = await frontend.dial(service)
+    body = json.dumps({"name": "w-slow", "node_key": "s" * 64}).encode()
+    client.send(head("POST", "/api/node/register", len(body), f"Bearer {TOKEN}") + body[:1])
+    await silent_for(client, 1.0)  # past the first-byte deadline, still waiting for the rest
+    client.send(body[1:])
+    status, _, answer = await client.response()
+    assert status == 201, answer
+
+
 # -- the workers' API: failures and registrations have their own budgets ----------------------
 
 
