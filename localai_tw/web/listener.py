@@ -603,9 +603,9 @@ ACCESS_LOG_CHOICES = ("all", "errors", "off")
 
 
 def _client_host(request) -> str:
-    """The address a request came from, the key of per-source log limits."""
-    address = request.getClientAddress()
-    return str(getattr(address, "host", address))
+    """The source a request came from (:func:`source_key`: an IPv6 client's /64, so a client
+    cannot dodge the per-source log limits by changing addresses inside its network)."""
+    return source_key(request.getClientAddress())
 
 
 class BoundedSite(server.Site):
