@@ -653,8 +653,8 @@ async def test_nodes_are_found_by_name_as_x_localai_node_names_them(frontend, ht
 async def test_registrations_per_source_are_limited_with_a_clear_429(db, http):
     """Issue 15 §4: 2000 registrations in 10 s were all accepted.  ``--registration-limit``
     answers 429 with Retry-After, at the end of the headers, for registrations with the right
-    token (wrong tokens have their own limit, issue 21 §4); heartbeats are not limited; the bucket refills.  Remove
-    the registrations' limit from the guard: this fails."""
+    token (wrong tokens have their own limit, issue 21 §4); heartbeats are not limited; the
+    bucket refills.  Remove the registrations' limit from the guard: this fails."""
     from twisted.internet import task
 
     from localai_tw.web.ratelimit import SourceRateLimit
