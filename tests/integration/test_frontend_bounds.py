@@ -257,6 +257,23 @@ async def test_one_address_cannot_hold_the_whole_connection_cap(frontend):
 
 
 @pytest_twisted.ensureDeferred
+async def test_the_issues_attack_at_the_default_limits(frontend):
+    """The attack as reported, with the defaults: one address opens 1100 idle connections (the
+    cap is 1024).  It keeps 256 (its share); another address is served, /readyz says 200."""
+    service = await frontend()
+    attacker = []
+    for _ in range(11):  # 100 at a time
+        attacker += await defer.gatherResults(
+            [defer.ensureDeferred(frontend.dial(service)) for _ in range(100)])
+    await eventually(lambda: sum(not c.closed for c in attacker) == 256, timeout=20,
+                     what="the attacker's connections cut to its share")
+    assert service.site.open_connections == 256
+    assert await served(service, "127.0.0.2") == 200
+    for client in attacker:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_full_cap_makes_room_from_the_source_that_holds_the_most(frontend):
     """Many sources together fill the cap: a newcomer takes the place of the oldest
     connection, still sending its head, of the source that holds the most."""
