@@ -605,16 +605,12 @@ async def test_a_body_that_has_started_is_not_cut_at_the_first_byte_deadline(fro
 
 async def post_node(service, path: str, token: str, body: dict, source: str | None = None):
     """One request on a fresh raw connection: (status, decoded body)."""
-    client = await frontend_dial(service, source)
+    client = await connect(service.listener.tcp_port(), source)
     payload = json.dumps(body).encode()
     client.send(head("POST", path, len(payload), f"Bearer {token}") + payload)
     status, _, answer = await client.response()
     client.close()
     return status, answer
-
-
-async def frontend_dial(service, source=None) -> RawClient:
-    return await connect(service.listener.tcp_port(), source)
 
 
 @pytest_twisted.ensureDeferred
@@ -657,7 +653,7 @@ async def test_a_percent_encoded_registration_is_a_registration(frontend):
     service = await frontend(**{"registration-limit": 2})
     statuses = []
     for _ in range(3):
-        client = await frontend_dial(service)
+        client = await connect(service.listener.tcp_port())
         client.send(head("POST", "/api/node/regi%73ter", None, f"Bearer {TOKEN}"))
         statuses.append((await client.response())[0])
         client.close()
