@@ -285,7 +285,7 @@ class ModelFile:
         real = os.path.realpath(self.local_path(models_dir))
         if os.path.commonpath([root, real]) != root:
             raise ValueError(f"file {self.path} resolves outside the models directory "
-                             f"(a symbolic link?); model files must lie inside {models_dir}")
+                             "(a symbolic link?); model files must lie inside it")
         return real
 
 

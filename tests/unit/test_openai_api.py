@@ -89,14 +89,19 @@ def test_non_json_content_type_is_415_saying_what_was_sent_and_what_to_send(site
     assert router.calls == []
 
 
-def test_a_json_body_without_content_type_is_accepted(site, router):
+def test_a_json_body_without_content_type_is_refused(site, router):
+    """Issue 21 §7: a web page can POST a body without a Content-Type (or as text/plain)
+    without the browser asking first; with the API open (no key) that drove it.  A JSON body
+    must say so."""
     raw = json.dumps({"model": "embedder", "input": "hi"}).encode("utf-8")
-    client = Client(site)
-    client.channel.dataReceived(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\n"
-                                b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
-    response = client.response()
-    assert response.status == 200, response.raw_body
-    assert response.json()["data"][0]["object"] == "embedding"
+    for content_type in (b"", b"Content-Type: text/plain\r\n"):
+        client = Client(site)
+        client.channel.dataReceived(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\n"
+                                    + content_type
+                                    + b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+        response = client.response()
+        assert response.status == 415, response.raw_body
+        assert "Content-Type: application/json" in response.json()["error"]["message"]
 
 
 def test_missing_model_is_400_naming_model(site):

@@ -41,7 +41,7 @@ from localai_tw.frontend.inference.interfaces import (
 )
 from localai_tw.localai.templates import TemplateError
 from localai_tw.frontend.api.kit import DATABASE_DOWN, database_unavailable, printable
-from localai_tw.web.errors import APIError
+from localai_tw.web.errors import APIError, hide_host_paths
 
 #: Longest error text passed on from a worker or backend.
 MAX_ERROR_TEXT = 2000
@@ -82,8 +82,10 @@ _NODE_ID_TEXT = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12
 
 def _public(text: str) -> str:
     """``text`` fit for an API client: bounded, printable, no node id (the condition and the
-    backend's or worker's own words stay; operators find the ids in the log)."""
-    return printable(" ".join(_NODE_ID_TEXT.sub("<node>", text).split()), MAX_ERROR_TEXT)
+    backend's or worker's own words stay; operators find the ids in the log), no absolute
+    path of the replica's or the worker's disk (:func:`hide_host_paths`)."""
+    text = hide_host_paths(_NODE_ID_TEXT.sub("<node>", text))
+    return printable(" ".join(text.split()), MAX_ERROR_TEXT)
 
 
 #: For modules that word their own errors from a backend's answer (``embeddings``).
