@@ -15,6 +15,10 @@ The rules (the tables in ``docs/openai-api.md``):
   enforced by a GBNF grammar (``localai/gbnf.py``), so they need a backend that honours
   ``Grammar``; otherwise a 400 naming the model.  A schema outside the compiled subset, or a
   tool whose ``parameters`` is not a JSON Schema object, is a 400 naming the keyword.
+- ``tool_choice: auto`` is constrained where the backend honours ``Grammar``, as LocalAI does:
+  a call of one of the tools or of the no-action function (``function.no_action_*``, left out
+  with ``function.disable_no_action``), whose call is an answer in words.  Elsewhere (or when
+  the tools' schemas fall outside the subset) it is not constrained, never refused.
 - ``logprobs`` needs a backend that returns them; otherwise a 400 naming the model.
 
 After generation, :func:`check_output` validates a structured answer with ``jsonschema``: an
