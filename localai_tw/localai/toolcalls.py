@@ -411,6 +411,27 @@ def split_no_action(calls: Sequence[ToolCall], no_action: str | None
     return (), message if isinstance(message, str) else ""
 
 
+def cut_no_action_message(text: str, config: FunctionConfig, name: str) -> str | None:
+    """The part of the no-action ``message`` written before ``max_tokens`` cut the answer
+    (the whole call's JSON never closed), or None when ``text`` is not such a start.  So an
+    answer in words that runs out of tokens reads as a cut answer, not as broken JSON."""
+    prefix = re.escape(config.grammar_prefix) if config.grammar_prefix else ""
+    head = re.match(
+        rf'\s*{prefix}\s*\[?\s*\{{\s*"{re.escape(config.name_key)}"\s*:\s*"{re.escape(name)}"'
+        rf'\s*,\s*"{re.escape(config.arguments_key)}"\s*:\s*\{{\s*"message"\s*:\s*"', text)
+    if head is None:
+        return None
+    rest = text[head.end():]
+    rest = re.sub(r'\\u[0-9a-fA-F]{0,3}$', "", rest)  # an escape cut in the middle
+    if (len(rest) - len(rest.rstrip("\\"))) % 2:
+        rest = rest[:-1]
+    try:
+        value = json.loads(f'"{rest}"')
+    except ValueError:  # the string closed, or holds what JSON does not: not a cut message
+        return None
+    return value if isinstance(value, str) else None
+
+
 def clean_content(text: str, config: FunctionConfig) -> str:
     """``function.replace_llm_results`` applied to an answer's content."""
     for pattern, replacement in config.replace_llm_results:
@@ -488,5 +509,6 @@ def tool_names(tools: Iterable[Mapping[str, Any]]) -> list[str]:
 
 
 __all__ = ["FunctionConfig", "FunctionConfigError", "NO_ACTION_NAME", "Parsed", "ToolCall",
-           "ToolCallStream", "calls_from_deltas", "clean_content", "no_action_tool",
+           "ToolCallStream", "calls_from_deltas", "clean_content", "cut_no_action_message",
+           "no_action_tool",
            "parse_tool_calls", "split_no_action", "tool_names"]

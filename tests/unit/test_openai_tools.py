@@ -826,3 +826,32 @@ def test_the_no_action_settings_are_read_without_a_warning():
         == (True, "reply", "say")
     assert warnings == []
     assert FunctionConfig().no_action_name == "answer"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"name": "answer", "arguments": {"message": "The sea is', "The sea is"),
+    ('{ "name":"answer","arguments":{ "message":"a \\"b\\" \\u00e9 c\\', 'a "b" é c'),
+    ('{"name":"answer","arguments":{"message":"x\\u00', "x"),
+    ('{"name":"answer","arguments":{"message":"', ""),
+    ('{"name":"get_time","arguments":{', None),        # a real call cut: not a message
+    ('{"name":"answer","arguments":{"message":"done"}', None),  # the string closed
+    ("plain words", None),
+])
+def test_a_no_action_answer_cut_by_max_tokens_reads_as_cut_words(text, expected):
+    from localai_tw.localai.toolcalls import cut_no_action_message
+
+    assert cut_no_action_message(text, FunctionConfig(), "answer") == expected
+
+
+def test_a_cut_no_action_answer_is_its_words_streamed_and_not(site, router):
+    router.answer, router.tokens = '{"name": "answer", "arguments": {"message": "It is a sto', 9
+    router.stream_pieces = [b'{"name": "answer", ', b'"arguments": {"message": "It is a sto']
+    body = call(site, "POST", "/v1/chat/completions",
+                chat("llama", tools=[WEATHER], max_tokens=9)).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is a sto"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    events = call(site, "POST", "/v1/chat/completions",
+                  chat("llama", tools=[WEATHER], stream=True, max_tokens=2)).events()
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "It is a sto"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"

@@ -28,6 +28,7 @@ from localai_tw.localai.toolcalls import (
     ToolCallStream,
     calls_from_deltas,
     clean_content,
+    cut_no_action_message,
     parse_tool_calls,
     split_no_action,
 )
@@ -135,7 +136,9 @@ def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: Functio
         elif plan.tools.choice in ("required", "function") and reason != "length":
             raise invalid_output(name, "a tool call was required and the answer holds none")
         else:
-            message["content"] = clean_content(text, functions)
+            cut = cut_no_action_message(text, functions, plan.tools.no_action) \
+                if plan.tools.no_action and reason == "length" else None
+            message["content"] = cut if cut is not None else clean_content(text, functions)
     else:
         check_output(plan, name, text, reason)
     logprobs = None
@@ -273,7 +276,10 @@ class _ChatChunks(Chunks):
             if by_backend:  # the backend parsed the calls itself: its calls win
                 rest = rest if calls else ""  # unparsed held text is the calls' markup
                 calls = tuple(by_backend)
-            calls, said = split_no_action(calls, self.plan.tools.no_action)
+            no_action = self.plan.tools.no_action
+            calls, said = split_no_action(calls, no_action)
+            if said is None and not calls and no_action and reason == "length":
+                said = cut_no_action_message(rest, self.functions, no_action)
             if said is not None:  # the no-action function: its message is the content
                 rest = said
             if rest:
