@@ -46,6 +46,10 @@ setup(
         # response_format json_schema and tool parameters: schema checks and the validation
         # of structured answers (localai_tw/frontend/api/openai/constraints.py); 4.26 tested.
         "jsonschema>=4.18,<5",
+        # Model-config regexes (function.response_regex, json_regex_match, replace_*_results)
+        # run on model output: RE2 matches in linear time, as Go's regexp (LocalAI's engine)
+        # does (localai_tw/frontend/configregex.py); 1.1.20251105 tested.
+        "google-re2>=1.1.20240702,<2",
     ],
     extras_require={
         "test": [

@@ -17,6 +17,10 @@ shortens pickup; the 2 s poll is what guarantees it.
 This module must never compare times in Python (every delay and liveness test is SQL against
 ``now()``), never claim for an empty or non-live owner, never settle a row it no longer holds,
 never block the reactor, and never run more handlers than its in-flight bound.
+
+One module of about 780 lines: the statements (``ClaimQueue``) and the consumer that drives
+them share the fence (holder and ``attempts``) that makes every settle safe; it is the one
+place to read to see that no row is settled by a replica that no longer holds it.
 """
 
 from __future__ import annotations

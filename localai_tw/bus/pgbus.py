@@ -22,6 +22,11 @@ This module must never block the reactor, never let the LISTEN connection wait o
 listener that stops reading fills PostgreSQL's shared notification queue and eventually blocks
 COMMIT server-wide), never hold an unbounded queue, and never treat silence as evidence about a
 node or a replica.
+
+One module of about 820 lines, because the LISTEN connection's life (connect, LISTEN, health,
+reconnect, the ``onReconnect`` callbacks), the ordered resolver and the per-subscriber queues
+share one arrival order and one stop: apart, a message could be delivered past a stop or out
+of order across a reconnect.
 """
 
 from __future__ import annotations

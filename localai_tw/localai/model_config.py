@@ -89,6 +89,7 @@ from twisted.logger import Logger
 
 from localai_tw.localai.capabilities import read_overrides
 from localai_tw.localai.toolcalls import FunctionConfig, FunctionConfigError
+from localai_tw.localai.yamlbound import MODEL_CONFIG, AliasBombError, bounded_loader
 
 log = Logger()
 
@@ -813,11 +814,16 @@ def usecases(config: ModelConfig) -> frozenset[str]:
     return found
 
 
-class _Loader(yaml.SafeLoader):
+class _GoLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that also reads ``\\'`` in a double-quoted string as ``'``, as Go's
     YAML decoder (libyaml's rules) does: LocalAI's gallery has ``key: "\\'"`` in two files."""
 
     ESCAPE_REPLACEMENTS = {**yaml.SafeLoader.ESCAPE_REPLACEMENTS, "'": "'"}
+
+
+#: ... and whose aliases may add only a bounded number of values (``localai_tw/yamlbound.py``):
+#: a 422-byte file of nested aliases under ``engine_args`` stalled the reactor 2.2 s.
+_Loader = bounded_loader(_GoLoader, MODEL_CONFIG)
 
 
 def _name_guess(data: Any, source: str) -> str:
@@ -849,6 +855,8 @@ def _load_model_file(path: str, source: str) -> ModelConfig:
         raise ModelConfigError(source, None, f"is larger than {MAX_FILE_BYTES} bytes")
     try:
         data = yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except AliasBombError as e:
+        raise ModelConfigError(source, None, f"is refused: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

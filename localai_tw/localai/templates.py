@@ -48,8 +48,10 @@ fields are read from mappings only, no function other than those listed), read f
 touch the network.  An unsupported construct is a :class:`TemplateError` naming it, raised when
 the template is compiled; an unknown field or a function applied to the wrong kind of value is
 a :class:`TemplateError` when rendered.  Compiling is linear in the template; a rendering runs
-at most ``MAX_STEPS`` actions and produces at most ``MAX_OUTPUT_CHARS`` characters (``range``
-can multiply work), else it is a :class:`TemplateError`.
+at most ``MAX_STEPS`` actions and range iterations and produces at most ``MAX_OUTPUT_CHARS``
+characters (``range`` can multiply work), its function calls handle at most
+``MAX_WORK_CHARS`` characters, all of it counted per request (:class:`RenderBudget`), else it
+is a :class:`TemplateError`.
 """
 
 from __future__ import annotations
@@ -150,9 +152,18 @@ _FUNCTIONS: dict[str, tuple[int, int | None]] = {
     "not": (1, 1), "and": (1, None), "or": (1, None), "len": (1, 1), "index": (1, None),
     "print": (0, None), "toJson": (1, 1), "add1": (1, 1),
 }
-#: Most output one rendering may produce, and most actions it may run (``range`` multiplies).
+#: Most output one request's renderings may produce, and most actions and range iterations
+#: they may run (``range`` multiplies): 0.7 to 0.9 us each, so 50 000 are under 50 ms of the
+#: reactor, and a conversation of 4096 messages through a ``chat_message`` of a dozen actions
+#: (LocalAI's gallery templates run fewer) fits.
 MAX_OUTPUT_CHARS = 4 * 1024 * 1024
-MAX_STEPS = 200_000
+MAX_STEPS = 50_000
+#: Most characters one request's function calls may read and write (string arguments, and
+#: what ``toJson`` and ``print`` return): a call costs its text, and a loop of calls whose
+#: result is never emitted (``{{range 1000000}}{{$x := toJson $.Input}}{{end}}``) is not
+#: bounded by the output.  That loop with a 100 KB prompt ran 77 s on the reactor before this
+#: bound (issue 21 §1); 8 Mi characters of ``toJson`` take 40 to 50 ms.
+MAX_WORK_CHARS = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -438,33 +449,58 @@ class Template:
             raise TemplateError("an {{if}}, {{range}} or {{with}} is not closed with {{end}}")
         return root
 
-    def render(self, data: Mapping[str, Any]) -> str:
-        run = _Run(data)
+    def render(self, data: Mapping[str, Any], budget: "RenderBudget | None" = None) -> str:
+        """The text; ``budget``: shared by every rendering of one request (render_chat renders
+        ``chat_message`` once per message), else this rendering's own."""
+        run = _Run(data, budget if budget is not None else RenderBudget())
         run.block(self._body, data, [{}])
         return "".join(run.out)
 
 
-class _Run:
-    """One rendering: the output so far and the work budget (``range`` can multiply work)."""
+class RenderBudget:
+    """The work one request's renderings may do together: :data:`MAX_STEPS` actions and range
+    iterations, :data:`MAX_OUTPUT_CHARS` of output, :data:`MAX_WORK_CHARS` handled by
+    function calls.  One budget per request, not per rendering: ``chat_message`` renders once
+    per message (up to 4096), and nested empty ranges ran no action at all (``{{range 300}}
+    {{range 200000}}{{end}}{{end}}``: 51 s on the reactor before, issue 21 §1)."""
 
-    def __init__(self, data: Mapping[str, Any]):
+    __slots__ = ("steps", "size", "work")
+
+    def __init__(self):
+        self.steps = 0
+        self.size = 0
+        self.work = 0
+
+
+class _Run:
+    """One rendering: its output, charged to the request's :class:`RenderBudget`."""
+
+    def __init__(self, data: Mapping[str, Any], budget: RenderBudget):
         self.data = data
         self.out: list[str] = []
-        self.size = 0
-        self.steps = 0
+        self.budget = budget
+
+    def tick(self) -> None:
+        self.budget.steps += 1
+        if self.budget.steps > MAX_STEPS:
+            raise TemplateError(f"the template runs more than {MAX_STEPS} actions")
+
+    def spend(self, chars: int) -> None:
+        self.budget.work += chars
+        if self.budget.work > MAX_WORK_CHARS:
+            raise TemplateError(f"the template's functions handle more than {MAX_WORK_CHARS} "
+                                "characters (toJson or print in a loop?)")
 
     def emit(self, text: str) -> None:
-        self.size += len(text)
-        if self.size > MAX_OUTPUT_CHARS:
+        self.budget.size += len(text)
+        if self.budget.size > MAX_OUTPUT_CHARS:
             raise TemplateError(f"the rendered text would exceed {MAX_OUTPUT_CHARS} characters")
         self.out.append(text)
 
     def block(self, nodes: list, dot, scopes: list) -> None:
         scopes = scopes + [{}]  # variables declared inside a block end with it, as in Go
         for node in nodes:
-            self.steps += 1
-            if self.steps > MAX_STEPS:
-                raise TemplateError(f"the template runs more than {MAX_STEPS} actions")
+            self.tick()
             if isinstance(node, str):
                 self.emit(node)
             elif isinstance(node, _Output):
@@ -498,18 +534,19 @@ class _Run:
         elif isinstance(value, (list, tuple)):
             items = list(enumerate(value))
         elif isinstance(value, int) and not isinstance(value, bool):
-            items = [(i, i) for i in range(max(0, min(value, MAX_STEPS)))]
+            items = ((i, i) for i in range(max(0, min(value, MAX_STEPS + 1))))
         elif value is None:
             items = []
         else:
             raise TemplateError(f"range cannot iterate over {_kind(value)}")
-        if not items:
-            if node.otherwise is not None:
-                self.block(node.otherwise, dot, scopes)
-            return
+        ran = False
         for key, item in items:
+            self.tick()  # an iteration is work even when its body is empty
+            ran = True
             names = dict(zip(node.names[::-1], (item, key)))  # ($v) or ($i, $v)
             self.block(node.body, item, scopes + [names])
+        if not ran and node.otherwise is not None:
+            self.block(node.otherwise, dot, scopes)
 
     @staticmethod
     def assign(node: _Set, value, scopes: list) -> None:
@@ -538,10 +575,14 @@ class _Run:
                     return value
             return value
         values = [self.value(a, dot, scopes) for a in args]
+        self.spend(sum(len(v) for v in values if isinstance(v, str)))
         try:
-            return _call(function, values)
+            result = _call(function, values)
         except TemplateError as e:
             raise TemplateError(f"{function}: {e}") from None
+        if isinstance(result, str):
+            self.spend(len(result))
+        return result
 
     def field(self, expression: _Field, dot, scopes: list):
         if expression.var is None:
@@ -819,6 +860,7 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage],
         return RenderedChat(prompt=prompt, messages=messages, use_tokenizer_template=True)
     pieces: list[str] = []
     last = len(messages) - 1
+    budget = RenderBudget()  # one for the whole conversation, not one per message
     message_template = compile_template(templates.chat_message) \
         if templates.chat_message else None
     for index, message in enumerate(messages):
@@ -833,7 +875,7 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage],
                 "Content": message.content, "FunctionName": message.name,
                 "FunctionCall": _tool_calls(message.tool_calls), "MessageIndex": index,
                 "LastMessage": index == last, "Function": grammar and index == last,
-            })
+            }, budget)
             if rendered:
                 pieces.append(rendered)
             continue  # LocalAI skips a message its chat_message template renders empty
@@ -850,7 +892,7 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage],
         suppress = any(m.role == "system" for m in messages)
         joined = compile_template(chat).render(_prompt_data(
             templates, joined, suppress_system=suppress,
-            functions=template_functions(functions) if functions else None))
+            functions=template_functions(functions) if functions else None), budget)
     return RenderedChat(prompt=joined)
 
 

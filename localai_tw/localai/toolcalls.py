@@ -23,9 +23,10 @@ A call is kept only when it names one of the request's tools, so a JSON answer t
 hold a ``name`` is not taken for a call.  What remains of the text around the calls is the
 message content.
 
-What this module must never do: run a regex from a request (only from a model config, which
-the operator wrote, compiled once when the config loads), or hold back more than
-:data:`MAX_HELD_CHARS` of a stream that is plainly content.
+What this module must never do: run a regex from a request, or a config's regex with Python's
+``re`` (config regexes are RE2, compiled once when the config loads:
+:mod:`localai_tw.localai.configregex`), or hold back more than :data:`MAX_HELD_CHARS` of a
+stream that is plainly content.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-#: Longest regex list and regex text a config may hold.
+from localai_tw.localai.configregex import MAX_REGEX_CHARS, ConfigRegex, GoTemplate, RegexError
+
+#: Longest regex list a config may hold.
 MAX_REGEXES = 16
-MAX_REGEX_CHARS = 1024
 #: Most tool calls read out of one answer, and most places in it where JSON is tried and
 #: fails (so a text full of brackets costs linear work, not quadratic).
 MAX_CALLS = 64
@@ -87,12 +89,12 @@ class FunctionConfigError(ValueError):
 class FunctionConfig:
     """The ``function`` section of a model config, as acted on here (module docstring)."""
 
-    response_regex: tuple[re.Pattern, ...] = ()
-    json_regex_match: tuple[re.Pattern, ...] = ()
+    response_regex: tuple[ConfigRegex, ...] = ()
+    json_regex_match: tuple[ConfigRegex, ...] = ()
     name_key: str = "name"
     arguments_key: str = "arguments"
-    replace_function_results: tuple[tuple[re.Pattern, str], ...] = ()
-    replace_llm_results: tuple[tuple[re.Pattern, str], ...] = ()
+    replace_function_results: tuple[tuple[ConfigRegex, GoTemplate], ...] = ()
+    replace_llm_results: tuple[tuple[ConfigRegex, GoTemplate], ...] = ()
     grammar_disabled: bool = False
     parallel_calls: bool = False
     grammar_prefix: str = ""
@@ -172,17 +174,14 @@ def _flag(value, where: str) -> bool:
     return value
 
 
-def _compile(text: Any, where: str) -> re.Pattern:
-    if not isinstance(text, str) or not text or len(text) > MAX_REGEX_CHARS:
-        raise FunctionConfigError(where, f"must be a regular expression (1 to "
-                                  f"{MAX_REGEX_CHARS} characters)")
+def _compile(text: Any, where: str) -> ConfigRegex:
     try:
-        return re.compile(text)  # Go semantics: "." stops at a newline unless (?s)
-    except re.error as e:
-        raise FunctionConfigError(where, f"is not a regular expression: {e}") from None
+        return ConfigRegex(text)  # RE2: Go's syntax and semantics, linear time
+    except RegexError as e:
+        raise FunctionConfigError(where, str(e)) from None
 
 
-def _regexes(raw, where: str) -> tuple[re.Pattern, ...]:
+def _regexes(raw, where: str) -> tuple[ConfigRegex, ...]:
     if raw is None:
         return ()
     if isinstance(raw, str):
@@ -193,7 +192,7 @@ def _regexes(raw, where: str) -> tuple[re.Pattern, ...]:
     return tuple(_compile(r, f"{where}[{i}]") for i, r in enumerate(raw))
 
 
-def _replacements(raw, where: str) -> tuple[tuple[re.Pattern, str], ...]:
+def _replacements(raw, where: str) -> tuple[tuple[ConfigRegex, GoTemplate], ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list) or len(raw) > MAX_REGEXES:
@@ -204,17 +203,11 @@ def _replacements(raw, where: str) -> tuple[tuple[re.Pattern, str], ...]:
         if not isinstance(item, Mapping):
             raise FunctionConfigError(f"{where}[{i}]", "must be a mapping with key and value")
         value = item.get("value", "")
-        if not isinstance(value, str):
-            raise FunctionConfigError(f"{where}[{i}].value", "must be a string")
-        out.append((_compile(item.get("key"), f"{where}[{i}].key"), _go_replacement(value)))
+        if not isinstance(value, str) or len(value) > MAX_REGEX_CHARS:
+            raise FunctionConfigError(f"{where}[{i}].value",
+                                      f"must be a string (at most {MAX_REGEX_CHARS})")
+        out.append((_compile(item.get("key"), f"{where}[{i}].key"), GoTemplate(value)))
     return tuple(out)
-
-
-def _go_replacement(value: str) -> str:
-    """Go's ``ReplaceAllString`` template (``$1``, ``${name}``) in Python's ``re.sub`` form."""
-    value = value.replace("\\", "\\\\")
-    value = re.sub(r"\$\{(\w+)\}", r"\\g<\1>", value)
-    return re.sub(r"\$(\d+)", r"\\g<\1>", value)
 
 
 # -- reading calls out of text -------------------------------------------------------------------
@@ -291,8 +284,11 @@ def _json_values(text: str) -> list[tuple[int, int, Any]]:
     return found
 
 
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_FUNCTION_TAG = re.compile(r"<function=([^>\s]+)>\s*(.*?)\s*(?:</function>|$)", re.DOTALL)
+# No ``\s*`` around the lazy group: with one on each side, a tag followed by spaces and no
+# closing tag backtracked quadratically (20000 spaces of model output: 3 s on the reactor).
+# The body is stripped in Python instead.
+_TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_FUNCTION_TAG = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.DOTALL)
 
 
 def parse_tool_calls(text: str, config: FunctionConfig,
@@ -315,11 +311,11 @@ def parse_tool_calls(text: str, config: FunctionConfig,
         return _result(text, calls, spans)
     if config.json_regex_match:
         for pattern in config.json_regex_match:
-            matches = [m for m in pattern.finditer(text) if m.groups()]
+            matches = list(pattern.finditer(text)) if pattern.groups else []
             if not matches:
                 continue
             for match in matches:
-                for _, _, value in _json_values(match.group(1)) or []:
+                for _, _, value in _json_values(match.group(1) or "") or []:
                     calls.extend(_calls_in(value, config, names))
                 spans.append(match.span())
             return _result(text, calls, spans)

@@ -18,6 +18,12 @@ what we write is stopped: past ``reply_high_water`` bytes of answers written whi
 has paused us, the session stops reading from the carrier until it drains, and past
 ``reply_cap`` it fails (Go blocks its receive loop on a bounded send queue; Twisted's HTTP/2
 aborts past 17 KiB of buffered control frames).
+
+One module of about 780 lines, because it is one protocol's state: the stream table, the
+windows both ways, the write scheduler (control before bulk) and the endings are read and
+changed together on every frame; ``Stream`` (``stream.py``) and the frame codec
+(``frame.py``) are already apart, and what is left would only be split by cutting the
+receive path from the send path that answers it.
 """
 
 from __future__ import annotations

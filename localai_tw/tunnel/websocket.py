@@ -34,6 +34,11 @@ or frame above the bound (Autobahn enforces it and fails the connection); buffer
 without bound while the inner protocol is paused; let a text message reach the byte stream.  It
 knows nothing of nodes, tokens in a database or yamux: those are the caller's factory and
 authorizer.
+
+One module of about 760 lines, because both entry points build the same carrier around
+Autobahn's protocols, and the carrier's write coalescing, backpressure and close ordering are
+one contract with the two protocol classes that feed it; the frame codec (``wsframes.py``) and
+Autobahn's private names (``autobahn_compat.py``) are already apart.
 """
 
 from __future__ import annotations

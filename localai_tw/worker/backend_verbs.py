@@ -54,12 +54,8 @@ import grpc
 from twisted.internet import defer
 
 from localai_tw.backends import backend_pb2
-from localai_tw.backends.process import (
-    BackendStartError,
-    BackendStopError,
-    BackendSupervisor,
-    NoSuchBackend,
-)
+from localai_tw.backends.process import BackendSupervisor
+from localai_tw.backends.record import BackendStartError, BackendStopError, NoSuchBackend
 from localai_tw.worker.control import BadVerbRequest, VerbRequestSchema
 
 #: Largest ``tail`` a logs request may ask for (the ring holds at most this many lines anyway).

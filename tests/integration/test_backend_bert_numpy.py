@@ -21,7 +21,8 @@ from twisted.internet.threads import deferToThread
 from localai_tw.backends import backend_pb2, builtin
 from localai_tw.backends.builtin import PACKAGE_ROOT
 from localai_tw.backends.interfaces import BackendFactories
-from localai_tw.backends.process import READY, BackendLoadFailed, BackendSupervisor
+from localai_tw.backends.process import BackendSupervisor
+from localai_tw.backends.record import BackendLoadFailed, READY
 from tests.integration.harness_backends import call_backend, require_extra
 
 pytestmark = pytest.mark.heavy

@@ -18,7 +18,7 @@ import pytest_twisted
 from twisted.internet import threads
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
-from localai_tw.backends.process import CRASHED
+from localai_tw.backends.record import CRASHED
 
 from .inference_harness import ADMIN, sha256_hex, supervisor_of
 from .support import eventually

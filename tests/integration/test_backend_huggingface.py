@@ -22,7 +22,8 @@ from twisted.internet.threads import deferToThread
 from localai_tw.backends import backend_pb2, backend_pb2_grpc, builtin
 from localai_tw.backends.interfaces import BackendFactories
 from localai_tw.backends.ports import PortAllocator
-from localai_tw.backends.process import READY, BackendSupervisor
+from localai_tw.backends.process import BackendSupervisor
+from localai_tw.backends.record import READY
 from localai_tw.tinychat import build as build_tiny_gpt2
 
 from .harness_backends import call_backend, require_extra
@@ -129,7 +130,7 @@ async def test_transformers_stream_counts_the_same_tokens_as_predict(supervisor,
 @needs_transformers
 @pytest_twisted.ensureDeferred
 async def test_transformers_reports_a_bad_model_as_load_failure(supervisor, tmp_path):
-    from localai_tw.backends.process import BackendLoadFailed
+    from localai_tw.backends.record import BackendLoadFailed
 
     with pytest.raises(BackendLoadFailed, match="LoadModel of missing#0 failed") as caught:
         await supervisor.start("transformers", "missing", load={
@@ -140,7 +141,7 @@ async def test_transformers_reports_a_bad_model_as_load_failure(supervisor, tmp_
 @needs_transformers
 @pytest_twisted.ensureDeferred
 async def test_a_hub_id_that_cannot_be_fetched_says_what_to_do(supervisor, monkeypatch):
-    from localai_tw.backends.process import BackendLoadFailed
+    from localai_tw.backends.record import BackendLoadFailed
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the backend process inherits it
     with pytest.raises(BackendLoadFailed) as caught:

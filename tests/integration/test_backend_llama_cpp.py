@@ -26,7 +26,8 @@ from twisted.internet.threads import deferToThread
 from localai_tw.backends import backend_pb2, backend_pb2_grpc, builtin
 from localai_tw.backends.interfaces import BackendFactories
 from localai_tw.backends.ports import PortAllocator
-from localai_tw.backends.process import READY, BackendLoadFailed, BackendSupervisor
+from localai_tw.backends.process import BackendSupervisor
+from localai_tw.backends.record import BackendLoadFailed, READY
 
 from .inference_harness import ADMIN, sha256_hex, supervisor_of
 from .support import backend_channel
@@ -517,7 +518,7 @@ async def test_a_crash_on_the_first_evaluation_on_an_amx_cpu_falls_back_once(
     from twisted.logger import formatEvent, globalLogPublisher
 
     from localai_tw.backends.builtin.llama_cpp import CRASH_TEST_ENV
-    from localai_tw.backends.process import CRASHED
+    from localai_tw.backends.record import CRASHED
 
     monkeypatch.setenv("LOCALAI_ASSUME_AMX", "1")
     monkeypatch.setenv(CRASH_TEST_ENV, "1")  # inherited by the backend processes

@@ -18,14 +18,14 @@ from zope.interface import implementer
 from localai_tw.backends import backend_pb2, backend_pb2_grpc, builtin
 from localai_tw.backends.interfaces import BackendFactories, IBackendFactory
 from localai_tw.backends.ports import PortAllocator
-from localai_tw.backends.process import (
+from localai_tw.backends.process import BackendSupervisor
+from localai_tw.backends.record import (
+    BackendLoadFailed,
+    BackendStartError,
     CRASHED,
     FAILED,
     READY,
     STOPPED,
-    BackendLoadFailed,
-    BackendStartError,
-    BackendSupervisor,
 )
 
 from .support import backend_channel, eventually

@@ -17,7 +17,7 @@ import pytest
 import pytest_twisted
 
 from localai_tw.backends import backend_pb2
-from localai_tw.backends.process import NoSuchBackend
+from localai_tw.backends.record import NoSuchBackend
 from localai_tw.frontend.inference.interfaces import ModelFileMismatch, ModelLoadFailed
 
 from .inference_harness import supervisor_of

@@ -329,6 +329,22 @@ def call(site, method, path, body=None, headers=None, raw=None) -> Response:
     return Client(site).send(method, path, body, headers, raw).response()
 
 
+async def call_settled(site, method, path, body=None, headers=None, raw=None,
+                       timeout: float = 10.0) -> Response:
+    """:func:`call` for a request whose answer waits on a thread (a request's big schemas are
+    planned, and a big answer validated, in the answer-checks thread): the real reactor runs
+    (a ``pytest_twisted`` test) until the response is whole."""
+    from twisted.internet import reactor, task
+
+    client = Client(site).send(method, path, body, headers, raw)
+    for _ in range(int(timeout / 0.01)):
+        data = client.transport.value()
+        if b"\r\n\r\n" in data and parse_response(data).complete:
+            break
+        await task.deferLater(reactor, 0.01, lambda: None)
+    return client.response()
+
+
 def assert_error(response, status, type_=None, param=None, code=None):
     """The answer is OpenAI's error shape with ``status`` (and the given fields); returns it."""
     assert response.status == status, response.raw_body

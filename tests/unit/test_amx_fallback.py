@@ -17,7 +17,7 @@ from localai_tw.backends.builtin.serving import (
     FIRST_EVAL_FINISHED,
     FIRST_EVAL_STARTED,
 )
-from localai_tw.backends.process import CRASHED, STOPPED, BackendProcess, OutputRing
+from localai_tw.backends.record import BackendProcess, CRASHED, OutputRing, STOPPED
 
 STARTED_ON = f"{FIRST_EVAL_STARTED} on"
 STARTED_OFF = f"{FIRST_EVAL_STARTED} off"

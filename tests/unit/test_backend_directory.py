@@ -232,21 +232,21 @@ def test_a_name_with_a_trailing_newline_is_not_a_directory_name(tmp_path):
 
 
 def test_a_failed_start_is_one_escaped_bounded_log_line():
-    from localai_tw.backends.process import _one_line
+    from localai_tw.backends.record import one_line
 
     message = ("backend x#0 (/b/x/run.sh) exited with code 3 before it was ready; last output:\n"
                "Traceback ...\n  File 'a'\nImportError: no \x1b[31mtorch\x1b[0m\n")
-    assert _one_line(message) == ("backend x#0 (/b/x/run.sh) exited with code 3 before it was "
+    assert one_line(message) == ("backend x#0 (/b/x/run.sh) exited with code 3 before it was "
                                   "ready; last output: ImportError: no \\x1b[31mtorch\\x1b[0m")
-    assert len(_one_line("x" * 5000)) < 600
+    assert len(one_line("x" * 5000)) < 600
 
 
 def test_a_working_directory_never_makes_twisted_fork_the_worker(tmp_path):
     # spawnProcess(path=...) makes Twisted fork() instead of posix_spawn(); a fork of a process
     # with live gRPC channels can abort the child (grpc/grpc#43055): the wrapper enters the
     # directory itself.
-    from localai_tw.backends.process import SPAWN_EXEC, BackendProcess, BackendSupervisor, \
-        OutputRing
+    from localai_tw.backends.process import SPAWN_EXEC, BackendSupervisor
+    from localai_tw.backends.record import BackendProcess, OutputRing
 
     calls = []
 

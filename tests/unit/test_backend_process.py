@@ -14,14 +14,10 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 
 from localai_tw.backends import process
+from localai_tw.backends import record as record_module
 from localai_tw.backends.ports import PortAllocator
-from localai_tw.backends.process import (
-    STOPPED,
-    BackendProcess,
-    BackendStopError,
-    BackendSupervisor,
-    OutputRing,
-)
+from localai_tw.backends.process import BackendSupervisor
+from localai_tw.backends.record import BackendProcess, BackendStopError, OutputRing, STOPPED
 
 
 def test_ring_keeps_complete_lines_from_both_streams():
@@ -61,9 +57,9 @@ def test_never_signals_its_own_group(monkeypatch):
     monkeypatch.setattr(os, "killpg", lambda pid, sig: sent.append((pid, sig)))
     record = BackendProcess("m#0", "m", "echo", OutputRing())
     record.pid = os.getpgrp()
-    process._signal_group(record, signal.SIGKILL, fall_back_to_pid=True)
+    record_module.signal_group(record, signal.SIGKILL, fall_back_to_pid=True)
     record.pid = 1
-    process._signal_group(record, signal.SIGKILL, fall_back_to_pid=True)
+    record_module.signal_group(record, signal.SIGKILL, fall_back_to_pid=True)
     assert sent == []
 
 
@@ -100,7 +96,7 @@ def ready_record(monkeypatch):
     supervisor = BackendSupervisor(reactor, ports, factories=None, stop_grace=10.0,
                                    kill_wait=5.0, free_timeout=5.0, liveness_interval=None)
     record = BackendProcess("m#0", "m", "echo", OutputRing())
-    record.state = process.READY
+    record.state = record_module.READY
     record.port = ports.allocate(record.key)
     record.address = f"127.0.0.1:{record.port}"
     record.pid = 4242424
@@ -168,7 +164,7 @@ def test_process_terminated_is_translated():
         def _processEnded(self, r, code, sig):
             seen.append((code, sig))
 
-    proto = process._BackendProcessProtocol(Sup(), record)
+    proto = record_module.BackendProcessProtocol(Sup(), record)
     proto.childDataReceived(2, b"bye\n")
     proto.processEnded(Failure(ProcessTerminated(exitCode=None, signal=9)))
     assert seen == [(None, 9)]

@@ -243,7 +243,7 @@ def test_finding_actions_is_linear(text):
 
 
 def test_a_variable_doubled_in_a_loop_is_bounded():
-    with pytest.raises(TemplateError, match="exceed"):
+    with pytest.raises(TemplateError, match="exceed|functions handle more than"):
         compile_template('{{$t := "xxxxxxxx"}}{{range 64}}{{$t = print $t $t}}{{end}}').render({})
 def test_a_guessed_tokenizer_template_also_sends_the_plain_prompt():
     """A guessed template (a llama-cpp config with none) sends the messages for the GGUF's
@@ -257,3 +257,34 @@ def test_a_guessed_tokenizer_template_also_sends_the_plain_prompt():
     written = render_chat(PromptTemplates.from_config({"use_tokenizer_template": True}),
                           messages)
     assert written.use_tokenizer_template and written.prompt == ""
+
+
+@pytest.mark.parametrize("body", ["{{$x := toJson $.Input}}", "{{if eq $.Input $.Input}}{{end}}",
+                                  "{{$x := print $.Input}}"])
+def test_function_calls_in_a_loop_are_bounded_by_the_text_they_handle(body):
+    # Issue 21 §1: toJson of a 100 KB prompt a million times emits nothing, so the output bound
+    # never fired: 77 s on the reactor.  Now every call costs its text, 8 Mi characters in all.
+    template = compile_template("{{range $i := 1000000}}" + body + "{{end}}done")
+    with pytest.raises(TemplateError, match="functions handle more than 8388608 characters"):
+        template.render({"Input": "x" * 100_000})
+    assert compile_template("{{range $i := 3}}" + body + "{{end}}done").render(
+        {"Input": "x" * 100_000}) == "done"
+
+
+def test_nested_empty_ranges_count_their_iterations():
+    # Issue 21 §1: an empty range body ran no action, so this nest iterated 60 million times
+    # (51 s on the reactor) under a 200 000-action bound.
+    with pytest.raises(TemplateError, match="runs more than 50000 actions"):
+        compile_template("{{range $i := 300}}{{range $j := 200000}}{{end}}{{end}}").render({})
+    assert compile_template("{{range $i := 3}}{{range $j := 4}}{{end}}{{end}}ok").render({}) \
+        == "ok"
+
+
+def test_one_budget_for_every_message_of_a_conversation():
+    # chat_message renders once per message: 40 000 iterations each is within the bound for
+    # one message, and the conversation's renderings share it.
+    templates = PromptTemplates(chat_message="{{range $i := 40000}}{{end}}{{.Content}}")
+    one = render_chat(templates, [ChatMessage(role="user", content="hi")])
+    assert one.prompt == "hi"
+    with pytest.raises(TemplateError, match="runs more than 50000 actions"):
+        render_chat(templates, [ChatMessage(role="user", content="hi")] * 2)

@@ -56,6 +56,11 @@ What this program must never do: hand llama.cpp a grammar it has not parsed (a N
 the chain crashes the process), a token id outside the vocabulary, or a prompt longer than the
 context; report a failed load as success; answer ``FAILED_PRECONDITION`` "model not loaded"
 while a model is loaded (the frontend reloads on it).
+
+One module of about 810 lines: it is one backend program, and most of it is the servicer's
+gRPC methods over one loaded model (load, predict, stream, tokenize, embed, logprobs), which
+share the model, its lock and its chat handler; the option parsing and the GGUF header reader
+(``gguf_header.py``) are already functions or modules of their own.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ from localai_tw.cluster.clock import (
 from localai_tw.bus.pgbus import BusStopped
 from localai_tw.web.readers import ResponseTooLarge, read_bounded
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
+from localai_tw.localai.yamlbound import GALLERY_INDEX, MODEL_CONFIG, bounded_loader
 
 from localai_tw.frontend.inference.downloads import (
     failure_reason,
@@ -253,8 +254,17 @@ async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
             timer.cancel()
 
 
-def _yaml_load(data: bytes) -> Any:
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_SAFE = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+#: Safe loaders whose aliases may add only a bounded number of values (``yamlbound.py``): an
+#: index is the operator's and big (its entries merge ``<<: *base``), loaded in a thread; an
+#: entry's config and the install records are model-config sized, read on the reactor.
+_INDEX_LOADER = bounded_loader(_SAFE, GALLERY_INDEX)
+_CONFIG_LOADER = bounded_loader(_SAFE, MODEL_CONFIG)
+
+
+def _yaml_load(data: bytes, *, index: bool = False) -> Any:
+    """:raises yaml.YAMLError: (``AliasBombError`` when aliases expand past the bound)."""
+    loader = _INDEX_LOADER if index else _CONFIG_LOADER
     return yaml.load(data, Loader=loader)  # noqa: S506 (a safe loader)
 
 
@@ -440,7 +450,8 @@ class GalleryJobs(Service):
             data = await read_url(gallery.url, MAX_INDEX_BYTES, self._reactor, self._agent)
             try:
                 decoded = await threads.deferToThreadPool(
-                    self._reactor, self._reactor.getThreadPool(), _yaml_load, data)
+                    self._reactor, self._reactor.getThreadPool(), _yaml_load, data,
+                    index=True)
             except yaml.YAMLError as e:
                 raise GalleryError(f"gallery {gallery.name}: the index is not YAML or JSON "
                                    f"({str(e)[:200]})") from None

@@ -41,6 +41,7 @@ from localai_tw.frontend.api.openai.constraints import (
     invalid_output,
     logprobs_content,
     plan_chat,
+    planned,
 )
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import invalid
@@ -71,7 +72,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     exchange.record.model = name  # a configured name: a bounded label
     refuse_unhonoured(body, name, chat=True)
     messages, images = parse_messages(body.raw("messages"))
-    plan = plan_chat(body, name, model)
+    plan = await planned(plan_chat, body, name, model)
     stream = bool(body.boolean("stream"))
     n = body.integer("n", 1, MAX_CHOICES) or 1
     if stream and n != 1:
@@ -105,15 +106,15 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
         exchange.served_by(served.served_by)
         reply = served.value
         usage.add(reply_usage(reply))
-        choices.append(_choice(index, reply, plan, model.functions, name,
-                               finish_reason(reply, sampling.max_tokens)))
+        choices.append(await _choice(index, reply, plan, model.functions, name,
+                                     finish_reason(reply, sampling.max_tokens)))
     exchange.send_json(200, {"id": completion_id, "object": "chat.completion",
                              "created": created, "model": name, "choices": choices,
                              "usage": usage.body()})
 
 
-def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: FunctionConfig,
-            name: str, reason: str) -> dict:
+async def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: FunctionConfig,
+                  name: str, reason: str) -> dict:
     """One non-streamed choice: content or tool calls, log probabilities, finish reason."""
     text = reply.message.decode("utf-8", "replace")
     message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -129,7 +130,7 @@ def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: Functio
         if said is not None:  # the model chose the no-action function: an answer in words
             message["content"] = said
         elif calls:
-            check_calls(plan, name, calls)
+            await check_calls(plan, name, calls)
             message = {"role": "assistant", "content": parsed.content or None,
                        "tool_calls": [c.body() for c in calls]}
             reason = "tool_calls"
@@ -140,7 +141,7 @@ def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: Functio
                 if plan.tools.no_action and reason == "length" else None
             message["content"] = cut if cut is not None else clean_content(text, functions)
     else:
-        check_output(plan, name, text, reason)
+        await check_output(plan, name, text, reason)
     logprobs = None
     if plan.logprobs:
         logprobs = {"content": logprobs_content(reply.logprobs), "refusal": None}
@@ -268,7 +269,7 @@ class _ChatChunks(Chunks):
             text = self.tool_stream.feed(text)
         return [self.delta(text)] if text else []
 
-    def closing(self, reason: str) -> list:
+    async def closing(self, reason: str) -> list:
         out = []
         if self.tool_stream is not None:
             rest, calls = self.tool_stream.end()
@@ -285,7 +286,7 @@ class _ChatChunks(Chunks):
             if rest:
                 out.append(self.delta(rest))
             if calls:
-                check_calls(self.plan, self.model, calls)
+                await check_calls(self.plan, self.model, calls)
                 reason = "tool_calls"
                 for index, call in enumerate(calls):
                     out.append(self._chunk([{"index": 0, "delta": {"tool_calls": [{
@@ -299,7 +300,7 @@ class _ChatChunks(Chunks):
                 raise invalid_output(self.model, "a tool call was required and the answer "
                                      "holds none")
         else:
-            check_output(self.plan, self.model, self.text, reason)
+            await check_output(self.plan, self.model, self.text, reason)
         out.append(self._chunk([{"index": 0, "delta": {}, "logprobs": self._logprobs()
                                  if self.pending_logprobs else None,
                                  "finish_reason": reason}]))

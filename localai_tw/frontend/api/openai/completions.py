@@ -19,6 +19,7 @@ from localai_tw.frontend.api.openai.constraints import (
     legacy_logprobs,
     logprobs_content,
     plan_completion,
+    planned,
 )
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import invalid
@@ -55,7 +56,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     if len(prompts) * n > MAX_PROMPTS:
         raise invalid(f"at most {MAX_PROMPTS} choices are answered (prompts times 'n')", "n",
                       code="invalid_value")
-    plan = plan_completion(body, name, model, echo=echo)
+    plan = await planned(plan_completion, body, name, model, echo=echo)
     include_usage = usage_requested(body, stream)
     sampling = merge_sampling(model.parameters, body, model.predict)
     completion_id, created = context.ids("cmpl")
@@ -77,7 +78,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
             usage.add(reply_usage(reply))
             text = reply.message.decode("utf-8", "replace")
             reason = finish_reason(reply, sampling.max_tokens)
-            check_output(plan, name, text, reason)
+            await check_output(plan, name, text, reason)
             logprobs = legacy_logprobs(logprobs_content(reply.logprobs)) \
                 if plan.logprobs else None
             choices.append({"index": len(choices), "text": (prompt + text) if echo else text,
@@ -129,8 +130,8 @@ class _CompletionChunks(Chunks):
         self.offset += sum(len(e["token"]) for e in entries)
         return [chunk]
 
-    def closing(self, reason: str) -> list:
-        check_output(self.plan, self.model, self.text, reason)
+    async def closing(self, reason: str) -> list:
+        await check_output(self.plan, self.model, self.text, reason)
         return [self.finish(reason)]
 
     def _chunk(self, choices: list, **more) -> dict:

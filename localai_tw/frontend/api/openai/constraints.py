@@ -32,6 +32,7 @@ request.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 from dataclasses import dataclass, field
@@ -45,12 +46,31 @@ from localai_tw.localai.gbnf import JSON_OBJECT_GRAMMAR, SchemaError, schema_to_
 from localai_tw.localai.templates import uses_functions
 from localai_tw.localai.toolcalls import FunctionConfig, no_action_tool
 from localai_tw.frontend.api.kit import printable
+from localai_tw.frontend.api.openai import offload
 from localai_tw.frontend.api.openai.errors import NO_RETRY, OpenAIError, invalid
 
 #: Most tools in one request (OpenAI's limit) and deepest schema accepted anywhere.
 MAX_TOOLS = 128
 MAX_SCHEMA_DEPTH = 48
 MAX_SCHEMA_NODES = 4_000
+#: Every schema of one request together (tools, functions, response_format): the meta-schema
+#: check costs about 20 to 30 us a value on the reactor, so 128 tools of 4000 values each took
+#: 13 s before this bound (issue 21 §1); 4000 in all is about 0.1 s at worst.
+MAX_REQUEST_SCHEMA_NODES = 4_000
+#: A validated schema (strict tool, json_schema) with every ``$ref`` expanded: a chain of
+#: ``anyOf: [$ref next, $ref next]`` doubles the validation work per link (16 links: 11.6 s).
+MAX_EXPANDED_SCHEMA_NODES = 8_000
+#: A request whose schemas hold more values than this is planned (meta-schema checks, grammar
+#: compilation: about 17 to 28 us a value, so up to 0.1 s at 4000) in the answer-checks thread
+#: (``offload.py``), not on the reactor; smaller ones stay inline.
+OFFLOAD_SCHEMA_NODES = 500
+#: Keyword checks one answer's validation may make on the reactor (5 to 9 us each with
+#: jsonschema's descent, so about 10 to 20 ms at most); an answer that needs more is validated
+#: again in the replica's one thread for such work (``offload.py``) with
+#: :data:`MAX_THREAD_VALIDATION_STEPS` (a few seconds of that thread), and past those it is a
+#: 500 ``invalid_model_output`` naming the bound.
+MAX_VALIDATION_STEPS = 2_000
+MAX_THREAD_VALIDATION_STEPS = 500_000
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -100,6 +120,79 @@ def _bounded(value: Any, limit: int) -> None:
             stack.extend((v, at + 1) for v in node)
 
 
+def request_schemas_bounded(body) -> int:
+    """How many values the schemas a request carries hold together: at most
+    :data:`MAX_REQUEST_SCHEMA_NODES` (a walk that stops at the bound, before any schema is
+    checked or compiled).  :raises OpenAIError: 400 naming the bound."""
+    stack = [body.raw(name) for name in ("tools", "functions", "response_format")]
+    seen = 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > MAX_REQUEST_SCHEMA_NODES + 3:
+            param = next((name for name in ("tools", "functions") if body.raw(name)),
+                         "response_format.json_schema.schema")
+            raise invalid(f"{param!r} is not a valid JSON Schema: the tools and "
+                          f"response_format of one request hold more than "
+                          f"{MAX_REQUEST_SCHEMA_NODES} values in all (every key's value, list "
+                          "item and nested schema counts); send fewer or smaller schemas",
+                          param, code="invalid_value")
+        if isinstance(node, Mapping):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return seen
+
+
+def _expanded_nodes(root: Mapping) -> int:
+    """How many values ``root`` holds with every local ``$ref`` expanded (each target's size
+    computed once; a recursive ``$ref`` counts once, validation then follows the answer's own
+    depth).  :raises ValueError: past :data:`MAX_EXPANDED_SCHEMA_NODES`."""
+    targets = {}
+    for section in ("$defs", "definitions"):
+        if isinstance(root.get(section), Mapping):
+            targets.update({f"#/{section}/{name}": sub for name, sub in root[section].items()})
+    sizes: dict[str, int] = {}
+    resolving: set[str] = set()
+
+    def size(node: Any) -> int:
+        n = 1
+        if isinstance(node, Mapping):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref in targets and ref not in resolving:
+                if ref not in sizes:
+                    resolving.add(ref)
+                    sizes[ref] = size(targets[ref])
+                    resolving.discard(ref)
+                n += sizes[ref]
+            for key, value in node.items():
+                if node is root and key in ("$defs", "definitions"):
+                    continue
+                n += 1 if key in _DATA else size(value)
+        elif isinstance(node, list):
+            n += sum(size(v) for v in node)
+        if n > MAX_EXPANDED_SCHEMA_NODES:
+            raise ValueError(f"with its $refs expanded it holds more than "
+                             f"{MAX_EXPANDED_SCHEMA_NODES} values (answers are validated "
+                             "against it)")
+        return n
+
+    try:
+        return size(root)
+    except RecursionError:
+        raise ValueError("its $refs chain too deeply to be validated") from None
+
+
+def check_validated(schema: Mapping, param: str) -> None:
+    """A schema answers will be validated against: bounded with its ``$ref`` s expanded.
+    :raises OpenAIError: 400 naming ``param``."""
+    try:
+        _expanded_nodes(schema)
+    except ValueError as e:
+        raise invalid(f"{param!r} cannot be used: {e}; send a smaller schema", param,
+                      code="unsupported_schema") from None
+
+
 #: Keywords whose value is a regular expression.  A request's regex never runs here: Python's
 #: ``re`` backtracks, holds the GIL and cannot be interrupted, so one pattern such as
 #: ``^(a+)+$`` against a few dozen characters of model output froze a replica for seconds
@@ -141,15 +234,98 @@ def _no_regex(validator, value, instance, schema):
         "a schema with a regular expression is not checked here")
 
 
+class _OutOfSteps(Exception):
+    """Validation made :data:`MAX_VALIDATION_STEPS` keyword checks."""
+
+
+_STEPS: contextvars.ContextVar[list | None] = contextvars.ContextVar("steps", default=None)
+
+
+def _counted(check):
+    """``check`` (a jsonschema keyword function), counted against the steps left."""
+    def counted(validator, value, instance, schema):
+        left = _STEPS.get()
+        if left is not None:
+            left[0] -= 1
+            if left[0] < 0:
+                raise _OutOfSteps()
+        return check(validator, value, instance, schema)
+    return counted
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` with JSON Schema's equality made plain: an integral float is its integer
+    (``1.0`` equals ``1``; ``true`` stays distinct from ``1``, as JSON encodes it)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {key: _canonical(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_canonical(item) for item in value]
+    return value
+
+
+def _unique_items(validator, unique, instance, schema):
+    """``uniqueItems`` in linear time: jsonschema compares every pair of items that cannot be
+    sorted (objects), so 5000 objects took 23.7 s in one keyword check on the reactor (issue
+    21 §1).  Each item is written once as canonical JSON and looked up in a set; the items
+    count against the steps left."""
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    left = _STEPS.get()
+    if left is not None:
+        left[0] -= len(instance)
+        if left[0] < 0:
+            raise _OutOfSteps()
+    seen = set()
+    for item in instance:
+        key = json.dumps(_canonical(item), sort_keys=True, separators=(",", ":"))
+        if key in seen:
+            yield jsonschema.exceptions.ValidationError(
+                f"{printable(key, 80)} appears twice, and the items must be unique")
+            return
+        seen.add(key)
+
+
+def _first_error(schema: Mapping, instance: Any, steps: int):
+    """The best validation error of ``instance`` under ``schema`` or None, within ``steps``
+    keyword checks.  :raises _OutOfSteps:"""
+    token = _STEPS.set([steps])
+    try:
+        return jsonschema.exceptions.best_match(
+            _validator_class(schema)(schema).iter_errors(instance))
+    finally:
+        _STEPS.reset(token)
+
+
+async def _validate(schema: Mapping, instance: Any, reactor):
+    """:func:`_first_error`: on the reactor within :data:`MAX_VALIDATION_STEPS`, else in the
+    answer-checks thread within :data:`MAX_THREAD_VALIDATION_STEPS`.  :raises _OutOfSteps:"""
+    try:
+        return _first_error(schema, instance, MAX_VALIDATION_STEPS)
+    except _OutOfSteps:
+        pass
+    if reactor is None:
+        from twisted.internet import reactor
+    return await offload.run(reactor, _first_error, schema, instance,
+                             MAX_THREAD_VALIDATION_STEPS)
+
+
 def _validator_class(schema: Mapping):
     """The schema's own ``$schema`` draft, else Draft 7: its meta-schema check is about five
     times cheaper than 2020-12's (work done on the reactor thread), and every keyword of the
     compiled subset means the same in both (``$defs`` is reached as a JSON pointer).  Its
     regex keywords never run (:func:`_no_regex`); ``format`` is not asserted (no format
-    checker is given), as JSON Schema's default is."""
+    checker is given), as JSON Schema's default is.  Every keyword check is counted
+    (:func:`_first_error`), so no answer costs more than :data:`MAX_VALIDATION_STEPS`."""
     base = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
-    return _WITHOUT_REGEX.setdefault(base, jsonschema.validators.extend(
-        base, {keyword: _no_regex for keyword in REGEX_KEYWORDS}))
+    if base not in _WITHOUT_REGEX:
+        checks = {keyword: _counted(check) for keyword, check in base.VALIDATORS.items()}
+        checks.update({keyword: _counted(_no_regex) for keyword in REGEX_KEYWORDS})
+        if "uniqueItems" in checks:
+            checks["uniqueItems"] = _counted(_unique_items)
+        _WITHOUT_REGEX[base] = jsonschema.validators.extend(base, checks)
+    return _WITHOUT_REGEX[base]
 
 
 _WITHOUT_REGEX: dict = {}
@@ -261,6 +437,7 @@ def read_tools(body) -> tuple[list[dict], Any]:
                               "arguments of strict tools are validated, and a request's "
                               "regular expression never runs here (docs/openai-api.md)",
                               f"{where_fn}.parameters", code="unsupported_schema")
+            check_validated(parameters, f"{where_fn}.parameters")
         clean = {"name": name, "parameters": parameters}
         if description:
             clean["description"] = description
@@ -388,6 +565,7 @@ def _response_format(body, model: str, caps: Capabilities, plan: Plan) -> None:
                           "response_format.json_schema.strict", code="invalid_type")
         schema = check_schema(spec.get("schema", {}), "response_format.json_schema.schema",
                               object_only=False)
+        check_validated(schema, "response_format.json_schema.schema")
         grammar = _grammar(schema, "response_format.json_schema.schema")
     else:
         grammar = JSON_OBJECT_GRAMMAR
@@ -416,11 +594,23 @@ def _request_grammar(body, model: str, caps: Capabilities, plan: Plan) -> None:
     plan.grammar = grammar
 
 
+async def planned(plan, body, *args, reactor=None, **kwargs) -> Plan:
+    """``plan(body, *args, **kwargs)`` (:func:`plan_chat` or :func:`plan_completion`): inline
+    when the request's schemas are small, else in the answer-checks thread
+    (:data:`OFFLOAD_SCHEMA_NODES`).  :raises OpenAIError:"""
+    if request_schemas_bounded(body) <= OFFLOAD_SCHEMA_NODES:
+        return plan(body, *args, **kwargs)
+    if reactor is None:
+        from twisted.internet import reactor
+    return await offload.run(reactor, plan, body, *args, **kwargs)
+
+
 def plan_chat(body, model: str, view) -> Plan:
     """The checked plan of a chat request for the model ``view`` (a ``ModelView``).
     :raises OpenAIError: 400 for whatever the model cannot honour or the request got wrong."""
     caps = capabilities_of(view.backend, view.capabilities,
                            grammar_disabled=view.functions.grammar_disabled)
+    request_schemas_bounded(body)
     plan = Plan()
     tools, choice_raw = read_tools(body)
     names = [t["function"]["name"] for t in tools]
@@ -493,6 +683,7 @@ def plan_completion(body, model: str, view, *, echo: bool) -> Plan:
     accepts it there too), legacy ``logprobs`` (an integer, 0 to 5); tools are refused."""
     caps = capabilities_of(view.backend, view.capabilities,
                            grammar_disabled=view.functions.grammar_disabled)
+    request_schemas_bounded(body)
     plan = Plan()
     for name in ("tools", "functions", "tool_choice", "function_call"):
         value = body.raw(name)
@@ -519,14 +710,21 @@ def plan_completion(body, model: str, view, *, echo: bool) -> Plan:
 # -- after generation -----------------------------------------------------------------------------
 
 
+_TOO_BIG = (f"the answer is too large to be checked against the schema within "
+            f"{MAX_THREAD_VALIDATION_STEPS} keyword checks (docs/openai-api.md); ask for a "
+            "smaller one")
+
+
 def invalid_output(model: str, why: str) -> OpenAIError:
     return OpenAIError(500, f"model {printable(model)!r} answered outside the requested "
                        f"format: {printable(why, 400)}", "server_error",
                        code="invalid_model_output", headers=NO_RETRY)
 
 
-def check_output(plan: Plan, model: str, text: str, finish_reason: str) -> None:
-    """Validate a structured answer (module docstring).  :raises OpenAIError: 500."""
+async def check_output(plan: Plan, model: str, text: str, finish_reason: str,
+                       reactor=None) -> None:
+    """Validate a structured answer (module docstring; small answers on the reactor, big ones
+    in the answer-checks thread: :func:`_validate`).  :raises OpenAIError: 500."""
     if plan.json_mode is None or finish_reason == "length":
         return
     try:
@@ -537,13 +735,15 @@ def check_output(plan: Plan, model: str, text: str, finish_reason: str) -> None:
         if not isinstance(value, dict):
             raise invalid_output(model, "not a JSON object")
         return
-    error = jsonschema.exceptions.best_match(
-        _validator_class(plan.schema)(plan.schema).iter_errors(value))
+    try:
+        error = await _validate(plan.schema, value, reactor)
+    except _OutOfSteps:
+        raise invalid_output(model, _TOO_BIG) from None
     if error is not None:
         raise invalid_output(model, f"{error.message} (at {error.json_path})")
 
 
-def check_calls(plan: Plan, model: str, calls) -> None:
+async def check_calls(plan: Plan, model: str, calls, reactor=None) -> None:
     """The arguments of each call to a ``strict`` tool must be valid under its parameters
     (OpenAI's promise for strict tools; a grammar enforces it when a call is required, this
     checks it always).  :raises OpenAIError: 500 ``invalid_model_output``."""
@@ -560,8 +760,11 @@ def check_calls(plan: Plan, model: str, calls) -> None:
         except ValueError:
             raise invalid_output(model, f"the arguments of the call to strict tool "
                                  f"{call.name!r} are not JSON") from None
-        error = jsonschema.exceptions.best_match(
-            _validator_class(schema)(schema).iter_errors(arguments))
+        try:
+            error = await _validate(schema, arguments, reactor)
+        except _OutOfSteps:
+            raise invalid_output(model, f"the arguments of the call to strict tool "
+                                 f"{call.name!r}: {_TOO_BIG}") from None
         if error is not None:
             raise invalid_output(model, f"the arguments of the call to strict tool "
                                  f"{call.name!r}: {error.message} (at {error.json_path})")
@@ -607,5 +810,5 @@ def legacy_logprobs(content: list[dict], offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-__all__ = ["Plan", "ToolPlan", "call_schema", "check_calls", "check_output", "check_schema",
+__all__ = ["Plan", "ToolPlan", "call_schema", "planned", "check_calls", "check_output", "check_schema",
            "legacy_logprobs", "logprobs_content", "plan_chat", "plan_completion", "read_tools"]

@@ -130,9 +130,10 @@ class Chunks:
         """The events for one backend reply's complete text (possibly empty)."""
         return [self.delta(text)] if text else []
 
-    def closing(self, reason: str) -> list:
+    async def closing(self, reason: str) -> list:
         """The events that end the answer (``reason``: its finish reason).  May raise an
-        ``OpenAIError`` (an answer outside the requested format): sent as an error event."""
+        ``OpenAIError`` (an answer outside the requested format): sent as an error event.
+        A coroutine: checking a big answer may wait for the answer-checks thread."""
         return [self.finish(reason)]
 
     def delta(self, text: str) -> dict:
@@ -242,7 +243,7 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
     try:
         for payload in chunks.pieces(tail, backend_pb2.Reply()) if tail else ():
             emit(payload)
-        for payload in chunks.closing(finish_reason(last, sampling.max_tokens)):
+        for payload in await chunks.closing(finish_reason(last, sampling.max_tokens)):
             emit(payload)
     except OpenAIError as e:
         raise _stream_failed(stream, e)
