@@ -411,13 +411,18 @@ def cut_no_action_message(text: str, config: FunctionConfig, name: str) -> str |
     """The part of the no-action ``message`` written before ``max_tokens`` cut the answer
     (the whole call's JSON never closed), or None when ``text`` is not such a start.  So an
     answer in words that runs out of tokens reads as a cut answer, not as broken JSON."""
-    prefix = re.escape(config.grammar_prefix) if config.grammar_prefix else ""
-    head = re.match(
-        rf'\s*{prefix}\s*\[?\s*\{{\s*"{re.escape(config.name_key)}"\s*:\s*"{re.escape(name)}"'
-        rf'\s*,\s*"{re.escape(config.arguments_key)}"\s*:\s*\{{\s*"message"\s*:\s*"', text)
-    if head is None:
-        return None
-    rest = text[head.end():]
+    head = ["{", json.dumps(config.name_key), ":", json.dumps(name), ",",
+            json.dumps(config.arguments_key), ":", "{", '"message"', ":", '"']
+    at = _after_space(text, 0)
+    if config.grammar_prefix and text.startswith(config.grammar_prefix, at):
+        at = _after_space(text, at + len(config.grammar_prefix))
+    if text.startswith("[", at):
+        at = _after_space(text, at + 1)
+    for token in head:  # one pass: no position is looked at twice
+        if not text.startswith(token, at):
+            return None
+        at = at + len(token) if token == '"' else _after_space(text, at + len(token))
+    rest = text[at:]
     rest = re.sub(r'\\u[0-9a-fA-F]{0,3}$', "", rest)  # an escape cut in the middle
     if (len(rest) - len(rest.rstrip("\\"))) % 2:
         rest = rest[:-1]
@@ -426,6 +431,12 @@ def cut_no_action_message(text: str, config: FunctionConfig, name: str) -> str |
     except ValueError:  # the string closed, or holds what JSON does not: not a cut message
         return None
     return value if isinstance(value, str) else None
+
+
+def _after_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
 
 
 def clean_content(text: str, config: FunctionConfig) -> str:

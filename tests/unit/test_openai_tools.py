@@ -865,3 +865,15 @@ def test_a_cut_no_action_answer_is_its_words_streamed_and_not(site, router):
     deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == "It is a sto"
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("prefix, text, expected", [
+    ("<tool_call>", '<tool_call> [ {"name":"answer","arguments":{"message":"Hi th', "Hi th"),
+    ("", '[{"name": "answer", "arguments": {"message": "Hi', "Hi"),
+    ("", " " * 100_000 + "x", None),  # a long run that never opens the call: one pass
+])
+def test_a_cut_answer_after_the_prefix_or_in_a_list_is_read(prefix, text, expected):
+    from localai_tw.localai.toolcalls import cut_no_action_message
+
+    assert cut_no_action_message(text, FunctionConfig(grammar_prefix=prefix), "answer") == \
+        expected

@@ -526,9 +526,9 @@ def call_schema(tools: list[dict], config: FunctionConfig, forced: str | None,
 
 def _auto_grammar(tools: list[dict], functions: FunctionConfig, parallel: bool) -> str:
     """LocalAI's grammar for ``tool_choice: auto``: a call to one of ``tools`` (the request's,
-    and the no-action function unless the config disables it).  Empty when a tool's parameters fall outside the
-    compiled subset: ``auto`` then runs unconstrained, as before, rather than refusing a
-    request that asked for nothing to be enforced."""
+    and the no-action function unless the config disables it).  Empty when a tool's
+    parameters fall outside the compiled subset: ``auto`` then runs unconstrained, as before,
+    rather than refusing a request that asked for nothing to be enforced."""
     schema = call_schema(tools, functions, None, functions.parallel_calls and parallel)
     try:
         return schema_to_gbnf(schema, prefix=functions.grammar_prefix)
