@@ -116,7 +116,8 @@ from localai_tw.frontend.jobs.dispatch import JobDispatcher, job_consumer
 from localai_tw.frontend.jobs.stats import JobStatsService
 from localai_tw.frontend.jobs.store import JobStore
 from localai_tw.frontend.inference.placement_cache import PlacementCache, PlacementFanout
-from localai_tw.frontend.gallery.installs import GalleryJobs, parse_galleries
+from localai_tw.frontend.gallery.installs import GalleryJobs
+from localai_tw.frontend.gallery.index import parse_galleries
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource, StartingGate
 from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts
 from localai_tw.web.listener import BoundedSite

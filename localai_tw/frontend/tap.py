@@ -223,7 +223,7 @@ class Options(config.EnvOptions):
                 f"({DEFAULT_LISTEN}), or pass --allow-open-api (env "
                 "LOCALAI_ALLOW_OPEN_API=true) to run it open on purpose")
         if self["galleries"]:
-            from localai_tw.frontend.gallery.installs import GalleryError, parse_galleries
+            from localai_tw.frontend.gallery.index import GalleryError, parse_galleries
 
             try:
                 parse_galleries(self["galleries"])
