@@ -3,7 +3,7 @@ more is refused with a 400 naming the model before any backend is called (never 
 silently ignored):
 
 - ``grammar``: it samples under ``PredictOptions.Grammar`` (GBNF): JSON mode, JSON schema,
-  ``tool_choice: required`` / a named function;
+  ``tool_choice: required`` / a named function, and ``auto`` with LocalAI's no-action function;
 - ``tools``: with ``use_tokenizer_template`` it renders ``PredictOptions.Tools`` through the
   model's own chat template (without it the frontend renders tools itself, through the
   config's ``template.function``);
