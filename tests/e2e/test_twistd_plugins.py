@@ -344,7 +344,8 @@ def test_open_listener_is_refused_without_a_key_and_keys_come_from_files(twistd,
     keys = tmp_path / "api-keys"
     keys.write_text("sk-from-file\n")
     proc = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}",
-                   "--database-url", pg_dsn, "--api-key-file", str(keys)],
+                   "--database-url", pg_dsn, "--api-key-file", str(keys),
+                   "--allow-open-registration"],
                   env={"LOCALAI_DATA_DIR": str(tmp_path / "b")}, wait=False)
     wait_until_ready(proc, port)
     request = urllib.request.Request(f"http://127.0.0.1:{port}/api/nodes",
