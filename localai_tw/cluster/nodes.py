@@ -107,10 +107,13 @@ class NodeNameTaken(NodeRegistryError):
         self.name = name
         self.node_id = node_id
         super().__init__(
-            f"node name {name!r} is taken by node {node_id} and this worker did not present "
+            # The id stays in the frontend's log: a token holder must not learn which node id
+            # is behind a name (issue 21 §5).
+            f"node name {name!r} is taken by another node and this worker did not present "
             "that node's key; if this is another machine, give it another --node-name; if it "
             "is that node, give it back its data directory (its node-key file), or have an "
-            f"administrator remove the node (DELETE /api/nodes/{node_id}) so it registers anew")
+            f"administrator remove the node named {name!r} (GET /api/nodes shows its id, "
+            "DELETE /api/nodes/<id> removes it) so it registers anew")
 
 
 class RegistrationTokenRequired(NodeRegistryError):
