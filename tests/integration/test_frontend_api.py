@@ -696,3 +696,30 @@ async def test_registrations_per_source_are_limited_with_a_clear_429(db, http):
         assert len(await registry.list_nodes()) == 4
     finally:
         await port.stopListening()
+
+
+# -- issue 21 §6: a node nobody approved says so ----------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_node_admitted_without_approval_is_listed_as_new_and_unapproved(db, frontend,
+                                                                               http):
+    """Without --require-approval a freshly registered node takes cold loads like any other;
+    /api/nodes says no administrator approved it.  Under --require-approval the approval is
+    recorded and the node is no longer unapproved."""
+    open_node = await register(http, frontend, "walk-in")
+    status, answer, _ = await http.call("GET", f"{frontend.url}/api/nodes/{open_node['id']}",
+                                        token=ADMIN)
+    assert status == 200, answer
+    assert (answer["status"], answer["approved"]) == ("healthy", True)
+    assert (answer["unapproved"], answer["new"], answer["approved_at"]) == (True, True, None)
+
+    frontend.parts.nodes = NodeRegistry(db, registration_token=TOKEN, require_approval=True)
+    pending = await register(http, frontend, "waits")
+    url = f"{frontend.url}/api/nodes/{pending['id']}"
+    status, answer, _ = await http.call("GET", url, token=ADMIN)
+    assert (answer["status"], answer["unapproved"], answer["new"]) == ("pending", True, True)
+    status, _, _ = await http.call("POST", url + "/approve", token=ADMIN)
+    assert status == 200
+    status, answer, _ = await http.call("GET", url, token=ADMIN)
+    assert answer["unapproved"] is False and answer["approved_at"] is not None
