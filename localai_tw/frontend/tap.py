@@ -450,7 +450,11 @@ def exposure_line(address: Any, options: Any) -> str:
     else:
         where = f"[{host}]:{address.port}" if ":" in host else f"{host}:{address.port}"
     keys = options.get("api-key") or []
-    if keys:
+    admin_keys = options.get("admin-api-key") or []
+    if admin_keys:
+        api = (f"the OpenAI API needs an API key ({len(keys)} inference, {len(admin_keys)} "
+               "admin configured); the admin API needs an admin key")
+    elif keys:
         api = f"the OpenAI API needs an API key ({len(keys)} configured); the admin API is open " \
               "to holders of those keys"
     else:

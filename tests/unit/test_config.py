@@ -594,6 +594,11 @@ def test_exposure_line_says_what_is_open():
     assert "secret" not in line
     minted = parse(frontend_tap.Options, ["--local-worker"])
     assert "limited to the local worker" in frontend_tap.exposure_line(local, minted)
+    scoped = parse(frontend_tap.Options, ["--api-key", "sk-secret-1", "--admin-api-key",
+                                          "sk-secret-admin"])
+    line = frontend_tap.exposure_line(local, scoped)
+    assert "1 inference, 1 admin configured" in line and "needs an admin key" in line
+    assert "secret" not in line
 
 
 # -- secure by default ------------------------------------------------------------------------
