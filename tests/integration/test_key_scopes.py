@@ -134,3 +134,28 @@ async def test_one_key_s_open_jobs_are_bounded_and_others_still_submit(cluster, 
     code, job = await call(cluster, frontend, BOB, "POST", "/api/jobs",
                            {"kind": "test.echo", "input": {}})
     assert code == 202, job
+
+
+@pytest_twisted.ensureDeferred
+async def test_finished_jobs_are_deleted_after_the_retention(cluster):
+    frontend = await scoped_frontend(cluster, "replica-jobs-retention")
+    await pause_consumer(frontend)
+    old, recent = [], []
+    for bucket in (old, recent):
+        code, job = await call(cluster, frontend, ALICE, "POST", "/api/jobs",
+                               {"kind": "test.echo", "input": {}})
+        assert code == 202, job
+        code, _ = await call(cluster, frontend, ALICE, "POST", f"/api/jobs/{job['id']}/cancel")
+        assert code == 200
+        bucket.append(job["id"])
+    days = job_store.FINISHED_RETENTION_DAYS
+    await frontend.replica.db.runOperation(
+        "UPDATE jobs SET finished_at = now() - make_interval(days => %s) WHERE id = %s",
+        (days + 1, old[0]))
+    code, _ = await call(cluster, frontend, BOB, "POST", "/api/jobs",
+                         {"kind": "test.echo", "input": {}})  # any submit sweeps
+    assert code == 202
+    code, _ = await call(cluster, frontend, ALICE, "GET", f"/api/jobs/{old[0]}")
+    assert code == 404
+    code, answer = await call(cluster, frontend, ALICE, "GET", f"/api/jobs/{recent[0]}")
+    assert code == 200 and answer["state"] == "cancelled"
