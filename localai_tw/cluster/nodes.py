@@ -107,10 +107,13 @@ class NodeNameTaken(NodeRegistryError):
         self.name = name
         self.node_id = node_id
         super().__init__(
-            f"node name {name!r} is taken by node {node_id} and this worker did not present "
+            # The id stays in the frontend's log: a token holder must not learn which node id
+            # is behind a name (issue 21 §5).
+            f"node name {name!r} is taken by another node and this worker did not present "
             "that node's key; if this is another machine, give it another --node-name; if it "
             "is that node, give it back its data directory (its node-key file), or have an "
-            f"administrator remove the node (DELETE /api/nodes/{node_id}) so it registers anew")
+            f"administrator remove the node named {name!r} (GET /api/nodes shows its id, "
+            "DELETE /api/nodes/<id> removes it) so it registers anew")
 
 
 class RegistrationTokenRequired(NodeRegistryError):
@@ -239,6 +242,8 @@ class Node:
     last_heartbeat: datetime | None
     created_at: datetime
     labels: dict[str, str] = field(default_factory=dict)
+    #: When an administrator approved it; None: admitted without approval (or pending).
+    approved_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -324,7 +329,7 @@ def mint_tunnel_credential() -> str:
 
 _NODE_COLUMNS = ("id, name, node_type, status, approved, total_vram, available_vram, total_ram,"
                  " available_ram, total_disk, available_disk, gpu_vendor,"
-                 " max_replicas_per_model, last_heartbeat, created_at")
+                 " max_replicas_per_model, last_heartbeat, created_at, approved_at")
 
 _INSERT_NODE_SQL = (
     "INSERT INTO backend_nodes (id, name, node_type, status, approved, token_hash,"
@@ -384,9 +389,9 @@ _LABELS_OF_SQL = "SELECT node_id, key, value FROM node_labels WHERE node_id = AN
 
 def _node_from_row(row, labels: dict[str, str] | None = None) -> Node:
     (nid, name, node_type, status, approved, tv, av, tr, ar, td, ad, vendor, maxr,
-     beat, created) = row
+     beat, created, approved_at) = row
     return Node(nid, name, NodeType(node_type), NodeStatus(status), approved, tv, av, tr, ar,
-                td, ad, vendor, maxr, beat, created, dict(labels or {}))
+                td, ad, vendor, maxr, beat, created, dict(labels or {}), approved_at)
 
 
 class NodeRegistry:
@@ -542,8 +547,8 @@ class NodeRegistry:
     async def approve(self, node_id: str) -> None:
         """pending -> healthy.  :raises NotPending: / :raises NodeNotFound:"""
         rows = await self._db.runQuery(
-            "UPDATE backend_nodes SET status = 'healthy', approved = true, updated_at = now()"
-            " WHERE id = %s AND status = 'pending' RETURNING id", (_validate_node_id(node_id),))
+            "UPDATE backend_nodes SET status = 'healthy', approved = true, approved_at = now(),"
+            " updated_at = now() WHERE id = %s AND status = 'pending' RETURNING id", (_validate_node_id(node_id),))
         if not rows:
             await self._require_exists(node_id)
             raise NotPending(node_id)

@@ -641,7 +641,8 @@ class FrontendService(InOrderMultiService):
         self.instance_id = self.config.instance_id
         #: Model YAML files (``--models-dir``, default ``<data-dir>/models``).
         self.models_dir = self.config.models_dir
-        self.api_keys = APIKeyGuard(options.get("api-key") or [])
+        self.api_keys = APIKeyGuard(options.get("api-key") or [],
+                                    admin_keys=options.get("admin-api-key") or [])
         #: Further conditions of ``/readyz`` once wired: callables answering None (ready) or
         #: the reason (the local worker's first tunnel, ``frontend/localworker.py``).
         self.readiness_gates: list[Callable[[], str | None]] = []

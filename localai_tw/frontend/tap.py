@@ -130,6 +130,17 @@ SETTINGS = (
     config.value("api-key-file", "LOCALAI_API_KEY_FILE",
                  "File holding the API keys, one per line.",
                  parse=config.parse_secret_file),
+    config.repeatable("admin-api-key", "LOCALAI_ADMIN_API_KEY",
+                      "Admin API key: when one is set, the admin routes (/api/nodes, the "
+                      "gallery's /models installs and deletes, /backend, /api/traces, /metrics, "
+                      "/api/cluster/instances and loads, other keys' jobs) accept only admin "
+                      "keys and --api-key keys serve inference alone; with none set every "
+                      "--api-key is also an admin key. The variable takes a comma-separated "
+                      "list (prefer --admin-api-key-file).",
+                      parse=config.parse_secret, secret=True),
+    config.value("admin-api-key-file", "LOCALAI_ADMIN_API_KEY_FILE",
+                 "File holding the admin API keys, one per line.",
+                 parse=config.parse_secret_file),
     config.flag("allow-open-api", "LOCALAI_ALLOW_OPEN_API",
                 "Allow a --listen other machines can reach with no --api-key: the OpenAI API "
                 "then serves anyone who reaches it."),
@@ -138,6 +149,9 @@ SETTINGS = (
                       "besides IP addresses, localhost and the --advertise-address host: "
                       "requests naming another Host are refused 403 (DNS rebinding); the "
                       "variable takes a comma-separated list."),
+    config.flag("allow-open-registration", "LOCALAI_ALLOW_OPEN_REGISTRATION",
+                "Allow a --listen other machines can reach with no --registration-token: "
+                "anyone who reaches it can then register a worker and be sent prompts."),
     config.flag("allow-private-downloads", "LOCALAI_ALLOW_PRIVATE_DOWNLOADS",
                 "Let model downloads and gallery fetches connect to loopback, private, "
                 "link-local and other non-public addresses (a mirror on the local network), "
@@ -218,6 +232,7 @@ class Options(config.EnvOptions):
     def validate(self) -> None:
         config.adopt_secret_file(self, "registration-token")
         config.adopt_secret_file(self, "api-key", lines=True)
+        config.adopt_secret_file(self, "admin-api-key", lines=True)
         check_external_backends(self["external-grpc-backends"])
         reach = config.listener_reach(self["listen"])
         if reach is not None and not self["api-key"] and not self["allow-open-api"]:
@@ -253,6 +268,16 @@ class Options(config.EnvOptions):
                 # this process only (never logged: the configuration report masks it).
                 self["registration-token"] = secrets.token_urlsafe(32)
                 self.sources["registration-token"] = "generated"
+        # After the local worker minted its token: one only this process knows locks it.
+        if reach is not None and not self["registration-token"] \
+                and not self["allow-open-registration"]:
+            raise usage.UsageError(
+                f"--listen: {self['listen']} accepts connections on {reach} and no "
+                "--registration-token is set, so anyone who can reach it could register a "
+                "worker and be sent users' prompts; set --registration-token-file (or "
+                "--registration-token), listen on loopback "
+                f"({DEFAULT_LISTEN}), or pass --allow-open-registration (env "
+                "LOCALAI_ALLOW_OPEN_REGISTRATION=true) to leave registration open on purpose")
 
 
 # -- the HTTP tree ------------------------------------------------------------------------
@@ -430,7 +455,11 @@ def exposure_line(address: Any, options: Any) -> str:
     else:
         where = f"[{host}]:{address.port}" if ":" in host else f"{host}:{address.port}"
     keys = options.get("api-key") or []
-    if keys:
+    admin_keys = options.get("admin-api-key") or []
+    if admin_keys:
+        api = (f"the OpenAI API needs an API key ({len(keys)} inference, {len(admin_keys)} "
+               "admin configured); the admin API needs an admin key")
+    elif keys:
         api = f"the OpenAI API needs an API key ({len(keys)} configured); the admin API is open " \
               "to holders of those keys"
     else:

@@ -398,9 +398,12 @@ class RegistrationClient:
         return self._exchange(url, self.registration_body(), "registration").addCallback(
             answered).addErrback(self._timeout_as_unavailable, "registration")
 
-    def heartbeat(self, node_id: str) -> defer.Deferred:
-        """Heartbeat ``node_id``.  Fires with the node status the frontend reports (may be
-        ``""``); fails with :class:`NodeUnknown` on 404, else a :class:`RegistrationError`."""
+    def heartbeat(self, node_id: str, tunnel_token: str = "") -> defer.Deferred:
+        """Heartbeat ``node_id``, proving it with ``tunnel_token`` (the node's credential from
+        its registration; the shared token alone does not make a worker that node).  Fires
+        with the node status the frontend reports (may be ``""``); fails with
+        :class:`NodeUnknown` on 404 (unknown node or a stale credential: register again), else
+        a :class:`RegistrationError`."""
         url = self.base_url + HEARTBEAT_PATH.format(node_id=quote(node_id, safe=""))
 
         def answered(result):
@@ -411,7 +414,8 @@ class RegistrationClient:
                 raise _failure_for_status(status, body, "heartbeat", retry_after)
             return parse_heartbeat(body, status)
 
-        return self._exchange(url, {"capacity": self._capacity()}, "heartbeat").addCallback(
+        body = {"tunnel_token": tunnel_token, "capacity": self._capacity()}
+        return self._exchange(url, body, "heartbeat").addCallback(
             answered).addErrback(self._timeout_as_unavailable, "heartbeat")
 
     def _timeout_as_unavailable(self, failure: Failure, what: str):

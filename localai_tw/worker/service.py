@@ -237,7 +237,7 @@ class NodeRegistrar(Service):
         registration = self.registration
         if registration is None or self._beating is not None:
             return None
-        beating = self.client.heartbeat(registration.node_id)
+        beating = self.client.heartbeat(registration.node_id, registration.tunnel_token)
         self._beating = beating
         beating.addCallbacks(self._beatAnswered, self._beatFailed,
                              errbackArgs=(registration,))

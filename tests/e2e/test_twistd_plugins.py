@@ -343,8 +343,17 @@ def test_open_listener_is_refused_without_a_key_and_keys_come_from_files(twistd,
     assert "--allow-open-api" in refused.stderr
     keys = tmp_path / "api-keys"
     keys.write_text("sk-from-file\n")
+    # Issue 21 §6: with a key but no registration token, a reachable listener is refused too.
+    refused = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}",
+                      "--database-url", pg_dsn, "--api-key-file", str(keys)],
+                     env={"LOCALAI_DATA_DIR": str(tmp_path / "c")})
+    assert refused.returncode == 1
+    assert "no --registration-token is set" in refused.stderr
+    assert "--registration-token-file" in refused.stderr
+    assert "--allow-open-registration" in refused.stderr
     proc = twistd(["-n", "localai-frontend", "--listen", f"tcp:{port}",
-                   "--database-url", pg_dsn, "--api-key-file", str(keys)],
+                   "--database-url", pg_dsn, "--api-key-file", str(keys),
+                   "--allow-open-registration"],
                   env={"LOCALAI_DATA_DIR": str(tmp_path / "b")}, wait=False)
     wait_until_ready(proc, port)
     request = urllib.request.Request(f"http://127.0.0.1:{port}/api/nodes",

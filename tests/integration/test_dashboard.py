@@ -76,6 +76,10 @@ async def test_dashboard_shows_the_node_and_streams_a_chat(cluster, browser):
         lambda d: "connected" in text_of('tr[data-node="w-dash"] .presence')(d) and
         text_of('tr[data-node="w-dash"] .presence')(d), what="the node, connected")
     assert presence == "connected"
+    # Admitted by registration alone (no --require-approval): the page says nobody approved it.
+    approval = await browser.wait_for(text_of('tr[data-node="w-dash"] .approval'),
+                                      what="the node's approval")
+    assert "new, unapproved" in approval
     replica = await browser.wait_for(text_of('tr[data-replica="replica-d"]'),
                                      what="the replica row")
     assert "w-dash" in replica  # the worker it holds

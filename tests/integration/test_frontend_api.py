@@ -323,12 +323,13 @@ async def test_a_chunked_body_growing_past_the_cap_is_cut_off(frontend):
 async def test_heartbeat_returns_status_and_updates_capacity(frontend, http):
     node = await register(http, frontend)
     url = f"{frontend.url}/api/node/{node['id']}/heartbeat"
-    status, answer, _ = await http.call("POST", url, body={"capacity": {"available_vram": 7}},
+    status, answer, _ = await http.call("POST", url, body={"capacity": {"available_vram": 7},
+                                                           "tunnel_token": node["tunnel_token"]},
                                         token=TOKEN)
     assert (status, answer) == (200, {"status": "healthy"})
     assert (await frontend.db.runQuery("SELECT available_vram FROM backend_nodes"))[0][0] == 7
     status, answer, _ = await http.call("POST", url, raw=b"", token=TOKEN)  # no body at all
-    assert (status, answer) == (200, {"status": "healthy"})
+    assert status == 401 and "tunnel_token" in answer["error"]["message"]
 
 
 @pytest_twisted.ensureDeferred
@@ -336,7 +337,7 @@ async def test_heartbeat_of_a_pending_node_says_pending(db, frontend, http):
     frontend.parts.nodes = NodeRegistry(db, registration_token=TOKEN, require_approval=True)
     node = await register(http, frontend)
     status, answer, _ = await http.call("POST", f"{frontend.url}/api/node/{node['id']}/heartbeat",
-                                        body={}, token=TOKEN)
+                                        body={"tunnel_token": node["tunnel_token"]}, token=TOKEN)
     assert (status, answer) == (200, {"status": "pending"})
 
 
@@ -345,7 +346,7 @@ async def test_heartbeat_of_a_pending_node_says_pending(db, frontend, http):
 @pytest_twisted.ensureDeferred
 async def test_heartbeat_of_an_unknown_node_is_404(frontend, http, node_id):
     status, answer, _ = await http.call("POST", f"{frontend.url}/api/node/{node_id}/heartbeat",
-                                        body={}, token=TOKEN)
+                                        body={"tunnel_token": "t" * 32}, token=TOKEN)
     assert status == 404 and answer["error"]["type"] == "not_found"
     assert "register again" in answer["error"]["message"]
 
@@ -366,6 +367,7 @@ async def test_heartbeat_400_names_the_field(frontend, http):
     for body, named in (({"capacity": {"vram": 1}}, "capacity.vram"),
                         ({"capacity": {"total_ram": -5}}, "capacity.total_ram"),
                         ({"status": "healthy"}, "status")):
+        body = {**body, "tunnel_token": node["tunnel_token"]}
         status, answer, _ = await http.call("POST", url, body=body, token=TOKEN)
         assert (status, answer["error"]["field"]) == (400, named)
 
@@ -593,7 +595,8 @@ async def test_delete_removes_the_node_and_runs_the_hook(frontend, http):
     assert (await http.call("DELETE", url, token=ADMIN))[0] == 404
     # the worker's next heartbeat learns it must register again
     status, _, _ = await http.call("POST", url.replace("/api/nodes/", "/api/node/") +
-                                   "/heartbeat", body={}, token=TOKEN)
+                                   "/heartbeat", body={"tunnel_token": node["tunnel_token"]},
+                                   token=TOKEN)
     assert status == 404
 
 
@@ -683,8 +686,8 @@ async def test_registrations_per_source_are_limited_with_a_clear_429(db, http):
         status, _, _ = await http.call("POST", url + "/register", body=registration("w-4"),
                                        token="wrong")
         assert status == 401  # issue 21 §4: failures have their own budget, not the workers'
-        status, _, _ = await http.call("POST", f"{url}/{first['id']}/heartbeat", body={},
-                                       token=TOKEN)
+        status, _, _ = await http.call("POST", f"{url}/{first['id']}/heartbeat",
+                                       body={"tunnel_token": first["tunnel_token"]}, token=TOKEN)
         assert status == 200
         clock.advance(20)
         status, body, _ = await http.call("POST", url + "/register", body=registration("w-3"),
@@ -693,3 +696,30 @@ async def test_registrations_per_source_are_limited_with_a_clear_429(db, http):
         assert len(await registry.list_nodes()) == 4
     finally:
         await port.stopListening()
+
+
+# -- issue 21 §6: a node nobody approved says so ----------------------------------------------
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_node_admitted_without_approval_is_listed_as_new_and_unapproved(db, frontend,
+                                                                               http):
+    """Without --require-approval a freshly registered node takes cold loads like any other;
+    /api/nodes says no administrator approved it.  Under --require-approval the approval is
+    recorded and the node is no longer unapproved."""
+    open_node = await register(http, frontend, "walk-in")
+    status, answer, _ = await http.call("GET", f"{frontend.url}/api/nodes/{open_node['id']}",
+                                        token=ADMIN)
+    assert status == 200, answer
+    assert (answer["status"], answer["approved"]) == ("healthy", True)
+    assert (answer["unapproved"], answer["new"], answer["approved_at"]) == (True, True, None)
+
+    frontend.parts.nodes = NodeRegistry(db, registration_token=TOKEN, require_approval=True)
+    pending = await register(http, frontend, "waits")
+    url = f"{frontend.url}/api/nodes/{pending['id']}"
+    status, answer, _ = await http.call("GET", url, token=ADMIN)
+    assert (answer["status"], answer["unapproved"], answer["new"]) == ("pending", True, True)
+    status, _, _ = await http.call("POST", url + "/approve", token=ADMIN)
+    assert status == 200
+    status, answer, _ = await http.call("GET", url, token=ADMIN)
+    assert answer["unapproved"] is False and answer["approved_at"] is not None

@@ -747,17 +747,20 @@ async def test_a_fleets_kept_alive_heartbeat_connections_do_not_fill_the_cap(fro
     service = await frontend()
     port = service.listener.tcp_port()
     client = Client(f"http://127.0.0.1:{port}")
-    nodes = []
+    nodes, credentials = [], {}
     for i in range(3):
         status, node = await client.call(
             "POST", "/api/node/register",
             {"name": f"hb{i}", "node_key": f"hb{i}-node-key-" + "k" * 32}, token=TOKEN)
         assert status == 201
         nodes.append(node["id"])
+        credentials[node["id"]] = node["tunnel_token"]
     await eventually(lambda: service.site.open_connections == 0)
 
     def beat(node_id: str) -> bytes:
-        return head("POST", f"/api/node/{node_id}/heartbeat", 2, f"Bearer {TOKEN}") + b"{}"
+        body = json.dumps({"tunnel_token": credentials.get(node_id, "t" * 32)}).encode()
+        return head("POST", f"/api/node/{node_id}/heartbeat", len(body),
+                    f"Bearer {TOKEN}") + body
 
     beaters = []
     for node_id in nodes:

@@ -114,7 +114,9 @@ async def test_the_shared_token_and_a_name_do_not_take_a_node_over(cluster, tmp_
     assert code == 409, answer
     assert answer["error"]["code"] == "node_name_taken" and "tunnel_token" not in answer
     message = answer["error"]["message"]
-    assert "--node-name" in message and f"DELETE /api/nodes/{node_id}" in message
+    # ... and never the id behind the name (issue 21 §5: it was the key to the heartbeat).
+    assert "--node-name" in message and "DELETE /api/nodes/" in message
+    assert node_id not in json.dumps(answer)
     # Without any key at all: a 400 naming the field, never a takeover either.
     code, answer = await cluster.api("POST", "/api/node/register", token=TOKEN,
                                      body={"name": "w1", "node_type": "backend"})
@@ -131,6 +133,25 @@ async def test_the_shared_token_and_a_name_do_not_take_a_node_over(cluster, tmp_
         await second.close()
     assert refused.value.status == 409
     assert "--node-name" in refused.value.hint and "DELETE /api/nodes" in refused.value.hint
+
+    # Issue 21 §5: the shared token and the id do not make a heartbeat the node's.  Before,
+    # the spoofed capacity was written (available_vram 1) and answered 200.
+    intruder = await cluster.api("POST", "/api/node/register", token=TOKEN,
+                                 body={"name": "intruder", "node_key": mint_node_key(),
+                                       "node_type": "backend"})
+    assert intruder[0] == 201, intruder
+    spoof = {"capacity": {"available_vram": 1, "available_ram": 1}}
+    for body, status in ((spoof, 401),
+                         ({**spoof, "tunnel_token": intruder[1]["tunnel_token"]}, 404),
+                         ({**spoof, "tunnel_token": "x" * 32}, 404)):
+        code, answer = await cluster.api("POST", f"/api/node/{node_id}/heartbeat",
+                                         token=TOKEN, body=body)
+        assert code == status, (code, answer)
+    node = await frontend.replica.nodes.get_node(node_id)
+    assert (node.available_vram, node.available_ram) != (1, 1)
+    # The real worker's own heartbeats still pass (carrying its credential).
+    assert await real.client.heartbeat(node_id, credential) == "healthy"
+    await cluster.api("DELETE", f"/api/nodes/{intruder[1]['id']}")
 
     # The real worker kept everything: credential, approval, the very same tunnel.
     await sleep(0.5)

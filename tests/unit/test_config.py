@@ -594,6 +594,11 @@ def test_exposure_line_says_what_is_open():
     assert "secret" not in line
     minted = parse(frontend_tap.Options, ["--local-worker"])
     assert "limited to the local worker" in frontend_tap.exposure_line(local, minted)
+    scoped = parse(frontend_tap.Options, ["--api-key", "sk-secret-1", "--admin-api-key",
+                                          "sk-secret-admin"])
+    line = frontend_tap.exposure_line(local, scoped)
+    assert "1 inference, 1 admin configured" in line and "needs an admin key" in line
+    assert "secret" not in line
 
 
 # -- secure by default ------------------------------------------------------------------------
@@ -625,9 +630,40 @@ def test_open_network_listener_needs_a_key_or_the_explicit_flag(args, env):
     assert message.startswith("--listen: ")
     assert "--allow-open-api" in message and "LOCALAI_ALLOW_OPEN_API" in message
     assert "--api-key" in message
-    assert parse(frontend_tap.Options, args + ["--allow-open-api"], env)["listen"]
-    assert parse(frontend_tap.Options, args, dict(env, LOCALAI_ALLOW_OPEN_API="1"))["listen"]
-    assert parse(frontend_tap.Options, args + ["--api-key", "k"], env)["api-key"] == ["k"]
+    locked = args + ["--registration-token", "tok"]
+    assert parse(frontend_tap.Options, locked + ["--allow-open-api"], env)["listen"]
+    assert parse(frontend_tap.Options, locked, dict(env, LOCALAI_ALLOW_OPEN_API="1"))["listen"]
+    assert parse(frontend_tap.Options, locked + ["--api-key", "k"], env)["api-key"] == ["k"]
+
+
+@pytest.mark.parametrize("args, env", [
+    (["--listen", "tcp:8080"], {}),
+    ([], {"LOCALAI_LISTEN": "tcp:8080:interface=0.0.0.0"}),
+])
+def test_open_network_listener_needs_a_registration_token_or_the_explicit_flag(args, env):
+    """Issue 21 §6: a reachable listener with open registration lets anyone register a worker
+    that then wins cold loads, and with them users' prompts."""
+    keyed = args + ["--api-key", "k"]
+    with pytest.raises(usage.UsageError) as info:
+        parse(frontend_tap.Options, keyed, env)
+    message = str(info.value)
+    assert message.startswith("--listen: ")
+    assert "--registration-token-file" in message
+    assert "--allow-open-registration" in message and "LOCALAI_ALLOW_OPEN_REGISTRATION" in message
+    assert parse(frontend_tap.Options, keyed + ["--allow-open-registration"], env)["listen"]
+    assert parse(frontend_tap.Options, keyed,
+                 dict(env, LOCALAI_ALLOW_OPEN_REGISTRATION="1"))["listen"]
+    assert parse(frontend_tap.Options, keyed + ["--registration-token", "t"],
+                 env)["registration-token"] == "t"
+    # Loopback needs neither.
+    assert parse(frontend_tap.Options, [], {})["registration-token"] in (None, "")
+
+
+def test_admin_keys_from_a_file(tmp_path):
+    (tmp_path / "admin").write_text("adm-one\n")
+    options = parse(frontend_tap.Options, [], {"LOCALAI_ADMIN_API_KEY_FILE":
+                                              str(tmp_path / "admin")})
+    assert options["admin-api-key"] == ["adm-one"]
 
 
 def test_secrets_from_files(tmp_path):

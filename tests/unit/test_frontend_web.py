@@ -66,6 +66,36 @@ def test_api_key_guard_without_keys_refuses_and_says_what_to_set():
     assert not APIKeyGuard(["", ""]).configured  # empty keys authorize nobody
 
 
+def test_api_key_guard_scopes_compare_every_key_of_both_scopes(monkeypatch):
+    compared = []
+    real = auth.hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    guard = APIKeyGuard(["inf-1", "inf-2"], admin_keys=["adm-1"])
+    assert guard.configured and guard.scoped
+    guard.check_any(request_with(b"Bearer inf-1"))
+    assert compared == [(32, 32)] * 3  # both lists, in full
+    guard.check(request_with(b"Bearer adm-1"))
+    with pytest.raises(APIError) as refused:
+        guard.check(request_with(b"Bearer inf-2"))
+    assert refused.value.status == 403 and "--admin-api-key-file" in refused.value.message
+    assert "inf-2" not in refused.value.message
+    with pytest.raises(APIError) as refused:
+        guard.check(request_with(b"Bearer nope"))
+    assert refused.value.status == 401
+    inference = guard.caller(request_with(b"Bearer inf-1"))
+    assert not inference.admin and len(inference.owner) == 64 and "inf-1" not in inference.owner
+    assert guard.caller(request_with(b"Bearer adm-1")).admin
+    # One scope only: every key is an admin key (the single-machine default).
+    assert APIKeyGuard(["inf-1"]).caller(request_with(b"Bearer inf-1")).admin
+    # Admin keys only: they serve the OpenAI API too.
+    APIKeyGuard([], admin_keys=["adm-1"]).check_any(request_with(b"Bearer adm-1"))
+
+
 def test_error_body_shape():
     error = bad_request("name: is required", field="name")
     assert error.body() == {"error": {"message": "name: is required",

@@ -195,13 +195,14 @@ def test_no_answer_within_10s_is_unavailable(api, clock):
     assert isinstance(error, FrontendUnavailable) and "10s" in str(error)
 
 
-def test_heartbeat_posts_capacity_and_returns_the_status(api, clock):
+def test_heartbeat_posts_the_node_credential_and_capacity_and_returns_the_status(api, clock):
     api.answer = (200, {"status": "draining"})
     client, agent = client_for(api, clock)
-    assert result_of(client.heartbeat("node/1"), agent) == "draining"
+    assert result_of(client.heartbeat("node/1", "node-credential"), agent) == "draining"
     [sent] = api.requests
     assert sent["path"] == b"/prefix/api/node/node%2F1/heartbeat"
-    assert sent["body"] == {"capacity": {"total_ram": 64, "available_ram": 32}}
+    assert sent["body"] == {"tunnel_token": "node-credential",
+                            "capacity": {"total_ram": 64, "available_ram": 32}}
     assert sent["authorization"] == b"Bearer " + TOKEN.encode()
 
 

@@ -40,7 +40,7 @@ class FakeRegistrationClient:
         self.registers.append(d)
         return d
 
-    def heartbeat(self, node_id):
+    def heartbeat(self, node_id, tunnel_token=""):
         d = defer.Deferred()
         self.heartbeats.append((node_id, d))
         return d

@@ -1,4 +1,11 @@
-"""The jobs API, ``/api/jobs`` (behind ``--api-key``; docs/jobs.md):
+"""The jobs API, ``/api/jobs`` (behind ``--api-key``; docs/jobs.md).
+
+A job belongs to the key that submitted it (the key's sha256 is recorded, never the key): an
+inference key lists, reads and cancels only its own jobs, and another key's job is a 404 to it;
+an admin key (any key while no ``--admin-api-key`` is set) sees every job.  One key has at most
+``MAX_OPEN_JOBS_PER_OWNER`` queued or running jobs (more: 429); finished jobs are deleted
+``FINISHED_RETENTION_DAYS`` after they finished (``jobs/store.py``).
+
 
 =================================  ===========================================================
 route                              answer
@@ -29,13 +36,20 @@ import re
 from localai_tw.jobs.kinds import MAX_INPUT_BYTES, InvalidJobInput, JobKinds, UnknownJobKind
 
 from localai_tw.frontend.jobs.cancel import CANCELLED, CancelFanout
-from localai_tw.frontend.jobs.store import FINISHED, STATES, JobStore
+from localai_tw.frontend.jobs.store import (
+    FINISHED,
+    MAX_OPEN_JOBS_PER_OWNER,
+    STATES,
+    JobStore,
+    TooManyOpenJobs,
+)
 from localai_tw.frontend.api.kit import (
     AdminResource,
     APIKeyGuard,
     printable,
     read_json_object,
     reject_unknown_fields,
+    Caller,
     Route,
 )
 from localai_tw.web.errors import APIError, bad_request, conflict, not_found
@@ -76,6 +90,20 @@ class JobsResource(AdminResource):
         self.kinds = kinds
         self.fanout = fanout
 
+    def guard(self, request) -> None:
+        """Inference and admin keys alike; what each sees is scoped by :meth:`_own`."""
+        request.ltw_caller = self._guard.caller(request)
+
+    async def _own(self, request, job_id: str) -> str:
+        """``job_id`` when the caller may see it; a 404 for another key's job (the same answer
+        as an unknown id: a key learns nothing about other keys' jobs)."""
+        job_id = _job_id(job_id)
+        caller: Caller = request.ltw_caller
+        owner = await self.store.owner_of(job_id)
+        if owner is None or not (caller.admin or owner == caller.owner):
+            raise not_found(f"no job {job_id}")
+        return job_id
+
     def routes(self):
         return (
             Route("POST", (), self.submit),
@@ -103,7 +131,13 @@ class JobsResource(AdminResource):
             raise bad_request(str(e), field=e.field) from None
         except (TypeError, ValueError) as e:  # a value JSON cannot carry further
             raise bad_request(f"input cannot be stored: {e}", field="input") from None
-        job = await self.store.submit(kind, input)
+        try:
+            job = await self.store.submit(kind, input, owner=request.ltw_caller.owner)
+        except TooManyOpenJobs:
+            raise APIError(429, f"this API key already has {MAX_OPEN_JOBS_PER_OWNER} queued or "
+                           "running jobs; wait for one to finish or cancel one "
+                           "(POST /api/jobs/{id}/cancel)", "rate_limited",
+                           code="too_many_open_jobs", headers={"Retry-After": "10"}) from None
         return 202, job
 
     async def list_jobs(self, request):
@@ -122,20 +156,26 @@ class JobsResource(AdminResource):
             if not _JOB_ID.match(before) or not await self.store.exists(before):
                 raise bad_request("before must be the id of a job (the next of the previous "
                                   "page)", field="before")
-        jobs = await self.store.page(state, limit, before)
+        caller: Caller = request.ltw_caller
+        if before is not None and not caller.admin \
+                and await self.store.owner_of(before) != caller.owner:
+            raise bad_request("before must be the id of a job (the next of the previous page)",
+                              field="before")
+        jobs = await self.store.page(state, limit, before,
+                                     owner=None if caller.admin else caller.owner)
         return 200, {"jobs": jobs, "next": jobs[-1]["id"] if len(jobs) == limit else None}
 
     async def list_kinds(self, request):
         return 200, {"kinds": self.kinds.describe()}
 
     async def get_job(self, request, job_id):
-        job = await self.store.get(_job_id(job_id))
+        job = await self.store.get(await self._own(request, job_id))
         if job is None:
             raise not_found(f"no job {job_id}")
         return 200, job
 
     async def get_result(self, request, job_id):
-        found = await self.store.result(_job_id(job_id))
+        found = await self.store.result(await self._own(request, job_id))
         if found is None:
             raise not_found(f"no job {job_id}")
         state, result = found
@@ -145,7 +185,7 @@ class JobsResource(AdminResource):
         return 200, {"id": job_id, "state": state, "result": result}
 
     async def cancel(self, request, job_id):
-        job_id = _job_id(job_id)
+        job_id = await self._own(request, job_id)
         before = await self.store.request_cancel(job_id)
         if before is None:
             raise not_found(f"no job {job_id}")

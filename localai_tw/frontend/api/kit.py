@@ -226,36 +226,90 @@ def bearer_token(request) -> str | None:
         return None
 
 
-class APIKeyGuard:
-    """Checks ``Authorization: Bearer <key>`` against the configured API keys.
+@dataclass(frozen=True)
+class Caller:
+    """Who presented a valid key: ``owner`` is the key's sha256 in hex (what a job records,
+    never the key), ``admin`` whether it may act on everything (an admin key, or any key when
+    no admin key is configured)."""
 
-    The presented key is hashed and compared with the digest of *every* configured key, without
-    stopping at a match, so timing says neither which key matched nor how long keys are.  With
-    no key configured every request is refused (see the module docstring).
+    owner: str
+    admin: bool
+
+
+class APIKeyGuard:
+    """Checks ``Authorization: Bearer <key>`` against the configured API keys, in two scopes.
+
+    ``keys`` (``--api-key``) are inference keys; ``admin_keys`` (``--admin-api-key``) admin
+    keys.  With no admin key configured every inference key is also an admin key (the
+    single-machine default: one key works for everything).  :meth:`check_any` admits either
+    scope (the OpenAI API, jobs); :meth:`check` admits the admin scope only, and answers an
+    inference key 403 naming the admin key.
+
+    The presented key is hashed and compared with the digest of *every* configured key of both
+    scopes, without stopping at a match, so timing says neither which key matched nor how long
+    keys are.  With no key configured every request is refused (see the module docstring).
     """
 
-    def __init__(self, keys: Sequence[str] | None, *, what: str = "the admin API"):
+    def __init__(self, keys: Sequence[str] | None, *, admin_keys: Sequence[str] | None = None,
+                 what: str = "the admin API"):
         self._digests = [auth.digest(k) for k in (keys or ()) if k]
+        self._admin_digests = [auth.digest(k) for k in (admin_keys or ()) if k]
         self._what = what
-        if not self._digests:
+        if not self.configured:
             log.warn("no --api-key configured: {what} refuses every request until one is set",
                      what=what)
 
     @property
     def configured(self) -> bool:
-        return bool(self._digests)
+        return bool(self._digests or self._admin_digests)
 
-    def check(self, request) -> None:
-        """:raises APIError: 401 when no key is configured, or the key is missing or wrong."""
-        if not self._digests:
+    @property
+    def scoped(self) -> bool:
+        """Whether admin keys are configured apart from inference keys."""
+        return bool(self._admin_digests)
+
+    def _scopes(self, presented: str) -> tuple[bool, bool]:
+        """(is an inference key, is an admin key): both lists compared in full."""
+        inference = auth.matches_any(presented, self._digests)
+        admin = auth.matches_any(presented, self._admin_digests)
+        return inference, admin
+
+    def caller(self, request) -> Caller:
+        """The caller of a request that passed :meth:`check_any`.
+
+        :raises APIError: 401 (as :meth:`check_any`)."""
+        presented = self._presented(request)
+        inference, admin = self._scopes(presented)
+        if not (inference or admin):
+            raise unauthorized("the API key is not valid")
+        return Caller(auth.digest(presented).hex(), admin or not self.scoped)
+
+    def _presented(self, request) -> str:
+        if not self.configured:
             raise unauthorized(f"{self._what} is disabled because no API key is configured; "
                                "start the frontend with --api-key-file (or env LOCALAI_API_KEY)")
         presented = bearer_token(request)
         if presented is None:
             raise unauthorized(f"{self._what} requires one Authorization: Bearer <API key> "
                                "header")
-        if not auth.matches_any(presented, self._digests):
-            raise unauthorized("the API key is not valid")
+        return presented
+
+    def check_any(self, request) -> None:
+        """An inference or an admin key.  :raises APIError: 401 when no key is configured, or
+        the key is missing or wrong."""
+        self.caller(request)
+
+    def check(self, request) -> None:
+        """An admin key (any key while none is configured).
+
+        :raises APIError: 401 when no key is configured, or the key is missing or wrong; 403
+            for an inference key while admin keys are configured."""
+        caller = self.caller(request)
+        if not caller.admin:
+            raise APIError(403, f"{self._what} needs an admin API key: this key is an inference "
+                           "key (--api-key), which serves /v1 and the model endpoints only; use "
+                           "a key from the frontend's --admin-api-key-file (env "
+                           "LOCALAI_ADMIN_API_KEY_FILE)", "forbidden", code="admin_key_required")
 
 
 # -- JSON resources ---------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ GET /api/cluster/loads             ``{"loads": [{"model", "node_id", "phase", "r
                                    this replica's model downloads)
 =================================  =============================================================
 
-A node is ``{"id", "name", "node_type", "status", "approved", "labels", "capacity": {...},
+A node is ``{"id", "name", "node_type", "status", "approved", "approved_at", "unapproved",
+"new", "labels", "capacity": {...},
 "gpu_vendor", "max_replicas_per_model", "last_heartbeat", "created_at", "owner": {"replica",
 "epoch"} | null, "presence", "never_connected", "models": [{"model_name", "replica_index",
 "state", "in_flight", "backend_type", "last_used", "note"}]}`` (``in_flight``: requests in
@@ -54,6 +55,10 @@ backend, e.g. llama.cpp's extra buffer types off after a crash on an AMX CPU, el
 ``gone``, and when the presence query failed it is ``unknown`` with ``presence_error`` set.
 ``reconnect_grace_left`` is the seconds of the reconnect grace left to a ``reconnecting`` node
 whose departure is recorded (null otherwise).
+``unapproved`` is true while no administrator has approved the node (``approved_at`` null):
+pending, or admitted by registration alone without ``--require-approval``; ``new`` is true for
+a day after its first registration.  A new, unapproved node is one to look at: it takes cold
+loads, and with them users' prompts, like any other.
 ``never_connected`` is true when no tunnel of the node is on record (it never dialled in, or its
 last departure is older than the departure retention), false otherwise and on a failed query.  Unknown ids are 404, bad
 input 400 naming the field, every refusal ``{"error": {"message", "type", ...}}``.
@@ -73,7 +78,7 @@ statements whatever its size (nodes, labels, models, connections).
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from twisted.logger import Logger
@@ -162,6 +167,16 @@ def _page_limit(raw: str | None) -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= NODES_PAGE:
         raise bad_request(f"limit must be a whole number from 1 to {NODES_PAGE}", field="limit")
     return int(raw)
+
+
+#: How long after its first registration a node is shown as new.
+NEW_NODE_SECONDS = 24 * 3600
+
+
+def _is_new(created_at) -> bool:
+    if created_at is None:
+        return False
+    return (datetime.now(timezone.utc) - created_at).total_seconds() < NEW_NODE_SECONDS
 
 
 class NodesAdminResource(AdminResource):
@@ -275,6 +290,11 @@ class NodesAdminResource(AdminResource):
             "node_type": node.node_type.value,
             "status": node.status.value,
             "approved": node.approved,
+            "approved_at": _iso(node.approved_at),
+            # Issue 21 §6: no administrator approved it (pending, or admitted by open or
+            # token registration without --require-approval), and registered recently.
+            "unapproved": node.approved_at is None,
+            "new": _is_new(node.created_at),
             "labels": dict(node.labels),
             "capacity": {name: getattr(node, name) for name in NodeCapacity.FIELDS},
             "gpu_vendor": node.gpu_vendor,

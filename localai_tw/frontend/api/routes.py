@@ -43,6 +43,8 @@ from localai_tw.web.listener import BoundedSite
 #: Header guards, by the credential they check.
 OPENAI_KEY = "api key (OpenAI error shape)"
 ADMIN_KEY = "api key"
+#: An inference or an admin key (jobs: the resource then scopes what a key sees).
+ANY_KEY = "api key (any scope)"
 REGISTRATION = "registration token"
 
 
@@ -55,7 +57,7 @@ class Mount:
     :param build: ``build(wiring) -> Resource | None`` for the resource mounted at ``path``;
         None for a row that only sets a policy below another row's resource.
     :param guard: the credential the listener checks when the headers end (:data:`OPENAI_KEY`,
-        :data:`ADMIN_KEY`, :data:`REGISTRATION`), or None (the resource decides alone).
+        :data:`ADMIN_KEY`, :data:`ANY_KEY`, :data:`REGISTRATION`), or None (the resource decides alone).
     :param body_cap: bytes; None: the listener's default (64 KiB).
     :param cap_of: take the body cap that this other path has (an unprefixed alias's twin).
     :param spool: the body (an upload) goes to a temporary file, still capped.
@@ -104,7 +106,7 @@ ROUTES: tuple[Mount, ...] = (
           guard=ADMIN_KEY),
     Mount(b"/api/jobs", lambda w: JobsResource(w.replica.jobs.store, w.replica.jobs.kinds,
                                                w.replica.jobs.fanout, w.api_keys),
-          guard=ADMIN_KEY, body_cap=MAX_JOB_BODY_BYTES),
+          guard=ANY_KEY, body_cap=MAX_JOB_BODY_BYTES),
     Mount(b"/api/cluster", lambda w: JSONDirectory()),
     Mount(b"/api/cluster/instances", lambda w: InstancesResource(w.parts, w.api_keys),
           guard=ADMIN_KEY),
@@ -134,6 +136,8 @@ def apply_policies(site: BoundedSite, api_keys: APIKeyGuard,
             site.add_early_answer_shape(row.path, early_error)
         elif row.guard == ADMIN_KEY:
             site.add_header_guard(row.path, api_keys.check)
+        elif row.guard == ANY_KEY:
+            site.add_header_guard(row.path, api_keys.check_any)
 
 
 class Wiring:

@@ -24,8 +24,13 @@ An existing name with another node key is ``409 {"error": {"type": "conflict", "
 "node_name_taken"}}`` naming the fix; nothing changes (no credential rotated, no tunnel dropped,
 no approval handed over): the shared token admits workers, it does not make them a given node.
 
-``POST /api/node/{id}/heartbeat``, body optional, ``{"capacity": {...}}``: ``200 {"status"}``;
-``404`` for a node id the frontend does not know, which tells the worker to register again.
+``POST /api/node/{id}/heartbeat``, body ``{"tunnel_token": str, "capacity": {...}}``:
+``200 {"status"}``.  The registration token admits the request; ``tunnel_token``, the node's own
+credential from its last registration, proves it is that node (the shared token alone would let
+any worker report another node's capacity and have its models evicted).  Missing: 401 naming
+the fix (upgrade the worker).  An unknown node id and a credential that is not that node's get
+the same ``404``, which tells the worker to register again (a stale credential after a
+re-registration recovers so) and tells anyone else nothing about which ids exist.
 
 Errors are ``{"error": {"message", "type", "field"?}}``: 400 ``invalid_request`` naming the
 field, 401 ``unauthorized`` (the registration token is missing or wrong), 404 ``not_found``,
@@ -89,7 +94,7 @@ log = Logger()
 
 REGISTER_FIELDS = ("name", "node_key", "node_type", "labels", "capacity",
                    "max_replicas_per_model", "gpu_vendor")
-HEARTBEAT_FIELDS = ("capacity",)
+HEARTBEAT_FIELDS = ("capacity", "tunnel_token")
 
 #: Requests with a missing or wrong registration token one source may make per minute (at
 #: once, then refilled evenly) on ``/api/node``; more are answered 429.
@@ -231,7 +236,15 @@ class WorkerRegistrationResource(JSONResource):
             raise unknown
         body = read_json_object(request, required=False)
         reject_unknown_fields(body, HEARTBEAT_FIELDS)
+        credential = body.get("tunnel_token")
+        if not isinstance(credential, str) or not credential:
+            raise unauthorized("a heartbeat must carry the node's own credential (tunnel_token, "
+                               "as its registration answered); upgrade the worker")
         capacity = parse_capacity(body.get("capacity"))
+        try:
+            await parts.nodes.verify_tunnel_credential(node_id, credential)
+        except Unauthorized:
+            raise unknown from None  # as for an unknown id: the worker registers again
         try:
             status = await parts.nodes.heartbeat(node_id, capacity)
         except NodeNotFound:

@@ -37,6 +37,13 @@ from localai_tw.bus.claims import ClaimQueue, enqueue_statement
 from localai_tw.deferreds import shielded
 from localai_tw.jobs.kinds import MAX_ERROR_CHARS, MAX_EVENTS_PER_JOB, bounded_event
 
+#: Open (queued or running) jobs one API key may have at once; more are refused (429).
+MAX_OPEN_JOBS_PER_OWNER = 32
+#: Finished jobs are deleted this long after they finished (with their events), on submit.
+FINISHED_RETENTION_DAYS = 7
+#: Finished jobs deleted per submit at most (the sweep stays one short statement).
+_SWEEP_BATCH = 100
+
 #: The claim kind that drives jobs (``work_claims.kind``).
 CLAIM_KIND = "job"
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -74,6 +81,10 @@ class Dispatch:
         return self.runs > 0
 
 
+class TooManyOpenJobs(Exception):
+    """The key already has :data:`MAX_OPEN_JOBS_PER_OWNER` queued or running jobs."""
+
+
 class JobStore:
     """Statements on ``jobs`` and ``job_events``; the claim rows through ``queue``."""
 
@@ -89,14 +100,29 @@ class JobStore:
 
     # -- submit and read -------------------------------------------------------------------------
 
-    async def submit(self, kind: str, input: Any) -> dict:
+    async def submit(self, kind: str, input: Any, owner: str = "") -> dict:
+        """Record and queue a job of ``owner`` (the submitting key's digest).
+
+        :raises TooManyOpenJobs: the owner has :data:`MAX_OPEN_JOBS_PER_OWNER` open jobs."""
         job_id = str(uuid.uuid4())
         insert_claim = enqueue_statement(CLAIM_KIND, job_id.encode("ascii"), job_id)
 
         async def write(cursor):
+            # One submit of an owner at a time: the count and the insert cannot interleave.
+            await cursor.execute("SELECT pg_advisory_xact_lock(hashtext('jobs:' || %s))",
+                                 (owner,))
             await cursor.execute(
-                f"INSERT INTO jobs (id, kind, input) VALUES (%s, %s, %s) RETURNING {_COLUMNS}",
-                (job_id, kind, Json(input)))
+                "SELECT count(*) FROM jobs WHERE owner = %s AND state IN ('queued', 'running')",
+                (owner,))
+            if cursor.fetchall()[0][0] >= MAX_OPEN_JOBS_PER_OWNER:
+                raise TooManyOpenJobs()
+            await cursor.execute(
+                "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state IN"
+                " ('succeeded', 'failed', 'cancelled') AND finished_at < now() - %s * interval"
+                " '1 day' ORDER BY finished_at LIMIT %s)", (FINISHED_RETENTION_DAYS, _SWEEP_BATCH))
+            await cursor.execute(
+                "INSERT INTO jobs (id, kind, input, owner) VALUES (%s, %s, %s, %s)"
+                f" RETURNING {_COLUMNS}", (job_id, kind, Json(input), owner))
             row = cursor.fetchall()[0]
             await cursor.execute(*insert_claim)
             return row
@@ -125,9 +151,19 @@ class JobStore:
         rows = await self._query("SELECT state, result FROM jobs WHERE id = %s", (job_id,))
         return (rows[0][0], rows[0][1]) if rows else None
 
-    async def page(self, state: str | None, limit: int, before: str | None) -> list[dict]:
-        """Newest first; ``before`` is the id of the last job of the previous page."""
+    async def owner_of(self, job_id: str) -> str | None:
+        """The digest of the key that submitted the job, or None for an unknown job."""
+        rows = await self._query("SELECT owner FROM jobs WHERE id = %s", (job_id,))
+        return rows[0][0] if rows else None
+
+    async def page(self, state: str | None, limit: int, before: str | None,
+                   owner: str | None = None) -> list[dict]:
+        """Newest first; ``before`` is the id of the last job of the previous page; ``owner``:
+        only that key's jobs (None: everyone's)."""
         where, params = [], []
+        if owner is not None:
+            where.append("owner = %s")
+            params.append(owner)
         if state is not None:
             where.append("state = %s")
             params.append(state)

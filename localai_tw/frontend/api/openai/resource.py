@@ -130,7 +130,7 @@ def check_api_key(api_keys: APIKeyGuard | None, request) -> None:
                           "authentication_error", code="invalid_api_key",
                           headers={"WWW-Authenticate": "Bearer"})
     try:
-        api_keys.check(request)
+        api_keys.check_any(request)  # inference and admin keys alike
     except APIError:
         raise OpenAIError(401, "the API key is not valid", "authentication_error",
                           code="invalid_api_key",

@@ -139,7 +139,9 @@ function renderNodes(nodes) {
     el("td", {}, Object.entries(n.labels).map(([k, v]) => k + "=" + v).join(", ")),
     el("td", {class: "presence"}, presence(n)),
     el("td", {}, n.owner ? n.owner.replica + " (epoch " + n.owner.epoch + ")" : "none"),
-    el("td", {class: "approval"}, badge(n.status, n.status)),
+    el("td", {class: "approval"}, badge(n.status, n.status),
+      n.unapproved && n.status !== "pending"
+        ? badge(n.new ? "new, unapproved" : "unapproved", "pending unapproved") : ""),
     el("td", {}, capacity(n.capacity)),
     el("td", {}, n.models.length ? n.models.map(m => m.model_name + " #" + m.replica_index
       + " " + m.state + " (" + m.in_flight + ")").join(", ") : "none"),
