@@ -16,6 +16,8 @@ def require_media() -> None:
     missing = []
     if shutil.which("espeak-ng") is None:
         missing.append("espeak-ng (apt-get install espeak-ng)")
+    if shutil.which("ffmpeg") is None or shutil.which("ffprobe") is None:
+        missing.append("ffmpeg (apt-get install ffmpeg)")
     if importlib.util.find_spec("pocketsphinx") is None:
         missing.append("pocketsphinx (pip install 'localai-tw[speech]')")
     if not missing:
