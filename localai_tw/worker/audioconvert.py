@@ -175,8 +175,10 @@ class AudioConverter:
     async def _run(self, program: str, args: list[str], dst: str, max_bytes: int,
                    timeout: float) -> dict:
         run = _FFmpeg()
+        # No ``path`` (paths are absolute): Twisted then uses posix_spawn, not fork, so no
+        # fork handler of a library in this process (gRPC's) runs in the child.
         self.reactor.spawnProcess(run, program, args, env={"LC_ALL": "C"},
-                                  path=os.path.dirname(dst), childFDs={0: "w", 1: "r", 2: "r"})
+                                  childFDs={0: "w", 1: "r", 2: "r"})
         expired: list[bool] = []
 
         def expire():
