@@ -135,8 +135,8 @@ class AudioConverter:
             raise BadVerbRequest("no such scratch directory (create it with scratch.create)")
         src = self._file(directory, body.get("src"), "src")
         dst = self._file(directory, body.get("dst"), "dst")
-        if src == dst:
-            raise BadVerbRequest("src and dst must differ")
+        if src == dst or os.path.islink(dst):
+            raise BadVerbRequest("dst must be a new file, not src or a link")
         output_format = body.get("format")
         if output_format not in OUTPUT_FORMATS:
             raise BadVerbRequest(f"format must be one of {', '.join(OUTPUT_FORMATS)}")
