@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 import subprocess
 import tempfile
+import time
+from urllib.parse import urlsplit
 
 import pytest
 import pytest_twisted
@@ -20,6 +23,7 @@ from twisted.internet import threads
 
 from .harness_media import require_media
 from .inference_harness import ADMIN
+from .support import eventually
 from .test_media_endpoints import SENTENCE, _post, _post_json, _relaying_cluster, \
     _scratch_dirs, multipart
 
@@ -192,3 +196,46 @@ async def test_a_worker_without_ffmpeg_answers_a_clear_400(cluster, tmp_path):
     assert error["code"] == "ffmpeg_not_installed" and error["param"] == "file"
     assert "ffmpeg is not installed on worker w-media" in error["message"]
     assert _scratch_dirs(worker) == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _post_and_leave(url: str, body: dict, pid_file: str) -> None:
+    """Send the request, wait until the worker's converter runs, then hang up."""
+    where = urlsplit(url)
+    raw = json.dumps(body).encode()
+    with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+        s.sendall(f"POST {where.path} HTTP/1.1\r\nHost: {where.netloc}\r\n"
+                  f"Authorization: Bearer {ADMIN}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        until = time.monotonic() + 60
+        while not (os.path.exists(pid_file) and open(pid_file).read().strip()):
+            assert time.monotonic() < until, "the converter never ran"
+            time.sleep(0.05)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_that_leaves_kills_the_conversion_on_the_worker(cluster, tmp_path):
+    """The client hangs up while ffmpeg runs (a stand-in that would run a minute): the
+    replica cancels, the relay and the tunnel carry it, the worker kills the process."""
+    require_media()
+    owner, relay, worker = await _relaying_cluster(cluster)
+    pid_file = tmp_path / "pid"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ffmpeg").write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    (bin_dir / "ffmpeg").chmod(0o755)
+    worker.converter.search_path = str(bin_dir)
+    await threads.deferToThread(
+        _post_and_leave, cluster.base_url(relay) + "/v1/audio/speech",
+        {"model": "speaker", "input": SENTENCE, "response_format": "mp3"}, str(pid_file))
+    pid = int(pid_file.read_text())
+    await eventually(lambda: not _alive(pid), timeout=20, what="ffmpeg killed")
+    await eventually(lambda: worker.converter.running == 0 and not _scratch_dirs(worker),
+                     timeout=20, what="the conversion and its scratch directory gone")
