@@ -21,11 +21,17 @@ import pytest
 import pytest_twisted
 from twisted.internet import threads
 
-from .harness_media import require_media
+from .harness_media import (
+    SENTENCE,
+    multipart,
+    post as _post,
+    post_json as _post_json,
+    relaying_cluster as _relaying_cluster,
+    require_media,
+    scratch_dirs as _scratch_dirs,
+)
 from .inference_harness import ADMIN
 from .support import eventually
-from .test_media_endpoints import SENTENCE, _post, _post_json, _relaying_cluster, \
-    _scratch_dirs, multipart
 
 #: Each ``response_format``: its content type and what ffprobe names the container.
 FORMATS = {"mp3": ("audio/mpeg", "mp3"), "opus": ("audio/ogg", "ogg"),
