@@ -116,10 +116,12 @@ from localai_tw.frontend.jobs.dispatch import JobDispatcher, job_consumer
 from localai_tw.frontend.jobs.stats import JobStatsService
 from localai_tw.frontend.jobs.store import JobStore
 from localai_tw.frontend.inference.placement_cache import PlacementCache, PlacementFanout
-from localai_tw.frontend.gallery.installs import GalleryJobs, parse_galleries
+from localai_tw.frontend.gallery.installs import GalleryJobs
+from localai_tw.frontend.gallery.index import parse_galleries
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource, StartingGate
 from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts
 from localai_tw.web.listener import BoundedSite
+from localai_tw.web.hosts import HostCheck
 from localai_tw.frontend.parts import (
     ListeningService,
     PeerService,
@@ -161,6 +163,18 @@ class StartupState(enum.Enum):
     READY = "ready"
     STOPPING = "stopping"
     FAILED = "startup failed"
+
+
+def _allowed_hosts(options: Mapping[str, Any]) -> list[str]:
+    """The host names an open API answers to besides IP literals and localhost
+    (``web/hosts.py``): ``--allowed-host`` and the ``--advertise-address`` host."""
+    names = list(options.get("allowed-host") or [])
+    advertised = options.get("advertise-address")
+    if isinstance(advertised, (tuple, list)) and advertised:
+        names.append(str(advertised[0]))
+    elif isinstance(advertised, str) and advertised:
+        names.append(advertised.rsplit(":", 1)[0].strip("[]"))
+    return names
 
 
 def _option(options: Mapping[str, Any], name: str, default=None):
@@ -643,7 +657,9 @@ class FrontendService(InOrderMultiService):
         # authentication decided when the headers end, before a body byte is read (and, while
         # starting, before the gate's 503), body caps, uploads on disk.
         self.site = BoundedSite(self.gate, access_log=_option(options, "access-log", "all"),
-                                quiet_on_success=is_heartbeat_path)
+                                quiet_on_success=is_heartbeat_path,
+                                host_check=None if self.api_keys.configured else HostCheck(
+                                    _allowed_hosts(options)))
         apply_policies(self.site, self.api_keys)
         self.listener = ListeningService(
             reactor, _option(options, "listen", "tcp:8080:interface=127.0.0.1"), self.site)

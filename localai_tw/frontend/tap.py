@@ -133,6 +133,11 @@ SETTINGS = (
     config.flag("allow-open-api", "LOCALAI_ALLOW_OPEN_API",
                 "Allow a --listen other machines can reach with no --api-key: the OpenAI API "
                 "then serves anyone who reaches it."),
+    config.repeatable("allowed-host", "LOCALAI_ALLOWED_HOSTS",
+                      "A host name the API answers to while it is open (no --api-key), "
+                      "besides IP addresses, localhost and the --advertise-address host: "
+                      "requests naming another Host are refused 403 (DNS rebinding); the "
+                      "variable takes a comma-separated list."),
     config.flag("allow-private-downloads", "LOCALAI_ALLOW_PRIVATE_DOWNLOADS",
                 "Let model downloads and gallery fetches connect to loopback, private, "
                 "link-local and other non-public addresses (a mirror on the local network), "
@@ -223,7 +228,7 @@ class Options(config.EnvOptions):
                 f"({DEFAULT_LISTEN}), or pass --allow-open-api (env "
                 "LOCALAI_ALLOW_OPEN_API=true) to run it open on purpose")
         if self["galleries"]:
-            from localai_tw.frontend.gallery.installs import GalleryError, parse_galleries
+            from localai_tw.frontend.gallery.index import GalleryError, parse_galleries
 
             try:
                 parse_galleries(self["galleries"])

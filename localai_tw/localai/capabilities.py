@@ -3,7 +3,7 @@ more is refused with a 400 naming the model before any backend is called (never 
 silently ignored):
 
 - ``grammar``: it samples under ``PredictOptions.Grammar`` (GBNF): JSON mode, JSON schema,
-  ``tool_choice: required`` / a named function;
+  ``tool_choice: required`` / a named function, and ``auto`` with LocalAI's no-action function;
 - ``tools``: with ``use_tokenizer_template`` it renders ``PredictOptions.Tools`` through the
   model's own chat template (without it the frontend renders tools itself, through the
   config's ``template.function``);
@@ -14,6 +14,10 @@ backends of the same names.  A model config may say otherwise for its model with
 ``capabilities: {grammar: true, tools: true, logprobs: true}`` (an ``external`` backend that
 runs LocalAI's ``llama-cpp``, for one), and ``function.grammar.disable: true`` turns grammar
 off as LocalAI reads it.  The table is ``docs/openai-api.md``'s "What each backend honours".
+
+A name's claim is the built-in's: a worker whose LocalAI backends directory holds a program of
+that name runs that one instead, so what the answer can tell is checked against it as well
+(``frontend/inference/honoured.py``: log probabilities).
 
 What this module must never do: guess a capability for a backend it does not know (unknown is
 "no", so the request is refused, not ignored).

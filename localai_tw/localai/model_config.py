@@ -42,22 +42,26 @@ change), never fatal to the others, and :meth:`ModelCatalog.error` keeps why, un
 meant to define, so a request for it is answered with the reason.  Two files
 with the same ``name``: the first by file name wins and the other is reported.
 
-What a model is for (:func:`usecases`), decided from the config alone so that a request the
-model cannot serve is refused before any backend is called:
+What a model is for (:func:`usecases`), LocalAI's ``HasUsecases``: a list, never a gate.  It
+picks defaults (the model of a speech, transcription or image request without ``model``) and
+fills lists (``/v1/models/capabilities``); no endpoint refuses a request because of it: the
+backend serving the model answers what it cannot do (``UNIMPLEMENTED`` is a 501 naming the
+backend's words).  The list is ``known_usecases`` (LocalAI's key; a ``FLAG_`` prefix is dropped)
+PLUS what is guessed from the rest of the config, as LocalAI adds its ``GuessUsecases``:
 
-1. ``known_usecases`` when given (LocalAI's key; ``chat``, ``completion``, ``embeddings``,
-   ``rerank``, other LocalAI names are kept and serve no endpoint here; a ``FLAG_`` prefix is
-   dropped);
-2. else ``embeddings: true`` makes it an embeddings model: ``embeddings`` only (and 4.);
-3. else what its backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
-   ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three;
-   a backend not in the table (``external``, plugins) is asked for chat, completion and
-   embeddings and answers for itself; ``espeak-ng`` does ``tts``, ``pocketsphinx``
-   ``transcript``, ``hash-image`` ``image`` (any other backend does those only when
-   ``known_usecases`` lists them).
-4. and ``rerank`` too when 2. or 3. gave ``embeddings`` and the backend is one whose ``Rerank``
-   this package ships (:data:`RERANK_BACKENDS`: ``bert-numpy``, ``sentence-transformers``,
-   ``echo``); any other backend reranks only when ``known_usecases`` lists ``rerank``.
+1. ``embeddings: true``: ``embeddings``;
+2. else what the backend is known to do (:data:`BACKEND_USECASES`): ``transformers`` and
+   ``llama-cpp`` chat and completion, ``sentence-transformers`` embeddings, ``echo`` all three,
+   LocalAI's ``whisper`` transcript (not with the ``vad_only`` option), ``piper``, ``kokoro``
+   and ``transformers-musicgen`` tts, ``stablediffusion``, ``stablediffusion-ggml`` and
+   ``diffusers`` (with a ``diffusers.pipeline_type``) image, ``rerankers`` rerank, ``silero-vad``
+   vad; a backend not in the table
+   (``external``, plugins) chat, completion and embeddings;
+3. ``rerank`` too when ``reranking: true``, or when 1. or 2. gave ``embeddings`` on a backend
+   whose ``Rerank`` this package ships (:data:`RERANK_BACKENDS`).
+
+As in LocalAI, a ``known_usecases`` naming ``score`` or ``token_classify`` is taken as it is
+(the operator reserved the model for that), with nothing guessed on top.
 
 Reloading: :class:`ModelCatalog` re-reads on access at most every ``check_interval`` seconds,
 and then only the files whose (mtime, size) changed; the directory is listed with
@@ -96,7 +100,6 @@ log = Logger()
 MAX_FILE_BYTES = 256 * 1024
 MAX_FILES = 2000
 MAX_NAME = 255
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/-]*$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _BACKEND_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -116,12 +119,24 @@ BACKEND_USECASES: dict[str, frozenset[str]] = {
     "echo": ALL_USECASES,
     "transformers": frozenset({CHAT, COMPLETION}),
     "sentence-transformers": frozenset({EMBEDDINGS}),
-    # llama.cpp embeds only a model loaded with embeddings: true (rule 2.)
+    # llama.cpp embeds only a model loaded with embeddings: true (rule 1.)
     "llama-cpp": frozenset({CHAT, COMPLETION}),
     "espeak-ng": frozenset({TTS}),
     "pocketsphinx": frozenset({TRANSCRIPT}),
     "hash-image": frozenset({IMAGE}),
+    # LocalAI's own backends, as its GuessUsecases names them
+    "whisper": frozenset({TRANSCRIPT}),
+    "piper": frozenset({TTS}),
+    "kokoro": frozenset({TTS}),
+    "transformers-musicgen": frozenset({TTS}),
+    "stablediffusion": frozenset({IMAGE}),
+    "stablediffusion-ggml": frozenset({IMAGE}),
+    "diffusers": frozenset({IMAGE}),
+    "rerankers": frozenset({RERANK}),
+    "silero-vad": frozenset({"vad"}),
 }
+#: LocalAI's use cases that reserve a model: declared, nothing is guessed on top.
+RESERVING_USECASES = frozenset({"score", "token_classify"})
 
 #: Sampling defaults a model file may set, and their types.
 PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
@@ -270,7 +285,7 @@ class ModelFile:
         real = os.path.realpath(self.local_path(models_dir))
         if os.path.commonpath([root, real]) != root:
             raise ValueError(f"file {self.path} resolves outside the models directory "
-                             f"(a symbolic link?); model files must lie inside {models_dir}")
+                             "(a symbolic link?); model files must lie inside it")
         return real
 
 
@@ -463,9 +478,10 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
         name = posixpath.basename(source).rsplit(".", 1)[0]  # LocalAI's gallery omits it
     if not isinstance(name, str) or not name:
         raise ModelConfigError(source, "name", "is required (a non-empty string)")
-    if len(name) > MAX_NAME or not _NAME_RE.match(name) or ".." in name:
-        raise ModelConfigError(source, "name", "may hold letters, digits and ._:@+/- "
-                               f"(at most {MAX_NAME}, no '..')")
+    if not is_model_name(name):
+        raise ModelConfigError(source, "name", "must be a file name: letters, digits and "
+                               "punctuation of any script, no '/', '\\', control characters "
+                               f"or leading '.' (at most {MAX_NAME} bytes in UTF-8)")
     backend = data.get("backend")
     guesses: list[str] = []
     if backend is None or backend == "":
@@ -783,6 +799,14 @@ def _bounded(warnings: list[str]) -> tuple[str, ...]:
     return (*warnings[:MAX_WARNINGS], f"... and {len(warnings) - MAX_WARNINGS} more ignored keys")
 
 
+def is_model_name(name: str) -> bool:
+    """LocalAI's names, non-ASCII included (piper's voices), kept safe as file names: printable,
+    no path separator or NUL, no leading dot, at most ``MAX_NAME`` bytes in UTF-8."""
+    return (0 < len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME and name.isprintable()
+            and not name.startswith(".") and name.strip() == name
+            and not any(c in name for c in "/\\\x00"))
+
+
 def _known_usecases(source: str, raw) -> tuple[str, ...] | None:
     if raw is None:
         return None
@@ -802,14 +826,26 @@ def _known_usecases(source: str, raw) -> tuple[str, ...] | None:
 
 
 def usecases(config: ModelConfig) -> frozenset[str]:
-    """What ``config`` may be asked for (the rule of the module docstring)."""
-    if config.known_usecases is not None:
-        return frozenset(config.known_usecases)
+    """What ``config`` is listed for (the rule of the module docstring): a list that picks
+    defaults, never a reason to refuse a request."""
+    known = frozenset(config.known_usecases or ())
+    if known & RESERVING_USECASES:
+        return known
+    return known | guessed_usecases(config)
+
+
+def guessed_usecases(config: ModelConfig) -> frozenset[str]:
+    """LocalAI's ``GuessUsecases``: what the config says without ``known_usecases``."""
     if config.embeddings:
         found = frozenset({EMBEDDINGS})
     else:
         found = BACKEND_USECASES.get(config.backend, ALL_USECASES)
-    if EMBEDDINGS in found and config.backend in RERANK_BACKENDS:
+        if config.backend == "whisper" and "vad_only" in config.options:
+            found = frozenset({"vad"})
+        if config.backend == "diffusers" and not config.model_options.get("PipelineType"):
+            found = frozenset()
+    if (EMBEDDINGS in found and config.backend in RERANK_BACKENDS) or \
+            config.model_options.get("Reranking"):
         found |= {RERANK}
     return found
 

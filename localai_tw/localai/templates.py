@@ -62,6 +62,10 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
+from twisted.logger import Logger
+
+log = Logger()
+
 #: The longest template text accepted (model files are small; this bounds compile work).
 MAX_TEMPLATE_CHARS = 64 * 1024
 #: Deepest ``if`` nesting and parenthesised-expression depth accepted.
@@ -457,6 +461,11 @@ class Template:
         return "".join(run.out)
 
 
+class TemplateBudgetExceeded(TemplateError):
+    """A rendering passed its request's :class:`RenderBudget`: the request is refused, never
+    answered with the template left out (a bound is not a template's mistake)."""
+
+
 class RenderBudget:
     """The work one request's renderings may do together: :data:`MAX_STEPS` actions and range
     iterations, :data:`MAX_OUTPUT_CHARS` of output, :data:`MAX_WORK_CHARS` handled by
@@ -483,18 +492,20 @@ class _Run:
     def tick(self) -> None:
         self.budget.steps += 1
         if self.budget.steps > MAX_STEPS:
-            raise TemplateError(f"the template runs more than {MAX_STEPS} actions")
+            raise TemplateBudgetExceeded(f"the template runs more than {MAX_STEPS} actions")
 
     def spend(self, chars: int) -> None:
         self.budget.work += chars
         if self.budget.work > MAX_WORK_CHARS:
-            raise TemplateError(f"the template's functions handle more than {MAX_WORK_CHARS} "
-                                "characters (toJson or print in a loop?)")
+            raise TemplateBudgetExceeded(f"the template's functions handle more than "
+                                         f"{MAX_WORK_CHARS} characters (toJson or print in a "
+                                         "loop?)")
 
     def emit(self, text: str) -> None:
         self.budget.size += len(text)
         if self.budget.size > MAX_OUTPUT_CHARS:
-            raise TemplateError(f"the rendered text would exceed {MAX_OUTPUT_CHARS} characters")
+            raise TemplateBudgetExceeded(f"the rendered text would exceed {MAX_OUTPUT_CHARS} "
+                                         "characters")
         self.out.append(text)
 
     def block(self, nodes: list, dot, scopes: list) -> None:
@@ -659,7 +670,7 @@ def _call(function: str, values: list):
             out.append(_printed(value))
         text = "".join(out)
         if len(text) > MAX_OUTPUT_CHARS:  # a variable doubled in a loop never reaches emit()
-            raise TemplateError(f"the text would exceed {MAX_OUTPUT_CHARS} characters")
+            raise TemplateBudgetExceeded(f"the text would exceed {MAX_OUTPUT_CHARS} characters")
         return text
     if function == "add1":
         value = values[0]
@@ -755,15 +766,6 @@ class PromptTemplates:
     #: ``use_tokenizer_template`` guessed, not written: the plain prompt goes too, so a model
     #: file without a chat template is still answered (from the messages joined).
     tokenizer_template_guessed: bool = False
-
-    def __post_init__(self):
-        for name in ("chat", "chat_message", "completion", "function"):
-            text = getattr(self, name)
-            if text:
-                try:
-                    compile_template(text)
-                except TemplateError as e:
-                    raise TemplateError(f"template.{name}: {e}") from None
 
     @classmethod
     def from_config(cls, template: Any, *, roles: Mapping[str, str] | None = None,
@@ -861,7 +863,7 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage],
     pieces: list[str] = []
     last = len(messages) - 1
     budget = RenderBudget()  # one for the whole conversation, not one per message
-    message_template = compile_template(templates.chat_message) \
+    message_template = _compiled(templates, "chat_message") \
         if templates.chat_message else None
     for index, message in enumerate(messages):
         role = message.role
@@ -870,15 +872,16 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage],
             role = "assistant_function_call"
         prefix = templates.roles.get(role, "")
         if message_template is not None:
-            rendered = message_template.render({
+            rendered = _rendered(message_template, "chat_message", {
                 "SystemPrompt": templates.system_prompt, "Role": prefix, "RoleName": role,
                 "Content": message.content, "FunctionName": message.name,
                 "FunctionCall": _tool_calls(message.tool_calls), "MessageIndex": index,
                 "LastMessage": index == last, "Function": grammar and index == last,
-            }, budget)
-            if rendered:
-                pieces.append(rendered)
-            continue  # LocalAI skips a message its chat_message template renders empty
+            }, None, budget)
+            if rendered is not None:  # None: it failed, the message is rendered without it
+                if rendered:
+                    pieces.append(rendered)
+                continue  # LocalAI skips a message its chat_message template renders empty
         content = message.content
         if message.tool_calls:
             calls = (f"{prefix} {message.tool_calls}" if prefix else message.tool_calls)
@@ -887,12 +890,12 @@ def render_chat(templates: PromptTemplates, messages: Sequence[ChatMessage],
             content = prefix + content
         pieces.append(content)
     joined = templates.join.join(pieces)
-    chat = templates.function if functions and templates.function else templates.chat
-    if chat:
+    which = "function" if functions and templates.function else "chat"
+    if getattr(templates, which):
         suppress = any(m.role == "system" for m in messages)
-        joined = compile_template(chat).render(_prompt_data(
+        joined = _rendered(_compiled(templates, which), which, _prompt_data(
             templates, joined, suppress_system=suppress,
-            functions=template_functions(functions) if functions else None), budget)
+            functions=template_functions(functions) if functions else None), joined, budget)
     return RenderedChat(prompt=joined)
 
 
@@ -901,8 +904,41 @@ def render_completion(templates: PromptTemplates, prompt: str) -> str:
     or as it is.  :raises TemplateError:"""
     if not templates.completion:
         return prompt
-    return compile_template(templates.completion).render(
-        _prompt_data(templates, prompt, suppress_system=False))
+    return _rendered(_compiled(templates, "completion"), "completion",
+                     _prompt_data(templates, prompt, suppress_system=False), prompt,
+                     RenderBudget())
+
+
+#: (template, error) pairs already logged: a failing template is logged once, not per request.
+_LOGGED: set[tuple[str, str]] = set()
+MAX_LOGGED = 256
+
+
+def _compiled(templates: PromptTemplates, name: str) -> "Template":
+    """``template.<name>`` compiled when it is used, so one bad template of a model never
+    blocks its others.  :raises TemplateError: naming ``template.<name>``."""
+    try:
+        return compile_template(getattr(templates, name))
+    except TemplateError as e:
+        raise TemplateError(f"template.{name}: {e}") from None
+
+
+def _rendered(template: "Template", name: str, data, fallback, budget: "RenderBudget"):
+    """``template`` rendered with ``data``; when the rendering fails on its data (a field the
+    data does not have, a function on the wrong kind of value), ``fallback``, as LocalAI's
+    evaluator goes on without a template that fails, and the failure is logged once.
+    :raises TemplateBudgetExceeded: the request's budget is spent (refused, not left out)."""
+    try:
+        return template.render(data, budget)
+    except TemplateBudgetExceeded:
+        raise
+    except TemplateError as e:
+        key = (f"{name}:{template.text[:200]}", str(e)[:200])
+        if key not in _LOGGED and len(_LOGGED) < MAX_LOGGED:
+            _LOGGED.add(key)
+            log.warn("template.{name} cannot be rendered ({error}); the prompt goes on "
+                     "without it, as LocalAI's", name=name, error=str(e)[:200])
+        return fallback
 
 
 def template_fields(text: str) -> set[str]:
@@ -960,6 +996,7 @@ __all__ = [
     "PromptTemplates",
     "RenderedChat",
     "Template",
+    "TemplateBudgetExceeded",
     "TemplateError",
     "compile_template",
     "GoFunction",

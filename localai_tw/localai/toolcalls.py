@@ -46,6 +46,13 @@ MAX_REGEXES = 16
 MAX_CALLS = 64
 MAX_MISSES = 64
 
+#: LocalAI's no-action function: offered with the tools when ``tool_choice: auto`` is
+#: constrained by a grammar, so the model can answer in words; its ``message`` argument is the
+#: answer.  The name and description are LocalAI's defaults.
+NO_ACTION_NAME = "answer"
+NO_ACTION_DESCRIPTION = "use this action to answer without performing any action"
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
 #: The tags that open a tool call in the text (the common tagged forms).
 TAGS = ("<tool_call>", "<function=")
 #: Most of a stream held back while it may still turn into a tool call tag.
@@ -55,10 +62,10 @@ MAX_HELD_CHARS = max(len(t) for t in TAGS)
 #: warning (``docs/models.md``).
 ACTED_ON = ("response_regex", "json_regex_match", "function_name_key",
             "function_arguments_key", "replace_function_results", "replace_llm_results",
-            "grammar")
+            "grammar", "disable_no_action", "no_action_function_name",
+            "no_action_description_name")
 GRAMMAR_ACTED_ON = ("disable", "parallel_calls", "prefix")
 LOCALAI_FUNCTION_KEYS = frozenset({
-    "disable_no_action", "no_action_function_name", "no_action_description_name",
     "argument_regex", "argument_regex_key_name", "argument_regex_value_name",
     "capture_llm_results", "xml_format_preset", "xml_format",
     "automatic_tool_parsing_fallback", "disable_peg_parser",
@@ -91,6 +98,9 @@ class FunctionConfig:
     grammar_disabled: bool = False
     parallel_calls: bool = False
     grammar_prefix: str = ""
+    disable_no_action: bool = False
+    no_action_name: str = NO_ACTION_NAME
+    no_action_description: str = NO_ACTION_DESCRIPTION
 
     @classmethod
     def from_yaml(cls, raw: Any, warnings: list[str] | None = None) -> "FunctionConfig":
@@ -130,6 +140,12 @@ class FunctionConfig:
             parallel_calls=_flag(grammar.get("parallel_calls"),
                                  "function.grammar.parallel_calls"),
             grammar_prefix=_text(grammar.get("prefix"), "function.grammar.prefix"),
+            disable_no_action=_flag(raw.get("disable_no_action"), "function.disable_no_action"),
+            no_action_name=_function_name(raw.get("no_action_function_name"),
+                                          "function.no_action_function_name"),
+            no_action_description=_text(raw.get("no_action_description_name"),
+                                        "function.no_action_description_name") or
+            NO_ACTION_DESCRIPTION,
         )
 
 
@@ -138,6 +154,15 @@ def _text(value, where: str) -> str:
         return ""
     if not isinstance(value, str) or len(value) > MAX_REGEX_CHARS:
         raise FunctionConfigError(where, f"must be a string (at most {MAX_REGEX_CHARS})")
+    return value
+
+
+def _function_name(value, where: str) -> str:
+    """A function name as requests' tools are named (the grammar writes it as a JSON string)."""
+    if value is None or value == "":
+        return NO_ACTION_NAME
+    if not isinstance(value, str) or not _FUNCTION_NAME.match(value):
+        raise FunctionConfigError(where, "must be 1 to 64 of A-Z a-z 0-9 _ . : -")
     return value
 
 
@@ -354,6 +379,66 @@ def calls_from_deltas(deltas: Iterable[Any], names: Sequence[str] | None) -> lis
     return calls
 
 
+def no_action_tool(config: FunctionConfig) -> dict:
+    """The no-action function as a tool in OpenAI's shape (LocalAI's: one string argument,
+    ``message``, here required so the grammar always writes it)."""
+    return {"type": "function", "function": {
+        "name": config.no_action_name, "description": config.no_action_description,
+        "parameters": {"type": "object", "properties": {"message": {
+            "type": "string", "description": "The message to reply the user with"}},
+            "required": ["message"]}}}
+
+
+def split_no_action(calls: Sequence[ToolCall], no_action: str | None
+                    ) -> tuple[tuple[ToolCall, ...], str | None]:
+    """The real calls, and the no-action answer when the model called only that function:
+    its ``message`` argument (``""`` when it has none), else None.  A no-action call next to
+    real calls is dropped, as LocalAI does."""
+    if no_action is None:
+        return tuple(calls), None
+    real = tuple(c for c in calls if c.name != no_action)
+    if real or not calls:
+        return real, None
+    try:
+        arguments = json.loads(calls[0].arguments)
+    except ValueError:
+        return (), ""
+    message = arguments.get("message") if isinstance(arguments, dict) else None
+    return (), message if isinstance(message, str) else ""
+
+
+def cut_no_action_message(text: str, config: FunctionConfig, name: str) -> str | None:
+    """The part of the no-action ``message`` written before ``max_tokens`` cut the answer
+    (the whole call's JSON never closed), or None when ``text`` is not such a start.  So an
+    answer in words that runs out of tokens reads as a cut answer, not as broken JSON."""
+    head = ["{", json.dumps(config.name_key), ":", json.dumps(name), ",",
+            json.dumps(config.arguments_key), ":", "{", '"message"', ":", '"']
+    at = _after_space(text, 0)
+    if config.grammar_prefix and text.startswith(config.grammar_prefix, at):
+        at = _after_space(text, at + len(config.grammar_prefix))
+    if text.startswith("[", at):
+        at = _after_space(text, at + 1)
+    for token in head:  # one pass: no position is looked at twice
+        if not text.startswith(token, at):
+            return None
+        at = at + len(token) if token == '"' else _after_space(text, at + len(token))
+    rest = text[at:]
+    rest = re.sub(r'\\u[0-9a-fA-F]{0,3}$', "", rest)  # an escape cut in the middle
+    if (len(rest) - len(rest.rstrip("\\"))) % 2:
+        rest = rest[:-1]
+    try:
+        value = json.loads(f'"{rest}"')
+    except ValueError:  # the string closed, or holds what JSON does not: not a cut message
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _after_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
+
+
 def clean_content(text: str, config: FunctionConfig) -> str:
     """``function.replace_llm_results`` applied to an answer's content."""
     for pattern, replacement in config.replace_llm_results:
@@ -430,5 +515,7 @@ def tool_names(tools: Iterable[Mapping[str, Any]]) -> list[str]:
     return [t["function"]["name"] for t in tools]
 
 
-__all__ = ["FunctionConfig", "FunctionConfigError", "Parsed", "ToolCall", "ToolCallStream",
-           "calls_from_deltas", "clean_content", "parse_tool_calls", "tool_names"]
+__all__ = ["FunctionConfig", "FunctionConfigError", "NO_ACTION_NAME", "Parsed", "ToolCall",
+           "ToolCallStream", "calls_from_deltas", "clean_content", "cut_no_action_message",
+           "no_action_tool",
+           "parse_tool_calls", "split_no_action", "tool_names"]

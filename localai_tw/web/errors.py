@@ -4,7 +4,21 @@ refusals the listener and every API share."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
+
+#: An absolute POSIX path of two or more components, not part of a URL (``host/a/b``,
+#: ``file:///a/b``): group 1 is its last component.
+_HOST_PATH = re.compile(r"(?<![\w:/.~-])/(?:[^\s'\"/:,;()<>]+/)+([^\s'\"/:,;()<>]+)")
+
+
+def hide_host_paths(text: str) -> str:
+    """``text`` with each absolute path of the machine that wrote it cut to its last component
+    (``/srv/llm/models/x.gguf`` -> ``x.gguf``, a worker's interpreter ``/opt/venv/bin/python3``
+    -> ``python3``): an API client knows models by their names in the models directory, and
+    the layout of a frontend's or a worker's disk is none of its business (the log keeps the
+    whole text)."""
+    return _HOST_PATH.sub(r"\1", text)
 
 
 class APIError(Exception):
@@ -68,7 +82,14 @@ def too_large(limit: int) -> APIError:
 
 
 
-def bodies_busy() -> APIError:
+def bodies_busy(source_share: int | None = None) -> APIError:
+    """503 for a body over the listener's budget, or (``source_share``: bytes) over the share
+    of it one client address may hold."""
+    if source_share is not None:
+        return APIError(503, f"this address already sends {source_share} bytes of request "
+                        "bodies to this replica (its share of the bodies in flight); finish "
+                        "or close those requests, then retry", "service_unavailable",
+                        code="too_many_bodies_from_source", headers={"Retry-After": "5"})
     return APIError(503, "this replica is receiving too many request bodies at once; try again "
                     "in a few seconds", "service_unavailable", code="too_many_bodies_in_flight",
                     headers={"Retry-After": "5"})
@@ -80,6 +101,15 @@ def too_many_connections(limit: int) -> APIError:
                     "not authorized tunnels; only /healthz and /readyz are served beyond it; "
                     "try again in a few seconds", "service_unavailable",
                     code="too_many_connections", headers={"Retry-After": "2"})
+
+
+def too_many_connections_from_source(limit: int) -> APIError:
+    """The answer to a connection whose source holds its share of the connection cap, every
+    one of them in the middle of a request."""
+    return APIError(503, f"this address already holds {limit} connections to this replica "
+                    "(its share of the connection cap), each in the middle of a request; "
+                    "finish or close some, then retry", "service_unavailable",
+                    code="too_many_connections_from_source", headers={"Retry-After": "2"})
 
 
 def request_timeout(what: str, seconds: float) -> APIError:

@@ -13,6 +13,8 @@ and body bytes are capped.
   ``twisted.web`` only has an idle timer that every byte restarts; and a cap on a listener's
   concurrent connections, beyond which a small reserve serves only the load balancer's probes.
   Defaults: :data:`MAX_CONNECTIONS`, :data:`PROBE_RESERVE`, :data:`MAX_BODY_BYTES_IN_FLIGHT`,
+  :data:`MAX_BODY_BYTES_PER_SOURCE`, :data:`NODE_BODY_RESERVE`,
+  :data:`BODY_FIRST_BYTE_DEADLINE_SECONDS`,
   :data:`HEADERS_DEADLINE_SECONDS`, :data:`BODY_DEADLINE_SECONDS` (``docs/operators.md``,
   "Limits").
 - :meth:`BoundedSite.hold_connection`: a connection an API vouches for (a worker's kept-alive
@@ -31,11 +33,12 @@ an internal exception text into a response.  It imports only the base and ``web`
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.protocols.policies import ProtocolWrapper
 from twisted.python.failure import Failure
 from twisted.web import server
@@ -50,11 +53,15 @@ from localai_tw.web.bodies import (
 )
 from localai_tw.web.errors import (
     APIError,
+    bad_request,
     bodies_busy,
+    error_body,
     request_timeout,
     too_large,
     too_many_connections,
+    too_many_connections_from_source,
 )
+from localai_tw.web.json import json_body
 from localai_tw.web.sockets import set_no_delay
 
 log = Logger()
@@ -64,6 +71,11 @@ MAX_BODY_BYTES = 64 * 1024
 #: Most connections one listener holds at once that are not authorized tunnels or peer links;
 #: beyond it a connection may only use the probe reserve.
 MAX_CONNECTIONS = 1024
+#: Most of :data:`MAX_CONNECTIONS` one source (:func:`source_key`) holds at once.  A new
+#: connection from a source at its share closes that source's oldest connection still sending
+#: its head (or idle between requests), or is answered 503 when all of them are busy.  Behind a
+#: proxy every client shares the proxy's address: raise it there.
+MAX_CONNECTIONS_PER_SOURCE = 256
 #: Connections a listener serves beyond :data:`MAX_CONNECTIONS` for the load balancer's probes
 #: only (one ``GET``/``HEAD`` of :data:`PROBE_PATHS` without a body each), and connections
 #: beyond it that wait for their first line (a newer one closes the oldest); anything else
@@ -80,12 +92,37 @@ PROBE_PATHS = (b"/healthz", b"/readyz")
 #: Most bytes of request bodies one listener holds at once (announced lengths); a request that
 #: would pass it is answered 503 with ``Retry-After`` before its body is read.
 MAX_BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
+#: Most of :data:`MAX_BODY_BYTES_IN_FLIGHT` one source (an IPv4 address, an IPv6 /64) holds
+#: at once: one client announcing big bodies on many connections cannot take the whole budget.
+MAX_BODY_BYTES_PER_SOURCE = 64 * 1024 * 1024
+#: Bytes of :data:`MAX_BODY_BYTES_IN_FLIGHT` only the workers' API (``/api/node/``: register,
+#: heartbeats, 64 KiB each) may use, so a flood of other bodies never starves a heartbeat.
+NODE_BODY_RESERVE = 16 * 1024 * 1024
+#: The path prefix whose bodies may use :data:`NODE_BODY_RESERVE`.
+NODE_PATH_SEGMENT = b"node"
+#: Seconds a client has, once its head announced a body, to send the body's first byte: a
+#: reservation nobody fills is given back early (the whole body still has
+#: :data:`BODY_DEADLINE_SECONDS`).
+BODY_FIRST_BYTE_DEADLINE_SECONDS = 10.0
 #: Seconds a client has to send a whole request head (request line and headers).
 HEADERS_DEADLINE_SECONDS = 30.0
 #: Seconds a client has to send a whole request body, counted from the end of its head.
 BODY_DEADLINE_SECONDS = 120.0
-#: Longest path segment (node id) echoed back in an error message.
 
+
+def source_key(address) -> str:
+    """The source a per-client limit counts: an IPv4 address, an IPv6 address's /64 (one host
+    usually holds a whole /64, so counting single IPv6 addresses would limit nothing), the
+    text of anything else (a UNIX socket: one source)."""
+    host = str(getattr(address, "host", address))
+    if ":" in host:
+        try:
+            network = ipaddress.IPv6Network(f"{host.split('%', 1)[0]}/64", strict=False)
+        except ValueError:
+            return host
+        mapped = ipaddress.IPv6Address(host.split('%', 1)[0]).ipv4_mapped
+        return str(mapped) if mapped is not None else str(network)
+    return host
 
 
 def _segments_of(target: bytes) -> tuple[bytes, ...]:
@@ -94,6 +131,49 @@ def _segments_of(target: bytes) -> tuple[bytes, ...]:
     header guard cannot be sidestepped by spelling ``/v1`` as ``/%761``."""
     path = target.split(b"?", 1)[0]
     return tuple(unquote(segment) for segment in path[1:].split(b"/"))
+
+
+def _unsafe(text: bytes) -> str | None:
+    if b"\x00" in text:
+        return "a NUL byte (%00)"
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes that are not UTF-8"
+    return None
+
+
+def unsafe_target(target: bytes) -> APIError | None:
+    """A 400 naming the part of ``target`` (a request target) that holds, once
+    percent-decoded, a NUL byte or bytes that are not UTF-8, or None.  No path segment or query
+    parameter of any route may: file names, node ids, model names and database text all refuse
+    them, further in, with a 500 and a traceback."""
+    path, _, query = target.partition(b"?")
+    for segment in path.split(b"/"):
+        what = _unsafe(unquote(segment))
+        if what is not None:
+            return bad_request(f"the request path holds {what}, which no name here can "
+                               "contain; percent-encode only UTF-8 text without NUL")
+    for pair in query.split(b"&") if query else ():
+        name, _, value = pair.partition(b"=")
+        for part in (name, value):
+            what = _unsafe(unquote(part.replace(b"+", b" ")))
+            if what is not None:
+                return bad_request(f"the query parameter {printable_name(name)!r} holds "
+                                   f"{what}; percent-encode only UTF-8 text without NUL")
+    return None
+
+
+def printable_name(raw: bytes, limit: int = 32) -> str:
+    text = unquote(raw).decode("utf-8", "replace")[:limit]
+    return "".join(c if c.isprintable() and c != "\ufffd" else "?" for c in text)
+
+
+def may_log_failure(request) -> bool:
+    """Whether the traceback of ``request``'s failure may be logged: the first few of each
+    client address per window (``BoundedSite.failure_log``, which logs a summary of the rest)."""
+    limiter = getattr(getattr(request, "site", None), "failure_log", None)
+    return limiter is None or limiter.allow(_client_host(request))
 
 
 def _as_early_answer(refusal: Exception):
@@ -146,11 +226,13 @@ class BoundedRequest(server.Request):
             return
         try:
             if site is not None:
+                site.check_host(self, target)
                 site.guard_before_body(self, target)
             if length is not None and length > limit:
                 raise too_large(limit)
             if site is not None:
-                release = site.reserve_body_bytes(limit if length is None else length)
+                release = site.reserve_body_bytes(limit if length is None else length,
+                                                  source_key(self.getClientAddress()), target)
                 self.notifyFinish().addBoth(lambda _: release())
         except Exception as refusal:
             self.answer_before_body(_as_early_answer(refusal))
@@ -167,6 +249,39 @@ class BoundedRequest(server.Request):
         if self.answered_before_body:
             return  # already answered; the connection is closing
         super().requestReceived(command, path, version)
+
+    def process(self):
+        """A target with a NUL or non-UTF-8 byte in a path segment or query parameter is a 400
+        (:func:`unsafe_target`), and a ``Host`` the site's :attr:`BoundedSite.host_check`
+        refuses a 403, before any resource sees the request."""
+        site = getattr(self.channel, "site", None)
+        refusal = unsafe_target(self.uri or b"")
+        if refusal is None and isinstance(site, BoundedSite):
+            try:
+                site.check_host(self, self.uri)
+            except APIError as wrong_host:
+                refusal = wrong_host
+        if refusal is None:
+            return super().process()
+        self.site = site
+        if isinstance(site, BoundedSite):
+            refusal = site.shape_early_answer(self.uri, refusal)
+        self.write(json_body(self, refusal.status, refusal.body(), refusal.headers))
+        self.finish()
+
+    def processingFailed(self, reason):
+        """A resource failed: 500 with a generic JSON body; the traceback is logged, at most a
+        burst of them per client (:func:`may_log_failure`): a client that can make a resource
+        fail must not be able to fill the log."""
+        if may_log_failure(self):
+            log.failure("{method} {path} failed", reason,
+                        method=(self.method or b"?").decode("ascii", "replace"),
+                        path=printable_name((self.path or b"")[:200], 200))
+        if not self.finished and self.channel is not None:
+            self.write(json_body(self, 500, error_body("internal error; see the frontend log",
+                                                       "internal_error")))
+            self.finish()
+        return reason
 
     def answer_before_body(self, answer) -> None:
         """Answer ``answer`` (an :class:`APIError`-like refusal) on the raw transport before the
@@ -214,6 +329,11 @@ class BoundedChannel(HTTPChannel):
     on_probe_reserve = False
     _first_line_seen = False
 
+    #: True while the connection waits for (the rest of) a request head, or idles between
+    #: requests: nothing of a request is in progress, so it may be closed to make room
+    #: (:meth:`BoundedSite.buildProtocol`).
+    awaiting_head = True
+
     def connectionMade(self):
         super().connectionMade()
         self._start_deadline("head")
@@ -230,17 +350,20 @@ class BoundedChannel(HTTPChannel):
                 return
         super().lineReceived(line)
 
-    def refuse_beyond_the_cap(self, line: bytes | None) -> None:
-        """Answer 503 ``too_many_connections`` before the rest of the request (no request is
-        created, no header parsed), and ignore whatever follows while the connection closes."""
+    def refuse_beyond_the_cap(self, line: bytes | None, answer: Any = None) -> None:
+        """Answer 503 ``too_many_connections`` (or ``answer``) before the rest of the request
+        (no request is created, no header parsed), and ignore whatever follows while the
+        connection closes."""
         self._cancel_deadline()
         site = getattr(self, "site", None)
         limit = getattr(site, "max_connections", MAX_CONNECTIONS)
-        answer: Any = too_many_connections(limit)
+        refused_on_reserve = answer is None
+        answer = too_many_connections(limit) if answer is None else answer
         self._first_line_seen = True
         parts = (line or b"").split(b" ")
         if isinstance(site, BoundedSite):
-            site.refused_on_reserve.note(limit=limit)
+            if refused_on_reserve:
+                site.refused_on_reserve.note(limit=limit)
             if len(parts) == 3:  # the OpenAI API's paths answer in its own error shape
                 answer = site.shape_early_answer(parts[1], answer)
         self.lineReceived = self.rawDataReceived = lambda _data: None  # type: ignore
@@ -259,22 +382,49 @@ class BoundedChannel(HTTPChannel):
         super().dataReceived(data)
 
     def allHeadersReceived(self):
+        self.awaiting_head = False
         self._cancel_deadline()
         super().allHeadersReceived()
         request = self.requests[-1] if self.requests else None
         if self.length != 0 and request is not None and not request.answered_before_body:
             self._start_deadline("body")  # cancelled in allContentReceived
+            self._start_first_byte_deadline()
+
+    def rawDataReceived(self, data):
+        if data:
+            self._cancel_first_byte_deadline()
+        super().rawDataReceived(data)
 
     def allContentReceived(self):
         self._cancel_deadline()
+        self._cancel_first_byte_deadline()
         super().allContentReceived()
+
+    _first_byte = None
+
+    def _start_first_byte_deadline(self) -> None:
+        """A body's reservation (:meth:`BoundedSite.reserve_body_bytes`) is given back early
+        when not one byte of the body arrives within ``site.body_first_byte_deadline``: a
+        client announcing big bodies and sending nothing holds the budget for seconds, not
+        for the whole body deadline."""
+        seconds = getattr(getattr(self, "site", None), "body_first_byte_deadline", None)
+        if seconds is not None and (self.transport is not None):
+            self._first_byte = self.callLater(seconds, self._deadline_passed, "body's first "
+                                              "byte", seconds)
+
+    def _cancel_first_byte_deadline(self) -> None:
+        timer, self._first_byte = self._first_byte, None
+        if timer is not None and timer.active():
+            timer.cancel()
 
     def requestDone(self, request):
         self._between_requests = True  # before the channel replays pipelined bytes
+        self.awaiting_head = True
         super().requestDone(request)
 
     def connectionLost(self, reason):
         self._cancel_deadline()
+        self._cancel_first_byte_deadline()
         super().connectionLost(reason)
 
     def _start_deadline(self, what: str) -> None:
@@ -295,7 +445,8 @@ class BoundedChannel(HTTPChannel):
             deadline.cancel()
 
     def _deadline_passed(self, what: str, seconds: float) -> None:
-        self._deadline = None
+        self._cancel_deadline()
+        self._cancel_first_byte_deadline()
         if self.transport is None:
             return  # the connection was handed over (a WebSocket) or is gone
         site = getattr(self, "site", None)
@@ -303,7 +454,7 @@ class BoundedChannel(HTTPChannel):
             site.late_requests.note(what=what, seconds=seconds)
         answer = request_timeout(what, seconds)
         request = self.requests[-1] if self.requests else None
-        if isinstance(request, BoundedRequest) and what == "body":
+        if isinstance(request, BoundedRequest) and what != "head":
             request.answer_before_body(answer)
         else:
             if isinstance(request, BoundedRequest):
@@ -375,6 +526,10 @@ class _ListenerConnection(ProtocolWrapper):
     over_cap = False
     #: The key an API holds this connection for (:meth:`BoundedSite.hold_connection`).
     held_for: str | None = None
+    #: Its source (:func:`source_key`), set when it is built.
+    source: str | None = None
+    #: Its source held its share of connections, none of them awaiting a head: refused.
+    source_full = False
 
     @property
     def held(self) -> bool:
@@ -390,6 +545,19 @@ class _ListenerConnection(ProtocolWrapper):
             super().makeConnection(transport)
             return
         line = waiting_request_line(transport)
+        if self.source_full:
+            self.factory.refused_sources.note(limit=self.factory.max_connections_per_source)
+            room = self.factory.refusing_connections < self.factory.max_refusing_connections
+            self.kind = "refusing" if room else None
+            self.wrappedProtocol.on_probe_reserve = False
+            super().makeConnection(transport)
+            if room:
+                self.wrappedProtocol.refuse_beyond_the_cap(
+                    line, too_many_connections_from_source(
+                        self.factory.max_connections_per_source))
+            else:
+                transport.abortConnection()
+            return
         action = self.factory.decide_over_cap(line)
         self.kind = None if action == "close" else action
         self.wrappedProtocol.on_probe_reserve = action in ("reserve", "undecided")
@@ -435,9 +603,9 @@ ACCESS_LOG_CHOICES = ("all", "errors", "off")
 
 
 def _client_host(request) -> str:
-    """The address a request came from, the key of per-source log limits."""
-    address = request.getClientAddress()
-    return str(getattr(address, "host", address))
+    """The source a request came from (:func:`source_key`: an IPv6 client's /64, so a client
+    cannot dodge the per-source log limits by changing addresses inside its network)."""
+    return source_key(request.getClientAddress())
 
 
 class BoundedSite(server.Site):
@@ -464,14 +632,17 @@ class BoundedSite(server.Site):
       holds at most ``2 * probe_reserve`` file descriptors and request heads (``twisted.web``
       caps a head at 16 KiB), for seconds at most, plus answers being written;
     - at most ``max_body_bytes_in_flight`` bytes of request bodies held at once (announced
-      lengths, reserved when the headers end and released when the request ends); a request
-      that would pass it is answered 503 with ``Retry-After`` before its body is read;
+      lengths, reserved when the headers end and released when the request ends, or when the
+      body's first byte does not come within ``body_first_byte_deadline``), at most
+      ``max_body_bytes_per_source`` of them by one source (:func:`source_key`), the last
+      ``node_body_reserve`` only for ``/api/node/``; a request that would pass one of them is
+      answered 503 with ``Retry-After`` before its body is read;
     - a request with a body is first put to the *header guard* of its path: authentication is
       decided when the headers end, and a refused request never has a byte of its body read;
     - deadlines for each request's head and body (:class:`BoundedChannel`).
 
     Refusals are logged at most once a minute per kind, with a count.  Access lines of
-    requests answered with a 4xx status are rate-limited per client address
+    requests answered with a 4xx or 5xx status are rate-limited per client address
     (:attr:`refused_access`): a prober's thousands of refused requests make a few lines and a
     summary, not a line each.  ``access_log`` (``--access-log``) narrows the access log to
     failed requests (``errors``) or turns it off (``off``).
@@ -503,13 +674,17 @@ class BoundedSite(server.Site):
                  spool_prefixes: Iterable[bytes] = (),
                  header_guards: Mapping[bytes, Callable[[Any], None]] | None = None,
                  max_connections: int = MAX_CONNECTIONS,
+                 max_connections_per_source: int = MAX_CONNECTIONS_PER_SOURCE,
                  probe_reserve: int = PROBE_RESERVE,
                  max_refusing_connections: int = MAX_REFUSING_CONNECTIONS,
                  probe_reserve_headers_deadline: float = PROBE_RESERVE_HEADERS_DEADLINE_SECONDS,
                  max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT,
+                 max_body_bytes_per_source: int = MAX_BODY_BYTES_PER_SOURCE,
+                 node_body_reserve: int = NODE_BODY_RESERVE,
+                 body_first_byte_deadline: float | None = BODY_FIRST_BYTE_DEADLINE_SECONDS,
                  headers_deadline: float | None = HEADERS_DEADLINE_SECONDS,
                  body_deadline: float | None = BODY_DEADLINE_SECONDS,
-                 access_log: str = "all",
+                 access_log: str = "all", host_check: Any = None,
                  quiet_on_success: Callable[[bytes], bool] | None = None, **kwargs):
         super().__init__(resource, **kwargs)
         #: Paths whose successful requests get no access line (``quiet_on_success(path)``:
@@ -519,6 +694,8 @@ class BoundedSite(server.Site):
             raise ValueError(f"access_log must be one of {ACCESS_LOG_CHOICES}: {access_log!r}")
         #: ``all``, ``errors`` (status >= 400 only) or ``off`` (``--access-log``).
         self.access_log = access_log
+        #: ``web.hosts.HostCheck`` while the API is open (no key), else None.
+        self.host_check = host_check
         self.header_guards: list[tuple[tuple[bytes, ...], Callable[[Any], None]]] = []
         self.early_answer_shapes: list[tuple[tuple[bytes, ...], Callable[[Any], Any]]] = []
         for prefix, guard in (header_guards or {}).items():
@@ -526,6 +703,9 @@ class BoundedSite(server.Site):
         self.max_connections = max_connections
         #: Connections not (yet) vouched for: HTTP requests, dials still being authorized.
         self.open_connections = 0
+        self.max_connections_per_source = max_connections_per_source
+        #: source (:func:`source_key`) -> its open connections, oldest first.
+        self.open_of_source: dict[str, deque] = {}
         self.probe_reserve = probe_reserve
         self.probe_reserve_headers_deadline = probe_reserve_headers_deadline
         #: Connections accepted beyond ``max_connections``, for the probes only.
@@ -546,6 +726,11 @@ class BoundedSite(server.Site):
         self.held_for_key: dict[str, _ListenerConnection] = {}
         self.max_body_bytes_in_flight = max_body_bytes_in_flight
         self.body_bytes_in_flight = 0
+        self.max_body_bytes_per_source = max_body_bytes_per_source
+        self.node_body_reserve = node_body_reserve
+        self.body_first_byte_deadline = body_first_byte_deadline
+        #: source (:func:`source_key`) -> body bytes it holds in flight (only sources > 0).
+        self.body_bytes_of_source: dict[str, int] = {}
         self.headers_deadline = headers_deadline
         self.body_deadline = body_deadline
         self.refused_connections = EventsPerInterval(
@@ -555,6 +740,13 @@ class BoundedSite(server.Site):
             self.reactor, "closed {count} connection(s) since the last such line that were "
             "accepted beyond the connection cap and had not sent a request line while "
             "{limit} newer ones waited")
+        self.source_evictions = EventsPerInterval(
+            self.reactor, "closed {count} connection(s) since the last such line that were "
+            "sending a request head (or idle) to make room for a newer connection: their "
+            "source ({source}) held the most connections, or its share of {limit}")
+        self.refused_sources = EventsPerInterval(
+            self.reactor, "answered 503 to {count} connection(s) since the last such line: "
+            "their source already held its share of {limit} connections, all busy")
         self.refused_on_reserve = EventsPerInterval(
             self.reactor, "answered 503 to {count} request(s) other than /healthz and /readyz "
             "since the last such line: this listener holds {limit} connections (the connection "
@@ -562,12 +754,20 @@ class BoundedSite(server.Site):
         self.refused_bodies = EventsPerInterval(
             self.reactor, "answered 503 to {count} request(s) since the last such line: "
             "{limit} bytes of request bodies were already in flight")
+        self.refused_source_bodies = EventsPerInterval(
+            self.reactor, "answered 503 to {count} request(s) since the last such line: their "
+            "source already held its share of {limit} bytes of request bodies in flight")
         self.late_requests = EventsPerInterval(
             self.reactor, "closed {count} connection(s) since the last such line whose request "
             "{what} took longer than {seconds:g} s to arrive")
         self.refused_access = RateLimitedLog(
-            "answered {count} requests from {source} with a 4xx status in the last "
+            "answered {count} requests from {source} with a 4xx or 5xx status in the last "
             "{seconds:g} s ({suppressed} of them not logged one by one)", clock=self.reactor)
+        #: Tracebacks of failed requests, per client (:meth:`allow_failure_log`).
+        self.failure_log = RateLimitedLog(
+            "{count} requests from {source} failed with an internal error in the last "
+            "{seconds:g} s ({suppressed} of their tracebacks not logged)", clock=self.reactor,
+            level=LogLevel.warn)
         self.default_limit = default_limit
         self.spool_prefixes = tuple(spool_prefixes)
         self.body_limits = sorted((body_limits or {}).items(), key=lambda kv: len(kv[0]),
@@ -578,7 +778,7 @@ class BoundedSite(server.Site):
         and ``/readyz`` probes (a 503 there is the normal "not ready yet" answer; the replica
         logs why itself) and the successful requests of :attr:`quiet_on_success` (the
         workers' heartbeats).  Every other request, and any of those that failed, is still
-        logged, but refused ones (4xx)
+        logged, but refused and failed ones (4xx, 5xx)
         only up to a burst per client address, then summarised (:attr:`refused_access`).
         :attr:`access_log` ``errors`` keeps only the lines of requests answered >= 400;
         ``off`` keeps none (the refusal summaries of other kinds are still logged)."""
@@ -592,12 +792,13 @@ class BoundedSite(server.Site):
             return
         if code < 400 and self.quiet_on_success is not None and self.quiet_on_success(path):
             return
-        if 400 <= code < 500 and not self.refused_access.allow(_client_host(request)):
+        if code >= 400 and not self.refused_access.allow(_client_host(request)):
             return
         super().log(request)
 
     def stopFactory(self) -> None:
         self.refused_access.flush()
+        self.failure_log.flush()
         super().stopFactory()
 
     def add_body_limit(self, prefix: bytes, limit: int) -> None:
@@ -663,29 +864,89 @@ class BoundedSite(server.Site):
                 guard(request)
                 return
 
+    def check_host(self, request, target: bytes | None) -> None:
+        """:attr:`host_check` (``web/hosts.py``) for every path but the probes: raises its
+        403."""
+        if self.host_check is None or target is None:
+            return
+        if target.split(b"?", 1)[0] in PROBE_PATHS:
+            return
+        self.host_check.check(request)
+
     # -- listener bounds --------------------------------------------------------------------
 
-    def reserve_body_bytes(self, size: int) -> Callable[[], None]:
-        """Count ``size`` body bytes as in flight; the returned callable (idempotent) gives
-        them back.  :raises APIError: 503 when they would pass ``max_body_bytes_in_flight``."""
-        if self.body_bytes_in_flight + size > self.max_body_bytes_in_flight:
+    def reserve_body_bytes(self, size: int, source: str = "?",
+                           target: bytes | None = None) -> Callable[[], None]:
+        """Count ``size`` body bytes as in flight for ``source`` (:func:`source_key`); the
+        returned callable (idempotent) gives them back.
+
+        Fair shares: one source holds at most ``max_body_bytes_per_source``, and the last
+        ``node_body_reserve`` bytes of the budget go only to the workers' API (``target``
+        under ``/api/node/``), so neither one client nor a flood of clients starves the
+        heartbeats.
+
+        :raises APIError: 503 when the bytes would pass the budget or the source's share."""
+        node = target is not None and _segments_of(target)[:2] == (b"api", NODE_PATH_SEGMENT)
+        budget = self.max_body_bytes_in_flight - (0 if node else self.node_body_reserve)
+        if self.body_bytes_in_flight + size > budget:
             self.refused_bodies.note(limit=self.max_body_bytes_in_flight)
             raise bodies_busy()
+        held = self.body_bytes_of_source.get(source, 0)
+        if held + size > self.max_body_bytes_per_source:
+            self.refused_source_bodies.note(limit=self.max_body_bytes_per_source)
+            raise bodies_busy(self.max_body_bytes_per_source)
         self.body_bytes_in_flight += size
+        self.body_bytes_of_source[source] = held + size
         released = []
 
         def release() -> None:
             if not released:
                 released.append(True)
                 self.body_bytes_in_flight -= size
+                left = self.body_bytes_of_source.get(source, 0) - size
+                if left > 0:
+                    self.body_bytes_of_source[source] = left
+                else:
+                    self.body_bytes_of_source.pop(source, None)
 
         return release
 
+    @property
+    def saturated(self) -> bool:
+        """Whether the cap on connections nobody vouched for is full (``/readyz`` says so)."""
+        return self.open_connections >= self.max_connections
+
     def buildProtocol(self, addr):
         connection = _ListenerConnection(self, super().buildProtocol(addr))
+        connection.source = source = source_key(addr)
+        mine = self.open_of_source.get(source, ())
+        if len(mine) >= self.max_connections_per_source:
+            if not self._evict_awaiting_head(source, self.max_connections_per_source):
+                connection.over_cap = connection.source_full = True
+                return connection
         if self.open_connections >= self.max_connections:
-            connection.over_cap = True  # decided when its socket is known (makeConnection)
+            # Fair share of a full cap: the source holding the most connections gives up its
+            # oldest one still sending its head, if it holds more than this one's source.
+            biggest = max(self.open_of_source, key=lambda s: len(self.open_of_source[s]),
+                          default=None)
+            if (biggest is None or len(self.open_of_source[biggest]) <= len(mine) + 1
+                    or not self._evict_awaiting_head(biggest, self.max_connections)):
+                connection.over_cap = True  # decided when its socket is known
         return connection
+
+    def _evict_awaiting_head(self, source: str, limit: int) -> bool:
+        """Close ``source``'s oldest open connection that awaits a request head (nothing of a
+        request in progress), and stop counting it now; whether there was one."""
+        for connection in self.open_of_source.get(source, ()):
+            channel = connection.wrappedProtocol
+            if getattr(channel, "awaiting_head", False):
+                self._count(connection, -1)
+                connection.kind = None
+                self.source_evictions.note(source=source, limit=limit)
+                if connection.transport is not None:
+                    connection.transport.abortConnection()
+                return True
+        return False
 
     def decide_over_cap(self, line: bytes | None) -> str:
         """What becomes of a connection accepted beyond the cap, whose first line is ``line``
@@ -772,6 +1033,18 @@ class BoundedSite(server.Site):
         kind = getattr(connection, "kind", "open")
         if kind == "open":
             self.open_connections += change
+            source = getattr(connection, "source", None)
+            if source is not None:
+                mine = self.open_of_source.setdefault(source, deque())
+                if change > 0:
+                    mine.append(connection)
+                else:
+                    try:
+                        mine.remove(connection)
+                    except ValueError:
+                        pass
+                if not mine:
+                    del self.open_of_source[source]
         elif kind == "reserve":
             self.reserve_connections += change
         elif kind == "refusing":

@@ -207,8 +207,8 @@ def _failure_for_status(status: int, body: bytes, what: str,
     detail = f"{what} refused" + (f": {message}" if message else "")
     if status == 429:
         error = FrontendUnavailable(
-            status, detail, "the frontend limits registrations per address "
-            "(its --registration-limit); retrying when it says")
+            status, detail, "the frontend limits registrations (its --registration-limit) "
+            "and requests with a wrong registration token per address; retrying when it says")
         error.retry_after = retry_after
         return error
     if status == 401:

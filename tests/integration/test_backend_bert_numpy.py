@@ -291,9 +291,19 @@ async def test_tokenize_detokenize_and_capabilities_of_the_real_model_through_a_
                                              "content": "Distributed inference, déjà vu"})
         _, text = send("/v1/detokenize", {"model": "minilm", "tokens": tokens["tokens"]})
         _, listing = send("/v1/models/capabilities")
-        return node, tokens["tokens"], text, listing
+        # LangChain's default OpenAIEmbeddings sends token ids (a list of lists of ints)
+        _, by_text = send("/v1/embeddings", {"model": "minilm",
+                                             "input": "Distributed inference, déjà vu"})
+        _, by_ids = send("/v1/embeddings", {"model": "minilm",
+                                            "input": [[101] + tokens["tokens"] + [102]]})
+        return node, tokens["tokens"], text, listing, by_text, by_ids
 
-    node, tokens, text, listing = await deferToThread(use_the_api)
+    node, tokens, text, listing, by_text, by_ids = await deferToThread(use_the_api)
+    # [CLS] ids [SEP]: the same tokens the text gives, so the same vector
+    assert by_ids["usage"]["prompt_tokens"] == by_text["usage"]["prompt_tokens"] == \
+        len(tokens) + 2
+    assert by_ids["data"][0]["embedding"] == pytest.approx(by_text["data"][0]["embedding"],
+                                                           abs=1e-5)
     assert node == "w-minilm"
     assert tokens[:2] == [5500, 28937]  # "distributed", "inference" in MiniLM's vocabulary
     assert text == {"content": "distributed inference, deja vu"}  # uncased: accents stripped

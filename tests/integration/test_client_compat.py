@@ -87,8 +87,9 @@ EXPECTED = {
                              "keys are configured and this is not one"),
     "error: wrong field type": ("refused", 400, "invalid_type", "temperature",
                                 "a field of the wrong type is named, not ignored"),
-    "error: use the model does not serve": ("refused", 400, "unsupported_by_model", "model",
-                                            "the config says embeddings only"),
+    "error: a call the model's backend lacks": ("refused", 501, "not_implemented_by_backend",
+                                                None, "chat on an image model: use cases "
+                                                "never refuse, its backend answers"),
 }
 
 #: What the calls that work answer (the echo backend repeats its input, word by word).
@@ -213,8 +214,8 @@ def python_calls(base: str) -> dict:
             base_url=base + "/v1", **{**options, "api_key": "sk-wrong"}).models.list().data),
         "error: wrong field type": lambda: client.chat.completions.create(
             model=MODEL, messages=user("a"), extra_body={"temperature": "hot"}).id,
-        "error: use the model does not serve": lambda: client.chat.completions.create(
-            model=EMBED_ONLY, messages=user("a")).id,
+        "error: a call the model's backend lacks": lambda: client.chat.completions.create(
+            model=PAINTER, messages=user("a")).id,
     }
     results = {}
     for name, call in calls.items():

@@ -103,14 +103,24 @@ async def test_dashboard_shows_the_node_and_streams_a_chat(cluster, browser):
         lambda d: "w-dash" in text_of('tr[data-model="echo-chat"]')(d) and
         text_of('tr[data-model="echo-chat"]')(d), what="where the model is loaded")
     assert "not loaded" not in loaded
-    # The streamed chat is the newest of the recent requests (/api/traces), without its prompt.
-    trace = await browser.wait_for(
-        lambda d: "echo-chat" in text_of("#traces-body tr")(d) and text_of("#traces-body tr")(d),
-        what="the chat among the recent requests")
+    # The streamed chat is among the recent requests (/api/traces), without its prompt.  Not
+    # necessarily the newest: the page's own /v1/models poll is traced too, and one that lands
+    # after the chat comes first (seen under load).
+    def chat_trace(driver):
+        from selenium.common.exceptions import StaleElementReferenceException
+        try:
+            for row in driver.find_elements("css selector", "#traces-body tr"):
+                if "echo-chat" in row.text:
+                    return row.get_attribute("data-trace"), row.text
+        except StaleElementReferenceException:
+            return None  # re-rendered meanwhile: the next poll looks again
+        return None
+
+    trace_id, trace = await browser.wait_for(chat_trace, what="the chat among the recent requests")
     assert "chat" in trace and "w-dash" in trace and "owner" in trace and "200" in trace
     assert "one two" not in await browser.call(text_of("#traces-body"))
     # Its time in each hop: it drove the cold load (with its phases), then streamed.
-    hops = await browser.call(text_of("#traces-body tr .hops"))
+    hops = await browser.call(text_of(f'#traces-body tr[data-trace="{trace_id}"] .hops'))
     assert "cold load" in hops and "staging" in hops and "backend" in hops, hops
     assert "1st token" in hops, hops
 

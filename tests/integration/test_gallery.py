@@ -231,7 +231,7 @@ async def test_gallery_routes_need_the_admin_key_and_refuse_bad_input(cluster, f
     status, body = await call(cluster, a, "GET", "/models/jobs/not-a-uuid")
     assert status == 404
     answer = await treq.post(cluster.base_url(a) + "/models/apply", data=b"{nope",
-                             headers=AUTH)
+                             headers={**AUTH, "Content-Type": "application/json"})
     assert answer.code == 400
 
 

@@ -111,9 +111,20 @@ async def test_localai_transformers_backend_serves_through_a_relaying_replica(cl
         chat_pieces = [c.choices[0].delta.content or "" for c in chat_stream if c.choices]
         embedded = client.embeddings.create(model="localai-tiny-embed",
                                             input=["the dog", "a cat ran"])
-        return completion, pieces, chat, chat_pieces, embedded
+        # the built-in transformers' logprobs claim is not this program's: its answer says so
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model="localai-tiny", messages=[{"role": "user", "content": "hello"}],
+                max_tokens=4, temperature=0, logprobs=True)
+        # token ids (LangChain's default): LocalAI's backend reads text only, so a 400
+        with pytest.raises(openai.BadRequestError) as ids:
+            client.embeddings.create(model="localai-tiny-embed", input=[[464, 3797]])
+        assert ids.value.param == "input" and "takes text only" in ids.value.message
+        return completion, pieces, chat, chat_pieces, embedded, refused.value
 
-    completion, pieces, chat, chat_pieces, embedded = await threads.deferToThread(use_the_api)
+    completion, pieces, chat, chat_pieces, embedded, refused = \
+        await threads.deferToThread(use_the_api)
+    assert refused.param == "logprobs" and "does not honour logprobs" in refused.message
 
     text = completion.choices[0].text
     assert text.strip()  # random weights: gibberish, but greedy and so repeatable

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import random
+import sys
 
 import pytest
 import pytest_twisted
@@ -142,6 +143,8 @@ async def test_missing_embeddings_extra_is_named_in_the_answer(one_machine, monk
     message = body["error"]["message"]
     assert "pip install 'localai-tw[embeddings]'" in message
     assert "bert-numpy" in message and "tokenizers" in message
+    # issue 21 §7: the worker's interpreter is named, not the path of its disk
+    assert os.path.basename(sys.executable) in message and sys.executable not in message
 
 
 # -- options -------------------------------------------------------------------------------

@@ -149,8 +149,9 @@ async def test_transcription_formats_and_bad_uploads(cluster):
     assert status == 400 and error_of(raw)["param"] == "include"
     status, _, raw = await transcribe({"model": "listener", "chunking_strategy": "{}"})
     assert status == 400 and error_of(raw)["param"] == "chunking_strategy"
+    # A model that does not transcribe is still asked (LocalAI's rule): its backend answers.
     status, _, raw = await transcribe({"model": "speaker"})
-    assert status == 400 and error_of(raw)["code"] == "unsupported_by_model"
+    assert status == 501 and error_of(raw)["code"] == "not_implemented_by_backend"
     assert await cluster.rows("listener") == before
     assert _scratch_dirs(worker) == []
 
@@ -204,7 +205,6 @@ async def test_speech_refusals_reach_no_backend(cluster):
         ({"model": "speaker", "input": "hi", "sample_rate": 16000}, "sample_rate"),
         ({"model": "speaker", "input": "hi", "stream_format": "sse"}, "stream_format"),
         ({"model": "speaker", "input": "x" * 4097}, "input"),
-        ({"model": "painter", "input": "hi"}, "model"),
     ]
     for body, param in cases:
         status, _, raw = await threads.deferToThread(_post_json, url, body)
@@ -216,6 +216,10 @@ async def test_speech_refusals_reach_no_backend(cluster):
             "application/json", key=None)
         assert status == 401, (path, raw)
     assert await cluster.rows() == []  # nothing was loaded anywhere
+    # An image model asked to speak is asked (LocalAI's rule): its backend answers it cannot.
+    status, _, raw = await threads.deferToThread(_post_json, url,
+                                                 {"model": "painter", "input": "hi"})
+    assert status == 501 and json.loads(raw)["error"]["code"] == "not_implemented_by_backend"
     # The backend's own refusal (reached): an unknown voice, with valid ones named.
     status, _, raw = await threads.deferToThread(
         _post_json, url, {"model": "speaker", "input": "hi", "voice": "klingon-x"})
@@ -289,13 +293,16 @@ async def test_image_refusals_reach_no_backend(cluster):
         ({"model": "painter", "prompt": "x", "response_format": "jpeg"}, "response_format"),
         ({"model": "painter", "prompt": "x", "style": "vivid"}, "style"),
         ({"model": "painter", "prompt": "x", "quality": "hd"}, "quality"),
-        ({"model": "speaker", "prompt": "x"}, "model"),
     ]
     for body, param in cases:
         status, _, raw = await threads.deferToThread(_post_json, url, body)
         assert status == 400, (body, raw)
         assert json.loads(raw)["error"]["param"] == param, (body, raw)
     assert await cluster.rows() == []  # no model was loaded, no backend called
+    # A speech model asked for an image is asked (LocalAI's rule): its backend answers.
+    status, _, raw = await threads.deferToThread(_post_json, url,
+                                                 {"model": "speaker", "prompt": "x"})
+    assert status == 501 and json.loads(raw)["error"]["code"] == "not_implemented_by_backend"
 
 
 @pytest_twisted.ensureDeferred

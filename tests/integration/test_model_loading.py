@@ -1,6 +1,6 @@
 """Model loading through a real replica and worker (echo backend as a real process): a request
-the model's config rules out is refused before anything is loaded and never unloads a loaded
-model; a failed load is remembered for a short window, shared by requests already waiting,
+for what the model's config does not list is asked of its backend (LocalAI's rule) and never
+unloads a loaded model; a failed load is remembered for a short window, shared by requests already waiting,
 and tried again after it (or at once when the config changes)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task
 
 from localai_tw.backends import backend_pb2
-from localai_tw.frontend.inference.interfaces import ModelLoadFailed, ModelUsecaseUnsupported
+from localai_tw.frontend.inference.interfaces import ModelLoadFailed
 from localai_tw.frontend.inference.loadlock import DEFAULT_FAILED_LOAD_MEMORY
 
 
@@ -34,7 +34,8 @@ def count_control(frontend) -> CountingControl:
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_wrong_request_is_refused_before_any_load_and_unloads_nothing(cluster):
+async def test_a_request_the_config_does_not_list_is_served_and_unloads_nothing(cluster):
+    # LocalAI's rule: use cases never refuse; the loaded model is asked, never reaped for it
     cluster.write_model("vec.yaml", "name: vec\nbackend: echo\nembeddings: true\n"
                                     "options: ['echo.dim:4']\n")
     frontend = await cluster.frontend("replica-a")
@@ -42,17 +43,14 @@ async def test_a_wrong_request_is_refused_before_any_load_and_unloads_nothing(cl
     control = count_control(frontend)
     router = frontend.replica.inference
 
-    with pytest.raises(ModelUsecaseUnsupported, match="it supports: embeddings"):
-        await router.predict("vec", backend_pb2.PredictOptions(Prompt="x"))
-    assert control.verbs == [] and await cluster.rows("vec") == []  # nothing was loaded
-
     served = await router.embed("vec", backend_pb2.PredictOptions(Embeddings="x"))
     [loaded] = await cluster.rows("vec")
     assert loaded[2] == "loaded" and control.verbs == ["backend.start"]
+    answered = await router.predict("vec", backend_pb2.PredictOptions(Prompt="one two"))
+    assert answered.value.message == b"one two"  # the echo backend answers it
     for _ in range(3):
-        with pytest.raises(ModelUsecaseUnsupported):
-            await router.predict_stream("vec", backend_pb2.PredictOptions(Prompt="x"),
-                                        lambda reply: None)
+        await router.predict_stream("vec", backend_pb2.PredictOptions(Prompt="x"),
+                                    lambda reply: None)
     assert await cluster.rows("vec") == [loaded]  # same row, same address: never unloaded
     again = await router.embed("vec", backend_pb2.PredictOptions(Embeddings="x"))
     assert list(again.value.embeddings) == list(served.value.embeddings)
@@ -60,16 +58,15 @@ async def test_a_wrong_request_is_refused_before_any_load_and_unloads_nothing(cl
 
 
 @pytest_twisted.ensureDeferred
-async def test_rerank_on_a_model_that_cannot_rerank_is_refused_before_any_load(cluster):
+async def test_rerank_on_a_chat_listed_model_is_asked_of_its_backend(cluster):
     cluster.write_model("talk.yaml", "name: talk\nbackend: echo\nknown_usecases: [chat]\n")
     frontend = await cluster.frontend("replica-a")
     await cluster.worker("w1", frontend)
-    control = count_control(frontend)
     router = frontend.replica.inference
 
-    with pytest.raises(ModelUsecaseUnsupported, match="it supports: chat"):
-        await router.rerank("talk", backend_pb2.RerankRequest(query="q", documents=["d"]))
-    assert control.verbs == [] and await cluster.rows("talk") == []  # nothing was loaded
+    served = await router.rerank("talk", backend_pb2.RerankRequest(
+        query="red cat", documents=["a red cat", "blue sky"], top_n=2))
+    assert [r.index for r in served.value.results][0] == 0  # echo's word-overlap ranking
 
 
 BAD = "name: bad\nbackend: echo\noptions: ['echo.fail_load:{why}']\n"

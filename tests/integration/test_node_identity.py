@@ -79,7 +79,8 @@ class Cluster:
 
     async def api(self, method: str, path: str, *, body=None, token=ADMIN):
         response = await treq.request(
-            method, self.base + path, headers={"Authorization": f"Bearer {token}"},
+            method, self.base + path, headers={"Authorization": f"Bearer {token}",
+                                               "Content-Type": "application/json"},
             data=json.dumps(body).encode() if body is not None else None, pool=self.pool)
         return response.code, json.loads(await treq.content(response) or b"null")
 

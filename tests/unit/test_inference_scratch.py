@@ -13,7 +13,6 @@ from twisted.internet import defer, task
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.inference.router import InferenceRouter
-from localai_tw.frontend.inference.interfaces import ModelUsecaseUnsupported
 from localai_tw.localai.model_config import parse_model_config
 from localai_tw.frontend.inference.placement import Placement
 from localai_tw.frontend.inference.scratch import AudioConversionFailed, BackendOutputTooLarge
@@ -218,12 +217,13 @@ async def test_transcription_puts_the_audio_and_sends_its_worker_path():
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_model_that_does_not_transcribe_is_refused_before_any_node():
+async def test_a_model_whose_config_lists_no_transcript_is_still_asked():
+    # LocalAI's rule: use cases never refuse a request, the backend serving the model answers
     scratch = Scratch()
     r, chooser, clients = router(["a"], scratch)
-    with pytest.raises(ModelUsecaseUnsupported):  # the config decides, nothing is called
-        await r.transcribe("speaker", backend_pb2.TranscriptRequest(), "/tmp/x", "audio.wav")
-    assert clients.log == [] and scratch.made == []
+    await r.transcribe("speaker", backend_pb2.TranscriptRequest(), "/tmp/x", "audio.wav")
+    assert [(node, method) for node, method, _ in clients.log] == [("a", "AudioTranscription")]
+    assert scratch.made == ["a"] and scratch.removed == ["a"]
 
 
 @pytest_twisted.ensureDeferred

@@ -111,19 +111,35 @@ def measure(catalog) -> tuple[dict, dict]:
 
 def test_every_gallery_template_renders_or_is_refused_naming_the_construct(catalog):
     rendered, refused = measure(catalog)
-    assert rendered == {"chat": 44, "chat_message": 37, "completion": 42, "function": 28}
-    # Each refusal is one LocalAI's Go templates make too, and names the construct:
+    assert rendered == {"chat": 44, "chat_message": 38, "completion": 42, "function": 29}
+    # {{-.Input}}: Go also needs a space after "{{-"; refused when that template is used
     assert refused == {
-        # index of a tool_calls list by "name" (works only with the legacy function_call map)
-        ("mudler.yaml", "chat_message"): "index: cannot index a list with a string",
-        # {{-.Input}}: Go also needs a space after "{{-"
         ("smolvlm.yaml", "completion"):
             "template.completion: unsupported syntax '-.Input' in {{-.Input}}",
-        # a prompt template reading a chat message's field
-        ("tuluv2.yaml", "function"):
-            "unknown field .RoleName; this template may use .Functions, .Input, .Instruction, "
-            ".MessageIndex, .Metadata, .ReasoningEffort, .SuppressSystemPrompt, .SystemPrompt",
     }
+
+
+def test_one_bad_template_does_not_block_the_models_others(catalog):
+    templates = ModelView.of(catalog.get("smolvlm")).templates
+    assert render_chat(templates, [ChatMessage("user", "hi")]).prompt == \
+        "<|im_start|>\nUser: hi<end_of_utterance>\nAssistant: "
+    with pytest.raises(TemplateError, match="template.completion: unsupported syntax"):
+        render_completion(templates, "Once upon a time")
+
+
+def test_a_template_failing_on_its_data_is_left_out_as_localai_does():
+    # LocalAI's evaluator: a chat_message template that fails renders that message without
+    # it (index of a tool_calls list by "name"), a prompt template that fails leaves the
+    # joined messages as the prompt (a function template reading .RoleName)
+    message = PromptTemplates.from_config({
+        "chat_message": '{{if .FunctionCall}}{{index .FunctionCall "name"}}{{else}}'
+                        '{{.RoleName}}: {{.Content}}{{end}}'})
+    prompt = render_chat(message, CONVERSATION[1:3]).prompt
+    assert prompt == "user: weather in Rome?\n" + CONVERSATION[2].tool_calls
+    function = PromptTemplates.from_config({"function": "<{{.RoleName}}>{{.Input}}",
+                                            "chat": "chat: {{.Input}}"})
+    assert render_chat(function, CONVERSATION[1:2], TOOLS).prompt == "weather in Rome?"
+    assert render_chat(function, CONVERSATION[1:2]).prompt == "chat: weather in Rome?"
 
 
 def test_a_chatml_gallery_model_renders_tool_calls_as_json(catalog):
@@ -132,3 +148,17 @@ def test_a_chatml_gallery_model_renders_tool_calls_as_json(catalog):
     assert '{"function":{"arguments":"{\\"city\\":\\"Rome\\"}","name":"weather"},' \
         '"id":"c1","type":"function"}' in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_gallery_use_cases_add_to_the_guess_as_localai_does(catalog):
+    from localai_tw.localai.model_config import usecases
+
+    chat_listed = [c for c in catalog.models() if c.known_usecases == ("chat",)]
+    assert chat_listed, "the gallery has chat-only listed configs"
+    for config in catalog.models():
+        found = usecases(config)
+        assert set(config.known_usecases or ()) <= found, config.source
+        if config.backend == "llama-cpp" and not config.embeddings and \
+                not {"score", "token_classify"} & set(config.known_usecases or ()):
+            # listed for chat only, a completion still goes to llama.cpp (issue 22 §5)
+            assert {"chat", "completion"} <= found, config.source

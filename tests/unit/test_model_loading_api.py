@@ -1,5 +1,5 @@
 """What the OpenAI API tells a client about model loading, over raw HTTP with a fake router:
-a request a model's config says it cannot serve is a 400 before the router is called, a
+a request for what a model's config does not list still reaches the router (LocalAI's rule), a
 streaming request that waits for a cold load gets ``: loading model ...`` comments on the
 reactor's clock, and a remembered failed load answers with ``Retry-After``."""
 
@@ -51,15 +51,33 @@ def chat(model="chatty", **more):
     ({"backend": "echo"}, {"chat", "completion", "embeddings", "rerank"}),
     ({"backend": "bert-numpy"}, {"chat", "completion", "embeddings", "rerank"}),
     ({"backend": "bert-numpy", "embeddings": True}, {"embeddings", "rerank"}),
-    ({"backend": "external", "known_usecases": ["rerank"]}, {"rerank"}),
+    # known_usecases adds to the guess (LocalAI's HasUsecases), it does not replace it
+    ({"backend": "external", "known_usecases": ["rerank"]},
+     {"rerank", "chat", "completion", "embeddings"}),
     ({"backend": "external"}, {"chat", "completion", "embeddings"}),  # the backend decides
     ({"backend": "transformers", "embeddings": True}, {"embeddings"}),
     ({"backend": "llama-cpp"}, {"chat", "completion"}),
     ({"backend": "llama-cpp", "embeddings": True}, {"embeddings"}),
     ({"backend": "external", "embeddings": True}, {"embeddings"}),
     ({"backend": "transformers", "known_usecases": ["chat", "FLAG_EMBEDDINGS"]},
-     {"chat", "embeddings"}),
-    ({"backend": "echo", "known_usecases": []}, set()),
+     {"chat", "completion", "embeddings"}),
+    ({"backend": "echo", "known_usecases": []}, {"chat", "completion", "embeddings", "rerank"}),
+    ({"backend": "llama-cpp", "known_usecases": ["chat"]}, {"chat", "completion"}),
+    # score and token_classify reserve a model: nothing is guessed on top
+    ({"backend": "llama-cpp", "known_usecases": ["score"]}, {"score"}),
+    ({"backend": "llama-cpp", "known_usecases": ["chat", "token_classify"]},
+     {"chat", "token_classify"}),
+    # LocalAI's own backends, as its GuessUsecases names them
+    ({"backend": "whisper"}, {"transcript"}),
+    ({"backend": "whisper", "options": ["vad_only"]}, {"vad"}),
+    ({"backend": "piper"}, {"tts"}),
+    ({"backend": "kokoro", "known_usecases": ["tts"]}, {"tts"}),
+    ({"backend": "stablediffusion-ggml"}, {"image"}),
+    ({"backend": "diffusers"}, set()),
+    ({"backend": "diffusers", "diffusers": {"pipeline_type": "StableDiffusionPipeline"}},
+     {"image"}),
+    ({"backend": "rerankers"}, {"rerank"}),
+    ({"backend": "llama-cpp", "reranking": True}, {"chat", "completion", "rerank"}),
 ])
 def test_usecases_from_the_config(data, expected):
     assert usecases(parse_model_config({"name": "m", **data})) == expected
@@ -80,15 +98,13 @@ def test_known_usecases_must_be_a_list_of_names(raw):
     ("/v1/embeddings", {"model": "gpt", "input": "x"}, "gpt", "chat, completion"),
     ("/v1/chat/completions", chat("only-completion"), "only-completion", "completion"),
 ])
-def test_asking_a_model_for_what_it_does_not_do_is_400_without_a_call(
+def test_asking_a_model_for_what_its_config_does_not_list_reaches_its_backend(
         site, router, path, body, model, supported):
+    # LocalAI never refuses a request for its use case: the backend answers what it cannot do
+    assert not set(supported.split(", ")) & {path.split("/")[-1]}
     response = call(site, "POST", path, body)
-    assert response.status == 400, response.raw_body
-    error = response.json()["error"]
-    assert (error["type"], error["param"], error["code"]) == (
-        "invalid_request_error", "model", "unsupported_by_model")
-    assert f"it supports: {supported}" in error["message"]
-    assert router.calls == []  # decided from the config: nothing was loaded or called
+    assert response.status == 200, response.raw_body
+    assert [name for _, name, _ in router.calls] == [model]
 
 
 def test_what_a_model_does_is_served(site, router):

@@ -209,10 +209,26 @@ def test_an_explicit_tokenizer_template_is_not_a_guess():
         "parameters": {"model": "granite-embedding-125m-english-f16.gguf"}}, {"embeddings"}),
     ("jina-reranker-v1-tiny-en", {
         "f16": True, "known_usecases": ["rerank"], "reranking": True,
-        "parameters": {"model": "jina-reranker-v1-tiny-en.f16.gguf"}}, {"rerank"}),
+        "parameters": {"model": "jina-reranker-v1-tiny-en.f16.gguf"}},
+     {"rerank", "chat", "completion"}),  # listed use cases add to llama-cpp's guess
 ])
 def test_localai_gallery_gguf_entries_without_a_backend_load(name, overrides, serves):
     from localai_tw.localai.model_config import usecases
 
     cfg = parse_model_config({"name": name, **overrides}, f"{name}.yaml")
     assert cfg.backend == "llama-cpp" and usecases(cfg) == serves
+
+
+@pytest.mark.parametrize("name", ["voice-pt_PT-tugão-medium", "piper-pt_PT-tugão-medium-crispasr",
+                                  "模型", "localai@phi-2", "a b", "x:1+2"])
+def test_localais_names_non_ascii_included_are_accepted(name):
+    assert parse_model_config({"name": name, "backend": "echo"}).name == name
+
+
+@pytest.mark.parametrize("name", ["org/model", "a\\b", "nul\x00", "tab\there", ".hidden", "..",
+                                  "bidi\u202eevil", " padded", "é" * 128])
+def test_names_stay_safe_file_names(name):
+    from localai_tw.localai.model_config import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match="name: must be a file name"):
+        parse_model_config({"name": name, "backend": "echo"})

@@ -89,14 +89,19 @@ def test_non_json_content_type_is_415_saying_what_was_sent_and_what_to_send(site
     assert router.calls == []
 
 
-def test_a_json_body_without_content_type_is_accepted(site, router):
+def test_a_json_body_without_content_type_is_refused(site, router):
+    """Issue 21 §7: a web page can POST a body without a Content-Type (or as text/plain)
+    without the browser asking first; with the API open (no key) that drove it.  A JSON body
+    must say so."""
     raw = json.dumps({"model": "embedder", "input": "hi"}).encode("utf-8")
-    client = Client(site)
-    client.channel.dataReceived(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\n"
-                                b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
-    response = client.response()
-    assert response.status == 200, response.raw_body
-    assert response.json()["data"][0]["object"] == "embedding"
+    for content_type in (b"", b"Content-Type: text/plain\r\n"):
+        client = Client(site)
+        client.channel.dataReceived(b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\n"
+                                    + content_type
+                                    + b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+        response = client.response()
+        assert response.status == 415, response.raw_body
+        assert "Content-Type: application/json" in response.json()["error"]["message"]
 
 
 def test_missing_model_is_400_naming_model(site):
@@ -412,10 +417,17 @@ def test_completions_n_bounds(site, router, body):
 
 
 def test_invalid_model_template_is_500_template_error(router):
-    router.configs["broken"] = model_config("broken", template={"chat": "{{.Nope}}"})
+    router.configs["broken"] = model_config("broken", template={"chat": "{{define \"x\"}}"})
     response = call(make_site(router), "POST", "/v1/chat/completions", chat(model="broken"))
     error = assert_error(response, 500, "server_error", code="template_error")
-    assert ".Nope" in error["message"]
+    assert "template.chat" in error["message"] and "define" in error["message"]
+
+
+def test_a_template_reading_a_field_it_lacks_is_left_out_as_localai_does(router):
+    router.configs["broken"] = model_config("broken", template={"chat": "{{.Nope}}"})
+    response = call(make_site(router), "POST", "/v1/chat/completions", chat(model="broken"))
+    assert response.status == 200, response.raw_body
+    assert router.calls[-1][2].Prompt == "hi there"  # the joined messages, as LocalAI sends
 
 
 # -- streaming ------------------------------------------------------------------------------------
@@ -729,10 +741,22 @@ def test_embeddings_usage_asks_tokenize_when_the_backend_reports_no_count(site, 
     assert response.json()["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
     tokenized = [o.Prompt for verb, _, o in router.calls if verb == "tokenize"]
     assert tokenized == ["one two three", "four five"]
-    router.calls.clear()
+
+
+def test_token_ids_a_backend_did_not_evaluate_are_a_400_naming_input(site, router):
+    # LocalAI's Python backends read Embeddings (text) only: ids they ignore embed nothing
+    uncounted(router)
     ids = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": [[1, 2, 3], [4]]})
-    assert ids.json()["usage"] == {"prompt_tokens": 4, "total_tokens": 4}  # ids count themselves
-    assert "tokenize" not in [verb for verb, _, _ in router.calls]
+    error = assert_error(ids, 400, param="input", code="unsupported_parameter")
+    assert "takes text only" in error["message"]
+    assert "check_embedding_ctx_length=False" in error["message"]
+
+
+def test_token_ids_as_langchain_sends_them_are_embedded(site, router):
+    ids = call(site, "POST", "/v1/embeddings", {"model": "embedder", "input": [[1, 2, 3], [4]]})
+    assert ids.status == 200, ids.raw_body
+    assert [list(o.EmbeddingTokens) for verb, _, o in router.calls if verb == "embed"] == \
+        [[1, 2, 3], [4]]
 
 
 def test_a_backend_that_cannot_count_gives_zero_usage_not_a_failure(site, router):
@@ -850,7 +874,9 @@ def test_capabilities_list_every_model_with_what_its_endpoints_accept():
     assert entries["embedder"]["output_modalities"] == []
     # a backend this package does not ship: what it may be asked, no tokenize promise
     assert entries["outside"]["capabilities"] == ["chat", "completion", "embeddings"]
-    assert entries["voice"]["capabilities"] == ["transcript", "tts"]
+    # known_usecases adds to what the backend is guessed to do (LocalAI's HasUsecases)
+    assert entries["voice"]["capabilities"] == ["chat", "completion", "embeddings",
+                                                "transcript", "tts"]
     assert entries["voice"]["input_modalities"] == ["text", "audio"]
     assert entries["voice"]["output_modalities"] == ["text", "audio"]
     assert router.calls == []
@@ -863,7 +889,8 @@ def test_capabilities_is_get_only_and_is_not_a_model_named_capabilities(site, ro
     assert_error(call(site, "GET", "/v1/models/capabilities/x"), 404, code="model_not_found")
 
 
-def test_a_capability_listed_is_one_the_endpoint_accepts():
+def test_a_capability_not_listed_is_still_asked_of_the_backend():
+    # LocalAI's rule: the list picks and shows, it never refuses; the backend answers
     router = FakeRouter([model_config("gen", backend="transformers"),
                          model_config("embedder", backend="sentence-transformers")])
     site = make_site(router)
@@ -871,11 +898,13 @@ def test_a_capability_listed_is_one_the_endpoint_accepts():
     asks = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
             "embeddings": ("/v1/embeddings", {"input": "x"}),
             "rerank": ("/v1/rerank", {"query": "q", "documents": ["a"]})}
+    unlisted = 0
     for entry in listing:
         for capability, (path, body) in asks.items():
+            unlisted += capability not in entry["capabilities"]
             response = call(site, "POST", path, {"model": entry["id"], **body})
-            assert (response.status == 200) == (capability in entry["capabilities"]), \
-                (entry, path, response.raw_body)
+            assert response.status == 200, (entry, path, response.raw_body)
+    assert unlisted == 3 and len(router.calls) == 6
 
 
 # -- routes without /v1 ---------------------------------------------------------------------------
@@ -1012,12 +1041,16 @@ def test_rerank_bad_requests_are_400_and_never_reach_the_router(site, router, bo
     assert router.calls == []
 
 
-def test_rerank_on_a_model_that_cannot_rerank_is_unsupported_by_model():
+def test_rerank_on_a_backend_without_rerank_is_its_unimplemented_answer():
+    from localai_tw.errors import BackendAnswer
+
     router = FakeRouter([model_config("gen", backend="transformers")])
+    router.fail_with = BackendAnswer("node-a", "UNIMPLEMENTED", "Method not implemented!")
     body = {"model": "gen", "query": "q", "documents": ["a"]}
-    assert_error(call(make_site(router), "POST", "/v1/rerank", body), 400, param="model",
-                 code="unsupported_by_model")
-    assert router.calls == []
+    error = assert_error(call(make_site(router), "POST", "/v1/rerank", body), 501,
+                         code="not_implemented_by_backend")
+    assert "Method not implemented!" in error["message"]
+    assert [verb for verb, _, _ in router.calls] == ["rerank"]
 
 
 def test_a_backend_index_the_request_did_not_have_is_a_500_not_a_crash(site, router):

@@ -186,8 +186,12 @@ def test_from_config_reads_the_model_config_template_and_validates_it():
          "join_chat_messages_by_character": " "})
     assert from_mapping.roles == {"user": "U:"} and from_mapping.join == " "
     assert PromptTemplates.from_config(None) == PromptTemplates()
+    # refused when that template is used, naming it (one bad template never blocks others)
+    bad = PromptTemplates.from_config({"chat_message": "{{define \"x\"}}{{end}}",
+                                       "completion": "<{{.Input}}>"})
+    assert render_completion(bad, "x") == "<x>"
     with pytest.raises(TemplateError) as refused:
-        PromptTemplates.from_config({"chat_message": "{{define \"x\"}}{{end}}"})
+        render_chat(bad, [ChatMessage("user", "x")])
     assert "template.chat_message" in str(refused.value)
 
 

@@ -18,8 +18,10 @@ from localai_tw.frontend.api.openai import constraints
 from localai_tw.localai.toolcalls import (
     FunctionConfig,
     FunctionConfigError,
+    ToolCall,
     ToolCallStream,
     parse_tool_calls,
+    split_no_action,
 )
 
 from .gbnf_matcher import Grammar
@@ -594,10 +596,13 @@ def test_the_last_message_knows_the_answer_is_constrained(router):
             "chat_message": "{{.RoleName}}{{if .Function}} (answer with a call){{end}}"})
     router.answer = '{"name": "get_time", "arguments": {}}'
     site = make_site(router)
-    call(site, "POST", "/v1/chat/completions", chat("flagged", tools=[TIME]))
+    call(site, "POST", "/v1/chat/completions", chat("flagged", tools=[TIME],
+                                                    tool_choice="none"))
     call(site, "POST", "/v1/chat/completions", chat("flagged", tools=[TIME],
                                                     tool_choice="required"))
-    assert [c[2].Prompt for c in router.calls] == ["user", "user (answer with a call)"]
+    call(site, "POST", "/v1/chat/completions", chat("flagged", tools=[TIME]))  # auto
+    assert [c[2].Prompt for c in router.calls] == [
+        "user", "user (answer with a call)", "user (answer with a call)"]
 
 
 def test_a_request_grammar_goes_to_a_grammar_backend_and_is_refused_elsewhere(site, router):
@@ -653,3 +658,222 @@ def test_output_validation_never_runs_a_requests_regex():
     validator = constraints._validator_class(schema)(schema)
     errors = list(validator.iter_errors({"a": "a" * 24 + "!"}))
     assert [e.message for e in errors] == ["a schema with a regular expression is not checked here"]
+
+
+# -- tool_choice auto under a grammar: the tools plus LocalAI's no-action function --------------
+
+
+def test_auto_on_a_grammar_backend_allows_a_call_or_the_no_action_answer(site, router):
+    router.answer = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    response = call(site, "POST", "/v1/chat/completions", chat("llama", tools=[WEATHER, TIME]))
+    assert response.status == 200, response.raw_body
+    [(_, _, options)] = router.calls
+    grammar = Grammar(options.Grammar)
+    assert grammar.accepts('{"name":"get_weather","arguments":{"city":"Paris"}}')
+    assert grammar.accepts('{"name":"get_time","arguments":{}}')
+    assert grammar.accepts('{"name":"answer","arguments":{"message":"Hello!"}}')
+    assert not grammar.accepts('{"name":"answer","arguments":{}}')  # message is required
+    assert not grammar.accepts('[{"name":"get_time","arguments":{}}]')  # not parallel
+    assert not grammar.accepts("Hello!")
+    # the model is shown the no-action function with the tools
+    assert " answer(" in options.Prompt
+    shown = json.loads(options.Tools)
+    assert [t["function"]["name"] for t in shown] == ["get_weather", "get_time", "answer"]
+    assert shown[2]["function"]["description"] == \
+        "use this action to answer without performing any action"
+    assert json.loads(options.ToolChoice) == "auto"
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city":"Paris"}'}
+
+
+def test_a_call_of_the_no_action_function_is_a_plain_answer(site, router):
+    router.answer = '{"name": "answer", "arguments": {"message": "Hello there!"}}'
+    body = call(site, "POST", "/v1/chat/completions", chat("llama", tools=[WEATHER])).json()
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Hello there!"}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_a_streamed_no_action_answer_is_content_and_a_streamed_call_is_deltas(site, router):
+    router.stream_pieces = [b'{"name": "answer", ', b'"arguments": {"message": "Hi!"}}']
+    events = call(site, "POST", "/v1/chat/completions",
+                  chat("llama", tools=[WEATHER], stream=True)).events()
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hi!"
+    assert not any("tool_calls" in d for d in deltas)
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    router.stream_pieces = [b'{"name": "get_weather", ', b'"arguments": {"city": "Oslo"}}']
+    events = call(site, "POST", "/v1/chat/completions",
+                  chat("llama", tools=[WEATHER], stream=True)).events()
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert calls[1] == {"index": 0, "function": {"arguments": '{"city":"Oslo"}'}}
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_the_no_action_function_takes_the_configs_name_and_description(router):
+    router.configs["named"] = model_config(
+        "named", backend="llama-cpp", function={
+            "no_action_function_name": "reply", "no_action_description_name": "say it"},
+        template={"chat": "{{.Input}}", "function": FUNCTION_TEMPLATE})
+    router.answer = '{"name": "reply", "arguments": {"message": "Fine."}}'
+    body = call(make_site(router), "POST", "/v1/chat/completions",
+                chat("named", tools=[WEATHER])).json()
+    options = router.calls[0][2]
+    grammar = Grammar(options.Grammar)
+    assert grammar.accepts('{"name":"reply","arguments":{"message":"x"}}')
+    assert not grammar.accepts('{"name":"answer","arguments":{"message":"x"}}')
+    assert json.loads(options.Tools)[-1]["function"]["description"] == "say it"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Fine."}
+
+
+def test_disable_no_action_leaves_only_the_tools_in_the_grammar(router):
+    router.configs["no-answer"] = model_config(
+        "no-answer", backend="llama-cpp", function={"disable_no_action": True},
+        template={"chat": "{{.Input}}", "function": FUNCTION_TEMPLATE})
+    router.answer = '{"name": "get_time", "arguments": {}}'
+    body = call(make_site(router), "POST", "/v1/chat/completions",
+                chat("no-answer", tools=[TIME])).json()
+    options = router.calls[0][2]
+    grammar = Grammar(options.Grammar)  # LocalAI: a call is then the only answer
+    assert grammar.accepts('{"name":"get_time","arguments":{}}')
+    assert not grammar.accepts('{"name":"answer","arguments":{"message":"x"}}')
+    assert [t["function"]["name"] for t in json.loads(options.Tools)] == ["get_time"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("model, tools", [
+    ("llama-nogrammar", [WEATHER]),   # function.grammar.disable
+    ("tooly", [WEATHER]),             # a backend that takes no grammar
+])
+def test_auto_without_a_grammar_renders_the_tools_and_parses_the_answer(site, router, model,
+                                                                        tools):
+    router.answer = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}' \
+                    '</tool_call>'
+    body = call(site, "POST", "/v1/chat/completions", chat(model, tools=tools)).json()
+    options = router.calls[0][2]
+    assert options.Grammar == ""
+    assert [t["function"]["name"] for t in json.loads(options.Tools)] == ["get_weather"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_tool_named_like_the_no_action_function_stays_a_tool(site, router):
+    answer_tool = {"type": "function", "function": {"name": "answer", "parameters": {
+        "type": "object", "properties": {"message": {"type": "string"}}}}}
+    router.answer = '{"name": "answer", "arguments": {"message": "sent"}}'
+    body = call(site, "POST", "/v1/chat/completions",
+                chat("llama", tools=[answer_tool])).json()
+    assert [t["function"]["name"] for t in json.loads(router.calls[0][2].Tools)] == ["answer"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "answer"
+
+
+def test_auto_with_parameters_the_grammar_cannot_compile_runs_unconstrained(site, router):
+    loose = {"type": "function", "function": {"name": "look", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "minLength": 2}}}}}
+    router.answer = "plain words"
+    body = call(site, "POST", "/v1/chat/completions", chat("llama", tools=[loose])).json()
+    assert router.calls[0][2].Grammar == ""
+    assert body["choices"][0]["message"]["content"] == "plain words"
+
+
+def test_parallel_tool_calls_shape_the_auto_grammar(site, router):
+    router.answer = '<tool_call>{"name": "answer", "arguments": {"message": "ok"}}'
+    call(site, "POST", "/v1/chat/completions", chat("llama-parallel", tools=[TIME]))
+    grammar = Grammar(router.calls[0][2].Grammar)
+    assert grammar.accepts('<tool_call>[{"name":"get_time","arguments":{}},'
+                           '{"name":"answer","arguments":{"message":"ok"}}]')
+    router.calls.clear()
+    call(site, "POST", "/v1/chat/completions",
+         chat("llama-parallel", tools=[TIME], parallel_tool_calls=False))
+    grammar = Grammar(router.calls[0][2].Grammar)
+    assert not grammar.accepts('<tool_call>[{"name":"get_time","arguments":{}}]')
+    assert grammar.accepts('<tool_call>{"name":"get_time","arguments":{}}')
+
+
+def test_a_request_grammar_replaces_the_auto_grammar(site, router):
+    router.answer = "yes"
+    call(site, "POST", "/v1/chat/completions",
+         chat("llama", tools=[TIME], grammar='root ::= "yes" | "no"'))
+    options = router.calls[0][2]
+    assert options.Grammar == 'root ::= "yes" | "no"'
+    assert [t["function"]["name"] for t in json.loads(options.Tools)] == ["get_time"]
+
+
+def test_split_no_action_keeps_real_calls_and_reads_the_message():
+    real = ToolCall("get_time", "{}")
+    said = ToolCall("answer", '{"message": "hi"}')
+    assert split_no_action([said], "answer") == ((), "hi")
+    assert split_no_action([said, real], "answer") == ((real,), None)
+    assert split_no_action([ToolCall("answer", "{}")], "answer") == ((), "")
+    assert split_no_action([ToolCall("answer", "not json")], "answer") == ((), "")
+    assert split_no_action([said], None) == ((said,), None)
+    assert split_no_action([], "answer") == ((), None)
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"no_action_function_name": "has space"}, "function.no_action_function_name"),
+    ({"no_action_function_name": 3}, "function.no_action_function_name"),
+    ({"disable_no_action": "yes"}, "function.disable_no_action"),
+    ({"no_action_description_name": ["x"]}, "function.no_action_description_name"),
+])
+def test_a_bad_no_action_setting_names_the_key(raw, field):
+    with pytest.raises(FunctionConfigError) as caught:
+        FunctionConfig.from_yaml(raw)
+    assert caught.value.field == field
+
+
+def test_the_no_action_settings_are_read_without_a_warning():
+    warnings: list[str] = []
+    config = FunctionConfig.from_yaml({"disable_no_action": True,
+                                       "no_action_function_name": "reply",
+                                       "no_action_description_name": "say"}, warnings)
+    assert (config.disable_no_action, config.no_action_name, config.no_action_description) \
+        == (True, "reply", "say")
+    assert warnings == []
+    assert FunctionConfig().no_action_name == "answer"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"name": "answer", "arguments": {"message": "The sea is', "The sea is"),
+    ('{ "name":"answer","arguments":{ "message":"a \\"b\\" \\u00e9 c\\', 'a "b" é c'),
+    ('{"name":"answer","arguments":{"message":"x\\u00', "x"),
+    ('{"name":"answer","arguments":{"message":"', ""),
+    ('{"name":"get_time","arguments":{', None),        # a real call cut: not a message
+    ('{"name":"answer","arguments":{"message":"done"}', None),  # the string closed
+    ("plain words", None),
+])
+def test_a_no_action_answer_cut_by_max_tokens_reads_as_cut_words(text, expected):
+    from localai_tw.localai.toolcalls import cut_no_action_message
+
+    assert cut_no_action_message(text, FunctionConfig(), "answer") == expected
+
+
+def test_a_cut_no_action_answer_is_its_words_streamed_and_not(site, router):
+    router.answer, router.tokens = '{"name": "answer", "arguments": {"message": "It is a sto', 9
+    router.stream_pieces = [b'{"name": "answer", ', b'"arguments": {"message": "It is a sto']
+    body = call(site, "POST", "/v1/chat/completions",
+                chat("llama", tools=[WEATHER], max_tokens=9)).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is a sto"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    events = call(site, "POST", "/v1/chat/completions",
+                  chat("llama", tools=[WEATHER], stream=True, max_tokens=2)).events()
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "It is a sto"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("prefix, text, expected", [
+    ("<tool_call>", '<tool_call> [ {"name":"answer","arguments":{"message":"Hi th', "Hi th"),
+    ("", '[{"name": "answer", "arguments": {"message": "Hi', "Hi"),
+    ("", " " * 100_000 + "x", None),  # a long run that never opens the call: one pass
+])
+def test_a_cut_answer_after_the_prefix_or_in_a_list_is_read(prefix, text, expected):
+    from localai_tw.localai.toolcalls import cut_no_action_message
+
+    assert cut_no_action_message(text, FunctionConfig(grammar_prefix=prefix), "answer") == \
+        expected

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from localai_tw.frontend.gallery import installs as gallery
+from localai_tw.frontend.gallery import index as gallery
 from localai_tw.localai.model_config import ModelConfigError, load_model_file
 from localai_tw.localai.yamlbound import AliasBombError, Limits, bounded_loader
 
@@ -67,18 +67,18 @@ def test_a_big_gallery_index_that_merges_a_base_entry_still_loads():
             "  overrides: {parameters: {temperature: 0.2, top_p: 0.9}, context_size: 4096}\n")
     entries = "".join(f"- <<: *base\n  name: model-{i}\n  urls: [https://example.org/{i}]\n"
                       for i in range(2500))
-    data = gallery._yaml_load((base + entries).encode(), index=True)
+    data = gallery.yaml_load((base + entries).encode(), index=True)
     assert len(data) == 2501
     assert data[-1]["license"] == "apache-2.0" and data[-1]["name"] == "model-2499"
     with pytest.raises(AliasBombError):  # the same text as an entry's config: refused
-        gallery._yaml_load((base + entries).encode())
+        gallery.yaml_load((base + entries).encode())
 
 
 def test_gallery_configs_and_indexes_refuse_bombs():
     with pytest.raises(AliasBombError):
-        gallery._yaml_load(bomb(11).encode())
+        gallery.yaml_load(bomb(11).encode())
     with pytest.raises(AliasBombError):
-        gallery._yaml_load(bomb(14).encode(), index=True)
+        gallery.yaml_load(bomb(14).encode(), index=True)
 
 
 @pytest.mark.parametrize("base", [yaml.SafeLoader, getattr(yaml, "CSafeLoader",

@@ -17,13 +17,9 @@ from __future__ import annotations
 
 from twisted.web.resource import Resource
 
-from localai_tw.frontend.gallery.installs import (
-    GalleryBusy,
-    GalleryError,
-    GalleryExists,
-    GalleryJobs,
-    _is_file_name,
-)
+from localai_tw.frontend.gallery.installs import GalleryBusy, GalleryExists, GalleryJobs
+
+from localai_tw.frontend.gallery.index import GalleryError, is_file_name
 from localai_tw.frontend.gallery.overrides import RefusedOverride, check_request_overrides
 from localai_tw.frontend.api.kit import (
     AdminResource,
@@ -73,7 +69,7 @@ class GalleryResource(AdminResource):
             raise bad_request("'id' must name a gallery entry (gallery@name or name; GET "
                               "/models/available lists them)", field="id")
         name = body.get("name")
-        if name is not None and not _is_file_name(name):
+        if name is not None and not is_file_name(name):
             raise bad_request("'name' must be a model name usable as a file name (no '/', "
                               "'\\\\', leading '.', at most 200 characters)", field="name")
         if body.get("variant"):
@@ -101,7 +97,7 @@ class GalleryResource(AdminResource):
         return 200, _accepted(request, job_id)
 
     async def delete(self, request, name: str):
-        if not _is_file_name(name):
+        if not is_file_name(name):
             raise bad_request("the model name must be usable as a file name")
         try:
             return 200, _accepted(request, await self._gallery.delete(name))

@@ -38,12 +38,13 @@ from localai_tw.web.errors import (
     APIError,
     bad_request,
     error_body,
+    hide_host_paths,
     not_found,
     too_large,
     unauthorized,
 )
 from localai_tw.web.json import COMPACT, json_body, write_json
-from localai_tw.web.listener import MAX_BODY_BYTES
+from localai_tw.web.listener import MAX_BODY_BYTES, may_log_failure
 from localai_tw.web.ratelimit import SourceRateLimit
 
 if TYPE_CHECKING:  # the parts' types only: the APIs serve them, they never build them
@@ -73,8 +74,9 @@ def database_unavailable() -> APIError:
 
 def worker_call_error(error: errors.ClusterError) -> APIError:
     """The admin API's answer for a failed call to a worker; one status per condition, so an
-    operator never reads a peer failure or a reconnecting tunnel as the worker's verdict."""
-    message = str(error)
+    operator never reads a peer failure or a reconnecting tunnel as the worker's verdict; no
+    absolute path of the worker's disk."""
+    message = hide_host_paths(str(error))
     if isinstance(error, errors.RoutingFact):
         return APIError(503, message, "service_unavailable", code=error.condition)
     if isinstance(error, errors.AbsentWithinGrace):
@@ -104,18 +106,21 @@ def read_json_object(request, *, required: bool = True) -> dict:
 
     :param required: False lets an empty body stand for ``{}``.
     :raises APIError: 413 over the cap (a backstop: ``BoundedRequest`` refuses earlier), 415
-        for a non-JSON content type (a missing one is accepted), 400 for a body that is not
+        for a body whose Content-Type is not ``application/json`` (a missing one too: a web
+        page can send a body without a Content-Type, or as ``text/plain``, to any address
+        without asking the browser first, so an API reachable without a key, the loopback
+        default, would be driven by any page its user opens), 400 for a body that is not
         UTF-8 JSON or not an object.
     """
     content_type = request.getHeader(b"content-type")
-    if content_type is not None:  # absent is fine: the body is read as JSON (as LocalAI does)
-        media = content_type.split(b";", 1)[0].strip().lower()
-        if media not in (b"application/json", b""):
-            sent = printable(media.decode("latin-1"))
-            raise APIError(415, f"Content-Type {sent!r} is not accepted: the body must be JSON "
-                           "sent as Content-Type: application/json, or with no Content-Type "
-                           "(curl -d needs -H 'Content-Type: application/json')",
-                           "unsupported_media_type", code="unsupported_media_type")
+    media = (content_type or b"").split(b";", 1)[0].strip().lower()
+    if media != b"application/json" and _has_body(request):
+        sent = (f"Content-Type {printable(media.decode('latin-1'))!r} is" if content_type
+                is not None else "a body without a Content-Type is")
+        raise APIError(415, f"{sent} not accepted: the body must be JSON sent with "
+                       "Content-Type: application/json (curl: -H 'Content-Type: "
+                       "application/json')", "unsupported_media_type",
+                       code="unsupported_media_type")
     content = request.content
     if content is None:
         raw = b""
@@ -146,6 +151,17 @@ def read_json_object(request, *, required: bool = True) -> dict:
         raise bad_request(f"{where or 'a field name'} contains {what}, which no backend, "
                           f"gRPC message or database row can carry", field=where or None)
     return decoded
+
+
+def _has_body(request) -> bool:
+    content = request.content
+    if content is None:
+        return False
+    position = content.tell()
+    content.seek(0, 2)
+    size = content.tell()
+    content.seek(position, 0)
+    return size > 0
 
 
 def _first_unsafe_string(value: Any, path: str) -> tuple[str, str] | None:
@@ -304,9 +320,10 @@ class JSONResource(Resource):
             answer = database_unavailable()
             status, body, headers = answer.status, answer.body(), answer.headers
         except Exception:
-            log.failure("{method} {path} failed", Failure(),
-                        method=request.method.decode("ascii", "replace"),
-                        path=printable(_path_text(request)))
+            if may_log_failure(request):  # a burst per client, then a summary
+                log.failure("{method} {path} failed", Failure(),
+                            method=request.method.decode("ascii", "replace"),
+                            path=printable(_path_text(request)))
             status, headers = 500, {}
             body = error_body("internal error; see the frontend log", "internal_error")
         if gone:

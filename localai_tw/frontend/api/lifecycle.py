@@ -51,7 +51,7 @@ from localai_tw.frontend.api.kit import (
     Route,
     worker_call_error,
 )
-from localai_tw.web.errors import APIError, bad_request
+from localai_tw.web.errors import APIError, bad_request, hide_host_paths
 
 log = Logger()
 
@@ -148,8 +148,8 @@ class BackendResource(AdminResource):
         try:
             placement = await self._inference.loads.load(config)
         except ModelLoadFailed as e:
-            raise APIError(500, f"failed to load model: {e}", "load_failed",
-                           code="model_load_failed") from None
+            raise APIError(500, f"failed to load model: {hide_host_paths(str(e))}",
+                           "load_failed", code="model_load_failed") from None
         except NoNodeAvailable as e:
             raise APIError(503, str(e), "service_unavailable", code="no_node",
                            headers={"Retry-After": "5"}) from None

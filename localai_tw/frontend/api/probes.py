@@ -40,7 +40,9 @@ class ReadinessResource(Resource):
     ``probe_timeout``; else 503.
 
     The body is JSON: ``{"ready": true}`` or ``{"ready": false, "reason": "...", "state":
-    "..."}`` (``state`` when ``state`` is given: the replica's startup state).  The probe
+    "..."}`` (``state`` when ``state`` is given: the replica's startup state), with
+    ``"listener": {"saturated": true, ...}`` while the listener's connection cap is full (the
+    status stays as it is: see :meth:`_answer`).  The probe
     query is bounded by ``probe_timeout`` so a hung pool shows as not ready instead of hanging
     the load balancer's check.
     """
@@ -96,6 +98,14 @@ class ReadinessResource(Resource):
         body: dict[str, Any] = {"ready": True} if ready else {"ready": False, "reason": reason}
         if not ready and self._state is not None:
             body["state"] = self._state()
+        site = getattr(request, "site", None)
+        if getattr(site, "saturated", False):
+            # Said, not acted on: a replica whose connection cap is full still serves its
+            # tunnels, held connections and the requests in progress, and each source gets
+            # its share of the cap again as connections close; pulling it from the balancer
+            # would let one flooding address take replicas out one after the other.
+            body["listener"] = {"saturated": True, "open_connections": site.open_connections,
+                                "max_connections": site.max_connections}
         return json.dumps(body).encode()
 
     def _finish(self, request, client_gone: list[bool], ready: bool, reason: str) -> None:

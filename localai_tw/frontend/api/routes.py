@@ -175,7 +175,8 @@ class Wiring:
 
     @functools.cached_property
     def registration(self) -> WorkerRegistrationResource:
-        return WorkerRegistrationResource(self.parts, hold_connection=self.site.hold_connection)
+        return WorkerRegistrationResource(self.parts, hold_connection=self.site.hold_connection,
+                                          clock=self.reactor)
 
     @functools.cached_property
     def traces(self) -> TraceRing:

@@ -30,9 +30,16 @@ no approval handed over): the shared token admits workers, it does not make them
 Errors are ``{"error": {"message", "type", "field"?}}``: 400 ``invalid_request`` naming the
 field, 401 ``unauthorized`` (the registration token is missing or wrong), 404 ``not_found``,
 409 ``conflict`` (the name belongs to another node), 413 over the body cap, 429
-``rate_limited`` with ``Retry-After`` when the source address made more than
-``--registration-limit`` registrations in the last minute (checked first, before the token),
-503 while the frontend is starting.
+``rate_limited`` with ``Retry-After``, 503 while the frontend is starting.
+
+Rate limits, per source (an IPv4 address, an IPv6 /64: ``web.listener.source_key``), after
+the token check, so that anonymous requests never spend the budget of the workers behind the
+same NAT or balancer: a request with a missing or wrong token, on any ``/api/node`` route,
+takes from the source's *failures* (:data:`FAILURES_PER_MINUTE`; beyond them 429 instead of
+401); a registration with the right token takes from its *registrations*
+(``--registration-limit`` per minute).  Heartbeats with the right token are not limited.  The
+route is told from the percent-decoded path, as it is dispatched (``regi%73ter`` is a
+registration).
 
 This module must never log or echo the registration token, the node key or the tunnel
 credential (the credential appears only in the 201 body), never accept a body over the cap,
@@ -75,12 +82,18 @@ from localai_tw.frontend.api.kit import (
 )
 
 from localai_tw.web.errors import APIError, bad_request, conflict, not_found, unauthorized
+from localai_tw.web.listener import source_key
+from localai_tw.web.ratelimit import SourceRateLimit
 
 log = Logger()
 
 REGISTER_FIELDS = ("name", "node_key", "node_type", "labels", "capacity",
                    "max_replicas_per_model", "gpu_vendor")
 HEARTBEAT_FIELDS = ("capacity",)
+
+#: Requests with a missing or wrong registration token one source may make per minute (at
+#: once, then refilled evenly) on ``/api/node``; more are answered 429.
+FAILURES_PER_MINUTE = 30
 
 #: What a node id in a URL may look like (ids are UUIDs; at most 36 characters in the table).
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,35}$")
@@ -121,10 +134,13 @@ class WorkerRegistrationResource(JSONResource):
     """
 
     def __init__(self, parts: ClusterParts,
-                 hold_connection: Callable[[Any, str], None] | None = None):
+                 hold_connection: Callable[[Any, str], None] | None = None, clock=None):
         super().__init__()
         self._parts = parts
         self._hold_connection = hold_connection
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self.failures = SourceRateLimit(FAILURES_PER_MINUTE / 60.0, FAILURES_PER_MINUTE, clock)
 
     def routes(self):
         return (Route("POST", ("register",), self.register),
@@ -132,32 +148,37 @@ class WorkerRegistrationResource(JSONResource):
 
     def guard(self, request) -> None:
         """From the headers alone (``BoundedSite`` also runs it when the headers of a request
-        with a body end): 429 for a source over its registration limit, then 401 without the
-        registration token."""
-        self._check_rate(self._parts, request)
-        self._check_token(self._parts, request)
+        with a body end, and it runs again at dispatch: the verdict is kept on the request, so
+        a request is counted once): the token, then the source's limits (module docstring)."""
+        verdict = getattr(request, "_ltw_node_verdict", None)
+        if verdict is None:
+            verdict = request._ltw_node_verdict = self._verdict(request)
+        if isinstance(verdict, APIError):
+            raise verdict
 
-    @staticmethod
-    def _check_rate(parts, request) -> None:
-        """``--registration-limit``: registrations per source address per minute, checked
-        before the token (guessing tokens is limited too) and once per request (the guard runs
-        at the end of the headers and again at dispatch)."""
-        limit = parts.registration_limit
+    def _verdict(self, request) -> APIError | bool:
+        source = source_key(request.getClientAddress())
+        try:
+            self._check_token(self._parts, request)
+        except APIError as refusal:
+            wait = self.failures.take(source)
+            if wait:
+                return _rate_limited(
+                    f"too many requests with a missing or wrong registration token from this "
+                    f"address (at most {self.failures.burst} per minute); fix the worker's "
+                    f"--registration-token", self.failures, wait)
+            return refusal
+        limit = self._parts.registration_limit
         segments = getattr(request, "guarded_segments", None)
-        if segments is None:  # at dispatch: the path is parsed by then
-            segments = tuple(request.path.split(b"?", 1)[0].split(b"/"))
-        if limit is None or [s for s in segments if s][-1:] != [b"register"]:
-            return
-        wait = getattr(request, "_ltw_registration_wait", None)
-        if wait is None:
-            source = getattr(request.getClientAddress(), "host", None) or "?"
+        if segments is None:  # at dispatch: the path is parsed (and percent-decoded) by then
+            segments = (*request.prepath, *request.postpath)
+        if limit is not None and [s for s in segments if s][-1:] == [b"register"]:
             wait = limit.take(source)
-            request._ltw_registration_wait = wait  # the site logs 4xx answers, rate-limited
-        if wait:
-            raise APIError(
-                429, f"too many registrations from this address (at most {limit.burst} per "
-                f"minute, --registration-limit); retry after {limit.retry_after(wait)} s",
-                "rate_limited", headers={"Retry-After": limit.retry_after(wait)})
+            if wait:
+                return _rate_limited(
+                    f"too many registrations from this address (at most {limit.burst} per "
+                    f"minute, --registration-limit)", limit, wait)
+        return True
 
     @staticmethod
     def _check_token(parts, request) -> str | None:
@@ -222,6 +243,12 @@ class WorkerRegistrationResource(JSONResource):
         if self._hold_connection is not None:
             self._hold_connection(request, node_id)
         return 200, {"status": status.value}
+
+
+def _rate_limited(why: str, limit: SourceRateLimit, wait: float) -> APIError:
+    retry = limit.retry_after(wait)
+    return APIError(429, f"{why}; retry after {retry} s", "rate_limited",
+                    headers={"Retry-After": retry})
 
 
 def is_heartbeat_path(path: bytes) -> bool:

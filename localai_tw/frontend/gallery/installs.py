@@ -1,12 +1,8 @@
-"""LocalAI's model gallery on a cluster: the indexes (``--galleries``), and installs and deletes
-run as jobs whose state every replica can answer (``docs/models.md``, "Gallery").
+"""LocalAI's model gallery on a cluster: installs and deletes run as jobs whose state every
+replica can answer (``docs/models.md``, "Gallery"); the indexes they install from are read by
+``index.py`` after this module fetched them (``file://``, ``http://``, ``https://`` or
+``github:``, at each use, through the destination policy).
 
-- **Indexes**: a YAML or JSON list of entries in LocalAI's format (``name``, ``description``,
-  ``license``, ``urls``, ``icon``, ``tags``, ``url`` (a config file) or ``config_file``,
-  ``overrides``, ``files`` of ``{filename, uri, sha256}``), read from ``file://``, ``http://``,
-  ``https://`` or ``github:`` at each use, at most :data:`MAX_INDEX_BYTES` and
-  :data:`MAX_ENTRIES`; an entry that is not usable (no name, a name that is not a file name) is
-  left out and counted.
 - **Jobs**: ``POST /models/apply`` admits an install and answers its id at once. The job is
   *queued* in this replica's memory (installs run one at a time per replica, as LocalAI's
   gallery service does) and has no row yet; its state is broadcast over the PostgreSQL fan-out
@@ -57,7 +53,6 @@ from localai_tw.cluster.clock import (
 from localai_tw.bus.pgbus import BusStopped
 from localai_tw.web.readers import ResponseTooLarge, read_bounded
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
-from localai_tw.localai.yamlbound import GALLERY_INDEX, MODEL_CONFIG, bounded_loader
 
 from localai_tw.frontend.inference.downloads import (
     failure_reason,
@@ -65,40 +60,39 @@ from localai_tw.frontend.inference.downloads import (
     resolve_url,
     shown_url,
 )
+from localai_tw.frontend.gallery.index import (
+    MAX_CONFIG_BYTES,
+    MAX_INDEX_BYTES,
+    Gallery,
+    GalleryEntry,
+    GalleryError,
+    is_file_name,
+    yaml_load,
+    merge,
+    parse_files,
+    parse_index,
+)
 from localai_tw.frontend.inference.fetchpolicy import fetch_agent
 from localai_tw.frontend.inference.interfaces import ModelFileMismatch
 from localai_tw.localai.model_config import (
     ModelCatalog,
     ModelConfigError,
-    ModelDownload,
     parse_model_config,
 )
 
 log = Logger()
 
-#: Largest index or entry config read (LocalAI's own index is about 2.4 MB).
-MAX_INDEX_BYTES = 32 * 1024 * 1024
-MAX_CONFIG_BYTES = 1024 * 1024
-MAX_ENTRIES = 20000
-MAX_FILES = 64
-MAX_NAME = 200
-#: Longest description kept from an index entry (characters).
-MAX_DESCRIPTION = 64 * 1024
+FETCH_TIMEOUT = 60.0
 #: Jobs one replica holds queued (admitted, not started).
 MAX_QUEUED = 256
 #: Job snapshots a replica remembers (the oldest finished go first).
 MAX_REMEMBERED = 1024
-FETCH_TIMEOUT = 60.0
 #: Finished rows older than this are purged when a job starts.
 ROW_RETENTION_SECONDS = 7 * 86400
 SUBJECT_ROOT = "gallery"
 DATABASE_DOWN = (DatabaseUnavailable, PoolClosed)
 #: Tries of the final row write when the database is unavailable (1 s, 2 s, ... apart).
 FINISH_TRIES = 5
-
-
-class GalleryError(Exception):
-    """A gallery or an entry that cannot be used; the message names the cause and the fix."""
 
 
 class GalleryExists(GalleryError):
@@ -112,86 +106,6 @@ def _exists_message(name: str) -> str:
 
 class GalleryBusy(GalleryError):
     """This replica has :data:`MAX_QUEUED` jobs waiting already."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Gallery:
-    name: str
-    url: str
-
-
-@dataclasses.dataclass(frozen=True)
-class GalleryEntry:
-    gallery: Gallery
-    name: str
-    description: str = ""
-    license: str = ""
-    urls: tuple[str, ...] = ()
-    icon: str = ""
-    tags: tuple[str, ...] = ()
-    url: str = ""
-    config_file: Any = None
-    overrides: dict = dataclasses.field(default_factory=dict)
-    files: tuple[ModelDownload, ...] = ()
-
-    @property
-    def id(self) -> str:
-        return f"{self.gallery.name}@{self.name}"
-
-    def metadata(self, installed: bool) -> dict[str, Any]:
-        """LocalAI's ``gallery.Metadata`` JSON (``/models/available``)."""
-        return {"id": self.id, "url": self.url, "name": self.name,
-                "description": self.description, "license": self.license,
-                "urls": list(self.urls), "icon": self.icon, "tags": list(self.tags),
-                "files": [{"filename": f.filename, "uri": f.uri, "sha256": f.sha256 or ""}
-                          for f in self.files],
-                "gallery": {"name": self.gallery.name, "url": self.gallery.url},
-                "installed": installed}
-
-
-def parse_galleries(values) -> tuple[Gallery, ...]:
-    """``--galleries`` values: LocalAI's JSON ``[{"name": ..., "url": ...}]``, ``name=url``, or
-    a bare URL (named after its file). :raises GalleryError:"""
-    out: list[Gallery] = []
-    for value in values or ():
-        value = value.strip()
-        if not value:
-            continue
-        if value.startswith("["):
-            try:
-                items = json.loads(value)
-            except ValueError as e:
-                raise GalleryError(f"--galleries: not JSON ({e})") from None
-            if not isinstance(items, list) or not all(
-                    isinstance(i, dict) and isinstance(i.get("url"), str) for i in items):
-                raise GalleryError('--galleries: JSON must be [{"name": ..., "url": ...}]')
-            pairs = [(str(i.get("name") or ""), i["url"]) for i in items]
-        elif "=" in value.split("://", 1)[0]:
-            name, _, url = value.partition("=")
-            pairs = [(name, url)]
-        else:
-            pairs = [("", value)]
-        for name, url in pairs:
-            if not url.startswith(("file://", "http://", "https://", "github:")):
-                raise GalleryError(f"--galleries: {shown_url(url)[:200]} is not a file://, "
-                                   "http(s):// or github: URL")
-            if not name:
-                base = os.path.basename(urlsplit(url.split("@", 1)[0]).path) or "gallery"
-                name = base.rsplit(".", 1)[0] or "gallery"
-            if not _is_file_name(name) or "@" in name:
-                raise GalleryError(f"--galleries: the name {name[:64]!r} must be a plain name")
-            out.append(Gallery(name, url))
-    if len({g.name for g in out}) != len(out):
-        raise GalleryError("--galleries: two galleries have the same name")
-    return tuple(out)
-
-
-def _is_file_name(name: Any) -> bool:
-    return (isinstance(name, str) and 0 < len(name) <= MAX_NAME and not name.startswith(".")
-            and all(c not in name for c in "/\\\x00") and name.isprintable())
-
-
-# -- reading -------------------------------------------------------------------------------
 
 
 async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
@@ -252,98 +166,6 @@ async def read_url(url: str, limit: int, reactor, agent=None) -> bytes:
     finally:
         if timer.active():
             timer.cancel()
-
-
-_SAFE = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-#: Safe loaders whose aliases may add only a bounded number of values (``yamlbound.py``): an
-#: index is the operator's and big (its entries merge ``<<: *base``), loaded in a thread; an
-#: entry's config and the install records are model-config sized, read on the reactor.
-_INDEX_LOADER = bounded_loader(_SAFE, GALLERY_INDEX)
-_CONFIG_LOADER = bounded_loader(_SAFE, MODEL_CONFIG)
-
-
-def _yaml_load(data: bytes, *, index: bool = False) -> Any:
-    """:raises yaml.YAMLError: (``AliasBombError`` when aliases expand past the bound)."""
-    loader = _INDEX_LOADER if index else _CONFIG_LOADER
-    return yaml.load(data, Loader=loader)  # noqa: S506 (a safe loader)
-
-
-def _text(value: Any, limit: int) -> str:
-    return value[:limit] if isinstance(value, str) else ""
-
-
-def _strings(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        return ()
-    return tuple(v[:4096] for v in value[:64] if isinstance(v, str))
-
-
-def parse_files(raw: Any, where: str) -> tuple[ModelDownload, ...]:
-    """An entry's ``files``. :raises GalleryError:"""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or len(raw) > MAX_FILES:
-        raise GalleryError(f"{where}.files must be a list of {{filename, uri, sha256}} (at most "
-                           f"{MAX_FILES})")
-    try:
-        parsed = parse_model_config({"name": "x", "backend": "echo", "download_files": raw})
-    except ModelConfigError as e:
-        field = (e.field or "").replace("download_files", "files")
-        raise GalleryError(f"{where}: {field}: {e.problem}") from None
-    return tuple(dataclasses.replace(d, where=f"{where}: files[{i}]")
-                 for i, d in enumerate(parsed.downloads))
-
-
-def parse_index(data: Any, gallery: Gallery) -> tuple[list[GalleryEntry], int]:
-    """The usable entries of one decoded index, and how many were left out.
-    :raises GalleryError: when it is not a list."""
-    if isinstance(data, dict) and isinstance(data.get("models"), list):
-        data = data["models"]
-    if not isinstance(data, list):
-        raise GalleryError(f"gallery {gallery.name}: the index must be a YAML or JSON list of "
-                           "entries")
-    entries: list[GalleryEntry] = []
-    skipped = 0
-    for raw in data[:MAX_ENTRIES]:
-        try:
-            entries.append(parse_entry(raw, gallery))
-        except GalleryError:
-            skipped += 1
-    return entries, skipped + max(0, len(data) - MAX_ENTRIES)
-
-
-def parse_entry(raw: Any, gallery: Gallery) -> GalleryEntry:
-    if not isinstance(raw, dict) or not _is_file_name(raw.get("name")):
-        raise GalleryError("an entry needs a name usable as a file name")
-    name = raw["name"]
-    url = raw.get("url") or ""
-    overrides = raw.get("overrides") or {}
-    config_file = raw.get("config_file")
-    if not isinstance(url, str) or not isinstance(overrides, dict) \
-            or not isinstance(config_file, (str, dict, type(None))):
-        raise GalleryError(f"entry {name}: url must be a string, overrides a mapping, "
-                           "config_file a string or mapping")
-    return GalleryEntry(
-        gallery=gallery, name=name, description=_text(raw.get("description"), MAX_DESCRIPTION),
-        license=_text(raw.get("license"), 256), urls=_strings(raw.get("urls")),
-        icon=_text(raw.get("icon"), 4096), tags=_strings(raw.get("tags")), url=url,
-        config_file=config_file, overrides=overrides,
-        files=parse_files(raw.get("files"), f"entry {name}"))
-
-
-def merge(base: dict, over: dict) -> dict:
-    """``over`` merged into ``base`` (mappings deeply, anything else replaced), as LocalAI's
-    ``mergo.WithOverride``."""
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-# -- jobs ----------------------------------------------------------------------------------
 
 
 _CLAIM_STALE_SQL = (
@@ -450,7 +272,7 @@ class GalleryJobs(Service):
             data = await read_url(gallery.url, MAX_INDEX_BYTES, self._reactor, self._agent)
             try:
                 decoded = await threads.deferToThreadPool(
-                    self._reactor, self._reactor.getThreadPool(), _yaml_load, data,
+                    self._reactor, self._reactor.getThreadPool(), yaml_load, data,
                     index=True)
             except yaml.YAMLError as e:
                 raise GalleryError(f"gallery {gallery.name}: the index is not YAML or JSON "
@@ -706,7 +528,7 @@ class GalleryJobs(Service):
             self._refuse_local(entry.url, f"entry {entry.id}: url")
             data = await read_url(entry.url, MAX_CONFIG_BYTES, self._reactor, self._agent)
             try:
-                remote = _yaml_load(data)
+                remote = yaml_load(data)
             except yaml.YAMLError as e:
                 raise GalleryError(f"entry {entry.id}: its url is not YAML ({str(e)[:200]})") \
                     from None
@@ -719,7 +541,7 @@ class GalleryJobs(Service):
                                "overrides or files")
         if isinstance(config_text, str):
             try:
-                config = _yaml_load(config_text.encode("utf-8")) or {}
+                config = yaml_load(config_text.encode("utf-8")) or {}
             except yaml.YAMLError as e:
                 raise GalleryError(f"entry {entry.id}: config_file is not YAML "
                                    f"({str(e)[:200]})") from None
@@ -808,7 +630,7 @@ class GalleryJobs(Service):
                       yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
     async def _delete(self, op: _Op) -> None:
-        if not _is_file_name(op.name):
+        if not is_file_name(op.name):
             raise GalleryError(f"{op.name[:64]!r} is not a model name")
 
         def remove() -> bool:
@@ -839,7 +661,7 @@ class GalleryJobs(Service):
 def _record_files(path: str) -> set[str]:
     try:
         with open(path, "rb") as f:
-            record = _yaml_load(f.read(MAX_CONFIG_BYTES))
+            record = yaml_load(f.read(MAX_CONFIG_BYTES))
         return {f["filename"] for f in record.get("files") or ()
                 if isinstance(f, dict) and isinstance(f.get("filename"), str)}
     except (OSError, yaml.YAMLError, AttributeError, TypeError):

@@ -10,9 +10,8 @@ Failures (every returned Deferred fails with exactly one of these):
 - ``ModelNotFound(name)`` - no model config by that name (HTTP 404 ``model_not_found``).
 - ``ModelConfigInvalid(name, problem)`` - the file meant to define it cannot load (HTTP 500
   ``model_config_invalid``, naming the file and the reason).
-- ``ModelUsecaseUnsupported(name, asked, supported)`` - the model's config says it is not for
-  this call (``predict*`` needs ``chat`` or ``completion``, ``embed`` needs ``embeddings``; the
-  rule is ``models.usecases``).  Decided before any load or backend call (HTTP 400).
+- ``CapabilityNotHonoured(name, capability, node_id)`` - the backend answered without what
+  the request asked (``logprobs``) though its backend name claims it (HTTP 400).
 - ``NoNodeAvailable(name, reason)`` - a routing fact: no healthy ``backend`` node matches the
   model's node selector, or every candidate has no route now (HTTP 503).
 - ``ModelLoadFailed(name, node_id, detail)`` - the worker answered: ``backend.start`` or
@@ -122,21 +121,21 @@ class ModelLoadFailed(WorkerAnswer):
         WorkerAnswer.__init__(self, node_id, f"model {name!r} failed to load: {detail}")
 
 
-class ModelUsecaseUnsupported(ClusterError):
-    """The model's config says it does not do what was asked (chat on an embeddings model,
-    embeddings on a chat model).  Decided from the config; no backend was called, nothing may
-    act on it."""
+class CapabilityNotHonoured(ClusterError):
+    """The backend serving ``name`` answered without what the request asked of it
+    (``capability``: ``logprobs``), though its backend's name claims it: another program
+    under that name (a LocalAI backends directory's ``transformers``).  Told from the answer;
+    nothing may act on it."""
 
     actionable = False
-    condition = "model-usecase-unsupported"
+    condition = "capability-not-honoured"
 
-    def __init__(self, name: str, asked: str, supported):
+    def __init__(self, name: str, capability: str, node_id: str):
         self.name = name
-        self.asked = asked
-        self.supported = tuple(sorted(supported))
-        does = ", ".join(self.supported) if self.supported else "nothing this server serves"
-        super().__init__(f"model {name!r} does not support {asked}; it supports: {does} "
-                         f"(its config's backend, embeddings and known_usecases decide)")
+        self.capability = capability
+        self.node_id = node_id
+        super().__init__(f"the backend serving model {name!r} on node {node_id} answered "
+                         f"without {capability}: it does not honour {capability}")
 
 
 class NoNodeAvailable(RoutingFact):
@@ -205,8 +204,8 @@ class IInferenceRouter(Interface):
 
     def rerank(name, request, deadline=None):
         """``Rerank`` of a ``backend_pb2.RerankRequest``: returns
-        ``Deferred[Served[backend_pb2.RerankResult]]``; refused (``ModelUsecaseUnsupported``)
-        for a model whose config rules reranking out."""
+        ``Deferred[Served[backend_pb2.RerankResult]]``; any configured model may be asked
+        (a backend without ``Rerank`` answers ``UNIMPLEMENTED``)."""
 
     def tts(name, request, max_bytes, deadline=None, response_format="wav"):
         """``TTS`` of a ``backend_pb2.TTSRequest`` (``dst`` is set here: a file in a scratch
@@ -230,10 +229,10 @@ class IInferenceRouter(Interface):
 
 
 __all__ = [
+    "CapabilityNotHonoured",
     "IInferenceRouter",
     "ModelLoadFailed",
     "ModelNotFound",
-    "ModelUsecaseUnsupported",
     "NoNodeAvailable",
     "Served",
 ]

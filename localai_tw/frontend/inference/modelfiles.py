@@ -202,7 +202,7 @@ def _entry(model: ModelConfig, models_dir: str, f: ModelFile, digests: DigestCac
         st = os.stat(local)
     except FileNotFoundError:
         raise _fail(model, f"{f.path} (named by {named_by}) does not exist in the models "
-                           f"directory {models_dir}") from None
+                           "directory") from None
     except OSError as e:
         raise _fail(model, f"{f.path} cannot be read: {e.strerror}") from None
     if stat.S_ISDIR(st.st_mode):

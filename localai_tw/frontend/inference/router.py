@@ -1,10 +1,10 @@
 """``InferenceRouter``: the ``IInferenceRouter`` of a frontend replica.
 
-For each request: the model's config (``ModelCatalog``) -> a check that the config says the
-model does what is asked (``models.usecases``; else ``ModelUsecaseUnsupported`` and nothing is
-loaded or called) -> a loaded placement (warm path, ``NodeChooser``), or a cold load under the
-cross-replica lock (``LoadLock``, ``ColdLoader``) -> the gRPC call through the (node, port) bridge ->
-``Served(value, served_by=node)``.
+For each request: the model's config (``ModelCatalog``; its use cases are never a reason to
+refuse, as in LocalAI: the backend answers what it cannot do) -> a loaded placement (warm
+path, ``NodeChooser``), or a cold load under the cross-replica lock (``LoadLock``,
+``ColdLoader``) -> the gRPC call through the (node, port) bridge -> the answer checked for
+what was asked of it (``honoured.py``) -> ``Served(value, served_by=node)``.
 
 Warm-path failures, and what may happen on each (docs/inference.md):
 
@@ -73,24 +73,13 @@ from localai_tw.metrics import current_hops
 from localai_tw.frontend.inference.interfaces import (
     IInferenceRouter,
     ModelNotFound,
-    ModelUsecaseUnsupported,
     NoNodeAvailable,
     Served,
 )
-from localai_tw.localai.model_config import (
-    CHAT,
-    COMPLETION,
-    EMBEDDINGS,
-    IMAGE,
-    RERANK,
-    TRANSCRIPT,
-    TTS,
-    ModelCatalog,
-    ModelConfig,
-    usecases,
-)
+from localai_tw.localai.model_config import ModelCatalog, ModelConfig
 from localai_tw.frontend.inference.coldload import ColdLoader
 from localai_tw.frontend.inference.crashes import crash_shaped
+from localai_tw.frontend.inference.honoured import HeldUntilLogprobs, check_reply
 from localai_tw.frontend.inference.loadlock import LoadLock
 from localai_tw.frontend.inference.placement import NodeChooser, Placement
 
@@ -100,13 +89,6 @@ log = Logger()
 MAX_ATTEMPTS = 2
 #: Nodes one request may skip because it cannot reach them (routing fact, absence).
 MAX_SKIPS = 4
-#: What a call asks of a model (its name in errors) and the use cases that allow it.
-_GENERATION = ("text generation (chat or completion)", frozenset({CHAT, COMPLETION}))
-_EMBEDDING = (EMBEDDINGS, frozenset({EMBEDDINGS}))
-_RERANK = (RERANK, frozenset({RERANK}))
-_TTS = ("text to speech (tts)", frozenset({TTS}))
-_TRANSCRIPT = ("transcription (transcript)", frozenset({TRANSCRIPT}))
-_IMAGE = ("image generation (image)", frozenset({IMAGE}))
 #: Scratch file names: what a backend writes, what a transcription reads.
 SPEECH_FILE, IMAGE_FILE = "speech.wav", "image.png"
 #: What ffmpeg makes of a transcription upload that is not WAV, and its bound (16 kHz mono
@@ -182,14 +164,17 @@ class InferenceRouter:
         return {name: str(e) for name, e in self.catalog.broken().items()}
 
     def predict(self, name, options, deadline=None) -> defer.Deferred:
+        def checked(served):
+            check_reply(name, options, served.value, served.served_by)
+            return served
+
         return self._serve(name, options, deadline,
-                           lambda client, req, dl: client.call("Predict", req, dl),
-                           needs=_GENERATION)
+                           lambda client, req, dl: client.call("Predict", req, dl)
+                           ).addCallback(checked)
 
     def embed(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
-                           lambda client, req, dl: client.call("Embedding", req, dl),
-                           needs=_EMBEDDING)
+                           lambda client, req, dl: client.call("Embedding", req, dl))
 
     def tokenize(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
@@ -201,8 +186,7 @@ class InferenceRouter:
 
     def rerank(self, name, request, deadline=None) -> defer.Deferred:
         return self._serve(name, request, deadline,
-                           lambda client, req, dl: client.call("Rerank", req, dl),
-                           needs=_RERANK)
+                           lambda client, req, dl: client.call("Rerank", req, dl))
 
     def tts(self, name, request, max_bytes, deadline=None,
             response_format: str = "wav") -> defer.Deferred:
@@ -218,7 +202,7 @@ class InferenceRouter:
                 await where.convert(SPEECH_FILE, converted, response_format, max_bytes)
                 return await where.fetch(converted, max_bytes)
 
-        return self._serve_with_files(name, request, deadline, call, _TTS)
+        return self._serve_with_files(name, request, deadline, call)
 
     def transcribe(self, name, request, audio_path, audio_name, deadline=None,
                    convert_from: str | None = None) -> defer.Deferred:
@@ -233,7 +217,7 @@ class InferenceRouter:
                 answered.append(True)
                 return result
 
-        return self._serve_with_files(name, request, deadline, call, _TRANSCRIPT)
+        return self._serve_with_files(name, request, deadline, call)
 
     def generate_image(self, name, request, max_bytes, deadline=None) -> defer.Deferred:
         async def call(client, req, dl, answered):
@@ -244,9 +228,9 @@ class InferenceRouter:
                 _check_result(client.node_id, "GenerateImage", result)
                 return await where.fetch(IMAGE_FILE, max_bytes)
 
-        return self._serve_with_files(name, request, deadline, call, _IMAGE)
+        return self._serve_with_files(name, request, deadline, call)
 
-    def _serve_with_files(self, name, request, deadline, call, needs) -> defer.Deferred:
+    def _serve_with_files(self, name, request, deadline, call) -> defer.Deferred:
         """A call that moves files through the node's scratch directory.  Before the backend
         answered, a failure is classified like any call's (a route failure while making the
         directory or putting the input: served from another node); once it answered, nothing
@@ -254,7 +238,7 @@ class InferenceRouter:
         answered: list[bool] = []
         return self._serve(name, request, deadline,
                            lambda client, req, dl: call(client, req, dl, answered),
-                           lambda: not answered, needs=needs)
+                           lambda: not answered)
 
     def _scratch(self):
         if self.scratch is None:
@@ -277,13 +261,16 @@ class InferenceRouter:
             return on_reply(reply)
 
         def call(client, req, dl):
-            d = client.stream("PredictStream", req, lambda r: deliver(r, client.node_id), dl)
-            return d
+            # logprobs asked: nothing goes out before the backend showed it honours them
+            gate = HeldUntilLogprobs(name, options, client.node_id,
+                                     lambda r: deliver(r, client.node_id))
+            d = client.stream("PredictStream", req, gate.reply, dl)
+            return d.addCallback(lambda _: defer.ensureDeferred(gate.end()))
 
         def retry_allowed() -> bool:
             return not started  # once a reply went out, a retry would repeat it
 
-        return self._serve(name, options, deadline, call, retry_allowed, needs=_GENERATION,
+        return self._serve(name, options, deadline, call, retry_allowed,
                            on_loading=on_loading)
 
     # -- extra (not in the interface) -------------------------------------------------------
@@ -314,17 +301,10 @@ class InferenceRouter:
 
     def _serve(self, name, options, deadline, call: Callable,
                retry_allowed: Callable[[], bool] = lambda: True,
-               needs: tuple[str, frozenset[str]] | None = None,
                on_loading: Callable[[str], object] | None = None) -> defer.Deferred:
         config = self.catalog.get(name)
         if config is None:
             return defer.fail(ModelNotFound(name))
-        if needs is not None:
-            # Decided from the config alone: a wrong request never reaches (or reaps) a backend.
-            asked, accepted = needs
-            supported = usecases(config)
-            if not supported & accepted:
-                return defer.fail(ModelUsecaseUnsupported(name, asked, supported))
         return defer.ensureDeferred(self._run(config, options, deadline, call, retry_allowed,
                                               on_loading))
 

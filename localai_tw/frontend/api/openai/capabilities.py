@@ -3,18 +3,16 @@ with what it can do (``capabilities``) and the modalities it takes and gives
 (``input_modalities``, ``output_modalities``), so a client can pick a model for a call, or an
 attachment, before making it.
 
-Decided from the config alone, by the rule every endpoint uses (``models.usecases``,
-docs/inference.md *What a model is for*): a capability listed here is one the endpoint accepts
-for that model, never a guess the endpoint would then refuse.  Names are LocalAI's use-case
+Decided from the config alone, by LocalAI's rule (``models.usecases``: ``known_usecases`` plus
+what the config's backend, templates and ``embeddings`` suggest).  The list picks and shows;
+no endpoint refuses a model missing from it (the backend answers what it cannot do).  Names are LocalAI's use-case
 names in LocalAI's order (``core/config/model_capabilities.go`` at 82c191a): ``chat``,
 ``completion``, ``embeddings``, ``rerank``, ``transcript``, ``tts``, ``image`` ...; a name this
-table does not know (a future use case) follows them, sorted.  One addition: ``tokenize`` when
-the config lists it in ``known_usecases`` or, without ``known_usecases``, its backend is one
-whose ``TokenizeString`` and ``Detokenize`` ship here (:data:`TOKENIZING_BACKENDS`); any
-model may still be asked ``/v1/tokenize`` (its backend answers for itself).
+table does not know (a future use case) follows them, sorted.  ``tokenize`` is guessed when the
+backend is one whose ``TokenizeString`` and ``Detokenize`` ship here (:data:`TOKENIZING_BACKENDS`);
+any model may still be asked ``/v1/tokenize`` (its backend answers for itself).
 
-What this module must never do: call a backend or load a model, or list a capability the
-model's endpoint would refuse.
+What this module must never do: call a backend or load a model.
 """
 
 from __future__ import annotations
@@ -62,8 +60,7 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
 def capabilities_of(config: Any) -> list[str]:
     """What ``config``'s model can be asked (module docstring), in LocalAI's order."""
     found = set(usecases(config))
-    known = config_value(config, "known_usecases")
-    if known is None and config_value(config, "backend", "") in TOKENIZING_BACKENDS:
+    if config_value(config, "backend", "") in TOKENIZING_BACKENDS:
         found.add("tokenize")
     ordered = [name for name in ORDER if name in found]
     return ordered + sorted(found - set(ORDER))

@@ -5,7 +5,8 @@ as ``chat.completion.chunk`` events (the first carries ``role: assistant``, the 
 ``finish_reason``, then ``[DONE]``).  Tools, ``response_format`` and ``logprobs`` are checked
 and turned into ``PredictOptions`` by :mod:`.constraints`; tool calls are read out of the
 answer (:mod:`localai_tw.localai.toolcalls`) into ``tool_calls``, or, streamed, sent as
-``tool_calls`` deltas once the held-back text is parsed.
+``tool_calls`` deltas once the held-back text is parsed; a call of the no-action function
+(``tool_choice: auto`` under a grammar) is an answer in words: its ``message`` is the content.
 
 What this module must never do: fetch a URL a message names (images are ``data:`` URLs only),
 evaluate anything from a template or a message, or call the router for a model whose config
@@ -27,7 +28,9 @@ from localai_tw.localai.toolcalls import (
     ToolCallStream,
     calls_from_deltas,
     clean_content,
+    cut_no_action_message,
     parse_tool_calls,
+    split_no_action,
 )
 from localai_tw.frontend.api.kit import printable
 from localai_tw.frontend.api.openai.constraints import (
@@ -123,15 +126,20 @@ async def _choice(index: int, reply: backend_pb2.Reply, plan: Plan, functions: F
             if not content and parsed.calls:
                 content = parsed.content  # else the text is the calls' markup
             parsed = Parsed(content, tuple(parsed_by_backend))
-        if parsed.calls:
-            await check_calls(plan, name, parsed.calls)
+        calls, said = split_no_action(parsed.calls, plan.tools.no_action)
+        if said is not None:  # the model chose the no-action function: an answer in words
+            message["content"] = said
+        elif calls:
+            await check_calls(plan, name, calls)
             message = {"role": "assistant", "content": parsed.content or None,
-                       "tool_calls": [c.body() for c in parsed.calls]}
+                       "tool_calls": [c.body() for c in calls]}
             reason = "tool_calls"
         elif plan.tools.choice in ("required", "function") and reason != "length":
             raise invalid_output(name, "a tool call was required and the answer holds none")
         else:
-            message["content"] = clean_content(text, functions)
+            cut = cut_no_action_message(text, functions, plan.tools.no_action) \
+                if plan.tools.no_action and reason == "length" else None
+            message["content"] = cut if cut is not None else clean_content(text, functions)
     else:
         await check_output(plan, name, text, reason)
     logprobs = None
@@ -269,6 +277,12 @@ class _ChatChunks(Chunks):
             if by_backend:  # the backend parsed the calls itself: its calls win
                 rest = rest if calls else ""  # unparsed held text is the calls' markup
                 calls = tuple(by_backend)
+            no_action = self.plan.tools.no_action
+            calls, said = split_no_action(calls, no_action)
+            if said is None and not calls and no_action and reason == "length":
+                said = cut_no_action_message(rest, self.functions, no_action)
+            if said is not None:  # the no-action function: its message is the content
+                rest = said
             if rest:
                 out.append(self.delta(rest))
             if calls:

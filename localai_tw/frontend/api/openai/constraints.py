@@ -15,6 +15,10 @@ The rules (the tables in ``docs/openai-api.md``):
   enforced by a GBNF grammar (``localai/gbnf.py``), so they need a backend that honours
   ``Grammar``; otherwise a 400 naming the model.  A schema outside the compiled subset, or a
   tool whose ``parameters`` is not a JSON Schema object, is a 400 naming the keyword.
+- ``tool_choice: auto`` is constrained where the backend honours ``Grammar``, as LocalAI does:
+  a call of one of the tools or of the no-action function (``function.no_action_*``, left out
+  with ``function.disable_no_action``), whose call is an answer in words.  Elsewhere (or when
+  the tools' schemas fall outside the subset) it is not constrained, never refused.
 - ``logprobs`` needs a backend that returns them; otherwise a 400 naming the model.
 
 After generation, :func:`check_output` validates a structured answer with ``jsonschema``: an
@@ -40,7 +44,7 @@ from jsonschema.exceptions import SchemaError as MetaSchemaError
 from localai_tw.localai.capabilities import Capabilities, capabilities_of
 from localai_tw.localai.gbnf import JSON_OBJECT_GRAMMAR, SchemaError, schema_to_gbnf
 from localai_tw.localai.templates import uses_functions
-from localai_tw.localai.toolcalls import FunctionConfig
+from localai_tw.localai.toolcalls import FunctionConfig, no_action_tool
 from localai_tw.frontend.api.kit import printable
 from localai_tw.frontend.api.openai import offload
 from localai_tw.frontend.api.openai.errors import NO_RETRY, OpenAIError, invalid
@@ -81,6 +85,9 @@ class ToolPlan:
     choice: str                 # "auto", "required" or "function" (a named one)
     forced: str | None = None   # the named function
     parallel: bool = True
+    #: With ``auto`` under a grammar: the no-action function's name (its tool is the last of
+    #: ``tools``), whose call is an answer in words, not a tool call.
+    no_action: str | None = None
 
 
 @dataclass
@@ -517,6 +524,18 @@ def call_schema(tools: list[dict], config: FunctionConfig, forced: str | None,
     return schema
 
 
+def _auto_grammar(tools: list[dict], functions: FunctionConfig, parallel: bool) -> str:
+    """LocalAI's grammar for ``tool_choice: auto``: a call to one of ``tools`` (the request's,
+    and the no-action function unless the config disables it).  Empty when a tool's
+    parameters fall outside the compiled subset: ``auto`` then runs unconstrained, as before,
+    rather than refusing a request that asked for nothing to be enforced."""
+    schema = call_schema(tools, functions, None, functions.parallel_calls and parallel)
+    try:
+        return schema_to_gbnf(schema, prefix=functions.grammar_prefix)
+    except SchemaError:
+        return ""
+
+
 # -- the plan -------------------------------------------------------------------------------------
 
 
@@ -613,20 +632,32 @@ def plan_chat(body, model: str, view) -> Plan:
             raise invalid("'response_format' json modes and tools cannot be combined here "
                           "(both need the grammar); send tool_choice: none or a text "
                           "response_format", "response_format", code="unsupported_parameter")
-        plan.tools = ToolPlan(tuple(tools), tuple(names), choice, forced,
-                              parallel if parallel is not None else True)
+        functions = view.functions
+        if choice in ("required", "function") and not caps.grammar:
+            raise _refuse(model, "tool_choice", f"{choice_raw!r:.80} is enforced by a "
+                          "grammar, and this model's backend does not constrain its output")
+        grammar, no_action = "", None
+        if choice in ("required", "function"):
+            schema = call_schema(tools, functions, forced,
+                                 functions.parallel_calls and parallel is not False)
+            where = f"tools[{names.index(forced)}].function.parameters" if forced else "tools"
+            grammar = _grammar(schema, where, functions.grammar_prefix)
+        elif caps.grammar and not body.string("grammar"):
+            # LocalAI: auto is a grammar over the tools plus the no-action function; a tool
+            # of that name keeps its own meaning (its calls stay tool calls).
+            extra = [] if functions.disable_no_action or functions.no_action_name in names \
+                else [no_action_tool(functions)]
+            grammar = _auto_grammar([*tools, *extra], functions, parallel is not False)
+            if grammar and extra:
+                no_action = functions.no_action_name
+                tools = [*tools, *extra]
+        plan.grammar = grammar or plan.grammar
+        plan.tools = ToolPlan(tuple(tools), tuple(t["function"]["name"] for t in tools),
+                              choice, forced, parallel if parallel is not None else True,
+                              no_action)
         plan.options["Tools"] = json.dumps(tools, separators=(",", ":"), ensure_ascii=False)
         plan.options["ToolChoice"] = json.dumps(
             choice_raw if choice_raw is not None else "auto", separators=(",", ":"))
-        if choice in ("required", "function"):
-            if not caps.grammar:
-                raise _refuse(model, "tool_choice", f"{choice_raw!r:.80} is enforced by a "
-                              "grammar, and this model's backend does not constrain its output")
-            functions = view.functions
-            schema = call_schema(tools, functions, forced,
-                                 functions.parallel_calls and plan.tools.parallel)
-            where = f"tools[{names.index(forced)}].function.parameters" if forced else "tools"
-            plan.grammar = _grammar(schema, where, functions.grammar_prefix)
     _request_grammar(body, model, caps, plan)
     if plan.grammar:
         plan.options["Grammar"] = plan.grammar

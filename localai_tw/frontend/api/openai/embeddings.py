@@ -2,9 +2,16 @@
 ``encoding_format`` ``float`` or ``base64`` (little-endian float32); usage counted by the
 backend, else by the model's ``TokenizeString``.
 
+Token ids (``input`` as a list of ints, or a list of such lists: what LangChain's default
+``OpenAIEmbeddings`` sends) go in ``PredictOptions.EmbeddingTokens``, as LocalAI sends them, to
+any backend; a backend that takes text only refuses them (its ``INVALID_ARGUMENT``: 400),
+fails on them (``UNKNOWN``: LocalAI's transformers embeds an empty text) or ignores them and
+embeds nothing, so the answer must show the ids were evaluated
+(``EmbeddingResult.prompt_tokens`` > 0); the last two are a 400 naming ``input`` and the fix.
+
 What this module must never do: answer a per-token or empty embedding as if it were a pooled
-vector, accept more than ``MAX_EMBEDDING_INPUTS`` items, or call the router for a model whose
-config rules embeddings out.
+vector, answer a vector of ignored token ids, or accept more than ``MAX_EMBEDDING_INPUTS``
+items.
 """
 
 from __future__ import annotations
@@ -16,11 +23,17 @@ from typing import Any, Callable, Sequence
 from twisted.logger import Logger
 
 from localai_tw.backends import backend_pb2
-from localai_tw.errors import ClusterError
+from localai_tw.errors import BackendAnswer, ClusterError
 
 from localai_tw.localai.model_config import EMBEDDINGS
 from localai_tw.frontend.api.openai.context import Context
-from localai_tw.frontend.api.openai.errors import NO_RETRY, OpenAIError, detail, invalid
+from localai_tw.frontend.api.openai.errors import (
+    NO_RETRY,
+    OpenAIError,
+    detail,
+    invalid,
+    public_text,
+)
 from localai_tw.frontend.api.openai.requests import (
     INT32_MAX,
     MAX_EMBEDDING_INPUTS,
@@ -56,9 +69,16 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
             options = sampling.options(Embeddings=item)
         else:
             options = sampling.options(EmbeddingTokens=item)
-        served = await exchange.call(router.embed(name, options, context.deadline()))
+        try:
+            served = await exchange.call(router.embed(name, options, context.deadline()))
+        except BackendAnswer as e:
+            if isinstance(item, str) or e.code != "UNKNOWN":
+                raise
+            raise _text_only(name, f"; it failed on them: {public_text(e.details)}") from e
         exchange.served_by(served.served_by)
         result = served.value
+        if not isinstance(item, str) and result.prompt_tokens <= 0:
+            raise _text_only(name, ": it did not evaluate them")
         vector = _pooled_vector(result)
         prompt_tokens += result.prompt_tokens if result.prompt_tokens > 0 else \
             await tokenizer.count(item)
@@ -99,6 +119,14 @@ class _Tokenizer:
                      model=self._name, err=detail(e))
             return 0
         return max(0, served.value.length or len(served.value.tokens))
+
+
+def _text_only(name: str, why: str) -> OpenAIError:
+    """The 400 for token ids a model's backend cannot embed (module docstring)."""
+    return invalid(f"model {name!r}'s backend takes text only, not the token ids of 'input'"
+                   f"{why} (LocalAI's Python backends read text); send text instead "
+                   f"(LangChain: OpenAIEmbeddings(..., check_embedding_ctx_length=False))",
+                   "input", code="unsupported_parameter")
 
 
 def _token_ids(raw: Any, param: str) -> list[int]:

@@ -31,18 +31,18 @@ from localai_tw.errors import (
 )
 
 from localai_tw.frontend.inference.interfaces import (
+    CapabilityNotHonoured,
     ModelConfigInvalid,
     ModelDownloadFailed,
     ModelFileMismatch,
     ModelLoadFailed,
     ModelNotFound,
-    ModelUsecaseUnsupported,
     NoNodeAvailable,
 )
 from localai_tw.frontend.inference.scratch import AudioConversionFailed
 from localai_tw.localai.templates import TemplateError
 from localai_tw.frontend.api.kit import DATABASE_DOWN, database_unavailable, printable
-from localai_tw.web.errors import APIError
+from localai_tw.web.errors import APIError, hide_host_paths
 
 #: Longest error text passed on from a worker or backend.
 MAX_ERROR_TEXT = 2000
@@ -83,8 +83,14 @@ _NODE_ID_TEXT = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12
 
 def _public(text: str) -> str:
     """``text`` fit for an API client: bounded, printable, no node id (the condition and the
-    backend's or worker's own words stay; operators find the ids in the log)."""
-    return printable(" ".join(_NODE_ID_TEXT.sub("<node>", text).split()), MAX_ERROR_TEXT)
+    backend's or worker's own words stay; operators find the ids in the log), no absolute
+    path of the replica's or the worker's disk (:func:`hide_host_paths`)."""
+    text = hide_host_paths(_NODE_ID_TEXT.sub("<node>", text))
+    return printable(" ".join(text.split()), MAX_ERROR_TEXT)
+
+
+#: For modules that word their own errors from a backend's answer (``embeddings``).
+public_text = _public
 
 
 def _conversion_failed(error: AudioConversionFailed) -> OpenAIError:
@@ -190,9 +196,14 @@ def error_for(error: BaseException) -> OpenAIError:
         return OpenAIError(500, f"the model's files cannot be used: {_public(str(error))}",
                            "server_error", param="model", code="model_file_mismatch",
                            headers=NO_RETRY)
-    if isinstance(error, ModelUsecaseUnsupported):
-        return OpenAIError(400, detail(error), "invalid_request_error", param="model",
-                           code="unsupported_by_model")
+    if isinstance(error, CapabilityNotHonoured):
+        cap = error.capability
+        return OpenAIError(400, f"the backend serving model {printable(error.name)!r} "
+                           f"answered without {cap}: it does not honour {cap} (LocalAI's own "
+                           f"transformers backend, for one); ask without {cap}, or set "
+                           f"capabilities.{cap}: false in the model's config",
+                           "invalid_request_error", param=error.capability,
+                           code="unsupported_parameter", headers=NO_RETRY)
     if isinstance(error, TemplateError):
         return OpenAIError(500, f"the model's prompt template cannot be rendered: "
                            f"{detail(error)}", "server_error", code="template_error",

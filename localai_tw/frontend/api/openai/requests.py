@@ -21,7 +21,6 @@ from localai_tw.errors import ClusterError
 from localai_tw.frontend.inference.interfaces import (
     ModelConfigInvalid,
     ModelNotFound,
-    ModelUsecaseUnsupported,
 )
 from localai_tw.localai.model_config import usecases
 from localai_tw.localai.templates import PromptTemplates
@@ -261,15 +260,12 @@ def missing_model(router, name: str) -> ClusterError:
 
 
 def resolve_model(router, body: Fields, usecase: str) -> tuple[str, ModelView]:
-    """The request's ``model``, known and able to serve ``usecase`` (decided from its config:
-    no backend is called, nothing loaded or reaped, for a wrong request)."""
+    """The request's ``model``, known.  ``usecase`` refuses nothing (LocalAI's rule: the
+    backend serving the model answers what it cannot do; ``models.usecases``)."""
     name = body.string("model", required=True, nonempty=True)
     config = router.model(name)
     if config is None:
         raise error_for(missing_model(router, name))
-    supported = usecases(config)
-    if usecase not in supported:
-        raise error_for(ModelUsecaseUnsupported(name, usecase, supported))
     return name, ModelView.of(config)
 
 

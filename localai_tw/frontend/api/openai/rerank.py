@@ -2,11 +2,12 @@
 ``{"model", "results": [{"index", "document": {"text"}, "relevance_score"}], "usage"}``, best
 first; one ``Rerank`` call on the model's backend, routed like every other call.
 
-Which models rerank is their config's word (``models.usecases``: ``rerank``); the shipped
-``bert-numpy`` backend reranks by bi-encoder cosine similarity (its module docstring).
+Any model may be asked, as in LocalAI (``models.usecases`` lists, never refuses): a backend
+without ``Rerank`` answers ``UNIMPLEMENTED`` (501); the shipped ``bert-numpy`` backend reranks
+by bi-encoder cosine similarity (its module docstring).
 
-What this module must never do: call the router for a model whose config rules reranking out,
-accept more than ``MAX_RERANK_DOCUMENTS`` documents, or answer an index the request did not have.
+What this module must never do: accept more than ``MAX_RERANK_DOCUMENTS`` documents, or
+answer an index the request did not have.
 """
 
 from __future__ import annotations
