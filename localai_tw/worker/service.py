@@ -42,6 +42,7 @@ from localai_tw.config import PortRange
 from localai_tw.deferreds import OneShotObserver
 from localai_tw.metrics import WorkerMetrics
 from localai_tw.tunnel.dialer import TunnelDialer
+from localai_tw.worker.audioconvert import AudioConverter
 from localai_tw.worker.capacity import HostCapacity
 from localai_tw.worker.control import (
     ControlAuth,
@@ -335,6 +336,7 @@ class WorkerService(MultiService):
         self.control_auth = ControlAuth(control_token(node_key_hash(self.node_key)))
         self.staging = None
         self.scratch = None
+        self.converter = None
         v1_children, body_policies = {}, []
         if self.data_dir:
             self.staging = FileStaging(
@@ -347,6 +349,10 @@ class WorkerService(MultiService):
             # Per-request scratch directories: files a backend reads or writes by path (dst).
             self.scratch = ScratchArea(self.staging.scratch_root, reactor)
             self.scratch.register(self.verbs)
+            # ffmpeg beside the backends: speech formats and transcription uploads.
+            self.converter = AudioConverter(self.staging.scratch_root, reactor,
+                                            self.node_name)
+            self.converter.register(self.verbs)
         self.site = build_worker_site(self.verbs, self.control_auth, self.readiness,
                                       v1_children=v1_children, body_policies=body_policies)
         self.router = StreamRouter(self.site, self.backend_ports, reactor,

@@ -15,7 +15,7 @@ from localai_tw.backends import backend_pb2
 from localai_tw.frontend.inference.router import InferenceRouter
 from localai_tw.localai.model_config import parse_model_config
 from localai_tw.frontend.inference.placement import Placement
-from localai_tw.frontend.inference.scratch import BackendOutputTooLarge
+from localai_tw.frontend.inference.scratch import AudioConversionFailed, BackendOutputTooLarge
 
 
 class Catalog:
@@ -90,7 +90,14 @@ class Directory:
     async def fetch(self, name, max_bytes):
         if self.scratch.fetch_error is not None:
             raise self.scratch.fetch_error
+        self.scratch.fetched.append(name)
         return b"RIFF....WAVE"
+
+    async def convert(self, src, dst, output_format, max_bytes, *, input_format=None):
+        self.scratch.converted.append((src, dst, output_format, input_format))
+        if self.scratch.convert_error is not None:
+            raise self.scratch.convert_error
+        return self.path_of(dst)
 
 
 class Using:
@@ -111,9 +118,12 @@ class Using:
 
 
 class Scratch:
-    def __init__(self, create_errors=None, fetch_error=None):
+    def __init__(self, create_errors=None, fetch_error=None, convert_error=None):
         self.create_errors = dict(create_errors or {})
         self.fetch_error = fetch_error
+        self.convert_error = convert_error
+        self.converted = []
+        self.fetched = []
         self.made = []
         self.removed = []
 
@@ -226,3 +236,36 @@ async def test_a_route_failure_after_the_backend_answered_is_never_retried():
         await r.tts("speaker", backend_pb2.TTSRequest(text="hi"), 1024)
     assert [node for node, _, _ in clients.log] == ["a"] and chooser.reaped == []
     assert scratch.removed == ["a"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_tts_in_another_format_is_converted_on_the_serving_node():
+    scratch = Scratch()
+    r, chooser, clients = router(["a"], scratch)
+    served = await r.tts("speaker", backend_pb2.TTSRequest(text="hi"), 1024,
+                         response_format="mp3")
+    assert served.served_by == "a"
+    assert scratch.converted == [("speech.wav", "speech.mp3", "mp3", None)]
+    assert scratch.fetched == ["speech.mp3"] and scratch.removed == ["a"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_non_wav_upload_is_converted_and_the_wav_sent_to_the_backend():
+    scratch = Scratch()
+    r, chooser, clients = router(["a"], scratch)
+    await r.transcribe("listener", backend_pb2.TranscriptRequest(), "/tmp/x", "upload.mp3",
+                       convert_from="mp3")
+    assert scratch.converted == [("upload.mp3", "audio.wav", "wav16k", "mp3")]
+    assert clients.log == [("a", "AudioTranscription",
+                            "/data/a/staging/scratch/" + "a" * 32 + "/audio.wav")]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_conversion_is_raised_reaps_nothing_and_reaches_no_backend():
+    failure = AudioConversionFailed("a", "ffmpeg-missing", "ffmpeg is not installed", True)
+    scratch = Scratch(convert_error=failure)
+    r, chooser, clients = router(["a", "b"], scratch)
+    with pytest.raises(AudioConversionFailed):
+        await r.transcribe("listener", backend_pb2.TranscriptRequest(), "/tmp/x",
+                           "upload.ogg", convert_from="ogg")
+    assert clients.log == [] and chooser.reaped == [] and scratch.removed == ["a"]

@@ -30,6 +30,7 @@ from localai_tw.frontend.inference.interfaces import (
     NoNodeAvailable,
 )
 from localai_tw.frontend.api.openai import OpenAIError, error_for
+from localai_tw.frontend.inference.scratch import AudioConversionFailed
 
 from .support_openai import FakeRouter, call, make_site, model_config
 
@@ -75,6 +76,17 @@ CASES = [
      "backend_crashed", None,
      "the backend of model 'm' on node 'gpu-1' crashed during the call: killed by signal "
      "SIGSEGV; its last output: loading | Segmentation fault in ggml_backend_amx_mul_mat?[0m"),
+    (AudioConversionFailed("n1", "ffmpeg-missing", "ffmpeg is not installed on worker w1; "
+                           "install Debian's ffmpeg there", of_input=False), 400,
+     "invalid_request_error", "ffmpeg_not_installed", None, "ffmpeg is not installed on worker"),
+    (AudioConversionFailed("n1", "failed", "ffmpeg could not convert the audio: Invalid data",
+                           of_input=True), 400, "invalid_request_error",
+     "unsupported_audio_format", None, "Invalid data"),
+    (AudioConversionFailed("n1", "failed", "ffmpeg could not convert the audio: no encoder",
+                           of_input=False), 500, "server_error", "audio_conversion_failed",
+     None, "no encoder"),
+    (AudioConversionFailed("n1", "timeout", "ffmpeg took longer than 300 s", of_input=False),
+     504, "timeout_error", "timeout", None, "longer than 300 s"),
     (WorkerBusy("n1"), 503, "service_unavailable", "worker_busy", "1", "no free slot"),
     (StreamRefused("n1", "unavailable", "backend port closed"), 502, "upstream_error",
      "worker_error", None, "backend port closed"),
@@ -110,7 +122,7 @@ def test_error_for(error, status, type_, code, retry, text):
 #: Answers the same request would get again: the official clients must not retry them.
 DETERMINISTIC = {"model_load_failed", "not_implemented_by_backend", "backend_error",
                  "peer_rejected", "model_config_invalid", "template_error",
-                 "model_file_mismatch", "backend_crashed"}
+                 "model_file_mismatch", "backend_crashed", "audio_conversion_failed"}
 
 
 @pytest.mark.parametrize("error, status, type_, code, retry, text", CASES,

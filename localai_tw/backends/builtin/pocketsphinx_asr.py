@@ -9,7 +9,8 @@ accuracy on real speech is far lower.  A config naming it says what it gets.
 RPCs: ``Health``; ``LoadModel`` builds the decoder (the wheel's model, or a model directory in
 ``ModelFile``/``Model`` when that is a directory holding ``en-us``-style files: ``hmm`` dir,
 ``*.dict``, ``*.lm.bin``); ``AudioTranscription`` reads the WAV at ``dst``; ``Status``,
-``Free``.
+``Free``.  A client's upload in another format (mp3, Ogg, FLAC, M4A, WebM) reaches this
+program as a 16 kHz mono WAV: ffmpeg on the worker converts it first (``scratch.convert``).
 
 ``AudioTranscription`` answers ``text``, ``language`` (``en``), ``duration`` (seconds) and
 segments (speech split at the recognizer's silences) with their words; times are nanoseconds,

@@ -207,16 +207,19 @@ class IInferenceRouter(Interface):
         ``Deferred[Served[backend_pb2.RerankResult]]``; any configured model may be asked
         (a backend without ``Rerank`` answers ``UNIMPLEMENTED``)."""
 
-    def tts(name, request, max_bytes, deadline=None):
+    def tts(name, request, max_bytes, deadline=None, response_format="wav"):
         """``TTS`` of a ``backend_pb2.TTSRequest`` (``dst`` is set here: a file in a scratch
         directory of the serving node).  Returns ``Deferred[Served[bytes]]``: the WAV the
-        backend wrote, at most ``max_bytes`` (``BackendOutputTooLarge`` beyond).  Needs the
-        model's ``tts`` use case.  Optional: a router without it answers 501."""
+        backend wrote, or ffmpeg's conversion of it on that node into ``response_format``
+        (``mp3``, ``opus``, ``aac``, ``flac``, ``pcm``), at most ``max_bytes``
+        (``BackendOutputTooLarge`` beyond; ``AudioConversionFailed`` when ffmpeg cannot).
+        Needs the model's ``tts`` use case.  Optional: a router without it answers 501."""
 
-    def transcribe(name, request, audio_path, audio_name, deadline=None):
+    def transcribe(name, request, audio_path, audio_name, deadline=None, convert_from=None):
         """``AudioTranscription`` of a ``backend_pb2.TranscriptRequest``: the local file
         ``audio_path`` is put in a scratch directory of the serving node as ``audio_name`` and
-        its worker-local path sent as ``dst``.  Returns
+        its worker-local path sent as ``dst`` (with ``convert_from``, the container it is in,
+        ffmpeg on that node first makes it a 16 kHz mono WAV, and that is sent).  Returns
         ``Deferred[Served[backend_pb2.TranscriptResult]]``.  Needs ``transcript``.  Optional."""
 
     def generate_image(name, request, max_bytes, deadline=None):

@@ -91,6 +91,10 @@ MAX_ATTEMPTS = 2
 MAX_SKIPS = 4
 #: Scratch file names: what a backend writes, what a transcription reads.
 SPEECH_FILE, IMAGE_FILE = "speech.wav", "image.png"
+#: What ffmpeg makes of a transcription upload that is not WAV, and its bound (16 kHz mono
+#: 16-bit: about 35 minutes of audio).
+TRANSCRIPTION_WAV = "audio.wav"
+MAX_TRANSCRIPTION_WAV_BYTES = 64 * 1024 * 1024
 
 
 def _carries_identity(request) -> bool:
@@ -184,21 +188,31 @@ class InferenceRouter:
         return self._serve(name, request, deadline,
                            lambda client, req, dl: client.call("Rerank", req, dl))
 
-    def tts(self, name, request, max_bytes, deadline=None) -> defer.Deferred:
+    def tts(self, name, request, max_bytes, deadline=None,
+            response_format: str = "wav") -> defer.Deferred:
         async def call(client, req, dl, answered):
             async with self._scratch().directory(client.node_id, dl) as where:
                 req.dst = where.path_of(SPEECH_FILE)
                 result = await client.call("TTS", req, dl)
                 answered.append(True)
                 _check_result(client.node_id, "TTS", result)
-                return await where.fetch(SPEECH_FILE, max_bytes)
+                if response_format == "wav":
+                    return await where.fetch(SPEECH_FILE, max_bytes)
+                converted = f"speech.{response_format}"
+                await where.convert(SPEECH_FILE, converted, response_format, max_bytes)
+                return await where.fetch(converted, max_bytes)
 
         return self._serve_with_files(name, request, deadline, call)
 
-    def transcribe(self, name, request, audio_path, audio_name, deadline=None) -> defer.Deferred:
+    def transcribe(self, name, request, audio_path, audio_name, deadline=None,
+                   convert_from: str | None = None) -> defer.Deferred:
         async def call(client, req, dl, answered):
             async with self._scratch().directory(client.node_id, dl) as where:
                 req.dst = await where.put(audio_path, audio_name)
+                if convert_from is not None:  # ffmpeg on the worker: 16 kHz mono WAV
+                    req.dst = await where.convert(audio_name, TRANSCRIPTION_WAV, "wav16k",
+                                                  MAX_TRANSCRIPTION_WAV_BYTES,
+                                                  input_format=convert_from)
                 result = await client.call("AudioTranscription", req, dl)
                 answered.append(True)
                 return result

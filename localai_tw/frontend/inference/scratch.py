@@ -9,11 +9,13 @@ limits and its path rules: ``localai_tw/worker/scratch.py``; the protocol:
         request.dst = await where.put(local_audio, "audio.wav")   # a transcription's input
         ...  or  request.dst = where.path_of("speech.wav")        # a file the backend writes
         await client.call(...)
-        data = await where.fetch("speech.wav", max_bytes)        # bounded read-back
+        await where.convert("speech.wav", "speech.mp3", "mp3", max_bytes)  # ffmpeg, there
+        data = await where.fetch("speech.mp3", max_bytes)        # bounded read-back
 
 The directory is made by the worker (``scratch.create``: the worker chooses its id and
 answers its absolute path), filled with ``PUT /v1/files/scratch/<id>/<name>`` (file staging:
-streamed from disk, verified), read with ``GET`` on the same key, and removed with
+streamed from disk, verified), converted by ffmpeg on the worker with ``scratch.convert`` (speech formats,
+transcription uploads), read with ``GET`` on the same key, and removed with
 ``scratch.remove`` when the block ends, whatever happened (best effort; the worker also removes
 leftovers after an hour).  Every exchange goes through the ``WorkerDialer`` like every other
 call: locally or relayed through the replica that holds the worker's tunnel, and its failures
@@ -41,6 +43,8 @@ log = Logger()
 
 #: Seconds a scratch exchange may take when the request has no deadline of its own.
 DEFAULT_TIMEOUT = 120.0
+#: Seconds an ffmpeg conversion on the worker may take (the worker's own bound is 300).
+CONVERT_TIMEOUT = 300.0
 #: Seconds the removal of a scratch directory may take.
 REMOVE_TIMEOUT = 30.0
 _NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$")
@@ -58,6 +62,21 @@ class BackendWroteNothing(errors.WorkerAnswer):
     """The backend said it succeeded but its output file is not there (the worker's answer)."""
 
     condition = "backend-wrote-nothing"
+
+
+class AudioConversionFailed(errors.WorkerAnswer):
+    """ffmpeg on the serving worker could not make the audio asked for (the worker's answer to
+    ``scratch.convert``).  ``reason``: ``ffmpeg-missing``, ``failed``, ``too-large`` or
+    ``timeout``; ``of_input``: it was converting the client's upload (so a ``failed`` is the
+    client's file ffmpeg cannot read), not the backend's output."""
+
+    condition = "audio-conversion-failed"
+
+    def __init__(self, node_id: str, reason: str, message: str, of_input: bool):
+        self.reason = reason
+        self.message = message
+        self.of_input = of_input
+        super().__init__(node_id, message)
 
 
 class ScratchDirectory:
@@ -92,6 +111,30 @@ class ScratchDirectory:
     async def fetch(self, name: str, max_bytes: int) -> bytes:
         """The file ``name`` a backend wrote here, at most ``max_bytes`` of it."""
         return await self._owner._fetch(self, self.key_of(name), max_bytes)
+
+
+    async def convert(self, src: str, dst: str, output_format: str, max_bytes: int, *,
+                      input_format: str | None = None) -> str:
+        """Convert ``src`` here into ``dst`` with ffmpeg on the worker (``scratch.convert``,
+        ``localai_tw/worker/audioconvert.py``); the worker-local path of ``dst``.  An
+        ``input_format`` says the client's upload is converted (see
+        :class:`AudioConversionFailed`)."""
+        self.key_of(src)
+        path = self.path_of(dst)
+        timeout = self._owner._timeout(self.deadline)
+        body: dict[str, Any] = {"id": self.id, "src": src, "dst": dst,
+                                "format": output_format, "max_bytes": max_bytes,
+                                "timeout": min(CONVERT_TIMEOUT, timeout)}
+        if input_format is not None:
+            body["input_format"] = input_format
+        reply = await self._owner._control.call(self.node_id, "scratch.convert", body,
+                                                timeout=timeout)
+        reply = reply or {}
+        if reply.get("ok") is not True:
+            raise AudioConversionFailed(self.node_id, str(reply.get("reason") or "failed"),
+                                        str(reply.get("message") or "ffmpeg failed")[:1000],
+                                        input_format is not None)
+        return path
 
 
 class _Using:

@@ -39,6 +39,7 @@ from localai_tw.frontend.inference.interfaces import (
     ModelNotFound,
     NoNodeAvailable,
 )
+from localai_tw.frontend.inference.scratch import AudioConversionFailed
 from localai_tw.localai.templates import TemplateError
 from localai_tw.frontend.api.kit import DATABASE_DOWN, database_unavailable, printable
 from localai_tw.web.errors import APIError, hide_host_paths
@@ -90,6 +91,23 @@ def _public(text: str) -> str:
 
 #: For modules that word their own errors from a backend's answer (``embeddings``).
 public_text = _public
+
+
+def _conversion_failed(error: AudioConversionFailed) -> OpenAIError:
+    """ffmpeg on the serving worker: missing there, or unable to read the client's upload, is
+    a 400 naming the cause; failing on the backend's own output is the server's fault."""
+    words = _public(error.message)
+    if error.reason == "ffmpeg-missing":
+        return OpenAIError(400, words, "invalid_request_error", code="ffmpeg_not_installed",
+                           param="response_format" if not error.of_input else "file")
+    if error.of_input and error.reason in ("failed", "too-large"):
+        return OpenAIError(400, f"the 'file' part could not be converted to 16 kHz mono WAV: "
+                           f"{words}", "invalid_request_error", param="file",
+                           code="unsupported_audio_format")
+    if error.reason == "timeout":
+        return OpenAIError(504, words, "timeout_error", code="timeout")
+    return OpenAIError(500, f"the audio could not be converted: {words}", "server_error",
+                       code="audio_conversion_failed", headers=NO_RETRY)
 
 
 def _worker_words(error: WorkerAnswer) -> str:
@@ -240,6 +258,8 @@ def error_for(error: BaseException) -> OpenAIError:
                                code="backend_unavailable", headers={"Retry-After": "1"})
         return OpenAIError(500, answered, "server_error", code="backend_error",
                            headers=NO_RETRY)
+    if isinstance(error, AudioConversionFailed):
+        return _conversion_failed(error)
     if isinstance(error, WorkerBusy):
         return OpenAIError(503, f"the worker is busy: {_worker_words(error)}",
                            "service_unavailable", code="worker_busy",

@@ -2,15 +2,17 @@
 as LocalAI serves both with one handler) -> ``TTS`` on a node serving the model, routed like
 every other call.  The backend writes a WAV into a scratch directory the serving worker made
 (``WorkerScratch``); the bytes come back through the tunnel (at most
-:data:`MAX_SPEECH_BYTES`) and are the answer's body, ``audio/wav``.
+:data:`MAX_SPEECH_BYTES`) and are the answer's body, of the content type of its format
+(:data:`CONTENT_TYPES`).
 
 Fields: ``model`` (else the first model whose config does ``tts``, as LocalAI picks),
 ``input`` (required, 1 to :data:`MAX_INPUT_CHARS` characters), ``voice``, ``language``
 (LocalAI), ``instructions``, ``speed`` (0.25-4.0, sent as ``params.speed`` as LocalAI does),
 ``params`` (LocalAI: backend-specific strings), ``backend`` (LocalAI: only the model's own
 backend is accepted).  ``response_format``: ``wav`` (the default here, as in LocalAI; OpenAI's
-default is mp3); ``mp3``, ``opus``, ``aac``, ``flac`` and ``pcm`` are refused with 400 (LocalAI
-converts them with ffmpeg, which this server does not run); ``stream: true`` and
+default is mp3), ``mp3``, ``opus`` (Ogg), ``aac`` (ADTS), ``flac`` and ``pcm`` (raw 16-bit
+little-endian, 24 kHz mono, as OpenAI's): ffmpeg converts the backend's WAV on the serving
+worker (``scratch.convert``; a worker without ffmpeg is a 400 naming it); ``stream: true`` and
 ``sample_rate`` are refused (400) rather than ignored, and so is ``stream_format: sse``
 (``audio``, the whole file, is what is answered).
 
@@ -38,7 +40,11 @@ MAX_INPUT_CHARS = 4096
 MAX_SPEECH_BYTES = 32 * 1024 * 1024
 #: Most ``params`` entries (LocalAI's backend-specific strings).
 MAX_PARAMS = 16
-CONVERTED_FORMATS = ("mp3", "opus", "aac", "flac", "pcm")
+#: Each ``response_format``: its content type (OpenAI's) and the file name offered.
+CONTENT_TYPES = {"wav": "audio/wav", "mp3": "audio/mpeg", "opus": "audio/ogg",
+                 "aac": "audio/aac", "flac": "audio/flac", "pcm": "audio/pcm"}
+_FILE_NAMES = {"wav": "speech.wav", "mp3": "speech.mp3", "opus": "speech.ogg",
+               "aac": "speech.aac", "flac": "speech.flac", "pcm": "speech.pcm"}
 
 
 async def answer(context: Context, request, exchange: Exchange) -> None:
@@ -54,22 +60,19 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
         raise invalid(f"'input' is longer than {MAX_INPUT_CHARS} characters", "input",
                       code="invalid_value")
     response_format = body.string("response_format") or "wav"
-    if response_format in CONVERTED_FORMATS:
-        raise invalid(f"response_format {response_format!r} is not produced here (it needs a "
-                      "conversion this server does not run); ask for wav", "response_format",
-                      code="unsupported_parameter")
-    if response_format != "wav":
+    if response_format not in CONTENT_TYPES:
         raise invalid(f"response_format {response_format[:32]!r} is not a known audio format; "
-                      "ask for wav", "response_format", code="invalid_value")
+                      f"ask for one of {', '.join(CONTENT_TYPES)}", "response_format",
+                      code="invalid_value")
     if body.boolean("stream"):
         raise invalid("'stream' is not supported here: send the request without it and read "
-                      "the whole WAV", "stream", code="unsupported_parameter")
+                      "the whole file", "stream", code="unsupported_parameter")
     if body.string("stream_format") not in (None, "audio"):
-        raise invalid("'stream_format' sse is not supported here: the answer is one WAV body",
+        raise invalid("'stream_format' sse is not supported here: the answer is one body",
                       "stream_format", code="unsupported_parameter")
     if body.has("sample_rate"):
-        raise invalid("'sample_rate' is not supported here (no resampling): the WAV comes at "
-                      "the backend's rate; send the request without it", "sample_rate",
+        raise invalid("'sample_rate' is not supported here: the audio comes at the backend's "
+                      "rate (pcm: 24 kHz); send the request without it", "sample_rate",
                       code="unsupported_parameter")
     backend = body.string("backend")
     config = router.model(name)
@@ -88,9 +91,15 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     if instructions:
         ask.instructions = instructions
     tts = router_method(router, "tts")
-    served = await exchange.call(tts(name, ask, MAX_SPEECH_BYTES, context.deadline()))
-    exchange.send_bytes(200, served.value, "audio/wav",
-                        {"Content-Disposition": 'attachment; filename="speech.wav"'})
+    if response_format == "wav":  # a router without conversions is asked as before
+        calling = tts(name, ask, MAX_SPEECH_BYTES, context.deadline())
+    else:
+        calling = tts(name, ask, MAX_SPEECH_BYTES, context.deadline(),
+                      response_format=response_format)
+    served = await exchange.call(calling)
+    exchange.send_bytes(200, served.value, CONTENT_TYPES[response_format],
+                        {"Content-Disposition":
+                         f'attachment; filename="{_FILE_NAMES[response_format]}"'})
 
 
 def _params(body) -> dict[str, str]:

@@ -8,7 +8,9 @@ spooled to a temporary file as it arrives (``SpooledCappedBody``), the file part
 of it in a thread (:mod:`.multipart`), recognised by its first bytes (:func:`audio_format`: an
 unknown format is a 400 and no backend is called), then staged on the serving node's scratch
 directory (``WorkerScratch``: streamed from disk, verified) and its worker-local path sent as
-``TranscriptRequest.dst``.  The local files go when the request ends.
+``TranscriptRequest.dst``.  A file that is not WAV (mp3, ogg/opus, flac, m4a/aac, webm) is
+first converted there by ffmpeg to a 16 kHz mono 16-bit WAV, as LocalAI does (a file ffmpeg
+cannot read, or a worker without ffmpeg, is a 400 naming the cause).  The local files go when the request ends.
 
 Fields: ``model`` (else the first model whose config does ``transcript``, as LocalAI picks),
 ``language``, ``prompt``, ``temperature``, ``timestamp_granularities[]``, ``translate`` and
@@ -49,13 +51,15 @@ _NS = 1_000_000_000
 
 def audio_format(head: bytes) -> str | None:
     """The container of an audio file from its first bytes (``wav``, ``flac``, ``ogg``,
-    ``mp3``, ``m4a``, ``webm``), or None when it is none of those."""
+    ``aac``, ``mp3``, ``m4a``, ``webm``), or None when it is none of those."""
     if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
         return "wav"
     if head[:4] == b"fLaC":
         return "flac"
     if head[:4] == b"OggS":
         return "ogg"
+    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:
+        return "aac"  # ADTS: MPEG sync word with layer 0
     if head[:3] == b"ID3" or (len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0):
         return "mp3"
     if head[4:8] == b"ftyp":
@@ -134,8 +138,8 @@ async def _answer(context: Context, request, exchange: Exchange, directory: str)
         raise invalid("the 'file' part is empty", "file", code="invalid_value")
     kind = audio_format(upload.head)
     if kind is None:
-        raise invalid("the 'file' part is not audio in a known format (wav, flac, ogg, mp3, "
-                      "m4a, webm); the model's backend says which it reads",
+        raise invalid("the 'file' part is not audio in a known format (wav, mp3, ogg/opus, "
+                      "flac, m4a, aac, webm); convert it to one of them first",
                       "file", code="unsupported_audio_format")
     temperature = 0.0
     raw_temperature = form.value("temperature")
@@ -162,8 +166,12 @@ async def _answer(context: Context, request, exchange: Exchange, directory: str)
         diarize=_form_flag(form.value("diarize"), "diarize"),
         timestamp_granularities=granularities)
     transcribe = router_method(router, "transcribe")
-    served = await exchange.call(transcribe(name, ask, upload.path, f"audio.{kind}",
-                                            context.deadline()))
+    if kind == "wav":  # read by the backend as it is
+        calling = transcribe(name, ask, upload.path, "audio.wav", context.deadline())
+    else:  # ffmpeg on the serving worker makes it a 16 kHz mono WAV first
+        calling = transcribe(name, ask, upload.path, f"upload.{kind}", context.deadline(),
+                             convert_from=kind)
+    served = await exchange.call(calling)
     result = served.value
     if response_format in ("json", "verbose_json"):
         exchange.send_json(200, _json_answer(result, response_format, granularities))
