@@ -16,7 +16,7 @@ import treq
 from localai_tw.frontend.jobs import store as job_store
 
 from .inference_harness import ADMIN
-from .test_jobs import kinds, pause_consumer
+from .harness_jobs import kinds, pause_consumer
 
 ALICE = "sk-inference-alice"
 BOB = "sk-inference-bob"
