@@ -86,7 +86,10 @@ def test_localai_backends_path_reaches_the_local_worker(tmp_path, pg_dsn):
 
         status, body = request(base, "/v1/completions", {"model": "broken", "prompt": "x"})
         assert status == 500 and body["error"]["code"] == "model_load_failed"
-        assert f"{backends}/half-installed/run.sh does not exist" in body["error"]["message"]
+        # The client reads names, not the worker's paths (issue 21 §7); the log has the path.
+        message = body["error"]["message"]
+        assert "run.sh does not exist: half-installed is not an installed" in message, message
+        assert str(backends) not in message
         assert request(base, "/readyz")[0] == 200  # still serving
 
         log = log_path.read_text()
