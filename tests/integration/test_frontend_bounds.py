@@ -506,13 +506,14 @@ async def test_bodies_beyond_the_in_flight_cap_get_503_before_they_are_read(fron
     assert status == 201, answer
 
 
-async def register(service, name: str) -> str:
+async def register(service, name: str) -> tuple[str, bytes]:
+    """A registered node's id and the body of its heartbeat (its own credential, issue 21 §5)."""
     client = Client(f"http://127.0.0.1:{service.listener.tcp_port()}")
     status, node = await client.call("POST", "/api/node/register",
                                      {"name": name, "node_key": f"{name}-key-" + "k" * 40},
                                      token=TOKEN)
     assert status == 201, node
-    return node["id"]
+    return node["id"], json.dumps({"tunnel_token": node["tunnel_token"]}).encode()
 
 
 @pytest_twisted.ensureDeferred
@@ -523,7 +524,7 @@ async def test_one_client_announcing_big_bodies_leaves_the_others_and_the_heartb
     heartbeats.  Now one source holds at most its share (64 MiB), the last 16 MiB are the
     workers' only, and a reservation whose body does not start within 10 s is given back."""
     service = await frontend()
-    node_id = await register(service, "w-budget")
+    node_id, beat_body = await register(service, "w-budget")
     attacker = []
     for _ in range(32):
         client = await frontend.dial(service)
@@ -547,7 +548,8 @@ async def test_one_client_announcing_big_bodies_leaves_the_others_and_the_heartb
     assert status != 503, answer
     # ... and a worker's heartbeat is answered
     beat = await frontend.dial(service, source="127.0.0.3")
-    beat.send(head("POST", f"/api/node/{node_id}/heartbeat", 2, f"Bearer {TOKEN}") + b"{}")
+    beat.send(head("POST", f"/api/node/{node_id}/heartbeat", len(beat_body), f"Bearer {TOKEN}")
+              + beat_body)
     status, _, answer = await beat.response()
     assert status == 200, answer
 
@@ -556,7 +558,7 @@ async def test_one_client_announcing_big_bodies_leaves_the_others_and_the_heartb
 async def test_the_last_bytes_of_the_body_budget_are_the_workers(frontend):
     """Many sources together fill the budget: a heartbeat still finds the reserve."""
     service = await frontend()
-    node_id = await register(service, "w-reserve")
+    node_id, beat_body = await register(service, "w-reserve")
     service.site.max_body_bytes_in_flight = 20 * 1024 * 1024
     hogs = []
     for i in range(2):
@@ -569,7 +571,8 @@ async def test_the_last_bytes_of_the_body_budget_are_the_workers(frontend):
     status, _, answer = await late.response()
     assert status == 503 and answer["error"]["code"] == "too_many_bodies_in_flight"
     beat = await frontend.dial(service, source="127.0.1.10")
-    beat.send(head("POST", f"/api/node/{node_id}/heartbeat", 2, f"Bearer {TOKEN}") + b"{}")
+    beat.send(head("POST", f"/api/node/{node_id}/heartbeat", len(beat_body), f"Bearer {TOKEN}")
+              + beat_body)
     status, _, answer = await beat.response()
     assert status == 200, answer
 
@@ -636,13 +639,14 @@ async def test_wrong_tokens_are_limited_on_every_node_route(frontend, path):
     /api/node counts a source's failures: past 30 a minute, 429 with Retry-After, while
     another address still gets its 401 (and the right token its answer)."""
     service = await frontend()
-    node_id = await register(service, "w-failures")
+    node_id, beat_body = await register(service, "w-failures")
     path = path.replace("{id}", node_id)
     statuses = [(await post_node(service, path, "wrong-token", {}))[0] for _ in range(31)]
     assert statuses[:30] == [401] * 30 and statuses[30] == 429, statuses
     status, answer = await post_node(service, path, "wrong-token", {}, source="127.0.0.2")
     assert status == 401, answer
-    status, answer = await post_node(service, f"/api/node/{node_id}/heartbeat", TOKEN, {})
+    status, answer = await post_node(service, f"/api/node/{node_id}/heartbeat", TOKEN,
+                                     json.loads(beat_body))
     assert status == 200, answer
 
 
