@@ -10,7 +10,6 @@ localai_tw.tinygguf``), so nothing is fetched."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -29,6 +28,7 @@ from localai_tw.backends.ports import PortAllocator
 from localai_tw.backends.process import BackendSupervisor
 from localai_tw.backends.record import BackendLoadFailed, READY
 
+from .harness_backends import require_extra
 from .inference_harness import ADMIN, sha256_hex, supervisor_of
 from .support import backend_channel
 
@@ -38,17 +38,8 @@ YES_NO = 'root ::= "yes" | "no"'
 
 
 def _require_llama_extra() -> None:
-    """Skip when the ``llama`` extra is missing -- except in CI (``CI=true``) or with
-    ``LOCALAI_REQUIRE_HEAVY=1``: then fail (``.ci/install-heavy-extras`` installs it)."""
-    missing = [m for m in ("llama_cpp", "gguf", "numpy") if importlib.util.find_spec(m) is None]
-    if not missing:
-        return
-    message = f"the llama extra is not installed (missing {', '.join(missing)})"
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
+    """The ``llama`` extra, or a skip (a failure in CI: ``.ci/install-heavy-extras``)."""
+    require_extra("llama_cpp", "gguf", "numpy", what="the llama extra")
 
 
 @pytest.fixture(scope="module")

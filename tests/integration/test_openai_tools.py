@@ -16,14 +16,13 @@ by replica A, so every request crosses the relay.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 import pytest_twisted
 from twisted.internet import threads
 
+from .harness_backends import require_extra
 from .inference_harness import ADMIN
 
 openai = pytest.importorskip("openai")
@@ -36,20 +35,6 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 CALL_TEXT = ('Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
              '</tool_call>')
-
-
-def _require(*modules: str, what: str) -> None:
-    """Skip when ``modules`` are missing; FAIL instead with ``CI=true`` (or
-    ``LOCALAI_REQUIRE_HEAVY=1``): a suite must not report success on what it never ran."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if not missing:
-        return
-    message = f"{what} is not installed (missing {', '.join(missing)})"
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
 
 
 async def relaying(cluster, tag: str):
@@ -149,7 +134,7 @@ TOOLS_TEMPLATE = ("{% if tools %}{% for t in tools %}tool {{ t['function']['name
 @pytest.mark.heavy
 @pytest_twisted.ensureDeferred
 async def test_tools_and_logprobs_with_the_transformers_backend(cluster, tmp_path):
-    _require("torch", "transformers", "tokenizers",
+    require_extra("torch", "transformers", "tokenizers",
              what="the transformers extra (torch, transformers)")
     from localai_tw.tinychat import build
 
@@ -210,9 +195,9 @@ async def test_tools_and_logprobs_with_the_transformers_backend(cluster, tmp_pat
 @pytest_twisted.ensureDeferred
 async def test_json_schema_and_required_tools_are_enforced_by_llama_cpp_grammar(
         cluster, tmp_path):
-    _require("llama_cpp", "numpy", "gguf",
+    require_extra("llama_cpp", "numpy", "gguf",
              what="the llama extra (llama-cpp-python) for the built-in llama-cpp backend")
-    _require("localai_tw.tinygguf", what="the built-in llama-cpp backend (localai_tw.tinygguf)")
+    require_extra("localai_tw.tinygguf", what="the built-in llama-cpp backend (localai_tw.tinygguf)")
     from localai_tw import tinygguf
 
     path = str(tmp_path / "tiny.gguf")
