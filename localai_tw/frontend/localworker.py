@@ -139,7 +139,8 @@ def default_embeddings_config(model_path: str | None) -> str:
 
 def _defined_elsewhere(models_dir: str, name: str, own_file: str) -> str | None:
     """The file (other than ``own_file``) whose valid config defines ``name``, if any."""
-    from localai_tw.localai.model_config import ModelConfigError, load_model_file
+    from localai_tw.localai.catalog import load_model_file
+    from localai_tw.localai.model_config import ModelConfigError
 
     try:
         listing = sorted(os.listdir(models_dir))

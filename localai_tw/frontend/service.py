@@ -365,7 +365,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from localai_tw.frontend.inference.router import InferenceRouter
     from localai_tw.frontend.inference.lifecycle import LifecycleWatchdog, ModelLifecycle
     from localai_tw.frontend.inference.loadlock import LoadLock
-    from localai_tw.localai.model_config import ModelCatalog
+    from localai_tw.localai.catalog import ModelCatalog
     from localai_tw.frontend.inference.placement import NodeChooser
     from localai_tw.frontend.inference.preload import Preloader
     from localai_tw.frontend.inference.replicas import ReplicaScaler

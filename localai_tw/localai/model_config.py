@@ -38,7 +38,7 @@ left out: the file name without ``.yaml`` is used (LocalAI's gallery configs car
 
 Validation errors name the file and the field (``models/tiny.yaml: files[0].path: ...``); a
 known key of the wrong type refuses the file.  An invalid file is skipped (and logged once per
-change), never fatal to the others, and :meth:`ModelCatalog.error` keeps why, under the name it
+change), never fatal to the others, and :meth:`.catalog.ModelCatalog.error` keeps why, under the name it
 meant to define, so a request for it is answered with the reason.  Two files
 with the same ``name``: the first by file name wins and the other is reported.
 
@@ -63,14 +63,12 @@ PLUS what is guessed from the rest of the config, as LocalAI adds its ``GuessUse
 As in LocalAI, a ``known_usecases`` naming ``score`` or ``token_classify`` is taken as it is
 (the operator reserved the model for that), with nothing guessed on top.
 
-Reloading: :class:`ModelCatalog` re-reads on access at most every ``check_interval`` seconds,
-and then only the files whose (mtime, size) changed; the directory is listed with
-``os.scandir`` (one stat per file, no reads).  That is small, local, bounded work (at most
-``MAX_FILES`` files of at most ``MAX_FILE_BYTES`` each), done on the caller's thread.
+Reading a directory of such files, and re-reading it when files change, is :mod:`.catalog`'s
+(``ModelCatalog``).
 
 What this module must never do: read a file bigger than ``MAX_FILE_BYTES``; accept a file path
 that leaves the models directory (``..``, absolute paths, symlinks out); execute anything from
-YAML (``yaml.safe_load`` only); raise from :meth:`ModelCatalog.models` because of a bad file.
+YAML (``yaml.safe_load`` only); raise from :meth:`.catalog.ModelCatalog.models` because of a bad file.
 
 LocalAI's GGUF guesses (``core/config/hooks_llamacpp.go``, ``gguf.go``) are made from the config
 alone, never by opening the model file: no ``backend`` and a ``.gguf`` model means
@@ -84,18 +82,13 @@ import json
 import os
 import posixpath
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import yaml
-from twisted.logger import Logger
 
 from localai_tw.localai.capabilities import read_overrides
 from localai_tw.localai.toolcalls import FunctionConfig, FunctionConfigError
-from localai_tw.localai.yamlbound import MODEL_CONFIG, AliasBombError, bounded_loader
 
-log = Logger()
 
 MAX_FILE_BYTES = 256 * 1024
 MAX_FILES = 2000
@@ -105,38 +98,6 @@ _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _BACKEND_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _USECASE_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
 MAX_USECASES = 32
-
-CHAT, COMPLETION, EMBEDDINGS, RERANK = "chat", "completion", "embeddings", "rerank"
-#: LocalAI's FLAG_TTS, FLAG_TRANSCRIPT and FLAG_IMAGE.
-TTS, TRANSCRIPT, IMAGE = "tts", "transcript", "image"
-ALL_USECASES = frozenset({CHAT, COMPLETION, EMBEDDINGS})
-#: Backends whose ``Rerank`` this package ships: an embeddings model on one of them also reranks
-#: (bi-encoder cosine in ``bert-numpy`` and ``sentence-transformers``; word overlap in ``echo``).
-RERANK_BACKENDS = frozenset({"bert-numpy", "sentence-transformers", "echo"})
-#: What the backends this package knows can be asked for when a config says nothing
-#: (``embeddings: true`` or ``known_usecases`` take precedence; see the module docstring).
-BACKEND_USECASES: dict[str, frozenset[str]] = {
-    "echo": ALL_USECASES,
-    "transformers": frozenset({CHAT, COMPLETION}),
-    "sentence-transformers": frozenset({EMBEDDINGS}),
-    # llama.cpp embeds only a model loaded with embeddings: true (rule 1.)
-    "llama-cpp": frozenset({CHAT, COMPLETION}),
-    "espeak-ng": frozenset({TTS}),
-    "pocketsphinx": frozenset({TRANSCRIPT}),
-    "hash-image": frozenset({IMAGE}),
-    # LocalAI's own backends, as its GuessUsecases names them
-    "whisper": frozenset({TRANSCRIPT}),
-    "piper": frozenset({TTS}),
-    "kokoro": frozenset({TTS}),
-    "transformers-musicgen": frozenset({TTS}),
-    "stablediffusion": frozenset({IMAGE}),
-    "stablediffusion-ggml": frozenset({IMAGE}),
-    "diffusers": frozenset({IMAGE}),
-    "rerankers": frozenset({RERANK}),
-    "silero-vad": frozenset({"vad"}),
-}
-#: LocalAI's use cases that reserve a model: declared, nothing is guessed on top.
-RESERVING_USECASES = frozenset({"score", "token_classify"})
 
 #: Sampling defaults a model file may set, and their types.
 PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
@@ -823,208 +784,3 @@ def _known_usecases(source: str, raw) -> tuple[str, ...] | None:
                                    f"{item[:64]!r} is not a use-case name")
         names.append(name)
     return tuple(dict.fromkeys(names))
-
-
-def usecases(config: ModelConfig) -> frozenset[str]:
-    """What ``config`` is listed for (the rule of the module docstring): a list that picks
-    defaults, never a reason to refuse a request."""
-    known = frozenset(config.known_usecases or ())
-    if known & RESERVING_USECASES:
-        return known
-    return known | guessed_usecases(config)
-
-
-def guessed_usecases(config: ModelConfig) -> frozenset[str]:
-    """LocalAI's ``GuessUsecases``: what the config says without ``known_usecases``."""
-    if config.embeddings:
-        found = frozenset({EMBEDDINGS})
-    else:
-        found = BACKEND_USECASES.get(config.backend, ALL_USECASES)
-        if config.backend == "whisper" and "vad_only" in config.options:
-            found = frozenset({"vad"})
-        if config.backend == "diffusers" and not config.model_options.get("PipelineType"):
-            found = frozenset()
-    if (EMBEDDINGS in found and config.backend in RERANK_BACKENDS) or \
-            config.model_options.get("Reranking"):
-        found |= {RERANK}
-    return found
-
-
-class _GoLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``\\'`` in a double-quoted string as ``'``, as Go's
-    YAML decoder (libyaml's rules) does: LocalAI's gallery has ``key: "\\'"`` in two files."""
-
-    ESCAPE_REPLACEMENTS = {**yaml.SafeLoader.ESCAPE_REPLACEMENTS, "'": "'"}
-
-
-#: ... and whose aliases may add only a bounded number of values (``localai_tw/yamlbound.py``):
-#: a 422-byte file of nested aliases under ``engine_args`` stalled the reactor 2.2 s.
-_Loader = bounded_loader(_GoLoader, MODEL_CONFIG)
-
-
-def _name_guess(data: Any, source: str) -> str:
-    """The model name a file was meant to define, for answering requests about it when it
-    cannot load: its ``name`` if readable, else the file name without ``.yaml``."""
-    if isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"]:
-        return data["name"][:MAX_NAME]
-    return posixpath.basename(source).rsplit(".", 1)[0]
-
-
-def load_model_file(path: str, source: str | None = None) -> ModelConfig:
-    """Read and validate one YAML file.  :raises ModelConfigError: with ``model_name`` set."""
-    source = source or path
-    try:
-        return _load_model_file(path, source)
-    except ModelConfigError as e:
-        if e.model_name is None:
-            e.model_name = _name_guess(None, source)
-        raise
-
-
-def _load_model_file(path: str, source: str) -> ModelConfig:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise ModelConfigError(source, None, f"cannot be read: {e.strerror}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise ModelConfigError(source, None, f"is larger than {MAX_FILE_BYTES} bytes")
-    try:
-        data = yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-    except AliasBombError as e:
-        raise ModelConfigError(source, None, f"is refused: {e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ModelConfigError(source, None, f"is not valid YAML{where}") from None
-    except RecursionError:
-        # PyYAML's composer recurses once per level: a file nested thousands deep exhausts the
-        # stack.  A failure like any other, remembered by the catalog until the file changes.
-        raise ModelConfigError(source, None, "nests too deeply to be a model config") from None
-    try:
-        return parse_model_config(data, source)
-    except ModelConfigError as e:
-        e.model_name = _name_guess(data, source)
-        raise
-    except RecursionError:
-        raise ModelConfigError(source, None, "nests too deeply to be a model config") from None
-
-
-# -- the catalog ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Entry:
-    stamp: tuple[int, int]
-    config: ModelConfig | None
-    error: ModelConfigError | None
-
-
-class ModelCatalog:
-    """The model configs of one directory, re-read when files change (see the module
-    docstring).  ``clock`` is ``time.monotonic`` unless given (tests)."""
-
-    def __init__(self, models_dir: str, *, check_interval: float = 1.0, clock=time.monotonic):
-        self.models_dir = os.path.abspath(models_dir)
-        self._interval = check_interval
-        self._clock = clock
-        self._checked_at: float | None = None
-        self._entries: dict[str, _Entry] = {}
-        self._by_name: dict[str, ModelConfig] = {}
-        self.errors: dict[str, str] = {}
-        self._broken: dict[str, ModelConfigError] = {}  # meant model name -> why it failed
-
-    def models(self) -> list[ModelConfig]:
-        self._refresh()
-        return [self._by_name[n] for n in sorted(self._by_name)]
-
-    def get(self, name: str) -> ModelConfig | None:
-        self._refresh()
-        return self._by_name.get(name)
-
-    def error(self, name: str) -> ModelConfigError | None:
-        """Why the file meant to define model ``name`` could not load (its ``name``, or its
-        file name without ``.yaml`` when even that cannot be read), or ``None``: lets a request
-        for it be answered with the reason instead of "does not exist"."""
-        self._refresh()
-        return None if name in self._by_name else self._broken.get(name)
-
-    def broken(self) -> dict[str, ModelConfigError]:
-        """Every model name whose config failed to load, with the error (sorted by name)."""
-        self._refresh()
-        return {n: self._broken[n] for n in sorted(self._broken) if n not in self._by_name}
-
-    def refresh(self) -> None:
-        """Re-scan now, whatever the interval."""
-        self._checked_at = None
-        self._refresh()
-
-    def _refresh(self) -> None:
-        now = self._clock()
-        if self._checked_at is not None and now - self._checked_at < self._interval:
-            return
-        self._checked_at = now
-        seen: dict[str, tuple[int, int]] = {}
-        try:
-            with os.scandir(self.models_dir) as listing:
-                for entry in listing:
-                    if not entry.name.endswith((".yaml", ".yml")) or entry.name.startswith("."):
-                        continue
-                    try:
-                        if not entry.is_file():
-                            continue
-                        st = entry.stat()
-                    except OSError:
-                        continue
-                    seen[entry.name] = (st.st_mtime_ns, st.st_size)
-                    if len(seen) >= MAX_FILES:
-                        log.warn("models directory {dir} holds more than {n} YAML files; the "
-                                 "rest are ignored", dir=self.models_dir, n=MAX_FILES)
-                        break
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warn("cannot list models directory {dir}: {err}", dir=self.models_dir, err=e)
-            return
-        changed = set(seen) ^ set(self._entries)
-        for fname, stamp in seen.items():
-            old = self._entries.get(fname)
-            if old is None or old.stamp != stamp:
-                changed.add(fname)
-                try:
-                    cfg = load_model_file(os.path.join(self.models_dir, fname), fname)
-                    self._entries[fname] = _Entry(stamp, cfg, None)
-                    for warning in cfg.warnings:
-                        log.warn("model config {file}: {warning}", file=fname, warning=warning)
-                    for guess in cfg.guesses:
-                        log.info("model config {file}: guessed {guess}", file=fname,
-                                 guess=guess)
-                except ModelConfigError as e:
-                    self._entries[fname] = _Entry(stamp, None, e)
-                    log.warn("model config skipped: {err}", err=str(e))
-        for fname in list(self._entries):
-            if fname not in seen:
-                del self._entries[fname]
-        if not changed:
-            return
-        by_name: dict[str, ModelConfig] = {}
-        errors: dict[str, str] = {}
-        broken: dict[str, ModelConfigError] = {}
-        for fname in sorted(self._entries):
-            entry = self._entries[fname]
-            if entry.error is not None:
-                errors[fname] = str(entry.error)
-                broken.setdefault(entry.error.model_name or fname, entry.error)
-                continue
-            cfg = entry.config
-            if cfg.name in by_name:
-                msg = (f"{fname}: name: model {cfg.name!r} is already defined by "
-                       f"{by_name[cfg.name].source}; this file is ignored")
-                if self.errors.get(fname) != msg:
-                    log.warn("{msg}", msg=msg)
-                errors[fname] = msg
-                continue
-            by_name[cfg.name] = cfg
-        self._by_name = by_name
-        self.errors = errors
-        self._broken = broken

@@ -17,7 +17,7 @@ import yaml
 from twisted.internet import reactor
 from twisted.web import server
 
-from localai_tw.localai.model_config import load_model_file
+from localai_tw.localai.catalog import load_model_file
 
 from .inference_harness import sha256_hex
 from .support import eventually

@@ -198,7 +198,7 @@ def test_default_model_written_once_then_kept(tmp_path):
     assert what == "written" and source == "/opt/minilm"
     text = (models / DEFAULT_EMBEDDINGS_FILE).read_text()
     assert text.startswith(GENERATED_MARKER)
-    from localai_tw.localai.model_config import load_model_file
+    from localai_tw.localai.catalog import load_model_file
 
     config = load_model_file(path)
     assert (config.name, config.backend, config.model, config.embeddings) == \

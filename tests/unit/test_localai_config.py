@@ -10,16 +10,16 @@ from twisted.logger import capturedLogs
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.inference.coldload import ColdLoader
 from localai_tw.frontend.inference.router import InferenceRouter
+from localai_tw.localai.catalog import ModelCatalog
 from localai_tw.localai.model_config import (
     DIFFUSERS_OPTIONS,
     LIMIT_OPTIONS,
     MODEL_OPTIONS,
+    ModelConfigError,
     PARAMETER_MODEL,
     PARAMETER_PREDICT,
-    PREDICT_OPTIONS,
-    ModelCatalog,
-    ModelConfigError,
     parse_model_config,
+    PREDICT_OPTIONS,
 )
 from localai_tw.frontend.api.openai.requests import Fields, merge_sampling
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import yaml
 
-from localai_tw.localai.model_config import ModelCatalog, _Loader
+from localai_tw.localai.catalog import _Loader, ModelCatalog
 from localai_tw.frontend.api.openai.requests import ModelView
 from localai_tw.localai.templates import (
     ChatMessage,
@@ -151,7 +151,7 @@ def test_a_chatml_gallery_model_renders_tool_calls_as_json(catalog):
 
 
 def test_gallery_use_cases_add_to_the_guess_as_localai_does(catalog):
-    from localai_tw.localai.model_config import usecases
+    from localai_tw.localai.usecases import usecases
 
     chat_listed = [c for c in catalog.models() if c.known_usecases == ("chat",)]
     assert chat_listed, "the gallery has chat-only listed configs"

@@ -9,7 +9,8 @@ import pytest
 from twisted.internet import task
 
 from localai_tw.frontend.inference.interfaces import ModelLoadFailed
-from localai_tw.localai.model_config import parse_model_config, usecases
+from localai_tw.localai.model_config import parse_model_config
+from localai_tw.localai.usecases import usecases
 from localai_tw.frontend.api.openai import LOADING_NOTICE_INTERVAL
 
 from .support_openai import Client, FakeRouter, call, make_site, model_config

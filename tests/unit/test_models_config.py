@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from localai_tw.localai.model_config import ModelCatalog, ModelConfigError, load_model_file, \
-    parse_model_config
+from localai_tw.localai.catalog import ModelCatalog, load_model_file
+from localai_tw.localai.model_config import ModelConfigError, parse_model_config
 
 GOOD = """
 name: tiny
@@ -213,7 +213,7 @@ def test_an_explicit_tokenizer_template_is_not_a_guess():
      {"rerank", "chat", "completion"}),  # listed use cases add to llama-cpp's guess
 ])
 def test_localai_gallery_gguf_entries_without_a_backend_load(name, overrides, serves):
-    from localai_tw.localai.model_config import usecases
+    from localai_tw.localai.usecases import usecases
 
     cfg = parse_model_config({"name": name, **overrides}, f"{name}.yaml")
     assert cfg.backend == "llama-cpp" and usecases(cfg) == serves

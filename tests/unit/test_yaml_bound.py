@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from localai_tw.frontend.gallery import index as gallery
-from localai_tw.localai.model_config import ModelConfigError, load_model_file
+from localai_tw.localai.catalog import load_model_file
+from localai_tw.localai.model_config import ModelConfigError
 from localai_tw.localai.yamlbound import AliasBombError, Limits, bounded_loader
 
 

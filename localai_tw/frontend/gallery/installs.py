@@ -74,11 +74,8 @@ from localai_tw.frontend.gallery.index import (
 )
 from localai_tw.frontend.inference.fetchpolicy import fetch_agent
 from localai_tw.frontend.inference.interfaces import ModelFileMismatch
-from localai_tw.localai.model_config import (
-    ModelCatalog,
-    ModelConfigError,
-    parse_model_config,
-)
+from localai_tw.localai.catalog import ModelCatalog
+from localai_tw.localai.model_config import ModelConfigError, parse_model_config
 
 log = Logger()
 

@@ -76,7 +76,8 @@ from localai_tw.frontend.inference.interfaces import (
     NoNodeAvailable,
     Served,
 )
-from localai_tw.localai.model_config import ModelCatalog, ModelConfig
+from localai_tw.localai.catalog import ModelCatalog
+from localai_tw.localai.model_config import ModelConfig
 from localai_tw.frontend.inference.coldload import ColdLoader
 from localai_tw.frontend.inference.crashes import crash_shaped
 from localai_tw.frontend.inference.honoured import HeldUntilLogprobs, check_reply

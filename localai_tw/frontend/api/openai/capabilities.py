@@ -3,7 +3,7 @@ with what it can do (``capabilities``) and the modalities it takes and gives
 (``input_modalities``, ``output_modalities``), so a client can pick a model for a call, or an
 attachment, before making it.
 
-Decided from the config alone, by LocalAI's rule (``models.usecases``: ``known_usecases`` plus
+Decided from the config alone, by LocalAI's rule (``localai.usecases``: ``known_usecases`` plus
 what the config's backend, templates and ``embeddings`` suggest).  The list picks and shows;
 no endpoint refuses a model missing from it (the backend answers what it cannot do).  Names are LocalAI's use-case
 names in LocalAI's order (``core/config/model_capabilities.go`` at 82c191a): ``chat``,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from localai_tw.localai.model_config import usecases
+from localai_tw.localai.usecases import usecases
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.requests import config_value
 from localai_tw.frontend.api.openai.responses import Exchange

@@ -20,7 +20,7 @@ from typing import Any
 
 from localai_tw.backends import backend_pb2
 
-from localai_tw.localai.model_config import CHAT
+from localai_tw.localai.usecases import CHAT
 from localai_tw.localai.templates import ChatMessage, render_chat, tool_calls_json
 from localai_tw.localai.toolcalls import (
     FunctionConfig,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from localai_tw.localai.model_config import COMPLETION
+from localai_tw.localai.usecases import COMPLETION
 from localai_tw.localai.templates import render_completion
 from localai_tw.frontend.api.openai.constraints import (
     Plan,

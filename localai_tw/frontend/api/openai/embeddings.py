@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from localai_tw.backends import backend_pb2
 from localai_tw.errors import BackendAnswer, ClusterError
 
-from localai_tw.localai.model_config import EMBEDDINGS
+from localai_tw.localai.usecases import EMBEDDINGS
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import (
     NO_RETRY,

@@ -30,7 +30,7 @@ import re
 
 from localai_tw.backends import backend_pb2
 
-from localai_tw.localai.model_config import IMAGE
+from localai_tw.localai.usecases import IMAGE
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import OpenAIError, invalid
 from localai_tw.frontend.api.openai.requests import (

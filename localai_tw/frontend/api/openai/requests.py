@@ -22,7 +22,7 @@ from localai_tw.frontend.inference.interfaces import (
     ModelConfigInvalid,
     ModelNotFound,
 )
-from localai_tw.localai.model_config import usecases
+from localai_tw.localai.usecases import usecases
 from localai_tw.localai.templates import PromptTemplates
 from localai_tw.localai.toolcalls import FunctionConfig
 from localai_tw.frontend.api.kit import printable, read_json_object
@@ -261,7 +261,7 @@ def missing_model(router, name: str) -> ClusterError:
 
 def resolve_model(router, body: Fields, usecase: str) -> tuple[str, ModelView]:
     """The request's ``model``, known.  ``usecase`` refuses nothing (LocalAI's rule: the
-    backend serving the model answers what it cannot do; ``models.usecases``)."""
+    backend serving the model answers what it cannot do; ``localai.usecases``)."""
     name = body.string("model", required=True, nonempty=True)
     config = router.model(name)
     if config is None:

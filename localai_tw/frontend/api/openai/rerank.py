@@ -2,7 +2,7 @@
 ``{"model", "results": [{"index", "document": {"text"}, "relevance_score"}], "usage"}``, best
 first; one ``Rerank`` call on the model's backend, routed like every other call.
 
-Any model may be asked, as in LocalAI (``models.usecases`` lists, never refuses): a backend
+Any model may be asked, as in LocalAI (``localai.usecases`` lists, never refuses): a backend
 without ``Rerank`` answers ``UNIMPLEMENTED`` (501); the shipped ``bert-numpy`` backend reranks
 by bi-encoder cosine similarity (its module docstring).
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from localai_tw.backends import backend_pb2
 
-from localai_tw.localai.model_config import RERANK
+from localai_tw.localai.usecases import RERANK
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import NO_RETRY, OpenAIError, invalid
 from localai_tw.frontend.api.openai.requests import INT32_MAX, read_body, resolve_model

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from localai_tw.backends import backend_pb2
 
-from localai_tw.localai.model_config import TTS
+from localai_tw.localai.usecases import TTS
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import invalid
 from localai_tw.frontend.api.openai.requests import (

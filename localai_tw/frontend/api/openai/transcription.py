@@ -33,7 +33,7 @@ from twisted.internet import threads
 
 from localai_tw.backends import backend_pb2
 
-from localai_tw.localai.model_config import TRANSCRIPT
+from localai_tw.localai.usecases import TRANSCRIPT
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import invalid
 from localai_tw.frontend.api.openai.multipart import MultipartError, boundary_of, parse_form
