@@ -4,25 +4,17 @@ with ``LOCALAI_REQUIRE_HEAVY=1``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import socket
 
-import pytest
+from tests.heavy import missing, skip_or_fail
 
 
 def require_modules(*modules: str, extra: str) -> None:
     """Skip (locally) or fail (CI) when ``modules`` are not importable."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if not missing:
-        return
-    message = (f"needs {', '.join(missing)}: bash .ci/install-heavy-extras "
-               f"(or pip install 'localai-tw[{extra}]')")
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
+    absent = missing(*modules)
+    if absent:
+        skip_or_fail(f"needs {', '.join(absent)}: bash .ci/install-heavy-extras "
+                     f"(or pip install 'localai-tw[{extra}]')")
 
 
 def free_port() -> int:

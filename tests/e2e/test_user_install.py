@@ -22,7 +22,6 @@ Every process started is terminated, waited for, and killed if need be.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -40,6 +39,7 @@ import pytest
 from tests.e2e import readme
 from tests.e2e import userenv
 from tests.e2e.support import free_port
+from tests.heavy import missing, skip_or_fail
 
 REPO_ROOT = readme.REPO_ROOT
 
@@ -270,14 +270,8 @@ def _require_llama_build() -> None:
     """The chat step installs the ``llama`` extra, whose llama-cpp-python pip compiles (about
     5 minutes); ``.ci/install-heavy-extras`` has built it into pip's wheel cache by then.  Like
     every heavy test: skipped locally without it, failed with ``CI=true``."""
-    if importlib.util.find_spec("llama_cpp") is not None:
-        return
-    message = "needs the llama extra built once (bash .ci/install-heavy-extras)"
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
+    if missing("llama_cpp"):
+        skip_or_fail("needs the llama extra built once (bash .ci/install-heavy-extras)")
 
 
 def _run_readme_block(user: UserVenv, marker: str, port: int, cwd: Path) -> str:

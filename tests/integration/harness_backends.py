@@ -4,28 +4,17 @@ model-folder tests, and the cluster e2e suite's model files)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-import grpc
-import pytest
-
 from localai_tw.backends import backend_pb2_grpc
+from tests.heavy import missing, skip_or_fail
 
 
 def require_extra(*modules: str, what: str) -> None:
     """Skip when ``modules`` are missing -- except in CI (``CI=true``) or with
     ``LOCALAI_REQUIRE_HEAVY=1``: then fail, because a suite that silently skips must not report
     success there (``.ci/install-heavy-extras`` installs them)."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if not missing:
-        return
-    message = f"{what} is not installed (missing {', '.join(missing)})"
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
+    absent = missing(*modules)
+    if absent:
+        skip_or_fail(f"{what} is not installed (missing {', '.join(absent)})")
 
 
 def call_backend(record, method, request):

