@@ -101,9 +101,11 @@ def test_a_body_that_is_not_json_is_a_400(site):
 
 
 @pytest.mark.parametrize("options,named", [
-    ({"num_ctx": 4096}, "options.num_ctx"),
-    ({"repeat_penalty": 1.1}, "options.repeat_penalty"),
-    ({"mirostat": 1}, "options.mirostat"),
+    ({"num_ctx": 4096}, "options.num_ctx"),  # chatty sets no context_size
+    ({"repeat_penalty": -1}, "options.repeat_penalty"),
+    ({"mirostat": 3}, "options.mirostat"),
+    ({"tfs_z": 1.0}, "options.tfs_z"),
+    ({"penalize_newline": True}, "options.penalize_newline"),
     ({"num_gpu": 1}, "options.num_gpu"),
     ({"use_mmap": True}, "options.use_mmap"),
     ({"frobnicate": 1}, "options.frobnicate"),
@@ -216,19 +218,38 @@ def test_the_last_streamed_line_carries_counts_and_durations(site, router):
 
 
 def test_options_and_format_map_onto_the_openai_body():
-    body, stream = translate.chat_request({
+    translated = translate.chat_request({
         "model": "m", "messages": [{"role": "user", "content": "x"}],
         "options": {"temperature": 0.2, "top_p": 0.9, "top_k": 10, "min_p": 0.05,
                     "seed": 3, "stop": "END", "presence_penalty": 0.1,
                     "frequency_penalty": 0.2, "num_predict": 12},
         "format": {"type": "object"}, "keep_alive": "1h30m"}, "m")
-    assert stream is True
+    body = translated.body
+    assert translated.stream is True and translated.predict == {} and not translated.num_ctx
     assert body["temperature"] == 0.2 and body["top_k"] == 10 and body["seed"] == 3
     assert body["stop"] == ["END"] and body["max_tokens"] == 12
     assert body["response_format"]["json_schema"]["schema"] == {"type": "object"}
-    body, _ = translate.chat_request({"model": "m", "messages": [],
-                                      "options": {"num_predict": -1}, "format": "json"}, "m")
+    body = translate.chat_request({"model": "m", "messages": [],
+                                   "options": {"num_predict": -1}, "format": "json"}, "m").body
     assert "max_tokens" not in body and body["response_format"] == {"type": "json_object"}
+
+
+def test_sampling_options_beyond_the_openai_body_reach_the_backend(router):
+    router.configs["sized"] = model_config("sized", context_size=1024)
+    site = make_ollama_site(router, APIKeyGuard(["sk-1"]))
+    options = {"repeat_penalty": 1.2, "repeat_last_n": 32, "typical_p": 0.8, "mirostat": 2,
+               "mirostat_tau": 4.0, "mirostat_eta": 0.2, "num_ctx": 512}
+    assert call(site, "POST", "/api/chat", chat(model="sized", options=options),
+                headers=KEY).status == 200
+    sent = router.calls[0][2]
+    assert (sent.Penalty, sent.Repeat, sent.Mirostat) == (pytest.approx(1.2), 32, 2)
+    assert sent.TypicalP == pytest.approx(0.8) and sent.MirostatTAU == pytest.approx(4.0)
+    assert sent.MirostatETA == pytest.approx(0.2)
+    message = error_of(call(site, "POST", "/api/chat", chat(model="sized",
+                                                            options={"num_ctx": 2048}),
+                            headers=KEY), 400)
+    assert "options.num_ctx" in message and "1024" in message
+    assert len(router.calls) == 1
 
 
 def test_tool_calls_both_ways():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from localai_tw.frontend.api.kit import printable
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import OpenAIError
 from localai_tw.frontend.api.openai.requests import Fields
@@ -29,6 +30,7 @@ from localai_tw.frontend.api.openai.turn import (
 from localai_tw.frontend.api.ollama.errors import from_openai
 from localai_tw.frontend.api.ollama.models import iso
 from localai_tw.frontend.api.ollama.translate import (
+    Refused,
     chat_request,
     generate_request,
     is_empty_generate,
@@ -122,13 +124,14 @@ async def _answer(context: Context, exchange: Exchange, body: Mapping[str, Any],
                   chat: bool) -> None:
     timing = _Timing(context)
     sent = body.get("model")
-    name = model_name(sent, lambda n: context.router.model(n) is not None)
-    translate = chat_request if chat else generate_request
-    shaped, stream = translate(body, name)
+    router = context.router
+    name = model_name(sent, lambda n: router.model(n) is not None)
+    translated = (chat_request if chat else generate_request)(body, name)
+    shaped = translated.body
     if (chat and not shaped["messages"]) or (not chat and is_empty_generate(body)):
         # Ollama's "load the model" request: answered at once (the model loads on the
         # first request that generates; docs/ollama-api.md)
-        if context.router.model(name) is None:
+        if router.model(name) is None:
             shaped["messages"] = [{"role": "user", "content": ""}]
             await prepare_turn(context, Fields(shaped), exchange)  # the 404, as any request
         line = _Events(sent, chat, timing)._line(True)
@@ -136,7 +139,11 @@ async def _answer(context: Context, exchange: Exchange, body: Mapping[str, Any],
         exchange.send_json(200, line)
         return
     turn = await prepare_turn(context, Fields(shaped), exchange)
-    if stream:
+    if translated.num_ctx is not None:
+        check_num_ctx(router.model(name), name, translated.num_ctx)
+    for field_name, value in translated.predict.items():  # options beyond the OpenAI body
+        setattr(turn.options, field_name, value)
+    if translated.stream:
         await stream_turn(context, exchange, turn, _Events(sent, chat, timing),
                           framing=NDJSONStream, include_usage=True)
         return
@@ -152,3 +159,17 @@ async def _answer(context: Context, exchange: Exchange, body: Mapping[str, Any],
     line["done_reason"] = DONE_REASONS.get(answer.finish_reason, answer.finish_reason)
     line.update(timing.durations(usage))
     exchange.send_json(200, line)
+
+
+def check_num_ctx(config: Any, name: str, num_ctx: int) -> None:
+    """``options.num_ctx``: a model's context is set when it loads (its config's
+    ``context_size``), never per request; a request asking for at most that much gets it, one
+    asking for more (or for a model whose config sets none) is refused."""
+    size = int(getattr(config, "context_size", 0) or 0)
+    if not size:
+        raise Refused(f"'options.num_ctx' is not supported for model {printable(name)!r}: its "
+                      "context size is its backend's default (set context_size in its "
+                      "config); send the request without it")
+    if num_ctx > size:
+        raise Refused(f"'options.num_ctx' {num_ctx} is more than model {printable(name)!r}'s "
+                      f"context_size {size}, which is set when it loads; ask for at most {size}")

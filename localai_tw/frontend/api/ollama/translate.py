@@ -19,6 +19,7 @@ import base64
 import binascii
 import json
 import re
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from localai_tw.frontend.api.kit import printable
@@ -75,19 +76,22 @@ MAPPED_OPTIONS = {
     "frequency_penalty": "frequency_penalty", "num_predict": "max_tokens",
 }
 
-#: ``options`` keys refused, with why (sampling this server's chat does not take from a
-#: request, and load-time settings that belong to the model config).
+#: ``options`` keys the OpenAI body has no field for, set on the backend's ``PredictOptions``
+#: as LocalAI sets them: Ollama's name -> (field, lowest, highest, integer).
+PREDICT_OPTIONS = {
+    "repeat_penalty": ("Penalty", 0.0, 100.0, False),
+    "repeat_last_n": ("Repeat", 0, INT32_MAX, True),
+    "typical_p": ("TypicalP", 0.0, 1.0, False),
+    "mirostat": ("Mirostat", 0, 2, True),
+    "mirostat_tau": ("MirostatTAU", 0.0, 100.0, False),
+    "mirostat_eta": ("MirostatETA", 0.0, 1.0, False),
+}
+
+#: ``options`` keys refused, with why.
 REFUSED_OPTIONS = {
-    "num_ctx": "the context size is the model config's context_size",
-    "repeat_penalty": "set parameters.repeat_penalty in the model config",
-    "repeat_last_n": "not a request parameter here",
-    "typical_p": "set it in the model config",
-    "tfs_z": "set it in the model config",
-    "mirostat": "set it in the model config",
-    "mirostat_tau": "set it in the model config",
-    "mirostat_eta": "set it in the model config",
-    "penalize_newline": "not a request parameter here",
-    "num_keep": "not a request parameter here",
+    "tfs_z": "tail-free sampling is gone from llama.cpp",
+    "penalize_newline": "llama.cpp no longer has it",
+    "num_keep": "this server does not keep tokens across a context shift",
 }
 #: Load-time options: the model config decides them, never a request.
 LOAD_OPTIONS = frozenset({
@@ -112,12 +116,13 @@ def _integer(options: Mapping[str, Any], key: str) -> int:
     return value
 
 
-def map_options(raw: Any, into: dict[str, Any]) -> None:
+def map_options(raw: Any, into: dict[str, Any], predict: dict[str, Any]) -> int | None:
     """``options`` onto the OpenAI-shaped ``into`` (ranges are checked there, named as the
-    OpenAI field; types here, named as the option).  :raises Refused: an option this server
-    does not honour, by name and why."""
+    OpenAI field; types here, named as the option) and ``predict`` (``PredictOptions`` fields,
+    checked here); returns ``num_ctx`` (checked against the model by the caller).
+    :raises Refused: an option this server does not honour, by name and why."""
     if raw is None:
-        return
+        return None
     if not isinstance(raw, dict):
         raise Refused("'options' must be an object")
     for key in raw:
@@ -131,7 +136,7 @@ def map_options(raw: Any, into: dict[str, Any]) -> None:
         if key in LOAD_OPTIONS:
             raise Refused(f"'options.{key}' is a load-time setting: the model config decides "
                           "it; send the request without it")
-        if key not in MAPPED_OPTIONS:
+        if key not in MAPPED_OPTIONS and key not in PREDICT_OPTIONS and key != "num_ctx":
             raise Refused(f"'options.{_field(key)}' is not an option this server knows")
     for key, target in MAPPED_OPTIONS.items():
         if raw.get(key) is None:
@@ -154,6 +159,19 @@ def map_options(raw: Any, into: dict[str, Any]) -> None:
             into[target] = _integer(raw, key)
         else:
             into[target] = _number(raw, key)
+    for key, (target, low, high, integral) in PREDICT_OPTIONS.items():
+        if raw.get(key) is None:
+            continue
+        value = _integer(raw, key) if integral else float(_number(raw, key))
+        if not low <= value <= high:
+            raise Refused(f"'options.{key}' must be between {low} and {high}")
+        predict[target] = value
+    if raw.get("num_ctx") is None:
+        return None
+    num_ctx = _integer(raw, "num_ctx")
+    if num_ctx < 1:
+        raise Refused("'options.num_ctx' must be a positive integer")
+    return num_ctx
 
 
 # -- keep_alive, format, think -----------------------------------------------------------------
@@ -320,26 +338,39 @@ def _unknown(body: Mapping[str, Any], known: frozenset[str]) -> None:
             raise Refused(f"'{_field(str(key))}' is not a field of this endpoint")
 
 
-def _common(body: Mapping[str, Any], into: dict[str, Any]) -> bool:
-    """The fields /api/chat and /api/generate share; returns ``stream`` (default true)."""
+@dataclass
+class Translated:
+    """A generating request in the turn's terms: the OpenAI-shaped ``body``, ``stream``,
+    the ``PredictOptions`` fields set beyond it, and ``num_ctx`` when asked."""
+
+    body: dict
+    stream: bool = True
+    predict: dict = field(default_factory=dict)
+    num_ctx: int | None = None
+
+
+def _common(body: Mapping[str, Any], out: Translated) -> None:
+    """The fields /api/chat and /api/generate share."""
+    into = out.body
     stream = body.get("stream")
     if stream is None:
         stream = True
     if not isinstance(stream, bool):
         raise Refused("'stream' must be true or false")
+    out.stream = stream
     check_keep_alive(body.get("keep_alive"))
     check_think(body.get("think"))
     check_logprobs(body)
-    map_options(body.get("options"), into)
+    out.num_ctx = map_options(body.get("options"), into, out.predict)
     map_format(body.get("format"), into)
-    return stream
 
 
-def chat_request(body: Mapping[str, Any], name: str) -> tuple[dict, bool]:
-    """An ``/api/chat`` body as ``(OpenAI chat body, stream)``."""
+def chat_request(body: Mapping[str, Any], name: str) -> Translated:
+    """An ``/api/chat`` body in the turn's terms."""
     _unknown(body, CHAT_FIELDS)
-    out: dict[str, Any] = {"model": name}
-    stream = _common(body, out)
+    translated = Translated({"model": name})
+    _common(body, translated)
+    out = translated.body
     out["messages"] = chat_messages(body.get("messages"))
     tools = body.get("tools")
     if tools is not None:
@@ -347,15 +378,16 @@ def chat_request(body: Mapping[str, Any], name: str) -> tuple[dict, bool]:
             raise Refused("'tools' must be a list of tool objects")
         if tools:
             out["tools"] = tools  # the same shape as OpenAI's; checked by the turn
-    return out, stream
+    return translated
 
 
-def generate_request(body: Mapping[str, Any], name: str) -> tuple[dict, bool]:
-    """An ``/api/generate`` body as ``(OpenAI chat body, stream)``: ``system`` (or the model
-    config's system prompt) and one user message with the prompt and its images."""
+def generate_request(body: Mapping[str, Any], name: str) -> Translated:
+    """An ``/api/generate`` body in the turn's terms: ``system`` (or the model config's
+    system prompt) and one user message with the prompt and its images."""
     _unknown(body, GENERATE_FIELDS)
-    out: dict[str, Any] = {"model": name}
-    stream = _common(body, out)
+    translated = Translated({"model": name})
+    _common(body, translated)
+    out = translated.body
     if body.get("template") not in (None, ""):
         raise Refused("'template' is not supported: prompt templates come from the model "
                       "config")
@@ -381,7 +413,7 @@ def generate_request(body: Mapping[str, Any], name: str) -> tuple[dict, bool]:
     messages.append({"role": "user", "content": _content(prompt, _images(body.get("images"),
                                                                           "images"))})
     out["messages"] = messages
-    return out, stream
+    return translated
 
 
 def is_empty_generate(body: Mapping[str, Any]) -> bool:
