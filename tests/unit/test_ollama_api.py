@@ -295,3 +295,12 @@ def test_image_media_types():
     assert translate.image_url(PNG, "x").startswith("data:image/png;base64,")
     jpeg = base64.b64encode(b"\xff\xd8\xff\xe0" + b"\0" * 8).decode()
     assert translate.image_url(jpeg, "x").startswith("data:image/jpeg;base64,")
+
+
+def test_a_router_failure_is_answered_in_ollamas_shape_without_its_insides(site, router):
+    router.fail_with = RuntimeError("secret /srv/models/internal detail")
+    message = error_of(call(site, "POST", "/api/chat", chat(), headers=KEY), 500)
+    assert "secret" not in message and "Traceback" not in message
+    router.fail_with = None
+    missing = error_of(call(site, "POST", "/api/chat", chat(model="nope"), headers=KEY), 404)
+    assert missing.count("not found") <= 1, missing

@@ -17,8 +17,8 @@ from typing import Any, Mapping
 
 from localai_tw.frontend.api.kit import printable
 from localai_tw.frontend.api.openai.context import Context
-from localai_tw.frontend.api.openai.errors import OpenAIError
-from localai_tw.frontend.api.openai.requests import Fields
+from localai_tw.frontend.api.openai.errors import OpenAIError, error_for
+from localai_tw.frontend.api.openai.requests import Fields, missing_model
 from localai_tw.frontend.api.openai.responses import Exchange
 from localai_tw.frontend.api.openai.turn import (
     NDJSONStream,
@@ -42,7 +42,7 @@ from localai_tw.frontend.api.ollama.translate import (
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
 
-class _Timing:
+class Timing:
     """The wall-clock side of an answer: ``created_at`` stamps and ``total_duration``."""
 
     def __init__(self, context: Context):
@@ -74,7 +74,7 @@ class _Events(TurnEvents):
     """One streamed answer as Ollama's objects: ``chat`` shapes ``message``, else
     ``response``."""
 
-    def __init__(self, model: str, chat: bool, timing: _Timing):
+    def __init__(self, model: str, chat: bool, timing: Timing):
         self.model = model
         self.chat = chat
         self.timing = timing
@@ -122,7 +122,7 @@ async def answer_generate(context: Context, exchange: Exchange,
 
 async def _answer(context: Context, exchange: Exchange, body: Mapping[str, Any],
                   chat: bool) -> None:
-    timing = _Timing(context)
+    timing = Timing(context)
     sent = body.get("model")
     router = context.router
     name = model_name(sent, lambda n: router.model(n) is not None)
@@ -132,8 +132,7 @@ async def _answer(context: Context, exchange: Exchange, body: Mapping[str, Any],
         # Ollama's "load the model" request: answered at once (the model loads on the
         # first request that generates; docs/ollama-api.md)
         if router.model(name) is None:
-            shaped["messages"] = [{"role": "user", "content": ""}]
-            await prepare_turn(context, Fields(shaped), exchange)  # the 404, as any request
+            raise error_for(missing_model(router, name))  # the 404 any request gets
         line = _Events(sent, chat, timing)._line(True)
         line["done_reason"] = "load"
         exchange.send_json(200, line)

@@ -18,7 +18,7 @@ from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.embeddings import embed_items
 from localai_tw.frontend.api.openai.requests import MAX_EMBEDDING_INPUTS, Fields, resolve_model
 from localai_tw.frontend.api.openai.responses import Exchange
-from localai_tw.frontend.api.ollama.chat import _Timing
+from localai_tw.frontend.api.ollama.chat import Timing
 from localai_tw.frontend.api.ollama.translate import Refused, check_keep_alive, model_name
 
 EMBED_FIELDS = frozenset({"model", "input", "truncate", "options", "keep_alive", "dimensions"})
@@ -52,7 +52,7 @@ def _normalised(vector: list[float]) -> list[float]:
 
 async def answer_embed(context: Context, exchange: Exchange, body: Mapping[str, Any]) -> None:
     """``POST /api/embed``."""
-    timing = _Timing(context)
+    timing = Timing(context)
     _check(body, EMBED_FIELDS)
     if body.get("truncate") not in (None, False):
         raise Refused("'truncate' is not supported: this server never truncates an input "

@@ -24,11 +24,16 @@ from localai_tw import metrics as replica_metrics
 
 from localai_tw.frontend.api.kit import APIKeyGuard, printable, read_json_object
 from localai_tw.frontend.api.openai.context import Context
-from localai_tw.frontend.api.openai.errors import OpenAIError, detail
+from localai_tw.frontend.api.openai.errors import OpenAIError, detail, error_for
 from localai_tw.frontend.api.openai.responses import Exchange, NodeNames, path_text
 from localai_tw.frontend.api.openai.sse import AlreadyAnswered
 from localai_tw.frontend.api.ollama import chat, embed, models
-from localai_tw.frontend.api.ollama.errors import OllamaError, check_key, ollama_error
+from localai_tw.frontend.api.ollama.errors import (
+    OllamaError,
+    check_key,
+    from_openai,
+    ollama_error,
+)
 from localai_tw.frontend.api.ollama.translate import Refused, model_name
 from localai_tw.web.errors import APIError
 
@@ -89,24 +94,31 @@ class OllamaAPI:
             self._answer_error(exchange, OllamaError(500, "the request was cancelled"), None)
         except Refused as e:
             self._answer_error(exchange, OllamaError(e.status, e.message), e)
-        except Exception as e:
+        except (OllamaError, OpenAIError, APIError) as e:
             self._answer_error(exchange, ollama_error(e), e)
+        except Exception as e:
+            self._answer_failure(exchange, e)
+
+    def _answer_failure(self, exchange: Exchange, cause: Exception) -> None:
+        """A failure of the router or of this code: logged as ``/v1`` logs it (a traceback
+        only for an internal error), answered in Ollama's shape."""
+        request = exchange.request
+        answer = error_for(cause)
+        if answer.code == "internal_error":
+            log.failure("{method} {path} failed", Failure(cause),
+                        method=request.method.decode("ascii", "replace"),
+                        path=printable(path_text(request)))
+        else:
+            log.info("{method} {path}: {status} {code} ({condition}): {message}",
+                     method=request.method.decode("ascii", "replace"),
+                     path=printable(path_text(request)), status=answer.status,
+                     code=answer.code, condition=getattr(cause, "condition", "-"),
+                     message=detail(cause))
+        self._answer_error(exchange, from_openai(answer), cause)
 
     def _answer_error(self, exchange: Exchange, answer: OllamaError,
                       cause: BaseException | None) -> None:
-        request = exchange.request
         exchange.record.failed(cause)
-        if cause is not None and not isinstance(cause, (OpenAIError, APIError, OllamaError,
-                                                        Refused)):
-            if answer.status >= 500 and "internal" in answer.message:
-                log.failure("{method} {path} failed", Failure(cause),
-                            method=request.method.decode("ascii", "replace"),
-                            path=printable(path_text(request)))
-            else:
-                log.info("{method} {path}: {status} ({condition}): {message}",
-                         method=request.method.decode("ascii", "replace"),
-                         path=printable(path_text(request)), status=answer.status,
-                         condition=getattr(cause, "condition", "-"), message=detail(cause))
         exchange.send_json(answer.status, answer.body(), answer.headers)
 
     async def _dispatch(self, request, exchange: Exchange, name: bytes) -> None:
