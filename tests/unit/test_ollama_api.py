@@ -10,13 +10,15 @@ import base64
 import json
 
 import pytest
+import pytest_twisted
 
 from localai_tw.errors import BackendAnswer
+from localai_tw.frontend.api.jsonbody import INLINE_JSON_VALUES
 from localai_tw.frontend.api.kit import APIKeyGuard
 from localai_tw.frontend.api.ollama import translate
 
 from tests.unit.support_ollama import make_ollama_site
-from tests.unit.support_openai import Client, FakeRouter, call, model_config
+from tests.unit.support_openai import Client, FakeRouter, call, call_settled, model_config
 
 KEY = {"Authorization": "Bearer sk-1"}
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 16).decode()
@@ -304,3 +306,10 @@ def test_a_router_failure_is_answered_in_ollamas_shape_without_its_insides(site,
     router.fail_with = None
     missing = error_of(call(site, "POST", "/api/chat", chat(model="nope"), headers=KEY), 404)
     assert missing.count("not found") <= 1, missing
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_big_body_is_decoded_off_the_reactor_and_answered_by_the_endpoint(site):
+    body = chat(options={"stop": ["x"] * (INLINE_JSON_VALUES + 10)})
+    response = await call_settled(site, "POST", "/api/chat", body, headers=KEY)
+    assert "options.stop" in error_of(response, 400)  # not the listener's 413

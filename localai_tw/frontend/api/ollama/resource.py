@@ -22,6 +22,7 @@ from twisted.web.resource import Resource
 
 from localai_tw import metrics as replica_metrics
 
+from localai_tw.frontend.api.jsonbody import prepare_json_body
 from localai_tw.frontend.api.kit import APIKeyGuard, printable, read_json_object
 from localai_tw.frontend.api.openai.context import Context
 from localai_tw.frontend.api.openai.errors import OpenAIError, detail, error_for
@@ -140,6 +141,7 @@ class OllamaAPI:
         if name == b"ps":
             exchange.send_json(200, await self._running())
             return
+        await prepare_json_body(request, context.reactor)  # a big body: off the reactor
         body = read_json_object(request)
         if name == b"chat":
             await chat.answer_chat(context, exchange, body)
