@@ -313,3 +313,14 @@ async def test_a_big_body_is_decoded_off_the_reactor_and_answered_by_the_endpoin
     body = chat(options={"stop": ["x"] * (INLINE_JSON_VALUES + 10)})
     response = await call_settled(site, "POST", "/api/chat", body, headers=KEY)
     assert "options.stop" in error_of(response, 400)  # not the listener's 413
+
+
+def test_a_client_that_leaves_a_stream_cancels_the_backend_call(site, router):
+    router.manual_streams = True
+    client = Client(site).send("POST", "/api/generate", {"model": "chatty", "prompt": "x"},
+                               headers=KEY)
+    stream, = router.streams
+    stream.start()
+    stream.push(b"a")
+    client.disconnect()
+    assert stream.cancelled
