@@ -47,6 +47,9 @@ ENDPOINTS = {
     (b"tts",): "speech",  # LocalAI's /tts (mounted at the root; the same endpoint)
     (b"audio", b"transcriptions"): "transcriptions",
     (b"images", b"generations"): "images",
+    # Ollama's API (/api/<name>; frontend/api/ollama)
+    **{(b"ollama", name): "ollama_" + name.decode() for name in (
+        b"chat", b"generate", b"embed", b"embeddings", b"show", b"tags", b"ps", b"version")},
 }
 
 #: A client that left before its answer was complete (nginx's code for it).

@@ -25,6 +25,7 @@ from localai_tw.frontend.api.kit import APIKeyGuard, JSONDirectory
 from localai_tw.frontend.api.lifecycle import BackendResource
 from localai_tw.frontend.api.metrics import MetricsResource, NodeMetricsRouting
 from localai_tw.frontend.api.nodes import InstancesResource, LoadsResource, NodesAdminResource
+from localai_tw.frontend.api.ollama import OllamaAPI, check_ollama_key, early_ollama_error
 from localai_tw.frontend.api.openai import (
     OPENAI_MAX_BODY_BYTES,
     OpenAIResource,
@@ -45,6 +46,8 @@ OPENAI_KEY = "api key (OpenAI error shape)"
 ADMIN_KEY = "api key"
 #: An inference or an admin key (jobs: the resource then scopes what a key sees).
 ANY_KEY = "api key (any scope)"
+#: The OpenAI API's key rule (open when no key is configured), in Ollama's error shape.
+OLLAMA_KEY = "api key (Ollama error shape)"
 REGISTRATION = "registration token"
 
 
@@ -99,6 +102,19 @@ ROUTES: tuple[Mount, ...] = (
           guard=ADMIN_KEY),
     Mount(b"/api", lambda w: JSONDirectory()),
     Mount(b"/api/node", lambda w: w.registration, guard=REGISTRATION),
+    # Ollama's API (docs/ollama-api.md): the inference key, Ollama's error shape
+    Mount(b"/api/chat", lambda w: w.ollama.endpoint(b"chat"), guard=OLLAMA_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/api/generate", lambda w: w.ollama.endpoint(b"generate"), guard=OLLAMA_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/api/embed", lambda w: w.ollama.endpoint(b"embed"), guard=OLLAMA_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/api/embeddings", lambda w: w.ollama.endpoint(b"embeddings"), guard=OLLAMA_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/api/show", lambda w: w.ollama.endpoint(b"show"), guard=OLLAMA_KEY),
+    Mount(b"/api/tags", lambda w: w.ollama.endpoint(b"tags"), guard=OLLAMA_KEY),
+    Mount(b"/api/ps", lambda w: w.ollama.endpoint(b"ps"), guard=OLLAMA_KEY),
+    Mount(b"/api/version", lambda w: w.ollama.endpoint(b"version"), guard=OLLAMA_KEY),
     Mount(b"/api/traces", lambda w: TracesResource(w.traces, w.api_keys), guard=ADMIN_KEY),
     Mount(b"/api/nodes", lambda w: NodeMetricsRouting(
         NodesWithScheduling(NodesAdminResource(w.parts, w.api_keys),
@@ -134,10 +150,17 @@ def apply_policies(site: BoundedSite, api_keys: APIKeyGuard,
         if row.guard == OPENAI_KEY:
             site.add_header_guard(row.path, functools.partial(check_api_key, api_keys))
             site.add_early_answer_shape(row.path, early_error)
+        elif row.guard == OLLAMA_KEY:
+            site.add_header_guard(row.path, functools.partial(check_ollama_key, api_keys))
+            site.add_early_answer_shape(row.path, early_ollama_error)
         elif row.guard == ADMIN_KEY:
             site.add_header_guard(row.path, api_keys.check)
         elif row.guard == ANY_KEY:
             site.add_header_guard(row.path, api_keys.check_any)
+
+
+#: The models loaded on some node (Ollama's ``/api/ps``).
+_LOADED_SQL = "SELECT DISTINCT model_name FROM node_models WHERE state = 'loaded'"
 
 
 class Wiring:
@@ -164,6 +187,19 @@ class Wiring:
         return OpenAIResource(self.replica.inference, api_keys=self.api_keys,
                               reactor=self.reactor, node_names=self.replica.node_name,
                               metrics=self.replica.metrics, generated=self.generated)
+
+    @functools.cached_property
+    def ollama(self) -> OllamaAPI:
+        """Ollama's endpoints (one row each in :data:`ROUTES`), over the same router."""
+        db = self.replica.db
+
+        async def loaded() -> list[str]:
+            rows = await db.runQuery(_LOADED_SQL)
+            return [name for (name,) in rows]
+
+        return OllamaAPI(self.replica.inference, api_keys=self.api_keys, reactor=self.reactor,
+                         node_names=self.replica.node_name, metrics=self.replica.metrics,
+                         loaded=loaded)
 
     @functools.cached_property
     def unprefixed(self) -> Resource:
