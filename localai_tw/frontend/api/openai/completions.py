@@ -138,10 +138,8 @@ class _CompletionChunks(Chunks):
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": choices, **more}
 
-    def first(self) -> dict | None:
-        if not self.echo:
-            return None
-        return self.delta(self.echo)
+    def first(self) -> list:
+        return [self.delta(self.echo)] if self.echo else []
 
     def delta(self, text: str) -> dict:
         return self._chunk([{"index": 0, "text": text, "logprobs": None,

@@ -1,7 +1,7 @@
-"""Streamed answers as server-sent events: :class:`SSEStream` (a ``text/event-stream``
-response that follows the transport's pace) and :func:`stream_reply`, which runs one
-``PredictStream`` into it for chat and completions alike (their event shapes are
-:class:`Chunks`).
+"""Streamed answers: :class:`SSEStream` (a ``text/event-stream`` response that follows the
+transport's pace; :class:`NDJSONStream` is its newline-delimited JSON twin, for Ollama's
+clients) and :func:`stream_reply`, which runs one ``PredictStream`` into either for every
+streamed endpoint (their event shapes are :class:`Chunks`).
 
 Backpressure: the stream writes through the shared
 :class:`~localai_tw.web.streaming.PacedWriter` (the request's push producer), and while the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet import defer, task
@@ -50,6 +51,19 @@ log = Logger()
 LOADING_NOTICE_INTERVAL = 3.0
 
 
+@dataclass(frozen=True)
+class SSEEvent:
+    """A named server-sent event (``event: <name>`` then ``data: <JSON>``), as Anthropic's
+    stream is written; a plain dict payload is a ``data:`` line alone."""
+
+    name: str
+    data: Any
+
+
+def _json(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 class SSEStream:
     """A ``text/event-stream`` response that follows the transport's pace: SSE framing over
     the shared :class:`~localai_tw.web.streaming.PacedWriter`.
@@ -74,13 +88,16 @@ class SSEStream:
         """Whether the client left (learnt from the request or from the transport)."""
         return self.exchange.gone or self.writer.gone
 
+    #: The response's content type.
+    content_type = b"text/event-stream; charset=utf-8"
+
     def start(self, node: str | None) -> None:
         if self.writer.started:
             return
         self.exchange.served_by(node)
         request = self.request
         request.setResponseCode(200)
-        request.setHeader(b"content-type", b"text/event-stream; charset=utf-8")
+        request.setHeader(b"content-type", self.content_type)
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")
         request.setHeader(b"x-content-type-options", b"nosniff")
@@ -98,17 +115,37 @@ class SSEStream:
         _unawaited(self.writer.write(b": " + " ".join(text.split()).encode("utf-8") + b"\n\n"))
 
     def send(self, payload: Any) -> defer.Deferred | None:
-        """Write one event (``payload`` as JSON, or a literal string such as ``[DONE]``).
-        Returns a Deferred while the transport is paused (failed once the client left),
-        else None."""
+        """Write one event (``payload`` as JSON, an :class:`SSEEvent`, or a literal string
+        such as ``[DONE]``).  Returns a Deferred while the transport is paused (failed once
+        the client left), else None."""
         if self.exchange.gone:
             return defer.fail(ConnectionDone("the client disconnected"))
-        text = payload if isinstance(payload, str) else \
-            json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        return self.writer.write(b"data: " + text.encode("utf-8") + b"\n\n")
+        return self.writer.write(self.frame(payload))
+
+    def frame(self, payload: Any) -> bytes:
+        if isinstance(payload, SSEEvent):
+            return (b"event: " + payload.name.encode("ascii") + b"\ndata: " +
+                    _json(payload.data) + b"\n\n")
+        data = payload.encode("utf-8") if isinstance(payload, str) else _json(payload)
+        return b"data: " + data + b"\n\n"
 
     def close(self) -> None:
         self.writer.finish()
+
+
+class NDJSONStream(SSEStream):
+    """Newline-delimited JSON (``application/x-ndjson``), one object per line, as Ollama
+    streams.  It has no comment syntax, so the cold-load notices are not sent."""
+
+    content_type = b"application/x-ndjson"
+
+    def comment(self, text: str) -> None:
+        return None
+
+    def frame(self, payload: Any) -> bytes:
+        if isinstance(payload, SSEEvent):
+            payload = payload.data
+        return _json(payload) + b"\n"
 
 
 def _unawaited(waiting: defer.Deferred | None) -> None:
@@ -123,7 +160,8 @@ class Chunks:
     :func:`stream_reply` calls; by default one ``delta`` per piece of text and one ``finish``,
     and endpoints that hold text back (tool calls) or carry log probabilities override them."""
 
-    def first(self) -> dict | None:
+    def first(self) -> list:
+        """The events that open the stream, sent when the first reply arrives."""
         raise NotImplementedError
 
     def pieces(self, text: str, reply: backend_pb2.Reply) -> list:
@@ -145,6 +183,16 @@ class Chunks:
     def usage(self, usage: dict) -> dict:
         raise NotImplementedError
 
+    def done(self, usage: dict | None) -> list:
+        """The events after the finish: the usage when asked (``usage`` is None when not),
+        then ``[DONE]``."""
+        return ([self.usage(usage)] if usage is not None else []) + ["[DONE]"]
+
+    def failed(self, error: OpenAIError) -> list:
+        """The events that report a failure after the stream started: OpenAI's ``error``
+        event, which its clients raise on."""
+        return [error.body()]
+
 
 class AlreadyAnswered(Exception):
     """The failure was already written into a started stream."""
@@ -152,12 +200,14 @@ class AlreadyAnswered(Exception):
 
 async def stream_reply(context: Context, exchange: Exchange, name: str,
                        options: backend_pb2.PredictOptions, sampling: Sampling,
-                       include_usage: bool, chunks: Chunks) -> None:
-    """Answer with one ``PredictStream`` of model ``name`` as events shaped by ``chunks``:
-    the first chunk, one per complete piece of text, the finish, the usage when asked, then
-    ``[DONE]``.  :raises: the failure to answer as JSON while the stream has not started."""
+                       include_usage: bool, chunks: Chunks,
+                       framing: type[SSEStream] = SSEStream) -> None:
+    """Answer with one ``PredictStream`` of model ``name`` as events shaped by ``chunks``
+    and framed by ``framing``: the first chunk, one per complete piece of text, the finish,
+    then :meth:`Chunks.done` (the usage when asked, ``[DONE]``).  :raises: the failure to
+    answer as JSON while the stream has not started."""
     router = context.router
-    stream = SSEStream(exchange)
+    stream = framing(exchange)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     usage = Usage()
     last = backend_pb2.Reply()
@@ -199,9 +249,8 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
             return  # the first reply starts the stream, once the node's name is known
         begun.append(True)
         stream.start(node_id)
-        first = chunks.first()
-        if first is not None:
-            emit(first)
+        for payload in chunks.first():
+            emit(payload)
 
     def on_reply(reply: backend_pb2.Reply):
         if stream.gone:
@@ -229,13 +278,13 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
         if stream.gone:
             stream.close()
             return
-        raise _stream_failed(stream, OpenAIError(
+        raise _stream_failed(stream, chunks, OpenAIError(
             500, "the stream was cancelled", "server_error", code="cancelled"))
     except Exception as e:
         if stream.gone:
             stream.close()
             return
-        raise _stream_failed(stream, e)
+        raise _stream_failed(stream, chunks, e)
     finally:
         quiet()
     on_start(served.served_by if served is not None else None)
@@ -246,17 +295,16 @@ async def stream_reply(context: Context, exchange: Exchange, name: str,
         for payload in await chunks.closing(finish_reason(last, sampling.max_tokens)):
             emit(payload)
     except OpenAIError as e:
-        raise _stream_failed(stream, e)
+        raise _stream_failed(stream, chunks, e)
     exchange.record.usage(usage.body())
-    if include_usage:
-        emit(chunks.usage(usage.body()))
-    emit("[DONE]")
+    for payload in chunks.done(usage.body() if include_usage else None):
+        emit(payload)
     stream.close()
 
 
-def _stream_failed(stream: SSEStream, error: BaseException) -> BaseException:
-    """Before the stream started: the error to answer as JSON.  After: it is sent as an
-    ``error`` event (what OpenAI clients raise on), without ``[DONE]``, and logged."""
+def _stream_failed(stream: SSEStream, chunks: Chunks, error: BaseException) -> BaseException:
+    """Before the stream started: the error to answer as JSON.  After: it is sent as the
+    events of :meth:`Chunks.failed` (never followed by the end events), and logged."""
     if not stream.started:
         return error
     stream.exchange.record.failed(error)
@@ -266,6 +314,7 @@ def _stream_failed(stream: SSEStream, error: BaseException) -> BaseException:
              code=answer.code, message=detail(error))
     if answer.code == "internal_error":
         log.failure("stream failure", Failure(error))
-    _unawaited(stream.send(answer.body()))
+    for payload in chunks.failed(answer):
+        _unawaited(stream.send(payload))
     stream.close()
     return AlreadyAnswered()
