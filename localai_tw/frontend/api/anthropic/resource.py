@@ -23,6 +23,7 @@ from localai_tw.frontend.api.anthropic.errors import (
     AnthropicError,
     check_api_key,
     failure,
+    from_openai,
 )
 from localai_tw.frontend.api.anthropic.messages import (
     STOP_REASONS,
@@ -37,8 +38,9 @@ from localai_tw.frontend.api.openai.requests import Fields, read_body
 from localai_tw.frontend.api.openai.responses import Exchange, path_text
 from localai_tw.frontend.api.openai.sse import AlreadyAnswered
 from localai_tw.frontend.api.openai.turn import (
-    SSE,
     SSEEvent,
+    SSEStream,
+    TurnEvents,
     complete_turn,
     prepare_turn,
     stream_turn,
@@ -101,7 +103,8 @@ class MessagesResource(Resource):
         asked = to_openai(read_body(request).data)
         turn = await prepare_turn(context, Fields(asked.openai), exchange)
         if asked.stream:
-            await stream_turn(context, exchange, turn, MessageEvents(turn.name), framing=SSE)
+            await stream_turn(context, exchange, turn, MessageEvents(turn.name),
+                              framing=SSEStream, include_usage=True)
             return
         result = await complete_turn(context, exchange, turn)
         exchange.send_json(200, message_body(turn.name, result))
@@ -123,7 +126,7 @@ class MessagesResource(Resource):
         exchange.send_json(answer.status, answer.body(), answer.headers)
 
 
-class MessageEvents:
+class MessageEvents(TurnEvents):
     """Anthropic's SSE events for one streamed turn (the turn's ``TurnEvents``).
 
     ``message_start`` and a ``ping`` open the stream; text opens a text block at its first
@@ -138,6 +141,7 @@ class MessageEvents:
         self.model = model
         self.index = -1  # the index of the last block opened
         self.open_text = False
+        self.stop_reason = "end_turn"
 
     def _block_start(self, block: dict) -> SSEEvent:
         self.index += 1
@@ -155,7 +159,7 @@ class MessageEvents:
                     "stop_sequence": None, "usage": usage_body(0, 0)}}),
                 SSEEvent("ping", {"type": "ping"})]
 
-    def text(self, delta: str) -> list:
+    def text(self, delta: str, logprobs: list | None = None) -> list:
         if not delta:
             return []
         out = []
@@ -184,17 +188,21 @@ class MessageEvents:
             out.append(self._block_stop())
         return out
 
-    def end(self, finish_reason: str, usage) -> list:
+    def end(self, reason: str, logprobs: list | None = None) -> list:
+        self.stop_reason = STOP_REASONS.get(reason, "end_turn")
         out = self._close_text()
         if self.index < 0:  # nothing was said: one empty text block, as non-streamed
             out += [self._block_start({"type": "text", "text": ""}), self._block_stop()]
-        out.append(SSEEvent("message_delta", {
-            "type": "message_delta",
-            "delta": {"stop_reason": STOP_REASONS.get(finish_reason, "end_turn"),
-                      "stop_sequence": None},
-            "usage": usage_body(usage.prompt_tokens, usage.completion_tokens)}))
-        out.append(SSEEvent("message_stop", {"type": "message_stop"}))
         return out
 
-    def failed(self, error: BaseException) -> list:
-        return [SSEEvent("error", failure(error).body())]
+    def done(self, usage: dict | None) -> list:
+        usage = usage or {}
+        return [SSEEvent("message_delta", {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
+                    "usage": usage_body(int(usage.get("prompt_tokens") or 0),
+                                        int(usage.get("completion_tokens") or 0))}),
+                SSEEvent("message_stop", {"type": "message_stop"})]
+
+    def failed(self, error: OpenAIError) -> list:
+        return [SSEEvent("error", from_openai(error).body())]
