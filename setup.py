@@ -58,6 +58,8 @@ setup(
             "hypothesis>=6.100,<7",
             "grpcio-tools>=1.85.1,<2",
             "openai>=1.50,<4",
+            # tests/integration/test_anthropic_client.py (2.16.0 tested).
+            "anthropic>=2.16,<3",
             "pytest-timeout>=2.3,<3",
             # The dashboard's browser tests drive Debian's chromium-driver (.ci/install-browser).
             "selenium>=4.20,<5",

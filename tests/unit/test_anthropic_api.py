@@ -268,3 +268,18 @@ def test_the_openai_routes_keep_their_own_shape_and_bearer_rule(keyed, router):
                     {"x-api-key": "sk-infer"})
     assert response.status == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_null_fields_of_blocks_a_client_got_back_count_as_absent(site, router):
+    router.answer = "fine"
+    response = _post(site, _body(messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look.", "citations": None},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+             "input": {"city": "Oslo"}, "caller": None}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "rain"}],
+                                      "is_error": True}]}], tools=TOOLS))
+    assert response.status == 200, response.raw_body
+    assert "Error: rain" in router.calls[0][2].Prompt

@@ -31,6 +31,7 @@ from localai_tw.frontend.api.openai.requests import INT32_MAX, MAX_MESSAGES, MAX
 FIELDS = frozenset({
     "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
     "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier",
+    "cache_control", "speed",
 })
 #: Fields of Anthropic's API this server cannot honour, and why (a 400 naming them).
 REFUSED = {
@@ -58,7 +59,9 @@ class MessagesRequest:
 
 
 def _keys(obj: dict, allowed: frozenset | set, where: str) -> None:
-    extra = sorted(k for k in obj if k not in allowed)
+    """Refuse a field not in ``allowed`` (a JSON ``null`` counts as absent: clients send the
+    unset fields of a block they got back, ``citations: null``, ``caller: null``)."""
+    extra = sorted(k for k in obj if k not in allowed and obj[k] is not None)
     if extra:
         raise invalid(f"{where}{printable(str(extra[0]), 64)}: this field is not supported "
                       f"here (docs/anthropic-api.md lists the fields served)")
@@ -138,6 +141,10 @@ def to_openai(body: dict) -> MessagesRequest:
             openai["stop"] = list(stops)
     _metadata(body.get("metadata"), openai)
     _thinking(body.get("thinking"))
+    _cache_control(body.get("cache_control"), "cache_control")
+    speed = body.get("speed")
+    if speed is not None and speed != "standard":
+        raise invalid("speed: only 'standard' is served here")
     tier = body.get("service_tier")
     if tier is not None and tier not in ("auto", "standard_only"):
         raise invalid("service_tier: must be 'auto' or 'standard_only' (this server has one "
@@ -297,7 +304,11 @@ def _assistant_blocks(blocks: list, where: str, tool_names: dict[str, str]) -> d
         if kind == "text":
             texts.append(_text_block(block, at))
         elif kind == "tool_use":
-            _keys(block, {"type", "id", "name", "input", "cache_control"}, at)
+            _keys(block, {"type", "id", "name", "input", "cache_control", "caller"}, at)
+            caller = block.get("caller")
+            if caller is not None and caller != {"type": "direct"}:
+                raise invalid(f"{at}caller: only calls made by the model itself ('direct') "
+                              "are served here")
             call_id = _string(block, "id", at)
             name = _string(block, "name", at)
             arguments = block.get("input")
@@ -319,6 +330,17 @@ def _assistant_blocks(blocks: list, where: str, tool_names: dict[str, str]) -> d
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
     return message
+
+
+def _cache_control(value: Any, where: str) -> None:
+    """``cache_control`` asks Anthropic to keep a prompt prefix; nothing is cached here
+    (``usage`` reports 0 cache tokens), which changes no answer, so a well-formed one is
+    accepted."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") != "ephemeral":
+        raise invalid(f"{where}: must be {{\"type\": \"ephemeral\"}}")
+    _keys(value, {"type", "ttl"}, f"{where}.")
 
 
 def _metadata(metadata: Any, openai: dict) -> None:
