@@ -10,13 +10,18 @@ The client is synchronous (httpx), so each call runs in a thread while the react
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import pytest_twisted
+import treq
 from twisted.internet import reactor, threads
 
 from localai_tw.frontend.api.kit import APIKeyGuard
 
 from tests.heavy import missing, skip_or_fail
+from tests.integration.harness_echo import WEIGHTS, echo_model
+from tests.integration.inference_harness import ADMIN
 from tests.unit.support_anthropic import make_messages_site
 from tests.unit.support_openai import FakeRouter, model_config
 
@@ -197,3 +202,43 @@ async def test_the_key_in_x_api_key(anthropic, server, router):
 
     assert (await in_thread(ask, "sk-test")).content[0].text == "ok"
     assert await in_thread(ask, "sk-wrong") == 401
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_real_replica_serves_it_through_an_echo_worker(anthropic, cluster):
+    """The route table's own rows on a real replica: the key guard, the mount under /v1 and
+    at the root, and a real worker's echo backend through the tunnel, streamed and not."""
+    cluster.write_file("echo.bin", WEIGHTS)
+    cluster.write_model("echo.yaml", echo_model("echo-chat"))
+    frontend = await cluster.frontend("replica-anth")
+    await cluster.worker("w-anthropic", frontend)
+    base = cluster.base_url(frontend)
+
+    def ask():
+        c = client(anthropic, base, ADMIN)
+        message = c.messages.create(model="echo-chat", max_tokens=16,
+                                    messages=[{"role": "user", "content": "hello there"}])
+        with client(anthropic, base, None, default_headers={"x-api-key": ADMIN}) \
+                .messages.stream(model="echo-chat", max_tokens=16,
+                                 messages=[{"role": "user", "content": "again"}]) as stream:
+            streamed = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        try:
+            client(anthropic, base, "sk-wrong").messages.create(
+                model="echo-chat", max_tokens=16, messages=[{"role": "user", "content": "x"}])
+        except anthropic.AuthenticationError as e:
+            refused = e.body
+        return message, streamed, final, refused
+
+    message, streamed, final, refused = await in_thread(ask)
+    assert "hello there" in message.content[0].text and message.stop_reason == "end_turn"
+    assert message.usage.output_tokens > 0
+    assert "again" in streamed and final.content[0].text == streamed
+    assert refused["type"] == "error" and refused["error"]["type"] == "authentication_error"
+
+    unprefixed = await treq.post(base + "/messages", json.dumps({
+        "model": "echo-chat", "max_tokens": 16,
+        "messages": [{"role": "user", "content": "at the root"}]}).encode(),
+        headers={"x-api-key": ADMIN, "Content-Type": "application/json"})
+    answer = json.loads(await treq.content(unprefixed))
+    assert unprefixed.code == 200 and "at the root" in answer["content"][0]["text"]
