@@ -18,6 +18,7 @@ from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.resource import Resource
 
+from localai_tw.frontend.api.jsonbody import prepare_json_body
 from localai_tw.frontend.api.kit import APIKeyGuard, printable
 from localai_tw.frontend.api.anthropic.errors import (
     AnthropicError,
@@ -100,6 +101,7 @@ class MessagesResource(Resource):
 
     async def _answer(self, request, exchange: Exchange) -> None:
         context = self._openai.context
+        await prepare_json_body(request, context.reactor)  # a big body: decoded off the reactor
         asked = to_openai(read_body(request).data)
         turn = await prepare_turn(context, Fields(asked.openai), exchange)
         if asked.stream:

@@ -36,6 +36,7 @@ from twisted.web.resource import Resource
 from localai_tw import metrics as replica_metrics
 
 from localai_tw.frontend.inference.interfaces import IInferenceRouter
+from localai_tw.frontend.api.jsonbody import prepare_json_body
 from localai_tw.frontend.api.kit import APIKeyGuard, bearer_token, printable
 from localai_tw.web.errors import APIError
 from localai_tw.frontend.api.openai import (
@@ -259,6 +260,8 @@ class OpenAIResource(Resource):
             raise OpenAIError(405, f"use {allowed.decode()} on this endpoint",
                               "invalid_request_error", code="method_not_allowed",
                               headers={"Allow": allowed.decode()})
+        if method == b"POST":  # a big JSON body is decoded off the reactor first
+            await prepare_json_body(request, self._context.reactor)
         await answer(self._context, request, exchange, *args)
 
 
