@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import pytest_twisted
 
 from localai_tw.errors import BackendAnswer
 from localai_tw.frontend.api.kit import APIKeyGuard
 
 from .support_anthropic import assert_anthropic_error, make_messages_site, named_events
-from .support_openai import Client, FakeRouter, call, model_config
+from .support_openai import Client, FakeRouter, call, call_settled, model_config
 
 TOOLS = [{"name": "get_weather", "description": "the weather of a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -283,3 +284,33 @@ def test_null_fields_of_blocks_a_client_got_back_count_as_absent(site, router):
                                       "is_error": True}]}], tools=TOOLS))
     assert response.status == 200, response.raw_body
     assert "Error: rain" in router.calls[0][2].Prompt
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_big_body_is_decoded_off_the_reactor_and_answered(router, monkeypatch):
+    from localai_tw.frontend.api import jsonbody
+
+    decoded = []
+    real_decode = jsonbody._decode
+    monkeypatch.setattr(jsonbody, "_decode",
+                        lambda *a, **k: decoded.append(1) or real_decode(*a, **k))
+    router.answer = "big"
+    site = make_messages_site(router)
+    blocks = [{"type": "text", "text": "a"}] * (jsonbody.INLINE_JSON_VALUES // 2)  # past it
+    body = _body(messages=[{"role": "user", "content": blocks}])
+    response = await call_settled(site, "POST", "/v1/messages", body, HEADERS)
+    assert response.status == 200, response.raw_body[:300]
+    assert response.json()["content"][0]["text"] == "big"
+    assert decoded  # in the offload thread, not on the reactor
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_body_of_too_many_containers_is_refused_in_anthropics_shape(router):
+    from localai_tw.frontend.api import jsonbody
+
+    site = make_messages_site(router)
+    raw = b'{"model": "chatty", "max_tokens": 8, "x": ' + \
+        b"[" + b"[]," * (jsonbody.MAX_JSON_CONTAINERS + 1) + b"[]]}"
+    response = await call_settled(site, "POST", "/v1/messages", raw=raw, headers=HEADERS)
+    assert_anthropic_error(response, 413, "request_too_large")
+    assert not router.calls
