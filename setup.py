@@ -61,6 +61,8 @@ setup(
             # Ollama's own client drives /api/chat ... (tests/integration/test_ollama_client.py);
             # 0.6.3 tested.
             "ollama>=0.4,<1",
+            # tests/integration/test_anthropic_client.py (2.16.0 tested).
+            "anthropic>=2.16,<3",
             "pytest-timeout>=2.3,<3",
             # The dashboard's browser tests drive Debian's chromium-driver (.ci/install-browser).
             "selenium>=4.20,<5",

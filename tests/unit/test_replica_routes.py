@@ -25,7 +25,7 @@ def test_the_listener_takes_guards_caps_and_uploads_from_the_table():
     guarded = {b"/" + b"/".join(prefix) for prefix, _ in site.header_guards}
     assert guarded == {row.path for row in routes.ROUTES
                        if row.guard in (routes.OPENAI_KEY, routes.ADMIN_KEY, routes.ANY_KEY,
-                                        routes.OLLAMA_KEY)}
+                                        routes.OLLAMA_KEY, routes.ANTHROPIC_KEY)}
     assert site.body_limit_for(b"/v1/chat/completions") == OPENAI_MAX_BODY_BYTES
     assert site.body_limit_for(b"/api/chat") == OPENAI_MAX_BODY_BYTES
     assert site.body_limit_for(b"/api/show") == site.default_limit

@@ -175,6 +175,13 @@ class APIKeyGuard:
         admin = auth.matches_any(presented, self._admin_digests)
         return inference, admin
 
+    def admits(self, presented: str) -> bool:
+        """Whether ``presented`` is a key of either scope, read from a header other than
+        ``Authorization`` (``x-api-key`` on the Anthropic API): compared like every key, with
+        every configured digest."""
+        inference, admin = self._scopes(presented)
+        return inference or admin
+
     def caller(self, request) -> Caller:
         """The caller of a request that passed :meth:`check_any`.
 

@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping
 
 from twisted.web.resource import Resource
 
+from localai_tw.frontend.api import anthropic
+from localai_tw.frontend.api.anthropic.resource import MessagesResource
 from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
 from localai_tw.frontend.api.gallery import GalleryResource, ModelsRoot
 from localai_tw.frontend.api.generated import GeneratedFiles, GeneratedFilesResource
@@ -43,6 +45,8 @@ from localai_tw.web.listener import BoundedSite
 
 #: Header guards, by the credential they check.
 OPENAI_KEY = "api key (OpenAI error shape)"
+#: ``x-api-key`` or ``Authorization: Bearer``, any scope, refused in Anthropic's error shape.
+ANTHROPIC_KEY = "api key (Anthropic error shape)"
 ADMIN_KEY = "api key"
 #: An inference or an admin key (jobs: the resource then scopes what a key sees).
 ANY_KEY = "api key (any scope)"
@@ -60,7 +64,8 @@ class Mount:
     :param build: ``build(wiring) -> Resource | None`` for the resource mounted at ``path``;
         None for a row that only sets a policy below another row's resource.
     :param guard: the credential the listener checks when the headers end (:data:`OPENAI_KEY`,
-        :data:`ADMIN_KEY`, :data:`ANY_KEY`, :data:`REGISTRATION`), or None (the resource decides alone).
+        :data:`ANTHROPIC_KEY`, :data:`ADMIN_KEY`, :data:`ANY_KEY`, :data:`REGISTRATION`), or
+        None (the resource decides alone).
     :param body_cap: bytes; None: the listener's default (64 KiB).
     :param cap_of: take the body cap that this other path has (an unprefixed alias's twin).
     :param spool: the body (an upload) goes to a temporary file, still capped.
@@ -94,6 +99,11 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/healthz", lambda w: w.probes[b"healthz"]),
     Mount(b"/readyz", lambda w: w.probes[b"readyz"]),
     *_openai_rows(),
+    # Anthropic's Messages API: under /v1 (OpenAIResource hands its mounted children their
+    # paths) and at the root, as LocalAI serves it.
+    Mount(b"/v1/messages", lambda w: w.anthropic, guard=ANTHROPIC_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/messages", lambda w: w.anthropic, guard=ANTHROPIC_KEY, cap_of=b"/v1/messages"),
     Mount(b"/backend", lambda w: BackendResource(w.replica.inference, w.api_keys),
           guard=ADMIN_KEY),
     Mount(b"/generated-images", lambda w: GeneratedFilesResource(w.generated)),
@@ -153,6 +163,10 @@ def apply_policies(site: BoundedSite, api_keys: APIKeyGuard,
         elif row.guard == OLLAMA_KEY:
             site.add_header_guard(row.path, functools.partial(check_ollama_key, api_keys))
             site.add_early_answer_shape(row.path, early_ollama_error)
+        elif row.guard == ANTHROPIC_KEY:
+            site.add_header_guard(row.path, functools.partial(anthropic.check_api_key,
+                                                              api_keys))
+            site.add_early_answer_shape(row.path, anthropic.early_error)
         elif row.guard == ADMIN_KEY:
             site.add_header_guard(row.path, api_keys.check)
         elif row.guard == ANY_KEY:
@@ -200,6 +214,11 @@ class Wiring:
         return OllamaAPI(self.replica.inference, api_keys=self.api_keys, reactor=self.reactor,
                          node_names=self.replica.node_name, metrics=self.replica.metrics,
                          loaded=loaded)
+
+    @functools.cached_property
+    def anthropic(self) -> MessagesResource:
+        """/v1/messages and /messages: Anthropic's Messages API over the shared chat turn."""
+        return MessagesResource(self.openai, self.api_keys)
 
     @functools.cached_property
     def unprefixed(self) -> Resource:
