@@ -18,6 +18,12 @@ from typing import Any, Callable, Mapping
 from twisted.web.resource import Resource
 
 from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
+from localai_tw.frontend.api.discovery import (
+    FeaturesResource,
+    SystemResource,
+    VersionResource,
+    WellKnownResource,
+)
 from localai_tw.frontend.api.gallery import GalleryResource, ModelsRoot
 from localai_tw.frontend.api.generated import GeneratedFiles, GeneratedFilesResource
 from localai_tw.frontend.api.jobs import MAX_JOB_BODY_BYTES, JobsResource
@@ -90,6 +96,11 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/dashboard", lambda w: dashboard_files()),
     Mount(b"/healthz", lambda w: w.probes[b"healthz"]),
     Mount(b"/readyz", lambda w: w.probes[b"readyz"]),
+    Mount(b"/version", lambda w: VersionResource(w.version)),
+    Mount(b"/.well-known", lambda w: JSONDirectory()),
+    Mount(b"/.well-known/localai.json", lambda w: WellKnownResource(w.version, w.api_keys),
+          guard=OPENAI_KEY),
+    Mount(b"/system", lambda w: SystemResource(w.parts, w.api_keys), guard=ADMIN_KEY),
     *_openai_rows(),
     Mount(b"/backend", lambda w: BackendResource(w.replica.inference, w.api_keys),
           guard=ADMIN_KEY),
@@ -99,6 +110,7 @@ ROUTES: tuple[Mount, ...] = (
           guard=ADMIN_KEY),
     Mount(b"/api", lambda w: JSONDirectory()),
     Mount(b"/api/node", lambda w: w.registration, guard=REGISTRATION),
+    Mount(b"/api/features", lambda w: FeaturesResource(w.api_keys), guard=OPENAI_KEY),
     Mount(b"/api/traces", lambda w: TracesResource(w.traces, w.api_keys), guard=ADMIN_KEY),
     Mount(b"/api/nodes", lambda w: NodeMetricsRouting(
         NodesWithScheduling(NodesAdminResource(w.parts, w.api_keys),
@@ -150,6 +162,10 @@ class Wiring:
         self.reactor = reactor
         self.probes = probes
         self.site = site
+
+    @property
+    def version(self) -> str:
+        return self.replica.identity.version
 
     @functools.cached_property
     def parts(self):
