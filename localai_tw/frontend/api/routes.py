@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping
 
 from twisted.web.resource import Resource
 
+from localai_tw import __version__
+
 from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
 from localai_tw.frontend.api.discovery import (
     FeaturesResource,
@@ -165,7 +167,9 @@ class Wiring:
 
     @property
     def version(self) -> str:
-        return self.replica.identity.version
+        """The version this replica publishes (its membership row), else the package's."""
+        identity = getattr(self.replica, "identity", None)
+        return identity.version if identity is not None else __version__
 
     @functools.cached_property
     def parts(self):
