@@ -6,10 +6,12 @@ by its search box and installs it, showing the job's progress until it is done."
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import pytest_twisted
+import treq
 import yaml
 from twisted.internet import reactor
 from twisted.web import server
@@ -99,7 +101,7 @@ async def test_a_chat_streams_and_its_second_turn_carries_the_history(cluster, b
 @pytest_twisted.ensureDeferred
 async def test_stop_ends_the_answer_and_keeps_what_arrived(cluster, browser):
     """Red when Stop does not abort the fetch (the answer runs to its end: status
-    ``finished``) or the page loses the partial answer."""
+    ``finished``, trace 200) or the page loses the partial answer."""
     words = " ".join(f"w{i}" for i in range(40))
     cluster.write_file("echo.bin", WEIGHTS)
     cluster.write_model("echo.yaml", SLOW_ECHO)
@@ -123,7 +125,14 @@ async def test_stop_ends_the_answer_and_keeps_what_arrived(cluster, browser):
     enabled = await browser.call(lambda d: [d.find_element("css selector", s).get_attribute(
         "disabled") for s in ("#chat-send", "#chat-stop")])
     assert enabled[0] is None and enabled[1] is not None
-    # The stream to the worker went with the client: the replica has nothing in flight.
+    # The replica saw the client leave (status 499 in its trace), not an answer run to its end.
+    async def chat_trace():
+        answer = await treq.get(cluster.base_url(frontend) + "/api/traces",
+                                headers={"Authorization": f"Bearer {ADMIN}"})
+        traces = json.loads(await answer.content())["traces"]
+        return next((t for t in traces if t["endpoint"] == "chat"), None)
+    trace = await eventually(chat_trace, timeout=20, what="the chat's trace")
+    assert trace["status"] == "499" and trace["model"] == "echo-chat"
     use = frontend.replica.inference.use
     await eventually(lambda: not any(use.in_flight_counts().values()), timeout=20,
                      what="no request in flight any more")

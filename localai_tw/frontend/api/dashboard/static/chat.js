@@ -120,6 +120,7 @@ async function send(ev) {
       out.parentElement.classList.add("failed");
     }
   } finally {
+    controller.abort();  // a failed stream: its connection goes too (a no-op once it ended)
     // What arrived stays in the history (a stopped answer too), as the page shows it.
     if (answer) chatState.messages.push({role: "assistant", content: answer});
     else out.parentElement.remove();
