@@ -43,6 +43,8 @@ async def test_version_is_public_and_says_the_version_only(cluster):
     code, headers, raw = await get(cluster.base_url(frontend) + "/version")
     assert code == 200 and json.loads(raw) == {"version": __version__}
     assert headers.getRawHeaders("content-type")[0].startswith("application/json")
+    head = await treq.head(cluster.base_url(frontend) + "/version")
+    assert head.code == 200 and await head.content() == b""
     refused = await treq.post(cluster.base_url(frontend) + "/version", b"")
     assert refused.code == 405 and "error" in json.loads(await refused.content())
 

@@ -116,7 +116,7 @@ FEATURES: dict[str, bool] = {
 }
 
 
-class InferenceKeyGuard(JSONResource):
+class InferenceKeyResource(JSONResource):
     """A :class:`JSONResource` with ``/v1``'s key rule: open while no key is configured, else
     any key (inference or admin)."""
 
@@ -146,7 +146,7 @@ class VersionResource(JSONResource):
         return 200, {"version": self._version}
 
 
-class WellKnownResource(InferenceKeyGuard):
+class WellKnownResource(InferenceKeyResource):
     """``GET /.well-known/localai.json``."""
 
     def __init__(self, version: str, api_keys: APIKeyGuard | None):
@@ -162,7 +162,7 @@ class WellKnownResource(InferenceKeyGuard):
                      "capabilities": dict(CAPABILITIES)}
 
 
-class FeaturesResource(InferenceKeyGuard):
+class FeaturesResource(InferenceKeyResource):
     """``GET /api/features``."""
 
     def routes(self):
