@@ -57,9 +57,12 @@ def assistant_texts(driver) -> list[str]:
 @pytest_twisted.ensureDeferred
 async def test_a_chat_streams_and_its_second_turn_carries_the_history(cluster, browser):
     """Red when the page sends only the last message (the second reply lacks the first
-    turn), drops the system prompt, or waits for the whole answer (no partial text)."""
+    turn), drops the system prompt, or waits for the whole answer (no partial text).  The
+    first turn's cold load is shown from the replica's ``: loading model`` comments."""
     cluster.write_file("echo.bin", WEIGHTS)
-    cluster.write_model("echo.yaml", SLOW_ECHO)
+    # A cold load longer than the replica's loading-notice interval (3 s): the page says so.
+    cluster.write_model("echo.yaml", SLOW_ECHO.replace(
+        "'echo.delay_ms:150'", "'echo.delay_ms:150', 'echo.load_delay_ms:4500'"))
     frontend = await cluster.frontend("replica-chat")
     await cluster.worker("w-chat", frontend)
     await open_page(browser, cluster.base_url(frontend) + "/dashboard/chat.html")
@@ -76,6 +79,9 @@ async def test_a_chat_streams_and_its_second_turn_carries_the_history(cluster, b
         driver.find_element("css selector", "#chat-system").send_keys("be brief")
     await browser.call(system_prompt)
     await browser.call(say("one two three four five six"))
+    loading = await browser.wait_for(status_starts("loading model echo-chat"), timeout=60,
+                                     what="the cold load's notice")
+    assert loading.endswith(" s)"), loading
     # Streamed: part of the answer is on the page while the rest is still coming.
     partial = await browser.wait_for(
         lambda d: text_of("#chat-status")(d) == "streaming" and

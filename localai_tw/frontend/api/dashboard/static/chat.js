@@ -50,8 +50,9 @@ function addMessage(role, content) {
   return text;
 }
 
-// Reads an SSE body and calls onData(json) for each "data:" event until [DONE].
-async function readEvents(body, onData) {
+// Reads an SSE body and calls onData(json) for each "data:" event until [DONE], and
+// onComment(text) for each comment (the replica's ": loading model ..." during a cold load).
+async function readEvents(body, onData, onComment) {
   const reader = body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -63,9 +64,12 @@ async function readEvents(body, onData) {
     while ((cut = buffer.indexOf("\n\n")) >= 0) {
       const event = buffer.slice(0, cut);
       buffer = buffer.slice(cut + 2);
+      for (const line of event.split("\n")) {
+        if (line.startsWith(":") && line.slice(1).trim()) onComment(line.slice(1).trim());
+      }
       const data = event.split("\n").filter(l => l.startsWith("data:"))
         .map(l => l.slice(5).replace(/^ /, "")).join("\n");
-      if (!data) continue;  // a comment (": loading ...") or an empty event
+      if (!data) continue;  // only comments, or an empty event
       if (data.trim() === "[DONE]") return true;
       onData(JSON.parse(data));
     }
@@ -100,7 +104,7 @@ async function send(ev) {
       headers: authHeaders({"Content-Type": "application/json"}),
       body: JSON.stringify({model: model, stream: true, messages: messages})});
     if (!r.ok) throw new Error(await errorText(r));
-    setStatus("streaming");
+    setStatus("waiting for the first words");
     const ended = await readEvents(r.body, chunk => {
       if (chunk.error) throw new Error(chunk.error.message || "the stream failed");
       for (const choice of chunk.choices || []) {
@@ -108,7 +112,8 @@ async function send(ev) {
         if (piece) { answer += piece; out.textContent = answer; }
         if (choice.finish_reason) finish = choice.finish_reason;
       }
-    });
+      if (answer) setStatus("streaming");
+    }, comment => { if (!answer) setStatus(comment); });
     if (!ended) throw new Error("the answer ended before [DONE]");
     setStatus("finished: " + (finish || "stop"));
   } catch (e) {
