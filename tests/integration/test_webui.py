@@ -23,8 +23,9 @@ from .harness_gallery import SMALL, entry, model_files
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually
 
+#: 300 ms a word: a reply is seen part-way for seconds, however slow the machine's polls are.
 SLOW_ECHO = echo_model("echo-chat").replace(
-    "options: ['echo.dim:6']", "options: ['echo.dim:6', 'echo.delay_ms:150']")
+    "options: ['echo.dim:6']", "options: ['echo.dim:6', 'echo.delay_ms:300']")
 
 
 async def open_page(browser, url: str, key: str = ADMIN) -> None:
@@ -62,7 +63,7 @@ async def test_a_chat_streams_and_its_second_turn_carries_the_history(cluster, b
     cluster.write_file("echo.bin", WEIGHTS)
     # A cold load longer than the replica's loading-notice interval (3 s): the page says so.
     cluster.write_model("echo.yaml", SLOW_ECHO.replace(
-        "'echo.delay_ms:150'", "'echo.delay_ms:150', 'echo.load_delay_ms:4500'"))
+        "'echo.delay_ms:300'", "'echo.delay_ms:300', 'echo.load_delay_ms:4500'"))
     frontend = await cluster.frontend("replica-chat")
     await cluster.worker("w-chat", frontend)
     await open_page(browser, cluster.base_url(frontend) + "/dashboard/chat.html")
@@ -110,7 +111,8 @@ async def test_stop_ends_the_answer_and_keeps_what_arrived(cluster, browser):
     ``finished``, trace 200) or the page loses the partial answer."""
     words = " ".join(f"w{i}" for i in range(40))
     cluster.write_file("echo.bin", WEIGHTS)
-    cluster.write_model("echo.yaml", SLOW_ECHO)
+    # 1 s a word: the Stop click lands long before the 40 words are out, even under load.
+    cluster.write_model("echo.yaml", SLOW_ECHO.replace("delay_ms:300", "delay_ms:1000"))
     frontend = await cluster.frontend("replica-stop")
     await cluster.worker("w-stop", frontend)
     await open_page(browser, cluster.base_url(frontend) + "/dashboard/chat.html")
