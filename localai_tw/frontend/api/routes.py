@@ -17,9 +17,17 @@ from typing import Any, Callable, Mapping
 
 from twisted.web.resource import Resource
 
+from localai_tw import __version__
+
 from localai_tw.frontend.api import anthropic
 from localai_tw.frontend.api.anthropic.resource import MessagesResource
 from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
+from localai_tw.frontend.api.discovery import (
+    FeaturesResource,
+    SystemResource,
+    VersionResource,
+    WellKnownResource,
+)
 from localai_tw.frontend.api.gallery import GalleryResource, ModelsRoot
 from localai_tw.frontend.api.generated import GeneratedFiles, GeneratedFilesResource
 from localai_tw.frontend.api.jobs import MAX_JOB_BODY_BYTES, JobsResource
@@ -98,6 +106,11 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/dashboard", lambda w: dashboard_files()),
     Mount(b"/healthz", lambda w: w.probes[b"healthz"]),
     Mount(b"/readyz", lambda w: w.probes[b"readyz"]),
+    Mount(b"/version", lambda w: VersionResource(w.version)),
+    Mount(b"/.well-known", lambda w: JSONDirectory()),
+    Mount(b"/.well-known/localai.json", lambda w: WellKnownResource(w.version, w.api_keys),
+          guard=OPENAI_KEY),
+    Mount(b"/system", lambda w: SystemResource(w.parts, w.api_keys), guard=ADMIN_KEY),
     *_openai_rows(),
     # Anthropic's Messages API: under /v1 (OpenAIResource hands its mounted children their
     # paths) and at the root, as LocalAI serves it.
@@ -125,6 +138,7 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/api/tags", lambda w: w.ollama.endpoint(b"tags"), guard=OLLAMA_KEY),
     Mount(b"/api/ps", lambda w: w.ollama.endpoint(b"ps"), guard=OLLAMA_KEY),
     Mount(b"/api/version", lambda w: w.ollama.endpoint(b"version"), guard=OLLAMA_KEY),
+    Mount(b"/api/features", lambda w: FeaturesResource(w.api_keys), guard=OPENAI_KEY),
     Mount(b"/api/traces", lambda w: TracesResource(w.traces, w.api_keys), guard=ADMIN_KEY),
     Mount(b"/api/nodes", lambda w: NodeMetricsRouting(
         NodesWithScheduling(NodesAdminResource(w.parts, w.api_keys),
@@ -187,6 +201,12 @@ class Wiring:
         self.reactor = reactor
         self.probes = probes
         self.site = site
+
+    @property
+    def version(self) -> str:
+        """The version this replica publishes (its membership row), else the package's."""
+        identity = getattr(self.replica, "identity", None)
+        return identity.version if identity is not None else __version__
 
     @functools.cached_property
     def parts(self):
