@@ -480,9 +480,9 @@ def _file_headers(request, size: int, digest: str, target: StagingTarget):
     request.setHeader(b"x-local-path", os.fsencode(target.real_path))
 
 
-class FilesResource(resource.Resource):
-    """``/v1/files/{key}``: HEAD to learn what is present, PUT to upload, GET to read back a
-    scratch file."""
+class _StagingResource(resource.Resource):
+    """A leaf of the staging routes: the caller's credential checked before anything else,
+    then :meth:`answer`, which writes the whole answer (now or later)."""
 
     isLeaf = True
 
@@ -494,7 +494,19 @@ class FilesResource(resource.Resource):
         refusal = self.staging.auth.refusal_for(request)
         if refusal is not None:
             write_problem(request, refusal.code, refusal.problem, refusal.headers)
-            return server.NOT_DONE_YET
+        else:
+            self.answer(request)
+        return server.NOT_DONE_YET
+
+    def answer(self, request) -> None:
+        raise NotImplementedError
+
+
+class FilesResource(_StagingResource):
+    """``/v1/files/{key}``: HEAD to learn what is present, PUT to upload, GET to read back a
+    scratch file."""
+
+    def answer(self, request) -> None:
         if request.method == b"HEAD":
             self._head(request)
         elif request.method == b"PUT":
@@ -503,7 +515,6 @@ class FilesResource(resource.Resource):
             self._get(request)
         else:
             write_problem(request, 405, "use HEAD, PUT or GET", ((b"allow", b"HEAD, PUT, GET"),))
-        return server.NOT_DONE_YET
 
     def _get(self, request):
         """Stream a scratch file back (what a backend wrote there), with its length."""
@@ -641,42 +652,32 @@ class _FileStreamer:
         self._close()
 
 
-class FileLinkResource(resource.Resource):
+class FileLinkResource(_StagingResource):
     """``POST /v1/files-link/{key}`` (``X-Content-SHA256``, ``X-File-Size``): the file of that
     digest, if the content store holds one, linked under ``key``: 200 with what ``PUT`` answers
     (``skipped`` true), else 404 (upload it)."""
 
-    isLeaf = True
-
-    def __init__(self, staging: FileStaging):
-        super().__init__()
-        self.staging = staging
-
-    def render(self, request):
-        refusal = self.staging.auth.refusal_for(request)
-        if refusal is not None:
-            write_problem(request, refusal.code, refusal.problem, refusal.headers)
-            return server.NOT_DONE_YET
+    def answer(self, request) -> None:
         if request.method != b"POST":
             write_problem(request, 405, "use POST", ((b"allow", b"POST"),))
-            return server.NOT_DONE_YET
+            return
         try:
             target = self.staging.target_of(request.path, LINK_PREFIX)
         except BadStagingKey as e:
             write_problem(request, 400, str(e))
-            return server.NOT_DONE_YET
+            return
         digest = _expected_sha256(request)
         size = request.getHeader(b"x-file-size")
         if digest is None or size is None or not size.isdigit() or len(size) > 20:
             write_problem(request, 400, "X-Content-SHA256 (64 hex digits) and X-File-Size "
                                         "(bytes) are required")
-            return server.NOT_DONE_YET
+            return
         if not self.staging.in_store(target):
             write_problem(request, 404, "only files under models/ are kept by content")
-            return server.NOT_DONE_YET
+            return
         if target.real_path in self.staging.uploads:
             write_problem(request, 409, "an upload of this key is in progress")
-            return server.NOT_DONE_YET
+            return
         stored = StoredFile(target.key, int(size), digest, target.real_path)
 
         def link() -> bool:
@@ -685,7 +686,7 @@ class FileLinkResource(resource.Resource):
             self.staging.keep(target, digest)
             return True
 
-        def answer(linked: bool) -> None:
+        def reply(linked: bool) -> None:
             if request.finished or getattr(request, "_disconnected", False):
                 return
             if linked:
@@ -697,39 +698,27 @@ class FileLinkResource(resource.Resource):
 
         reactor = self.staging.reactor
         d = threads.deferToThreadPool(reactor, reactor.getThreadPool(), link)
-        d.addCallbacks(answer, lambda f: write_problem(
+        d.addCallbacks(reply, lambda f: write_problem(
             request, 500, f"linking failed: {failure_summary(f)}"))
-        return server.NOT_DONE_YET
 
 
-class UploadProgressResource(resource.Resource):
+class UploadProgressResource(_StagingResource):
     """``GET /v1/files-progress/{key}``: ``{"key", "received", "total"}`` of an upload in
     progress, 404 when none is."""
 
-    isLeaf = True
-
-    def __init__(self, staging: FileStaging):
-        super().__init__()
-        self.staging = staging
-
-    def render(self, request):
-        refusal = self.staging.auth.refusal_for(request)
-        if refusal is not None:
-            write_problem(request, refusal.code, refusal.problem, refusal.headers)
-            return server.NOT_DONE_YET
+    def answer(self, request) -> None:
         if request.method not in (b"GET", b"HEAD"):
             write_problem(request, 405, "use GET", ((b"allow", b"GET, HEAD"),))
-            return server.NOT_DONE_YET
+            return
         try:
             target = self.staging.target_of(request.path, PROGRESS_PREFIX)
         except BadStagingKey as e:
             write_problem(request, 400, str(e))
-            return server.NOT_DONE_YET
+            return
         progress = self.staging.uploads.get(target.real_path)
         if progress is None:
             write_problem(request, 404, "no upload of this key is in progress")
         else:
             write_json(request, 200, progress.as_json())
-        return server.NOT_DONE_YET
 
 
