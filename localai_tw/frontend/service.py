@@ -296,6 +296,8 @@ class Replica:
     registration_limit: SourceRateLimit | None = None
     #: The gallery's jobs on the bus (``gallery.py``).
     gallery: GalleryJobs | None = None
+    #: Closes the gRPC channels whose placement is gone (``frontend/inference/channels.py``).
+    channel_sweep: Any = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order): the jobs
@@ -303,7 +305,7 @@ class Replica:
         while the tunnels, the peer links and this replica's ``instances`` row still exist."""
         return [self.health, self.membership,
                 WorkerClientsService(self.backend_clients, self.worker_http,
-                                     self._downloads()),
+                                     self._downloads(), self.channel_sweep),
                 PeerService(self.peer_links, self.peer_pool),
                 TunnelRegistryService(self.tunnels, self.instance_id),
                 *[s for s in (self.use, self.watchdog, self.preloader, self.scaler)
@@ -360,6 +362,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                         reactor, listen_description: str = "") -> Replica:
     """Every part of the replica, wired on the ready database (module docstring, steps 1-5).
     Nothing is started here: :class:`ReplicaService` starts the services."""
+    from localai_tw.frontend.inference.channels import PlacementSweep
     from localai_tw.frontend.inference.coldload import ColdLoader
     from localai_tw.frontend.inference.grpcbridge import GrpcBridges
     from localai_tw.frontend.inference.router import InferenceRouter
@@ -430,6 +433,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels); another drops the
     # node's placements from every replica's cache.
+    # A backend's gRPC channel lives while a placement names it (frontend/inference/channels.py).
+    channel_sweep = PlacementSweep(db, backend_clients, reactor)
     notifier = DepartureNotifier({
         "worker-http-connections": functools.partial(forget_worker_connections, worker_http,
                                                      backend_clients),
@@ -462,7 +467,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
         membership=membership, health=health, bus=bus, placements=placements, jobs=jobs,
         metrics=metrics, use=use, lifecycle=lifecycle, watchdog=watchdog, preloader=preloader,
-        scaler=scaler, gallery=gallery,
+        scaler=scaler, gallery=gallery, channel_sweep=channel_sweep,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)
