@@ -38,7 +38,7 @@ async def loaded(cluster, frontend, model: str):
     return node, port_of(address)
 
 
-async def offline_by_the_health_monitor(frontend, node: str) -> None:
+async def offline_by_the_health_monitor(frontend, node: str, *, tunnel_left=True) -> None:
     """The grace passes for a worker whose tunnel left: the health monitor's own pass marks it
     offline, clearing its rows (heartbeat and departure ages set in SQL, as in
     ``test_health_monitor.py``)."""
@@ -46,9 +46,10 @@ async def offline_by_the_health_monitor(frontend, node: str) -> None:
     grace = frontend.replica.health.grace
     await db.runOperation("UPDATE backend_nodes SET last_heartbeat = now() - make_interval("
                           "secs => %s) WHERE id = %s", (grace + 60, node))
-    await db.runOperation("UPDATE node_connections SET owner_instance_id = '',"
-                          " disconnected_at = now() - make_interval(secs => %s)"
-                          " WHERE node_id = %s", (grace + 30, node))
+    if tunnel_left:
+        await db.runOperation("UPDATE node_connections SET owner_instance_id = '',"
+                              " disconnected_at = now() - make_interval(secs => %s)"
+                              " WHERE node_id = %s", (grace + 30, node))
     assert await frontend.replica.health.tick() is True
     assert frontend.replica.health.last_report.marked_offline == [node]
 
@@ -100,3 +101,104 @@ async def test_a_dead_workers_channel_never_redials_and_closes_with_its_placemen
     assert clients.open_clients() == {} and clients.bridges.get(node, port) is None
     await sleep(WINDOW)
     assert bridge.dials == dials
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_worker_back_after_offline_has_its_orphan_backends_stopped(cluster):
+    cluster.write_model("m.yaml", "name: m\nbackend: echo\n")
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    node, port = await loaded(cluster, frontend, "m")
+    supervisor = supervisor_of(worker)
+    [running] = supervisor.list()
+    assert running["model"] == "m"
+
+    # A partition longer than the grace: the tunnel leaves, heartbeats stop, offline clears
+    # the node's rows.  The worker is told nothing: its backend lives on.
+    away(worker)
+    await worker.dialer.stopService()
+    await eventually(lambda: not frontend.replica.tunnels.holds(node), what="tunnel gone")
+    await offline_by_the_health_monitor(frontend, node)
+    assert await cluster.rows() == []
+    assert [b["process_key"] for b in supervisor.list()] == [running["process_key"]]
+
+    # The partition heals: the same registration, its tunnel back.
+    frontend.replica.reconciler.last.pop(node, None)
+    worker.dialer.startService()
+    back(worker)
+    await eventually(lambda: frontend.replica.tunnels.holds(node), timeout=20,
+                     what="the tunnel back")
+    # The cluster's view becomes the worker's: nothing runs, no row names anything.
+    await eventually(lambda: supervisor.list() == [] and node in frontend.replica.reconciler.last,
+                     timeout=20, what="the orphan backend stopped")
+    report = frontend.replica.reconciler.last[node]
+    assert report.error is None
+    assert report.stopped == [running["process_key"]] and report.adopted == []
+    assert await cluster.rows() == []
+    assert (node, port) not in frontend.replica.backend_clients.open_clients()
+    # ... and the model is served again the ordinary way (a cold load on the healthy node).
+    async def healthy():
+        await frontend.replica.health.tick()
+        return (await frontend.replica.nodes.get_node(node)).status.value == "healthy"
+
+    await eventually(healthy, timeout=20, what="the node healthy again")
+    node_again, _ = await loaded(cluster, frontend, "m")
+    assert node_again == node and len(supervisor.list()) == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_worker_back_inside_the_grace_keeps_its_backends(cluster):
+    cluster.write_model("m.yaml", "name: m\nbackend: echo\n")
+    cluster.write_model("n.yaml", "name: n\nbackend: echo\n")
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    await loaded(cluster, frontend, "m")
+    node, _ = await loaded(cluster, frontend, "n")
+    supervisor = supervisor_of(worker)
+    keys = sorted(b["process_key"] for b in supervisor.list())
+
+    # A short partition; meanwhile the backend of n ends on the worker (nobody is told).
+    await worker.dialer.stopService()
+    await eventually(lambda: not frontend.replica.tunnels.holds(node), what="tunnel gone")
+    await supervisor.stop(next(k for k in keys if k.startswith("n")))
+    frontend.replica.reconciler.last.pop(node, None)
+    worker.dialer.startService()
+    await eventually(lambda: frontend.replica.reconciler.last.get(node), timeout=20,
+                     what="the returning worker reconciled")
+    report = frontend.replica.reconciler.last[node]
+    assert report.error is None and report.stopped == []
+    assert [k.split("#")[0] for k in report.adopted] == ["m"]
+    # The row of n named a backend the worker no longer runs: gone, the row of m kept.
+    assert report.rows_deleted == ["n"]
+    assert [(r[1], r[2]) for r in await cluster.rows()] == [("m", "loaded")]
+    served = await frontend.replica.inference.predict("m", backend_pb2.PredictOptions(
+        Prompt="still here"))
+    assert served.value.message == b"still here"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_worker_whose_tunnel_stayed_has_its_orphans_stopped_when_found_back(cluster):
+    """A frozen heartbeat path with the tunnel attached: no attach ever tells anyone, so the
+    health pass that promotes the node from offline runs the same rule."""
+    cluster.write_model("m.yaml", "name: m\nbackend: echo\n")
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    node, _ = await loaded(cluster, frontend, "m")
+    supervisor = supervisor_of(worker)
+    assert len(supervisor.list()) == 1
+
+    away(worker)
+    await offline_by_the_health_monitor(frontend, node, tunnel_left=False)
+    assert await cluster.rows() == [] and len(supervisor.list()) == 1
+    assert frontend.replica.tunnels.holds(node)
+    frontend.replica.reconciler.last.pop(node, None)
+    back(worker)
+
+    async def healthy():
+        await frontend.replica.health.tick()
+        return (await frontend.replica.nodes.get_node(node)).status.value == "healthy"
+
+    await eventually(healthy, timeout=20, what="the node healthy again")
+    await eventually(lambda: supervisor.list() == [] and node in frontend.replica.reconciler.last,
+                     timeout=20, what="the orphan backend stopped")
+    assert frontend.replica.reconciler.last[node].stopped == ["m#0"]
