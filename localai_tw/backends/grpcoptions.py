@@ -4,7 +4,10 @@ Clients: the worker's supervisor (loopback, to the processes it starts) and the 
 local bridge spliced onto a tunnel stream).  Both must agree on the message cap with the
 backends' servers, never go through an HTTP proxy named in the environment, and reconnect
 soon: a backend still importing torch, or a worker that reconnected, is used again within a
-second instead of after gRPC's 1-120 s backoff.
+second instead of after gRPC's 1-120 s backoff.  That backoff also paces grpcio's own redials of
+a channel whose connect failed, which go on with no call at all: the frontend closes such a
+channel while no call of it is in flight (``frontend/inference/backend_client.py``), so a dead
+worker is not redialled every second forever.
 
 ``grpc.min_reconnect_backoff_ms`` is deliberately absent: gRPC core reads it as the minimum
 *connect timeout*.  At 100 ms a loaded replica whose tunnel handshake took longer saw

@@ -18,7 +18,8 @@ stale heartbeat, any other presence      ``mark_offline`` (status offline, the n
 fresh heartbeat, presence ``gone``       ``mark_unhealthy`` (status only; rows are kept) and
                                          ``notifier.departed(node)`` (edge-triggered)
 fresh heartbeat, presence ``connected``  ``notifier.present(node)``; unhealthy or offline ->
-                                         ``mark_healthy`` (never promotes an unapproved node)
+                                         ``mark_healthy`` (never promotes an unapproved node);
+                                         offline -> healthy also calls ``on_back(node)``
 fresh heartbeat, ``reconnecting``, or    ``notifier.present(node)`` only: these are not
 ``unknown`` (no row)                     absence, so nothing is demoted, deleted or
                                          announced -- and nothing is promoted either, since
@@ -43,6 +44,10 @@ Decisions worth knowing:
 - Re-arming on ``reconnecting``/``unknown`` is not an action on the node: it only lets a later
   ``gone`` be announced again.  ``reconnecting`` after ``gone`` proves the worker reconnected in
   between.
+- ``on_back(node_id)``: a node found offline that is back (fresh heartbeat, tunnel connected)
+  may still run backends whose rows ``offline`` deleted, and when its tunnel stayed attached
+  (a frozen heartbeat path) no attach tells anyone.  The seam is called, not awaited, after
+  the promotion (the replica wires the reconciler of ``frontend/inference/reconcile.py``).
 - Per-model probes (gRPC ``HealthCheck`` through the node's tunnel, three misses to reap a row,
   an unroutable probe counting as neither hit nor miss) arrive with the inference layer.  The
   seam is ``model_probe``: an object with ``probe_nodes(node_ids)`` returning a Deferred or
@@ -119,6 +124,7 @@ class HealthMonitor(PeriodicPass):
         raised to ``grace`` when shorter, so a stale heartbeat is never acted on inside it.
     :param grace: the reconnect grace in seconds (presence ``gone`` after it).
     :param model_probe: the per-model probe seam (see the module docstring), or None.
+    :param on_back: ``on_back(node_id)`` after an offline node was promoted, or None.
     """
 
     name = "health"
@@ -127,7 +133,7 @@ class HealthMonitor(PeriodicPass):
     def __init__(self, db, registry, fence, notifier, reactor=None,
                  interval: float = HEALTH_CHECK_INTERVAL,
                  stale_after: float = STALE_NODE_THRESHOLD,
-                 grace: float | None = None, *, model_probe=None):
+                 grace: float | None = None, *, model_probe=None, on_back=None):
         if reactor is None:
             from twisted.internet import reactor as _reactor
             reactor = _reactor
@@ -146,6 +152,7 @@ class HealthMonitor(PeriodicPass):
         self.grace = effective_grace(grace)
         self.stale_after = max(interval_seconds(stale_after), self.grace)
         self._model_probe = model_probe
+        self._on_back = on_back
         #: The report of the last pass this replica ran (None before the first), and the
         #: number of the tick that ran it (ticks count from 1; no clock is read for this).
         self.last_report: PassReport | None = None
@@ -274,6 +281,10 @@ class HealthMonitor(PeriodicPass):
             report.marked_healthy.append(node_id)
             log.info("node {node} ({name}) healthy again: heartbeat fresh and tunnel connected",
                      node=node_id, name=name)
+            if status is NodeStatus.OFFLINE and self._on_back is not None:
+                defer.maybeDeferred(self._on_back, node_id).addErrback(
+                    lambda f: log.failure("health pass: on_back failed for node {node}", f,
+                                          node=node_id))
             status = NodeStatus.HEALTHY
         return status is NodeStatus.HEALTHY
 

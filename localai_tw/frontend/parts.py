@@ -104,21 +104,31 @@ class PeerService(Service):
 
 class WorkerClientsService(Service):
     """This process's per-node connections: the gRPC bridges and the worker HTTP pools; and
-    its model downloads (``downloads.py``), stopped with them."""
+    its model downloads (``downloads.py``), stopped with them.  With a ``sweep``
+    (``frontend/inference/channels.py``) the gRPC channels whose placement is gone are closed
+    while it runs; the sweep stops first."""
 
     name = "worker-clients"
 
     def __init__(self, backend_clients: BackendClients, worker_http: WorkerHTTPClient,
-                 downloads=None):
+                 downloads=None, sweep=None):
         self.backend_clients = backend_clients
         self.worker_http = worker_http
         self.downloads = downloads
+        self.sweep = sweep
+
+    def startService(self) -> None:
+        super().startService()
+        if self.sweep is not None:
+            self.sweep.startService()
 
     def stopService(self) -> defer.Deferred:
         super().stopService()
         return defer.ensureDeferred(self._close())
 
     async def _close(self) -> None:
+        if self.sweep is not None and self.sweep.running:
+            await self.sweep.stopService()
         if self.downloads is not None:
             self.downloads.close()
         for what, closing in (("the gRPC bridges", self.backend_clients),

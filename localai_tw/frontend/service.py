@@ -297,6 +297,10 @@ class Replica:
     registration_limit: SourceRateLimit | None = None
     #: The gallery's jobs on the bus (``gallery.py``).
     gallery: GalleryJobs | None = None
+    #: Closes the gRPC channels whose placement is gone (``frontend/inference/channels.py``).
+    channel_sweep: Any = None
+    #: Adopts or stops a returning worker's backends (``frontend/inference/reconcile.py``).
+    reconciler: Any = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order): the jobs
@@ -304,7 +308,7 @@ class Replica:
         while the tunnels, the peer links and this replica's ``instances`` row still exist."""
         return [self.health, self.membership,
                 WorkerClientsService(self.backend_clients, self.worker_http,
-                                     self._downloads()),
+                                     self._downloads(), self.channel_sweep),
                 PeerService(self.peer_links, self.peer_pool),
                 TunnelRegistryService(self.tunnels, self.instance_id),
                 *[s for s in (self.use, self.watchdog, self.preloader, self.scaler)
@@ -361,7 +365,9 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                         reactor, listen_description: str = "") -> Replica:
     """Every part of the replica, wired on the ready database (module docstring, steps 1-5).
     Nothing is started here: :class:`ReplicaService` starts the services."""
+    from localai_tw.frontend.inference.channels import PlacementSweep
     from localai_tw.frontend.inference.coldload import ColdLoader
+    from localai_tw.frontend.inference.reconcile import BackendReconciler
     from localai_tw.frontend.inference.grpcbridge import GrpcBridges
     from localai_tw.frontend.inference.router import InferenceRouter
     from localai_tw.frontend.inference.lifecycle import LifecycleWatchdog, ModelLifecycle
@@ -431,6 +437,12 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     # One subscriber drops every per-node connection of this process when a node departs:
     # the HTTP pools and the gRPC bridges (their sockets and channels); another drops the
     # node's placements from every replica's cache.
+    # A backend's gRPC channel lives while a placement names it; a worker whose tunnel comes
+    # back has its backends adopted or stopped (frontend/inference/channels.py, reconcile.py).
+    channel_sweep = PlacementSweep(db, backend_clients, reactor)
+    reconciler = BackendReconciler(db, control, backend_clients,
+                                   on_changed=placements.model_changed)
+    tunnels.add_attach_listener(reconciler.node_returned)
     notifier = DepartureNotifier({
         "worker-http-connections": functools.partial(forget_worker_connections, worker_http,
                                                      backend_clients),
@@ -439,7 +451,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                                    reconnect_grace=grace or 0, on_reregistered=tunnels.reclaim)
     health = HealthMonitor(db, nodes, fence, notifier, reactor,
                            interval=config.health_interval, stale_after=config.stale_after,
-                           grace=grace)
+                           grace=grace, on_back=reconciler.node_returned)
     metrics.watch_health(health)
     # Jobs: the claim queue (the bus above is its wake hint), and the consumer every replica
     # runs (frontend/jobs/dispatch.py).
@@ -463,7 +475,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
         membership=membership, health=health, bus=bus, placements=placements, jobs=jobs,
         metrics=metrics, use=use, lifecycle=lifecycle, watchdog=watchdog, preloader=preloader,
-        scaler=scaler, gallery=gallery,
+        scaler=scaler, gallery=gallery, channel_sweep=channel_sweep, reconciler=reconciler,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)

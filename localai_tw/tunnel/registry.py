@@ -17,6 +17,9 @@ Rules (ref §2.4):
 - **Tokens.**  ``attach`` returns a token (the epoch of the first claim).  ``detach`` matches it by
   equality, so a replaced holder's late detach changes nothing.  The claim epoch itself may change
   (``reclaim``), which is why the two are kept apart.
+- **Attach listeners.**  ``add_attach_listener(fn)``: ``fn(node_id)`` after every attach (the
+  replica reconciles a returning worker's backends there), called beside the attach and never
+  awaited by it; a failing listener is logged and changes nothing here.
 - **Fenced release.**  ``detach`` releases in the database with node, owner *and* epoch;
   ``FencedOut`` is normal there (the worker already moved to another replica).
 
@@ -127,6 +130,7 @@ class TunnelRegistry:
         self.bytes = ByteTally()
         self._gates = _NodeGates()
         self._closed = False
+        self._attach_listeners: list = []
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -159,6 +163,17 @@ class TunnelRegistry:
             return held.session.openStream(protocol, data)
         except MuxError as e:
             raise TunnelUnavailable(node_id, e) from e
+
+    def add_attach_listener(self, listener) -> None:
+        """Call ``listener(node_id)`` after every attach here (a worker's tunnel arrived or
+        came back): beside the attach, never awaited by it; a failure is logged."""
+        self._attach_listeners.append(listener)
+
+    def _attached(self, node_id: str) -> None:
+        for listener in self._attach_listeners:
+            defer.maybeDeferred(listener, node_id).addErrback(
+                lambda f: log.failure("attach listener failed for node {node}", f,
+                                      node=node_id))
 
     # -- attach / detach -----------------------------------------------------------------------
 
@@ -197,6 +212,7 @@ class TunnelRegistry:
                      "{old}; closing the older session", node=node_id, name=name,
                      replica=self.instance_id, new=token, old=old.claim_epoch)
             old.session.loseConnection()
+        self._attached(node_id)
         return token
 
     async def _claim(self, node_id: str) -> int:

@@ -39,9 +39,19 @@ any other status (incl. ``UNAVAILABLE`` with no    ``BackendAnswer(node, code na
 dial error: the backend itself answered)
 =================================================  =============================================
 
+**Dial only on demand.**  grpcio keeps a channel whose connect failed in ``TRANSIENT_FAILURE``
+and redials it by itself, once a second here (``grpcoptions.py``), for as long as the channel
+lives, with no call at all: after a worker crash every redial was a tunnel dial (an owner and a
+presence query, or a stream to a closed port) and a log line, forever.  So a client closes its
+grpc channel when the route is down and no call of its own is in flight (a dial failed with
+nothing in flight, or its last call ended while the bridge's ``last_dial_error`` is set), and
+opens a new one at its next call: an idle channel never dials.  A channel whose established
+connection broke goes ``IDLE`` and does not redial (nothing to do there).  How long a client
+lives at all is its placement's business (``channels.py``).
+
 What this module must never do: block the reactor (no synchronous stub call, no iterator read on
 the reactor thread); report a route failure as the backend's answer; read more than one stream
-item ahead of the consumer.
+item ahead of the consumer; keep a channel that redials with no call in flight.
 """
 
 from __future__ import annotations
@@ -148,13 +158,55 @@ class BridgedBackendClient:
         self._reactor = reactor
         self._threads = stream_threads
         self._default_timeout = default_timeout
-        self._channel = grpc.insecure_channel(bridge.address, options=CHANNEL_OPTIONS)
-        self._stub = backend_pb2_grpc.BackendStub(self._channel)
+        self._channel: grpc.Channel | None = None
+        self._stub_now: backend_pb2_grpc.BackendStub | None = None
+        #: calls (unary and streams) of this client not finished yet
+        self.in_flight = 0
+        #: set by every call, cleared by the placement sweep (``channels.py``): a client
+        #: used since the sweep's last look is not closed by it
+        self.used = True
+        #: grpc channels closed because the route was down with no call in flight
+        self.channel_resets = 0
+        bridge.on_dial_failed = self._dial_failed
         #: the backend process's own token, learnt over the control channel (when given);
         #: else the fixed ``auth_token`` (tests, and nothing at all when that is None)
         self._tokens = tokens
         self._metadata = _bearer(auth_token)
         self.closed = False
+
+    @property
+    def _stub(self) -> backend_pb2_grpc.BackendStub:
+        """The stub over the current channel, opened now when there is none (a fresh client,
+        or one whose channel was closed while the route was down)."""
+        if self._stub_now is None:
+            self._channel = grpc.insecure_channel(self.bridge.address, options=CHANNEL_OPTIONS)
+            self._stub_now = backend_pb2_grpc.BackendStub(self._channel)
+        return self._stub_now
+
+    def _began(self) -> None:
+        self.in_flight += 1
+        self.used = True
+
+    def _ended(self, result):
+        self.in_flight -= 1
+        if self.in_flight == 0 and self.bridge.last_dial_error is not None:
+            self._idle_channel_down()
+        return result
+
+    def _dial_failed(self) -> None:
+        """The bridge's dial failed: with no call of ours in flight it was grpcio redialling
+        on its own, which it would do forever."""
+        if self.in_flight == 0:
+            self._idle_channel_down()
+
+    def _idle_channel_down(self) -> None:
+        channel, self._channel, self._stub_now = self._channel, None, None
+        if channel is not None and not self.closed:
+            self.channel_resets += 1
+            log.debug("grpc channel to worker {node} port {port} closed: the route is down "
+                      "and no call is in flight (the next call opens a new one)",
+                      node=self.node_id, port=self.port)
+            channel.close()
 
     def _metadata_now(self) -> defer.Deferred:
         if self._tokens is None:
@@ -174,8 +226,9 @@ class BridgedBackendClient:
             return defer.fail(errors.TransportFailure(f"{what}: the client is closed"))
         _, absolute = self._timeout(deadline)
         snapshot = self.bridge.snapshot()
+        self._began()
         return self._attempt(method, request, absolute, retry=True).addErrback(
-            self._classify, snapshot, what, absolute)
+            self._classify, snapshot, what, absolute).addBoth(self._ended)
 
     def _attempt(self, method: str, request, absolute: float, *, retry: bool):
         def send(metadata):
@@ -251,8 +304,9 @@ class BridgedBackendClient:
                 result.callback(None)
             return None
 
+        self._began()
         defer.ensureDeferred(pump()).addBoth(finished)
-        return result.addErrback(self._classify, snapshot, what, absolute)
+        return result.addErrback(self._classify, snapshot, what, absolute).addBoth(self._ended)
 
     def _classify(self, failure: Failure, snapshot: int, what: str, deadline: float):
         passed = self._reactor.seconds() >= deadline
@@ -266,7 +320,11 @@ class BridgedBackendClient:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._channel.close()
+            if self.bridge.on_dial_failed == self._dial_failed:
+                self.bridge.on_dial_failed = None
+            channel, self._channel, self._stub_now = self._channel, None, None
+            if channel is not None:
+                channel.close()
 
 
 class BackendClients:
@@ -295,6 +353,10 @@ class BackendClients:
                                       self._default_timeout, tokens=self.tokens)
         self._clients[key] = client
         return client
+
+    def open_clients(self) -> dict[tuple[str, int], BridgedBackendClient]:
+        """The clients open now, by (node, port) (a copy)."""
+        return {key: c for key, c in self._clients.items() if not c.closed}
 
     def remember_token(self, node_id: str, port: int, token: str | None) -> None:
         """The token ``backend.start`` answered for the backend on (node, port)."""

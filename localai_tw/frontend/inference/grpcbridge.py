@@ -106,6 +106,11 @@ class GrpcBridge:
         self.dials_ok = 0
         #: Seconds the last successful dial took to open its tunnel stream (relay included).
         self.last_dial_seconds: float | None = None
+        #: Called (no argument) after every failed dial, once it is recorded: the client
+        #: closes an idle channel that grpcio would otherwise redial (``backend_client.py``).
+        self.on_dial_failed = None
+        #: Dials this bridge started (one per connection grpcio made to its socket).
+        self.dials = 0
 
     def listen(self) -> None:
         if os.path.exists(self.socket_path):
@@ -137,6 +142,7 @@ class GrpcBridge:
             return None
         splice = Splice()
         self._splices.add(splice)
+        self.dials += 1
         deadline = self._reactor.seconds() + self._dial_timeout
         dialing = self._dialer.open(self.node_id, preamble.TAG_GRPC, self.target, splice.b,
                                     deadline)
@@ -168,6 +174,8 @@ class GrpcBridge:
                      node=self.node_id, port=self.port, cond=condition.condition,
                      err=condition)
         splice.abandon(failure)
+        if not self.closed and self.on_dial_failed is not None:
+            self.on_dial_failed()
 
     def _note_route_event(self, condition: errors.ClusterError) -> None:
         self.route_events += 1

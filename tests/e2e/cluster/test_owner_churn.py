@@ -28,9 +28,16 @@ from .harness import INSTANCE_LIVENESS_SECONDS, wait_for
 MODEL = "e2e-alpha-model"
 
 
-def _insert_model_row(cluster, node_id: str, model: str = MODEL) -> None:
+def _insert_model_row(cluster, fe, node_id: str, model: str = MODEL) -> None:
+    """A real backend on the worker and a ``loaded`` row naming its address (inserted by SQL).
+    The backend must be real: a worker whose tunnel attaches is reconciled against the rows,
+    and a row naming nothing it runs would be deleted then (issue 26 §2)."""
+    started = cluster.control(fe, node_id, "backend.start",
+                              {"backend": "echo", "model": model, "load": {"Model": model}})
+    assert started.get("reply", {}).get("success"), started
     cluster.sql("INSERT INTO node_models (node_id, model_name, replica_index, address, state)"
-                " VALUES (%s, %s, 0, '127.0.0.1:42001', 'loaded')", (node_id, model))
+                " VALUES (%s, %s, 0, %s, 'loaded')",
+                (node_id, model, started["reply"]["address"]))
 
 
 def _model_rows(cluster, node_id: str) -> list[str]:
@@ -56,7 +63,7 @@ def test_owner_killed_nothing_acts_inside_the_grace_then_the_worker_rehomes(make
     start_two_by_two(cluster)
     f0, f1 = cluster.frontends
     w0, w1 = cluster.workers
-    _insert_model_row(cluster, w0.node_id)
+    _insert_model_row(cluster, f0, w0.node_id)
     owner0, epoch0 = cluster.owner(w0.node_id)
     owner1 = cluster.owner(w1.node_id)
     assert owner0 == f0.instance_id and owner1[0] == f1.instance_id
@@ -138,7 +145,7 @@ def test_killer_check_tiny_grace_demotes_and_notifies_once_never_on_stale(make_c
     start_two_by_two(cluster)
     f0, f1 = cluster.frontends
     w0, w1 = cluster.workers
-    _insert_model_row(cluster, w0.node_id)
+    _insert_model_row(cluster, f0, w0.node_id)
     assert cluster.owner(w0.node_id)[0] == f0.instance_id
 
     w0.balancer.block_tunnel()
@@ -189,7 +196,7 @@ def test_graceful_stop_of_the_owner_rehomes_the_worker_without_any_verdict(make_
     start_two_by_two(cluster)
     f0, f1 = cluster.frontends
     w0, w1 = cluster.workers
-    _insert_model_row(cluster, w0.node_id)
+    _insert_model_row(cluster, f0, w0.node_id)
     _, epoch0 = cluster.owner(w0.node_id)
 
     f0.popen.terminate()
