@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from twisted.web.resource import Resource
 
+from localai_tw.frontend.api.backends import BackendGalleryResource, NodeBackends
 from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
 from localai_tw.frontend.api.gallery import GalleryResource, ModelsRoot
 from localai_tw.frontend.api.generated import GeneratedFiles, GeneratedFilesResource
@@ -93,6 +94,8 @@ ROUTES: tuple[Mount, ...] = (
     *_openai_rows(),
     Mount(b"/backend", lambda w: BackendResource(w.replica.inference, w.api_keys),
           guard=ADMIN_KEY),
+    Mount(b"/backends", lambda w: BackendGalleryResource(w.replica.gallery, w.api_keys)
+          if w.replica.gallery is not None else None, guard=ADMIN_KEY),
     Mount(b"/generated-images", lambda w: GeneratedFilesResource(w.generated)),
     Mount(b"/metrics", lambda w: MetricsResource(w.replica.metrics, w.api_keys,
                                                  w.replica.tunnels, w.replica.control),
@@ -101,7 +104,8 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/api/node", lambda w: w.registration, guard=REGISTRATION),
     Mount(b"/api/traces", lambda w: TracesResource(w.traces, w.api_keys), guard=ADMIN_KEY),
     Mount(b"/api/nodes", lambda w: NodeMetricsRouting(
-        NodesWithScheduling(NodesAdminResource(w.parts, w.api_keys),
+        NodesWithScheduling(NodesAdminResource(w.parts, w.api_keys,
+                                               NodeBackends(w.replica.gallery)),
                             SchedulingResource(w.parts, w.api_keys)), w.parts, w.api_keys),
           guard=ADMIN_KEY),
     Mount(b"/api/jobs", lambda w: JobsResource(w.replica.jobs.store, w.replica.jobs.kinds,
