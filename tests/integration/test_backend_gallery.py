@@ -249,27 +249,41 @@ def files():
 async def test_an_archive_over_http_is_downloaded_checked_and_installed(cluster, tmp_path,
                                                                         files):
     """The index and the archive over http (the tests' server is on 127.0.0.1: the cluster's
-    frontends run with --allow-private-downloads); a mirror is tried when the uri fails."""
+    frontends run with --allow-private-downloads); a mirror is tried when the uri fails; the
+    download's progress, admitted at A, is seen at B while the server holds the second half."""
     source = backend_directory(tmp_path / "source")
     archive, digest = pack(source, tmp_path / "echo-backend.tar.gz")
     files.files["echo-backend.tar.gz"] = open(archive, "rb").read()
     files.files["index.yaml"] = yaml.safe_dump([
         {"name": "http-echo", "uri": f"{files.base}/files/gone.tar.gz",
-         "mirrors": [f"{files.base}/files/echo-backend.tar.gz"], "sha256": digest},
+         "mirrors": [f"{files.base}/held/echo-backend.tar.gz"], "sha256": digest},
     ]).encode()
     model(cluster, "http-chat", "http-echo")
-    frontend = await cluster.frontend("replica-a", **{
-        "backend-galleries": [f"web={files.base}/files/index.yaml"]})
-    await eventually(lambda: frontend.replica.gallery._subscription is not None, timeout=20,
-                     what="listening")
-    worker = await cluster.worker("w-http", frontend,
-                                  **{"backends-path": str(tmp_path / "backends")})
-    code, accepted = await call(cluster, frontend, "POST", "/backends/apply",
-                                {"id": "web@http-echo"})
-    done = await wait_job(cluster, frontend, accepted["id"])
+    replicas = []
+    for name in ("replica-a", "replica-b"):
+        frontend = await cluster.frontend(name, **{
+            "backend-galleries": [f"web={files.base}/files/index.yaml"]})
+        await eventually(lambda f=frontend: f.replica.gallery._subscription is not None,
+                         timeout=20, what=f"{name} listening")
+        replicas.append(frontend)
+    a, b = replicas
+    worker = await cluster.worker("w-http", a, **{"backends-path": str(tmp_path / "backends")})
+    code, accepted = await call(cluster, a, "POST", "/backends/apply", {"id": "web@http-echo"})
+    assert code == 200
+
+    async def downloading():
+        code, body = await call(cluster, b, "GET", f"/backends/jobs/{accepted['id']}")
+        return body if code == 200 and body.get("message") == "downloading" \
+            and body.get("current_bytes") else None
+
+    seen = await eventually(downloading, timeout=30, what="the download's progress at B")
+    assert seen["total_bytes"] == len(files.files["echo-backend.tar.gz"])
+    assert seen["current_bytes"] == seen["total_bytes"] // 2
+    files.release.callback(None)
+    done = await wait_job(cluster, b, accepted["id"])
     assert done["state"] == "done" and done["nodes"] == {"w-http": "installed"}, done
-    assert b"/files/gone.tar.gz" in files.gets and b"/files/echo-backend.tar.gz" in files.gets
-    assert await threads.deferToThread(chat, cluster.base_url(frontend) + "/v1",
+    assert b"/files/gone.tar.gz" in files.gets and b"/held/echo-backend.tar.gz" in files.gets
+    assert await threads.deferToThread(chat, cluster.base_url(b) + "/v1",
                                        "http-chat") == "one two three"
     assert listing(os.path.join(worker.data_dir, "data", "backend-archives")) == []
-    assert listing(frontend.replica.gallery.backends.archives_dir) == []
+    assert listing(a.replica.gallery.backends.archives_dir) == []
