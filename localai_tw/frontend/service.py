@@ -104,7 +104,7 @@ from localai_tw.db.pool import Database
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
 from localai_tw.web.ratelimit import SourceRateLimit
-from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient
+from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient, upload_file
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
 from localai_tw.tunnel.peertls import published_address
 from localai_tw.tunnel.registry import TunnelRegistry
@@ -117,6 +117,7 @@ from localai_tw.frontend.jobs.dispatch import JobDispatcher, job_consumer
 from localai_tw.frontend.jobs.stats import JobStatsService
 from localai_tw.frontend.jobs.store import JobStore
 from localai_tw.frontend.inference.placement_cache import PlacementCache, PlacementFanout
+from localai_tw.frontend.gallery.backend_installs import STAGE_TIMEOUT, BackendInstalls
 from localai_tw.frontend.gallery.installs import GalleryJobs
 from localai_tw.frontend.gallery.index import parse_galleries
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource, StartingGate
@@ -208,6 +209,10 @@ class ReplicaConfig:
     registration_limit: int = 1200
     #: Model galleries (``--galleries``, ``frontend/gallery/installs.py``).
     galleries: tuple = ()
+    #: Backend galleries (``--backend-galleries``, ``frontend/gallery/backend_installs.py``)
+    #: and where this replica packs and downloads their archives.
+    backend_galleries: tuple = ()
+    backend_archives_dir: str | None = None
     #: Downloads and gallery fetches may reach private and loopback addresses
     #: (``--allow-private-downloads``, ``frontend/inference/fetchpolicy.py``).
     allow_private_downloads: bool = False
@@ -244,6 +249,10 @@ class ReplicaConfig:
             + tuple(_option(options, "load-to-memory", ())),
             registration_limit=int(_option(options, "registration-limit", 1200)),
             galleries=parse_galleries(options.get("galleries") or ()),
+            backend_galleries=parse_galleries(options.get("backend-galleries") or (),
+                                              "--backend-galleries"),
+            backend_archives_dir=os.path.join(data_dir, "backend-archives") if data_dir
+            else None,
             allow_private_downloads=bool(options.get("allow-private-downloads")))
 
 
@@ -466,8 +475,19 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                     stats=JobStatsService(db, reactor))
     metrics.watch_bus(bus, [consumer])
     metrics.watch_jobs(lambda: jobs.stats.snapshot)
+    async def stage(node_id, key, path, progress_cb, known):
+        # the node's own control token, never the shared one (as a cold load stages)
+        token = await nodes.control_token(node_id)
+        return await upload_file(worker_http, node_id, key, path, token=token,
+                                 progress_cb=progress_cb, timeout=STAGE_TIMEOUT, known=known)
+
+    backends = BackendInstalls(
+        config.backend_galleries,
+        config.backend_archives_dir or os.path.join(config.models_dir, ".backend-archives"),
+        reactor, nodes=nodes, control=control, stage=stage, agent=loader.downloads.agent,
+        allow_private=config.allow_private_downloads)
     gallery = GalleryJobs(db, bus, config.instance_id, config.models_dir, loader.downloads,
-                          config.galleries, reactor, catalog=catalog)
+                          config.galleries, reactor, catalog=catalog, backends=backends)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,

@@ -98,6 +98,11 @@ SETTINGS = (
                       "name=URL or a bare URL (the flag also takes LocalAI's JSON [{\"name\":..., "
                       "\"url\":...}]); "
                       "file://, http(s):// or github: (docs/models.md, \"Gallery\")."),
+    config.repeatable("backend-galleries", "LOCALAI_BACKEND_GALLERIES",
+                      "Backend gallery index (LocalAI's backend/index.yaml format) that "
+                      "/backends/available lists and /backends/apply installs on workers "
+                      "from: name=URL, a bare URL or LocalAI's JSON; file://, http(s):// or "
+                      "github: (docs/backends.md, \"The backend gallery\")."),
     config.value("instance-id", "LOCALAI_INSTANCE_ID",
                  "This replica's id in the cluster (at most 36 characters). Keep it stable "
                  "across restarts.",
@@ -242,13 +247,14 @@ class Options(config.EnvOptions):
                 "--api-key-file (or --api-key), listen on loopback "
                 f"({DEFAULT_LISTEN}), or pass --allow-open-api (env "
                 "LOCALAI_ALLOW_OPEN_API=true) to run it open on purpose")
-        if self["galleries"]:
-            from localai_tw.frontend.gallery.index import GalleryError, parse_galleries
+        for option in ("galleries", "backend-galleries"):
+            if self[option]:
+                from localai_tw.frontend.gallery.index import GalleryError, parse_galleries
 
-            try:
-                parse_galleries(self["galleries"])
-            except GalleryError as e:
-                raise usage.UsageError(str(e)) from None
+                try:
+                    parse_galleries(self[option], "--" + option)
+                except GalleryError as e:
+                    raise usage.UsageError(str(e)) from None
         advertised = self["advertise-address"]
         if advertised is not None and config.is_loopback_host(advertised[0]) \
                 and not self["single-host"]:

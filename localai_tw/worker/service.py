@@ -461,6 +461,11 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     worker = WorkerService(options, reactor, verbs=verbs,
                            running_backends=supervisor.running_backends)
     supervisor.setServiceParent(worker)
+    if backends.directory is not None and worker.staging is not None:
+        # backends installed from a frontend's backend gallery (worker/backend_install.py)
+        from localai_tw.worker.backend_install import register_backend_install_verbs
+        register_backend_install_verbs(verbs, backends.directory.path, worker.staging,
+                                       reactor, supervisor.running_backends)
     return worker
 
 

@@ -106,11 +106,12 @@ class GalleryResource(AdminResource):
 
     async def jobs(self, request):
         return 200, {job_id: dict(s, source="broadcast")
-                     for job_id, s in self._gallery.snapshots.items()}
+                     for job_id, s in self._gallery.snapshots.items()
+                     if "backend" not in s}  # (a backend's jobs: /backends/jobs)
 
     async def job(self, request, job_id: str):
         status = await self._gallery.status(job_id)
-        if status is None:
+        if status is None or "backend" in status:
             raise not_found(f"no gallery job {job_id[:64]!r} is known to this replica (a job "
                             "appears on every replica when it is admitted; one admitted while "
                             "this replica was not listening appears when it starts)")

@@ -186,13 +186,17 @@ class NodesAdminResource(AdminResource):
     :param guard: the :class:`APIKeyGuard` every request must pass.
     """
 
-    def __init__(self, parts: ClusterParts, guard: APIKeyGuard):
+    def __init__(self, parts: ClusterParts, guard: APIKeyGuard, backends=None):
         super().__init__(guard)
         self._parts = parts
+        #: the per-node backend installs (``api/backends.py`` ``NodeBackends``), or None
+        self._backends = backends
 
     def routes(self):
         return (
             Route("GET", (), self.list_nodes),
+            Route("POST", ("{node_id}", "backends", "install"), self.install_backend),
+            Route("POST", ("{node_id}", "backends", "delete"), self.delete_backend),
             Route("GET", ("{node_id}",), self.get_node),
             Route("DELETE", ("{node_id}",), self.delete_node),
             Route("GET", ("{node_id}", "labels"), self.get_labels),
@@ -390,7 +394,25 @@ class NodesAdminResource(AdminResource):
         return 200, await self._ask_worker(node_id, "node.status", {})
 
     async def worker_backends(self, request, node_id: str) -> tuple[int, dict]:
-        return 200, await self._ask_worker(node_id, "backend.list", {})
+        answer = await self._ask_worker(node_id, "backend.list", {})
+        if self._backends is not None:  # LocalAI's list: the backends installed there
+            answer["installed"] = await self._backends.installed(
+                await self._node(self._parts, node_id))
+        return 200, answer
+
+    def _node_backends(self):
+        if self._backends is None:
+            raise APIError(503, "backend installs are not available on this replica",
+                           "service_unavailable")
+        return self._backends
+
+    async def install_backend(self, request, node_id: str) -> tuple[int, dict]:
+        backends = self._node_backends()
+        return await backends.install(request, await self._node(self._parts, node_id))
+
+    async def delete_backend(self, request, node_id: str) -> tuple[int, dict]:
+        backends = self._node_backends()
+        return await backends.delete(request, await self._node(self._parts, node_id))
 
     async def worker_backend_logs(self, request, node_id: str, model: str) -> tuple[int, dict]:
         if not model or len(model) > 255:

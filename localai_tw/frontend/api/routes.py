@@ -21,6 +21,7 @@ from localai_tw import __version__
 
 from localai_tw.frontend.api import anthropic
 from localai_tw.frontend.api.anthropic.resource import MessagesResource
+from localai_tw.frontend.api.backends import BackendGalleryResource, NodeBackends
 from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
 from localai_tw.frontend.api.discovery import (
     FeaturesResource,
@@ -119,6 +120,8 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/messages", lambda w: w.anthropic, guard=ANTHROPIC_KEY, cap_of=b"/v1/messages"),
     Mount(b"/backend", lambda w: BackendResource(w.replica.inference, w.api_keys),
           guard=ADMIN_KEY),
+    Mount(b"/backends", lambda w: BackendGalleryResource(w.replica.gallery, w.api_keys)
+          if w.replica.gallery is not None else None, guard=ADMIN_KEY),
     Mount(b"/generated-images", lambda w: GeneratedFilesResource(w.generated)),
     Mount(b"/metrics", lambda w: MetricsResource(w.replica.metrics, w.api_keys,
                                                  w.replica.tunnels, w.replica.control),
@@ -141,7 +144,8 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/api/features", lambda w: FeaturesResource(w.api_keys), guard=OPENAI_KEY),
     Mount(b"/api/traces", lambda w: TracesResource(w.traces, w.api_keys), guard=ADMIN_KEY),
     Mount(b"/api/nodes", lambda w: NodeMetricsRouting(
-        NodesWithScheduling(NodesAdminResource(w.parts, w.api_keys),
+        NodesWithScheduling(NodesAdminResource(w.parts, w.api_keys,
+                                               NodeBackends(w.replica.gallery)),
                             SchedulingResource(w.parts, w.api_keys)), w.parts, w.api_keys),
           guard=ADMIN_KEY),
     Mount(b"/api/jobs", lambda w: JobsResource(w.replica.jobs.store, w.replica.jobs.kinds,

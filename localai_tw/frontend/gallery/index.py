@@ -72,9 +72,10 @@ class GalleryEntry:
                 "installed": installed}
 
 
-def parse_galleries(values) -> tuple[Gallery, ...]:
-    """``--galleries`` values: LocalAI's JSON ``[{"name": ..., "url": ...}]``, ``name=url``, or
-    a bare URL (named after its file). :raises GalleryError:"""
+def parse_galleries(values, option: str = "--galleries") -> tuple[Gallery, ...]:
+    """``--galleries`` (or ``--backend-galleries``) values: LocalAI's JSON ``[{"name": ...,
+    "url": ...}]``, ``name=url``, or a bare URL (named after its file).
+    :raises GalleryError:"""
     out: list[Gallery] = []
     for value in values or ():
         value = value.strip()
@@ -84,10 +85,10 @@ def parse_galleries(values) -> tuple[Gallery, ...]:
             try:
                 items = json.loads(value)
             except ValueError as e:
-                raise GalleryError(f"--galleries: not JSON ({e})") from None
+                raise GalleryError(f"{option}: not JSON ({e})") from None
             if not isinstance(items, list) or not all(
                     isinstance(i, dict) and isinstance(i.get("url"), str) for i in items):
-                raise GalleryError('--galleries: JSON must be [{"name": ..., "url": ...}]')
+                raise GalleryError(option + ': JSON must be [{"name": ..., "url": ...}]')
             pairs = [(str(i.get("name") or ""), i["url"]) for i in items]
         elif "=" in value.split("://", 1)[0]:
             name, _, url = value.partition("=")
@@ -96,16 +97,16 @@ def parse_galleries(values) -> tuple[Gallery, ...]:
             pairs = [("", value)]
         for name, url in pairs:
             if not url.startswith(("file://", "http://", "https://", "github:")):
-                raise GalleryError(f"--galleries: {shown_url(url)[:200]} is not a file://, "
+                raise GalleryError(f"{option}: {shown_url(url)[:200]} is not a file://, "
                                    "http(s):// or github: URL")
             if not name:
                 base = os.path.basename(urlsplit(url.split("@", 1)[0]).path) or "gallery"
                 name = base.rsplit(".", 1)[0] or "gallery"
             if not is_file_name(name) or "@" in name:
-                raise GalleryError(f"--galleries: the name {name[:64]!r} must be a plain name")
+                raise GalleryError(f"{option}: the name {name[:64]!r} must be a plain name")
             out.append(Gallery(name, url))
     if len({g.name for g in out}) != len(out):
-        raise GalleryError("--galleries: two galleries have the same name")
+        raise GalleryError(f"{option}: two galleries have the same name")
     return tuple(out)
 
 

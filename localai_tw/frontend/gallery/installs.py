@@ -60,6 +60,7 @@ from localai_tw.frontend.inference.downloads import (
     resolve_url,
     shown_url,
 )
+from localai_tw.frontend.gallery.backend_index import job_key
 from localai_tw.frontend.gallery.index import (
     MAX_CONFIG_BYTES,
     MAX_INDEX_BYTES,
@@ -196,6 +197,13 @@ class _Op:
     overrides: dict = dataclasses.field(default_factory=dict)
     replace: bool = False
     finished: bool = False
+    #: a backend's install or delete (``backend_installs.py``): ``{"name", "entry",
+    #: "entries", "node_id", "node"}``; ``name`` is then the job's key (``.backend/<name>``)
+    backend: dict | None = None
+
+    @property
+    def label(self) -> str:
+        return f"backend {self.backend['name']}" if self.backend else f"model {self.name}"
 
 
 class GalleryJobs(Service):
@@ -212,7 +220,7 @@ class GalleryJobs(Service):
 
     def __init__(self, db, bus, instance_id: str, models_dir: str, downloads,
                  galleries: tuple[Gallery, ...], reactor, *, agent=None, catalog=None,
-                 progress_interval: float = 1.0):
+                 progress_interval: float = 1.0, backends=None):
         self.db, self.bus, self.instance_id = db, bus, instance_id
         self.models_dir = models_dir
         #: every config's ``name`` (the existing-name check reads it)
@@ -225,6 +233,8 @@ class GalleryJobs(Service):
         #: an install may read file:// sources (the operator's --allow-private-downloads)
         self.allow_local_sources = bool(getattr(downloads, "allow_private", False))
         self.progress_interval = progress_interval
+        #: backend installs and deletes (``backend_installs.BackendInstalls``), or None
+        self.backends = backends
         self.snapshots: OrderedDict[str, dict] = OrderedDict()
         self._queue: deque[_Op] = deque()
         self._running = False
@@ -256,6 +266,8 @@ class GalleryJobs(Service):
     def stopService(self):
         super().stopService()
         self._queue.clear()
+        if self.backends is not None:
+            self.backends.close()
         if self._subscription is not None:
             sub, self._subscription = self._subscription, None
             return defer.maybeDeferred(sub.unsubscribe).addErrback(lambda _: None)
@@ -360,6 +372,28 @@ class GalleryJobs(Service):
         await self._admit(op, description="", element=name)
         return op.id
 
+    async def apply_backend(self, wanted: str, node_id: str | None = None,
+                            node_name: str = "", *, force: bool = False) -> str:
+        """Admit a backend install (every connected backend worker, or ``node_id``).
+        :raises GalleryError: no such entry, or the gallery cannot be read."""
+        if self.backends is None:
+            raise GalleryError("backend installs are not available on this replica")
+        entry, entries = await self.backends.find(wanted)
+        op = _Op(str(uuid.uuid4()), job_key(entry.name), False,
+                 backend={"name": entry.name, "entry": entry, "entries": entries,
+                          "node_id": node_id, "node": node_name, "force": force})
+        await self._admit(op, description=entry.description, element=entry.id)
+        return op.id
+
+    async def delete_backend(self, name: str, node_id: str | None = None,
+                             node_name: str = "") -> str:
+        if self.backends is None:
+            raise GalleryError("backend deletes are not available on this replica")
+        op = _Op(str(uuid.uuid4()), job_key(name), True,
+                 backend={"name": name, "node_id": node_id, "node": node_name})
+        await self._admit(op, description="", element=name)
+        return op.id
+
     async def _admit(self, op: _Op, *, description: str, element: str) -> None:
         if len(self._queue) >= MAX_QUEUED:
             raise GalleryBusy(f"{MAX_QUEUED} gallery jobs are queued on this replica already; "
@@ -370,6 +404,9 @@ class GalleryJobs(Service):
                     "downloaded_size": "", "gallery_element_name": element, "model": op.name,
                     "description": description, "error": None, "cancelled": False,
                     "cancellable": False, "replica": self.instance_id}
+        if op.backend is not None:
+            snapshot.update(model="", backend=op.backend["name"],
+                            node=op.backend.get("node") or "")
         await self._publish(op.id, snapshot)
         self._queue.append(op)
         if not self._running:
@@ -474,13 +511,17 @@ class GalleryJobs(Service):
         if not claimed:
             holder = await self.db.runQuery(_HOLDER_SQL, (op.name,))
             other = f"job {holder[0][0]} on replica {holder[0][1]}" if holder else "another job"
-            reason = (f"model {op.name} is being installed or deleted by {other}; wait for it "
-                      f"(GET /models/jobs/{holder[0][0] if holder else '<id>'}) and try again")
+            jobs = "backends" if op.backend else "models"
+            reason = (f"{op.label} is being installed or deleted by {other}; wait for it "
+                      f"(GET /{jobs}/jobs/{holder[0][0] if holder else '<id>'}) and try again")
             await self._finish(op, base, reason, claimed=False)
             return
         await self._publish(op.id, base)
+        result: dict = {}
         try:
-            if op.deletion:
+            if op.backend is not None:
+                result = await self._backend_op(op, base)
+            elif op.deletion:
                 await self._delete(op)
             else:
                 await self._install(op, base)
@@ -490,7 +531,35 @@ class GalleryJobs(Service):
             log.failure("gallery job {id}", Failure(), id=op.id)
             await self._finish(op, base, f"internal error ({type(e).__name__}); see the log")
         else:
+            base.update(result)
             await self._finish(op, base, None)
+
+    async def _backend_op(self, op: _Op, base: dict) -> dict:
+        """A backend's install or delete (``backend_installs.py``), reporting into this
+        job's snapshots."""
+        assert op.backend is not None and self.backends is not None
+
+        def report(**fields) -> defer.Deferred:
+            base.update({k: v for k, v in fields.items() if v is not None})
+            snapshot = {k: v for k, v in base.items() if k != "description"}
+
+            def publish(_):
+                if not op.finished:
+                    return defer.ensureDeferred(self._publish(op.id, snapshot))
+
+            self._publishing = self._publishing.addCallback(publish).addErrback(
+                lambda f: log.failure("gallery progress", f))
+            return self._publishing
+
+        try:
+            if op.deletion:
+                return await self.backends.delete(op.backend["name"], op.backend["node_id"])
+            return await self.backends.install(op.backend["entry"], op.backend["entries"],
+                                               op.backend["node_id"], report,
+                                               force=op.backend.get("force", False))
+        finally:
+            op.finished = True
+            await self._publishing  # no progress snapshot after the final one
 
     async def _finish(self, op: _Op, base: dict, error: str | None, *,
                       claimed: bool = True) -> None:
@@ -512,7 +581,7 @@ class GalleryJobs(Service):
                     raise  # the row stays running: failed once this replica is not live
                 await task.deferLater(self._reactor, 1.0 * (attempt + 1), lambda: None)
         log.info("gallery job {id} ({what} {model}): {state}{why}", id=op.id,
-                 what="delete" if op.deletion else "install", model=op.name,
+                 what="delete" if op.deletion else "install", model=op.label,
                  state=final["state"], why=f": {error}" if error else "")
         await self._publish(op.id, final)
 
