@@ -274,6 +274,12 @@ class Database:
         self._release(conn)
         return result
 
+    @property
+    def outage(self) -> str | None:
+        """Why the database is away (from the first dead connection until one is restored),
+        else None."""
+        return self._outage
+
     def answered_within(self, seconds: float) -> bool:
         """Whether the database answered one of this pool's statements in the last
         ``seconds``: proof it is reachable that costs no statement and does not wait behind a
