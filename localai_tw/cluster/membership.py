@@ -311,6 +311,8 @@ _LIVE_INSTANCES_SQL = (
 )
 
 _PEER_TOKEN_HASH_SQL = f"SELECT peer_token_hash FROM instances WHERE id = %s AND {INSTANCE_IS_LIVE_SQL}"
+_PEER_CREDENTIAL_SQL = (f"SELECT peer_token_hash, ({INSTANCE_IS_LIVE_SQL}) FROM instances"
+                        " WHERE id = %s")
 
 
 @dataclass(frozen=True)
@@ -378,6 +380,15 @@ async def peer_token_hash(db, instance_id: str,
     with ``secret_matches_hash`` to check an incoming peer link."""
     rows = await db.runQuery(_PEER_TOKEN_HASH_SQL, (instance_id, interval_seconds(liveness)))
     return rows[0][0] if rows else None
+
+
+async def peer_credential(db, instance_id: str,
+                          liveness: float = INSTANCE_LIVENESS) -> tuple[str, bool] | None:
+    """``(published peer-secret hash, live)`` of a known replica, or None (unknown).  A replica
+    whose row is known but not live is re-joining (its heartbeat is late, e.g. its database
+    connection was being re-established): a link it dials is refused for now, not for ever."""
+    rows = await db.runQuery(_PEER_CREDENTIAL_SQL, (interval_seconds(liveness), instance_id))
+    return (rows[0][0], bool(rows[0][1])) if rows else None
 
 
 # -- the service ----------------------------------------------------------------------------
