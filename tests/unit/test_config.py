@@ -321,7 +321,7 @@ def test_worker_service_tree_holds_no_secret(tmp_path):
                                          "tok-123"])
     tree = worker_tap.makeService(options)
     names = {svc.name for svc in tree}
-    assert names == {"configuration-report", "port-range-check", "worker"}
+    assert names == {"configuration-report", "worker"}
     assert "tok-123" not in repr(options.describe())
 
 
