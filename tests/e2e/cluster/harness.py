@@ -354,6 +354,15 @@ class Cluster:
         self.workers.append(worker)
         return worker
 
+    def start_twistd(self, name: str, args: list[str]) -> Process:
+        """Any ``twistd`` command line (``args`` after ``twistd``), logged and reaped like
+        the others: for a process a test starts with options of its own (a wrong token, a
+        shared data directory)."""
+        popen, log_path = self._spawn(name, _TWISTD, args)
+        proc = Process(name, popen, log_path)
+        self.processes.append(proc)
+        return proc
+
     def wait_registered(self, worker: Worker, timeout: float = 60.0) -> str:
         def registered():
             if not worker.alive():
