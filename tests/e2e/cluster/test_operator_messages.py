@@ -12,7 +12,8 @@ operator reads: the processes' logs, the answers of ``/readyz`` and of the APIs.
   at the default level in any of those logs.
 - A database outage: ``/readyz`` says ``database_unavailable`` in words (never ``"state":
   "ready"`` beside ``"ready": false``, never ``(2.0, 'Deferred')``), and the replica floor pass
-  logs one warning for the whole outage, no traceback.
+  logs one warning for the whole outage, no traceback (and so do the bus's LISTEN reconnects
+  and the claim consumer).
 - A replica whose ``instances`` row is gone while it re-joins (as after its database
   connection was re-established and another replica swept it): its relayed requests are a
   retryable unreachable peer (HTTP 503), not ``PeerRejected`` (500 "a replica configuration
@@ -169,6 +170,10 @@ def test_a_database_outage_is_said_in_words_and_warned_once(make_cluster):
     assert "Traceback" not in log, log
     assert len(cluster.grep(fe, "database unavailable: ")) == 1, log
     assert cluster.grep(fe, "database available again"), log
+    # The rest of the replica says it once per outage too, not every few seconds.
+    for repeated in ("pgbus: LISTEN connection failed", "claims: per-tick checks failed",
+                     "claims: claim failed"):
+        assert len(cluster.grep(fe, repeated)) <= 1, (repeated, log)
 
 
 def test_a_replica_re_joining_is_a_retryable_503_not_a_configuration_problem(make_cluster):
