@@ -59,7 +59,8 @@ SETTINGS = (
                  default=DEFAULT_BACKEND_PORT_RANGE, parse=config.parse_port_range),
     config.value("data-dir", "LOCALAI_DATA_DIR",
                  "Directory for this worker's state (models, backends; twistd's pidfile is "
-                 "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker.",
+                 "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker: "
+                 "it is locked (<data-dir>/localai-worker.lock) while the worker runs.",
                  default=config.default_data_dir("worker"), parse=config.parse_path),
     config.value("backends-path", "LOCALAI_BACKENDS_PATH",
                  "Directory of installed LocalAI backends (LocalAI's option): a model config's "
