@@ -308,9 +308,20 @@ def hold_data_dir_lock(data_dir: str, program: str) -> None:
         raise usage.UsageError(
             f"--data-dir: another {program}{pid} is running with data directory {data_dir} "
             f"(it holds {path}); give this one its own --data-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _HELD_LOCKS[path] = fd
+    note_lock_holder()
+
+
+def note_lock_holder() -> None:
+    """Write this process's pid into every data-directory lock it holds (again after twistd
+    forked into a daemon, whose pid differs from the one that took the lock)."""
+    pid = f"{os.getpid()}\n".encode()
+    for fd in _HELD_LOCKS.values():
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, pid, 0)
+        except OSError:
+            pass  # only the message's pid is at stake
 
 
 def _live_pid(pidfile: str) -> int | None:
@@ -343,6 +354,7 @@ class ConfigurationReport(Service):
 
     def startService(self) -> None:
         super().startService()
+        note_lock_holder()  # after twistd's daemon fork, the pid a refusal names is ours
         for option, shown, source in self.options.describe():
             log.info("{program} {option} = {value} ({source})", program=self.program,
                      option=option, value=shown, source=source)
