@@ -177,15 +177,23 @@ class EnvOptions(usage.Options):
         are parsed, so the plugin may still replace its default.  A ``--pidfile`` given
         explicitly (``--pidfile=`` for none) is left alone.  A live process already holding
         that pidfile is refused here with a message naming ``--data-dir``, the real fix.
+
+        Whatever the pidfile, the data directory's lock (:func:`hold_data_dir_lock`) is taken
+        first: a pidfile can be moved or turned off, the lock cannot.
         """
         parent = self.parent
-        if parent.get("pidfile") != TWISTD_DEFAULT_PIDFILE or not self.get("data-dir"):
+        if not self.get("data-dir"):
             return
         data_dir = self["data-dir"]
         try:
             os.makedirs(data_dir, exist_ok=True)
         except OSError as e:
             raise _fail("--data-dir", f"cannot create {data_dir}: {e.strerror}") from None
+        # Whatever the pidfile (twistd's own --pidfile, or none), the data directory is this
+        # process's alone: two workers on one directory would rotate each other's credential.
+        hold_data_dir_lock(data_dir, self.program)
+        if parent.get("pidfile") != TWISTD_DEFAULT_PIDFILE:
+            return
         pidfile = os.path.join(data_dir, f"{self.program}.pid")
         pid = _live_pid(pidfile)
         if pid is not None:
@@ -264,6 +272,58 @@ def installed_version() -> str:
 TWISTD_DEFAULT_PIDFILE = "twistd.pid"
 
 
+#: Data-directory locks this process holds: real path of the lock file -> its descriptor.
+_HELD_LOCKS: dict[str, int] = {}
+
+
+def hold_data_dir_lock(data_dir: str, program: str) -> None:
+    """Take ``<data_dir>/<program>.lock`` (``flock``, exclusive) for the rest of this process,
+    or refuse with a usage error naming ``--data-dir`` and the holder's pid.
+
+    The kernel releases the lock when the process ends, however it ends (SIGKILL included):
+    a stale file never blocks a restart.  The descriptor is inherited by twistd's daemon
+    child, which keeps the lock after the parent exits.  Taking it twice in one process is a
+    no-op (option parsing may run more than once).
+    """
+    import fcntl
+
+    path = os.path.realpath(os.path.join(data_dir, f"{program}.lock"))
+    if path in _HELD_LOCKS:
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise _fail("--data-dir", f"cannot open {path}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        try:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip()
+        except OSError:
+            holder = ""
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+            raise _fail("--data-dir", f"cannot lock {path}: {e.strerror}") from None
+        pid = f" (pid {holder})" if holder.isdigit() else ""
+        raise usage.UsageError(
+            f"--data-dir: another {program}{pid} is running with data directory {data_dir} "
+            f"(it holds {path}); give this one its own --data-dir") from None
+    _HELD_LOCKS[path] = fd
+    note_lock_holder()
+
+
+def note_lock_holder() -> None:
+    """Write this process's pid into every data-directory lock it holds (again after twistd
+    forked into a daemon, whose pid differs from the one that took the lock)."""
+    pid = f"{os.getpid()}\n".encode()
+    for fd in _HELD_LOCKS.values():
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, pid, 0)
+        except OSError:
+            pass  # only the message's pid is at stake
+
+
 def _live_pid(pidfile: str) -> int | None:
     """The pid recorded in ``pidfile`` if that process is alive, else None."""
     try:
@@ -294,6 +354,7 @@ class ConfigurationReport(Service):
 
     def startService(self) -> None:
         super().startService()
+        note_lock_holder()  # after twistd's daemon fork, the pid a refusal names is ours
         for option, shown, source in self.options.describe():
             log.info("{program} {option} = {value} ({source})", program=self.program,
                      option=option, value=shown, source=source)

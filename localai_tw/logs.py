@@ -66,10 +66,29 @@ def quiet_grpc_core(environ: Any = os.environ) -> None:
 
 def level_filter(observer, level: str, clock=None) -> FilteringLogObserver:
     """``observer`` seeing only events at ``level`` (a key of :data:`LEVELS`) or above, and
-    libraries' repeated per-connection warnings summarised (:class:`RepeatedLibraryEvents`)."""
-    return FilteringLogObserver(
-        observer, [LogLevelFilterPredicate(defaultLogLevel=LEVELS[level]),
-                   RepeatedLibraryEvents(clock=clock)])
+    libraries' repeated per-connection warnings summarised (:class:`RepeatedLibraryEvents`);
+    Twisted's "Starting/Stopping factory" lines only at ``debug``
+    (:func:`factory_lifecycle_noise`)."""
+    predicates = [LogLevelFilterPredicate(defaultLogLevel=LEVELS[level]),
+                  RepeatedLibraryEvents(clock=clock)]
+    if LEVELS[level] > LogLevel.debug:
+        predicates.append(factory_lifecycle_noise)
+    return FilteringLogObserver(observer, predicates)
+
+
+#: Twisted's ``Factory.doStart``/``doStop`` lines: logged at info for every outgoing connection
+#: of a noisy factory (Twisted's own HTTP client pools among them), half a worker's log.
+FACTORY_LIFECYCLE_FORMATS = frozenset({"Starting factory {factory!r}",
+                                       "Stopping factory {factory!r}"})
+
+
+@implementer(ILogFilterPredicate)
+def factory_lifecycle_noise(event: dict):
+    """Hides Twisted's "Starting/Stopping factory" events (shown at ``--log-level debug``).
+    Our own factories are not noisy (``noisy = False``); this covers the libraries'."""
+    if event.get("log_format") in FACTORY_LIFECYCLE_FORMATS:
+        return PredicateResult.no
+    return PredicateResult.maybe
 
 
 @implementer(ILogFilterPredicate)

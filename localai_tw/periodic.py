@@ -7,6 +7,11 @@ for a pass in flight, so a stopped service runs nothing and owes nothing.  A pas
 is logged with ``pass_name`` and the next one runs on time; nothing here blocks the reactor (a
 pass is ``async`` and runs on it).  (``TimerService`` itself is not used because its call
 cannot be async and its failures end the loop.)
+
+A dependency that is away (the database during an outage: ``outage_errors``, set by a
+subclass, since this base module imports nothing of ours) is not a fault of the pass: the first
+pass it fails logs one warning, the passes after it nothing, and the first pass that runs again
+one line -- never a traceback every ``interval``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class PeriodicPass(Service):
 
     pass_name = "periodic pass"
     run_first = False
+    #: Exceptions meaning a dependency is away (module docstring): one warning per outage.
+    outage_errors: tuple[type[BaseException], ...] = ()
+    _away: bool = False
     _loop: task.LoopingCall | None = None
     _loop_finished: defer.Deferred | None = None
 
@@ -59,8 +67,23 @@ class PeriodicPass(Service):
         self._loop = None
 
     def _tick(self) -> defer.Deferred:
-        return defer.ensureDeferred(self.run_once()).addErrback(
-            lambda f: log.failure("{what} failed", f, what=self.pass_name))
+        return defer.ensureDeferred(self.run_once()).addCallbacks(self._ran, self._failed)
+
+    def _ran(self, result):
+        if self._away:
+            self._away = False
+            log.info("{what} runs again", what=self.pass_name)
+        return result
+
+    def _failed(self, failure) -> None:
+        if self.outage_errors and failure.check(*self.outage_errors):
+            if not self._away:
+                self._away = True
+                log.warn("{what} skipped: {why}; it is skipped quietly until that ends",
+                         what=self.pass_name, why=failure.getErrorMessage())
+            return None
+        log.failure("{what} failed", failure, what=self.pass_name)
+        return None
 
     async def run_once(self):
         raise NotImplementedError

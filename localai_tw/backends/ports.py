@@ -177,9 +177,11 @@ class PortAllocator:
             ephemeral if ephemeral is not None and _overlaps((first, last), ephemeral)
             else None)
         if self.ephemeral_overlap is not None:
-            log.warn("backend port range {first}-{last} overlaps the kernel's ephemeral "
-                     "range {e0}-{e1}: outgoing connections may take backend ports",
-                     first=first, last=last, e0=ephemeral[0], e1=ephemeral[1])
+            # The one warning of a worker about it (issue 26: it was logged twice).
+            log.warn("--backend-port-range {first}-{last} overlaps the kernel's ephemeral port "
+                     "range {e0}-{e1} ({path}): outgoing connections may take a backend's "
+                     "port; choose a range outside it", first=first, last=last,
+                     e0=ephemeral[0], e1=ephemeral[1], path=ephemeral_range_file)
 
     @classmethod
     def with_default_range(cls, host: str = "127.0.0.1", **kwargs) -> "PortAllocator":

@@ -491,6 +491,9 @@ class ClaimConsumer(service.Service):
         self._complete_call = None
         self._completing_now = False
         self._last_checks = None
+        #: True from the first statement a database outage failed until one succeeds: the
+        #: outage is warned about once, not on every tick.
+        self._database_away = False
         self._loop: task.LoopingCall | None = None
         self._wake_sub = None
         self._pending_settles: list[Callable[[], Awaitable[Any]]] = []
@@ -635,7 +638,24 @@ class ClaimConsumer(service.Service):
                     [defer.ensureDeferred(self._settle(settle)) for settle in pending],
                     consumeErrors=True)
         except (DatabaseUnavailable, PoolClosed, psycopg2.Error) as e:
-            log.warn("claims: per-tick checks failed: {err}", err=e)
+            self._database_failed("per-tick checks", e)
+        else:
+            self._database_answered()
+
+    def _database_failed(self, what: str, e: Exception) -> None:
+        """A statement failed: an outage (the pool's ``DatabaseUnavailable``/``PoolClosed``) is
+        warned about once until a statement succeeds again; any other error every time."""
+        if not isinstance(e, (DatabaseUnavailable, PoolClosed)):
+            log.warn("claims: {what} failed: {err}", what=what, err=e)
+        elif not self._database_away:
+            self._database_away = True
+            log.warn("claims: {what} failed: {err}; no claims until the database answers "
+                     "(not logged again meanwhile)", what=what, err=e)
+
+    def _database_answered(self) -> None:
+        if self._database_away:
+            self._database_away = False
+            log.info("claims: the database answers again; claiming")
 
     async def _not_live(self) -> None:
         if self._inflight:
@@ -661,7 +681,7 @@ class ClaimConsumer(service.Service):
                 await self._not_live()
                 return
             except (DatabaseUnavailable, PoolClosed, psycopg2.Error) as e:
-                log.warn("claims: claim failed: {err}", err=e)
+                self._database_failed("claim", e)
                 return
             if not self.running:
                 # Stopped while the claim was in the air: hand the rows straight back.

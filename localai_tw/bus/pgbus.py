@@ -42,7 +42,7 @@ from typing import Any, Callable
 import psycopg2
 from twisted.application import service
 from twisted.internet import defer, task
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from txpostgres import txpostgres
 
 from localai_tw.deferreds import wait_at_most
@@ -460,6 +460,7 @@ class PgBus(service.Service):
         d.addErrback(lambda f: log.failure("pgbus connect loop crashed", f))
 
     async def _connect_loop(self, delay: float) -> None:
+        failed = 0
         try:
             while self.running:
                 if delay > 0:
@@ -473,8 +474,13 @@ class PgBus(service.Service):
                 try:
                     conn = await self._db.connectPinned(self._purpose)
                 except (DatabaseUnavailable, psycopg2.Error) as e:
-                    log.warn("pgbus: LISTEN connection failed, retrying in {delay:.1f}s: {err}",
-                             delay=next_delay, err=e)
+                    # One warning per outage (the pool logs the outage itself); the attempts
+                    # after it only at debug, not a line every few seconds for its length.
+                    log.emit(LogLevel.debug if failed else LogLevel.warn,
+                             "pgbus: LISTEN connection failed, retrying in {delay:.1f}s{more}: "
+                             "{err}", delay=next_delay, err=e,
+                             more="" if failed else " (further attempts are not logged)")
+                    failed += 1
                     delay = next_delay
                     continue
                 if not self.running:

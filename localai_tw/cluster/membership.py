@@ -311,6 +311,8 @@ _LIVE_INSTANCES_SQL = (
 )
 
 _PEER_TOKEN_HASH_SQL = f"SELECT peer_token_hash FROM instances WHERE id = %s AND {INSTANCE_IS_LIVE_SQL}"
+_PEER_CREDENTIAL_SQL = (f"SELECT peer_token_hash, ({INSTANCE_IS_LIVE_SQL}) FROM instances"
+                        " WHERE id = %s")
 
 
 @dataclass(frozen=True)
@@ -380,6 +382,27 @@ async def peer_token_hash(db, instance_id: str,
     return rows[0][0] if rows else None
 
 
+async def peer_credential(db, instance_id: str,
+                          liveness: float = INSTANCE_LIVENESS) -> tuple[str, bool] | None:
+    """``(published peer-secret hash, live)`` of a known replica, or None (unknown).  A replica
+    whose row is known but not live is re-joining (its heartbeat is late, e.g. its database
+    connection was being re-established): a link it dials is refused for now, not for ever."""
+    rows = await db.runQuery(_PEER_CREDENTIAL_SQL, (interval_seconds(liveness), instance_id))
+    return (rows[0][0], bool(rows[0][1])) if rows else None
+
+
+def _follow(d: defer.Deferred) -> defer.Deferred:
+    """A new Deferred firing with ``d``'s result, leaving ``d`` itself untouched."""
+    follower: defer.Deferred = defer.Deferred()
+
+    def both(result):
+        follower.callback(result) if not isinstance(result, Failure) else \
+            follower.errback(result)
+        return result
+    d.addBoth(both)
+    return follower
+
+
 # -- the service ----------------------------------------------------------------------------
 
 
@@ -421,6 +444,7 @@ class MembershipService(Service):
         self._loop_done: defer.Deferred | None = None
         self._registration: Failure | str | None = None  # outcome of the first registration
         self._registration_waiters: list[defer.Deferred] = []
+        self._in_flight: defer.Deferred | None = None  # the tick running now, if any
 
     def whenRegistered(self) -> defer.Deferred:
         """A new Deferred firing with the instance id once the first registration is written,
@@ -456,6 +480,12 @@ class MembershipService(Service):
 
     def startService(self) -> None:
         super().startService()
+        on_restored = getattr(self._db, "on_restored", None)
+        if callable(on_restored):
+            # After an outage the other replicas may have swept this one's row: heartbeat (and
+            # re-register) as soon as the database is back, not up to an interval later, so
+            # its peer links are refused for as short a time as possible.
+            on_restored(self._tick_after_outage)
         registering = defer.ensureDeferred(register_instance(self._db, self.identity))
         registering.addCallbacks(self._registered, self._registration_failed)
 
@@ -472,9 +502,23 @@ class MembershipService(Service):
         log.failure("replica {id} could not register", failure, id=self.instance_id)
         self._settle_registration(failure)
 
+    def _tick_after_outage(self) -> defer.Deferred | None:
+        if not self.running or self._loop is None:
+            return None
+        return self.tick()
+
     def tick(self) -> defer.Deferred:
-        """One heartbeat + sweep + purge.  Never fails (a failed tick would stop the loop)."""
-        return defer.ensureDeferred(self._tick())
+        """One heartbeat + sweep + purge.  Never fails (a failed tick would stop the loop).
+        A tick asked for while one runs (the loop's and the restored database's) shares it."""
+        if self._in_flight is not None:
+            return _follow(self._in_flight)
+        self._in_flight = d = defer.ensureDeferred(self._tick())
+
+        def done(result):
+            self._in_flight = None
+            return result
+        d.addBoth(done)
+        return _follow(d)
 
     async def _tick(self) -> None:
         try:

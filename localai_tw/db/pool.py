@@ -124,6 +124,8 @@ class Database:
         self._outage: str | None = None
         #: Reactor time of the last statement the database answered (None: none yet).
         self.last_answer: float | None = None
+        #: Called (no argument) when a connection is restored after an outage.
+        self._on_restored: list[Callable[[], Any]] = []
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -202,10 +204,21 @@ class Database:
             log.warn("database unavailable: {cause}; calls that need it fail (HTTP 503) until a "
                      "connection is restored", cause=cause)
 
+    def on_restored(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback()`` each time a connection is restored after an outage (a replica
+        re-joins the cluster at once instead of at its next heartbeat)."""
+        self._on_restored.append(callback)
+
     def _restored(self) -> None:
         if self._outage is not None:
             self._outage = None
             log.info("database available again")
+            for callback in list(self._on_restored):
+                try:
+                    defer.maybeDeferred(callback).addErrback(
+                        lambda f: log.failure("a database-restored callback failed", f))
+                except Exception:
+                    log.failure("a database-restored callback failed")
 
     def _lost_while_idle(self, conn: txpostgres.Connection, cause: str) -> None:
         if conn in self._free:
@@ -273,6 +286,12 @@ class Database:
         self.last_answer = self._reactor.seconds()
         self._release(conn)
         return result
+
+    @property
+    def outage(self) -> str | None:
+        """Why the database is away (from the first dead connection until one is restored),
+        else None."""
+        return self._outage
 
     def answered_within(self, seconds: float) -> bool:
         """Whether the database answered one of this pool's statements in the last

@@ -100,7 +100,7 @@ from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.bus.claims import ClaimConsumer, ClaimQueue
 from localai_tw.bus.pgbus import PgBus
 from localai_tw.jobs.kinds import JobKinds
-from localai_tw.db.pool import Database
+from localai_tw.db.pool import Database, DatabaseUnavailable, PoolClosed
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.metrics import ReplicaMetrics
 from localai_tw.web.ratelimit import SourceRateLimit
@@ -473,6 +473,10 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
                     else JobKinds.discover(), store=store, dispatcher=dispatcher,
                     consumer=consumer, fanout=CancelFanout(db, control),
                     stats=JobStatsService(db, reactor))
+    # A database outage is logged once by the pool and once by each pass (PeriodicPass), not
+    # as a traceback every interval: these layers may not import the pool's errors themselves.
+    for periodic in (scaler, watchdog, preloader, jobs.stats):
+        periodic.outage_errors = (DatabaseUnavailable, PoolClosed)
     metrics.watch_bus(bus, [consumer])
     metrics.watch_jobs(lambda: jobs.stats.snapshot)
     async def stage(node_id, key, path, progress_cb, known):

@@ -86,8 +86,9 @@ SETTINGS = (
                  default_doc="embedded PostgreSQL"),
     config.value("data-dir", "LOCALAI_DATA_DIR",
                  "Directory for this replica's state (the embedded PostgreSQL lives in "
-                 "<data-dir>/postgres; twistd's pidfile is <data-dir>/localai-frontend.pid "
-                 "unless --pidfile is given). One per replica.",
+                 "<data-dir>/postgres, inside this process; twistd's pidfile is "
+                 "<data-dir>/localai-frontend.pid unless --pidfile is given). One per replica: "
+                 "it is locked (<data-dir>/localai-frontend.lock) while the replica runs.",
                  default=config.default_data_dir(), parse=config.parse_path),
     config.value("models-dir", "LOCALAI_MODELS_DIR",
                  "Directory of model YAML files.", parse=config.parse_path,

@@ -9,8 +9,11 @@ Credentials (both required, both checked before the upgrade):
 
 - ``Authorization: Bearer <shared registration token>`` (constant time);
 - ``X-LocalAI-Peer-Token: <the dialling replica's own secret>``, checked against
-  ``instances.peer_token_hash`` of ``?id=`` (a *live* replica), in constant time; an empty
-  secret or an empty stored hash never matches, and there is no fallback to the shared token.
+  ``instances.peer_token_hash`` of ``?id=``, in constant time; an empty secret or an empty
+  stored hash never matches, and there is no fallback to the shared token.  The replica must
+  be *live*: one whose secret matches but whose heartbeat is late (re-joining after its
+  database connection was re-established) is answered 503, which its side reports as an
+  unreachable peer (retry), not as a configuration problem.
 
 A refusal is a version or configuration problem (a replica without a published hash, a different
 registration token) and is logged as such, loudly, on both sides; the dialling side raises
@@ -50,7 +53,7 @@ from zope.interface import implementer
 
 from localai_tw import errors
 from localai_tw.cluster.clock import INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS, interval_seconds
-from localai_tw.cluster.membership import InstanceIdentity, peer_token_hash, secret_matches_hash
+from localai_tw.cluster.membership import InstanceIdentity, peer_credential, secret_matches_hash
 from localai_tw.logs import RateLimitedLog
 from localai_tw.logsafe import untrusted
 from localai_tw.mux.errors import MuxError
@@ -124,7 +127,8 @@ class PeerLinkAuthorizer:
     """Checks both peer credentials before the upgrade.  The result is the dialling replica's id.
 
     Order: shared bearer token (401), the peer-token header present (401), ``id`` (400), the
-    dialler's published hash (unknown or not live 401, database error 500, empty or mismatch 401).
+    dialler's published hash (unknown 401, database error 500, empty or mismatch 401), then
+    its liveness (a matching secret of a replica whose heartbeat is late: 503, retry).
     """
 
     def __init__(self, db, registration_token: str, liveness: float = INSTANCE_LIVENESS,
@@ -143,8 +147,8 @@ class PeerLinkAuthorizer:
 
     def _refuse(self, request, status: int, peer_id: str, why: str) -> ConnectRefused:
         if self.refusals.allow(_source(request)):
-            log.error("peer link from replica {peer} refused ({status}): {why}; this is "
-                      + _CONFIG_HINT, peer=untrusted(peer_id) or "<unnamed>", status=status,
+            log.error("peer link from replica {peer} refused ({status}): {why}; if it "
+                      "persists, this is " + _CONFIG_HINT, peer=untrusted(peer_id) or "<unnamed>", status=status,
                       why=why)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
         return ConnectRefused(status, why, headers)
@@ -166,19 +170,31 @@ class PeerLinkAuthorizer:
         if not raw_id:
             raise ConnectRefused(400, "missing id")
         try:
-            stored = await peer_token_hash(self._db, claimed, self._liveness)
+            known = await peer_credential(self._db, claimed, self._liveness)
         except Exception as e:
             log.warn("peer link from replica {peer} answered 500: lookup failed ({err})",
                      peer=untrusted(claimed), err=type(e).__name__)
             raise ConnectRefused(500, "replica lookup failed; try again") from None
+        stored, live = known if known is not None else (None, False)
         secret = secrets[0].strip().decode("utf-8", "replace")
         # Always compare (an absent hash compares against a dummy) so timing says nothing.
         matched = secret_matches_hash(secret, stored or "0" * 64)
         if stored is None:
-            raise self._refuse(request, 401, claimed, "unknown or non-live replica id")
+            raise self._refuse(request, 401, claimed, "unknown replica id (a replica that lost its "
+                               "database connection re-joins on its own within seconds)")
         if not stored or not matched:
             raise self._refuse(request, 401, claimed,
                                "peer secret does not match the published hash")
+        if not live:
+            # Its own credentials, but its heartbeat is late: it is re-joining (its database
+            # connection was being re-established).  Not a configuration problem: a 503 that
+            # its clients see as a retryable unreachable peer, and a warning, not an error.
+            if self.refusals.allow(_source(request)):
+                log.warn("peer link from replica {peer} refused for now (503): its heartbeat "
+                         "is late (re-joining, e.g. after a database outage); it may retry",
+                         peer=untrusted(claimed))
+            raise ConnectRefused(503, "this replica's heartbeat is late (it is re-joining the "
+                                 "cluster); try again", {"Retry-After": "5"})
         return claimed
 
     def authorize(self, request):
@@ -473,6 +489,19 @@ class PeerPool:
         except Exception as e:
             why = creator.refused if creator is not None else None
             if why is None:
+                if isinstance(e, HandshakeFailed) and e.status in (401, 403) \
+                        and await self._rejoining():
+                    # Refused because *this* replica is not live in the peer's eyes yet (its
+                    # heartbeat is late or its row was swept while its database connection was
+                    # re-established): transient, a retryable unreachable peer.
+                    log.warn("peer link to replica {peer} at {addr} refused ({status}) while "
+                             "this replica re-joins the cluster (its own heartbeat is late, "
+                             "e.g. after a database outage); requests are answered 503 until "
+                             "it is live again", peer=peer_id, addr=address, status=e.status)
+                    raise errors.PeerUnreachable(
+                        peer_id, f"refused ({e.status}) while this replica re-joins the "
+                        "cluster after its database connection was re-established; retry",
+                        e) from e
                 raise self._unreachable(peer_id, address, e) from e
             # A peer's certificate is a fact about that replica, never about a worker.
             log.error("peer link to replica {peer} at {addr}: its TLS certificate was refused "
@@ -492,6 +521,16 @@ class PeerPool:
         if old is not None and old is not session:
             old.loseConnection()
         return session
+
+    async def _rejoining(self) -> bool:
+        """Whether this replica's own ``instances`` row is missing or not live (or the
+        database cannot say): then a peer's 401 is about our late heartbeat, not our
+        configuration."""
+        try:
+            known = await peer_credential(self._db, self.instance_id, self._liveness)
+        except Exception:
+            return True
+        return known is None or not known[1]
 
     @staticmethod
     def _unreachable(peer_id: str, address: str, e: Exception) -> Exception:

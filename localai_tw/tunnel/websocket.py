@@ -745,6 +745,7 @@ def connectWebSocket(
         raise ValueError(f"not a ws:// or wss:// URL: {url!r}")
     factory = WebSocketClientFactory(url, headers=dict(headers or {}), reactor=reactor)
     factory.protocol = _CarrierClientProtocol
+    factory.noisy = False  # every dial would log "Starting/Stopping factory"
     _bounded(factory, max_message_bytes, handshake_timeout)
     host, port = parts.hostname, parts.port or (443 if parts.scheme == "wss" else 80)
     endpoint = endpoints.HostnameEndpoint(reactor, host, port, timeout=handshake_timeout)

@@ -296,6 +296,9 @@ class BoundedRequest(server.Request):
         site = getattr(self.channel, "site", None)
         if isinstance(site, BoundedSite):
             answer = site.shape_early_answer(getattr(self, "_early_target", None), answer)
+            # Answered outside twisted.web's response machinery, which would never log it: a
+            # worker with a wrong registration token must leave a line here too.
+            site.log_early_answer(self, answer.status, _message_of(answer))
         if self.channel is not None:
             answer_early(self.channel, answer.status, answer.body(), answer.headers)
 
@@ -602,6 +605,16 @@ class EventsPerInterval:
 ACCESS_LOG_CHOICES = ("all", "errors", "off")
 
 
+def _message_of(answer) -> str:
+    """The message of a refusal's JSON body (our own words, never the client's), or ""."""
+    try:
+        body = answer.body()
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+    except Exception:
+        return ""
+    return message if isinstance(message, str) else ""
+
+
 def _client_host(request) -> str:
     """The source a request came from (:func:`source_key`: an IPv6 client's /64, so a client
     cannot dodge the per-source log limits by changing addresses inside its network)."""
@@ -665,6 +678,8 @@ class BoundedSite(server.Site):
     path has an *early answer shape* (:meth:`add_early_answer_shape`): the OpenAI API's paths
     answer its error shape there too.
     """
+
+    noisy = False  # no "Starting/Stopping factory" line
 
     requestFactory = BoundedRequest
     protocol = BoundedChannel
@@ -795,6 +810,23 @@ class BoundedSite(server.Site):
         if code >= 400 and not self.refused_access.allow(_client_host(request)):
             return
         super().log(request)
+
+    def log_early_answer(self, request, status: int, why: str = "") -> None:
+        """The access line of a request refused before its body was read (a wrong API key or
+        registration token on a request with a body, a body too large, the body budget), which
+        :meth:`log` never sees; limited per client address like every refused request."""
+        if self.access_log == "off" or status < 400:
+            return
+        if not self.refused_access.allow(_client_host(request)):
+            return
+        line = pending_request_line(request.channel) if request.channel is not None else None
+        method, target = line if line is not None else (b"?", b"?")
+        address = request.getClientAddress()
+        log.info('"{client}" "{method} {target}" {status} (refused before the body was '
+                 'read{why})', client=getattr(address, "host", "-"),
+                 method=printable_name(method[:16], 16),
+                 target=printable_name(target.split(b"?", 1)[0][:200], 200), status=status,
+                 why=f": {why[:160]}" if why else "")
 
     def stopFactory(self) -> None:
         self.refused_access.flush()

@@ -270,6 +270,8 @@ class WorkerSite(server.Site):
     """A ``Site`` whose requests are :class:`WorkerRequest` and whose bodies follow
     ``body_policies`` (longest matching raw path prefix wins)."""
 
+    noisy = False  # no "Starting/Stopping factory" line per use
+
     requestFactory = WorkerRequest
 
     def __init__(

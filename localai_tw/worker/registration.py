@@ -32,6 +32,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from treq.client import HTTPClient
 from twisted.internet import defer
+from twisted.internet.endpoints import HostnameEndpoint
+from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
@@ -139,6 +141,51 @@ def http_base_url(register_to: str) -> str:
     return urlunsplit((scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
 
+class _PlainHTTPProbe(Protocol):
+    """Sends one ``HEAD`` in clear and notes whether the answer starts like HTTP."""
+
+    def __init__(self, answered: defer.Deferred):
+        self._answered = answered
+        self._buffer = b""
+
+    def connectionMade(self):
+        self.transport.write(b"HEAD / HTTP/1.0\r\n\r\n")
+
+    def dataReceived(self, data: bytes):
+        self._buffer += data
+        if len(self._buffer) >= 5 or not b"HTTP/".startswith(self._buffer):
+            self._settle(self._buffer.startswith(b"HTTP/"))
+            self.transport.loseConnection()
+
+    def connectionLost(self, reason=None):
+        self._settle(self._buffer.startswith(b"HTTP/"))
+
+    def _settle(self, plain: bool) -> None:
+        if not self._answered.called:
+            self._answered.callback(plain)
+
+
+async def answers_plain_http(reactor, host: str, port: int, timeout: float = 3.0) -> bool:
+    """Whether ``host:port`` answers an HTTP request sent in clear (at most ``timeout``
+    seconds): told apart from a TLS port after a TLS exchange with it failed."""
+    answered: defer.Deferred = defer.Deferred()
+    endpoint = HostnameEndpoint(reactor, host, port, timeout=timeout)
+    factory = Factory.forProtocol(lambda: _PlainHTTPProbe(answered))
+    factory.noisy = False
+    try:
+        protocol = await endpoint.connect(factory)
+    except Exception:
+        return False
+    answered.addTimeout(timeout, reactor)
+    try:
+        return await answered
+    except defer.TimeoutError:
+        return False
+    finally:
+        if protocol.transport is not None:
+            protocol.transport.loseConnection()
+
+
 # -- bounded response bodies ------------------------------------------------------------------
 
 
@@ -200,8 +247,22 @@ def _retry_after(response) -> float | None:
     return None if seconds is None or not 0 <= seconds <= 3600 else seconds
 
 
+#: Where the registration token came from, named in a 401's hint (see ``token_option``).
+TOKEN_OPTION = "--registration-token (LOCALAI_REGISTRATION_TOKEN)"
+
+
+def token_option(sources: Mapping[str, str], token_file: Any = None) -> str:
+    """The option an operator must fix when the token is refused: the file when the token was
+    read from ``--registration-token-file``, else ``--registration-token``."""
+    if sources.get("registration-token") == "file":
+        named = f" {token_file}" if token_file else ""
+        return f"the token in --registration-token-file{named} (LOCALAI_REGISTRATION_TOKEN_FILE)"
+    return TOKEN_OPTION
+
+
 def _failure_for_status(status: int, body: bytes, what: str,
-                        retry_after: float | None = None) -> RegistrationError:
+                        retry_after: float | None = None,
+                        token_hint: str = TOKEN_OPTION) -> RegistrationError:
     """The error for a non-2xx answer to ``what``, with a hint per status."""
     message, field_name = _error_of(body)
     detail = f"{what} refused" + (f": {message}" if message else "")
@@ -214,8 +275,7 @@ def _failure_for_status(status: int, body: bytes, what: str,
     if status == 401:
         return RegistrationRejected(
             status, detail,
-            "check --registration-token (LOCALAI_REGISTRATION_TOKEN): it must equal the "
-            "frontend's registration token")
+            f"check {token_hint}: it must equal the frontend's registration token")
     if status == 403:
         return RegistrationRejected(
             status, detail, "the frontend does not allow this node to register")
@@ -314,11 +374,14 @@ class RegistrationClient:
         timeout: float = REQUEST_TIMEOUT_SECONDS,
         agent=None,
         node_key: str = "",
+        token_hint: str = TOKEN_OPTION,
     ):
         self._reactor = reactor
         self.base_url = http_base_url(base_url)
         self._token = registration_token or ""
         self._node_key = node_key
+        #: The option named when the frontend refuses the token (:func:`token_option`).
+        self.token_hint = token_hint
         self.node_name = node_name
         self.node_type = node_type
         self.labels = dict(labels or {})
@@ -392,7 +455,8 @@ class RegistrationClient:
         def answered(result):
             status, body, retry_after = result
             if not 200 <= status <= 299:
-                raise _failure_for_status(status, body, "registration", retry_after)
+                raise _failure_for_status(status, body, "registration", retry_after,
+                                          self.token_hint)
             return parse_registration(body, status)
 
         return self._exchange(url, self.registration_body(), "registration").addCallback(
@@ -411,7 +475,8 @@ class RegistrationClient:
             if status == 404:
                 raise NodeUnknown(node_id)
             if not 200 <= status <= 299:
-                raise _failure_for_status(status, body, "heartbeat", retry_after)
+                raise _failure_for_status(status, body, "heartbeat", retry_after,
+                                          self.token_hint)
             return parse_heartbeat(body, status)
 
         body = {"tunnel_token": tunnel_token, "capacity": self._capacity()}
@@ -419,7 +484,30 @@ class RegistrationClient:
             answered).addErrback(self._timeout_as_unavailable, "heartbeat")
 
     def _timeout_as_unavailable(self, failure: Failure, what: str):
-        failure.trap(defer.TimeoutError, defer.CancelledError)
+        failure.trap(defer.TimeoutError, defer.CancelledError, FrontendUnavailable)
+        parts = urlsplit(self.base_url)
+        if failure.check(FrontendUnavailable) and (
+                parts.scheme != "https" or failure.value.status is not None):
+            return failure
+        if parts.scheme != "https":
+            raise FrontendUnavailable(
+                None, f"{what}: no answer within {self.timeout:g}s from {self.base_url}",
+                "is the frontend up? retrying")
+        # A TLS handshake against a plain-HTTP listener hangs (the server waits for a request
+        # line that never comes) or fails with an opaque TLS error; ask the port in clear once,
+        # so the message says what is wrong instead of "is the frontend up?".
+        return defer.ensureDeferred(self._tls_against_plain(failure, what, parts))
+
+    async def _tls_against_plain(self, failure: Failure, what: str, parts) -> None:
+        port = parts.port or 443
+        if await answers_plain_http(self._reactor, parts.hostname, port):
+            raise FrontendUnavailable(
+                None, f"{what}: TLS failed against a plain-HTTP port: {parts.hostname}:{port} "
+                f"answers HTTP in clear, not TLS",
+                "use http:// in --register-to, or give the frontend an ssl: listener "
+                "(--listen ssl:...); retrying")
+        if failure.check(FrontendUnavailable):
+            failure.raiseException()
         raise FrontendUnavailable(
             None, f"{what}: no answer within {self.timeout:g}s from {self.base_url}",
             "is the frontend up? retrying")

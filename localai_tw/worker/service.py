@@ -56,6 +56,7 @@ from localai_tw.worker.registration import (
     Registration,
     RegistrationClient,
     RegistrationError,
+    token_option,
 )
 from localai_tw.worker.scratch import ScratchArea
 from localai_tw.worker.staging import FileStaging, StagingRoots
@@ -322,7 +323,9 @@ class WorkerService(MultiService):
 
         self.client = registration_client or RegistrationClient(
             reactor, register_to, token, self.node_name, self.node_type, labels,
-            capacity_provider, node_key=self.node_key)
+            capacity_provider, node_key=self.node_key,
+            token_hint=token_option(getattr(options, "sources", {}),
+                                    options.get("registration-token-file")))
         self.registrar = NodeRegistrar(reactor, self.client, on_registered=self._registered,
                                        **dict(registrar_options or {}))
         self.registrar.setServiceParent(self)

@@ -1,10 +1,11 @@
 """``twistd localai-worker``: the worker's options and service tree.
 
 ``Options`` declares every flag with its ``LOCALAI_*`` environment variable (see
-``localai_tw.config``).  For now ``makeService(options)`` returns a ``MultiService`` that only
-logs the configuration (secrets masked) and warns when the backend port range overlaps the
-kernel's ephemeral port range; registration, the tunnel dial loop and the backend supervisor
-join this tree as further children.  This module only parses options and composes services.
+``localai_tw.config``).  ``makeService(options)`` returns a ``MultiService`` that logs the
+configuration (secrets masked) and holds the worker (registration, the tunnel dial loop and
+the backend supervisor); the backend port allocator warns, once, when the backend port range
+overlaps the kernel's ephemeral port range.  This module only parses options and composes
+services.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import socket
 from urllib.parse import urlsplit
 
-from twisted.application.service import MultiService, Service
+from twisted.application.service import MultiService
 from twisted.logger import Logger
 from twisted.python import usage
 
@@ -58,7 +59,8 @@ SETTINGS = (
                  default=DEFAULT_BACKEND_PORT_RANGE, parse=config.parse_port_range),
     config.value("data-dir", "LOCALAI_DATA_DIR",
                  "Directory for this worker's state (models, backends; twistd's pidfile is "
-                 "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker.",
+                 "<data-dir>/localai-worker.pid unless --pidfile is given). One per worker: "
+                 "it is locked (<data-dir>/localai-worker.lock) while the worker runs.",
                  default=config.default_data_dir("worker"), parse=config.parse_path),
     config.value("backends-path", "LOCALAI_BACKENDS_PATH",
                  "Directory of installed LocalAI backends (LocalAI's option): a model config's "
@@ -136,25 +138,6 @@ def ephemeral_port_overlap(port_range: config.PortRange,
     return (first, last) if port_range.overlaps(first, last) else None
 
 
-class PortRangeCheck(Service):
-    """Warns at start when the backend port range overlaps the kernel's ephemeral ports."""
-
-    name = "port-range-check"
-
-    def __init__(self, port_range: config.PortRange, path: str = EPHEMERAL_PORT_RANGE_FILE):
-        self.port_range = port_range
-        self.path = path
-
-    def startService(self) -> None:
-        super().startService()
-        overlap = ephemeral_port_overlap(self.port_range, self.path)
-        if overlap is not None:
-            log.warn("--backend-port-range {ours} overlaps the kernel's ephemeral port range "
-                     "{first}-{last} ({path}): outgoing connections may take a backend's port; "
-                     "choose a range outside it", ours=str(self.port_range), first=overlap[0],
-                     last=overlap[1], path=self.path)
-
-
 def warn_if_unencrypted(register_to: str) -> bool:
     """Warn (and answer True) when registration and the tunnel would cross a network in clear:
     an ``http``/``ws`` URL whose host is not this machine."""
@@ -179,6 +162,5 @@ def makeService(options: Options) -> MultiService:
     warn_if_unencrypted(options["register-to"])
     worker = logs.LevelledMultiService.from_options(options)
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(worker)
-    PortRangeCheck(options["backend-port-range"]).setServiceParent(worker)
     makeWorkerService(options).setServiceParent(worker)
     return worker

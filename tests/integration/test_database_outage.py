@@ -149,3 +149,34 @@ async def test_database_outage_is_a_bounded_503_logged_once_then_recovers(
     assert "Traceback" not in log and "Unhandled" not in log, log
     assert captured.count("database unavailable:") == 1, log
     assert captured.count("database available again") == 1, log
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_replica_re_joins_as_soon_as_its_database_is_back(db, pg_dsn):
+    """Issue 26 §5: after an outage another replica may have swept this replica's row; it used
+    to stay out of the cluster (its peer links refused) until its next heartbeat.  The pool's
+    restore now makes it heartbeat at once.  Its own loop is set to an hour here, so only the
+    restore can bring the row back.  (Remove the on_restored registration: red.)"""
+    from localai_tw.cluster.membership import InstanceIdentity, MembershipService
+
+    identity = InstanceIdentity("rejoining", "0.1.0", "", "secret-rejoining")
+    membership = MembershipService(db, identity, reactor=reactor, heartbeat_interval=3600)
+    membership.startService()
+    try:
+        await membership.whenRegistered()
+        await db.runOperation("DELETE FROM instances WHERE id = 'rejoining'")  # swept
+        set_allow_connections(pg_dsn, False)
+        try:
+            await eventually(lambda: db.outage is not None, what="the pool sees the outage")
+        finally:
+            set_allow_connections(pg_dsn, True)
+
+        async def back():
+            try:
+                rows = await db.runQuery("SELECT id FROM instances WHERE id = 'rejoining'")
+            except Exception:
+                return False
+            return bool(rows)
+        await eventually(back, timeout=20, what="the row written again after the restore")
+    finally:
+        await membership.stopService()

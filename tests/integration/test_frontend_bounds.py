@@ -148,6 +148,32 @@ async def test_a_client_without_the_credential_is_refused_before_its_body(
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_registration_refused_before_its_body_leaves_a_log_line(frontend):
+    """Issue 26 §5: a worker with the wrong registration token left no line in the frontend's
+    log (the 401 is written before the body, outside twisted.web's access log).  Now it gets
+    one access line, saying why, with no query string and no token in it."""
+    service = await frontend()
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        client = await frontend.dial(service)
+        client.send(head("POST", "/api/node/register?node_key=secret-in-query", 100,
+                         "Bearer wrong-token"))
+        status, _, _ = await client.response()
+        await client.lost.addTimeout(5, reactor)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert status == 401
+    lines = [formatEvent(e) for e in events if "refused before the body" in formatEvent(e)]
+    assert lines == ['"127.0.0.1" "POST /api/node/register" 401 (refused before the body was '
+                     'read: the registration token is missing or wrong; start the worker with '
+                     '--registration-token-file (or --registration-token) holding the '
+                     'frontend\'s)'], lines
+    assert not [e for e in events if "wrong-token" in formatEvent(e)
+                or "secret-in-query" in formatEvent(e)]
+
+
+@pytest_twisted.ensureDeferred
 async def test_the_right_credential_still_sends_its_body(frontend):
     service = await frontend()
     client = await frontend.dial(service)

@@ -321,7 +321,7 @@ def test_worker_service_tree_holds_no_secret(tmp_path):
                                          "tok-123"])
     tree = worker_tap.makeService(options)
     names = {svc.name for svc in tree}
-    assert names == {"configuration-report", "port-range-check", "worker"}
+    assert names == {"configuration-report", "worker"}
     assert "tok-123" not in repr(options.describe())
 
 
@@ -389,7 +389,57 @@ def test_readyz_times_out_a_hung_database():
     clock.advance(2.0)
     assert request.finished
     assert request.responseCode == 503
-    assert json.loads(body(request))["reason"].startswith("database query failed")
+    reason = json.loads(body(request))["reason"]
+    # A sentence, never the timeout's repr "(2.0, 'Deferred')" (issue 26 §5).
+    assert reason.startswith("the database did not answer SELECT 1 within 2 s"), reason
+    assert "Deferred" not in reason
+
+
+def test_readyz_of_a_started_replica_whose_database_is_away_is_not_state_ready():
+    """Issue 26 §5: during an outage ``/readyz`` said ``"state": "ready"`` beside ``"ready":
+    false``.  A pool that knows the database is away answers at once, in words, with the state
+    ``database_unavailable``; a probe that times out says the same state."""
+    clock = MemoryReactorClock()
+    service = StubDatabaseService(True, "ready", answer=defer.Deferred())
+    service.database.outage = "database connection lost: server closed the connection"
+    resource = frontend_tap.ReadinessResource(service, clock, state=lambda: "ready")
+    answer = json.loads(body(render(resource, DummyRequest([b""]))))
+    assert answer == {"ready": False, "state": "database_unavailable",
+                      "reason": "the database is unavailable (database connection lost: server "
+                                "closed the connection); this replica is reconnecting"}
+    service.database.outage = None
+    request = render(resource, DummyRequest([b""]))
+    clock.advance(2.0)
+    answer = json.loads(body(request))
+    assert answer["state"] == "database_unavailable" and answer["ready"] is False
+    # Not ready for another reason (a startup gate): the startup state, as before.
+    gated = frontend_tap.ReadinessResource(StubDatabaseService(False, "joining"), clock,
+                                           state=lambda: "joining")
+    assert json.loads(body(render(gated, DummyRequest([b""]))))["state"] == "joining"
+
+
+def test_the_data_directory_lock_refuses_a_second_holder(tmp_path):
+    """Issue 26 §5: twistd's own ``--pidfile`` (or ``--pidfile=``) bypassed the pidfile guard;
+    the lock in the data directory cannot be bypassed.  flock locks belong to an open file
+    description, so a second open of the file here stands for a second process."""
+    import fcntl
+    import os
+
+    other = os.open(tmp_path / "localai-worker.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(other, b"4242\n")
+        with pytest.raises(usage.UsageError) as info:
+            config.hold_data_dir_lock(str(tmp_path), "localai-worker")
+        assert str(info.value) == (
+            f"--data-dir: another localai-worker (pid 4242) is running with data directory "
+            f"{tmp_path} (it holds {os.path.realpath(tmp_path / 'localai-worker.lock')}); give "
+            "this one its own --data-dir")
+    finally:
+        os.close(other)  # the holder ends: its lock goes with it
+    config.hold_data_dir_lock(str(tmp_path), "localai-worker")
+    config.hold_data_dir_lock(str(tmp_path), "localai-worker")  # again in one process: no-op
+    assert (tmp_path / "localai-worker.lock").read_text() == f"{os.getpid()}\n"
 
 
 # -- under twistd: pidfile, usage errors ----------------------------------------------------
@@ -446,6 +496,25 @@ def test_twistd_refuses_a_data_directory_in_use(tmp_path, capsys):
     assert "its own --data-dir" in line
     (tmp_path / "localai-frontend.pid").write_text("999999999")  # gone: stale, adopted
     assert twistd_parse(["-n", "localai-frontend", "--data-dir", str(tmp_path)])["pidfile"]
+
+
+def test_twistd_explicit_pidfile_does_not_bypass_the_data_directory_lock(tmp_path, capsys):
+    import fcntl
+    import os
+
+    holder = os.open(tmp_path / "localai-worker.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for pidfile in ("--pidfile=", f"--pidfile={tmp_path / 'other.pid'}"):
+            with pytest.raises(SystemExit) as info:
+                twistd_parse(["-n", pidfile, "localai-worker", "--register-to", "http://f",
+                              "--data-dir", str(tmp_path)])
+            assert info.value.code == 1
+            line = capsys.readouterr().err
+            assert line.startswith("localai-worker: --data-dir: another localai-worker"), line
+            assert "its own --data-dir" in line
+    finally:
+        os.close(holder)
 
 
 def test_worker_and_frontend_default_data_directories_differ():

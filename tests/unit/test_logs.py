@@ -126,3 +126,30 @@ def test_a_librarys_per_connection_warnings_are_summarised_not_repeated():
     [summary] = [formatEvent(e) for e in summaries if "more like this" in formatEvent(e)]
     assert "995 more like this in the last 10 s" in summary
     assert "closing handshake timeout" in summary
+
+
+def test_twisteds_factory_lines_are_shown_only_at_debug():
+    """Issue 26 §5: Twisted's "Starting/Stopping factory" lines were 36 of 78 lines of a
+    worker's log at the default level (one pair per outgoing connection of Twisted's own HTTP
+    client pools).  Hidden at info and above, shown at debug; our own factories are not noisy.
+    (Drop factory_lifecycle_noise from level_filter: the lines come back.)"""
+    from twisted.internet.protocol import Factory
+    from twisted.logger import LogLevel
+
+    from localai_tw.frontend.inference.grpcbridge import _BridgeFactory
+    from localai_tw.web.listener import BoundedSite
+    from localai_tw.worker.httpserve import WorkerSite
+
+    for level, expected in (("info", 0), ("warn", 0), ("debug", 2)):
+        seen = []
+        observer = logs.level_filter(seen.append, level)
+        twisted_factory = Logger(namespace="twisted.web.client._HTTP11ClientFactory",
+                                 observer=observer)
+        twisted_factory.info("Starting factory {factory!r}", factory="<pool>")
+        twisted_factory.info("Stopping factory {factory!r}", factory="<pool>")
+        Logger(namespace="localai_tw.worker.service", observer=observer).emit(
+            LogLevel.warn, "registration failed")
+        assert len([e for e in seen if "factory" in e["log_format"]]) == expected, level
+        assert len(seen) == expected + 1
+    assert Factory.noisy is True  # Twisted's default, which ours override
+    assert not BoundedSite.noisy and not WorkerSite.noisy and not _BridgeFactory.noisy

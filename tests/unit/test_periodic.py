@@ -61,3 +61,48 @@ def test_a_disabled_pass_starts_no_loop_and_stops_at_once():
     clock.advance(50)
     assert passes.started == 0
     assert passes.stopService().called
+
+
+class Away(Exception):
+    """Stands for the pool's DatabaseUnavailable (this base module imports nothing of ours)."""
+
+
+def test_an_outage_is_one_warning_not_a_traceback_per_pass():
+    """Issue 26 §5: the replica floor pass logged a critical traceback every 15 s per replica
+    during a database outage.  With ``outage_errors`` set, the first failing pass warns once,
+    the next ones are quiet, the first pass that runs again says so; any other failure is
+    still a traceback."""
+    from twisted.logger import LogLevel, globalLogPublisher
+
+    events: list[dict] = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        clock = task.Clock()
+        passes = Passes(clock)
+        passes.outage_errors = (Away,)
+        failing: list[BaseException] = []
+
+        async def run_once():
+            passes.started += 1
+            if failing:
+                raise failing[0]
+        passes.run_once = run_once
+        passes.startService()
+        failing.append(Away("the database is unavailable: connection refused"))
+        for _ in range(4):
+            clock.advance(5)
+        failing.clear()
+        clock.advance(5)
+        failing.append(RuntimeError("a bug"))
+        clock.advance(5)
+        passes.stopService()
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    ours = [e for e in events if e.get("what") == "test pass"]
+    assert [(e["log_level"], e["log_format"].split(":")[0].split(";")[0]) for e in ours] == [
+        (LogLevel.warn, "{what} skipped"),
+        (LogLevel.info, "{what} runs again"),
+        (LogLevel.critical, "{what} failed"),
+    ]
+    assert ours[0]["why"] == "the database is unavailable: connection refused"
+    assert passes.started == 6

@@ -21,6 +21,7 @@ from localai_tw.worker.registration import (
     RegistrationRejected,
     http_base_url,
     parse_registration,
+    token_option,
 )
 
 TOKEN = "REG-TOKEN-secret"
@@ -128,6 +129,21 @@ def test_401_keeps_the_status_and_names_the_registration_token(api, clock):
     assert error.status == 401
     assert "--registration-token" in str(error)
     assert TOKEN not in str(error)
+
+
+def test_401_names_the_token_file_when_the_token_came_from_one(api, clock):
+    """Issue 26 §5: the worker's message named --registration-token when the token was read
+    from --registration-token-file."""
+    api.answer = (401, {"error": {"message": "invalid registration token",
+                                  "type": "unauthorized"}})
+    hint = token_option({"registration-token": "file"}, "/etc/localai-tw/registration-token")
+    client, agent = client_for(api, clock, token_hint=hint)
+    error = result_of(client.register(), agent).value
+    assert "check the token in --registration-token-file /etc/localai-tw/registration-token " \
+           "(LOCALAI_REGISTRATION_TOKEN_FILE): it must equal" in str(error)
+    assert "check --registration-token " not in str(error)
+    assert token_option({"registration-token": "flag"}) == \
+        "--registration-token (LOCALAI_REGISTRATION_TOKEN)"
 
 
 def test_400_names_the_field_the_frontend_rejected(api, clock):

@@ -143,7 +143,8 @@ class BackendResource(AdminResource):
         config = self._inference.model(model)
         if config is None:
             raise APIError(404, f"model {printable(model)!r} is not configured (no YAML file "
-                           "in the models directory names it)", "not_found",
+                           "in the models directory names it; GET /v1/models lists the "
+                           "configured models)", "not_found",
                            code="model_not_found")
         try:
             placement = await self._inference.loads.load(config)

@@ -22,6 +22,9 @@ from localai_tw.frontend.api.kit import JSONDirectory, render_error
 
 from localai_tw.web.errors import not_ready
 
+#: ``/readyz``'s ``state`` while a started replica's database is away.
+DATABASE_UNAVAILABLE = "database_unavailable"
+
 
 class LivenessResource(Resource):
     """``/healthz``: 200 ``ok`` while the process serves HTTP at all."""
@@ -40,7 +43,8 @@ class ReadinessResource(Resource):
     ``probe_timeout``; else 503.
 
     The body is JSON: ``{"ready": true}`` or ``{"ready": false, "reason": "...", "state":
-    "..."}`` (``state`` when ``state`` is given: the replica's startup state), with
+    "..."}`` (``state`` when ``state`` is given: the replica's startup state, or
+    ``database_unavailable`` when the database is what fails; ``reason`` a sentence), with
     ``"listener": {"saturated": true, ...}`` while the listener's connection cap is full (the
     status stays as it is: see :meth:`_answer`).  The probe
     query is bounded by ``probe_timeout`` so a hung pool shows as not ready instead of hanging
@@ -67,6 +71,12 @@ class ReadinessResource(Resource):
         database = self._checked.database
         if not ready or database is None:
             return self._answer(request, False, reason)
+        outage = getattr(database, "outage", None)
+        if isinstance(outage, str):
+            # The pool knows the database is away: say so at once, in words, instead of a probe
+            # that would wait ``probe_timeout`` for a connection that is being re-established.
+            return self._answer(request, False, f"the database is unavailable ({outage}); "
+                                "this replica is reconnecting", DATABASE_UNAVAILABLE)
         answered_within = getattr(database, "answered_within", None)
         if answered_within is not None and answered_within(self._probe_timeout):
             # The pool's own traffic proves the database answers: no probe statement, which
@@ -88,16 +98,26 @@ class ReadinessResource(Resource):
         probe.addTimeout(self._probe_timeout, self._reactor)
         probe.addCallbacks(
             lambda _: self._finish(request, client_gone, True, "ready"),
-            lambda f: self._finish(request, client_gone, False,
-                                   f"database query failed: {f.getErrorMessage()}"),
+            lambda f: self._finish(request, client_gone, False, self._probe_failed(f),
+                                   DATABASE_UNAVAILABLE),
         )
         return NOT_DONE_YET
 
-    def _answer(self, request, ready: bool, reason: str) -> bytes:
+    def _probe_failed(self, failure) -> str:
+        """The reason, in words, for a probe statement that failed (never a repr: a timeout's
+        message is ``(2.0, 'Deferred')``)."""
+        if failure.check(defer.TimeoutError, defer.CancelledError):
+            return (f"the database did not answer SELECT 1 within {self._probe_timeout:g} s "
+                    "(unreachable, or every connection is being re-established)")
+        return f"the database query failed: {failure.getErrorMessage()}"
+
+    def _answer(self, request, ready: bool, reason: str, state: str | None = None) -> bytes:
         request.setResponseCode(200 if ready else 503)
         body: dict[str, Any] = {"ready": True} if ready else {"ready": False, "reason": reason}
         if not ready and self._state is not None:
-            body["state"] = self._state()
+            # A replica that started (state "ready") but whose database is away is not "ready":
+            # the state says what it waits for.
+            body["state"] = state or self._state()
         site = getattr(request, "site", None)
         if getattr(site, "saturated", False):
             # Said, not acted on: a replica whose connection cap is full still serves its
@@ -108,10 +128,11 @@ class ReadinessResource(Resource):
                                 "max_connections": site.max_connections}
         return json.dumps(body).encode()
 
-    def _finish(self, request, client_gone: list[bool], ready: bool, reason: str) -> None:
+    def _finish(self, request, client_gone: list[bool], ready: bool, reason: str,
+                state: str | None = None) -> None:
         if client_gone:
             return
-        request.write(self._answer(request, ready, reason))
+        request.write(self._answer(request, ready, reason, state))
         request.finish()
 
 

@@ -104,7 +104,7 @@ FAILURES_PER_MINUTE = 30
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,35}$")
 
 _REGISTRATION_TOKEN_HINT = ("the registration token is missing or wrong; start the worker with "
-                            "--registration-token (env LOCALAI_REGISTRATION_TOKEN) set to the "
+                            "--registration-token-file (or --registration-token) holding the "
                             "frontend's")
 
 
@@ -171,7 +171,7 @@ class WorkerRegistrationResource(JSONResource):
                 return _rate_limited(
                     f"too many requests with a missing or wrong registration token from this "
                     f"address (at most {self.failures.burst} per minute); fix the worker's "
-                    f"--registration-token", self.failures, wait)
+                    f"--registration-token-file (or --registration-token)", self.failures, wait)
             return refusal
         limit = self._parts.registration_limit
         segments = getattr(request, "guarded_segments", None)

@@ -72,6 +72,8 @@ def _as_condition(failure: Failure, node_id: str, port: int) -> errors.ClusterEr
 
 
 class _BridgeFactory(Factory):
+    noisy = False  # one "Starting/Stopping factory" line per bridge is noise
+
     def __init__(self, bridge: "GrpcBridge"):
         self.bridge = bridge
 

@@ -5,7 +5,7 @@ Everything here is synchronous (no reactor in the test process): processes are
 is a poll with a generous bound (:func:`wait_for`); nothing asserts a duration.
 
 - :class:`Cluster` starts frontends (``twistd -n --pidfile= localai-frontend``, each with a
-  unique ``--instance-id``, a free loopback port, ``--single-host``, ``--advertise-address
+  unique ``--instance-id`` and ``--data-dir``, a free loopback port, ``--single-host``, ``--advertise-address
   127.0.0.1:<port>``, the shared ``--database-url``, registration token, API key and
   ``--reconnect-grace``) and workers (``twistd -n --pidfile= localai-worker``, each registered to
   its own :class:`~tests.e2e.cluster.balancer.Balancer` that prefers one frontend).
@@ -267,7 +267,12 @@ class Cluster:
         index = len(self.frontends)
         port = free_port()
         instance_id = f"fe{index}-{uuid.uuid4().hex[:12]}"
+        # A data directory of its own: the data-directory lock refuses a second process on one
+        # (and the user's real ~/.local/share/localai-tw is no place for a test's replicas).
+        data_dir = self.workdir / f"frontend{index}-data"
+        data_dir.mkdir(exist_ok=True)
         args = ["-n", "--pidfile=", "localai-frontend",
+                "--data-dir", str(data_dir),
                 "--listen", f"tcp:{port}:interface=127.0.0.1",
                 "--database-url", self.dsn,
                 "--instance-id", instance_id,
@@ -348,6 +353,15 @@ class Cluster:
         self.processes.append(worker)
         self.workers.append(worker)
         return worker
+
+    def start_twistd(self, name: str, args: list[str]) -> Process:
+        """Any ``twistd`` command line (``args`` after ``twistd``), logged and reaped like
+        the others: for a process a test starts with options of its own (a wrong token, a
+        shared data directory)."""
+        popen, log_path = self._spawn(name, _TWISTD, args)
+        proc = Process(name, popen, log_path)
+        self.processes.append(proc)
+        return proc
 
     def wait_registered(self, worker: Worker, timeout: float = 60.0) -> str:
         def registered():

@@ -181,7 +181,8 @@ def error_for(error: BaseException) -> OpenAIError:
                            code="invalid_api_key" if error.status == 401 else error.code,
                            headers=error.headers)
     if isinstance(error, ModelNotFound):
-        return OpenAIError(404, f"the model {printable(error.name)!r} does not exist",
+        return OpenAIError(404, f"the model {printable(error.name)!r} does not exist; "
+                           "GET /v1/models lists the models this cluster serves",
                            "invalid_request_error", param="model", code="model_not_found")
     if isinstance(error, ModelConfigInvalid):
         return OpenAIError(500, f"the model {printable(error.name)!r} is configured but its "

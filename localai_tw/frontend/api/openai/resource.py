@@ -251,7 +251,8 @@ class OpenAIResource(Resource):
             try:
                 args = (b"/".join(segments[1:]).decode("utf-8"),)
             except UnicodeDecodeError:
-                raise OpenAIError(404, "no such model", "invalid_request_error",
+                raise OpenAIError(404, "no such model; GET /v1/models lists the models",
+                                  "invalid_request_error",
                                   param="model", code="model_not_found") from None
         else:
             raise OpenAIError(404, f"unknown endpoint {printable(path_text(request))}",
