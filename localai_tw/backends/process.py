@@ -297,8 +297,13 @@ class BackendSupervisor(Service):
                     f"{key} already runs backend {existing.backend}; stop it first",
                     existing))
             if existing.state == STOPPING:
-                return defer.fail(BackendStartError(f"{key} is stopping; start it again "
-                                                    "once it has stopped", existing))
+                # An eviction's stop still running (a slow backend, a loaded machine): the
+                # new start waits for that process to end, then starts a fresh one, rather
+                # than fail a load that would succeed a moment later.
+                log.info("backend {key} is stopping; starting it again once it has ended",
+                         key=key)
+                return existing.when_ended().addCallback(
+                    lambda _: self.start(backend, model, options, replica=replica, load=load))
             if existing.state == READY:
                 return defer.succeed(existing)
             return existing._start_outcome.when()

@@ -383,10 +383,22 @@ def _exit_status_at_interpreter_exit(status: int) -> None:
 GC_THRESHOLDS = (700, 10, 100)
 
 
+def freeze_startup_objects(_ready=None) -> None:
+    """Once the replica is ready: one full collection, then every object alive (modules,
+    classes, the service tree) moved out of the collector's sight (``gc.freeze``), so a
+    later full collection scans what requests and tunnels made, not the whole program.
+    Those objects live as long as the process; cyclic garbage made later is still found."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def makeService(options: Options) -> MultiService:
     """The frontend replica: configuration report, then the ``FrontendService``; with
     ``--local-worker``, then the ``LocalWorkerService`` (started once the frontend is ready,
-    stopped before the frontend stops).  Sets the process's :data:`GC_THRESHOLDS`."""
+    stopped before the frontend stops).  Sets the process's :data:`GC_THRESHOLDS`, and
+    freezes what exists once the replica is ready (:func:`freeze_startup_objects`)."""
     import gc
 
     from localai_tw import logs
@@ -412,6 +424,7 @@ def makeService(options: Options) -> MultiService:
     frontend = FrontendService(options)
     frontend.setServiceParent(replica)
     exit_on_startup_failure(frontend, listen=options.get("listen"))
+    frontend.whenReady().addCallback(freeze_startup_objects).addErrback(lambda _: None)
     frontend.whenReady().addCallbacks(
         lambda ready: log.info("{line}", line=exposure_line(ready.listener.port.getHost(),
                                                             options)),

@@ -39,8 +39,17 @@ async def job(cluster, frontend, job_id: str):
 
 
 def model_files(models_dir: str) -> list[str]:
+    """The files of the models directory, the content store's second names aside (what it
+    holds is checked by :func:`stored_copies`)."""
     return sorted(os.path.relpath(os.path.join(d, n), models_dir)
-                  for d, _, names in os.walk(models_dir) for n in names)
+                  for d, _, names in os.walk(models_dir) for n in names
+                  if not os.path.relpath(d, models_dir).startswith(".blobs"))
+
+
+def stored_copies(models_dir: str) -> list[str]:
+    """The digests the models directory's content store holds (contentstore.py)."""
+    store = os.path.join(models_dir, ".blobs", "sha256")
+    return sorted(os.listdir(store)) if os.path.isdir(store) else []
 
 
 async def _done(answer):

@@ -26,6 +26,7 @@ from localai_tw.backends.record import (
     FAILED,
     READY,
     STOPPED,
+    STOPPING,
 )
 
 from .support import backend_channel, eventually
@@ -208,6 +209,21 @@ async def test_a_backend_that_ignores_sigterm_is_killed_after_the_grace(make_sup
     assert 0.5 <= took < 5
     assert any("SIGKILL" in line for line in supervisor.logs("stubborn"))
     assert process_gone(record.pid)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_start_while_the_same_backend_stops_waits_and_starts_a_fresh_one(
+        make_supervisor):
+    """An eviction's stop still running when the model is asked for again (seen under load:
+    the load failed with "is stopping"): the start waits for the old process, then starts a
+    new one."""
+    supervisor = make_supervisor(stop_grace=0.5)
+    old = await supervisor.start("ignore-sigterm", "again")
+    stopping = supervisor.stop("again", force=True)  # ignores SIGTERM: ends after the grace
+    assert supervisor.find("again").state == STOPPING
+    new = await supervisor.start("ignore-sigterm", "again")
+    assert (await stopping).state == STOPPED and process_gone(old.pid)
+    assert new is not old and new.state == READY and new.pid != old.pid
 
 
 @pytest_twisted.ensureDeferred

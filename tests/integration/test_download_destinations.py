@@ -109,13 +109,16 @@ async def test_request_caused_fetches_never_reach_loopback_unless_the_operator_a
         redirecting = f"http://127.0.0.2:{redirect_port.getHost().port}/a.bin"
         entries = [
             entry("open", [("open/a.bin", f"{files.base}/files/a.bin", digest)]),
+            # closed and gone name bytes no other entry has: the models directory's content
+            # store (one copy per digest) cannot stand in for their fetch
             entry("closed", [("closed/a.bin", f"http://127.0.0.1:{closed_port}/a.bin",
-                              digest)]),
+                              sha256_hex(b"closed"))]),
             entry("named", [("named/a.bin",
                              f"http://localhost:{files.port}/files/a.bin", digest)]),
             entry("redirected", [("redirected/a.bin", redirecting, digest)]),
             {"name": "viaurl", "url": f"{files.base}/files/entry.yaml"},
-            entry("gone", [("gone/a.bin", f"{files.base}/files/gone.bin", digest)]),
+            entry("gone", [("gone/a.bin", f"{files.base}/files/gone.bin",
+                            sha256_hex(b"gone"))]),
         ]
         index = tmp_path / "index.yaml"
         index.write_text(yaml.safe_dump(entries))

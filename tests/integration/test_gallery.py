@@ -22,7 +22,7 @@ from localai_tw.localai.catalog import load_model_file
 from .inference_harness import sha256_hex
 from .support import eventually
 from .harness_downloads import FileServer
-from .harness_gallery import AUTH, SMALL, _done, call, entry, job, model_files
+from .harness_gallery import AUTH, SMALL, _done, call, entry, job, model_files, stored_copies
 
 WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
 #: About 9000 bytes once JSON-encoded (non-ASCII is escaped on the bus): spilled.
@@ -202,6 +202,8 @@ async def test_delete_removes_the_config_and_its_files(cluster, files, tmp_path)
     assert deleted["state"] == "done" and deleted["deletion"]
     assert model_files(cluster.models_dir) == ["._gallery_kept.yaml", "kept.yaml",
                                                "shared.bin"]
+    # the deleted file's one copy is freed too; the shared one stays (issue 26 §4)
+    assert stored_copies(cluster.models_dir) == [sha256_hex(b"shared")]
     _, again = await call(cluster, b, "POST", "/models/delete/gone")
     _, refused = await eventually(lambda: _done(job(cluster, b, again["uuid"])), timeout=30,
                                   what="second delete finished")
@@ -419,6 +421,6 @@ async def test_an_existing_model_is_found_whatever_its_file_is_called(cluster, f
     status, body = await call(cluster, a, "POST", "/models/apply",
                               {"id": "one", "name": "renamed", "replace": True})
     assert status == 409 and "other-file.yaml" in body["error"]["message"], body
-    assert sorted(os.listdir(cluster.models_dir)) == sorted(written)
+    assert sorted(n for n in os.listdir(cluster.models_dir) if n != ".blobs") == sorted(written)
     for fname, text in written.items():
         assert open(os.path.join(cluster.models_dir, fname)).read() == text

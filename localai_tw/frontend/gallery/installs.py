@@ -716,6 +716,7 @@ class GalleryJobs(Service):
                 if os.path.commonpath([root, target]) == root and target != root:
                     _remove(target)
             _remove(record_path)
+            self.downloads.store.sweep()  # a file no other model names: its one copy goes
             return True
 
         found = await threads.deferToThreadPool(self._reactor, self._reactor.getThreadPool(),
