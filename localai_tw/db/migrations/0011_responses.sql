@@ -1,0 +1,35 @@
+-- responses: what POST /v1/responses answered and what a later request needs to continue it
+-- (previous_response_id) on any replica (docs/responses-api.md).  owner is the sha256 (hex) of
+-- the API key that created the response, never the key ('' while no key is configured): a key
+-- reads, lists, cancels and deletes only its own responses.
+--
+-- Bounded: rows older than the retention (localai_tw/frontend/api/openai/response_store.py)
+-- are deleted, a batch at a time, whenever a response is created; a response's conversation
+-- is bounded by the request body cap and the message cap of the chat API.
+--
+-- Every timestamp is written by PostgreSQL (now()), never by a replica.
+
+CREATE TABLE responses (
+    id                   varchar(64)  PRIMARY KEY,
+    owner                varchar(64)  NOT NULL,
+    model                text         NOT NULL,
+    status               varchar(16)  NOT NULL
+        CHECK (status IN ('queued', 'in_progress', 'completed', 'incomplete', 'failed',
+                          'cancelled')),
+    previous_response_id varchar(64)  NULL,
+    background           boolean      NOT NULL DEFAULT false,
+    -- The replica running a queued or in_progress response (a background one is run by the
+    -- replica that accepted it); a running row whose replica is no longer live is failed.
+    instance_id          text         NOT NULL DEFAULT '',
+    -- The response object as the API answers it (status, output, usage ...).
+    body                 jsonb        NOT NULL,
+    -- This response's own input items, as GET /v1/responses/{id}/input_items lists them.
+    input_items          jsonb        NOT NULL,
+    -- The chat-shaped messages of the whole conversation up to and including this response's
+    -- output (instructions excluded: they do not carry over), so a continuation is one read.
+    conversation         jsonb        NOT NULL,
+    created_at           timestamptz  NOT NULL DEFAULT now(),
+    updated_at           timestamptz  NOT NULL DEFAULT now()
+);
+CREATE INDEX responses_created_idx ON responses (created_at);
+CREATE INDEX responses_owner_idx ON responses (owner, created_at DESC);

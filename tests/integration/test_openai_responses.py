@@ -1,0 +1,255 @@
+"""The Responses API (``/v1/responses``) driven by the official ``openai`` client against two
+real replicas on one PostgreSQL database, with a worker running the ``echo`` backend (it
+answers its whole prompt, or the last message with ``use_tokenizer_template``):
+
+- ``responses.create``, ``retrieve``, ``input_items.list`` and ``delete``; a conversation
+  continued by ``previous_response_id`` on the OTHER replica (the stored conversation is in the
+  database), and one key never reading another key's response;
+- streaming (``responses.stream``): the typed event sequence with increasing
+  ``sequence_number``, and the streamed response retrievable at once from the other replica;
+- function tools (calls read out of the answer, ``function_call_output`` sent back);
+- ``responses.parse`` with a pydantic model (``text.format`` json_schema);
+- ``background: true`` cancelled through the replica that does not run it;
+- fields this server cannot honour refused with OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import pytest_twisted
+from twisted.internet import threads
+
+from .inference_harness import ADMIN
+from .support import eventually
+
+openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
+
+OTHER = "sk-responses-other"
+CALL_TEXT = ('Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+             '</tool_call>')
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+
+
+async def two_replicas(cluster, tag: str, **models: str):
+    """Replica A holds the worker's tunnel; both take ADMIN and OTHER as inference keys.
+    ``models``: more model configs (name -> YAML), written before the replicas start."""
+    cluster.write_model("echo-chat.yaml", (
+        "name: echo-chat\nbackend: echo\nparameters:\n  model: echo\n"
+        "template:\n  chat_message: '{{.RoleName}}={{.Content}}'\n  chat: '{{.Input}}'\n"))
+    for name, text in models.items():
+        cluster.write_model(f"{name}.yaml", f"name: {name}\n{text}")
+    keys = {"api-key": [ADMIN, OTHER]}
+    a = await cluster.frontend(f"replica-{tag}-a", **keys)
+    b = await cluster.frontend(f"replica-{tag}-b", **keys)
+    await cluster.worker(f"w-{tag}", a)
+    return a, b, cluster.base_url(a) + "/v1", cluster.base_url(b) + "/v1"
+
+
+def running(frontend) -> list[str]:
+    """The background responses a replica runs now."""
+    return frontend.gate.tree.children[b"v1"].responses().runs.running()
+
+
+def client(base: str, key: str = ADMIN):
+    return openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+
+
+@pytest_twisted.ensureDeferred
+async def test_create_retrieve_continue_on_another_replica_and_delete(cluster):
+    a, b, base_a, base_b = await two_replicas(cluster, "conv")
+
+    def converse():
+        first = client(base_a).responses.create(
+            model="echo-chat", input="first words", instructions="be brief",
+            metadata={"topic": "test"})
+        second = client(base_b).responses.create(
+            model="echo-chat", input=[{"role": "user", "content": "second words"}],
+            previous_response_id=first.id)
+        fetched = client(base_b).responses.retrieve(first.id)
+        items = client(base_a).responses.input_items.list(second.id)
+        try:
+            client(base_b, OTHER).responses.retrieve(first.id)
+            stranger = None
+        except openai.NotFoundError as e:
+            stranger = e.status_code
+        try:
+            client(base_a, OTHER).responses.create(model="echo-chat", input="x",
+                                                  previous_response_id=first.id)
+            stranger_continues = None
+        except openai.NotFoundError as e:
+            stranger_continues = (e.status_code, e.body.get("param"))
+        client(base_b).responses.delete(first.id)
+        try:
+            client(base_a).responses.retrieve(first.id)
+            after_delete = None
+        except openai.NotFoundError as e:
+            after_delete = e.status_code
+        return first, second, fetched, items, stranger, stranger_continues, after_delete
+
+    first, second, fetched, items, stranger, stranger_continues, after_delete = \
+        await threads.deferToThread(converse)
+    assert first.status == "completed" and first.object == "response"
+    assert first.id.startswith("resp_")
+    assert first.output_text.split() == ["system=be", "brief", "user=first", "words"]
+    assert first.usage.output_tokens == 4 and first.usage.total_tokens > 4
+    assert first.metadata == {"topic": "test"} and first.instructions == "be brief"
+    # the second turn, on the other replica: the first turn's input and output, not its
+    # instructions (they do not carry over)
+    assert second.previous_response_id == first.id
+    words = second.output_text.split()
+    assert words[:2] == ["user=first", "words"] and "user=second" in words
+    assert "system=be" not in words[:1]
+    assert fetched.id == first.id and fetched.output_text == first.output_text
+    assert [item.type for item in items.data] == ["message"]
+    assert items.data[0].content[0].text == "second words"
+    assert stranger == 404 and stranger_continues == (404, "previous_response_id")
+    assert after_delete == 404
+
+
+@pytest_twisted.ensureDeferred
+async def test_stream_event_sequence_and_retrieve_from_the_other_replica(cluster):
+    a, b, base_a, base_b = await two_replicas(cluster, "stream")
+
+    def stream():
+        with client(base_a).responses.stream(model="echo-chat", input="one two three") as s:
+            events = list(s)
+            final = s.get_final_response()
+        raw = list(client(base_a).responses.create(model="echo-chat", input="four five",
+                                                   stream=True, store=False))
+        return events, final, client(base_b).responses.retrieve(final.id), raw
+
+    events, final, fetched, raw = await threads.deferToThread(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert "response.output_text.delta" in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text.split() == ["user=one", "two", "three"]
+    assert final.status == "completed" and final.output_text == text
+    assert final.usage.output_tokens == 3
+    # stored before response.completed was sent: the other replica has it
+    assert fetched.status == "completed" and fetched.output_text == text
+    assert [e.type for e in raw][-1] == "response.completed"
+
+
+@pytest_twisted.ensureDeferred
+async def test_function_tools_and_their_output(cluster):
+    a, b, base_a, base_b = await two_replicas(cluster, "tools", **{"echo-tools": (
+        "backend: echo\nparameters:\n  model: echo\n"
+        "template:\n  use_tokenizer_template: true\ncapabilities: {tools: true}\n")})
+
+    def use_tools():
+        api = client(base_b)
+        called = api.responses.create(model="echo-tools", input=CALL_TEXT, tools=[WEATHER])
+        call = next(item for item in called.output if item.type == "function_call")
+        answered = api.responses.create(
+            model="echo-tools", tools=[WEATHER], previous_response_id=called.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id,
+                    "output": "sunny and warm"}])
+        with api.responses.stream(model="echo-tools", input=CALL_TEXT, tools=[WEATHER]) as s:
+            events = list(s)
+        refused = {}
+        for name, extra in (("tools", {"tools": [{"type": "web_search"}]}),
+                            ("reasoning", {"reasoning": {"effort": "high"}}),
+                            ("truncation", {"truncation": "auto"})):
+            try:
+                api.responses.create(model="echo-tools", input="x", **extra)
+            except openai.BadRequestError as e:
+                refused[name] = (e.status_code, e.code, e.param)
+        try:
+            api.responses.create(model="echo-tools", input="x", extra_body={"bogus": 1})
+        except openai.BadRequestError as e:
+            refused["bogus"] = (e.status_code, e.code, e.param)
+        return called, call, answered, events, refused
+
+    called, call, answered, events, refused = await threads.deferToThread(use_tools)
+    assert called.status == "completed"
+    assert [item.type for item in called.output] == ["message", "function_call"]
+    assert called.output[0].content[0].text == "Checking."
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_")
+    assert answered.output_text == "sunny and warm"
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == {"city": "Paris"}
+    assert kinds[-1] == "response.completed"
+    assert refused["tools"] == (400, "unsupported_parameter", "tools[0].type")
+    assert refused["reasoning"] == (400, "unsupported_parameter", "reasoning")
+    assert refused["truncation"] == (400, "unsupported_parameter", "truncation")
+    assert refused["bogus"] == (400, "unknown_parameter", "bogus")
+
+
+class City(pydantic.BaseModel):
+    name: str
+    population: int
+
+
+@pytest_twisted.ensureDeferred
+async def test_parse_into_a_pydantic_model(cluster):
+    a, b, base_a, base_b = await two_replicas(cluster, "parse", **{"echo-json": (
+        "backend: echo\nparameters:\n  model: echo\n"
+        "template:\n  use_tokenizer_template: true\ncapabilities: {grammar: true}\n")})
+
+    def parse():
+        api = client(base_a)
+        parsed = api.responses.parse(model="echo-json", text_format=City,
+                                     input='{"name": "Paris", "population": 2100000}')
+        try:
+            api.responses.parse(model="echo-json", text_format=City, input="not json")
+            bad = None
+        except openai.APIStatusError as e:
+            bad = e.status_code
+        return parsed, bad
+
+    parsed, bad = await threads.deferToThread(parse)
+    assert parsed.output_parsed == City(name="Paris", population=2100000)
+    assert parsed.text.format.type == "json_schema"
+    assert bad == 500  # the answer did not match the schema: never passed on as if it did
+
+
+@pytest_twisted.ensureDeferred
+async def test_background_cancelled_through_the_other_replica(cluster):
+    plain = "template:\n  chat_message: '{{.Content}}'\n  chat: '{{.Input}}'\n"
+    a, b, base_a, base_b = await two_replicas(cluster, "bg", **{
+        "echo-slow": ("backend: echo\nparameters:\n  model: echo\n"
+                      "options: ['echo.delay_ms:200']\n" + plain),
+        "echo-fast": "backend: echo\nparameters:\n  model: echo\n" + plain})
+
+    started = await threads.deferToThread(lambda: client(base_a).responses.create(
+        model="echo-slow", input=" ".join(["word"] * 300), background=True))
+    assert started.status == "queued" and started.background is True
+    await eventually(lambda: started.id in running(a), timeout=30,
+                     what="the background run started on replica A")
+    cancelled = await threads.deferToThread(
+        lambda: client(base_b).responses.cancel(started.id))
+    assert cancelled.status == "cancelled"
+    await eventually(lambda: started.id not in running(a), timeout=30,
+                     what="replica A's run stopped")
+    fetched = await threads.deferToThread(lambda: client(base_a).responses.retrieve(started.id))
+    assert fetched.status == "cancelled" and fetched.output == []
+
+    done = await threads.deferToThread(lambda: client(base_b).responses.create(
+        model="echo-fast", input="quick answer", background=True))
+
+    async def finished():
+        got = await threads.deferToThread(lambda: client(base_a).responses.retrieve(done.id))
+        return got if got.status == "completed" else None
+
+    got = await eventually(finished, timeout=60, what="the background response completed")
+    assert got.output_text.split() == ["quick", "answer"]
+    refused = await threads.deferToThread(_cancel_refused, base_a, got.id)
+    assert refused == (200, "completed")
+
+
+def _cancel_refused(base: str, response_id: str):
+    answer = client(base).responses.with_raw_response.cancel(response_id)
+    return answer.status_code, answer.parse().status
