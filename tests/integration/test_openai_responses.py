@@ -15,6 +15,7 @@ answers its whole prompt, or the last message with ``use_tokenizer_template``):
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -253,3 +254,29 @@ async def test_background_cancelled_through_the_other_replica(cluster):
 def _cancel_refused(base: str, response_id: str):
     answer = client(base).responses.with_raw_response.cancel(response_id)
     return answer.status_code, answer.parse().status
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_running_row_whose_run_is_gone_is_failed_when_read(cluster):
+    a, b, base_a, base_b = await two_replicas(cluster, "orphan")
+    db = a.database_service.database
+    owner = hashlib.sha256(ADMIN.encode()).hexdigest()
+    body = {"id": "", "object": "response", "status": "in_progress", "output": [],
+            "model": "echo-chat", "created_at": 1, "error": None}
+    for response_id, instance in (("resp_dead", "replica-that-left"),
+                                  ("resp_here", "replica-orphan-a")):
+        await db.runOperation(
+            "INSERT INTO responses (id, owner, model, status, background, instance_id, body,"
+            " input_items, conversation) VALUES (%s, %s, 'echo-chat', 'in_progress', true, %s,"
+            " %s, '[]', '[]')", (response_id, owner, instance,
+                                  json.dumps(dict(body, id=response_id))))
+
+    def read():
+        return [client(base_a).responses.retrieve(response_id)
+                for response_id in ("resp_dead", "resp_here")]
+
+    dead, here = await threads.deferToThread(read)
+    # a replica that is not live, and this replica with no such run (a restart under the
+    # same instance id): neither will ever finish them
+    assert dead.status == "failed" and here.status == "failed"
+    assert "stopped" in dead.error.message

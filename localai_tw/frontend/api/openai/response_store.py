@@ -42,7 +42,13 @@ MAX_OPEN_BACKGROUND_PER_OWNER = 16
 CANCEL_SUBJECT = "responses.cancel"
 
 RUNNING = ("queued", "in_progress")
-_COLUMNS = "id, owner, status, background, body, input_items, conversation"
+_COLUMNS = "id, owner, status, background, instance_id, body, input_items, conversation"
+#: A running row failed because its run can no longer finish (binds the id, then more).
+_FAIL_RUNNING = (
+    "UPDATE responses SET status = 'failed', instance_id = '', updated_at = now(),"
+    " body = body || jsonb_build_object('status', 'failed', 'error', jsonb_build_object("
+    "'code', 'server_error', 'message', 'the replica running this response stopped'))"
+    " WHERE id = %s AND status IN ('queued', 'in_progress')")
 
 
 class TooManyBackground(Exception):
@@ -53,8 +59,8 @@ class StoredResponse:
     """One row, as read by its owner."""
 
     def __init__(self, row):
-        (self.id, self.owner, self.status, self.background, self.body, self.input_items,
-         self.conversation) = row
+        (self.id, self.owner, self.status, self.background, self.instance_id, self.body,
+         self.input_items, self.conversation) = row
 
     @property
     def running(self) -> bool:
@@ -116,37 +122,42 @@ class ResponseStore:
         return bool(rows)
 
     async def finish(self, response_id: str, owner: str, model: str, previous: str | None,
-                     body: dict, input_items: list, conversation: list) -> bool:
-        """The final state of a response: inserted (a foreground one) or updated (a background
-        one still running).  False when the row was already finished (cancelled)."""
+                     body: dict, input_items: list, conversation: list, *,
+                     background: bool = False) -> bool:
+        """The final state of a response: a foreground one is inserted; a background one is
+        updated while it is still running (a cancelled or deleted one stays so).  False when
+        nothing was written."""
+        if background:
+            rows = await self._query(
+                "UPDATE responses SET status = %s, body = %s, conversation = %s,"
+                " instance_id = '', updated_at = now() WHERE id = %s AND owner = %s"
+                " AND status IN ('queued', 'in_progress') RETURNING id",
+                (body["status"], Json(body), Json(conversation), response_id, owner))
+            return bool(rows)
 
         async def write(cursor):
             await self._sweep(cursor)
             await cursor.execute(
                 "INSERT INTO responses (id, owner, model, status, previous_response_id,"
-                " instance_id, body, input_items, conversation) VALUES"
-                " (%s, %s, %s, %s, %s, '', %s, %s, %s)"
-                " ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status,"
-                " body = EXCLUDED.body, conversation = EXCLUDED.conversation,"
-                " instance_id = '', updated_at = now()"
-                " WHERE responses.owner = EXCLUDED.owner"
-                " AND responses.status IN ('queued', 'in_progress') RETURNING id",
+                " body, input_items, conversation) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                 (response_id, owner, model, body["status"], previous, Json(body),
                  Json(input_items), Json(conversation)))
-            return bool(cursor.fetchall())
+            return True
 
         return await self._interaction(write)
+
+    async def orphaned(self, response_id: str) -> None:
+        """A row this replica says it runs, with no run here (the process that ran it
+        stopped, and this one took its instance id): failed."""
+        await self._query(_FAIL_RUNNING + " AND instance_id = %s RETURNING id",
+                          (response_id, self.instance_id))
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """The owner's response, or None.  A running row whose replica is gone is failed
         first (its run can never finish)."""
-        await self._query(
-            "UPDATE responses SET status = 'failed', instance_id = '', updated_at = now(),"
-            " body = body || jsonb_build_object('status', 'failed', 'error', jsonb_build_object("
-            "'code', 'server_error', 'message', 'the replica running this response stopped'))"
-            " WHERE id = %s AND owner = %s AND status IN ('queued', 'in_progress')"
-            f" AND instance_id NOT IN ({LIVE_INSTANCE_IDS_SQL}) RETURNING id",
-            (response_id, owner, INSTANCE_LIVENESS))
+        await self._query(_FAIL_RUNNING + f" AND owner = %s AND instance_id NOT IN"
+                          f" ({LIVE_INSTANCE_IDS_SQL}) RETURNING id",
+                          (response_id, owner, INSTANCE_LIVENESS))
         rows = await self._query(f"SELECT {_COLUMNS} FROM responses WHERE id = %s AND owner = %s",
                                  (response_id, owner))
         return StoredResponse(rows[0]) if rows else None
@@ -176,6 +187,7 @@ class BackgroundRuns:
     def __init__(self, bus=None):
         self._bus = bus
         self._runs: dict[str, defer.Deferred] = {}
+        self._reserved: set[str] = set()
         self._subscribed = False
         self._subscribing = defer.DeferredLock()
 
@@ -198,10 +210,22 @@ class BackgroundRuns:
         if isinstance(payload, dict) and isinstance(payload.get("id"), str):
             self._cancel_here(payload["id"])
 
+    def reserve(self, response_id: str) -> None:
+        """Known as running here from before its row is written (:meth:`knows`)."""
+        self._reserved.add(response_id)
+
+    def unreserve(self, response_id: str) -> None:
+        self._reserved.discard(response_id)
+
+    def knows(self, response_id: str) -> bool:
+        return response_id in self._runs or response_id in self._reserved
+
     def run(self, response_id: str, work: Callable[[], Any]) -> defer.Deferred:
         """Run ``work()`` (a coroutine function) as ``response_id``'s background run."""
         d = defer.ensureDeferred(work())
-        self._runs[response_id] = d
+        if not d.called:
+            self._runs[response_id] = d
+        self._reserved.discard(response_id)
         d.addBoth(self._ended, response_id)
         return d
 

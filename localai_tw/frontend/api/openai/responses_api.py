@@ -238,7 +238,7 @@ class _Record:
             return True
         return await self.parts.store.finish(
             self.response_id, self.owner, self.model, self.ask.previous_response_id, body,
-            self.ask.input_items, self._conversation(reply))
+            self.ask.input_items, self._conversation(reply), background=self.ask.background)
 
 
 async def _background(context: Context, exchange: Exchange, turn, record: _Record,
@@ -246,12 +246,17 @@ async def _background(context: Context, exchange: Exchange, turn, record: _Recor
     parts = record.parts
     queued = dict(base, status="queued")
     await parts.runs.ready()
+    parts.runs.reserve(record.response_id)  # its row must never look orphaned here
     try:
         await record.begin(queued)
-    except TooManyBackground:
-        raise OpenAIError(429, "this key has too many queued or running background responses; "
-                          "wait for one to finish or cancel one", "rate_limit_exceeded",
-                          code="too_many_background_responses") from None
+    except BaseException as e:
+        parts.runs.unreserve(record.response_id)
+        if isinstance(e, TooManyBackground):
+            raise OpenAIError(429, "this key has too many queued or running background "
+                              "responses; wait for one to finish or cancel one",
+                              "rate_limit_exceeded",
+                              code="too_many_background_responses") from None
+        raise
 
     async def run() -> None:
         if not await parts.store.started(record.response_id, base):
@@ -482,10 +487,24 @@ async def _retrieve(parts: ResponsesParts, request, exchange: Exchange, response
     if query.get("include"):
         raise invalid("'include' is not supported here", "include",
                       code="unsupported_parameter")
-    row = await parts.store.get(response_id, parts.owner(request))
+    row = await _read(parts, request, response_id)
+    exchange.send_json(200, row.body, usage={})
+
+
+async def _read(parts: ResponsesParts, request, response_id: str):
+    """The caller's response; one this replica should be running but is not (the process
+    that ran it stopped, this one has its instance id) is failed first."""
+    owner = parts.owner(request)
+    row = await parts.store.get(response_id, owner)
     if row is None:
         raise _not_found(response_id)
-    exchange.send_json(200, row.body, usage={})
+    if row.running and row.instance_id == parts.store.instance_id \
+            and not parts.runs.knows(response_id):
+        await parts.store.orphaned(response_id)
+        row = await parts.store.get(response_id, owner)
+        if row is None:
+            raise _not_found(response_id)
+    return row
 
 
 async def _delete(parts: ResponsesParts, request, exchange: Exchange, response_id: str):
@@ -527,9 +546,7 @@ async def _input_items(parts: ResponsesParts, request, exchange: Exchange, respo
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid("'order' must be 'asc' or 'desc'", "order", code="invalid_value")
-    row = await parts.store.get(response_id, parts.owner(request))
-    if row is None:
-        raise _not_found(response_id)
+    row = await _read(parts, request, response_id)
     items = list(row.input_items)
     if order == "desc":
         items.reverse()
