@@ -224,3 +224,42 @@ def test_an_openai_error_is_what_the_module_raises():
     with pytest.raises(OpenAIError) as raised:
         read_request(Fields({"model": "m"}))
     assert raised.value.param == "input"
+
+
+# -- background runs -----------------------------------------------------------------------------
+
+
+def test_a_cancelled_run_fails_with_cancelled_error_whatever_its_work_raises():
+    """A txpostgres query cancelled mid-way raises from ``cancel()`` (``_CancelInProgress``)
+    and ends the work with that error inside the cancel: the run still reads as cancelled, so
+    the claim consumer treats it as stopped, not as a failed response."""
+    from twisted.internet import defer
+
+    from localai_tw.frontend.api.openai.response_store import BackgroundRuns
+
+    class Refuses(Exception):
+        pass
+
+    def refuse(_):
+        raise Refuses()
+
+    query = defer.Deferred(refuse)
+
+    async def work():
+        return await query
+
+    runs = BackgroundRuns()
+    outcome = runs.run("resp_1", work)
+    assert runs.running() == ["resp_1"]
+    outcome.cancel()
+    failures = []
+    outcome.addErrback(failures.append)
+    assert failures[0].check(defer.CancelledError)
+    assert runs.running() == [] and not runs.was_cancelled("resp_1")
+
+    finished = runs.run("resp_2", lambda: defer.ensureDeferred(_value()))
+    assert finished.result == "done"
+
+
+async def _value():
+    return "done"

@@ -17,10 +17,14 @@ CREATE TABLE responses (
         CHECK (status IN ('queued', 'in_progress', 'completed', 'incomplete', 'failed',
                           'cancelled')),
     previous_response_id varchar(64)  NULL,
+    -- A background response is driven by a work_claims row (kind 'response', payload the
+    -- response id) that any live replica claims; a claim of a replica that stops being live
+    -- is reaped and the response runs again elsewhere.
     background           boolean      NOT NULL DEFAULT false,
-    -- The replica running a queued or in_progress response (a background one is run by the
-    -- replica that accepted it); a running row whose replica is no longer live is failed.
+    -- The replica running it now ('' when none), for diagnostics.
     instance_id          text         NOT NULL DEFAULT '',
+    -- The chat request a background run prepares (NULL for a foreground response).
+    chat_request         jsonb        NULL,
     -- The response object as the API answers it (status, output, usage ...).
     body                 jsonb        NOT NULL,
     -- This response's own input items, as GET /v1/responses/{id}/input_items lists them.

@@ -165,9 +165,8 @@ class Wiring:
         return OpenAIResource(self.replica.inference, api_keys=self.api_keys,
                               reactor=self.reactor, node_names=self.replica.node_name,
                               metrics=self.replica.metrics, generated=self.generated,
-                              responses=ResponsesParts.of(self.replica.db,
-                                                          self.replica.instance_id,
-                                                          self.replica.bus, self.api_keys))
+                              responses=ResponsesParts.of(self.replica.responses,
+                                                          self.api_keys))
 
     @functools.cached_property
     def unprefixed(self) -> Resource:

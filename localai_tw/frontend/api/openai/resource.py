@@ -225,11 +225,6 @@ class OpenAIResource(Resource):
     def router(self) -> IInferenceRouter:
         return self._context.router
 
-    def responses(self):
-        """The Responses API's store and background runs (``responses_api.ResponsesParts``),
-        or None."""
-        return self._context.responses
-
     async def _dispatch(self, request, exchange: Exchange, segments: list[bytes] | None) -> None:
         self.guard(request)
         method = request.method.upper()

@@ -7,12 +7,19 @@ load balancer picks, and the database is the only thing every replica shares.  A
 the key that created it (``owner``, the key's sha256 in hex, never the key): every read, cancel
 and delete is ``WHERE id = %s AND owner = %s``, so another key's response is a 404.
 
+A background response is written with its claim (a ``work_claims`` row of kind
+:data:`CLAIM_KIND`, in the same transaction), so it is never recorded without the claim that
+will run it; any live replica's consumer claims it, and the claim of a replica that stops
+being live moves on, so the response runs again elsewhere (``responses_api.run_claimed``).
+This room may not import the claim queue: the composition root hands its ``enqueue``
+statement and ``wake`` in.
+
 Bounded: rows older than :data:`RETENTION_DAYS` are deleted, :data:`SWEEP_BATCH` at a time,
 whenever a response is stored; one key has at most :data:`MAX_OPEN_BACKGROUND_PER_OWNER`
 queued or running background responses; a row's size is bounded by the request body cap and
-the chat API's message cap (checked by the caller).  A finished row never changes again: the
-final write is fenced on ``status IN ('queued', 'in_progress')``, so a cancel wins over a run
-that ends after it.  A running row whose replica is no longer live is failed when it is read.
+the chat API's message cap (checked by the caller).  A finished row never changes again: a
+run's final write is fenced on ``status IN ('queued', 'in_progress')``, so a cancel (or a
+delete) wins over a run that ends after it.
 
 What this module must never do: return a row to a key that is not its owner, store a key,
 block the reactor, or cancel a statement mid-way (every statement is shielded).
@@ -27,7 +34,6 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from localai_tw.cluster.clock import INSTANCE_LIVENESS, LIVE_INSTANCE_IDS_SQL
 from localai_tw.deferreds import shielded
 
 log = Logger()
@@ -38,17 +44,21 @@ RETENTION_DAYS = 30
 SWEEP_BATCH = 100
 #: Queued or running background responses one key may have at once; more are refused (429).
 MAX_OPEN_BACKGROUND_PER_OWNER = 16
+#: Background responses one replica runs at once (its consumer's slots).
+BACKGROUND_SLOTS = 4
+#: The claim kind that drives background responses (``work_claims.kind``).
+CLAIM_KIND = "response"
 #: The bus subject of a cancel: ``{"id": ...}``, heard by every replica.
 CANCEL_SUBJECT = "responses.cancel"
 
 RUNNING = ("queued", "in_progress")
-_COLUMNS = "id, owner, status, background, instance_id, body, input_items, conversation"
-#: A running row failed because its run can no longer finish (binds the id, then more).
-_FAIL_RUNNING = (
-    "UPDATE responses SET status = 'failed', instance_id = '', updated_at = now(),"
-    " body = body || jsonb_build_object('status', 'failed', 'error', jsonb_build_object("
-    "'code', 'server_error', 'message', 'the replica running this response stopped'))"
-    " WHERE id = %s AND status IN ('queued', 'in_progress')")
+_COLUMNS = ("id, owner, status, background, instance_id, body, input_items, conversation,"
+            " chat_request")
+
+
+def claim_id(response_id: str) -> str:
+    """The claim's id (at most 36 characters): the response id without ``resp_``."""
+    return response_id[-32:]
 
 
 class TooManyBackground(Exception):
@@ -56,11 +66,11 @@ class TooManyBackground(Exception):
 
 
 class StoredResponse:
-    """One row, as read by its owner."""
+    """One row."""
 
     def __init__(self, row):
         (self.id, self.owner, self.status, self.background, self.instance_id, self.body,
-         self.input_items, self.conversation) = row
+         self.input_items, self.conversation, self.chat_request) = row
 
     @property
     def running(self) -> bool:
@@ -72,11 +82,20 @@ class ResponseStore:
 
     :param db: the replica's txpostgres pool.
     :param instance_id: this replica's id (recorded on the rows it runs).
+    :param enqueue: ``enqueue(kind, payload, work_id) -> (sql, params)``, the claim queue's
+        INSERT (``bus.claims.enqueue_statement``); None: background responses are refused.
+    :param wake: ``wake(kind)``, the claim queue's wake hint (a Deferred), or None.
     """
 
-    def __init__(self, db, instance_id: str = ""):
+    def __init__(self, db, instance_id: str = "", *, enqueue=None, wake=None):
         self.db = db
         self.instance_id = instance_id
+        self._enqueue = enqueue
+        self._wake = wake
+
+    @property
+    def runs_background(self) -> bool:
+        return self._enqueue is not None
 
     def _query(self, sql: str, params=None):
         return shielded(self.db.runQuery(sql, params))
@@ -84,11 +103,19 @@ class ResponseStore:
     def _interaction(self, work):
         return shielded(self.db.runInteraction(work))
 
+    async def _sweep(self, cursor) -> None:
+        await cursor.execute(
+            "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE created_at <"
+            " now() - %s * interval '1 day' ORDER BY created_at LIMIT %s)",
+            (RETENTION_DAYS, SWEEP_BATCH))
+
     async def begin(self, response_id: str, owner: str, model: str, previous: str | None,
-                    body: dict, input_items: list, conversation: list) -> None:
-        """Record a background response as ``queued`` before it runs (run by this replica).
+                    body: dict, input_items: list, conversation: list,
+                    chat_request: dict) -> None:
+        """Record a background response as ``queued`` with the claim that will run it.
 
         :raises TooManyBackground: the owner has too many open background responses."""
+        claim = self._enqueue(CLAIM_KIND, response_id.encode("ascii"), claim_id(response_id))
 
         async def write(cursor):
             await cursor.execute("SELECT pg_advisory_xact_lock(hashtext('responses:' || %s))",
@@ -101,39 +128,22 @@ class ResponseStore:
             await self._sweep(cursor)
             await cursor.execute(
                 "INSERT INTO responses (id, owner, model, status, previous_response_id,"
-                " background, instance_id, body, input_items, conversation) VALUES"
+                " background, body, input_items, conversation, chat_request) VALUES"
                 " (%s, %s, %s, 'queued', %s, true, %s, %s, %s, %s)",
-                (response_id, owner, model, previous, self.instance_id, Json(body),
-                 Json(input_items), Json(conversation)))
+                (response_id, owner, model, previous, Json(body), Json(input_items),
+                 Json(conversation), Json(chat_request)))
+            await cursor.execute(*claim)
 
         await self._interaction(write)
+        if self._wake is not None:
+            try:
+                await self._wake(CLAIM_KIND)
+            except Exception:  # a hint only: the consumers' poll finds the claim
+                log.failure("waking the response consumers failed")
 
-    async def _sweep(self, cursor) -> None:
-        await cursor.execute(
-            "DELETE FROM responses WHERE id IN (SELECT id FROM responses WHERE created_at <"
-            " now() - %s * interval '1 day' ORDER BY created_at LIMIT %s)",
-            (RETENTION_DAYS, SWEEP_BATCH))
-
-    async def started(self, response_id: str, body: dict) -> bool:
-        """queued -> in_progress; False when it was cancelled meanwhile."""
-        rows = await self._query(
-            "UPDATE responses SET status = 'in_progress', body = %s, updated_at = now()"
-            " WHERE id = %s AND status = 'queued' RETURNING id", (Json(body), response_id))
-        return bool(rows)
-
-    async def finish(self, response_id: str, owner: str, model: str, previous: str | None,
-                     body: dict, input_items: list, conversation: list, *,
-                     background: bool = False) -> bool:
-        """The final state of a response: a foreground one is inserted; a background one is
-        updated while it is still running (a cancelled or deleted one stays so).  False when
-        nothing was written."""
-        if background:
-            rows = await self._query(
-                "UPDATE responses SET status = %s, body = %s, conversation = %s,"
-                " instance_id = '', updated_at = now() WHERE id = %s AND owner = %s"
-                " AND status IN ('queued', 'in_progress') RETURNING id",
-                (body["status"], Json(body), Json(conversation), response_id, owner))
-            return bool(rows)
+    async def insert(self, response_id: str, owner: str, model: str, previous: str | None,
+                     body: dict, input_items: list, conversation: list) -> None:
+        """Store a finished foreground response."""
 
         async def write(cursor):
             await self._sweep(cursor)
@@ -142,22 +152,51 @@ class ResponseStore:
                 " body, input_items, conversation) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                 (response_id, owner, model, body["status"], previous, Json(body),
                  Json(input_items), Json(conversation)))
-            return True
 
-        return await self._interaction(write)
+        await self._interaction(write)
 
-    async def orphaned(self, response_id: str) -> None:
-        """A row this replica says it runs, with no run here (the process that ran it
-        stopped, and this one took its instance id): failed."""
-        await self._query(_FAIL_RUNNING + " AND instance_id = %s RETURNING id",
-                          (response_id, self.instance_id))
+    # -- a background run ----------------------------------------------------------------------
+
+    async def for_run(self, response_id: str) -> StoredResponse | None:
+        """The row a claim names (whoever owns it: the run is the owner's request)."""
+        rows = await self._query(f"SELECT {_COLUMNS} FROM responses WHERE id = %s",
+                                 (response_id,))
+        return StoredResponse(rows[0]) if rows else None
+
+    async def started(self, response_id: str, body: dict) -> bool:
+        """-> in_progress here (again, after another replica's claim moved on); False when it
+        finished meanwhile (cancelled, deleted)."""
+        rows = await self._query(
+            "UPDATE responses SET status = 'in_progress', instance_id = %s, body = %s,"
+            " updated_at = now() WHERE id = %s AND status IN ('queued', 'in_progress')"
+            " RETURNING id", (self.instance_id, Json(body), response_id))
+        return bool(rows)
+
+    async def finish(self, response_id: str, body: dict, conversation: list | None) -> bool:
+        """A run's final state, while the row is still running (a cancelled or deleted
+        response stays so).  False when nothing was written."""
+        rows = await self._query(
+            "UPDATE responses SET status = %s, body = %s,"
+            " conversation = COALESCE(%s, conversation), instance_id = '', updated_at = now()"
+            " WHERE id = %s AND status IN ('queued', 'in_progress') RETURNING id",
+            (body["status"], Json(body), Json(conversation) if conversation is not None
+             else None, response_id))
+        return bool(rows)
+
+    async def exhausted(self, claim) -> None:
+        """The claim queue gave up on a response (its run kept failing): failed."""
+        response_id = claim.payload.decode("ascii", "replace")
+        await self._query(
+            "UPDATE responses SET status = 'failed', instance_id = '', updated_at = now(),"
+            " body = body || jsonb_build_object('status', 'failed', 'error', jsonb_build_object("
+            "'code', 'server_error', 'message', 'this response could not be run; see the"
+            " frontend log')) WHERE id = %s AND status IN ('queued', 'in_progress')"
+            " RETURNING id", (response_id,))
+
+    # -- the owner's requests ------------------------------------------------------------------
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
-        """The owner's response, or None.  A running row whose replica is gone is failed
-        first (its run can never finish)."""
-        await self._query(_FAIL_RUNNING + f" AND owner = %s AND instance_id NOT IN"
-                          f" ({LIVE_INSTANCE_IDS_SQL}) RETURNING id",
-                          (response_id, owner, INSTANCE_LIVENESS))
+        """The owner's response, or None."""
         rows = await self._query(f"SELECT {_COLUMNS} FROM responses WHERE id = %s AND owner = %s",
                                  (response_id, owner))
         return StoredResponse(rows[0]) if rows else None
@@ -181,19 +220,19 @@ class ResponseStore:
 class BackgroundRuns:
     """The background responses this replica runs, and their cancel from any replica.
 
-    :param bus: the replica's ``PgBus`` (None: cancels reach this replica's runs only).
+    :param bus: the replica's ``PgBus`` (None: cancels reach this replica's runs only; the
+        row is cancelled anyway and the run's final write is fenced).
     """
 
     def __init__(self, bus=None):
         self._bus = bus
         self._runs: dict[str, defer.Deferred] = {}
-        self._reserved: set[str] = set()
+        self._cancelled: set[str] = set()
         self._subscribed = False
         self._subscribing = defer.DeferredLock()
 
     async def ready(self) -> None:
-        """Listen for cancels before the first run starts (once).  Without the bus a cancel
-        still marks the row (and the run's final write is fenced): only the work goes on."""
+        """Listen for cancels (once) before a run starts."""
         if self._bus is None or self._subscribed:
             return
         await self._subscribing.acquire()
@@ -210,35 +249,53 @@ class BackgroundRuns:
         if isinstance(payload, dict) and isinstance(payload.get("id"), str):
             self._cancel_here(payload["id"])
 
-    def reserve(self, response_id: str) -> None:
-        """Known as running here from before its row is written (:meth:`knows`)."""
-        self._reserved.add(response_id)
-
-    def unreserve(self, response_id: str) -> None:
-        self._reserved.discard(response_id)
-
-    def knows(self, response_id: str) -> bool:
-        return response_id in self._runs or response_id in self._reserved
-
     def run(self, response_id: str, work: Callable[[], Any]) -> defer.Deferred:
-        """Run ``work()`` (a coroutine function) as ``response_id``'s background run."""
-        d = defer.ensureDeferred(work())
-        if not d.called:
-            self._runs[response_id] = d
-        self._reserved.discard(response_id)
-        d.addBoth(self._ended, response_id)
-        return d
+        """Run ``work()`` (a coroutine function) as ``response_id``'s run: a Deferred of its
+        result.  Cancelling that Deferred (a cancel of the response, :meth:`was_cancelled`
+        then says so; or the consumer, when this replica stops) fails it with
+        ``CancelledError`` at once, whatever the work raises while it stops (a statement
+        cancelled mid-way raises something else)."""
+        self._cancelled.discard(response_id)
+        work_done = defer.ensureDeferred(work())
+        stopping: list[bool] = []
 
-    def _ended(self, result, response_id: str):
-        self._runs.pop(response_id, None)
-        if isinstance(result, Failure) and not result.check(defer.CancelledError):
-            log.failure("background response {id} failed", result, id=response_id)
-        return None
+        def stop(_):
+            stopping.append(True)  # before: the work may end inside its own cancel
+            try:
+                work_done.cancel()
+            except Exception:  # a txpostgres query cancelled mid-way raises from cancel()
+                log.debug("cancelling the run of {id} raised", id=response_id)
+
+        result = defer.Deferred(stop)  # fails with CancelledError once stop() returns
+
+        def settle(outcome):
+            self._runs.pop(response_id, None)
+            if stopping:
+                if isinstance(outcome, Failure):
+                    log.debug("the cancelled run of {id} ended: {f}", id=response_id,
+                              f=outcome.getErrorMessage())
+                return None
+            result.callback(outcome)
+            return None
+
+        if not work_done.called:
+            self._runs[response_id] = result
+        work_done.addBoth(settle)
+        return result
+
+    def was_cancelled(self, response_id: str) -> bool:
+        """Whether the run of ``response_id`` ended because the response was cancelled (not
+        because the replica stops)."""
+        return response_id in self._cancelled
+
+    def forget(self, response_id: str) -> None:
+        self._cancelled.discard(response_id)
 
     def _cancel_here(self, response_id: str) -> bool:
         d = self._runs.get(response_id)
         if d is None:
             return False
+        self._cancelled.add(response_id)
         d.cancel()
         return True
 
@@ -253,4 +310,3 @@ class BackgroundRuns:
 
     def running(self) -> list[str]:
         return sorted(self._runs)
-

@@ -11,9 +11,11 @@ object, or, streamed, as the typed event sequence (``response.created``, ...,
 Stored responses (``store``, the default) are rows of ``responses`` (:mod:`.response_store`),
 so any replica answers ``GET`` and continues a conversation by ``previous_response_id``; a
 stored streamed response is written before its ``response.completed`` event, so a client that
-saw it can continue at once on any replica.  ``background: true`` answers ``queued`` at once
-and runs on the replica that accepted it; a cancel through any replica marks the row and
-reaches the run over the bus.  Every row belongs to the key that created it.
+saw it can continue at once on any replica.  ``background: true`` answers ``queued`` at once;
+the response is written with a claim on the cluster's claim queue, which any replica's consumer
+takes (:func:`run_claimed`), and which moves on to another replica if the one running it stops;
+a cancel through any replica marks the row and reaches the run over the bus.  Every row belongs
+to the key that created it.
 
 What this module must never do: run a turn any other way than through :mod:`.turn`, read or
 change a response of another key, or answer a field it did not honour as if it had.
@@ -26,6 +28,7 @@ from typing import Any, Callable
 
 from twisted.internet import defer
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from localai_tw.web import auth
 
@@ -64,6 +67,16 @@ MAX_PAGE = 100
 
 
 @dataclass
+class ReplicaResponses:
+    """A replica's side of the Responses API (built by the composition root): the store,
+    the background runs here, and the claim consumer that runs them (a service)."""
+
+    store: ResponseStore
+    runs: BackgroundRuns
+    consumer: Any = None
+
+
+@dataclass
 class ResponsesParts:
     """What the Responses API needs beyond the router: the store, this replica's background
     runs, and who is asking (``owner(request)``: the key's sha256 in hex, '' with no key
@@ -74,14 +87,17 @@ class ResponsesParts:
     owner: Callable[[Any], str]
 
     @classmethod
-    def of(cls, db, instance_id: str, bus, api_keys) -> "ResponsesParts":
+    def of(cls, replica: ReplicaResponses | None, api_keys) -> "ResponsesParts | None":
+        if replica is None:
+            return None
+
         def owner(request) -> str:
             if api_keys is None or not api_keys.configured:
                 return ""
             presented = bearer_token(request)
             return auth.digest(presented).hex() if presented else ""
 
-        return cls(ResponseStore(db, instance_id), BackgroundRuns(bus), owner)
+        return cls(replica.store, replica.runs, owner)
 
 
 def _parts(context: Context) -> ResponsesParts | None:
@@ -231,49 +247,78 @@ class _Record:
     async def begin(self, body: dict) -> None:
         await self.parts.store.begin(self.response_id, self.owner, self.model,
                                      self.ask.previous_response_id, body,
-                                     self.ask.input_items, self._conversation(None))
+                                     self.ask.input_items, self._conversation(None),
+                                     self.ask.chat)
 
-    async def save(self, body: dict, reply: dict | None) -> bool:
-        if not self.stored:
-            return True
-        return await self.parts.store.finish(
-            self.response_id, self.owner, self.model, self.ask.previous_response_id, body,
-            self.ask.input_items, self._conversation(reply), background=self.ask.background)
+    async def save(self, body: dict, reply: dict | None) -> None:
+        """Store a finished foreground response (when it is to be stored)."""
+        if self.stored:
+            await self.parts.store.insert(
+                self.response_id, self.owner, self.model, self.ask.previous_response_id, body,
+                self.ask.input_items, self._conversation(reply))
 
 
 async def _background(context: Context, exchange: Exchange, turn, record: _Record,
                       base: dict) -> None:
-    parts = record.parts
+    """Record the response and its claim; any replica's consumer runs it
+    (:func:`run_claimed`).  The turn was prepared here only to refuse a bad request now."""
+    if not record.parts.store.runs_background:
+        raise invalid("this server runs no background responses", "background",
+                      code="unsupported_parameter")
     queued = dict(base, status="queued")
-    await parts.runs.ready()
-    parts.runs.reserve(record.response_id)  # its row must never look orphaned here
     try:
         await record.begin(queued)
-    except BaseException as e:
-        parts.runs.unreserve(record.response_id)
-        if isinstance(e, TooManyBackground):
-            raise OpenAIError(429, "this key has too many queued or running background "
-                              "responses; wait for one to finish or cancel one",
-                              "rate_limit_exceeded",
-                              code="too_many_background_responses") from None
-        raise
-
-    async def run() -> None:
-        if not await parts.store.started(record.response_id, base):
-            return  # cancelled while queued
-        try:
-            answer = await complete_turn(context, exchange, turn)
-        except defer.CancelledError:
-            return  # the row says cancelled already
-        except Exception as e:
-            await record.save(failed_body(base, error_for(e)), None)
-            return
-        await record.save(finished(base, answer_output(answer), answer.finish_reason,
-                                   answer.usage.body()),
-                          assistant_message(answer.content, answer.calls))
-
-    parts.runs.run(record.response_id, run)
+    except TooManyBackground:
+        raise OpenAIError(429, "this key has too many queued or running background responses; "
+                          "wait for one to finish or cancel one", "rate_limit_exceeded",
+                          code="too_many_background_responses") from None
     exchange.send_json(200, queued)
+
+
+class _NoClient:
+    """The request of a background run: no client waits on it."""
+
+    def notifyFinish(self) -> defer.Deferred:
+        return defer.Deferred()
+
+
+async def run_claimed(store: ResponseStore, runs: BackgroundRuns, context: Context,
+                      claim) -> None:
+    """The claim consumer's handler: run one background response on this replica.
+
+    Returns (the claim is completed) when the response finished, failed, was cancelled or is
+    gone; raises ``CancelledError`` when this replica stops or lost the claim, so the claim
+    moves on and another replica runs the response again."""
+    response_id = claim.payload.decode("ascii", "replace")
+    row = await store.for_run(response_id)
+    if row is None or not row.running or row.chat_request is None:
+        return
+    await runs.ready()
+    base = dict(row.body, status="in_progress")
+    if not await store.started(response_id, base):
+        return
+    exchange = Exchange(_NoClient())
+
+    async def work() -> Answer:
+        turn = await prepare_turn(context, Fields(row.chat_request), exchange)
+        return await complete_turn(context, exchange, turn)
+
+    try:
+        answer = await runs.run(response_id, work)
+    except defer.CancelledError:
+        if runs.was_cancelled(response_id):
+            runs.forget(response_id)
+            return  # the row says cancelled already
+        raise
+    except Exception as e:
+        error = error_for(e)
+        if error.code == "internal_error":
+            log.failure("background response {id} failed", Failure(e), id=response_id)
+        await store.finish(response_id, failed_body(base, error), None)
+        return
+    final = finished(base, answer_output(answer), answer.finish_reason, answer.usage.body())
+    await store.finish(response_id, final, list(row.conversation) + [
+        assistant_message(answer.content, answer.calls)])
 
 
 # -- the stream ----------------------------------------------------------------------------------
@@ -403,9 +448,7 @@ class _ResponseStream(SSEStream):
             super().close()
             return
 
-        def send_last(stored):
-            if stored is False:  # finished elsewhere meanwhile (cannot happen unless deleted)
-                log.info("response {id} was not stored", id=self.events.record.response_id)
+        def send_last(_):
             for payload in self.events.last:
                 if not self.gone:
                     self.send(payload)
@@ -492,18 +535,9 @@ async def _retrieve(parts: ResponsesParts, request, exchange: Exchange, response
 
 
 async def _read(parts: ResponsesParts, request, response_id: str):
-    """The caller's response; one this replica should be running but is not (the process
-    that ran it stopped, this one has its instance id) is failed first."""
-    owner = parts.owner(request)
-    row = await parts.store.get(response_id, owner)
+    row = await parts.store.get(response_id, parts.owner(request))
     if row is None:
         raise _not_found(response_id)
-    if row.running and row.instance_id == parts.store.instance_id \
-            and not parts.runs.knows(response_id):
-        await parts.store.orphaned(response_id)
-        row = await parts.store.get(response_id, owner)
-        if row is None:
-            raise _not_found(response_id)
     return row
 
 
