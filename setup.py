@@ -58,6 +58,11 @@ setup(
             "hypothesis>=6.100,<7",
             "grpcio-tools>=1.85.1,<2",
             "openai>=1.50,<4",
+            # Ollama's own client drives /api/chat ... (tests/integration/test_ollama_client.py);
+            # 0.6.3 tested.
+            "ollama>=0.4,<1",
+            # tests/integration/test_anthropic_client.py (2.16.0 tested).
+            "anthropic>=2.16,<3",
             "pytest-timeout>=2.3,<3",
             # The dashboard's browser tests drive Debian's chromium-driver (.ci/install-browser).
             "selenium>=4.20,<5",

@@ -47,6 +47,10 @@ ENDPOINTS = {
     (b"tts",): "speech",  # LocalAI's /tts (mounted at the root; the same endpoint)
     (b"audio", b"transcriptions"): "transcriptions",
     (b"images", b"generations"): "images",
+    # Ollama's API (/api/<name>; frontend/api/ollama)
+    **{(b"ollama", name): "ollama_" + name.decode() for name in (
+        b"chat", b"generate", b"embed", b"embeddings", b"show", b"tags", b"ps", b"version")},
+    (b"messages",): "messages",  # the Anthropic Messages API (/v1/messages and /messages)
 }
 
 #: A client that left before its answer was complete (nginx's code for it).
@@ -235,10 +239,13 @@ class RequestRecord:
             self.first_reply = time.monotonic()
 
     def usage(self, usage: dict | None) -> None:
-        """Take the token counts of an OpenAI ``usage`` object (the last one wins)."""
+        """Take the token counts of an OpenAI ``usage`` object, or an Anthropic one
+        (``input_tokens``, ``output_tokens``); the last one wins."""
         if isinstance(usage, dict):
-            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            self.prompt_tokens = int(usage.get("prompt_tokens")
+                                     or usage.get("input_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens")
+                                         or usage.get("output_tokens") or 0)
 
     def failed(self, cause: BaseException | None) -> None:
         self.cause = cause

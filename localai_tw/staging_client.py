@@ -3,7 +3,9 @@
 The frontend uses this to stage model files over a worker's ``http`` stream (see
 ``localai_tw/worker/staging.py`` for the server side and ``docs/control-plane.md`` for the
 protocol).  The file is hashed off the reactor thread, a ``HEAD`` skips files the worker already
-holds with the same digest, and the body is streamed from disk with ``FileBodyProducer``.
+holds with the same digest under the key, a ``POST /v1/files-link/`` links a file it holds with
+that digest under another key (another model naming the same file), and only then is the body
+streamed from disk with ``FileBodyProducer``.
 
 It lives outside ``worker/`` because frontends import it and nothing but the plugins may import
 from ``worker``.  What it must never do: read a whole file into memory, hash on the reactor
@@ -253,6 +255,25 @@ async def _upload_file(client, base_url, key, path, progress_cb, node_id, token,
         await _bounded_body(head)
     else:
         raise await _answer_error(node_id, f"HEAD {key}", head)
+
+    # The worker may hold the same bytes under another key (another model naming the file):
+    # then it links them under this key and nothing crosses the tunnel.  A worker without
+    # a content store (or an older one) answers 404 and the file is uploaded.
+    link_url = base_url.rstrip("/") + "/v1/files-link/" + quote(key, safe="/")
+    linked = await client.post(link_url, headers={**headers, "X-Content-SHA256": digest,
+                                                  "X-File-Size": str(size)})
+    linked_body = await _bounded_body(linked)
+    if linked.code == 200:
+        if progress_cb is not None:
+            progress_cb(size, size)
+        watch = STAGING_WATCH.get()
+        if watch is not None:
+            watch.skipped(size)
+        try:
+            local_path = json.loads(linked_body).get("local_path")
+        except (ValueError, AttributeError):
+            local_path = None
+        return StagedFile(key, size, digest, True, local_path)
 
     put_headers = dict(headers)
     put_headers["X-Content-SHA256"] = digest

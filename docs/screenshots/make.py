@@ -7,7 +7,7 @@ backend, in this process, on a new database of the PostgreSQL at ``$LOCALAI_TEST
 end), plus a model config that fails to load; then headless Chromium (``.ci/install-browser``)
 opens the dashboard, types the API key, runs a chat in the playground, starts a slow cold
 load (shown in progress) and one held at the end of its staging (its bytes shown) and saves the
-PNGs.
+PNGs; then it holds a two-turn conversation on the chat page (``chat.png``).
 
     python docs/screenshots/make.py
 """
@@ -137,10 +137,36 @@ async def shoot(dsn: str, base_dir: str) -> None:
         await browser.wait_for(
             lambda d: d.find_element("css selector", "#loads").text == "none", timeout=60,
             what="the slow load finished")
+        await shoot_chat(browser, cluster.base_url(frontend))
     finally:
         if browser is not None:
             await browser.stop()
         await cluster.close()
+
+
+async def shoot_chat(browser, base: str) -> None:
+    """The chat page (the key is the tab's already): a system prompt and two turns."""
+    await browser.call(lambda d: (d.set_window_size(1100, 900),
+                                  d.get(base + "/dashboard/chat.html")))
+    await browser.wait_for(
+        lambda d: d.find_elements("css selector", '#chat-model option[value="echo-chat"]'),
+        what="the model in the picker")
+
+    def system(driver):
+        driver.find_element("css selector", "#chat-system-box summary").click()
+        driver.find_element("css selector", "#chat-system").send_keys("You repeat what you read.")
+    await browser.call(system)
+    for turn, text in enumerate(("hello, what can you do?", "say it again"), start=1):
+        def ask(driver, text=text):
+            driver.find_element("css selector", "#chat-input").send_keys(text)
+            driver.find_element("css selector", "#chat-send").click()
+        await browser.call(ask)
+        await browser.wait_for(
+            lambda d, turn=turn: len(d.find_elements(
+                "css selector", '#chat-log .msg[data-role="assistant"]')) == turn and
+            d.find_element("css selector", "#chat-status").text.startswith("finished"),
+            timeout=60, what=f"answer {turn}")
+    await browser.call(lambda d: d.save_screenshot(os.path.join(HERE, "chat.png")))
 
 
 def main(reactor) -> defer.Deferred:
@@ -157,7 +183,7 @@ def main(reactor) -> defer.Deferred:
     def drop(result):
         admin(admin_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         shutil.rmtree(base_dir, ignore_errors=True)
-        print("saved", ", ".join(f"{s}.png" for s in SECTIONS + ("dashboard",)), "in", HERE)
+        print("saved", ", ".join(f"{s}.png" for s in SECTIONS + ("dashboard", "chat")), "in", HERE)
         return result
     return defer.ensureDeferred(shoot(dsn, base_dir)).addBoth(drop)
 

@@ -50,7 +50,8 @@ placement fan-out and the bus; tunnels (releasing their claims), peer links, wor
 
 The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
 ``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
-``/healthz``, ``/readyz``, ``/api/node/register``, ``/api/node/{id}/heartbeat``,
+``/healthz``, ``/readyz``, ``/version``, ``/.well-known/localai.json``, ``/api/features`` and
+``/system`` (``frontend/api/discovery.py``), ``/api/node/register``, ``/api/node/{id}/heartbeat``,
 ``/api/nodes...`` (with ``/api/nodes/scheduling``, the pinning API) and
 ``/api/cluster/instances``, ``/api/cluster/loads``, ``/api/traces`` (``frontend/api/traces.py``) and ``/metrics`` (admin, ``--api-key``; ``docs/metrics.md``),
 ``/backend/shutdown`` and ``/backend/load`` (admin, ``frontend/api/lifecycle.py``),

@@ -12,6 +12,11 @@ Server side (mounted in the worker's site next to the control plane):
   when it still matches the file's size and mtime, else hashed in a thread) so the frontend can
   skip uploads that are already present.
 - ``GET /v1/files-progress/{key}`` reports an upload in progress: bytes received and total.
+- ``POST /v1/files-link/{key}`` with ``X-Content-SHA256`` and ``X-File-Size``: when the
+  worker's content store (``localai_tw/worker/blobs.py``) holds a file of that digest, it is
+  linked under ``key`` (200, nothing transferred), else 404 and the frontend uploads it.
+  Uploads under ``models/`` are kept there once verified, so a file is one copy on disk
+  however many models name it.
 
 - ``GET /v1/files/scratch/<id>/<name>`` streams back a file a backend wrote in a scratch
   directory (``localai_tw/worker/scratch.py``); nothing else under ``/v1/files/`` is readable.
@@ -64,6 +69,7 @@ from localai_tw.staging_client import (  # noqa: F401 -- the client half and the
     sha256_of_file,
     upload_file,
 )
+from localai_tw.contentstore import STORE_DIR, ContentStore
 from localai_tw.worker.control import ControlAuth, write_json, write_problem
 from localai_tw.worker.scratch import SCRATCH, check_scratch_key, is_scratch_key
 from localai_tw.worker.httpserve import (
@@ -78,6 +84,7 @@ log = Logger()
 
 FILES_PREFIX = b"/v1/files/"
 PROGRESS_PREFIX = b"/v1/files-progress/"
+LINK_PREFIX = b"/v1/files-link/"
 #: Default cap of one upload.  Configurable per worker.
 DEFAULT_MAX_UPLOAD_BYTES = 256 * 1024**3
 _HEX_SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -130,6 +137,8 @@ class StagingRoots:
         root, rest = self.root_and_rest(key)
         if not rest:
             raise BadStagingKey("key names a root directory, not a file")
+        if root == self.models_dir and rest.split("/", 1)[0] == STORE_DIR:
+            raise BadStagingKey(f"models/{STORE_DIR} is the worker's content store")
         real_root = real_path_of(root)
         real_path = real_path_of(os.path.join(real_root, rest))
         if real_path == real_root or not _contained(real_path, real_root):
@@ -335,11 +344,7 @@ class FileUploadSink:
             self.state = "discarded"
             raise
         self.state = "committed"
-        try:
-            write_sidecar(self.target, actual)
-        except OSError as e:  # the file is good; HEAD will hash it again
-            log.warn("staging {key}: could not write the sha256 sidecar: {e}",
-                     key=self.target.key, e=e)
+        self.staging.keep(self.target, actual)
         return StoredFile(self.target.key, self.expected_size, actual, self.target.real_path)
 
 
@@ -366,9 +371,36 @@ class FileStaging:
         self.max_upload_bytes = max_upload_bytes
         #: Uploads in progress, by real target path.
         self.uploads: dict[str, UploadProgress] = {}
+        #: One copy of each file staged under ``models/``.
+        self.store = ContentStore(roots.models_dir)
 
     def v1_children(self) -> dict[bytes, resource.Resource]:
-        return {b"files": FilesResource(self), b"files-progress": UploadProgressResource(self)}
+        return {b"files": FilesResource(self), b"files-progress": UploadProgressResource(self),
+                b"files-link": FileLinkResource(self)}
+
+    def in_store(self, target: StagingTarget) -> bool:
+        return target.real_root == real_path_of(self.roots.models_dir)
+
+    def keep(self, target: StagingTarget, digest: str) -> None:
+        """A verified file is in place under ``target``: its sidecar, its place in the content
+        store (models only), and stored files no model names any more freed.  Blocking."""
+        if self.in_store(target):
+            try:
+                if self.store.remember(target.real_path, digest) == "shared":
+                    log.info("staged {key}: the same bytes as a file already here, kept once",
+                             key=target.key)
+                freed, size = self.store.sweep()
+            except OSError as e:  # the file is good where it is; only the sharing failed
+                log.warn("staging {key}: the content store failed: {e}", key=target.key, e=e)
+                freed = size = 0
+            if freed:
+                log.info("freed {files} staged file(s) no model names any more ({size} bytes)",
+                         files=freed, size=size)
+        try:
+            write_sidecar(target, digest)
+        except OSError as e:  # the file is good; HEAD will hash it again
+            log.warn("staging {key}: could not write the sha256 sidecar: {e}",
+                     key=target.key, e=e)
 
     def body_policies(self) -> list[IRequestBodyPolicy]:
         return [UploadBodyPolicy(self)]
@@ -448,9 +480,9 @@ def _file_headers(request, size: int, digest: str, target: StagingTarget):
     request.setHeader(b"x-local-path", os.fsencode(target.real_path))
 
 
-class FilesResource(resource.Resource):
-    """``/v1/files/{key}``: HEAD to learn what is present, PUT to upload, GET to read back a
-    scratch file."""
+class _StagingResource(resource.Resource):
+    """A leaf of the staging routes: the caller's credential checked before anything else,
+    then :meth:`answer`, which writes the whole answer (now or later)."""
 
     isLeaf = True
 
@@ -462,7 +494,19 @@ class FilesResource(resource.Resource):
         refusal = self.staging.auth.refusal_for(request)
         if refusal is not None:
             write_problem(request, refusal.code, refusal.problem, refusal.headers)
-            return server.NOT_DONE_YET
+        else:
+            self.answer(request)
+        return server.NOT_DONE_YET
+
+    def answer(self, request) -> None:
+        raise NotImplementedError
+
+
+class FilesResource(_StagingResource):
+    """``/v1/files/{key}``: HEAD to learn what is present, PUT to upload, GET to read back a
+    scratch file."""
+
+    def answer(self, request) -> None:
         if request.method == b"HEAD":
             self._head(request)
         elif request.method == b"PUT":
@@ -471,7 +515,6 @@ class FilesResource(resource.Resource):
             self._get(request)
         else:
             write_problem(request, 405, "use HEAD, PUT or GET", ((b"allow", b"HEAD, PUT, GET"),))
-        return server.NOT_DONE_YET
 
     def _get(self, request):
         """Stream a scratch file back (what a backend wrote there), with its length."""
@@ -609,34 +652,73 @@ class _FileStreamer:
         self._close()
 
 
-class UploadProgressResource(resource.Resource):
+class FileLinkResource(_StagingResource):
+    """``POST /v1/files-link/{key}`` (``X-Content-SHA256``, ``X-File-Size``): the file of that
+    digest, if the content store holds one, linked under ``key``: 200 with what ``PUT`` answers
+    (``skipped`` true), else 404 (upload it)."""
+
+    def answer(self, request) -> None:
+        if request.method != b"POST":
+            write_problem(request, 405, "use POST", ((b"allow", b"POST"),))
+            return
+        try:
+            target = self.staging.target_of(request.path, LINK_PREFIX)
+        except BadStagingKey as e:
+            write_problem(request, 400, str(e))
+            return
+        digest = _expected_sha256(request)
+        size = request.getHeader(b"x-file-size")
+        if digest is None or size is None or not size.isdigit() or len(size) > 20:
+            write_problem(request, 400, "X-Content-SHA256 (64 hex digits) and X-File-Size "
+                                        "(bytes) are required")
+            return
+        if not self.staging.in_store(target):
+            write_problem(request, 404, "only files under models/ are kept by content")
+            return
+        if target.real_path in self.staging.uploads:
+            write_problem(request, 409, "an upload of this key is in progress")
+            return
+        stored = StoredFile(target.key, int(size), digest, target.real_path)
+
+        def link() -> bool:
+            if not self.staging.store.link_into(digest, stored.size, target.real_path):
+                return False
+            self.staging.keep(target, digest)
+            return True
+
+        def reply(linked: bool) -> None:
+            if request.finished or getattr(request, "_disconnected", False):
+                return
+            if linked:
+                log.info("staged {key} from a file already here ({size} bytes, nothing "
+                         "transferred)", key=target.key, size=stored.size)
+                write_json(request, 200, stored.as_json(skipped=True))
+            else:
+                write_problem(request, 404, "no file with that digest and size on this worker")
+
+        reactor = self.staging.reactor
+        d = threads.deferToThreadPool(reactor, reactor.getThreadPool(), link)
+        d.addCallbacks(reply, lambda f: write_problem(
+            request, 500, f"linking failed: {failure_summary(f)}"))
+
+
+class UploadProgressResource(_StagingResource):
     """``GET /v1/files-progress/{key}``: ``{"key", "received", "total"}`` of an upload in
     progress, 404 when none is."""
 
-    isLeaf = True
-
-    def __init__(self, staging: FileStaging):
-        super().__init__()
-        self.staging = staging
-
-    def render(self, request):
-        refusal = self.staging.auth.refusal_for(request)
-        if refusal is not None:
-            write_problem(request, refusal.code, refusal.problem, refusal.headers)
-            return server.NOT_DONE_YET
+    def answer(self, request) -> None:
         if request.method not in (b"GET", b"HEAD"):
             write_problem(request, 405, "use GET", ((b"allow", b"GET, HEAD"),))
-            return server.NOT_DONE_YET
+            return
         try:
             target = self.staging.target_of(request.path, PROGRESS_PREFIX)
         except BadStagingKey as e:
             write_problem(request, 400, str(e))
-            return server.NOT_DONE_YET
+            return
         progress = self.staging.uploads.get(target.real_path)
         if progress is None:
             write_problem(request, 404, "no upload of this key is in progress")
         else:
             write_json(request, 200, progress.as_json())
-        return server.NOT_DONE_YET
 
 

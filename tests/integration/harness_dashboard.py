@@ -1,10 +1,24 @@
-"""Reading and driving the dashboard page in the browser of ``browser.py``: elements by CSS
-selector, their text while the page re-renders, clicks, and the operator's key typed once
-(``test_dashboard.py``, ``test_jobs.py``)."""
+"""Reading and driving the dashboard's pages in the browser of ``browser.py``: the ``browser``
+fixture, elements by CSS selector, their text while the page re-renders, clicks, and the
+operator's key typed once (``test_dashboard.py``, ``test_jobs.py``, ``test_webui.py``)."""
 
 from __future__ import annotations
 
+import pytest_twisted
+
+from .browser import Browser, require_browser
 from .inference_harness import ADMIN
+
+
+@pytest_twisted.async_yield_fixture
+async def browser():
+    """A headless Chromium for one test (skipped locally, failed in CI, when missing)."""
+    require_browser()
+    b = await Browser.start()
+    try:
+        yield b
+    finally:
+        await b.stop()
 
 
 def by_css(selector):

@@ -24,7 +24,11 @@ whatever the attacker writes.  The attacks:
 - a model config whose chat template calls ``toJson`` on the prompt a million times without
   emitting it (the output bound never fired), with a 10 KB prompt;
 - a model config whose ``chat_message`` nests empty ranges (``300 x 200000`` iterations that
-  ran no action, so the action bound never fired), rendered once per message.
+  ran no action, so the action bound never fired), rendered once per message;
+- a body of 7.5 MB of small arrays (decoding it held the GIL for a second, most of it in the
+  garbage collector): refused from two byte counts before any decoding;
+- a body of 5 MB of small numbers within that bound: decoded in the offload thread by the
+  pure-Python decoder, which hands the GIL back every switch interval.
 
 Every attack gets a clear answer (a 4xx naming the cause, a config error, or for the answer
 too large to check a 500 ``invalid_model_output``), never a stall.
@@ -83,9 +87,12 @@ class HealthzPoller:
             self._stop.wait(0.02)
 
 
-def post(base: str, path: str, body: dict) -> tuple[int, dict]:
+def post(base: str, path: str, body: dict | bytes) -> tuple[int, dict]:
+    """``body``: encoded already where encoding it would hold the GIL (this test's process
+    is the replica's too) while ``/healthz`` is timed."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(
-        base + path, data=json.dumps(body).encode(), method="POST",
+        base + path, data=data, method="POST",
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
@@ -176,6 +183,10 @@ ATTACKS = [
     ("a chat_message of nested empty ranges, 4 messages", "echo-ranges",
      {"model": "echo-ranges", "messages": [{"role": "user", "content": "hi"}] * 4},
      (500, "runs more than")),
+    ("a body of 7.5 MB holding 1.5 million arrays (a second of decoding and collecting)",
+     "echo-tools", chat("echo-tools", "hi", x=[[1]] * 1_500_000), (413, "split the batch")),
+    ("a body of 5 MB holding 1.8 million values in 200 000 arrays (decoded off the reactor)",
+     "echo-tools", chat("echo-tools", "hi", stop=[[1] * 8] * 200_000), (400, "stop")),
 ]
 
 
@@ -211,6 +222,7 @@ async def test_healthz_answers_under_100_ms_while_cpu_attacks_run(cluster):
 
     report = []
     for name, model, body, (status, words) in ATTACKS:
+        body = json.dumps(body).encode()
         with HealthzPoller(port) as poller:
             started = time.perf_counter()
             got, answer = await threads.deferToThread(post, base, "/v1/chat/completions", body)

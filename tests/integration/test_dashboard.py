@@ -17,23 +17,12 @@ from localai_tw.cluster.nodes import NodeStatus
 from localai_tw.config import PortRange
 from localai_tw.worker.service import makeWorkerService
 
-from .browser import Browser, require_browser
-from .harness_dashboard import click, open_with_key, text_of
+from .harness_dashboard import browser, click, open_with_key, text_of  # noqa: F401 (fixture)
 from .harness_echo import WEIGHTS, echo_model
 from .inference_harness import ADMIN, TOKEN, _ports, sha256_hex
 from .support import eventually
 
 ECHO_MODEL = echo_model("echo-chat")
-
-
-@pytest_twisted.async_yield_fixture
-async def browser():
-    require_browser()
-    b = await Browser.start()
-    try:
-        yield b
-    finally:
-        await b.stop()
 
 
 @pytest_twisted.ensureDeferred

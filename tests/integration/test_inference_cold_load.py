@@ -4,6 +4,8 @@ the node_models rows with the right states."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import pytest_twisted
 from twisted.internet import defer, task
@@ -140,3 +142,34 @@ async def test_a_config_with_localai_keys_loads_and_serves(cluster):
     worker = await cluster.worker("w1", frontend)
     served = await router.predict("tiny", backend_pb2.PredictOptions(Prompt="still served"))
     assert (served.served_by, served.value.message) == (worker.node_id, b"still served")
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_file_named_by_five_models_crosses_the_tunnel_once(cluster):
+    """issue 26 §4: five configs naming one file leave one copy on the worker, and the file
+    is uploaded once: the other four keys are linked from the worker's content store."""
+    from twisted.logger import globalLogPublisher
+
+    cluster.write_file("tiny.bin", WEIGHTS)
+    names = [f"tiny{i}" for i in range(5)]
+    for name in names:
+        cluster.write_model(f"{name}.yaml", tiny_model(sha256_hex(WEIGHTS), name=name))
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        for name in names:
+            served = await frontend.replica.inference.predict(
+                name, backend_pb2.PredictOptions(Prompt="hi"))
+            assert served.served_by == worker.node_id
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    staged = [(await cluster.rows(name))[0][4] for name in names]
+    assert len(set(staged)) == 5  # five names ...
+    first = staged[0]
+    assert all(os.path.samefile(first, other) for other in staged[1:])  # ... one file
+    assert os.stat(first).st_nlink == 6  # and the worker's content store
+    uploads = [e for e in events if e.get("log_format", "").startswith("staged {key} (")]
+    links = [e for e in events if "nothing transferred" in e.get("log_format", "")]
+    assert (len(uploads), len(links)) == (1, 4)

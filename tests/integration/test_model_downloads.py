@@ -41,9 +41,11 @@ def files():
 
 
 def leftovers(models_dir: str) -> list[str]:
+    """The files a download left (configs and the content store's links aside)."""
     return sorted(os.path.relpath(os.path.join(d, n), models_dir)
                   for d, _, names in os.walk(models_dir) for n in names
-                  if not n.endswith(".yaml"))
+                  if not n.endswith(".yaml") and
+                  not os.path.relpath(d, models_dir).startswith(".blobs"))
 
 
 @pytest_twisted.ensureDeferred
@@ -244,3 +246,25 @@ async def test_a_directory_in_the_way_of_a_download_is_named(cluster, files):
     with pytest.raises(ModelDownloadFailed, match="dl/weights.bin cannot be written"):
         await frontend.replica.inference.predict("dl", backend_pb2.PredictOptions(Prompt="x"))
     assert [n for n in os.listdir(os.path.join(cluster.models_dir, "dl"))] == ["weights.bin"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_file_two_models_download_under_two_names_is_fetched_once(cluster, files):
+    """issue 26 §4: a second model's download of a file the models directory already holds
+    (same sha256, another name) is linked from the content store, not fetched again."""
+    files.files["weights.bin"] = WEIGHTS
+    digest = sha256_hex(WEIGHTS)
+    for name in ("first", "second"):
+        cluster.write_model(f"{name}.yaml", download_model(
+            f"{files.base}/files/weights.bin", digest, name=name,
+            filename=f"{name}/weights.bin"))
+    frontend = await cluster.frontend("replica-a")
+    await cluster.worker("w1", frontend)
+    router = frontend.replica.inference
+    for name in ("first", "second"):
+        served = await router.predict(name, backend_pb2.PredictOptions(Prompt="hi"))
+        assert served.value.message == b"hi"
+    assert files.gets == [b"/files/weights.bin"]
+    models = cluster.models_dir
+    assert os.path.samefile(os.path.join(models, "first", "weights.bin"),
+                            os.path.join(models, "second", "weights.bin"))

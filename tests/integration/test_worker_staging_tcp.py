@@ -78,7 +78,8 @@ async def test_20_mib_upload_streams_then_a_second_one_is_skipped(worker, roots,
                                         False, os.path.realpath(final))
     with open(final, "rb") as f:
         assert hashlib.sha256(f.read()).hexdigest() == digest
-    assert files_under(roots.models_dir) == ["llama/weights.gguf", "llama/weights.gguf.sha256"]
+    assert files_under(roots.models_dir) == [f".blobs/sha256/{digest}", "llama/weights.gguf",
+                                             "llama/weights.gguf.sha256"]
     # streamed: many chunks, none large; the request content was the sink, not a buffer
     sinks = {sink for sink, _ in sink_writes}
     assert len(sinks) == 1

@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "web": set(),  # the HTTP pieces both servers share (bearer rule, bodies, JSON, readers)
     "staging_client": {"web"},
     "threadwriter": set(),  # file writes and hashing off the reactor (downloads, staging)
+    "contentstore": set(),  # one copy of a model file per digest (worker staging, downloads)
     "metrics": set(),  # every Prometheus metric in one place (docs/metrics.md)
     "tinychat": set(),  # a user's tool (python -m localai_tw.tinychat): builds a local model
     "tinygguf": set(),  # a user's tool (python -m localai_tw.tinygguf): builds a local GGUF
@@ -44,10 +45,11 @@ ALLOWED: dict[str, set[str]] = {
     # the agent worker (runs); plugins: the drop-in package IJobKind is scanned in
     "jobs": {"web", "plugins"},
     # a worker never talks to PostgreSQL: no db, bus or cluster
-    "worker": {"splice", "tunnel", "backends", "staging_client", "web", "metrics", "jobs"},
+    "worker": {"splice", "tunnel", "backends", "staging_client", "web", "metrics", "jobs",
+               "contentstore"},
     # the inference core knows no HTTP: never frontend.api
-    "frontend.inference": {"backends", "cluster", "localai", "metrics", "splice",
-                           "staging_client", "threadwriter", "tunnel", "web"},
+    "frontend.inference": {"backends", "cluster", "contentstore", "localai", "metrics",
+                           "splice", "staging_client", "threadwriter", "tunnel", "web"},
     "frontend.jobs": {"bus", "cluster", "jobs"},
     "frontend.gallery": {"bus", "cluster", "db", "frontend.inference", "localai", "web"},
     "frontend.api": {"backends", "cluster", "db", "frontend.gallery", "frontend.inference",

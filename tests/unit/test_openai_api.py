@@ -825,7 +825,6 @@ def test_detokenize_is_one_detokenize_call_in_localais_shape(site, router):
     ({"model": "chatty", "tokens": [1.5]}, 400, "tokens[0]"),
     ({"model": "chatty", "tokens": [True]}, 400, "tokens[0]"),
     ({"model": "chatty", "tokens": ["1"]}, 400, "tokens[0]"),
-    ({"model": "chatty", "tokens": [0] * 262145}, 400, "tokens"),
     ({"model": "nope", "tokens": [1]}, 404, "model"),
 ])
 def test_detokenize_bad_requests_never_reach_the_router(site, router, body, status, param):

@@ -158,7 +158,10 @@ def test_20_mib_upload_is_streamed_to_disk_and_renamed_atomically(roots):
                      "local_path": os.path.realpath(final), "skipped": False}
     with open(final, "rb") as f:
         assert hashlib.sha256(f.read()).hexdigest() == sha(payload)
-    assert leftovers(roots.models_dir) == ["big/model.gguf", "big/model.gguf.sha256"]
+    assert leftovers(roots.models_dir) == [f".blobs/sha256/{sha(payload)}", "big/model.gguf",
+                                           "big/model.gguf.sha256"]
+    assert os.path.samefile(final, os.path.join(roots.models_dir, ".blobs", "sha256",
+                                                sha(payload)))  # one copy, two names
     assert files.uploads == {}
 
 
@@ -332,6 +335,76 @@ def test_put_of_a_present_file_is_answered_before_the_body(roots):
     assert leftovers(roots.data_dir) == ["p.bin", "p.bin.sha256"]
 
 
+# -- one copy per digest (issue 26 §4) ----------------------------------------------------------
+
+
+def link(site, key: str, digest: str, size: int) -> tuple[int, dict]:
+    (code, _, body), _, _ = exchange(site, http_request(
+        "POST", f"/v1/files-link/{key}", b"",
+        (("X-Content-SHA256", digest), ("X-File-Size", str(size)))))
+    return code, json.loads(body)
+
+
+def stored_copies(roots) -> list[str]:
+    store = os.path.join(roots.models_dir, ".blobs", "sha256")
+    return sorted(os.listdir(store)) if os.path.isdir(store) else []
+
+
+def test_a_file_two_models_name_is_one_copy_and_one_transfer(roots):
+    site, _ = make_staging(roots)
+    payload = os.urandom(100_000)
+    exchange(site, put_head("models/a/m.gguf", len(payload), sha(payload)) + payload)
+    # the second model's key: linked from the store, no body sent at all
+    code, reply = link(site, "models/b/m.gguf", sha(payload), len(payload))
+    assert code == 200 and reply["skipped"] is True
+    first, second = (os.path.join(roots.models_dir, m, "m.gguf") for m in ("a", "b"))
+    assert os.path.samefile(first, second)
+    assert os.stat(first).st_nlink == 3  # a, b and the store: one copy on disk
+    assert stored_copies(roots) == [sha(payload)]
+    assert head(site, "models/b/m.gguf")[1][b"x-content-sha256"] == [sha(payload).encode()]
+
+
+@pytest.mark.parametrize("digest, size", [(sha(b"other"), 5), (None, 99)])
+def test_a_link_to_what_the_store_does_not_hold_is_404(roots, digest, size):
+    site, _ = make_staging(roots)
+    payload = b"x" * 99
+    exchange(site, put_head("models/a/m.gguf", len(payload), sha(payload)) + payload)
+    code, reply = link(site, "models/b/m.gguf", digest or sha(payload), size if digest
+                       else size + 1)
+    assert code == 404 and "no file with that digest" in reply["problem"]
+    assert not os.path.exists(os.path.join(roots.models_dir, "b", "m.gguf"))
+
+
+def test_two_uploads_of_the_same_bytes_keep_one_copy(roots):
+    site, _ = make_staging(roots)
+    payload = b"y" * 5000
+    for model in ("a", "b"):
+        exchange(site, put_head(f"models/{model}/m.gguf", len(payload), sha(payload)) + payload)
+    assert os.path.samefile(os.path.join(roots.models_dir, "a", "m.gguf"),
+                            os.path.join(roots.models_dir, "b", "m.gguf"))
+
+
+def test_a_replaced_file_frees_its_old_copy(roots):
+    site, _ = make_staging(roots)
+    old, new = b"1" * 4000, b"2" * 4000
+    exchange(site, put_head("models/a/m.gguf", len(old), sha(old)) + old)
+    exchange(site, put_head("models/a/m.gguf", len(new), sha(new)) + new)
+    assert stored_copies(roots) == [sha(new)]
+
+
+def test_files_outside_models_are_not_kept_by_content(roots):
+    site, _ = make_staging(roots)
+    payload = b"d" * 100
+    exchange(site, put_head("data/d.bin", len(payload), sha(payload)) + payload)
+    assert stored_copies(roots) == []
+    assert link(site, "data/e.bin", sha(payload), 100)[0] == 404
+
+
+def test_the_store_cannot_be_named_by_a_key(roots):
+    with pytest.raises(BadStagingKey, match="content store"):
+        roots.resolve("models/.blobs/sha256/" + "0" * 64)
+
+
 def test_progress_of_no_upload_is_404(roots):
     site, _ = make_staging(roots)
     (code, _, body), _, _ = exchange(site, http_request("GET", "/v1/files-progress/a.bin", None))
@@ -362,14 +435,19 @@ class FakeResponse:
 
 
 class FakeClient:
-    def __init__(self, head_response, put_response):
+    def __init__(self, head_response, put_response, link_response=None):
         self.head_response = head_response
         self.put_response = put_response
+        self.link_response = link_response or FakeResponse(404, b'{"problem": "no file"}')
         self.calls = []
 
     def head(self, url, headers=None):
         self.calls.append(("HEAD", url, headers))
         return self._answer(self.head_response)
+
+    def post(self, url, headers=None):
+        self.calls.append(("POST", url, headers))
+        return self._answer(self.link_response)
 
     def put(self, url, data=None, headers=None):
         self.calls.append(("PUT", url, headers))
@@ -423,8 +501,21 @@ def test_client_puts_with_the_digest_when_absent(local_file):
                         FakeResponse(200, reply))
     result = run_upload(client, local_file)
     assert result == staging.StagedFile("models/m.gguf", 3000, digest, False, "/m/m.gguf")
-    assert client.calls[1][0] == "PUT"
-    assert client.calls[1][2]["X-Content-SHA256"] == digest
+    assert [c[0] for c in client.calls] == ["HEAD", "POST", "PUT"]
+    assert client.calls[2][2]["X-Content-SHA256"] == digest
+
+
+def test_client_links_what_the_worker_holds_under_another_key(local_file):
+    digest = sha(b"w" * 3000)
+    reply = json.dumps({"key": "models/m.gguf", "size": 3000, "sha256": digest,
+                        "local_path": "/m/m.gguf", "skipped": True}).encode()
+    client = FakeClient(FakeResponse(404), AssertionError("must not PUT"),
+                        FakeResponse(200, reply))
+    result = run_upload(client, local_file)
+    assert result == staging.StagedFile("models/m.gguf", 3000, digest, True, "/m/m.gguf")
+    method, url, headers = client.calls[1]
+    assert (method, url) == ("POST", "http://node-1.invalid/v1/files-link/models/m.gguf")
+    assert headers["X-Content-SHA256"] == digest and headers["X-File-Size"] == "3000"
 
 
 @pytest.mark.parametrize("code", [400, 401, 409, 411, 413, 500, 507])

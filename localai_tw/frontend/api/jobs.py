@@ -43,6 +43,7 @@ from localai_tw.frontend.jobs.store import (
     JobStore,
     TooManyOpenJobs,
 )
+from localai_tw.frontend.api.jsonbody import prepare_json_body
 from localai_tw.frontend.api.kit import (
     AdminResource,
     APIKeyGuard,
@@ -115,6 +116,7 @@ class JobsResource(AdminResource):
         )
 
     async def submit(self, request):
+        await prepare_json_body(request)  # an input of 1 MiB: decoded off the reactor
         body = read_json_object(request)
         reject_unknown_fields(body, ("kind", "input"))
         if "kind" not in body:

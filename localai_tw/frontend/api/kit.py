@@ -21,7 +21,6 @@ a secret with ``==``, and never put a traceback or an internal exception text in
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
@@ -40,11 +39,11 @@ from localai_tw.web.errors import (
     error_body,
     hide_host_paths,
     not_found,
-    too_large,
     unauthorized,
 )
 from localai_tw.web.json import COMPACT, json_body, write_json
-from localai_tw.web.listener import MAX_BODY_BYTES, may_log_failure
+from localai_tw.frontend.api.jsonbody import read_json_object  # noqa: F401 (the kit's)
+from localai_tw.web.listener import may_log_failure
 from localai_tw.web.ratelimit import SourceRateLimit
 
 if TYPE_CHECKING:  # the parts' types only: the APIs serve them, they never build them
@@ -99,104 +98,6 @@ def printable(text: str, limit: int = _ECHO_MAX) -> str:
 
 
 # -- request bodies --------------------------------------------------------------------------
-
-
-def read_json_object(request, *, required: bool = True) -> dict:
-    """The request body as a JSON object.
-
-    :param required: False lets an empty body stand for ``{}``.
-    :raises APIError: 413 over the cap (a backstop: ``BoundedRequest`` refuses earlier), 415
-        for a body whose Content-Type is not ``application/json`` (a missing one too: a web
-        page can send a body without a Content-Type, or as ``text/plain``, to any address
-        without asking the browser first, so an API reachable without a key, the loopback
-        default, would be driven by any page its user opens), 400 for a body that is not
-        UTF-8 JSON or not an object.
-    """
-    content_type = request.getHeader(b"content-type")
-    media = (content_type or b"").split(b";", 1)[0].strip().lower()
-    if media != b"application/json" and _has_body(request):
-        sent = (f"Content-Type {printable(media.decode('latin-1'))!r} is" if content_type
-                is not None else "a body without a Content-Type is")
-        raise APIError(415, f"{sent} not accepted: the body must be JSON sent with "
-                       "Content-Type: application/json (curl: -H 'Content-Type: "
-                       "application/json')", "unsupported_media_type",
-                       code="unsupported_media_type")
-    content = request.content
-    if content is None:
-        raw = b""
-    else:
-        limit = getattr(content, "limit", MAX_BODY_BYTES)
-        content.seek(0, 0)
-        raw = content.read(limit + 1)
-        if len(raw) > limit:
-            raise too_large(limit)
-    if not raw.strip():
-        if required:
-            raise bad_request("the request body is empty; a JSON object is expected")
-        return {}
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise bad_request("the request body is not UTF-8") from None
-    try:
-        decoded = json.loads(text, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as e:
-        detail = f": {e.msg} at character {e.pos}" if isinstance(e, json.JSONDecodeError) else ""
-        raise bad_request(f"the request body is not valid JSON{detail}") from None
-    if not isinstance(decoded, dict):
-        raise bad_request("the request body must be a JSON object")
-    unsafe = _first_unsafe_string(decoded, "")
-    if unsafe is not None:
-        where, what = unsafe
-        raise bad_request(f"{where or 'a field name'} contains {what}, which no backend, "
-                          f"gRPC message or database row can carry", field=where or None)
-    return decoded
-
-
-def _has_body(request) -> bool:
-    content = request.content
-    if content is None:
-        return False
-    position = content.tell()
-    content.seek(0, 2)
-    size = content.tell()
-    content.seek(position, 0)
-    return size > 0
-
-
-def _first_unsafe_string(value: Any, path: str) -> tuple[str, str] | None:
-    """The JSON path of the first key or string holding a NUL or a lone surrogate, and which.
-
-    JSON may spell both (``"\\u0000"``, ``"\\ud800"``); neither survives the trip on: protobuf
-    strings must be valid UTF-8 and PostgreSQL text refuses NUL, so they are refused here, at
-    the door, instead of failing deep inside with a 500.  Nesting is already bounded by the
-    JSON decoder's recursion limit (a deeper body is a 400 above).
-    """
-    if isinstance(value, str):
-        if "\x00" in value:
-            return path, "a NUL character (\\u0000)"
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path, "a lone surrogate (an unpaired \\ud800-\\udfff escape)"
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            where = f"{path}.{key}" if path else str(key)
-            found = _first_unsafe_string(key, path) or _first_unsafe_string(item, where)
-            if found is not None:
-                return printable(found[0]), found[1]
-        return None
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _first_unsafe_string(item, f"{path}[{index}]")
-            if found is not None:
-                return found
-    return None
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def reject_unknown_fields(body: Mapping[str, Any], allowed: Iterable[str],
@@ -273,6 +174,13 @@ class APIKeyGuard:
         inference = auth.matches_any(presented, self._digests)
         admin = auth.matches_any(presented, self._admin_digests)
         return inference, admin
+
+    def admits(self, presented: str) -> bool:
+        """Whether ``presented`` is a key of either scope, read from a header other than
+        ``Authorization`` (``x-api-key`` on the Anthropic API): compared like every key, with
+        every configured digest."""
+        inference, admin = self._scopes(presented)
+        return inference or admin
 
     def caller(self, request) -> Caller:
         """The caller of a request that passed :meth:`check_any`.

@@ -17,7 +17,17 @@ from typing import Any, Callable, Mapping
 
 from twisted.web.resource import Resource
 
+from localai_tw import __version__
+
+from localai_tw.frontend.api import anthropic
+from localai_tw.frontend.api.anthropic.resource import MessagesResource
 from localai_tw.frontend.api.dashboard import RootWithDashboard, dashboard_files
+from localai_tw.frontend.api.discovery import (
+    FeaturesResource,
+    SystemResource,
+    VersionResource,
+    WellKnownResource,
+)
 from localai_tw.frontend.api.gallery import GalleryResource, ModelsRoot
 from localai_tw.frontend.api.generated import GeneratedFiles, GeneratedFilesResource
 from localai_tw.frontend.api.jobs import MAX_JOB_BODY_BYTES, JobsResource
@@ -25,6 +35,7 @@ from localai_tw.frontend.api.kit import APIKeyGuard, JSONDirectory
 from localai_tw.frontend.api.lifecycle import BackendResource
 from localai_tw.frontend.api.metrics import MetricsResource, NodeMetricsRouting
 from localai_tw.frontend.api.nodes import InstancesResource, LoadsResource, NodesAdminResource
+from localai_tw.frontend.api.ollama import OllamaAPI, check_ollama_key, early_ollama_error
 from localai_tw.frontend.api.openai import (
     OPENAI_MAX_BODY_BYTES,
     OpenAIResource,
@@ -43,9 +54,13 @@ from localai_tw.web.listener import BoundedSite
 
 #: Header guards, by the credential they check.
 OPENAI_KEY = "api key (OpenAI error shape)"
+#: ``x-api-key`` or ``Authorization: Bearer``, any scope, refused in Anthropic's error shape.
+ANTHROPIC_KEY = "api key (Anthropic error shape)"
 ADMIN_KEY = "api key"
 #: An inference or an admin key (jobs: the resource then scopes what a key sees).
 ANY_KEY = "api key (any scope)"
+#: The OpenAI API's key rule (open when no key is configured), in Ollama's error shape.
+OLLAMA_KEY = "api key (Ollama error shape)"
 REGISTRATION = "registration token"
 
 
@@ -58,7 +73,8 @@ class Mount:
     :param build: ``build(wiring) -> Resource | None`` for the resource mounted at ``path``;
         None for a row that only sets a policy below another row's resource.
     :param guard: the credential the listener checks when the headers end (:data:`OPENAI_KEY`,
-        :data:`ADMIN_KEY`, :data:`ANY_KEY`, :data:`REGISTRATION`), or None (the resource decides alone).
+        :data:`ANTHROPIC_KEY`, :data:`ADMIN_KEY`, :data:`ANY_KEY`, :data:`REGISTRATION`), or
+        None (the resource decides alone).
     :param body_cap: bytes; None: the listener's default (64 KiB).
     :param cap_of: take the body cap that this other path has (an unprefixed alias's twin).
     :param spool: the body (an upload) goes to a temporary file, still capped.
@@ -91,7 +107,17 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/dashboard", lambda w: dashboard_files()),
     Mount(b"/healthz", lambda w: w.probes[b"healthz"]),
     Mount(b"/readyz", lambda w: w.probes[b"readyz"]),
+    Mount(b"/version", lambda w: VersionResource(w.version)),
+    Mount(b"/.well-known", lambda w: JSONDirectory()),
+    Mount(b"/.well-known/localai.json", lambda w: WellKnownResource(w.version, w.api_keys),
+          guard=OPENAI_KEY),
+    Mount(b"/system", lambda w: SystemResource(w.parts, w.api_keys), guard=ADMIN_KEY),
     *_openai_rows(),
+    # Anthropic's Messages API: under /v1 (OpenAIResource hands its mounted children their
+    # paths) and at the root, as LocalAI serves it.
+    Mount(b"/v1/messages", lambda w: w.anthropic, guard=ANTHROPIC_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/messages", lambda w: w.anthropic, guard=ANTHROPIC_KEY, cap_of=b"/v1/messages"),
     Mount(b"/backend", lambda w: BackendResource(w.replica.inference, w.api_keys),
           guard=ADMIN_KEY),
     Mount(b"/generated-images", lambda w: GeneratedFilesResource(w.generated)),
@@ -100,6 +126,20 @@ ROUTES: tuple[Mount, ...] = (
           guard=ADMIN_KEY),
     Mount(b"/api", lambda w: JSONDirectory()),
     Mount(b"/api/node", lambda w: w.registration, guard=REGISTRATION),
+    # Ollama's API (docs/ollama-api.md): the inference key, Ollama's error shape
+    Mount(b"/api/chat", lambda w: w.ollama.endpoint(b"chat"), guard=OLLAMA_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/api/generate", lambda w: w.ollama.endpoint(b"generate"), guard=OLLAMA_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/api/embed", lambda w: w.ollama.endpoint(b"embed"), guard=OLLAMA_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/api/embeddings", lambda w: w.ollama.endpoint(b"embeddings"), guard=OLLAMA_KEY,
+          body_cap=OPENAI_MAX_BODY_BYTES),
+    Mount(b"/api/show", lambda w: w.ollama.endpoint(b"show"), guard=OLLAMA_KEY),
+    Mount(b"/api/tags", lambda w: w.ollama.endpoint(b"tags"), guard=OLLAMA_KEY),
+    Mount(b"/api/ps", lambda w: w.ollama.endpoint(b"ps"), guard=OLLAMA_KEY),
+    Mount(b"/api/version", lambda w: w.ollama.endpoint(b"version"), guard=OLLAMA_KEY),
+    Mount(b"/api/features", lambda w: FeaturesResource(w.api_keys), guard=OPENAI_KEY),
     Mount(b"/api/traces", lambda w: TracesResource(w.traces, w.api_keys), guard=ADMIN_KEY),
     Mount(b"/api/nodes", lambda w: NodeMetricsRouting(
         NodesWithScheduling(NodesAdminResource(w.parts, w.api_keys),
@@ -135,10 +175,21 @@ def apply_policies(site: BoundedSite, api_keys: APIKeyGuard,
         if row.guard == OPENAI_KEY:
             site.add_header_guard(row.path, functools.partial(check_api_key, api_keys))
             site.add_early_answer_shape(row.path, early_error)
+        elif row.guard == OLLAMA_KEY:
+            site.add_header_guard(row.path, functools.partial(check_ollama_key, api_keys))
+            site.add_early_answer_shape(row.path, early_ollama_error)
+        elif row.guard == ANTHROPIC_KEY:
+            site.add_header_guard(row.path, functools.partial(anthropic.check_api_key,
+                                                              api_keys))
+            site.add_early_answer_shape(row.path, anthropic.early_error)
         elif row.guard == ADMIN_KEY:
             site.add_header_guard(row.path, api_keys.check)
         elif row.guard == ANY_KEY:
             site.add_header_guard(row.path, api_keys.check_any)
+
+
+#: The models loaded on some node (Ollama's ``/api/ps``).
+_LOADED_SQL = "SELECT DISTINCT model_name FROM node_models WHERE state = 'loaded'"
 
 
 class Wiring:
@@ -151,6 +202,12 @@ class Wiring:
         self.reactor = reactor
         self.probes = probes
         self.site = site
+
+    @property
+    def version(self) -> str:
+        """The version this replica publishes (its membership row), else the package's."""
+        identity = getattr(self.replica, "identity", None)
+        return identity.version if identity is not None else __version__
 
     @functools.cached_property
     def parts(self):
@@ -167,6 +224,24 @@ class Wiring:
                               metrics=self.replica.metrics, generated=self.generated,
                               responses=ResponsesParts.of(self.replica.responses,
                                                           self.api_keys))
+
+    @functools.cached_property
+    def ollama(self) -> OllamaAPI:
+        """Ollama's endpoints (one row each in :data:`ROUTES`), over the same router."""
+        db = self.replica.db
+
+        async def loaded() -> list[str]:
+            rows = await db.runQuery(_LOADED_SQL)
+            return [name for (name,) in rows]
+
+        return OllamaAPI(self.replica.inference, api_keys=self.api_keys, reactor=self.reactor,
+                         node_names=self.replica.node_name, metrics=self.replica.metrics,
+                         loaded=loaded)
+
+    @functools.cached_property
+    def anthropic(self) -> MessagesResource:
+        """/v1/messages and /messages: Anthropic's Messages API over the shared chat turn."""
+        return MessagesResource(self.openai, self.api_keys)
 
     @functools.cached_property
     def unprefixed(self) -> Resource:

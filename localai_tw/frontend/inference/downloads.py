@@ -18,6 +18,10 @@
 - the temporary file is checked against ``sha256`` and only then fsynced and renamed onto the
   final name, so the final name never shows a partial or unverified file; any failure (HTTP
   status, timeout, a connection that breaks, a mismatch, a full disk) removes it;
+- one copy per digest: a download whose config gives a ``sha256`` the models directory already
+  holds under another name (another model's download of the same file) is linked from the
+  content store (``localai_tw/contentstore.py``) instead of fetched, and every verified
+  download is kept there;
 - one download per target at a time in this process: a request that needs a file being
   downloaded waits for that download (its own Deferred: cancelling it stops only its waiting);
 - progress (bytes, total, rate) is logged at most every :data:`LOG_INTERVAL` seconds per
@@ -55,6 +59,7 @@ from twisted.web.client import PotentialDataLoss, ResponseDone
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
 
+from localai_tw.contentstore import ContentStore
 from localai_tw.deferreds import OneShotObserver
 from localai_tw.staging_client import PARTIAL_SUFFIX
 from localai_tw.threadwriter import ThreadedFileWriter, write_all
@@ -170,6 +175,8 @@ class ModelDownloads:
         self.models_dir = models_dir
         self._reactor = reactor
         self.digests = digests or DigestCache()
+        #: one copy of each verified download, whatever names it
+        self.store = ContentStore(models_dir)
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
         self.log_interval = log_interval
@@ -223,6 +230,8 @@ class ModelDownloads:
                 return
             if self._active.get(target) is not None:
                 continue  # another request started it while this one looked
+            if item.sha256 is not None and await self._linked(model, item, target):
+                return
             await self._start(model, item, target)
             return
         raise ModelDownloadFailed(f"model {model.name}: {item.filename} was downloaded for "
@@ -292,6 +301,28 @@ class ModelDownloads:
                  where=item.where, expected=item.sha256)
         return False
 
+    async def _linked(self, model: ModelConfig, item: ModelDownload, target: str) -> bool:
+        """The file, when the content store holds its digest: linked under ``target``."""
+        def link() -> bool:
+            if not self.store.link_into(item.sha256, None, target):
+                return False
+            st = os.stat(target)
+            self.digests.record(target, st.st_size, st.st_mtime_ns, item.sha256)
+            return True
+
+        try:
+            linked = await threads.deferToThreadPool(self._reactor,
+                                                     self._reactor.getThreadPool(), link)
+        except OSError as e:
+            log.warn("model {model}: linking {file} from the content store failed ({e}); "
+                     "downloading it", model=model.name, file=item.filename, e=e.strerror)
+            return False
+        if linked:
+            log.info("model {model}: {file} is the same file as one already downloaded "
+                     "(sha256 {digest}): linked, not downloaded", model=model.name,
+                     file=item.filename, digest=item.sha256)
+        return linked
+
     # -- one download ----------------------------------------------------------------------
 
     async def _fetch(self, model: ModelConfig, download: Download) -> None:
@@ -346,6 +377,11 @@ class ModelDownloads:
             os.fsync(directory_fd)
         finally:
             os.close(directory_fd)
+        try:
+            self.store.remember(target, digest)
+            self.store.sweep()
+        except OSError as e:  # the download is good where it is; only the sharing failed
+            log.warn("the content store failed for {target}: {e}", target=target, e=e.strerror)
         st = os.stat(target)
         self.digests.record(target, st.st_size, st.st_mtime_ns, digest)
 

@@ -1,11 +1,13 @@
-"""The operator's web dashboard: static files served at ``/dashboard/`` (and at ``/`` for a
-browser), shipped in the package, nothing built at install time (``docs/operators.md``,
-"Dashboard").
+"""The web UI: static files served at ``/dashboard/`` (and the operators' dashboard at ``/``
+for a browser), shipped in the package, nothing built at install time (``docs/operators.md``,
+"Dashboard"): the operators' dashboard (``index.html``, ``app.js``), the users' chat page
+(``chat.html``, ``chat.js``) and gallery page (``gallery.html``, ``gallery.js``), and the key
+handling the two share (``key.js``).
 
-The page holds no secret and reads nothing on the server side: it calls the admin API
-(``/api/nodes``, ``/api/cluster/instances``, ``/api/cluster/loads``) and the OpenAI API
-(``/v1/...``) from the browser with the API key the operator types, so those routes keep
-enforcing the key exactly as for any other client.  This module only serves files and decides, from ``Accept``, whether ``GET /`` is
+The pages hold no secret and read nothing on the server side: they call the admin API
+(``/api/nodes``, ``/api/cluster/instances``, ``/api/cluster/loads``, the gallery's ``/models``
+routes) and the OpenAI API (``/v1/...``) from the browser with the API key the user types, so
+those routes keep enforcing the key exactly as for any other client.  This module only serves files and decides, from ``Accept``, whether ``GET /`` is
 a browser (the page) or an API client (the JSON index).  It must never put a secret or any
 server-side state into what it serves, and never list a directory.
 """

@@ -46,7 +46,7 @@ from localai_tw.localai.gbnf import JSON_OBJECT_GRAMMAR, SchemaError, schema_to_
 from localai_tw.localai.templates import uses_functions
 from localai_tw.localai.toolcalls import FunctionConfig, no_action_tool
 from localai_tw.frontend.api.kit import printable
-from localai_tw.frontend.api.openai import offload
+from localai_tw.frontend.api import offload
 from localai_tw.frontend.api.openai.errors import NO_RETRY, OpenAIError, invalid
 
 #: Most tools in one request (OpenAI's limit) and deepest schema accepted anywhere.

@@ -61,10 +61,24 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
     if body.has("dimensions"):
         raise invalid("'dimensions' is not supported: the model decides the vector size",
                       "dimensions", code="unsupported_parameter")
+    vectors, prompt_tokens = await embed_items(context, exchange, name, model, inputs)
+    data = [{"object": "embedding", "index": index,
+             "embedding": _encode_vector(vector, encoding)}
+            for index, vector in enumerate(vectors)]
+    exchange.send_json(200, {"object": "list", "data": data, "model": name,
+                             "usage": {"prompt_tokens": prompt_tokens,
+                                       "total_tokens": prompt_tokens}})
+
+
+async def embed_items(context: Context, exchange: Exchange, name: str, model,
+                      inputs: Sequence[str | list[int]]) -> tuple[list[list[float]], int]:
+    """One pooled vector per input item (one ``Embedding`` call each) and the prompt tokens
+    they took: what ``/v1/embeddings`` and Ollama's ``/api/embed`` both answer from."""
+    router = context.router
     sampling = merge_sampling(model.parameters, Fields({}), model.predict)
-    data, prompt_tokens = [], 0
+    vectors, prompt_tokens = [], 0
     tokenizer = _Tokenizer(router, exchange, name, context.deadline)
-    for index, item in enumerate(inputs):
+    for item in inputs:
         if isinstance(item, str):
             options = sampling.options(Embeddings=item)
         else:
@@ -79,14 +93,10 @@ async def answer(context: Context, request, exchange: Exchange) -> None:
         result = served.value
         if not isinstance(item, str) and result.prompt_tokens <= 0:
             raise _text_only(name, ": it did not evaluate them")
-        vector = _pooled_vector(result)
+        vectors.append(_pooled_vector(result))
         prompt_tokens += result.prompt_tokens if result.prompt_tokens > 0 else \
             await tokenizer.count(item)
-        data.append({"object": "embedding", "index": index,
-                     "embedding": _encode_vector(vector, encoding)})
-    exchange.send_json(200, {"object": "list", "data": data, "model": name,
-                             "usage": {"prompt_tokens": prompt_tokens,
-                                       "total_tokens": prompt_tokens}})
+    return vectors, prompt_tokens
 
 
 class _Tokenizer:

@@ -36,6 +36,7 @@ from twisted.web.resource import Resource
 from localai_tw import metrics as replica_metrics
 
 from localai_tw.frontend.inference.interfaces import IInferenceRouter
+from localai_tw.frontend.api.jsonbody import prepare_json_body
 from localai_tw.frontend.api.kit import APIKeyGuard, bearer_token, printable
 from localai_tw.web.errors import APIError
 from localai_tw.frontend.api.openai import (
@@ -169,7 +170,24 @@ class OpenAIResource(Resource):
         self._api_keys = api_keys
 
     def render(self, request):
+        child = self.children.get(request.postpath[0]) if request.postpath else None
+        if child is not None:  # another protocol's route under /v1 (routes.py: /v1/messages)
+            request.prepath.append(request.postpath.pop(0))
+            return child.render(request)
         return self._render(request, _route_segments(request.postpath))
+
+    @property
+    def context(self) -> Context:
+        """The replica's side of every answer (router, deadlines, clock), for the other
+        protocols' routes that run the shared chat turn."""
+        return self._context
+
+    def exchange(self, request, segments: list[bytes]) -> Exchange:
+        """A new :class:`Exchange` for ``request``, counted under ``segments``' endpoint label
+        and naming its nodes as this API does."""
+        exchange = Exchange(request, self._names, self._metrics.request(segments))
+        replica_metrics.trace_hops(exchange.record.hops)  # this request's context only
+        return exchange
 
     def unprefixed(self) -> Resource:
         """The resource to mount at each of :func:`unprefixed_roots`: it answers the paths of
@@ -185,9 +203,7 @@ class OpenAIResource(Resource):
     async def _serve(self, request, segments: list[bytes] | None) -> None:
         """``segments``: the path below ``/v1``, or None for an unprefixed path that is not in
         :data:`UNPREFIXED` (a 404 after the key check, counted as ``other``)."""
-        exchange = Exchange(request, self._names,
-                            self._metrics.request(segments if segments is not None else ()))
-        replica_metrics.trace_hops(exchange.record.hops)  # this request's context only
+        exchange = self.exchange(request, segments if segments is not None else [])
         try:
             await self._dispatch(request, exchange, segments)
         except AlreadyAnswered:
@@ -253,6 +269,8 @@ class OpenAIResource(Resource):
             raise OpenAIError(405, f"use {allowed.decode()} on this endpoint",
                               "invalid_request_error", code="method_not_allowed",
                               headers={"Allow": allowed.decode()})
+        if method == b"POST":  # a big JSON body is decoded off the reactor first
+            await prepare_json_body(request, self._context.reactor)
         await answer(self._context, request, exchange, *args)
 
 

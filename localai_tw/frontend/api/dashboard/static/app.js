@@ -1,12 +1,14 @@
 // localai-tw dashboard: polls the admin API and the OpenAI API every 2 s with the API key the
-// operator typed (kept in sessionStorage only; the page itself holds no secret).  Every value
+// operator typed (kept in sessionStorage; in localStorage only when ticked on the chat or
+// gallery page; the page itself holds no secret).  Every value
 // from the server goes into the page as text (textContent), never as HTML.
 "use strict";
 
 const POLL_MS = 2000;
 const KEY = "localai-tw-api-key";
 
-function apiKey() { return sessionStorage.getItem(KEY) || ""; }
+// The chat and gallery pages may keep it in localStorage instead ("remember", key.js).
+function apiKey() { return sessionStorage.getItem(KEY) || localStorage.getItem(KEY) || ""; }
 
 function headers(extra) {
   const h = Object.assign({}, extra || {});
@@ -422,6 +424,7 @@ document.addEventListener("DOMContentLoaded", () => {
   });
   document.getElementById("key-forget").addEventListener("click", () => {
     sessionStorage.removeItem(KEY);
+    localStorage.removeItem(KEY);
     poll();
   });
   document.getElementById("play-form").addEventListener("submit", play);
