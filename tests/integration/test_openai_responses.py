@@ -71,6 +71,7 @@ async def test_create_retrieve_continue_on_another_replica_and_delete(cluster):
             model="echo-chat", input=[{"role": "user", "content": "second words"}],
             previous_response_id=first.id)
         fetched = client(base_b).responses.retrieve(first.id)
+        unprefixed = client(cluster.base_url(a)).responses.retrieve(first.id)  # LocalAI's path
         items = client(base_a).responses.input_items.list(second.id)
         try:
             client(base_b, OTHER).responses.retrieve(first.id)
@@ -89,10 +90,11 @@ async def test_create_retrieve_continue_on_another_replica_and_delete(cluster):
             after_delete = None
         except openai.NotFoundError as e:
             after_delete = e.status_code
-        return first, second, fetched, items, stranger, stranger_continues, after_delete
+        return (first, second, fetched, items, stranger, stranger_continues, after_delete,
+                unprefixed)
 
-    first, second, fetched, items, stranger, stranger_continues, after_delete = \
-        await threads.deferToThread(converse)
+    (first, second, fetched, items, stranger, stranger_continues, after_delete,
+     unprefixed) = await threads.deferToThread(converse)
     assert first.status == "completed" and first.object == "response"
     assert first.id.startswith("resp_")
     assert first.output_text.split() == ["system=be", "brief", "user=first", "words"]
@@ -105,6 +107,7 @@ async def test_create_retrieve_continue_on_another_replica_and_delete(cluster):
     assert words[:2] == ["user=first", "words"] and "user=second" in words
     assert "system=be" not in words[:1]
     assert fetched.id == first.id and fetched.output_text == first.output_text
+    assert unprefixed.id == first.id
     assert [item.type for item in items.data] == ["message"]
     assert items.data[0].content[0].text == "second words"
     assert stranger == 404 and stranger_continues == (404, "previous_response_id")

@@ -218,6 +218,9 @@ def test_stored_routes_without_a_store_and_wrong_methods(site):
                  code="method_not_allowed")
     assert_error(call(site, "GET", "/v1/responses/resp_1/other"), 404, code="unknown_url")
     assert_error(call(site, "GET", "/v1/responses"), 405, code="method_not_allowed")
+    # LocalAI's unprefixed twins answer the same
+    assert_error(call(site, "GET", "/responses/resp_1"), 404, code="not_found")
+    assert_error(call(site, "GET", "/responses/resp_1/cancel"), 405, code="method_not_allowed")
 
 
 def test_an_openai_error_is_what_the_module_raises():

@@ -287,4 +287,6 @@ class _Unprefixed(Resource):
     def render(self, request):
         key = tuple(request.prepath[-1:] + _route_segments(request.postpath))
         route = UNPREFIXED.get(key)
+        if route is None and len(key) >= 2 and key[0] == b"responses":
+            route = key  # /responses/{id}[/cancel|/input_items], as LocalAI serves them
         return self._openai._render(request, list(route) if route is not None else None)
