@@ -21,6 +21,8 @@ import pytest
 import pytest_twisted
 from twisted.internet import threads
 
+from localai_tw.frontend.api.openai import responses_api
+
 from .inference_harness import ADMIN
 from .support import eventually
 
@@ -115,7 +117,8 @@ async def test_create_retrieve_continue_on_another_replica_and_delete(cluster):
 
 
 @pytest_twisted.ensureDeferred
-async def test_stream_event_sequence_and_retrieve_from_the_other_replica(cluster):
+async def test_stream_event_sequence_and_retrieve_from_the_other_replica(cluster,
+                                                                        monkeypatch):
     a, b, base_a, base_b = await two_replicas(cluster, "stream")
 
     def stream():
@@ -141,6 +144,18 @@ async def test_stream_event_sequence_and_retrieve_from_the_other_replica(cluster
     # stored before response.completed was sent: the other replica has it
     assert fetched.status == "completed" and fetched.output_text == text
     assert [e.type for e in raw][-1] == "response.completed"
+    # a stored conversation over the bound is not continued (the bound made tiny here)
+    monkeypatch.setattr(responses_api, "MAX_CONVERSATION_BYTES", 10)
+
+    def continue_it():
+        try:
+            client(base_b).responses.create(model="echo-chat", input="more",
+                                            previous_response_id=final.id)
+        except openai.BadRequestError as e:
+            return e.code, e.param
+
+    assert await threads.deferToThread(continue_it) == (
+        "context_length_exceeded", "previous_response_id")
 
 
 @pytest_twisted.ensureDeferred

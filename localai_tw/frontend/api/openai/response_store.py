@@ -17,7 +17,7 @@ statement and ``wake`` in.
 Bounded: rows older than :data:`RETENTION_DAYS` are deleted, :data:`SWEEP_BATCH` at a time,
 whenever a response is stored; one key has at most :data:`MAX_OPEN_BACKGROUND_PER_OWNER`
 queued or running background responses; a row's size is bounded by the request body cap and
-the chat API's message cap (checked by the caller).  A finished row never changes again: a
+the chat API's message cap and :data:`MAX_CONVERSATION_BYTES` (checked by the caller).  A finished row never changes again: a
 run's final write is fenced on ``status IN ('queued', 'in_progress')``, so a cancel (or a
 delete) wins over a run that ends after it.
 
@@ -44,6 +44,9 @@ RETENTION_DAYS = 30
 SWEEP_BATCH = 100
 #: Queued or running background responses one key may have at once; more are refused (429).
 MAX_OPEN_BACKGROUND_PER_OWNER = 16
+#: Largest stored conversation (its JSON text) a response may continue: each turn adds its
+#: input (at most the body cap) and its answer, so a long chain is refused, not stored twice.
+MAX_CONVERSATION_BYTES = 32 * 1024 * 1024
 #: Background responses one replica runs at once (its consumer's slots).
 BACKGROUND_SLOTS = 4
 #: The claim kind that drives background responses (``work_claims.kind``).
@@ -53,7 +56,7 @@ CANCEL_SUBJECT = "responses.cancel"
 
 RUNNING = ("queued", "in_progress")
 _COLUMNS = ("id, owner, status, background, instance_id, body, input_items, conversation,"
-            " chat_request")
+            " chat_request, octet_length(conversation::text)")
 
 
 def claim_id(response_id: str) -> str:
@@ -70,7 +73,8 @@ class StoredResponse:
 
     def __init__(self, row):
         (self.id, self.owner, self.status, self.background, self.instance_id, self.body,
-         self.input_items, self.conversation, self.chat_request) = row
+         self.input_items, self.conversation, self.chat_request,
+         self.conversation_bytes) = row
 
     @property
     def running(self) -> bool:

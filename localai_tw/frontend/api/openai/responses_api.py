@@ -44,6 +44,7 @@ from localai_tw.frontend.api.openai.response_input import (
     read_request,
 )
 from localai_tw.frontend.api.openai.response_store import (
+    MAX_CONVERSATION_BYTES,
     BackgroundRuns,
     ResponseStore,
     TooManyBackground,
@@ -205,6 +206,11 @@ async def answer_create(context: Context, request, exchange: Exchange) -> None:
             raise invalid(f"response {ask.previous_response_id!r} is still "
                           f"{previous.status}: continue it once it finished",
                           "previous_response_id", code="invalid_value")
+        if previous.conversation_bytes > MAX_CONVERSATION_BYTES:
+            raise invalid(f"the conversation of {ask.previous_response_id!r} is too long to "
+                          f"continue here (over {MAX_CONVERSATION_BYTES // (1024 * 1024)} MiB): "
+                          "start a new one", "previous_response_id",
+                          code="context_length_exceeded")
         conversation = list(previous.conversation)
         continue_from(ask, conversation)
     turn = await prepare_turn(context, Fields(ask.chat), exchange)
