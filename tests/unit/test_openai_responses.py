@@ -212,6 +212,8 @@ def test_a_failure_after_the_stream_started_is_response_failed(site, router):
 
 def test_stored_routes_without_a_store_and_wrong_methods(site):
     assert_error(call(site, "GET", "/v1/responses/resp_1"), 404, code="not_found")
+    assert_error(call(site, "GET", "/v1/responses/" + "a" * 200), 404, code="not_found")
+    assert_error(call(site, "GET", "/v1/responses/r%C3%A9sp"), 404, code="not_found")
     assert_error(call(site, "GET", "/v1/responses/resp_1/input_items"), 404, code="not_found")
     assert_error(call(site, "PUT", "/v1/responses/resp_1"), 405, code="method_not_allowed")
     assert_error(call(site, "GET", "/v1/responses/resp_1/cancel"), 405,

@@ -42,6 +42,7 @@ from localai_tw.frontend.api.openai.response_input import (
     continue_from,
     new_id,
     read_request,
+    response_id as response_id_of,
 )
 from localai_tw.frontend.api.openai.response_store import (
     MAX_CONVERSATION_BYTES,
@@ -503,8 +504,8 @@ async def answer_item(context: Context, request, exchange: Exchange,
     """``/v1/responses/{id}`` (GET, DELETE), ``/{id}/cancel`` (POST) and
     ``/{id}/input_items`` (GET)."""
     try:
-        response_id = segments[0].decode("ascii")
-    except UnicodeDecodeError:
+        response_id = response_id_of(segments[0].decode("ascii"), "response_id")
+    except (UnicodeDecodeError, OpenAIError):
         raise _not_found(segments[0].decode("utf-8", "replace")) from None
     tail = segments[1:]
     method = request.method.upper()
