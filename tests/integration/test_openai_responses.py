@@ -21,7 +21,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import threads
 
-from localai_tw.frontend.api.openai import responses_api
+from localai_tw.frontend.api.openai import response_store, responses_api
 
 from .inference_harness import ADMIN
 from .support import eventually
@@ -75,6 +75,12 @@ async def test_create_retrieve_continue_on_another_replica_and_delete(cluster):
         fetched = client(base_b).responses.retrieve(first.id)
         unprefixed = client(cluster.base_url(a)).responses.retrieve(first.id)  # LocalAI's path
         items = client(base_a).responses.input_items.list(second.id)
+        many = client(base_a).responses.create(
+            model="echo-chat", store=True,
+            input=[{"role": "user", "content": str(n)} for n in range(5)])
+        page = client(base_b).responses.input_items.list(many.id, order="asc", limit=2)
+        rest = client(base_b).responses.input_items.list(many.id, order="asc",
+                                                         after=page.last_id)
         try:
             client(base_b, OTHER).responses.retrieve(first.id)
             stranger = None
@@ -93,10 +99,10 @@ async def test_create_retrieve_continue_on_another_replica_and_delete(cluster):
         except openai.NotFoundError as e:
             after_delete = e.status_code
         return (first, second, fetched, items, stranger, stranger_continues, after_delete,
-                unprefixed)
+                unprefixed, page, rest)
 
     (first, second, fetched, items, stranger, stranger_continues, after_delete,
-     unprefixed) = await threads.deferToThread(converse)
+     unprefixed, page, rest) = await threads.deferToThread(converse)
     assert first.status == "completed" and first.object == "response"
     assert first.id.startswith("resp_")
     assert first.output_text.split() == ["system=be", "brief", "user=first", "words"]
@@ -113,6 +119,8 @@ async def test_create_retrieve_continue_on_another_replica_and_delete(cluster):
     assert [item.type for item in items.data] == ["message"]
     assert items.data[0].content[0].text == "second words"
     assert stranger == 404 and stranger_continues == (404, "previous_response_id")
+    assert [i.content[0].text for i in page.data] == ["0", "1"] and page.has_more
+    assert [i.content[0].text for i in rest.data] == ["2", "3", "4"] and not rest.has_more
     assert after_delete == 404
 
 
@@ -248,7 +256,8 @@ async def runner(frontends, response_id: str):
 
 
 @pytest_twisted.ensureDeferred
-async def test_background_cancelled_through_a_replica_that_does_not_run_it(cluster):
+async def test_background_cancelled_through_a_replica_that_does_not_run_it(cluster,
+                                                                          monkeypatch):
     a, b, base_a, base_b = await two_replicas(cluster, "bg", **{"echo-slow": SLOW,
                                                                "echo-fast": FAST})
     started = await threads.deferToThread(lambda: client(base_a).responses.create(
@@ -256,6 +265,17 @@ async def test_background_cancelled_through_a_replica_that_does_not_run_it(clust
     assert started.status == "queued" and started.background is True
     running_it = await runner((a, b), started.id)
     other = cluster.base_url(b if running_it is a else a) + "/v1"
+    # one key's open background responses are bounded (the bound made 1 here)
+    monkeypatch.setattr(response_store, "MAX_OPEN_BACKGROUND_PER_OWNER", 1)
+
+    def one_more():
+        try:
+            client(base_b).responses.create(model="echo-fast", input="x", background=True)
+        except openai.RateLimitError as e:
+            return e.status_code, e.code
+
+    assert await threads.deferToThread(one_more) == (429, "too_many_background_responses")
+    monkeypatch.undo()
     cancelled = await threads.deferToThread(lambda: client(other).responses.cancel(started.id))
     assert cancelled.status == "cancelled"
     await eventually(lambda: started.id not in running(running_it), timeout=30,
