@@ -16,10 +16,10 @@ statement and ``wake`` in.
 
 Bounded: rows older than :data:`RETENTION_DAYS` are deleted, :data:`SWEEP_BATCH` at a time,
 whenever a response is stored; one key has at most :data:`MAX_OPEN_BACKGROUND_PER_OWNER`
-queued or running background responses; a row's size is bounded by the request body cap and
-the chat API's message cap and :data:`MAX_CONVERSATION_BYTES` (checked by the caller).  A finished row never changes again: a
-run's final write is fenced on ``status IN ('queued', 'in_progress')``, so a cancel (or a
-delete) wins over a run that ends after it.
+queued or running background responses; a row's size is bounded by the request body cap, the
+chat API's message cap and :data:`MAX_CONVERSATION_BYTES` (checked by the caller).  A finished
+row never changes again: a run's final write is fenced on ``status IN ('queued',
+'in_progress')``, so a cancel (or a delete) wins over a run that ends after it.
 
 What this module must never do: return a row to a key that is not its owner, store a key,
 block the reactor, or cancel a statement mid-way (every statement is shielded).
