@@ -57,7 +57,9 @@ setup(
             "pytest-twisted>=1.14,<2",
             "hypothesis>=6.100,<7",
             "grpcio-tools>=1.85.1,<2",
-            "openai>=1.50,<4",
+            # the Responses API's client (responses.create, stream, parse, input_items) is
+            # tests/integration/test_openai_responses.py's; 3.60.0 tested.
+            "openai>=1.66,<4",
             # Ollama's own client drives /api/chat ... (tests/integration/test_ollama_client.py);
             # 0.6.3 tested.
             "ollama>=0.4,<1",

@@ -51,6 +51,7 @@ ENDPOINTS = {
     **{(b"ollama", name): "ollama_" + name.decode() for name in (
         b"chat", b"generate", b"embed", b"embeddings", b"show", b"tags", b"ps", b"version")},
     (b"messages",): "messages",  # the Anthropic Messages API (/v1/messages and /messages)
+    (b"responses",): "responses",  # the Responses API (/v1/responses and /responses)
 }
 
 #: A client that left before its answer was complete (nginx's code for it).
@@ -69,6 +70,8 @@ def endpoint_of(postpath: Iterable[bytes]) -> str:
         return ENDPOINTS[tuple(segments)]
     if len(segments) >= 2 and segments[0] == b"models":
         return "model"
+    if len(segments) >= 2 and segments[0] == b"responses":
+        return "response"  # /v1/responses/{id}[/cancel|/input_items]
     return ENDPOINTS.get(tuple(segments), "other")
 
 

@@ -97,7 +97,7 @@ from localai_tw.cluster.membership import (
 )
 from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
-from localai_tw.bus.claims import ClaimConsumer, ClaimQueue
+from localai_tw.bus.claims import ClaimConsumer, ClaimQueue, enqueue_statement
 from localai_tw.bus.pgbus import PgBus
 from localai_tw.jobs.kinds import JobKinds
 from localai_tw.db.pool import Database, DatabaseUnavailable, PoolClosed
@@ -122,6 +122,14 @@ from localai_tw.frontend.gallery.installs import GalleryJobs
 from localai_tw.frontend.gallery.index import parse_galleries
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource, StartingGate
 from localai_tw.frontend.api.kit import APIKeyGuard, ClusterParts
+from localai_tw.frontend.api.openai.context import Context
+from localai_tw.frontend.api.openai.response_store import (
+    BACKGROUND_SLOTS,
+    CLAIM_KIND as RESPONSE_CLAIM_KIND,
+    BackgroundRuns,
+    ResponseStore,
+)
+from localai_tw.frontend.api.openai.responses_api import ReplicaResponses, run_claimed
 from localai_tw.web.listener import BoundedSite
 from localai_tw.web.hosts import HostCheck
 from localai_tw.frontend.parts import (
@@ -310,6 +318,8 @@ class Replica:
     channel_sweep: Any = None
     #: Adopts or stops a returning worker's backends (``frontend/inference/reconcile.py``).
     reconciler: Any = None
+    #: The Responses API's store and background runs, with their claim consumer.
+    responses: ReplicaResponses | None = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order): the jobs
@@ -324,7 +334,9 @@ class Replica:
                   if s is not None],
                 self.bus, self.placements,
                 *([self.gallery] if self.gallery is not None else []),
-                self.jobs.stats, self.jobs.consumer]
+                self.jobs.stats,
+                *([self.responses.consumer] if self.responses is not None else []),
+                self.jobs.consumer]
 
     def cluster_parts(self) -> ClusterParts:
         """What the admin and worker APIs work with."""
@@ -368,6 +380,21 @@ class Replica:
             return (await self.nodes.get_node(node_id)).name
         except NodeNotFound:
             return None
+
+
+def _responses(db, queue: ClaimQueue, bus: PgBus, inference, instance_id: str,
+               reactor) -> ReplicaResponses:
+    """The Responses API's store, and the consumer every replica runs of its background
+    responses (claims of kind ``response``; docs/responses-api.md)."""
+    store = ResponseStore(db, instance_id, enqueue=enqueue_statement, wake=queue.wake)
+    runs = BackgroundRuns(bus)
+    context = Context(inference, reactor=reactor)
+    consumer = ClaimConsumer(queue, instance_id, [RESPONSE_CLAIM_KIND],
+                             functools.partial(run_claimed, store, runs, context), bus=bus,
+                             max_in_flight=BACKGROUND_SLOTS, on_exhausted=store.exhausted,
+                             reactor=reactor)
+    consumer.name = "responses"
+    return ReplicaResponses(store, runs, consumer)
 
 
 async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
@@ -492,6 +519,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         allow_private=config.allow_private_downloads)
     gallery = GalleryJobs(db, bus, config.instance_id, config.models_dir, loader.downloads,
                           config.galleries, reactor, catalog=catalog, backends=backends)
+    responses = _responses(db, queue, bus, inference, config.instance_id, reactor)
     return Replica(
         instance_id=config.instance_id, reconnect_grace=grace, db=db, nodes=nodes, fence=fence,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
@@ -500,6 +528,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         membership=membership, health=health, bus=bus, placements=placements, jobs=jobs,
         metrics=metrics, use=use, lifecycle=lifecycle, watchdog=watchdog, preloader=preloader,
         scaler=scaler, gallery=gallery, channel_sweep=channel_sweep, reconciler=reconciler,
+        responses=responses,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)

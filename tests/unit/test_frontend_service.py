@@ -42,7 +42,7 @@ def wired():
     replica = SimpleNamespace(
         cluster_parts=lambda: ClusterParts(db=None, nodes=None, fence=None,
                                            instance_id="replica-u"),
-        db=None, gallery=None,  # nothing below reads them: the tree only routes here
+        db=None, gallery=None, responses=None,  # nothing below reads them: the tree only routes
         inference=object(), node_name=lambda node_id: None, nodes=None, tunnels=None,
         peer_links=SimpleNamespace(resource=Resource), metrics=ReplicaMetrics(), control=None,
         jobs=SimpleNamespace(store=None, kinds=None, fanout=None))

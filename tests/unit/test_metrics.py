@@ -11,6 +11,8 @@ def test_endpoints_are_a_fixed_set():
     assert endpoint_of([b"chat", b"completions"]) == "chat"
     assert endpoint_of([b"embeddings", b""]) == "embeddings"
     assert endpoint_of([b"models", b"some", b"name"]) == "model"
+    assert endpoint_of([b"responses"]) == "responses"
+    assert endpoint_of([b"responses", b"resp_1", b"cancel"]) == "response"  # ids: no label
     assert endpoint_of([b"anything-a-client-sends"]) == "other"
     assert (endpoint_of([b"tokenize"]), endpoint_of([b"rerank"])) == ("tokenize", "rerank")
     assert endpoint_of([b"detokenize"]) == "detokenize"

@@ -45,6 +45,7 @@ from localai_tw.frontend.api.openai import (
     unprefixed_aliases,
     unprefixed_roots,
 )
+from localai_tw.frontend.api.openai.responses_api import ResponsesParts
 from localai_tw.frontend.api.openai.transcription import TRANSCRIPTION_MAX_UPLOAD_BYTES
 from localai_tw.frontend.api.scheduling import NodesWithScheduling, SchedulingResource
 from localai_tw.frontend.api.traces import TraceRing, TracesResource
@@ -224,7 +225,9 @@ class Wiring:
     def openai(self) -> OpenAIResource:
         return OpenAIResource(self.replica.inference, api_keys=self.api_keys,
                               reactor=self.reactor, node_names=self.replica.node_name,
-                              metrics=self.replica.metrics, generated=self.generated)
+                              metrics=self.replica.metrics, generated=self.generated,
+                              responses=ResponsesParts.of(self.replica.responses,
+                                                          self.api_keys))
 
     @functools.cached_property
     def ollama(self) -> OllamaAPI:

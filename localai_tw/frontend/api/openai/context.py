@@ -25,6 +25,9 @@ class Context:
     :param now: wall-clock seconds for ``created`` stamps.
     :param generated: the shared store of generated files (``frontend/api/generated.py``), or
         None (images are then answered as ``b64_json`` only).
+    :param responses: the Responses API's store and background runs
+        (``responses_api.ResponsesParts``), or None (nothing is stored: only ``store: false``
+        requests are answered).
     """
 
     router: IInferenceRouter
@@ -32,6 +35,7 @@ class Context:
     reactor: Any = None
     now: Callable[[], float] = field(default=time.time)
     generated: Any = None
+    responses: Any = None
 
     def clock(self):
         reactor = self.reactor

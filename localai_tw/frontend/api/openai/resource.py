@@ -1,8 +1,8 @@
 """``/v1`` as one Twisted resource: :class:`OpenAIResource` checks the API key, routes each
 path and method to its endpoint family (``chat``, ``completions``, ``embeddings``,
 ``models``, ``capabilities``, ``tokenize`` (and detokenize), ``rerank``, ``speech``,
-``transcription``, ``images``), and turns whatever a family raises into an OpenAI-shaped
-answer.
+``transcription``, ``images``, ``responses_api``), and turns whatever a family raises into an
+OpenAI-shaped answer.
 
 The routes LocalAI also serves without ``/v1`` (``/chat/completions``, ``/embeddings``,
 ``/models``, ``/tts`` ...) are the entries of :data:`UNPREFIXED`: :meth:`OpenAIResource.unprefixed`
@@ -47,6 +47,7 @@ from localai_tw.frontend.api.openai import (
     images,
     models,
     rerank,
+    responses_api,
     speech,
     tokenize,
     transcription,
@@ -71,6 +72,7 @@ ROUTES = {
     (b"audio", b"speech"): (b"POST", speech.answer),
     (b"audio", b"transcriptions"): (b"POST", transcription.answer),
     (b"images", b"generations"): (b"POST", images.answer),
+    (b"responses",): (b"POST", responses_api.answer_create),
 }
 
 #: Paths served without the ``/v1`` prefix, as LocalAI serves them (``core/http/routes/
@@ -91,6 +93,7 @@ UNPREFIXED: dict[tuple[bytes, ...], tuple[bytes, ...]] = {
     (b"tts",): (b"audio", b"speech"),
     (b"audio", b"transcriptions"): (b"audio", b"transcriptions"),
     (b"images", b"generations"): (b"images", b"generations"),
+    (b"responses",): (b"responses",),
 }
 
 
@@ -146,6 +149,8 @@ class OpenAIResource(Resource):
     :param api_keys: the frontend's :class:`APIKeyGuard`; checked only when it has keys.
     :param deadline_seconds: per-request deadline handed to the router (None: its default).
     :param reactor: the clock for deadlines (``seconds()``); ``now`` gives ``created`` stamps.
+    :param responses: the Responses API's store and runs (``responses_api.ResponsesParts``);
+        None: nothing is stored (``store: false`` only).
     :param node_names: ``node_id -> name`` (or a Deferred of it) for the ``X-LocalAI-Node``
         header; without it the header names nodes by id.
     """
@@ -157,10 +162,10 @@ class OpenAIResource(Resource):
                  now: Callable[[], float] = time.time,
                  node_names: Callable[[str], Any] | None = None,
                  metrics: replica_metrics.ReplicaMetrics = replica_metrics.DISCARD,
-                 generated=None):
+                 generated=None, responses=None):
         super().__init__()
         self._metrics = metrics
-        self._context = Context(router, deadline_seconds, reactor, now, generated)
+        self._context = Context(router, deadline_seconds, reactor, now, generated, responses)
         self._names = NodeNames(node_names) if node_names is not None else None
         self._api_keys = api_keys
 
@@ -254,6 +259,10 @@ class OpenAIResource(Resource):
                 raise OpenAIError(404, "no such model; GET /v1/models lists the models",
                                   "invalid_request_error",
                                   param="model", code="model_not_found") from None
+        elif len(segments) >= 2 and segments[0] == b"responses":
+            # /responses/{id}[/cancel|/input_items]: the family checks the method
+            allowed, answer = method, responses_api.answer_item
+            args = (segments[1:],)
         else:
             raise OpenAIError(404, f"unknown endpoint {printable(path_text(request))}",
                               "invalid_request_error", code="unknown_url")
@@ -279,4 +288,6 @@ class _Unprefixed(Resource):
     def render(self, request):
         key = tuple(request.prepath[-1:] + _route_segments(request.postpath))
         route = UNPREFIXED.get(key)
+        if route is None and len(key) >= 2 and key[0] == b"responses":
+            route = key  # /responses/{id}[/cancel|/input_items], as LocalAI serves them
         return self._openai._render(request, list(route) if route is not None else None)

@@ -129,12 +129,15 @@ class Exchange:
         known = self.names.known if self.names is not None else (lambda _: None)
         return ", ".join(known(node) or node for node in self.nodes).encode("ascii", "replace")
 
-    def send_json(self, status: int, body: dict, headers: Mapping[str, str] | None = None):
+    def send_json(self, status: int, body: dict, headers: Mapping[str, str] | None = None,
+                  usage: dict | None = None):
+        """``usage``: the token counts for the metrics in OpenAI's chat shape, when the
+        body's ``usage`` has another shape (the Responses API's)."""
         request = self.request
         if self.gone or request.finished or request.channel is None:
             return
         payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        self.record.usage(body.get("usage"))
+        self.record.usage(usage if usage is not None else body.get("usage"))
         request.setResponseCode(status)
         for name, value in JSON_HEADERS:
             request.setHeader(name, value)
