@@ -35,6 +35,9 @@ the caller's deadline, a cancellation
 Each call is counted in flight on this replica while it runs, and its use is touched (both
 in ``usage.ModelUse``: memory only, flushed to ``node_models.last_used`` once a second).
 Unloads are :mod:`.lifecycle`'s.
+``Predict`` and ``PredictStream`` of a ``prefix_cache`` model carry the prompt's prefix chain
+(``prefix_index.py``) to the chooser, which prefers the replica warm for it; a call that
+succeeded is remembered there and told to every replica (``prefix_fanout.py``).
 The warm path reads no database: the loaded placements come from the chooser's
 ``PlacementCache`` (``placement_cache.py``).  A call that fails with the worker's answer, a
 routing fact or an absence drops that model's entry first (``NodeChooser.forget``), then the
@@ -130,8 +133,11 @@ class InferenceRouter:
 
     def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
                  loader: ColdLoader, clients, reactor, scratch=None, *, use=None,
-                 lifecycle=None, scaler=None, crashes=None):
+                 lifecycle=None, scaler=None, crashes=None, prefix=None):
         self.use = use
+        #: ``prefix_fanout.PrefixRouting``: chat and completion calls go where their prompt's
+        #: head is warm, and what was served is remembered (None: no prefix routing).
+        self.prefix = prefix
         #: ``crashes.CrashProbe``: asks the worker whether a failed call's backend crashed.
         self.crashes = crashes
         self.lifecycle = lifecycle
@@ -170,8 +176,8 @@ class InferenceRouter:
             return served
 
         return self._serve(name, options, deadline,
-                           lambda client, req, dl: client.call("Predict", req, dl)
-                           ).addCallback(checked)
+                           lambda client, req, dl: client.call("Predict", req, dl),
+                           by_prefix=True).addCallback(checked)
 
     def embed(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
@@ -272,7 +278,7 @@ class InferenceRouter:
             return not started  # once a reply went out, a retry would repeat it
 
         return self._serve(name, options, deadline, call, retry_allowed,
-                           on_loading=on_loading)
+                           on_loading=on_loading, by_prefix=True)
 
     # -- extra (not in the interface) -------------------------------------------------------
 
@@ -302,18 +308,22 @@ class InferenceRouter:
 
     def _serve(self, name, options, deadline, call: Callable,
                retry_allowed: Callable[[], bool] = lambda: True,
-               on_loading: Callable[[str], object] | None = None) -> defer.Deferred:
+               on_loading: Callable[[str], object] | None = None,
+               by_prefix: bool = False) -> defer.Deferred:
         config = self.catalog.get(name)
         if config is None:
             return defer.fail(ModelNotFound(name))
+        chain = (self.prefix.chain_for(config, options)
+                 if by_prefix and self.prefix is not None else ())
         return defer.ensureDeferred(self._run(config, options, deadline, call, retry_allowed,
-                                              on_loading))
+                                              on_loading, chain))
 
     async def _placement(self, config: ModelConfig, exclude: frozenset[str],
-                         deadline, on_loading=None) -> Placement:
+                         deadline, on_loading=None, chain: tuple[int, ...] = ()) -> Placement:
         hops = current_hops()
         since = hops.now()
-        placement = await self.chooser.loaded_placement(config, exclude)
+        placement = await (self.chooser.loaded_placement(config, exclude, chain) if chain
+                           else self.chooser.loaded_placement(config, exclude))
         since = hops.add("placement", since)
         if placement is not None:
             return placement
@@ -327,7 +337,8 @@ class InferenceRouter:
         finally:  # the wait for the lock, then the load it drove (``LoadLock`` marks both)
             hops.loaded(since)
 
-    async def _run(self, config, options, deadline, call, retry_allowed, on_loading=None):
+    async def _run(self, config, options, deadline, call, retry_allowed, on_loading=None,
+                   chain: tuple[int, ...] = ()):
         if on_loading is not None:
             hook, told = on_loading, []
 
@@ -343,7 +354,7 @@ class InferenceRouter:
                 raise errors.CallerDeadlineExceeded(f"serving model {config.name}")
             try:
                 placement = await self._placement(config, frozenset(exclude), deadline,
-                                                  on_loading)
+                                                  on_loading, chain)
             except NoNodeAvailable:
                 if last_error is not None:
                     raise last_error from None
@@ -414,4 +425,6 @@ class InferenceRouter:
                 self.use.touch(placement.node_id, placement.model_name)
             else:
                 self.chooser.touch(placement)
+            if chain:  # its KV cache now holds this prompt's head (prefix_fanout.py)
+                self.prefix.observe(config.name, chain, placement.node_id)
             return Served(value, placement.node_id)
