@@ -83,27 +83,25 @@ async def test_the_next_turn_through_another_replica_goes_to_the_same_worker(clu
 
 @pytest_twisted.ensureDeferred
 async def test_the_load_guard_spreads_a_hot_prefix_and_counts_it(cluster):
-    """Break: make ``prefix_index.eligible`` return every node (no guard): the third slow
-    call goes to the warm worker too, and nothing is counted as forced away."""
+    """Break: make ``prefix_index.eligible`` return every node (no guard): the second call
+    queues behind the slow one on the warm worker, and nothing is counted as forced away."""
     a, b, w1, w2 = await two_replicas_of(cluster, "hot")
     hot = "user: the same popular question everybody asks, " * 12 + "\n"
     warm = (await a.replica.inference.predict("hot", turn(hot))).served_by
     other = w2.node_id if warm == w1.node_id else w1.node_id
     use = a.replica.use
-    slow = []
-    for held in (1, 2):  # two calls of A on the warm worker: within the guard
-        slow.append(a.replica.inference.predict("hot", turn(hot, **{"echo.delay_ms": "20000"})))
-        await eventually(lambda: use.in_flight(warm, "hot") == held, timeout=15,
-                         what=f"{held} calls on the warm worker")
+    # one slow call of A on the warm worker...
+    slow = a.replica.inference.predict("hot", turn(hot, **{"echo.delay_ms": "20000"}))
+    await eventually(lambda: use.in_flight(warm, "hot") == 1, timeout=15,
+                     what="a call on the warm worker")
     assert use.in_flight(other, "hot") == 0
-    # a third: the warm worker runs 2, the other none (2 > 0 * 1.5 + 1): forced away
+    # ...so the next one with the same prefix goes to the idle worker: forced away
     spread = await a.replica.inference.predict("hot", turn(hot))
     assert spread.served_by == other
-    assert a.replica.prefix.pressure.count("hot") == 1
+    # (the replica scaler read the pressure at that call and reset it: max_replicas is not
+    # set, so it loaded nothing)
     metrics = a.replica.metrics.registry.get_sample_value(
         "localai_prefix_routes_total", {"model": "hot", "outcome": "forced-away"})
     assert metrics == 1.0
-    for d in slow:
-        d.cancel()
-    results = await defer.DeferredList(slow, consumeErrors=True)
-    assert len(results) == 2
+    slow.cancel()
+    await defer.DeferredList([slow], consumeErrors=True)

@@ -27,6 +27,7 @@ never decide anything but a preference among the candidates it is handed.
 
 from __future__ import annotations
 
+import random
 from typing import Any, Mapping, Sequence
 
 from twisted.application.service import Service
@@ -77,6 +78,7 @@ class PrefixRouting(Service):
         self.index = index if index is not None else PrefixIndex(reactor, ttl=settings.ttl)
         self.pressure = pressure if pressure is not None else Pressure(reactor)
         self._reactor = reactor
+        self._random = random.Random()
         self._bus = bus
         self._metrics = metrics
         self._subscriptions: list = []
@@ -100,7 +102,8 @@ class PrefixRouting(Service):
         """The preferred node among ``loads`` (node -> calls in flight here), or None."""
         if not chain or len(loads) < 2:
             return None
-        choice = choose(chain, self.index.matches(model, chain), loads, self.settings)
+        choice = choose(chain, self.index.matches(model, chain), loads, self.settings,
+                        self._random.choice)
         if choice.forced_away:
             self.pressure.record(model)
             self._metrics.prefix_routed(model, "forced-away")

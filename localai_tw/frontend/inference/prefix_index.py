@@ -13,14 +13,18 @@ warm from what the cluster routed (LocalAI's "guessed" provider):
   offset 0: ``h[0] = H(block 0)``, ``h[i] = H(h[i-1], block i)``; at most ``max_depth``
   blocks (the head: deeper prompts agreeing on the head are treated alike).  BLAKE2b, so every
   replica computes the same values.
-- :class:`PrefixIndex` -- per model, hash -> the node that last served a prompt with that
-  prefix, and when; entries expire ``ttl`` seconds after they were last seen (reactor clock:
+- :class:`PrefixIndex` -- per model, hash -> the nodes that served a prompt with that
+  prefix (up to four), and when; entries expire ``ttl`` seconds after they were last seen (reactor clock:
   the index is this process's memory, fed by every replica through the bus,
   ``prefix_fanout.py``), at most ``max_entries`` kept (the least recently seen go first).
 - :func:`choose` -- the load guard and the choice: among the candidates, those whose in-flight
-  count is within an absolute (``min + abs``) and a relative (``min * rel + 1``) slack of the
-  least loaded are eligible; the eligible node with the deepest match wins when its match
-  covers at least ``min_match`` of the chain; otherwise no preference (the chooser's usual
+  count is within an absolute (``min + abs``) and a relative (``min * rel``) slack of the
+  least loaded are eligible (so while any candidate is idle, only idle ones are: LocalAI adds
+  1 to the relative bound, which lets a second call queue behind a busy warm node while
+  another sits idle; a built-in backend serves one call at a time, and the idle node has the
+  shared system prompt too); the eligible node with the deepest match wins when its match
+  covers at least ``min_match`` of the chain (equal matches: the least loaded, so a shared
+  system prompt known on both workers spreads new conversations); otherwise no preference (the chooser's usual
   least-loaded choice).  When the deepest match overall is on a node the guard excluded, the
   request is *forced away from the warm replica*: counted, and read by the replica scaler as a
   scale-up signal (:class:`Pressure`).
@@ -36,7 +40,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from twisted.logger import Logger
 
@@ -53,12 +57,14 @@ DEFAULT_MAX_DEPTH = 128
 DEFAULT_TTL = 300.0
 #: Load guard: a node may run this many more calls than the least loaded one...
 DEFAULT_BALANCE_ABS = 2
-#: ...and at most this many times as many (plus one).
+#: ...and at most this many times as many.
 DEFAULT_BALANCE_REL = 1.5
 #: A match shorter than this share of the chain is no reason to prefer a node.
 DEFAULT_MIN_MATCH = 0.3
-#: Hashes kept at most, all models together (about 100 bytes each).
+#: Hashes kept at most, all models together (about 200 bytes each).
 DEFAULT_MAX_ENTRIES = 200_000
+#: Nodes kept per hash (the least recently seen goes first).
+MAX_NODES_PER_HASH = 4
 #: Seconds over which forced-away routings count as a scale-up signal.
 DEFAULT_PRESSURE_WINDOW = 60.0
 
@@ -132,27 +138,34 @@ def valid_chain(value, max_depth: int) -> tuple[int, ...] | None:
 
 
 class PrefixIndex:
-    """hash -> (node, last seen), per model, with a TTL on the reactor clock and a size bound.
+    """hash -> {node: last seen}, per model, with a TTL on the reactor clock and size bounds.
+
+    Several nodes may hold the same prefix (a shared system prompt is in the cache of every
+    worker that served a conversation starting with it): each hash keeps up to
+    ``max_nodes`` of them (the least recently seen goes), so a match on the shared head is a
+    tie that the load decides, while a conversation's own deeper windows name its worker.
 
     :param clock: ``seconds()`` (the reactor; ``task.Clock`` in tests)."""
 
     def __init__(self, clock, *, ttl: float = DEFAULT_TTL,
-                 max_entries: int = DEFAULT_MAX_ENTRIES):
-        if ttl <= 0 or max_entries < 1:
-            raise ValueError("the prefix index needs ttl > 0 and max_entries >= 1")
+                 max_entries: int = DEFAULT_MAX_ENTRIES, max_nodes: int = MAX_NODES_PER_HASH):
+        if ttl <= 0 or max_entries < 1 or max_nodes < 1:
+            raise ValueError("the prefix index needs ttl > 0, max_entries >= 1 and "
+                             "max_nodes >= 1")
         self._clock = clock
         self.ttl = float(ttl)
         self.max_entries = int(max_entries)
-        # (model, hash) -> [node, seen]; ordered by last seen (oldest first)
-        self._entries: OrderedDict[tuple[str, int], list] = OrderedDict()
+        self.max_nodes = int(max_nodes)
+        # (model, hash) -> {node: seen}; ordered by last seen (oldest first)
+        self._entries: OrderedDict[tuple[str, int], dict[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def observe(self, model: str, chain: Sequence[int], node_id: str) -> bool:
         """``node_id`` served a prompt whose prefix chain is ``chain``.  Returns whether that
-        told the index anything new (a new or moved entry, or one seen more than a quarter of
-        the TTL ago): what is worth telling the other replicas."""
+        told the index anything new (a node not known for a window yet, or known but seen
+        more than a quarter of the TTL ago): what is worth telling the other replicas."""
         if not chain or not node_id:
             return False
         now = self._clock.seconds()
@@ -161,14 +174,17 @@ class PrefixIndex:
         entries = self._entries
         for h in chain:
             key = (model, h)
-            entry = entries.get(key)
-            if entry is None:
-                entries[key] = [node_id, now]
+            nodes = entries.get(key)
+            if nodes is None:
+                entries[key] = {node_id: now}
                 news = True
                 continue
-            if entry[0] != node_id or entry[1] < refresh:
+            seen = nodes.pop(node_id, None)  # re-inserted last: dicts keep insertion order
+            if seen is None or seen < refresh:
                 news = True
-            entry[0], entry[1] = node_id, now
+            nodes[node_id] = now
+            while len(nodes) > self.max_nodes:
+                del nodes[next(iter(nodes))]
             entries.move_to_end(key)
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
@@ -183,27 +199,35 @@ class PrefixIndex:
         oldest = self._clock.seconds() - self.ttl
         entries = self._entries
         for depth in range(len(chain), 0, -1):
-            entry = entries.get((model, chain[depth - 1]))
-            if entry is not None and entry[1] > oldest and entry[0] not in found:
-                found[entry[0]] = depth
+            nodes = entries.get((model, chain[depth - 1]))
+            if nodes is None:
+                continue
+            for node, seen in nodes.items():
+                if seen > oldest and node not in found:
+                    found[node] = depth
         return found
 
     def drop_node(self, node_id: str, model: str | None = None) -> int:
         """Forget every entry of ``node_id`` (of ``model`` only, when given)."""
-        gone = [k for k, e in self._entries.items()
-                if e[0] == node_id and (model is None or k[0] == model)]
-        for key in gone:
-            del self._entries[key]
-        return len(gone)
+        dropped = 0
+        for key in list(self._entries):
+            if model is not None and key[0] != model:
+                continue
+            nodes = self._entries[key]
+            if nodes.pop(node_id, None) is not None:
+                dropped += 1
+                if not nodes:
+                    del self._entries[key]
+        return dropped
 
     def expire(self) -> int:
-        """Drop the entries past their TTL (they are never used meanwhile anyway)."""
+        """Drop the windows nobody was seen with within the TTL (never used meanwhile)."""
         oldest = self._clock.seconds() - self.ttl
         dropped = 0
         entries = self._entries
         while entries:
-            key, entry = next(iter(entries.items()))
-            if entry[1] > oldest:
+            key, nodes = next(iter(entries.items()))
+            if max(nodes.values()) > oldest:
                 break
             del entries[key]
             dropped += 1
@@ -216,7 +240,7 @@ def eligible(loads: Mapping[str, int], balance_abs: int, balance_rel: float) -> 
         return set()
     least = min(loads.values())
     return {node for node, n in loads.items()
-            if n <= least + balance_abs and n <= least * balance_rel + 1}
+            if n <= least + balance_abs and n <= least * balance_rel}
 
 
 @dataclass(frozen=True)
@@ -230,9 +254,11 @@ class Choice:
 
 
 def choose(chain: Sequence[int], matches: Mapping[str, int], loads: Mapping[str, int],
-           settings: PrefixSettings) -> Choice:
+           settings: PrefixSettings, pick_one: Callable[[list[str]], str] = min) -> Choice:
     """The preferred node among ``loads``' keys (the candidates, with their in-flight counts)
-    for a prompt whose chain is ``chain`` (module docstring)."""
+    for a prompt whose chain is ``chain`` (module docstring).  ``pick_one`` chooses among
+    equally deep, equally loaded nodes (the first by name by default; the replica passes a
+    random choice)."""
     if not chain or not loads:
         return Choice(None)
     wanted = settings.min_match * len(chain)
@@ -246,7 +272,9 @@ def choose(chain: Sequence[int], matches: Mapping[str, int], loads: Mapping[str,
     if not best:
         return Choice(None, 0, True)
     top = max(useful[n] for n in best)
-    node = min((n for n in best if useful[n] == top), key=lambda n: (loads[n], n))
+    deepest_best = [n for n in best if useful[n] == top]
+    least = min(loads[n] for n in deepest_best)
+    node = pick_one(sorted(n for n in deepest_best if loads[n] == least))
     return Choice(node, top, top < deepest)
 
 

@@ -36,8 +36,9 @@ Each call is counted in flight on this replica while it runs, and its use is tou
 in ``usage.ModelUse``: memory only, flushed to ``node_models.last_used`` once a second).
 Unloads are :mod:`.lifecycle`'s.
 ``Predict`` and ``PredictStream`` of a ``prefix_cache`` model carry the prompt's prefix chain
-(``prefix_index.py``) to the chooser, which prefers the replica warm for it; a call that
-succeeded is remembered there and told to every replica (``prefix_fanout.py``).
+(``prefix_index.py``) to the chooser, which prefers the replica warm for it; where each call
+goes is remembered there and told to every replica as it starts (``prefix_fanout.py``), as
+LocalAI records its observation when it routes.
 The warm path reads no database: the loaded placements come from the chooser's
 ``PlacementCache`` (``placement_cache.py``).  A call that fails with the worker's answer, a
 routing fact or an absence drops that model's entry first (``NodeChooser.forget``), then the
@@ -364,6 +365,9 @@ class InferenceRouter:
             if placement.model_id and _carries_identity(request):
                 request.ModelIdentity = placement.model_id
             client = self.clients.client(placement.node_id, placement.port)
+            if chain:  # this prompt's head goes into that node's KV cache (prefix_fanout.py):
+                # told now, so the other replicas know it long before the next turn comes
+                self.prefix.observe(config.name, chain, placement.node_id)
             if self.scaler is not None:
                 self.scaler.note(config, placement.node_id)
             call_id = (self.use.begin(placement.node_id, config.name)
@@ -425,6 +429,4 @@ class InferenceRouter:
                 self.use.touch(placement.node_id, placement.model_name)
             else:
                 self.chooser.touch(placement)
-            if chain:  # its KV cache now holds this prompt's head (prefix_fanout.py)
-                self.prefix.observe(config.name, chain, placement.node_id)
             return Served(value, placement.node_id)
