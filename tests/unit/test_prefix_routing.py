@@ -66,6 +66,12 @@ def test_the_source_is_the_prompt_or_the_messages_head_first():
     options.Messages.add(role="user", content="hi")
     assert prefix_source(options) == b"system\nbe brief\nuser\nhi\n"
     assert prefix_source(backend_pb2.PredictOptions()) == b""
+    # bounded: what the chain can use, not the whole of a huge prompt
+    assert prefix_source(backend_pb2.PredictOptions(Prompt="x" * 10**6), 1000) == b"x" * 1000
+    for limit in range(1, 30):  # its first ``limit`` bytes are always the whole source's
+        assert prefix_source(options, limit)[:limit] == prefix_source(options)[:limit]
+    assert prefix_chain(prefix_source(backend_pb2.PredictOptions(Prompt="ab" * 99999), 512),
+                        256, 2) == prefix_chain(("ab" * 99999).encode(), 256, 2)
 
 
 def test_a_chain_from_the_bus_is_checked():
@@ -328,11 +334,15 @@ class FakeSubscription:
 class FakeBus:
     isConnected = True
 
-    def __init__(self):
+    def __init__(self, fail_subscribe: int = 0):
         self.handlers: dict = {}
         self.published: list = []
+        self.fail_subscribe = fail_subscribe
 
     def subscribe(self, subject, handler):
+        if subject == INVALIDATE and self.fail_subscribe:
+            self.fail_subscribe -= 1
+            return defer.fail(ConnectionError("bus down"))
         self.handlers[subject] = handler
         return defer.succeed(FakeSubscription(self, subject))
 
@@ -372,6 +382,22 @@ def test_news_goes_on_the_bus_and_what_arrives_is_checked():
     clock.advance(DEFAULT_TTL)  # the expiry loop runs
     routing.stopService()
     other.stopService()
+    assert bus.handlers == {} and not clock.getDelayedCalls()
+
+
+def test_a_failed_subscription_is_undone_and_retried():
+    from localai_tw.frontend.inference.prefix_fanout import RESUBSCRIBE_SECONDS
+
+    clock = task.Clock()
+    bus = FakeBus(fail_subscribe=1)
+    routing = PrefixRouting(PrefixSettings(), clock, bus)
+    routing.startService()
+    assert not routing.live() and bus.handlers == {}  # the first one was undone
+    routing.observe("m", (1, 2), "n1")
+    assert bus.published == []  # nobody would hear it: not published
+    clock.advance(RESUBSCRIBE_SECONDS)
+    assert routing.live() and set(bus.handlers) == {OBSERVE, INVALIDATE}
+    routing.stopService()
     assert bus.handlers == {} and not clock.getDelayedCalls()
 
 

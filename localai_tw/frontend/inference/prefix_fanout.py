@@ -95,8 +95,8 @@ class PrefixRouting(Service):
         ``prefix_cache`` (or there is no text)."""
         if self.settings.policy(getattr(config, "route_policy", "")) != PREFIX_CACHE:
             return ()
-        return prefix_chain(prefix_source(options), self.settings.window,
-                            self.settings.max_depth)
+        window, depth = self.settings.window, self.settings.max_depth
+        return prefix_chain(prefix_source(options, window * depth), window, depth)
 
     def pick(self, model: str, chain: Sequence[int], loads: Mapping[str, int]) -> str | None:
         """The preferred node among ``loads`` (node -> calls in flight here), or None."""
@@ -170,30 +170,27 @@ class PrefixRouting(Service):
 
     def _subscribe(self) -> None:
         self._retry = None
-        if not self.running:
-            return
+        if self.running:
+            defer.ensureDeferred(self._subscribe_both())
 
-        def subscribed(sub):
-            if not self.running:
-                return sub.unsubscribe()
-            self._subscriptions.append(sub)
-            return None
-
-        def failed(f):
-            if not self.running:
-                return None
-            log.warn("prefix routing hears no other replica: subscribing failed ({err}); "
-                     "retrying in {s:g}s", err=f.value, s=RESUBSCRIBE_SECONDS)
-            for sub in self._subscriptions:
+    async def _subscribe_both(self) -> None:
+        subs = []
+        try:
+            for subject in (OBSERVE, INVALIDATE):
+                subs.append(await self._bus.subscribe(subject, self._received))
+        except Exception as e:
+            for sub in subs:
                 sub.unsubscribe()
-            self._subscriptions = []
-            self._retry = self._reactor.callLater(RESUBSCRIBE_SECONDS, self._subscribe)
-            return None
-
-        d = defer.gatherResults([
-            self._bus.subscribe(subject, self._received).addCallback(subscribed)
-            for subject in (OBSERVE, INVALIDATE)], consumeErrors=True)
-        d.addErrback(lambda f: failed(getattr(f.value, "subFailure", f)))
+            if self.running:
+                log.warn("prefix routing hears no other replica: subscribing failed ({err}); "
+                         "retrying in {s:g}s", err=e, s=RESUBSCRIBE_SECONDS)
+                self._retry = self._reactor.callLater(RESUBSCRIBE_SECONDS, self._subscribe)
+            return
+        if not self.running:
+            for sub in subs:
+                sub.unsubscribe()
+            return
+        self._subscriptions = subs
 
     def stopService(self):
         super().stopService()

@@ -100,18 +100,21 @@ class PrefixSettings:
         return PREFIX_CACHE if self.enabled else ROUND_ROBIN
 
 
-def prefix_source(options) -> bytes:
+def prefix_source(options, limit: int | None = None) -> bytes:
     """What a ``PredictOptions`` is hashed from: the rendered prompt, or the messages when the
-    backend renders them (``UseTokenizerTemplate``)."""
+    backend renders them (``UseTokenizerTemplate``).  With ``limit``, at least its first
+    ``limit`` bytes (all when shorter): what the chain can use, however long the prompt."""
     if options.Prompt:
-        return options.Prompt.encode("utf-8", "surrogatepass")
-    if options.Messages:
-        parts = []
-        for m in options.Messages:
-            parts.append(m.role)
-            parts.append(m.content)
-        return ("\n".join(parts) + "\n").encode("utf-8", "surrogatepass")
-    return b""
+        text = options.Prompt if limit is None else options.Prompt[:limit]
+        return text.encode("utf-8", "surrogatepass")
+    out = bytearray()
+    for m in options.Messages:
+        out += f"{m.role}\n".encode("utf-8", "surrogatepass")
+        content = m.content if limit is None else m.content[:limit]
+        out += content.encode("utf-8", "surrogatepass") + b"\n"
+        if limit is not None and len(out) >= limit:
+            break
+    return bytes(out)
 
 
 def prefix_chain(source: bytes, window: int = DEFAULT_WINDOW,
