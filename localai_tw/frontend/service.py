@@ -29,7 +29,7 @@
                                503 elsewhere); stops first: accept nothing new
 
 So stopping runs: listener; the jobs consumer (its claims released at once), the gallery, the
-placement fan-out and the bus; tunnels (releasing their claims), peer links, worker pools, all
+prefix routing, the placement fan-out and the bus; tunnels (releasing their claims), peer links, worker pools, all
 *before* leaving ``instances``; deregister; health; database.  The state of the start is a
 :class:`StartupState`, which ``/readyz`` reports.
 
