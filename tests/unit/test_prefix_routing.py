@@ -280,7 +280,7 @@ async def test_the_chooser_sends_a_conversation_to_its_warm_node_and_spreads_a_h
     turn2 = routing.chain_for(config, chat(SYSTEM.decode() + "user: one\nbot: two\nuser: 3\n"))
     for _ in range(20):  # no randomness left: always the warm node
         placement = await chooser.loaded_placement(config, frozenset(), turn2)
-        assert placement.node_id == "n2"
+        assert placement.node_id == "n2" and placement.choice_of == 2
     in_flight["n2"] = 3  # the warm node runs 3 calls of this replica, n1 none
     placement = await chooser.loaded_placement(config, frozenset(), turn2)
     assert placement.node_id == "n1"

@@ -75,6 +75,9 @@ class Placement:
     node_id: str
     address: str
     model_id: str  # ModelOptions.Model as loaded; sent as ModelIdentity
+    #: How many loaded replicas it was chosen among (the prefix routing records only real
+    #: choices: a model on one node costs no observation and no bus message).
+    choice_of: int = 1
 
     @property
     def port(self) -> int:
@@ -219,7 +222,8 @@ class NodeChooser:
                              if self.in_flight(c.node_id, model.name) == least]
             chosen = self._shuffled(connected)[0]
         return Placement(model.name, chosen.node_id, chosen.loaded_address,
-                         chosen.loaded_model or model_identity(model, None))
+                         chosen.loaded_model or model_identity(model, None),
+                         choice_of=len(loaded))
 
     # -- presence ------------------------------------------------------------------------------
 

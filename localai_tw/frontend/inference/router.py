@@ -38,7 +38,8 @@ Unloads are :mod:`.lifecycle`'s.
 ``Predict`` and ``PredictStream`` of a ``prefix_cache`` model carry the prompt's prefix chain
 (``prefix_index.py``) to the chooser, which prefers the replica warm for it; where each call
 goes is remembered there and told to every replica as it starts (``prefix_fanout.py``), as
-LocalAI records its observation when it routes.
+LocalAI records its observation when it routes; only when it was chosen among several loaded
+replicas (a model on one node costs nothing).
 The warm path reads no database: the loaded placements come from the chooser's
 ``PlacementCache`` (``placement_cache.py``).  A call that fails with the worker's answer, a
 routing fact or an absence drops that model's entry first (``NodeChooser.forget``), then the
@@ -365,8 +366,9 @@ class InferenceRouter:
             if placement.model_id and _carries_identity(request):
                 request.ModelIdentity = placement.model_id
             client = self.clients.client(placement.node_id, placement.port)
-            if chain:  # this prompt's head goes into that node's KV cache (prefix_fanout.py):
-                # told now, so the other replicas know it long before the next turn comes
+            if chain and placement.choice_of > 1:
+                # this prompt's head goes into that node's KV cache (prefix_fanout.py): told
+                # now, so the other replicas know it long before the next turn comes
                 self.prefix.observe(config.name, chain, placement.node_id)
             if self.scaler is not None:
                 self.scaler.note(config, placement.node_id)
