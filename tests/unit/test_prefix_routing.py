@@ -289,6 +289,42 @@ async def test_the_chooser_sends_a_conversation_to_its_warm_node_and_spreads_a_h
     assert (await chooser.loaded_placement(config, frozenset(), ())).node_id == "n1"
 
 
+@pytest_twisted.ensureDeferred
+async def test_the_router_records_a_routing_only_when_it_was_a_choice():
+    """Break: drop ``placement.choice_of > 1`` from the router: a model on one node publishes
+    an observation for its request and this goes red."""
+    from localai_tw.frontend.inference.router import InferenceRouter
+
+    class Catalog:
+        def get(self, name):
+            return Config(name)
+
+    class Client:
+        def call(self, method, request, deadline):
+            return defer.succeed(backend_pb2.Reply(message=b"ok"))
+
+    class Clients:
+        def client(self, node_id, port):
+            return Client()
+
+    class DB(RowsDB):
+        def runOperation(self, sql, params=None):
+            return defer.succeed(None)
+
+    for nodes, told in ((["n1"], 0), (["n1", "n2"], 1)):
+        clock = task.Clock()
+        bus = FakeBus()
+        routing = PrefixRouting(PrefixSettings(), clock, bus)
+        routing.startService()
+        chooser = NodeChooser(DB(nodes), nodes=None, fence=None, prefix=routing)
+        router = InferenceRouter(Catalog(), chooser, None, None, Clients(), clock,
+                                 prefix=routing)
+        served = await router.predict("m", chat(SYSTEM.decode()))
+        assert served.served_by in nodes
+        assert len(bus.published) == told and (len(routing.index) > 0) == bool(told), nodes
+        routing.stopService()
+
+
 def test_forced_away_routings_ask_the_scaler_for_another_replica():
     """Break: drop the ``pressured`` branch of ``ReplicaScaler.note``: nothing is scaled."""
     from localai_tw.frontend.inference.replicas import ReplicaScaler
