@@ -469,6 +469,11 @@ class ReplicaMetrics:
         self.last_used_writes = Counter(
             "localai_last_used_writes", "Statements this replica wrote to record when models "
             "were last used (one per flush, at most one a second).", registry=r)
+        self.prefix_routes = Counter(
+            "localai_prefix_routes", "Requests to a model with several loaded replicas routed "
+            "by the prefix cache, by outcome (warm: to the replica holding the longest prefix, "
+            "cold: no useful match, forced-away: the warm replica was too busy, so another one "
+            "served; a scale-up signal).", ["model", "outcome"], registry=r)
 
     # -- what the serving code calls ---------------------------------------------------------
 
@@ -485,6 +490,9 @@ class ReplicaMetrics:
 
     def last_used_write(self) -> None:
         self.last_used_writes.inc()
+
+    def prefix_routed(self, model: str, outcome: str) -> None:
+        self.prefix_routes.labels(model, outcome).inc()
 
     def watch_tunnels(self, tunnels, peer_links: Iterable = ()) -> None:
         """Expose the gauges and byte counts of ``tunnels`` (a ``TunnelRegistry``) and of
@@ -546,6 +554,9 @@ class _Discard(ReplicaMetrics):
         return None
 
     def last_used_write(self) -> None:
+        return None
+
+    def prefix_routed(self, model: str, outcome: str) -> None:
         return None
 
 

@@ -19,6 +19,8 @@
                                gallery's job snapshots, the placement caches' invalidations)
         PlacementFanout        the warm path's placement cache and its invalidations
                                (frontend/inference/placement_cache.py)
+        PrefixRouting          the prefix index shared through the bus, its expiry
+                               (frontend/inference/prefix_fanout.py)
         GalleryJobs "gallery"  gallery installs and deletes (frontend/gallery/installs.py)
         JobStatsService        reads the jobs queue's depth every 15 s (for /metrics)
         ClaimConsumer "jobs"   claims queued jobs and runs them on agent workers; stops
@@ -27,7 +29,7 @@
                                503 elsewhere); stops first: accept nothing new
 
 So stopping runs: listener; the jobs consumer (its claims released at once), the gallery, the
-placement fan-out and the bus; tunnels (releasing their claims), peer links, worker pools, all
+prefix routing, the placement fan-out and the bus; tunnels (releasing their claims), peer links, worker pools, all
 *before* leaving ``instances``; deregister; health; database.  The state of the start is a
 :class:`StartupState`, which ``/readyz`` reports.
 
@@ -46,7 +48,8 @@ placement fan-out and the bus; tunnels (releasing their claims), peer links, wor
    process and never leaves it);
 5. the ``HealthMonitor`` with a ``DepartureNotifier`` whose subscribers drop this process's
    per-node HTTP connection pools and gRPC bridges, and the node's placements from every
-   replica's placement cache (through the bus, ``PlacementFanout``).
+   replica's placement cache (through the bus, ``PlacementFanout``), and the node's entries
+   from every replica's prefix index (``PrefixRouting``).
 
 The resource tree (:meth:`FrontendService._build_root`) is then built from that ``Replica``:
 ``/`` (the JSON index, or the dashboard's page for a browser) and ``/dashboard/``,
@@ -226,6 +229,10 @@ class ReplicaConfig:
     allow_private_downloads: bool = False
     #: The job kinds (a ``JobKinds``); None: found as plugins (``jobs/kinds.py``).
     job_kinds: Any = None
+    #: Prefix-cache-aware routing (``--distributed-prefix-cache*``,
+    #: ``frontend/inference/prefix_index.py``).
+    prefix_cache: bool = True
+    prefix_cache_ttl: float = 300.0
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -261,7 +268,9 @@ class ReplicaConfig:
                                               "--backend-galleries"),
             backend_archives_dir=os.path.join(data_dir, "backend-archives") if data_dir
             else None,
-            allow_private_downloads=bool(options.get("allow-private-downloads")))
+            allow_private_downloads=bool(options.get("allow-private-downloads")),
+            prefix_cache=bool(_option(options, "distributed-prefix-cache", True)),
+            prefix_cache_ttl=float(_option(options, "distributed-prefix-cache-ttl", 300.0)))
 
 
 # -- the replica -------------------------------------------------------------------------------
@@ -304,6 +313,8 @@ class Replica:
     bus: PgBus
     jobs: JobParts
     placements: PlacementFanout
+    #: Prefix-cache-aware routing shared through the bus (``prefix_fanout.py``).
+    prefix: Any = None
     metrics: ReplicaMetrics = dataclasses.field(default_factory=ReplicaMetrics)
     #: lifecycle parts (frontend/inference/usage.py, lifecycle.py, preload.py)
     use: Any = None
@@ -333,6 +344,7 @@ class Replica:
                 *[s for s in (self.use, self.watchdog, self.preloader, self.scaler)
                   if s is not None],
                 self.bus, self.placements,
+                *([self.prefix] if self.prefix is not None else []),
                 *([self.gallery] if self.gallery is not None else []),
                 self.jobs.stats,
                 *([self.responses.consumer] if self.responses is not None else []),
@@ -410,6 +422,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     from localai_tw.frontend.inference.loadlock import LoadLock
     from localai_tw.localai.catalog import ModelCatalog
     from localai_tw.frontend.inference.placement import NodeChooser
+    from localai_tw.frontend.inference.prefix_fanout import PrefixRouting
+    from localai_tw.frontend.inference.prefix_index import PrefixSettings
     from localai_tw.frontend.inference.preload import Preloader
     from localai_tw.frontend.inference.replicas import ReplicaScaler
     from localai_tw.frontend.inference.usage import ModelUse
@@ -447,25 +461,30 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         config.registration_token or None, control=control)
     catalog = ModelCatalog(config.models_dir)
     use = ModelUse(db, reactor, metrics=metrics)
+    # Chat and completion calls go where their prompt's head is warm; what each replica
+    # served reaches every replica through the bus (frontend/inference/prefix_fanout.py).
+    prefix = PrefixRouting(PrefixSettings(enabled=config.prefix_cache,
+                                          ttl=config.prefix_cache_ttl),
+                           reactor, bus, metrics=metrics)
     lifecycle = ModelLifecycle(db, control, use, catalog, reactor,
                                max_active_backends=config.max_active_backends,
                                metrics=metrics, on_unloaded=placements.model_changed)
     # Calls spread over a model's replicas (in_flight); the cache serves the warm path.
     chooser = NodeChooser(db, nodes, fence, grace=grace, room=lifecycle,
                           in_flight=use.in_flight, cache=placements.cache,
-                          on_reaped=placements.model_changed)
+                          on_reaped=placements.model_changed, prefix=prefix)
     loader = ColdLoader(db, nodes, control, worker_http, backend_clients, config.instance_id,
                         config.models_dir, reactor, metrics=metrics,
                         allow_private_downloads=config.allow_private_downloads)
     # A new replica is used at once (on_loaded).
     loads = LoadLock(db, chooser, loader, config.instance_id, reactor, room=lifecycle,
                      on_loaded=placements.model_changed)
-    scaler = ReplicaScaler(db, catalog, chooser, loads, use, reactor)
+    scaler = ReplicaScaler(db, catalog, chooser, loads, use, reactor, pressure=prefix.pressure)
     inference = InferenceRouter(catalog, chooser, loads, loader, backend_clients, reactor,
                                 WorkerScratch(control, worker_http, nodes.control_token,
                                               reactor),
                                 use=use, lifecycle=lifecycle, scaler=scaler,
-                                crashes=CrashProbe(control))
+                                crashes=CrashProbe(control), prefix=prefix)
     watchdog = LifecycleWatchdog(db, lifecycle, tunnels.held_nodes, reactor,
                                  idle_timeout=config.idle_timeout,
                                  busy_timeout=config.busy_timeout)
@@ -482,7 +501,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     notifier = DepartureNotifier({
         "worker-http-connections": functools.partial(forget_worker_connections, worker_http,
                                                      backend_clients),
-        "placement-cache": placements.node_changed})
+        "placement-cache": placements.node_changed,
+        "prefix-index": prefix.node_departed})
     membership = MembershipService(db, identity, reactor=reactor,
                                    reconnect_grace=grace or 0, on_reregistered=tunnels.reclaim)
     health = HealthMonitor(db, nodes, fence, notifier, reactor,
@@ -525,7 +545,8 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         identity=identity, tunnels=tunnels, peer_links=peer_links, peer_pool=peer_pool,
         dialer=dialer, worker_http=worker_http, control=control,
         backend_clients=backend_clients, inference=inference, notifier=notifier,
-        membership=membership, health=health, bus=bus, placements=placements, jobs=jobs,
+        membership=membership, health=health, bus=bus, placements=placements, prefix=prefix,
+        jobs=jobs,
         metrics=metrics, use=use, lifecycle=lifecycle, watchdog=watchdog, preloader=preloader,
         scaler=scaler, gallery=gallery, channel_sweep=channel_sweep, reconciler=reconciler,
         responses=responses,

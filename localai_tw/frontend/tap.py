@@ -207,6 +207,15 @@ SETTINGS = (
     config.value("watchdog-busy-timeout", "LOCALAI_WATCHDOG_BUSY_TIMEOUT",
                  "Run time of one request after which --enable-watchdog-busy stops its "
                  "backend.", default="5m", parse=config.parse_duration),
+    config.value("distributed-prefix-cache", "LOCALAI_DISTRIBUTED_PREFIX_CACHE",
+                 "Prefix-cache-aware routing (true or false): a chat or completion request to "
+                 "a model loaded on several workers goes to the one that served the longest "
+                 "head of its prompt, unless that one is too busy; false: the least loaded "
+                 "one (round robin). A model's 'route_policy' overrides it (docs/routing.md).",
+                 default="true", parse=config.parse_bool),
+    config.value("distributed-prefix-cache-ttl", "LOCALAI_DISTRIBUTED_PREFIX_CACHE_TTL",
+                 "How long a prompt prefix is remembered after it was last served.",
+                 default="5m", parse=config.parse_duration),
     config.repeatable("preload-models", "LOCALAI_PRELOAD_MODELS",
                       "Model name to load at start on a node the scheduler picks, once "
                       "workers are connected (as with preload: true in its YAML); the "

@@ -28,6 +28,8 @@ A file ``<models-dir>/<anything>.yaml`` (or ``.yml``) describes one model::
     known_usecases: [chat]          # optional, LocalAI's key: what the model may be asked for
     options: ["echo.dim:16"]        # ModelOptions.Options, passed through
     node_selector: {gpu: "yes"}     # labels a node must carry (AND of all pairs)
+    route_policy: prefix_cache      # round_robin | prefix_cache (default: the cluster's,
+                                    # --distributed-prefix-cache; docs/routing.md)
 
 LocalAI's own keys are read as LocalAI reads them (``docs/models.md``): those that map to a
 ``ModelOptions`` or ``PredictOptions`` field are carried in :attr:`ModelConfig.model_options` /
@@ -204,7 +206,7 @@ TOP_LEVEL_FIELDS = frozenset({
     "embeddings", "options", "node_selector", "description", "known_usecases", "usage",
     "roles", "system_prompt", "engine_args", "diffusers", "limit_mm_per_prompt",
     "function", "capabilities", "download_files",
-    "pinned", "preload", "memory_bytes",
+    "pinned", "preload", "memory_bytes", "route_policy",
 }) | set(MODEL_OPTIONS) | set(PREDICT_OPTIONS)
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
 MAX_LIST = 256
@@ -324,6 +326,9 @@ class ModelConfig:
     #: ``memory_bytes``: what the model needs loaded (bytes, or 512M / 2G); 0 = estimated
     #: from the sizes of its ``files`` (``lifecycle.memory_need``).
     memory_bytes: int = 0
+    #: ``route_policy``: ``round_robin`` or ``prefix_cache`` ("" = the cluster's default,
+    #: ``--distributed-prefix-cache``); ``frontend/inference/prefix_index.py``.
+    route_policy: str = ""
     #: What was guessed because the config does not say it (LocalAI's GGUF defaults): the
     #: backend from a ``.gguf`` file, the model's own chat template (logged once per change).
     guesses: tuple[str, ...] = ()
@@ -619,6 +624,10 @@ def parse_model_config(data: Any, source: str = "<config>") -> ModelConfig:
             raise ModelConfigError(source, key, "must be true or false")
         lifecycle[key] = bool(value)
     lifecycle["memory_bytes"] = _memory_bytes(source, data.get("memory_bytes"))
+    route_policy = data.get("route_policy") or ""
+    if route_policy not in ("", "round_robin", "prefix_cache"):
+        raise ModelConfigError(source, "route_policy", "must be round_robin or prefix_cache")
+    lifecycle["route_policy"] = route_policy
     return ModelConfig(name=name, backend=backend, model=model, files=tuple(files),
                        parameters=defaults, template=template, context_size=context_size,
                        embeddings=embeddings, options=tuple(options),

@@ -130,7 +130,7 @@ async def test_a_configured_address_is_published(started):
 async def test_departure_subscribers_include_the_worker_http_pools(started):
     service, _ = await started(**{"instance-id": "replica-d"})
     assert set(service.replica.notifier.subscribers) == {"worker-http-connections",
-                                                         "placement-cache"}
+                                                         "placement-cache", "prefix-index"}
     # minted once
     assert service.replica.identity.peer_secret == service.config.identity_seed.peer_secret
     assert service.replica.health.grace == 90.0

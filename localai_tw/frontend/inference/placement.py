@@ -6,8 +6,10 @@ model's selector -- the YAML ``node_selector`` with the ``model_scheduling_confi
 (``POST /api/nodes/scheduling``) on top (the row wins per key).  Nodes where the model is
 ``loaded`` come first; among loaded replicas the one with the fewest requests in flight
 through this replica is chosen (``in_flight``, when set), so requests spread over the
-replicas of a model; among equals the choice is random (cold loads prefer nodes holding fewer
-models, then random; with a ``room`` policy (:mod:`.lifecycle`), nodes with room for the model
+replicas of a model; among equals the choice is random.  With a prefix chain (chat and
+completion requests of a ``prefix_cache`` model), the replica warm for the prompt's head comes
+first unless the load guard refuses it (``prefix_index.py``).  (Cold loads prefer nodes holding
+fewer models, then random; with a ``room`` policy (:mod:`.lifecycle`), nodes with room for the model
 come before those without).  Connected nodes (tunnel held by a live replica, read in the same query)
 come before the others, both for a loaded replica and for a cold load: a node that heartbeats
 but never dials holds no models and would otherwise win every cold load.  Before a cold load
@@ -73,6 +75,9 @@ class Placement:
     node_id: str
     address: str
     model_id: str  # ModelOptions.Model as loaded; sent as ModelIdentity
+    #: How many loaded replicas it was chosen among (the prefix routing records only real
+    #: choices: a model on one node costs no observation and no bus message).
+    choice_of: int = 1
 
     @property
     def port(self) -> int:
@@ -126,8 +131,10 @@ class NodeChooser:
 
     def __init__(self, db, nodes, fence, *, grace: float | None = None,
                  liveness: float = INSTANCE_LIVENESS, room=None, in_flight=None, cache=None,
-                 on_reaped=None):
+                 on_reaped=None, prefix=None):
         self._db = db
+        #: ``prefix_fanout.PrefixRouting``: the preferred replica for a prompt's prefix chain.
+        self.prefix = prefix
         #: ``room.prefer(model, candidates)`` -> the candidates with room (or all of them).
         self.room = room
         #: ``in_flight(node_id, model_name)`` -> this replica's calls running there.
@@ -190,20 +197,33 @@ class NodeChooser:
         return items
 
     async def loaded_placement(self, model: ModelConfig,
-                               exclude: frozenset[str] = frozenset()) -> Placement | None:
+                               exclude: frozenset[str] = frozenset(),
+                               chain: tuple[int, ...] = ()) -> Placement | None:
         """A loaded replica of ``model`` on a node that still matches: on a connected node
-        when there is one, random among equals."""
+        when there is one; the one warm for ``chain`` (the prompt's prefix chain) when the
+        prefix routing prefers one, else the least loaded, random among equals."""
         loaded = [c for c in await self._loaded_candidates(model, exclude)
                   if c.loaded_address and c.node_id not in exclude]
         if not loaded:
             return None
         connected = [c for c in loaded if c.connected] or loaded
-        if self.in_flight is not None:
-            least = min(self.in_flight(c.node_id, model.name) for c in connected)
-            connected = [c for c in connected if self.in_flight(c.node_id, model.name) == least]
-        chosen = self._shuffled(connected)[0]
+        chosen = None
+        if chain and self.prefix is not None and len(connected) > 1:
+            # Prefix-cache-aware routing: the replica warm for this prompt's head, unless the
+            # load guard says it is too busy (prefix_index.py); None: no preference.
+            loads = {c.node_id: (self.in_flight(c.node_id, model.name)
+                                 if self.in_flight is not None else 0) for c in connected}
+            preferred = self.prefix.pick(model.name, chain, loads)
+            chosen = next((c for c in connected if c.node_id == preferred), None)
+        if chosen is None:
+            if self.in_flight is not None:
+                least = min(self.in_flight(c.node_id, model.name) for c in connected)
+                connected = [c for c in connected
+                             if self.in_flight(c.node_id, model.name) == least]
+            chosen = self._shuffled(connected)[0]
         return Placement(model.name, chosen.node_id, chosen.loaded_address,
-                         chosen.loaded_model or model_identity(model, None))
+                         chosen.loaded_model or model_identity(model, None),
+                         choice_of=len(loaded))
 
     # -- presence ------------------------------------------------------------------------------
 

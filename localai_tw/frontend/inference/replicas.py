@@ -9,6 +9,11 @@ scheduling row (``POST /api/nodes/scheduling``).
   existing replica.  ``max_replicas`` 0 or 1 means one replica, as before.  Requests spread
   over the replicas because the chooser sends each call to the replica with the fewest calls
   of this replica in flight (``NodeChooser.in_flight``).
+- **Prefix pressure** (the same :meth:`ReplicaScaler.note`): when the prefix routing had to
+  send a request away from the replica warm for its prompt because the load guard found it too
+  busy (``prefix_index.Pressure``: at least ``pressure_threshold`` such routings in the last
+  minute), one more replica is loaded the same way, within ``max_replicas``, even if another
+  replica is idle: the warm one is the hot spot.  The count is reset when it is acted on.
 - **Floor** (:class:`ReplicaScaler` as a service): every ``interval`` (15 s) the models whose
   row asks ``min_replicas`` > 0 and that fewer nodes hold are loaded on one more node each,
   until the floor is met.  An unload that takes a model below its floor is undone at the next
@@ -35,6 +40,8 @@ from localai_tw.periodic import PeriodicPass
 log = Logger()
 
 DEFAULT_INTERVAL = 15.0
+#: Forced-away routings within the pressure window that ask for one more replica.
+DEFAULT_PRESSURE_THRESHOLD = 1
 
 
 class ReplicaScaler(PeriodicPass):
@@ -49,7 +56,11 @@ class ReplicaScaler(PeriodicPass):
     pass_name = "replica floor pass"
 
     def __init__(self, db, catalog, chooser, loads, use, reactor, *,
-                 interval: float = DEFAULT_INTERVAL):
+                 interval: float = DEFAULT_INTERVAL, pressure=None,
+                 pressure_threshold: int = DEFAULT_PRESSURE_THRESHOLD):
+        #: ``prefix_index.Pressure``: forced-away routings per model (None: not read).
+        self.pressure = pressure
+        self.pressure_threshold = pressure_threshold
         self._db = db
         self._catalog = catalog
         self._chooser = chooser
@@ -63,16 +74,24 @@ class ReplicaScaler(PeriodicPass):
 
     def note(self, config, node_id: str) -> None:
         """A call of ``config`` is about to go to ``node_id``.  Costs nothing unless this
-        replica already runs a call there (then the bounds are read, in the background)."""
-        if not self._use.in_flight(node_id, config.name) or config.name in self._scaling:
+        replica already runs a call there, or the prefix routing was forced away from the warm
+        replica (then the bounds are read, in the background)."""
+        if config.name in self._scaling:
+            return
+        pressured = (self.pressure is not None
+                     and self.pressure.count(config.name) >= self.pressure_threshold)
+        if not pressured and not self._use.in_flight(node_id, config.name):
             return
         self._scaling.add(config.name)
-        d = defer.ensureDeferred(self._consider(config))
+        d = defer.ensureDeferred(self._consider(config, pressured))
         d.addErrback(lambda f: log.failure("scaling model {model} failed", f,
                                            model=config.name))
         d.addBoth(lambda _: self._scaling.discard(config.name))
 
-    async def _consider(self, config) -> None:
+    async def _consider(self, config, pressured: bool = False) -> None:
+        if pressured:
+            forced = self.pressure.count(config.name)
+            self.pressure.reset(config.name)  # one burst, one decision
         chooser = self._chooser
         _, most = await chooser.replica_bounds(config.name)
         if most <= 1:
@@ -80,6 +99,12 @@ class ReplicaScaler(PeriodicPass):
         candidates = await chooser.candidates(config)
         holders = [c for c in candidates if c.loaded_address]
         if not holders or len(holders) >= most or len(holders) == len(candidates):
+            return
+        if pressured:
+            log.info("model {model}: the replica warm for its prompts was too busy {forced} "
+                     "times in the last {window:g}s (max_replicas {most}): loading one more",
+                     model=config.name, forced=forced, window=self.pressure.window, most=most)
+            await self._scale(config, len(holders) + 1)
             return
         if any(not self._use.in_flight(c.node_id, config.name) for c in holders):
             return  # a replica is idle here: the chooser sends calls there

@@ -35,6 +35,11 @@ the caller's deadline, a cancellation
 Each call is counted in flight on this replica while it runs, and its use is touched (both
 in ``usage.ModelUse``: memory only, flushed to ``node_models.last_used`` once a second).
 Unloads are :mod:`.lifecycle`'s.
+``Predict`` and ``PredictStream`` of a ``prefix_cache`` model carry the prompt's prefix chain
+(``prefix_index.py``) to the chooser, which prefers the replica warm for it; where each call
+goes is remembered there and told to every replica as it starts (``prefix_fanout.py``), as
+LocalAI records its observation when it routes; only when it was chosen among several loaded
+replicas (a model on one node costs nothing).
 The warm path reads no database: the loaded placements come from the chooser's
 ``PlacementCache`` (``placement_cache.py``).  A call that fails with the worker's answer, a
 routing fact or an absence drops that model's entry first (``NodeChooser.forget``), then the
@@ -130,8 +135,11 @@ class InferenceRouter:
 
     def __init__(self, catalog: ModelCatalog, chooser: NodeChooser, loads: LoadLock,
                  loader: ColdLoader, clients, reactor, scratch=None, *, use=None,
-                 lifecycle=None, scaler=None, crashes=None):
+                 lifecycle=None, scaler=None, crashes=None, prefix=None):
         self.use = use
+        #: ``prefix_fanout.PrefixRouting``: chat and completion calls go where their prompt's
+        #: head is warm, and what was served is remembered (None: no prefix routing).
+        self.prefix = prefix
         #: ``crashes.CrashProbe``: asks the worker whether a failed call's backend crashed.
         self.crashes = crashes
         self.lifecycle = lifecycle
@@ -170,8 +178,8 @@ class InferenceRouter:
             return served
 
         return self._serve(name, options, deadline,
-                           lambda client, req, dl: client.call("Predict", req, dl)
-                           ).addCallback(checked)
+                           lambda client, req, dl: client.call("Predict", req, dl),
+                           by_prefix=True).addCallback(checked)
 
     def embed(self, name, options, deadline=None) -> defer.Deferred:
         return self._serve(name, options, deadline,
@@ -272,7 +280,7 @@ class InferenceRouter:
             return not started  # once a reply went out, a retry would repeat it
 
         return self._serve(name, options, deadline, call, retry_allowed,
-                           on_loading=on_loading)
+                           on_loading=on_loading, by_prefix=True)
 
     # -- extra (not in the interface) -------------------------------------------------------
 
@@ -302,18 +310,22 @@ class InferenceRouter:
 
     def _serve(self, name, options, deadline, call: Callable,
                retry_allowed: Callable[[], bool] = lambda: True,
-               on_loading: Callable[[str], object] | None = None) -> defer.Deferred:
+               on_loading: Callable[[str], object] | None = None,
+               by_prefix: bool = False) -> defer.Deferred:
         config = self.catalog.get(name)
         if config is None:
             return defer.fail(ModelNotFound(name))
+        chain = (self.prefix.chain_for(config, options)
+                 if by_prefix and self.prefix is not None else ())
         return defer.ensureDeferred(self._run(config, options, deadline, call, retry_allowed,
-                                              on_loading))
+                                              on_loading, chain))
 
     async def _placement(self, config: ModelConfig, exclude: frozenset[str],
-                         deadline, on_loading=None) -> Placement:
+                         deadline, on_loading=None, chain: tuple[int, ...] = ()) -> Placement:
         hops = current_hops()
         since = hops.now()
-        placement = await self.chooser.loaded_placement(config, exclude)
+        placement = await (self.chooser.loaded_placement(config, exclude, chain) if chain
+                           else self.chooser.loaded_placement(config, exclude))
         since = hops.add("placement", since)
         if placement is not None:
             return placement
@@ -327,7 +339,8 @@ class InferenceRouter:
         finally:  # the wait for the lock, then the load it drove (``LoadLock`` marks both)
             hops.loaded(since)
 
-    async def _run(self, config, options, deadline, call, retry_allowed, on_loading=None):
+    async def _run(self, config, options, deadline, call, retry_allowed, on_loading=None,
+                   chain: tuple[int, ...] = ()):
         if on_loading is not None:
             hook, told = on_loading, []
 
@@ -343,7 +356,7 @@ class InferenceRouter:
                 raise errors.CallerDeadlineExceeded(f"serving model {config.name}")
             try:
                 placement = await self._placement(config, frozenset(exclude), deadline,
-                                                  on_loading)
+                                                  on_loading, chain)
             except NoNodeAvailable:
                 if last_error is not None:
                     raise last_error from None
@@ -353,6 +366,10 @@ class InferenceRouter:
             if placement.model_id and _carries_identity(request):
                 request.ModelIdentity = placement.model_id
             client = self.clients.client(placement.node_id, placement.port)
+            if chain and placement.choice_of > 1:
+                # this prompt's head goes into that node's KV cache (prefix_fanout.py): told
+                # now, so the other replicas know it long before the next turn comes
+                self.prefix.observe(config.name, chain, placement.node_id)
             if self.scaler is not None:
                 self.scaler.note(config, placement.node_id)
             call_id = (self.use.begin(placement.node_id, config.name)
