@@ -131,9 +131,10 @@ class BackendInstalls:
         self._agent = agent
         self.allow_private = allow_private
         self.progress_interval = progress_interval
+        # archives are removed once installed: no content store keeps a second name for them
         self.downloads = ModelDownloads(archives_dir, reactor, DigestCache(), agent=agent,
                                         allow_private=allow_private,
-                                        max_bytes=MAX_PACKED_BYTES)
+                                        max_bytes=MAX_PACKED_BYTES, by_content=False)
 
     def close(self) -> None:
         """The replica is stopping: downloads in progress stop (their temporary files go)."""

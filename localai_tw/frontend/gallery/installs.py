@@ -716,7 +716,8 @@ class GalleryJobs(Service):
                 if os.path.commonpath([root, target]) == root and target != root:
                     _remove(target)
             _remove(record_path)
-            self.downloads.store.sweep()  # a file no other model names: its one copy goes
+            if self.downloads.store is not None:  # a file no other model names: its copy goes
+                self.downloads.store.sweep()
             return True
 
         found = await threads.deferToThreadPool(self._reactor, self._reactor.getThreadPool(),

@@ -171,12 +171,14 @@ class ModelDownloads:
                  agent=None, max_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-                 log_interval: float = LOG_INTERVAL, allow_private: bool = False):
+                 log_interval: float = LOG_INTERVAL, allow_private: bool = False,
+                 by_content: bool = True):
         self.models_dir = models_dir
         self._reactor = reactor
         self.digests = digests or DigestCache()
-        #: one copy of each verified download, whatever names it
-        self.store = ContentStore(models_dir)
+        #: one copy of each verified download, whatever names it (None: a directory of
+        #: short-lived files, such as backend archives, keeps no second names)
+        self.store = ContentStore(models_dir) if by_content else None
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
         self.log_interval = log_interval
@@ -230,7 +232,8 @@ class ModelDownloads:
                 return
             if self._active.get(target) is not None:
                 continue  # another request started it while this one looked
-            if item.sha256 is not None and await self._linked(model, item, target):
+            if item.sha256 is not None and self.store is not None and \
+                    await self._linked(model, item, target):
                 return
             await self._start(model, item, target)
             return
@@ -378,8 +381,9 @@ class ModelDownloads:
         finally:
             os.close(directory_fd)
         try:
-            self.store.remember(target, digest)
-            self.store.sweep()
+            if self.store is not None:
+                self.store.remember(target, digest)
+                self.store.sweep()
         except OSError as e:  # the download is good where it is; only the sharing failed
             log.warn("the content store failed for {target}: {e}", target=target, e=e.strerror)
         st = os.stat(target)
