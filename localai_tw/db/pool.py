@@ -31,6 +31,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from txpostgres import txpostgres
 
+from localai_tw.deferreds import shielded
+
 log = Logger()
 
 _pool_ids = itertools.count(1)
@@ -268,7 +270,7 @@ class Database:
     async def _with_connection(self, fn: Callable[[txpostgres.Connection], defer.Deferred]):
         conn = await self._acquire()
         try:
-            result = await fn(conn)
+            result = await _given_up_cleanly(fn(conn))
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             if _is_dead(conn):
                 cause = f"database connection lost: {str(e).strip()}"
@@ -376,3 +378,30 @@ def _sleep(reactor, seconds: float) -> defer.Deferred:
 LOCK_HEALTH_CHECK = 104
 LOCK_SCHEMA_MIGRATE = 105
 LOCK_MODEL_LOAD = 108
+
+
+async def _given_up_cleanly(statement: defer.Deferred):
+    """``statement``'s outcome; when the caller gives up (its Deferred is cancelled), the
+    server is asked to cancel the statement and the caller waits for it to end before the
+    connection can go back to the pool.
+
+    txpostgres cancels by asking the server and raises its private ``_CancelInProgress`` out
+    of ``Deferred.cancel()`` (the connection must finish the exchange before it is reused): a
+    caller cancelling a router call during a cold load got that exception instead of its
+    Deferred failing.  The statement's own Deferred is therefore never the one cancelled."""
+    try:
+        return await shielded(statement)
+    except defer.CancelledError:
+        if not statement.called:
+            ended: defer.Deferred = defer.Deferred()
+            statement.addBoth(lambda _: ended.callback(None))
+            try:
+                statement.cancel()
+            except Exception:  # txpostgres's _CancelInProgress: the server was asked
+                pass
+            while not ended.called:
+                try:
+                    await shielded(ended)
+                except defer.CancelledError:
+                    continue  # cancelled again: the connection still needs the end
+        raise

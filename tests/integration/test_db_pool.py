@@ -35,6 +35,30 @@ async def test_more_callers_than_connections_all_complete(db):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_caller_that_gives_up_cancels_its_statement_cleanly(pg_dsn):
+    """Cancelling a statement's Deferred (a client that left during a cold load) must not
+    raise out of ``cancel()`` (txpostgres raised its private _CancelInProgress there), fails
+    that caller with CancelledError, and leaves the connection usable by the next caller only
+    once the server has ended the statement."""
+    database = Database(pg_dsn, size=1)
+    await database.start()
+    try:
+        slow = database.runQuery("SELECT pg_sleep(30)")
+        await defer.ensureDeferred(_sleep(0.2))  # the statement is on the server
+        slow.cancel()  # raised _CancelInProgress before
+        with pytest.raises(defer.CancelledError):
+            await slow
+        assert await database.runQuery("SELECT 1") == [(1,)]  # the one connection, reused
+    finally:
+        database.close()
+
+
+async def _sleep(seconds: float) -> None:
+    from twisted.internet import reactor, task
+    await task.deferLater(reactor, seconds, lambda: None)
+
+
+@pytest_twisted.ensureDeferred
 async def test_killed_backend_fails_one_call_then_pool_recovers(pg_dsn):
     database = Database(pg_dsn, size=1)
     await database.start()
