@@ -130,6 +130,17 @@ class SessionConfig:
     # written before it.  No wire change; any yamux peer answers pings.
     bulk_in_flight: int = 0
     bulk_after: int = 256 * 1024
+    # Receive-window auto-tuning (mux/autowindow.py; 0: off, every stream keeps ``max_window``).
+    # The largest window one stream may grow to when its reader consumes a window faster than
+    # the round trip allows (a long link); windows grow only while ``session_window`` (the sum
+    # of what this session's streams hold above ``max_window``) and ``window_pool`` (shared by
+    # sessions: the process's memory budget) still have room, and halve when the consumer
+    # pauses.  The round trip is measured with pings (any yamux peer answers them), refreshed
+    # when older than ``rtt_max_age`` seconds.
+    auto_window: int = 0
+    session_window: int = 64 * 1024 * 1024
+    window_pool: object = None
+    rtt_max_age: float = 10.0
 
     def __post_init__(self):
         if self.initial_window != INITIAL_WINDOW:
@@ -146,6 +157,10 @@ class SessionConfig:
             raise ValueError("bulk_in_flight and bulk_after must not be negative")
         if self.bulk_in_flight and self.bulk_in_flight < 4 * (self.max_frame_size + HEADER_SIZE):
             raise ValueError("bulk_in_flight must be at least four frames")
+        if self.auto_window and not self.max_window <= self.auto_window <= MAX_UINT32:
+            raise ValueError("auto_window must be 0 or between max_window and 2**32 - 1")
+        if self.session_window < 0 or self.rtt_max_age <= 0:
+            raise ValueError("session_window must not be negative, rtt_max_age must be positive")
 
 
 class SessionState(enum.Enum):
@@ -175,7 +190,7 @@ class Session(Protocol):
         self.localGoAway = False    # we sent go-away(0): new inbound streams are refused
         self.remoteGoAway = False   # the peer sent go-away(0): we open no new streams
         self._ending: Exception | None = None
-        self._decoder = FrameDecoder(self.config.max_window)
+        self._decoder = FrameDecoder(max(self.config.max_window, self.config.auto_window))
         self._streams: dict[int, Stream] = {}
         self._rotation: deque[Stream] = deque()   # fair order for serving streams on resume
         self._next_id = 1 if client else 2
@@ -197,6 +212,12 @@ class Session(Protocol):
         self._data_acked = 0
         self._budget_mark = 0
         self._budget_pings: dict[int, int] = {}
+        # window auto-tuning: bytes of window above max_window held by our streams, the
+        # smoothed round trip (seconds) and when it was last sampled, the probe ping out
+        self._window_extra = 0
+        self._rtt: float | None = None
+        self._rtt_at = 0.0
+        self._rtt_probe: tuple[int, float] | None = None
         # Wire bytes (headers included) read from and written to the carrier, for metrics:
         # one addition per read and per write call, never per stream.
         self.bytesReceived = 0
@@ -443,6 +464,11 @@ class Session(Protocol):
         opaque = frame.length
         if opaque == self._keepalive_opaque:
             self._keepalive_opaque = None  # its expiry, on the wheel, finds it answered
+        probe = self._rtt_probe
+        if probe is not None and probe[0] == opaque:
+            self._rtt_probe = None
+            self._rttSample(self._reactor.seconds() - probe[1])
+            return
         mark = self._budget_pings.pop(opaque, None)
         if mark is not None:
             blocked = self._budgetSpent()
@@ -453,7 +479,9 @@ class Session(Protocol):
         waiting = self._pings.pop(opaque, None)
         if waiting is not None:
             d, sent = waiting
-            d.callback(self._reactor.seconds() - sent)
+            rtt = self._reactor.seconds() - sent
+            self._rttSample(rtt)
+            d.callback(rtt)
 
     def _handleGoAway(self, frame: Frame) -> None:
         if frame.stream_id != 0:
@@ -645,8 +673,49 @@ class Session(Protocol):
         self._rotation.append(stream)
         return stream
 
+    # -- receive-window auto-tuning (used by Stream; the rule is in mux/autowindow.py) ------
+
+    def _rttSample(self, rtt: float) -> None:
+        """A measured round trip: smoothed as TCP does (7/8 old, 1/8 new)."""
+        self._rtt = rtt if self._rtt is None else (7 * self._rtt + rtt) / 8
+        self._rtt_at = self._reactor.seconds()
+
+    def _rttEstimate(self) -> float | None:
+        """The smoothed round trip, or None before the first sample.  A missing or stale
+        sample sends one probe ping (never two at once); it never overtakes Data frames we
+        wrote (so a reply measures the path, not our queue), and the peer answers it first."""
+        now = self._reactor.seconds()
+        if (self._rtt is None or now - self._rtt_at > self.config.rtt_max_age) \
+                and self._rtt_probe is None and self.state is SessionState.OPEN:
+            opaque = self._nextOpaque()
+            self._rtt_probe = (opaque, now)
+            self._sendFrame(Frame.ping(opaque))
+        return self._rtt
+
+    def _resizeWindow(self, stream: Stream, wanted: int) -> int:
+        """Move ``stream``'s receive window to ``wanted``: a shrink always, a growth only as
+        far as the session's and the pool's budgets allow.  Returns the window it got."""
+        current = stream._window
+        pool = self.config.window_pool
+        if wanted <= current:
+            freed = current - wanted
+            self._window_extra -= freed
+            if pool is not None:
+                pool.give(freed)
+            return wanted
+        room = min(wanted - current, self.config.session_window - self._window_extra)
+        if pool is not None and room > 0:
+            room = pool.take(room)
+        room = max(0, room)
+        self._window_extra += room
+        return current + room
+
     def _forgetStream(self, stream: Stream) -> None:
         """The id is finished on the wire; later frames for it are dropped quietly."""
+        extra = stream._window - self.config.max_window
+        if extra > 0:
+            self._resizeWindow(stream, self.config.max_window)
+            stream._window = self.config.max_window
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
             self._rotation.remove(stream)
@@ -672,7 +741,8 @@ class Session(Protocol):
         while True:
             opaque = secrets.randbits(32)
             if (opaque not in self._pings and opaque != self._keepalive_opaque
-                    and opaque not in self._budget_pings):
+                    and opaque not in self._budget_pings
+                    and (self._rtt_probe is None or opaque != self._rtt_probe[0])):
                 return opaque
 
     def _keepaliveTick(self, wheel) -> None:
