@@ -218,6 +218,7 @@ class Session(Protocol):
         self._rtt: float | None = None
         self._rtt_at = 0.0
         self._rtt_probe: tuple[int, float] | None = None
+        self._keepalive_sent = 0.0
         # Wire bytes (headers included) read from and written to the carrier, for metrics:
         # one addition per read and per write call, never per stream.
         self.bytesReceived = 0
@@ -464,6 +465,9 @@ class Session(Protocol):
         opaque = frame.length
         if opaque == self._keepalive_opaque:
             self._keepalive_opaque = None  # its expiry, on the wheel, finds it answered
+            if self.config.auto_window:
+                self._rttSample(self._reactor.seconds() - self._keepalive_sent)
+            return
         probe = self._rtt_probe
         if probe is not None and probe[0] == opaque:
             self._rtt_probe = None
@@ -756,6 +760,7 @@ class Session(Protocol):
         if self._keepalive_opaque is not None:
             return  # the previous keepalive ping is still running its own timeout
         opaque = self._keepalive_opaque = self._nextOpaque()
+        self._keepalive_sent = self._reactor.seconds()
         wheel.later(wheel.ticks(self.config.keepalive_timeout, up=True),
                     self._keepaliveCheck, opaque, at_least=True)
         self._sendFrame(Frame.ping(opaque))
