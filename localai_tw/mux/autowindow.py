@@ -5,7 +5,7 @@ whatever the link.  This module holds the rule a stream uses to decide, each tim
 window back, how large its window should be (as QUIC and HTTP/2 stacks do):
 
 * an *epoch* runs from one grant to the next; if the reader consumed more than half the window
-  in less than ``4 * fraction * rtt`` (fraction = consumed / window), the window is what limits
+  in less than ``2 * fraction * rtt`` (fraction = consumed / window), the window is what limits
   the stream, so it doubles, up to the per-stream ceiling and to what the session's and the
   process's budgets (``WindowPool``) still hold;
 * if the consumer paused the stream during the epoch, the reader is the bottleneck: the window
@@ -44,8 +44,10 @@ class WindowTuner:
 
     __slots__ = ("epoch_start", "epoch_consumed", "paused")
 
-    #: grow when a window's worth is consumed within this many round trips
-    GROW_RTTS = 4
+    #: grow when a window's worth is consumed within this many round trips: the window then
+    #: settles at up to twice the bandwidth-delay product (QUIC stacks use 4; 2 keeps the
+    #: queue a control frame may wait behind at about one round trip)
+    GROW_RTTS = 2
 
     def __init__(self, now: float, consumed: int = 0):
         self.epoch_start = now

@@ -213,7 +213,7 @@ class Session(Protocol):
         self._budget_mark = 0
         self._budget_pings: dict[int, int] = {}
         # window auto-tuning: bytes of window above max_window held by our streams, the
-        # smoothed round trip (seconds) and when it was last sampled, the probe ping out
+        # smallest recent round trip (seconds) and when it was sampled, the probe ping out
         self._window_extra = 0
         self._rtt: float | None = None
         self._rtt_at = 0.0
@@ -680,19 +680,24 @@ class Session(Protocol):
     # -- receive-window auto-tuning (used by Stream; the rule is in mux/autowindow.py) ------
 
     def _rttSample(self, rtt: float) -> None:
-        """A measured round trip: smoothed as TCP does (7/8 old, 1/8 new)."""
-        self._rtt = rtt if self._rtt is None else (7 * self._rtt + rtt) / 8
-        self._rtt_at = self._reactor.seconds()
+        """A measured round trip.  The estimate is the smallest sample of the last
+        ``rtt_max_age`` seconds (the path's own delay): a ping answered behind our own bulk
+        bytes measures the queue a grown window made, and a window grown on that would only
+        make the queue longer.  A stale minimum is replaced by the next sample."""
+        now = self._reactor.seconds()
+        if self._rtt is None or rtt <= self._rtt or now - self._rtt_at > self.config.rtt_max_age:
+            self._rtt = rtt
+            self._rtt_at = now
 
     def _rttEstimate(self) -> float | None:
-        """The smoothed round trip, or None before the first sample.  A missing or stale
-        sample sends one probe ping (never two at once); it never overtakes Data frames we
-        wrote (so a reply measures the path, not our queue), and the peer answers it first."""
-        now = self._reactor.seconds()
-        if (self._rtt is None or now - self._rtt_at > self.config.rtt_max_age) \
-                and self._rtt_probe is None and self.state is SessionState.OPEN:
+        """The minimum round trip (``_rttSample``), or None before the first sample.  Each
+        call (a stream's window epoch ending) sends a probe ping unless one is out already, so
+        a window that is being tuned is fed a sample per epoch, and the minimum over them is the
+        path's delay rather than our own queue.  The probe never overtakes the Data frames we
+        wrote; the peer answers it first (a few dozen bytes per 128 KiB or more granted)."""
+        if self._rtt_probe is None and self.state is SessionState.OPEN:
             opaque = self._nextOpaque()
-            self._rtt_probe = (opaque, now)
+            self._rtt_probe = (opaque, self._reactor.seconds())
             self._sendFrame(Frame.ping(opaque))
         return self._rtt
 

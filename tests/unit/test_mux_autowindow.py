@@ -205,3 +205,17 @@ def test_a_stale_round_trip_is_measured_again_with_one_probe():
     step(10)
     assert server._rtt_at > first
     assert server._rtt_probe is None
+
+
+def test_the_round_trip_is_the_recent_minimum_not_an_average():
+    """A ping answered behind our own bulk bytes (a long sample) must not raise the estimate:
+    a window grown on it would lengthen the very queue it measured."""
+    client, server, accepted, step = linked(rtt_max_age=1.0)
+    server._rttSample(0.05)
+    server._rttSample(0.8)
+    assert server._rtt == 0.05
+    server._rttSample(0.04)
+    assert server._rtt == 0.04
+    step(60)  # 1.5 s: the minimum is stale, the next sample replaces it
+    server._rttSample(0.2)
+    assert server._rtt == 0.2
