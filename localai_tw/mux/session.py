@@ -135,8 +135,8 @@ class SessionConfig:
     # the round trip allows (a long link); windows grow only while ``session_window`` (the sum
     # of what this session's streams hold above ``max_window``) and ``window_pool`` (shared by
     # sessions: the process's memory budget) still have room, and halve when the consumer
-    # pauses.  The round trip is measured with pings (any yamux peer answers them), refreshed
-    # when older than ``rtt_max_age`` seconds.
+    # pauses.  The round trip is the smallest ping round trip (any yamux peer answers pings; a
+    # probe goes out per tuning epoch) of the last ``rtt_max_age`` seconds.
     auto_window: int = 0
     session_window: int = 64 * 1024 * 1024
     window_pool: object = None
