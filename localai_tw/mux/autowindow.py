@@ -39,20 +39,51 @@ class WindowPool:
         self.used = max(0, self.used - amount)
 
 
-class WindowTuner:
-    """The epoch state of one stream.  ``decide`` is called just before a window grant."""
+class SessionFlow:
+    """A session's flow bookkeeping that is not per stream, in one slotted object.  The window
+    tuning's share: bytes of window above ``max_window`` the streams hold (``extra``), the
+    smallest recent ping round trip and when it was taken, the probe ping out (``(opaque,
+    sent)``), when the last keepalive ping went.  The bulk budget's (``SessionConfig.
+    bulk_in_flight``): Data bytes written, acknowledged by a ping reply, the mark of the last
+    budget ping, and the budget pings out (opaque -> mark)."""
 
-    __slots__ = ("epoch_start", "epoch_consumed", "paused")
+    __slots__ = ("extra", "rtt", "rtt_at", "probe", "keepalive_sent",
+                 "data_out", "data_acked", "budget_mark", "budget_pings")
+
+    def __init__(self):
+        self.extra = 0
+        self.rtt: float | None = None
+        self.rtt_at = 0.0
+        self.probe: tuple[int, float] | None = None
+        self.keepalive_sent = 0.0
+        self.data_out = 0
+        self.data_acked = 0
+        self.budget_mark = 0
+        self.budget_pings: dict[int, int] = {}
+
+
+class WindowTuner:
+    """The tuning state of one stream: its receive window (``window``), the payload bytes it
+    received in all, and the current epoch.  ``decide`` is called just before a window grant;
+    the first grant only ``start``s the first epoch."""
+
+    __slots__ = ("window", "received", "epoch_start", "epoch_consumed", "paused")
 
     #: grow when a window's worth is consumed within this many round trips: the window then
     #: settles at up to twice the bandwidth-delay product (QUIC stacks use 4; 2 keeps the
     #: queue a control frame may wait behind at about one round trip)
     GROW_RTTS = 2
 
-    def __init__(self, now: float, consumed: int = 0):
-        self.epoch_start = now
-        self.epoch_consumed = consumed
+    def __init__(self, window: int):
+        self.window = window
+        self.received = 0
+        self.epoch_start: float | None = None  # None: no epoch yet (no grant so far)
+        self.epoch_consumed = 0
         self.paused = False  # the consumer paused the stream during this epoch
+
+    def start(self, now: float, consumed: int) -> None:
+        """Begin the first epoch (at the stream's first grant)."""
+        self._restart(now, consumed)
 
     def decide(self, now: float, consumed: int, window: int, base: int, ceiling: int,
                rtt: float | None) -> int:

@@ -164,9 +164,10 @@ class Stream:
 
         # inbound: bytes received but not yet handed to the protocol
         self._recv_window = INITIAL_WINDOW
-        self._window = session.config.max_window  # our receive window's size (auto-tuned)
-        self._received = 0           # payload bytes received in all
-        self._tuner = None           # a WindowTuner once auto-tuning has started
+        # With auto-tuning: our receive window's size and the epoch (one slotted object, so
+        # the instance dict stays within CPython's shared-key limit: 29 attributes here).
+        self._tuner = (WindowTuner(session.config.max_window) if session.config.auto_window
+                       else None)
         self._in: deque[bytes] = deque()
         self._in_size = 0
         self._paused = False         # pauseProducing by our consumer
@@ -477,7 +478,9 @@ class Stream:
         if not payload:
             return
         self._recv_window -= len(payload)
-        self._received += len(payload)
+        tuner = self._tuner
+        if tuner is not None:
+            tuner.received += len(payload)
         if self._discard:
             self._grantWindow()
             return
@@ -544,6 +547,16 @@ class Stream:
         if self.state in _REMOTE_OPEN:
             self._grantWindow()
 
+    @property
+    def _window(self) -> int:
+        """Our receive window's size: ``max_window``, or as auto-tuning resized it."""
+        tuner = self._tuner
+        return tuner.window if tuner is not None else self.session.config.max_window
+
+    @_window.setter
+    def _window(self, size: int) -> None:
+        self._tuner.window = size
+
     def _grantDelta(self) -> int:
         return (self._window - self._in_size) - self._recv_window
 
@@ -556,7 +569,7 @@ class Stream:
         delta = self._grantDelta()
         if not flags and delta < self._window // 2:
             return
-        if not flags and self.session.config.auto_window:
+        if not flags and self._tuner is not None:
             self._tuneWindow()
             delta = self._grantDelta()
             if delta < self._window // 2:
@@ -574,15 +587,16 @@ class Stream:
         """One epoch of receive-window auto-tuning (``mux/autowindow.py``) ends here."""
         session = self.session
         now = session._reactor.seconds()
-        consumed = self._received - self._in_size
-        if self._tuner is None:
+        tuner = self._tuner
+        consumed = tuner.received - self._in_size
+        if tuner.epoch_start is None:
             # The first grant starts the first epoch; the round trip is asked for now, so a
             # sample is there (or on its way) when the epoch ends.
-            self._tuner = WindowTuner(now, consumed)
+            tuner.start(now, consumed)
             session._rttEstimate()
             return
         config = session.config
-        wanted = self._tuner.decide(now, consumed, self._window, config.max_window,
+        wanted = tuner.decide(now, consumed, self._window, config.max_window,
                                     config.auto_window, session._rttEstimate())
         if wanted != self._window:
             self._window = session._resizeWindow(self, wanted)

@@ -370,7 +370,7 @@ async def test_auto_tuned_window_grows_against_a_go_writer(yamux_pair, transport
     assert sinks[0].received == size
     assert sinks[0].sha256 == done["sha256"]
     assert sinks[0].largest_window == 4 * MiB
-    assert pair.session._window_extra == 0  # the stream ended: its share went back
+    assert pair.session._flow.extra == 0  # the stream ended: its share went back
     stats = await pair.go.stats()
     assert not stats["closed"] and stats["frames_in"].get("rst", 0) == 0, stats
     assert pair.session.isOpen

@@ -19,30 +19,35 @@ RTT = 0.05
 
 
 def test_a_window_consumed_within_a_few_round_trips_doubles():
-    tuner = WindowTuner(now=0.0, consumed=0)
+    tuner = WindowTuner(BASE)
+    tuner.start(0.0, 0)
     assert tuner.decide(RTT, BASE, BASE, BASE, 16 * MIB, RTT) == 2 * BASE
 
 
 def test_a_window_consumed_slowly_stays():
-    tuner = WindowTuner(now=0.0, consumed=0)
+    tuner = WindowTuner(BASE)
+    tuner.start(0.0, 0)
     assert tuner.decide(10 * RTT, BASE, BASE, BASE, 16 * MIB, RTT) == BASE
 
 
 def test_no_decision_on_less_than_half_a_window_and_none_without_a_round_trip():
-    tuner = WindowTuner(now=0.0, consumed=0)
+    tuner = WindowTuner(BASE)
+    tuner.start(0.0, 0)
     assert tuner.decide(0.001, BASE // 2, BASE, BASE, 16 * MIB, RTT) == BASE
     assert tuner.epoch_consumed == 0  # the epoch goes on
     assert tuner.decide(0.001, BASE, BASE, BASE, 16 * MIB, None) == BASE
 
 
 def test_growth_stops_at_the_ceiling():
-    tuner = WindowTuner(now=0.0, consumed=0)
+    tuner = WindowTuner(BASE)
+    tuner.start(0.0, 0)
     assert tuner.decide(0.001, 12 * MIB, 12 * MIB, BASE, 16 * MIB, RTT) == 16 * MIB
     assert tuner.decide(0.002, 28 * MIB, 16 * MIB, BASE, 16 * MIB, RTT) == 16 * MIB
 
 
 def test_a_pause_in_the_epoch_halves_and_never_grows_below_the_base():
-    tuner = WindowTuner(now=0.0, consumed=0)
+    tuner = WindowTuner(BASE)
+    tuner.start(0.0, 0)
     tuner.paused = True
     # consumed fast, yet the consumer paused: the reader is the bottleneck
     assert tuner.decide(0.001, 4 * MIB, 4 * MIB, BASE, 16 * MIB, RTT) == 2 * MIB
@@ -113,8 +118,8 @@ def test_a_window_limited_stream_grows_to_its_ceiling_and_delivers_everything():
     (sstream, protocol), = accepted
     assert len(protocol.received) == total
     assert sstream._window == 4 * MIB
-    assert server._window_extra == 4 * MIB - BASE
-    assert server._rtt == pytest.approx(RTT)
+    assert server._flow.extra == 4 * MIB - BASE
+    assert server._flow.rtt == pytest.approx(RTT)
     # the sender was never given more than the receiver's window at any time
     assert sstream._recv_window + sstream._in_size <= sstream._window
 
@@ -145,7 +150,7 @@ def test_a_paused_consumer_never_makes_the_window_grow():
         sstream.pauseProducing()
         step(4)
     assert sstream._window == BASE
-    assert server._window_extra == 0
+    assert server._flow.extra == 0
 
 
 def test_a_grown_window_halves_when_the_reader_pauses_and_the_budget_comes_back():
@@ -161,10 +166,10 @@ def test_a_grown_window_halves_when_the_reader_pauses_and_the_budget_comes_back(
     sstream.resumeProducing()
     step(1)
     assert sstream._window == 2 * MIB
-    assert server._window_extra == 2 * MIB - BASE
+    assert server._flow.extra == 2 * MIB - BASE
     stream.abortConnection()
     step(2)
-    assert server._window_extra == 0
+    assert server._flow.extra == 0
 
 
 def test_the_session_budget_and_a_shared_pool_bound_the_growth():
@@ -173,16 +178,16 @@ def test_the_session_budget_and_a_shared_pool_bound_the_growth():
     for _ in range(3):
         client.openStream(Recorder()).write(b"x" * (16 * MIB))
     step(40)
-    assert server._window_extra <= 2 * MIB
-    assert sum(s._window - BASE for s, _ in accepted) == server._window_extra
-    assert pool.used == server._window_extra
+    assert server._flow.extra <= 2 * MIB
+    assert sum(s._window - BASE for s, _ in accepted) == server._flow.extra
+    assert pool.used == server._flow.extra
     other_client, other_server, _, other_step = linked(window_pool=pool)
     other_client.openStream(Recorder()).write(b"x" * (16 * MIB))
     other_step(40)
     assert pool.used <= 3 * MIB
-    assert other_server._window_extra == pool.used - server._window_extra
+    assert other_server._flow.extra == pool.used - server._flow.extra
     server.abort()
-    assert pool.used == other_server._window_extra
+    assert pool.used == other_server._flow.extra
 
 
 def test_the_decoder_takes_frames_up_to_the_grown_window_and_refuses_beyond():
@@ -199,12 +204,12 @@ def test_a_stale_round_trip_is_measured_again_with_one_probe():
     stream = client.openStream(Recorder())
     stream.write(b"x" * (4 * MIB))
     step(10)
-    first = server._rtt_at
+    first = server._flow.rtt_at
     step(60)  # 1.5 s later, no traffic
     stream.write(b"x" * (4 * MIB))
     step(10)
-    assert server._rtt_at > first
-    assert server._rtt_probe is None
+    assert server._flow.rtt_at > first
+    assert server._flow.probe is None
 
 
 def test_the_round_trip_is_the_recent_minimum_not_an_average():
@@ -213,9 +218,9 @@ def test_the_round_trip_is_the_recent_minimum_not_an_average():
     client, server, accepted, step = linked(rtt_max_age=1.0)
     server._rttSample(0.05)
     server._rttSample(0.8)
-    assert server._rtt == 0.05
+    assert server._flow.rtt == 0.05
     server._rttSample(0.04)
-    assert server._rtt == 0.04
+    assert server._flow.rtt == 0.04
     step(60)  # 1.5 s: the minimum is stale, the next sample replaces it
     server._rttSample(0.2)
-    assert server._rtt == 0.2
+    assert server._flow.rtt == 0.2
