@@ -597,7 +597,7 @@ class Stream:
             return
         config = session.config
         wanted = tuner.decide(now, consumed, self._window, config.max_window,
-                                    config.auto_window, session._rttEstimate())
+                              config.auto_window, session._rttEstimate())
         if wanted != self._window:
             self._window = session._resizeWindow(self, wanted)
 
