@@ -1,7 +1,7 @@
 """Benchmark of one yamux stream over a long link: fixed vs auto-tuned receive windows (issue 25 §4).
 
 Usage:  python benchmarks/bench_long_link.py [--rtts 50,150] [--mib 1024] [--fixed-mib 16]
-                                             [--rate 50] [--auto-window 16384] [--json PATH]
+                                             [--rate 50] [--auto-window 32768] [--json PATH]
 
 ``tc netem`` is not available on these machines, so this script brings its own link: a delay
 proxy on loopback, run as a subprocess (``--role proxy``) so it never shares a core's turn with
@@ -288,8 +288,8 @@ def parse_args(argv=None):
     parser.add_argument("--mib", type=int, default=1024, help="staged file, MiB")
     parser.add_argument("--fixed-mib", type=int, default=16,
                         help="MiB sent with the fixed window (one window per round trip)")
-    parser.add_argument("--auto-window", type=int, default=16 * 1024,
-                        help="per-stream auto-tuning ceiling, KiB")
+    parser.add_argument("--auto-window", type=int, default=32 * 1024,
+                        help="per-stream auto-tuning ceiling, KiB (the tunnel's: 32 MiB)")
     parser.add_argument("--carrier", choices=("tcp", "ws"), default="ws",
                         help="yamux over plain TCP, or over the tunnel's WebSocket carrier")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")

@@ -35,10 +35,11 @@ def tunnel_keepalive() -> dict[str, float]:
             "keepalive_timeout": TUNNEL_KEEPALIVE_TIMEOUT}
 
 
-#: The largest receive window one tunnel stream grows to (``mux/autowindow.py``): 16 MiB moves
-#: 100 MB/s over a 150 ms round trip (a staged GGUF to a worker in another region), where the
-#: fixed 256 KiB window moves 1.7 MB/s.
-TUNNEL_STREAM_WINDOW_MAX = 16 * 1024 * 1024
+#: The largest receive window one tunnel stream grows to (``mux/autowindow.py``): twice the
+#: bandwidth-delay product of a 100 MB/s link at a 150 ms round trip (a staged GGUF to a worker
+#: in another region), where the fixed 256 KiB window moves 1.7 MB/s.  16 MiB reached only
+#: 0.51x raw TCP on such a link in bench_long_link.py; the rule settles near 2 BDPs.
+TUNNEL_STREAM_WINDOW_MAX = 32 * 1024 * 1024
 #: What the streams of one tunnel session may hold above 256 KiB each, together.
 TUNNEL_SESSION_WINDOW_MAX = 64 * 1024 * 1024
 #: The frontend's budget for grown windows over ALL its worker tunnels (thousands of sessions
