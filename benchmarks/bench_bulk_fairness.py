@@ -2,7 +2,8 @@
 
 Usage:  python benchmarks/bench_bulk_fairness.py [--mib 1024] [--directions down,up] [--streams 1]
                                                  [--idle-seconds 3] [--window 256] [--frame 0]
-                                                 [--bulk-budget 0] [--json PATH]
+                                                 [--bulk-budget 0] [--auto-window 0]
+                                                 [--json PATH]
 
 File staging and large gRPC messages ride the same yamux-over-WebSocket session as control
 calls (issue 15 §3).  This script measures what a bulk stream does to a control stream on that
@@ -171,6 +172,8 @@ def main() -> None:
                         help="yamux max frame size, bytes (0: the library default)")
     parser.add_argument("--bulk-budget", type=int, default=0,
                         help="yamux bulk bytes in flight per session, KiB (0: no limit)")
+    parser.add_argument("--auto-window", type=int, default=0,
+                        help="yamux receive-window auto-tuning ceiling per stream, KiB (0: off)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     args = parser.parse_args()
     if args.streams < 1 or args.mib < 1:
@@ -186,7 +189,8 @@ def main() -> None:
     server_argv = [sys.executable, os.path.join(HERE, "bench_transport.py"), "--role", "server",
                    "--transport", "ws", "--mib", str(args.mib), "--window", str(args.window),
                    "--frame", str(args.frame),
-                   "--bulk-budget", str(args.bulk_budget)]
+                   "--bulk-budget", str(args.bulk_budget),
+                   "--auto-window", str(args.auto_window)]
     server = subprocess.Popen(server_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -217,7 +221,8 @@ def main() -> None:
         server.wait()
     report = {"machine": bt.machine(), "argv": sys.argv[1:], "mib": args.mib,
               "window_kib": args.window, "frame": args.frame,
-              "bulk_budget_kib": args.bulk_budget, "loadavg_before": load_before,
+              "bulk_budget_kib": args.bulk_budget, "auto_window_kib": args.auto_window,
+              "loadavg_before": load_before,
               "loadavg_after": bt._loadavg(), **out}
     print(render(report))
     if args.json:
@@ -232,6 +237,7 @@ def render(report) -> str:
              f"One yamux/WebSocket session on 127.0.0.1, two processes; {report['mib']} MiB "
              f"per transfer; yamux max window {report['window_kib']} KiB, max frame "
              f"{report['frame']} bytes; bulk budget {report.get('bulk_budget_kib') or 'none'} KiB; "
+             f"auto window {report.get('auto_window_kib') or 'off'} KiB; "
              "MB = 10**6 bytes.",
              f"Load average {report['loadavg_before']} before, {report['loadavg_after']} after."]
     try:

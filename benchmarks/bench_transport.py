@@ -3,6 +3,7 @@
 Usage:  python benchmarks/bench_transport.py [--mib 256] [--mem-mib 64] [--rounds 2000]
                                              [--transports tcp,yamux,ws] [--json PATH]
                                              [--profile DIR] [--bulk-budget KiB]
+                                             [--auto-window KiB]
 
 One run measures, on 127.0.0.1, for each transport:
 
@@ -241,7 +242,8 @@ def _session_config(args):
     from localai_tw.mux.session import SessionConfig
 
     config = SessionConfig(max_window=args.window * 1024,
-                           bulk_in_flight=getattr(args, "bulk_budget", 0) * 1024)
+                           bulk_in_flight=getattr(args, "bulk_budget", 0) * 1024,
+                           auto_window=getattr(args, "auto_window", 0) * 1024)
     if args.frame:
         config.max_frame_size = args.frame
     return config
@@ -449,7 +451,7 @@ def _child_argv(args, role: str, transport: str, mib: int, extra=()) -> list[str
     argv = [sys.executable, os.path.abspath(__file__), "--role", role, "--transport", transport,
             "--mib", str(mib), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
             "--window", str(args.window), "--frame", str(args.frame), "--tests", args.tests,
-            "--bulk-budget", str(args.bulk_budget),
+            "--bulk-budget", str(args.bulk_budget), "--auto-window", str(args.auto_window),
             *extra]
     if args.profile:
         argv += ["--profile", args.profile]
@@ -696,6 +698,8 @@ def main() -> None:
                         help="yamux max frame size, bytes (0: the library default)")
     parser.add_argument("--bulk-budget", type=int, default=0,
                         help="yamux bulk bytes in flight per session, KiB (0: no limit)")
+    parser.add_argument("--auto-window", type=int, default=0,
+                        help="yamux receive-window auto-tuning ceiling per stream, KiB (0: off)")
     parser.add_argument("--transports", default="tcp,yamux,ws")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved runs; each figure is the best of them")

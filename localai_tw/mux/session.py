@@ -43,6 +43,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from localai_tw.deferreds import OneShotObserver
+from localai_tw.mux.autowindow import SessionFlow
 from localai_tw.mux.errors import (
     FrameError,
     KeepaliveTimeout,
@@ -130,6 +131,17 @@ class SessionConfig:
     # written before it.  No wire change; any yamux peer answers pings.
     bulk_in_flight: int = 0
     bulk_after: int = 256 * 1024
+    # Receive-window auto-tuning (mux/autowindow.py; 0: off, every stream keeps ``max_window``).
+    # The largest window one stream may grow to when its reader consumes a window faster than
+    # the round trip allows (a long link); windows grow only while ``session_window`` (the sum
+    # of what this session's streams hold above ``max_window``) and ``window_pool`` (shared by
+    # sessions: the process's memory budget) still have room, and halve when the consumer
+    # pauses.  The round trip is the smallest ping round trip (any yamux peer answers pings; a
+    # probe goes out per tuning epoch) of the last ``rtt_max_age`` seconds.
+    auto_window: int = 0
+    session_window: int = 64 * 1024 * 1024
+    window_pool: object = None
+    rtt_max_age: float = 10.0
 
     def __post_init__(self):
         if self.initial_window != INITIAL_WINDOW:
@@ -146,6 +158,10 @@ class SessionConfig:
             raise ValueError("bulk_in_flight and bulk_after must not be negative")
         if self.bulk_in_flight and self.bulk_in_flight < 4 * (self.max_frame_size + HEADER_SIZE):
             raise ValueError("bulk_in_flight must be at least four frames")
+        if self.auto_window and not self.max_window <= self.auto_window <= MAX_UINT32:
+            raise ValueError("auto_window must be 0 or between max_window and 2**32 - 1")
+        if self.session_window < 0 or self.rtt_max_age <= 0:
+            raise ValueError("session_window must not be negative, rtt_max_age must be positive")
 
 
 class SessionState(enum.Enum):
@@ -175,7 +191,7 @@ class Session(Protocol):
         self.localGoAway = False    # we sent go-away(0): new inbound streams are refused
         self.remoteGoAway = False   # the peer sent go-away(0): we open no new streams
         self._ending: Exception | None = None
-        self._decoder = FrameDecoder(self.config.max_window)
+        self._decoder = FrameDecoder(max(self.config.max_window, self.config.auto_window))
         self._streams: dict[int, Stream] = {}
         self._rotation: deque[Stream] = deque()   # fair order for serving streams on resume
         self._next_id = 1 if client else 2
@@ -192,11 +208,10 @@ class Session(Protocol):
         self._lingering: dict[int, object] = {}
         self._reading = 0           # > 0 while a read's frames are handled
         self._grants: dict[Stream, None] = {}  # streams whose window grant waits for its end
-        # bulk budget: Data bytes written, acknowledged by a ping reply, and the pings out
-        self._data_out = 0
-        self._data_acked = 0
-        self._budget_mark = 0
-        self._budget_pings: dict[int, int] = {}
+        # The bulk budget's counters and the window tuning's state, in one slotted object: a
+        # session's instance dict stays within CPython's shared-key limit (29 attributes
+        # here; one more makes every idle tunnel's session 1.3 KiB larger).
+        self._flow = SessionFlow()
         # Wire bytes (headers included) read from and written to the carrier, for metrics:
         # one addition per read and per write call, never per stream.
         self.bytesReceived = 0
@@ -443,17 +458,27 @@ class Session(Protocol):
         opaque = frame.length
         if opaque == self._keepalive_opaque:
             self._keepalive_opaque = None  # its expiry, on the wheel, finds it answered
-        mark = self._budget_pings.pop(opaque, None)
+            if self.config.auto_window:
+                self._rttSample(self._reactor.seconds() - self._flow.keepalive_sent)
+            return
+        probe = self._flow.probe
+        if probe is not None and probe[0] == opaque:
+            self._flow.probe = None
+            self._rttSample(self._reactor.seconds() - probe[1])
+            return
+        mark = self._flow.budget_pings.pop(opaque, None)
         if mark is not None:
             blocked = self._budgetSpent()
-            self._data_acked = max(self._data_acked, mark)
+            self._flow.data_acked = max(self._flow.data_acked, mark)
             if blocked and not self._budgetSpent() and self._writable():
                 self._serve()
             return
         waiting = self._pings.pop(opaque, None)
         if waiting is not None:
             d, sent = waiting
-            d.callback(self._reactor.seconds() - sent)
+            rtt = self._reactor.seconds() - sent
+            self._rttSample(rtt)
+            d.callback(rtt)
 
     def _handleGoAway(self, frame: Frame) -> None:
         if frame.stream_id != 0:
@@ -560,7 +585,7 @@ class Session(Protocol):
 
     def _budgetSpent(self) -> bool:
         budget = self.config.bulk_in_flight
-        return bool(budget) and self._data_out - self._data_acked >= budget
+        return bool(budget) and self._flow.data_out - self._flow.data_acked >= budget
 
     def _sendFrame(self, frame: Frame, urgent: bool = True) -> None:
         """Write a frame that is not stream data (or an empty one: FIN, RST, ACK).  ``urgent``:
@@ -623,7 +648,7 @@ class Session(Protocol):
         self.bytesSent += HEADER_SIZE + length
         budget = self.config.bulk_in_flight
         if budget:
-            self._data_out += HEADER_SIZE + length
+            self._flow.data_out += HEADER_SIZE + length
         header = HEADER.pack(VERSION, TYPE_DATA, flags, stream_id, length)
         if urgent and getattr(transport, "writesUrgent", False):
             transport.writeUrgent(b"".join([header, *parts]))
@@ -631,12 +656,12 @@ class Session(Protocol):
             transport.writePieces([header, *parts], HEADER_SIZE + length)
         else:
             transport.write(b"".join([header, *parts]))
-        if budget and self._data_out - self._budget_mark >= budget // 4:
+        if budget and self._flow.data_out - self._flow.budget_mark >= budget // 4:
             # Acknowledge what was written so far: the reply comes once the peer read it all,
             # so this ping must not overtake the frames before it (never urgent).
-            self._budget_mark = self._data_out
+            self._flow.budget_mark = self._flow.data_out
             opaque = self._nextOpaque()
-            self._budget_pings[opaque] = self._data_out
+            self._flow.budget_pings[opaque] = self._flow.data_out
             self._sendFrame(Frame.ping(opaque), urgent=False)
 
     def _addStream(self, sid: int, state: StreamState) -> Stream:
@@ -645,8 +670,53 @@ class Session(Protocol):
         self._rotation.append(stream)
         return stream
 
+    # -- receive-window auto-tuning (used by Stream; the rule is in mux/autowindow.py) ------
+
+    def _rttSample(self, rtt: float) -> None:
+        """A measured round trip.  The estimate is the smallest sample of the last
+        ``rtt_max_age`` seconds (the path's own delay): a ping answered behind our own bulk
+        bytes measures the queue a grown window made, and a window grown on that would only
+        make the queue longer.  A stale minimum is replaced by the next sample."""
+        now = self._reactor.seconds()
+        if self._flow.rtt is None or rtt <= self._flow.rtt or now - self._flow.rtt_at > self.config.rtt_max_age:
+            self._flow.rtt = rtt
+            self._flow.rtt_at = now
+
+    def _rttEstimate(self) -> float | None:
+        """The minimum round trip (``_rttSample``), or None before the first sample.  Each
+        call (a stream's window epoch ending) sends a probe ping unless one is out already, so
+        a window that is being tuned is fed a sample per epoch, and the minimum over them is the
+        path's delay rather than our own queue.  The probe never overtakes the Data frames we
+        wrote; the peer answers it first (a few dozen bytes per 128 KiB or more granted)."""
+        if self._flow.probe is None and self.state is SessionState.OPEN:
+            opaque = self._nextOpaque()
+            self._flow.probe = (opaque, self._reactor.seconds())
+            self._sendFrame(Frame.ping(opaque))
+        return self._flow.rtt
+
+    def _resizeWindow(self, stream: Stream, wanted: int) -> int:
+        """Move ``stream``'s receive window to ``wanted``: a shrink always, a growth only as
+        far as the session's and the pool's budgets allow.  Returns the window it got."""
+        current = stream._window
+        pool = self.config.window_pool
+        if wanted <= current:
+            freed = current - wanted
+            self._flow.extra -= freed
+            if pool is not None:
+                pool.give(freed)
+            return wanted
+        room = min(wanted - current, self.config.session_window - self._flow.extra)
+        if pool is not None and room > 0:
+            room = pool.take(room)
+        room = max(0, room)
+        self._flow.extra += room
+        return current + room
+
     def _forgetStream(self, stream: Stream) -> None:
         """The id is finished on the wire; later frames for it are dropped quietly."""
+        if stream._tuner is not None and stream._window > self.config.max_window:
+            self._resizeWindow(stream, self.config.max_window)
+            stream._window = self.config.max_window
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
             self._rotation.remove(stream)
@@ -672,7 +742,8 @@ class Session(Protocol):
         while True:
             opaque = secrets.randbits(32)
             if (opaque not in self._pings and opaque != self._keepalive_opaque
-                    and opaque not in self._budget_pings):
+                    and opaque not in self._flow.budget_pings
+                    and (self._flow.probe is None or opaque != self._flow.probe[0])):
                 return opaque
 
     def _keepaliveTick(self, wheel) -> None:
@@ -686,6 +757,7 @@ class Session(Protocol):
         if self._keepalive_opaque is not None:
             return  # the previous keepalive ping is still running its own timeout
         opaque = self._keepalive_opaque = self._nextOpaque()
+        self._flow.keepalive_sent = self._reactor.seconds()
         wheel.later(wheel.ticks(self.config.keepalive_timeout, up=True),
                     self._keepaliveCheck, opaque, at_least=True)
         self._sendFrame(Frame.ping(opaque))

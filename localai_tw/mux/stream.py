@@ -35,6 +35,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from localai_tw.mux.autowindow import WindowTuner
 from localai_tw.mux.errors import ProtocolError, StreamClosed, StreamReset
 from localai_tw.mux.frame import FLAG_ACK, FLAG_FIN, FLAG_RST, FLAG_SYN, INITIAL_WINDOW, Frame
 
@@ -163,6 +164,10 @@ class Stream:
 
         # inbound: bytes received but not yet handed to the protocol
         self._recv_window = INITIAL_WINDOW
+        # With auto-tuning: our receive window's size and the epoch (one slotted object, so
+        # the instance dict stays within CPython's shared-key limit: 29 attributes here).
+        self._tuner = (WindowTuner(session.config.max_window) if session.config.auto_window
+                       else None)
         self._in: deque[bytes] = deque()
         self._in_size = 0
         self._paused = False         # pauseProducing by our consumer
@@ -241,8 +246,11 @@ class Stream:
     # -- IPushProducer: our inbound bytes --------------------------------------------------
 
     def pauseProducing(self) -> None:
-        """Stop handing bytes to the protocol; the peer keeps only its remaining window."""
+        """Stop handing bytes to the protocol; the peer keeps only its remaining window (and
+        an auto-tuned window halves at its next grant instead of growing)."""
         self._paused = True
+        if self._tuner is not None:
+            self._tuner.paused = True
 
     def resumeProducing(self) -> None:
         """Hand over what was buffered, then grant window for it."""
@@ -470,6 +478,9 @@ class Stream:
         if not payload:
             return
         self._recv_window -= len(payload)
+        tuner = self._tuner
+        if tuner is not None:
+            tuner.received += len(payload)
         if self._discard:
             self._grantWindow()
             return
@@ -536,22 +547,59 @@ class Stream:
         if self.state in _REMOTE_OPEN:
             self._grantWindow()
 
+    @property
+    def _window(self) -> int:
+        """Our receive window's size: ``max_window``, or as auto-tuning resized it."""
+        tuner = self._tuner
+        return tuner.window if tuner is not None else self.session.config.max_window
+
+    @_window.setter
+    def _window(self, size: int) -> None:
+        self._tuner.window = size
+
     def _grantDelta(self) -> int:
-        return (self.session.config.max_window - self._in_size) - self._recv_window
+        return (self._window - self._in_size) - self._recv_window
 
     def _grantWindow(self, flags: int = 0) -> None:
         """Go's rule: send ``(max - buffered) - window`` once it reaches half the maximum, or
-        whenever a flag (ACK) has to go out anyway."""
+        whenever a flag (ACK) has to go out anyway.  With auto-tuning on, the maximum is this
+        stream's own window, resized (``_tuneWindow``) just before each such grant."""
         if self.state not in _REMOTE_OPEN and not flags:
             return  # the peer sent FIN: it will not use more window
         delta = self._grantDelta()
-        if not flags and delta < self.session.config.max_window // 2:
+        if not flags and delta < self._window // 2:
             return
+        if not flags and self._tuner is not None:
+            self._tuneWindow()
+            delta = self._grantDelta()
+            if delta < self._window // 2:
+                return
+        if delta <= 0 and not flags:
+            return
+        delta = max(delta, 0)
         self._recv_window += delta
         # A bare grant may overtake anything (it is about the other direction); one that
         # carries SYN or ACK keeps this stream's order.
         self.session._sendFrame(Frame.window_update(self.id, delta, flags),
                                 not flags or self.session._urgentFor(self))
+
+    def _tuneWindow(self) -> None:
+        """One epoch of receive-window auto-tuning (``mux/autowindow.py``) ends here."""
+        session = self.session
+        now = session._reactor.seconds()
+        tuner = self._tuner
+        consumed = tuner.received - self._in_size
+        if tuner.epoch_start is None:
+            # The first grant starts the first epoch; the round trip is asked for now, so a
+            # sample is there (or on its way) when the epoch ends.
+            tuner.start(now, consumed)
+            session._rttEstimate()
+            return
+        config = session.config
+        wanted = tuner.decide(now, consumed, self._window, config.max_window,
+                              config.auto_window, session._rttEstimate())
+        if wanted != self._window:
+            self._window = session._resizeWindow(self, wanted)
 
     # -- endings ---------------------------------------------------------------------------
 

@@ -38,8 +38,9 @@ from localai_tw.cluster.nodes import NodeStatus, Unauthorized
 from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
 from localai_tw.logs import RateLimitedLog
 from localai_tw.logsafe import untrusted
+from localai_tw.mux.autowindow import WindowPool
 from localai_tw.mux.session import Session, SessionConfig
-from localai_tw.tunnel.keepalive import tunnel_keepalive
+from localai_tw.tunnel.keepalive import FRONTEND_WINDOW_BUDGET, tunnel_keepalive, tunnel_windows
 from localai_tw.tunnel.websocket import (
     ConnectRefused,
     IConnectAuthorizer,
@@ -53,16 +54,22 @@ CONNECT_PATH = "/api/cluster/connect"
 #: Longest node id looked up (ids are at most 36 characters); longer ones are simply unknown.
 MAX_NODE_ID_BYTES = 64
 
+#: The grown receive windows of every worker tunnel this frontend process holds, together.
+FRONTEND_WINDOW_POOL = WindowPool(FRONTEND_WINDOW_BUDGET)
+
 
 def tunnel_session_config() -> SessionConfig:
     """The yamux configuration of the frontend's end of a worker tunnel: a server that accepts no
     streams, and ends the session at the first stream the worker opens (workers never open
     streams by contract; one RST and one log line per SYN would let a worker flood us with
-    answers it never reads).  The receive window is the protocol default (256 KiB per stream):
-    each end advertises its own, so the worker's choice does not have to match (see
+    answers it never reads).  The receive window starts at the protocol default (256 KiB per
+    stream) and grows toward the link's bandwidth-delay product (``mux/autowindow.py``), from
+    one budget shared by every worker tunnel of this process (``FRONTEND_WINDOW_POOL``): each
+    end advertises its own, so the worker's choice does not have to match (see
     docs/routing.md).  The keepalive is the tunnel's (``keepalive.py``): a silent carrier is
     declared dead within 10 s, so requests stop being routed to it."""
-    return SessionConfig(accept_streams=False, forbid_inbound_streams=True, **tunnel_keepalive())
+    return SessionConfig(accept_streams=False, forbid_inbound_streams=True, **tunnel_keepalive(),
+                         **tunnel_windows(FRONTEND_WINDOW_POOL))
 
 
 class OpenNotifyingSession(Session):

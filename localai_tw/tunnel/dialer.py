@@ -47,7 +47,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from localai_tw.mux.session import Session, SessionConfig
-from localai_tw.tunnel.keepalive import tunnel_keepalive
+from localai_tw.tunnel.keepalive import tunnel_keepalive, tunnel_windows
 from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 
 log = Logger()
@@ -125,8 +125,10 @@ class DialState(enum.Enum):
 
 def worker_session_config() -> SessionConfig:
     """The worker's end of its tunnel: the tunnel keepalive (``keepalive.py``), so a silent
-    carrier is dropped and redialled within 10 s instead of 40."""
-    return SessionConfig(**tunnel_keepalive())
+    carrier is dropped and redialled within 10 s instead of 40, and receive windows that grow
+    toward the link's bandwidth-delay product (staging over a long link), at most 64 MiB in
+    all above the 256 KiB base per stream."""
+    return SessionConfig(**tunnel_keepalive(), **tunnel_windows())
 
 
 #: ``credentials() -> (node_id, tunnel_credential)`` or None before the first registration.

@@ -13,6 +13,9 @@ large staging upload on a slow link fills the socket buffers), and its answer wa
 the other side; 7 s leaves room for that on a link of a few Mbit/s.  A ping every 3 s each way costs a few dozen bytes per
 worker per second.
 
+The receive-window auto-tuning of a tunnel's streams (``tunnel_windows``) lives here too: it is
+the other setting both ends of a worker tunnel share, and its round trips come from these pings.
+
 This module must never be used for peer links (replica to replica); they keep their own config.
 """
 
@@ -30,3 +33,22 @@ def tunnel_keepalive() -> dict[str, float]:
     """The keepalive fields of a worker tunnel's ``SessionConfig``."""
     return {"keepalive_interval": TUNNEL_KEEPALIVE_INTERVAL,
             "keepalive_timeout": TUNNEL_KEEPALIVE_TIMEOUT}
+
+
+#: The largest receive window one tunnel stream grows to (``mux/autowindow.py``): twice the
+#: bandwidth-delay product of a 100 MB/s link at a 150 ms round trip (a staged GGUF to a worker
+#: in another region), where the fixed 256 KiB window moves 1.7 MB/s.  16 MiB reached only
+#: 0.51x raw TCP on such a link in bench_long_link.py; the rule settles near 2 BDPs.
+TUNNEL_STREAM_WINDOW_MAX = 32 * 1024 * 1024
+#: What the streams of one tunnel session may hold above 256 KiB each, together.
+TUNNEL_SESSION_WINDOW_MAX = 64 * 1024 * 1024
+#: The frontend's budget for grown windows over ALL its worker tunnels (thousands of sessions
+#: must not each take 64 MiB); shared through one ``WindowPool`` per process.
+FRONTEND_WINDOW_BUDGET = 256 * 1024 * 1024
+
+
+def tunnel_windows(pool=None) -> dict:
+    """The window auto-tuning fields of a worker tunnel's ``SessionConfig``; ``pool``: the
+    ``WindowPool`` shared by the sessions of this process (the frontend's), or None."""
+    return {"auto_window": TUNNEL_STREAM_WINDOW_MAX, "session_window": TUNNEL_SESSION_WINDOW_MAX,
+            "window_pool": pool}

@@ -333,6 +333,49 @@ async def test_paused_python_stream_stops_go_writer_at_window(yamux_pair, transp
     assert sinks[0].reason.check(StreamClosed), sinks[0].reason
 
 
+class WindowWatchingSink(PausedSink):
+    """A ``PausedSink`` that notes the largest receive window its stream reached."""
+
+    largest_window = 0
+
+    def dataReceived(self, data):
+        super().dataReceived(data)
+        self.largest_window = max(self.largest_window, self.transport._window)
+
+
+@pytest_twisted.ensureDeferred
+async def test_auto_tuned_window_grows_against_a_go_writer(yamux_pair, transport):
+    """Grown windows are plain, larger window-update deltas: Go's writer uses them, every byte
+    arrives in order (sha256 on both ends), and Go's reader-side checks see no violation."""
+    sinks = []
+
+    def acceptor(stream):
+        sink = WindowWatchingSink()
+        sinks.append(sink)
+        return sink
+
+    pair = await yamux_pair.open(transport=transport, py_client=True, acceptor=acceptor,
+                                 config=SessionConfig(auto_window=4 * MiB, rtt_max_age=3600))
+    # As far as the rule can tell this is a very long link: every full epoch grows the window,
+    # whatever the loopback's real round trip (no timing in the assertion).
+    pair.session._rttSample(10.0)
+    pair.session._rttSample = lambda rtt: None  # the loopback's own samples would replace it
+    size = 48 * MiB
+    pair.go.send("write", size=size, chunk=65536, tag="w")
+    await eventually(lambda: sinks, 10, "Go's stream to arrive")
+    sinks[0].transport.resumeProducing()
+    done = await pair.go.wait_event("write_done", tag="w", timeout=60)
+    assert done["written"] == size and "err" not in done, done
+    await within(sinks[0].done, 30, "Go's FIN after the transfer")
+    assert sinks[0].received == size
+    assert sinks[0].sha256 == done["sha256"]
+    assert sinks[0].largest_window == 4 * MiB
+    assert pair.session._flow.extra == 0  # the stream ended: its share went back
+    stats = await pair.go.stats()
+    assert not stats["closed"] and stats["frames_in"].get("rst", 0) == 0, stats
+    assert pair.session.isOpen
+
+
 # -- refusal ----------------------------------------------------------------------------------
 
 
