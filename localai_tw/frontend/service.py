@@ -95,7 +95,8 @@ from localai_tw.cluster.membership import (
     discover_advertised_address_async,
     resolve_instance_id,
 )
-from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
+from localai_tw.cluster.nodes import (DEFAULT_HEARTBEAT_BATCH, HeartbeatBatch, NodeNotFound,
+                                      NodeRegistry)
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.bus.claims import ClaimConsumer, ClaimQueue
 from localai_tw.bus.pgbus import PgBus
@@ -206,6 +207,9 @@ class ReplicaConfig:
     preload_models: tuple[str, ...] = ()
     #: Registrations one source address may make per minute (burst and refill); 0: no limit.
     registration_limit: int = 1200
+    #: Seconds a heartbeat waits to share one statement with others (``--heartbeat-batch``);
+    #: 0: each heartbeat its own statements.
+    heartbeat_batch: float = DEFAULT_HEARTBEAT_BATCH
     #: Model galleries (``--galleries``, ``frontend/gallery/installs.py``).
     galleries: tuple = ()
     #: Downloads and gallery fetches may reach private and loopback addresses
@@ -243,6 +247,7 @@ class ReplicaConfig:
             preload_models=tuple(_option(options, "preload-models", ()))
             + tuple(_option(options, "load-to-memory", ())),
             registration_limit=int(_option(options, "registration-limit", 1200)),
+            heartbeat_batch=float(_option(options, "heartbeat-batch", DEFAULT_HEARTBEAT_BATCH)),
             galleries=parse_galleries(options.get("galleries") or ()),
             allow_private_downloads=bool(options.get("allow-private-downloads")))
 
@@ -382,7 +387,9 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
     nodes = NodeRegistry(db, registration_token=config.registration_token,
                          require_approval=config.require_approval,
-                         on_changed=placements.node_changed)
+                         on_changed=placements.node_changed,
+                         heartbeat_batch=HeartbeatBatch(db, reactor, config.heartbeat_batch)
+                         if config.heartbeat_batch > 0 else None)
     fence = OwnershipFence(db)
     advertised = await advertised_address(config, db, port)
     identity = dataclasses.replace(  # wss://host:port when --listen is ssl:

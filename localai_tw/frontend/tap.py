@@ -167,6 +167,11 @@ SETTINGS = (
                  "retries. Workers behind one NAT or proxy share an address: raise it for a "
                  "larger fleet there. 0: no limit.",
                  default="1200", parse=config.parse_whole_number),
+    config.value("heartbeat-batch", "LOCALAI_HEARTBEAT_BATCH",
+                 "How long a worker's heartbeat waits for others to share its database "
+                 "statement (200ms, 0.2, or a duration): one statement checks and writes a "
+                 "whole batch. 0: each heartbeat its own statements.",
+                 default="200ms", parse=config.parse_duration),
     config.flag("require-approval", "LOCALAI_REQUIRE_APPROVAL",
                 "New workers wait for an administrator's approval before they serve."),
     config.flag("local-worker", "LOCALAI_LOCAL_WORKER",
