@@ -126,7 +126,7 @@ class DialState(enum.Enum):
 def worker_session_config() -> SessionConfig:
     """The worker's end of its tunnel: the tunnel keepalive (``keepalive.py``), so a silent
     carrier is dropped and redialled within 10 s instead of 40."""
-    return SessionConfig(**tunnel_keepalive())
+    return SessionConfig(**tunnel_keepalive(worker=True))
 
 
 #: ``credentials() -> (node_id, tunnel_credential)`` or None before the first registration.
