@@ -222,6 +222,7 @@ class Fleet:
 
     async def dial(self, worker) -> None:
         from localai_tw.mux.session import Session
+        from localai_tw.tunnel.dialer import worker_session_config
         from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 
         delay = 1.0
@@ -230,7 +231,9 @@ class Fleet:
                 session = await connectWebSocket(
                     self.reactor,
                     f"ws://127.0.0.1:{self.port}/api/cluster/connect?id={worker['id']}",
-                    lambda: Session(client=True, reactor=OwnClock(self.reactor)),
+                    # The real worker's keepalive (tunnel/keepalive.py), on a clock of its own.
+                    lambda: Session(client=True, config=worker_session_config(),
+                                    reactor=OwnClock(self.reactor)),
                     headers={"Authorization": f"Bearer {worker['credential']}"})
             except HandshakeFailed as e:
                 self.counts["dial_503" if e.status == 503 else "dial_failed"] += 1
@@ -353,6 +356,7 @@ async def run(reactor, bench, args) -> dict:
     pid = fe["proc"].pid
     report: dict = {"workers": args.workers, "cheap_registration": args.cheap_registration,
                     "heartbeat_batch": args.heartbeat_batch,
+                    "keepalive_every_interval": args.keepalive_every_interval,
                     "gc_threshold": args.gc_threshold}
 
     fleet = Fleet(reactor, fe["port"], args.workers)
@@ -499,6 +503,13 @@ def snapshot_diff(directory: str, tunnels: int, top: int = 25) -> dict:
 #: token cost (N=16 instead of 2**14, microseconds instead of about 50 ms of CPU).  Not the
 #: product: for runs about the tunnels, the restart storm and idle costs on a busy machine,
 #: where thousands of full-cost scrypts at once make the connect phase take many minutes.
+#: ``--keepalive-every-interval``: both ends of a tunnel ping every interval whatever they read
+#: (the rule before ``keepalive_when_quiet``), in the frontend and in the simulated fleet.
+KEEPALIVE_EVERY_INTERVAL = """
+import localai_tw.tunnel.keepalive as _keepalive
+_keepalive.PING_ONLY_WHEN_QUIET = False
+"""
+
 CHEAP_REGISTRATION = """
 import localai_tw.cluster.nodes as _nodes
 _nodes._TOKEN_SCRYPT = {"n": 2 ** 4, "r": 8, "p": 1}
@@ -645,6 +656,8 @@ def render(report: dict) -> str:
         ("heartbeats answered 200 per second at idle; failed",
          f"{idle['heartbeats_ok_per_second']}; {idle['heartbeats_failed']}"),
         ("frontend's --heartbeat-batch", report.get("heartbeat_batch") or "its default"),
+        ("tunnel keepalive", "every interval, both ends (--keepalive-every-interval)"
+         if report.get("keepalive_every_interval") else "when quiet (the product's)"),
         ("/healthz p50 / max (ms)", f"{idle['healthz_p50_ms']} / {idle['healthz_max_ms']}"),
         ("GET /api/nodes, every page (s; bytes)",
          f"{report['api_nodes']['seconds']}; {report['api_nodes']['bytes']}"),
@@ -720,6 +733,9 @@ def main() -> None:
     parser.add_argument("--heartbeat-batch", metavar="DURATION",
                         help="the frontend's --heartbeat-batch (default: the frontend's own; "
                              "0: each heartbeat its own statements, the path before batching)")
+    parser.add_argument("--keepalive-every-interval", action="store_true",
+                        help="both ends of every tunnel ping every interval whatever they read "
+                             "(the rule before keepalive_when_quiet): the same-run baseline")
     parser.add_argument("--no-restart", action="store_true",
                         help="stop after the idle phase (no stop, restart and reconnect storm)")
     parser.add_argument("--json", help="also write the report as JSON here")
@@ -749,6 +765,9 @@ def main() -> None:
         bi._TWISTD = GC_HOOK + bi._TWISTD  # read by Bench._spawn at each start
     if args.cheap_registration:
         bi._TWISTD = CHEAP_REGISTRATION + bi._TWISTD
+    if args.keepalive_every_interval:
+        bi._TWISTD = KEEPALIVE_EVERY_INTERVAL + bi._TWISTD
+        exec(KEEPALIVE_EVERY_INTERVAL, {})  # the simulated fleet's end too
     if args.gc_threshold:
         thresholds = tuple(int(t) for t in args.gc_threshold.split(","))
         bi._TWISTD = (  # the product's makeService sets tap.GC_THRESHOLDS: replaced too
