@@ -402,6 +402,9 @@ _HEARTBEAT_BATCH_SQL = (
 
 #: Seconds a heartbeat waits for others to share its statement (``--heartbeat-batch``).
 DEFAULT_HEARTBEAT_BATCH = 0.2
+#: The longest window ``--heartbeat-batch`` accepts: a beat is written at most this late, far
+#: inside the 90 s stale threshold and the worker's 10 s between beats.
+MAX_HEARTBEAT_BATCH = 2.0
 #: At most this many heartbeats in one statement; a full batch is written at once.
 HEARTBEAT_BATCH_MAX = 1000
 
