@@ -173,7 +173,8 @@ class Fleet:
         self.workers = [{"name": f"fleet-{i:05d}", "session": None, "id": None,
                          "credential": None} for i in range(count)]
         self.counts = {"registered": 0, "register_429": 0, "register_failed": 0,
-                       "dial_503": 0, "dial_failed": 0, "heartbeat_failed": 0}
+                       "dial_503": 0, "dial_failed": 0, "heartbeat_ok": 0,
+                       "heartbeat_failed": 0}
         self.running = True
         self.last_error = ""
 
@@ -221,6 +222,7 @@ class Fleet:
 
     async def dial(self, worker) -> None:
         from localai_tw.mux.session import Session
+        from localai_tw.tunnel.dialer import worker_session_config
         from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 
         delay = 1.0
@@ -229,7 +231,9 @@ class Fleet:
                 session = await connectWebSocket(
                     self.reactor,
                     f"ws://127.0.0.1:{self.port}/api/cluster/connect?id={worker['id']}",
-                    lambda: Session(client=True, reactor=OwnClock(self.reactor)),
+                    # The real worker's keepalive (tunnel/keepalive.py), on a clock of its own.
+                    lambda: Session(client=True, config=worker_session_config(),
+                                    reactor=OwnClock(self.reactor)),
                     headers={"Authorization": f"Bearer {worker['credential']}"})
             except HandshakeFailed as e:
                 self.counts["dial_503" if e.status == 503 else "dial_failed"] += 1
@@ -278,10 +282,15 @@ class Fleet:
 
     async def _beat(self, worker) -> None:
         try:
-            code, _, _ = await self._post(f"/api/node/{worker['id']}/heartbeat", {})
+            # What a real worker sends: its credential and its capacity.
+            code, _, _ = await self._post(f"/api/node/{worker['id']}/heartbeat",
+                                          {"tunnel_token": worker["credential"],
+                                           "capacity": HEARTBEAT_CAPACITY})
         except Exception:
             code = None
-        if code != 200:
+        if code == 200:
+            self.counts["heartbeat_ok"] += 1
+        else:
             self.counts["heartbeat_failed"] += 1
 
     def sleep(self, seconds: float):
@@ -331,6 +340,12 @@ def xact_commits(bench) -> int:
                          (bench.db_name,))[0][0])
 
 
+#: The capacity a simulated worker reports in each heartbeat (a real worker sends its own).
+HEARTBEAT_CAPACITY = {"total_vram": 0, "available_vram": 0, "total_ram": 16 << 30,
+                      "available_ram": 8 << 30, "total_disk": 100 << 30,
+                      "available_disk": 50 << 30}
+
+
 async def run(reactor, bench, args) -> dict:
     from twisted.internet import defer, threads
 
@@ -340,6 +355,8 @@ async def run(reactor, bench, args) -> dict:
     await threads.deferToThread(bench.wait_ready, fe)
     pid = fe["proc"].pid
     report: dict = {"workers": args.workers, "cheap_registration": args.cheap_registration,
+                    "heartbeat_batch": args.heartbeat_batch,
+                    "keepalive_every_interval": args.keepalive_every_interval,
                     "gc_threshold": args.gc_threshold}
 
     fleet = Fleet(reactor, fe["port"], args.workers)
@@ -364,6 +381,7 @@ async def run(reactor, bench, args) -> dict:
     await fleet.sleep(5)
     health = Poller(fe["port"], "/healthz")
     health.start()
+    beats0 = dict(fleet.counts)
     cpu0, tx0, t0 = proc_cpu_seconds(pid), xact_commits(bench), time.monotonic()
     wall0 = time.time()
     spy = start_py_spy(args, pid, "idle") if args.stall_profile else None
@@ -381,6 +399,9 @@ async def run(reactor, bench, args) -> dict:
         "fds": proc_fds(pid),
         "cpu_percent_of_a_core": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
         "transactions_per_second": round((tx1 - tx0) / (t1 - t0), 1),
+        "heartbeats_ok_per_second": round(
+            (fleet.counts["heartbeat_ok"] - beats0["heartbeat_ok"]) / (t1 - t0), 1),
+        "heartbeats_failed": fleet.counts["heartbeat_failed"] - beats0["heartbeat_failed"],
         "healthz_p50_ms": round(1000 * bi.percentile(samples, 50), 1) if samples else None,
         "healthz_max_ms": round(1000 * samples[-1], 1) if samples else None,
         "healthz_not_200": kinds(health_samples),
@@ -393,6 +414,13 @@ async def run(reactor, bench, args) -> dict:
         os.environ.pop("FLEET_SNAPSHOT_DIR")  # the replica of the restart runs untraced
     seconds, size, nodes = await threads.deferToThread(list_nodes, fe["port"])
     report["api_nodes"] = {"seconds": round(seconds, 3), "bytes": size, "nodes": nodes}
+
+    if args.no_restart:
+        fleet.running = False
+        beating.cancel()
+        await fleet.close()
+        report["elapsed_seconds"] = round(time.monotonic() - started, 1)
+        return report
 
     # restart
     ready = Poller(fe["port"], "/readyz")
@@ -475,6 +503,13 @@ def snapshot_diff(directory: str, tunnels: int, top: int = 25) -> dict:
 #: token cost (N=16 instead of 2**14, microseconds instead of about 50 ms of CPU).  Not the
 #: product: for runs about the tunnels, the restart storm and idle costs on a busy machine,
 #: where thousands of full-cost scrypts at once make the connect phase take many minutes.
+#: ``--keepalive-every-interval``: both ends of a tunnel ping every interval whatever they read
+#: (the rule before ``keepalive_when_quiet``), in the frontend and in the simulated fleet.
+KEEPALIVE_EVERY_INTERVAL = """
+import localai_tw.tunnel.keepalive as _keepalive
+_keepalive.PING_ONLY_WHEN_QUIET = False
+"""
+
 CHEAP_REGISTRATION = """
 import localai_tw.cluster.nodes as _nodes
 _nodes._TOKEN_SCRYPT = {"n": 2 ** 4, "r": 8, "p": 1}
@@ -594,7 +629,9 @@ def start_frontend_on(bench, name: str, models_dir: str, previous: dict) -> dict
         "--advertise-address", f"127.0.0.1:{port}", "--single-host",
         "--registration-token", TOKEN, "--api-key", API_KEY,
         "--data-dir", data_dir, "--models-dir", models_dir,
-        "--registration-limit", str(bench.args.registration_limit)])
+        "--registration-limit", str(bench.args.registration_limit),
+        *(["--heartbeat-batch", bench.args.heartbeat_batch]
+          if bench.args.heartbeat_batch is not None else [])])
     return {"name": name, "proc": proc, "port": port, "instance_id": instance_id,
             "data_dir": data_dir}
 
@@ -616,9 +653,16 @@ def render(report: dict) -> str:
         ("frontend fds", idle["fds"]),
         ("frontend CPU at idle (% of a core)", idle["cpu_percent_of_a_core"]),
         ("database transactions/s at idle", idle["transactions_per_second"]),
+        ("heartbeats answered 200 per second at idle; failed",
+         f"{idle['heartbeats_ok_per_second']}; {idle['heartbeats_failed']}"),
+        ("frontend's --heartbeat-batch", report.get("heartbeat_batch") or "its default"),
+        ("tunnel keepalive", "every interval, both ends (--keepalive-every-interval)"
+         if report.get("keepalive_every_interval") else "when quiet (the product's)"),
         ("/healthz p50 / max (ms)", f"{idle['healthz_p50_ms']} / {idle['healthz_max_ms']}"),
         ("GET /api/nodes, every page (s; bytes)",
          f"{report['api_nodes']['seconds']}; {report['api_nodes']['bytes']}"),
+    ]
+    restart_rows = [
         ("stop (s); 'release failed' lines", f"{report['stop_seconds']}; "
                                               f"{report['stop_release_failed_lines']}"),
         ("restart: ready (s); all connected again (s)",
@@ -633,10 +677,10 @@ def render(report: dict) -> str:
         ("/readyz slowest answer after first ready (ms)", report["restart_readyz"]["slowest_ms"]),
         ("restart: dials deferred 503 / failed",
          "{dial_503} / {dial_failed}".format(**report["restart_counts"])),
-    ]
+    ] if "stop_seconds" in report else []
     lines = ["| what | value |", "|---|---|"]
-    lines += [f"| {what} | {value} |" for what, value in rows]
-    if report["restart_readyz"]["answers_not_200"]:
+    lines += [f"| {what} | {value} |" for what, value in rows + restart_rows]
+    if restart_rows and report["restart_readyz"]["answers_not_200"]:
         lines.append("")
         lines += [f"/readyz answered {status}: {body}" for status, body
                   in report["restart_readyz"]["answers_not_200"].items()]
@@ -686,6 +730,14 @@ def main() -> None:
                         "not a project dependency) and time its garbage collections "
                         "(DIR/gc-*.log); the report adds the longest busy runs of its main "
                         "thread and the longest collections. Costs the frontend some CPU.")
+    parser.add_argument("--heartbeat-batch", metavar="DURATION",
+                        help="the frontend's --heartbeat-batch (default: the frontend's own; "
+                             "0: each heartbeat its own statements, the path before batching)")
+    parser.add_argument("--keepalive-every-interval", action="store_true",
+                        help="both ends of every tunnel ping every interval whatever they read "
+                             "(the rule before keepalive_when_quiet): the same-run baseline")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="stop after the idle phase (no stop, restart and reconnect storm)")
     parser.add_argument("--json", help="also write the report as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--snapshots", metavar="DIR",
@@ -713,6 +765,9 @@ def main() -> None:
         bi._TWISTD = GC_HOOK + bi._TWISTD  # read by Bench._spawn at each start
     if args.cheap_registration:
         bi._TWISTD = CHEAP_REGISTRATION + bi._TWISTD
+    if args.keepalive_every_interval:
+        bi._TWISTD = KEEPALIVE_EVERY_INTERVAL + bi._TWISTD
+        exec(KEEPALIVE_EVERY_INTERVAL, {})  # the simulated fleet's end too
     if args.gc_threshold:
         thresholds = tuple(int(t) for t in args.gc_threshold.split(","))
         bi._TWISTD = (  # the product's makeService sets tap.GC_THRESHOLDS: replaced too

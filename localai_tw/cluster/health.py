@@ -73,7 +73,7 @@ from localai_tw.db.pool import LOCK_HEALTH_CHECK, DatabaseUnavailable, PoolClose
 
 from .clock import effective_grace, interval_seconds
 from .nodes import NodeStatus
-from .ownership import Presence
+from .ownership import Presence, PresenceReading
 
 log = Logger()
 
@@ -82,6 +82,9 @@ HEALTH_CHECK_INTERVAL = 15.0
 #: A node whose last heartbeat is older than this is stale (worker heartbeat: every 10 s).  The
 #: monitor raises it to the reconnect grace when the grace is longer (see the module docstring).
 STALE_NODE_THRESHOLD = 60.0
+
+#: Nodes whose presence one statement of a pass reads.
+PRESENCE_BATCH = 1000
 
 # Bind: stale threshold in seconds.  A node that never beat (NULL) counts as stale.
 _NODES_SQL = (
@@ -215,11 +218,13 @@ class HealthMonitor(PeriodicPass):
             report.list_error = e
             return report
         probe_candidates = []
+        readings = await self._presences(rows)
         for node_id, name, status_text, stale in rows:
             report.checked += 1
             try:
                 status = NodeStatus(status_text)
-                if await self._check_node(node_id, name, status, bool(stale), report):
+                if await self._check_node(node_id, name, status, bool(stale), report,
+                                          readings):
                     probe_candidates.append(node_id)
             except Exception as e:
                 report.failed.append(node_id)
@@ -235,8 +240,35 @@ class HealthMonitor(PeriodicPass):
                          err=f"{type(e).__name__}: {e}")
         return report
 
+    async def _presences(self, rows) -> dict[str, PresenceReading]:
+        """The presence of every node the pass may act on, :data:`PRESENCE_BATCH` nodes per
+        statement (one statement per node before: 4000 nodes every 15 s were 270 statements a
+        second at idle).  A batch whose read failed gives its nodes ``UNKNOWN`` and the error
+        (left alone, as a failed read of one node was); a node without a connection row
+        ``UNKNOWN``."""
+        wanted = [node_id for node_id, _name, status_text, stale in rows
+                  if status_text != NodeStatus.DRAINING.value
+                  and not (stale and status_text == NodeStatus.OFFLINE.value)]
+        readings: dict[str, PresenceReading] = {}
+        for start in range(0, len(wanted), PRESENCE_BATCH):
+            batch = wanted[start:start + PRESENCE_BATCH]
+            try:
+                views = await self._fence.connections(batch, self.grace)
+            except Exception as e:
+                log.warn("health pass: presence of {count} nodes unknown, query failed: {err}",
+                         count=len(batch), err=f"{type(e).__name__}: {e}")
+                readings.update((node_id, PresenceReading(Presence.UNKNOWN, e))
+                                for node_id in batch)
+                continue
+            for node_id in batch:
+                view = views.get(node_id)
+                readings[node_id] = PresenceReading(
+                    view.presence if view is not None else Presence.UNKNOWN)
+        return readings
+
     async def _check_node(self, node_id: str, name: str, status: NodeStatus, stale: bool,
-                          report: PassReport) -> bool:
+                          report: PassReport,
+                          readings: dict[str, PresenceReading] | None = None) -> bool:
         """Apply the rules to one node.  True when the node may be probed (connected and
         healthy after this pass)."""
         if status is NodeStatus.DRAINING:
@@ -244,7 +276,9 @@ class HealthMonitor(PeriodicPass):
         if stale and status is NodeStatus.OFFLINE:
             return False  # already offline: nothing to read or repeat
 
-        reading = await self._fence.presence(node_id, self.grace)
+        reading = readings.get(node_id) if readings is not None else None
+        if reading is None:
+            reading = await self._fence.presence(node_id, self.grace)
         seen = "read-failed" if reading.error is not None else reading.presence.value
         report.presence[seen] = report.presence.get(seen, 0) + 1
         if reading.error is not None:

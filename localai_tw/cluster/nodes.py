@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Mapping
 
-from twisted.internet import threads
+from twisted.internet import defer, threads
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
@@ -384,6 +384,128 @@ _HEARTBEAT_SQL = (
     " WHERE id = %s RETURNING status"
 )
 
+# Many nodes' heartbeats in one statement (:class:`HeartbeatBatch`): each row of the batch names
+# a node, the sha256 hex of the credential it presented and its capacity; only rows whose stored
+# tunnel credential hash is that hash are written and returned.
+_CAPACITY_FROM_BATCH = ", ".join(
+    f"{col} = CASE WHEN b.status IN ('pending', 'offline') THEN b.{col}"
+    f" ELSE COALESCE(u.{col}, b.{col}) END" for col in NodeCapacity.FIELDS)
+_HEARTBEAT_BATCH_SQL = (
+    f"UPDATE backend_nodes AS b SET last_heartbeat = now(), {_CAPACITY_FROM_BATCH}"
+    " FROM unnest(%s::text[], %s::text[], "
+    + ", ".join("%s::bigint[]" for _ in NodeCapacity.FIELDS)
+    + f") AS u(id, credential_hash, {', '.join(NodeCapacity.FIELDS)})"
+    " WHERE b.id = u.id AND b.tunnel_token_hash <> ''"
+    " AND lower(btrim(b.tunnel_token_hash)) = u.credential_hash"
+    " RETURNING b.id, u.credential_hash, b.status"
+)
+
+#: Seconds a heartbeat waits for others to share its statement (``--heartbeat-batch``).
+DEFAULT_HEARTBEAT_BATCH = 0.2
+#: The longest window ``--heartbeat-batch`` accepts: a beat is written at most this late, far
+#: inside the 90 s stale threshold and the worker's 10 s between beats.
+MAX_HEARTBEAT_BATCH = 2.0
+#: At most this many heartbeats in one statement; a full batch is written at once.
+HEARTBEAT_BATCH_MAX = 1000
+
+
+class HeartbeatBatch:
+    """Heartbeats of many nodes written in one statement: the credential check and the write.
+
+    One heartbeat used to cost three statements (the credential's row, its labels, the update),
+    400 a second for a replica holding 4000 workers that beat every 10 s (docs/benchmarks.md,
+    "An idle fleet").  :meth:`beat` queues the beat and answers when the batch it joined is
+    written: the first beat of a batch starts a ``window`` timer; at its end, or when
+    :data:`HEARTBEAT_BATCH_MAX` beats wait, one ``UPDATE ... FROM unnest(...)`` checks every
+    presented credential against the stored hash and writes ``last_heartbeat = now()`` (the
+    database's clock, as before: a beat is at most ``window`` later than its request) and the
+    capacity of the nodes whose credential matched.
+
+    The credential is compared as sha256 hex inside the statement, not in Python: a timing
+    difference could at most tell a prefix of the stored digest, which does not help to find a
+    credential (a preimage of a 256-bit random secret).  An unknown node and a wrong credential
+    give the same answer (:class:`Unauthorized`), as :meth:`NodeRegistry.verify_tunnel_credential`
+    does.  The same node and credential twice in one batch is one row (the later capacity).
+
+    Must never answer a beat before its row is written, never write a node whose credential did
+    not match, and never keep a beat past a failed statement (each waiter gets the failure).
+    """
+
+    def __init__(self, db, clock, window: float = DEFAULT_HEARTBEAT_BATCH,
+                 max_batch: int = HEARTBEAT_BATCH_MAX):
+        if window < 0 or max_batch < 1:
+            raise ValueError("the heartbeat batch window must be >= 0 and its size >= 1")
+        self._db = db
+        self._clock = clock
+        self.window = window
+        self.max_batch = max_batch
+        #: (node id, credential hash) -> [capacity values, waiters]
+        self._pending: dict[tuple[str, str], list] = {}
+        self._timer = None
+        #: Statements written (tests and the benchmark read it).
+        self.writes = 0
+
+    def beat(self, node_id: str, credential: str,
+             capacity: "NodeCapacity | None" = None) -> defer.Deferred:
+        """A deferred firing with the node's :class:`NodeStatus` once its batch is written, or
+        failing with :class:`Unauthorized` (unknown node, empty or wrong credential)."""
+        capacity = (capacity or NodeCapacity()).validated()
+        node_id = _validate_node_id(node_id)
+        if not credential:
+            return defer.fail(Unauthorized("tunnel credential"))
+        d = defer.Deferred()
+        key = (node_id, hash_secret(credential))
+        entry = self._pending.get(key)
+        if entry is None:
+            self._pending[key] = [capacity.values(), [d]]
+        else:
+            entry[0] = capacity.values()
+            entry[1].append(d)
+        if len(self._pending) >= self.max_batch:
+            self.flush()
+        elif self._timer is None:
+            self._timer = self._clock.callLater(self.window, self.flush)
+        return d
+
+    @property
+    def waiting(self) -> int:
+        """Beats queued and not yet written."""
+        return sum(len(entry[1]) for entry in self._pending.values())
+
+    def flush(self) -> defer.Deferred:
+        """Write every queued beat now (one statement); fires when their waiters are answered."""
+        if self._timer is not None:
+            if self._timer.active():
+                self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, {}
+        if not batch:
+            return defer.succeed(None)
+        keys = list(batch)
+        columns = list(zip(*(batch[key][0] for key in keys)))
+        self.writes += 1
+        d = self._db.runQuery(_HEARTBEAT_BATCH_SQL,
+                              ([k[0] for k in keys], [k[1] for k in keys],
+                               *(list(column) for column in columns)))
+
+        def written(rows):
+            statuses = {(node_id, digest): status for node_id, digest, status in rows}
+            for key in keys:
+                status = statuses.get(key)
+                for waiter in batch[key][1]:
+                    if status is None:
+                        waiter.errback(Unauthorized("tunnel credential"))
+                    else:
+                        waiter.callback(NodeStatus(status))
+
+        def failed(failure):
+            for key in keys:
+                for waiter in batch[key][1]:
+                    waiter.errback(failure)
+
+        return d.addCallbacks(written, failed)
+
+
 _LABELS_OF_SQL = "SELECT node_id, key, value FROM node_labels WHERE node_id = ANY(%s) ORDER BY key"
 
 
@@ -405,7 +527,8 @@ class NodeRegistry:
 
     def __init__(self, db, *, registration_token: str = "", require_auth: bool = False,
                  require_approval: bool = False,
-                 on_changed: Callable[[str], Any] | None = None):
+                 on_changed: Callable[[str], Any] | None = None,
+                 heartbeat_batch: HeartbeatBatch | None = None):
         if not registration_token and require_auth:
             raise RegistrationTokenRequired(
                 "registration requires a token (require-auth mode) but none is configured; "
@@ -422,6 +545,8 @@ class NodeRegistry:
         #: frontend's placement cache drops what it kept for it).  Never awaited, never fails
         #: a write.
         self.on_changed = on_changed
+        #: Where :meth:`beat` queues heartbeats (None: each beat its own statements).
+        self.heartbeat_batch = heartbeat_batch
 
     def _changed(self, node_id: str) -> None:
         if self.on_changed is None:
@@ -564,6 +689,20 @@ class NodeRegistry:
         if not rows:
             raise NodeNotFound(node_id)
         return NodeStatus(rows[0][0])
+
+    async def beat(self, node_id: str, credential: str,
+                   capacity: NodeCapacity | None = None) -> NodeStatus:
+        """A worker's heartbeat proven with its tunnel ``credential``: written through the
+        :class:`HeartbeatBatch` when there is one, else checked and written on its own
+        (:meth:`verify_tunnel_credential`, then :meth:`heartbeat`).
+
+        :raises Unauthorized: unknown node, or not its current credential.
+        :raises NodeNotFound: the node went away between the check and the write (unbatched).
+        """
+        if self.heartbeat_batch is not None:
+            return await self.heartbeat_batch.beat(node_id, credential, capacity)
+        await self.verify_tunnel_credential(node_id, credential)
+        return await self.heartbeat(node_id, capacity)
 
     async def _set_status(self, node_id: str, status: NodeStatus, guard_sql: str,
                           delete_models: bool = False) -> bool:

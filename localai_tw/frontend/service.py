@@ -98,7 +98,8 @@ from localai_tw.cluster.membership import (
     discover_advertised_address_async,
     resolve_instance_id,
 )
-from localai_tw.cluster.nodes import NodeNotFound, NodeRegistry
+from localai_tw.cluster.nodes import (DEFAULT_HEARTBEAT_BATCH, HeartbeatBatch, NodeNotFound,
+                                      NodeRegistry)
 from localai_tw.cluster.ownership import OwnershipFence
 from localai_tw.bus.claims import ClaimConsumer, ClaimQueue, enqueue_statement
 from localai_tw.bus.pgbus import PgBus
@@ -218,6 +219,9 @@ class ReplicaConfig:
     preload_models: tuple[str, ...] = ()
     #: Registrations one source address may make per minute (burst and refill); 0: no limit.
     registration_limit: int = 1200
+    #: Seconds a heartbeat waits to share one statement with others (``--heartbeat-batch``);
+    #: 0: each heartbeat its own statements.
+    heartbeat_batch: float = DEFAULT_HEARTBEAT_BATCH
     #: Model galleries (``--galleries``, ``frontend/gallery/installs.py``).
     galleries: tuple = ()
     #: Backend galleries (``--backend-galleries``, ``frontend/gallery/backend_installs.py``)
@@ -263,6 +267,7 @@ class ReplicaConfig:
             preload_models=tuple(_option(options, "preload-models", ()))
             + tuple(_option(options, "load-to-memory", ())),
             registration_limit=int(_option(options, "registration-limit", 1200)),
+            heartbeat_batch=float(_option(options, "heartbeat-batch", DEFAULT_HEARTBEAT_BATCH)),
             galleries=parse_galleries(options.get("galleries") or ()),
             backend_galleries=parse_galleries(options.get("backend-galleries") or (),
                                               "--backend-galleries"),
@@ -438,7 +443,9 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     placements = PlacementFanout(PlacementCache(reactor), bus, reactor)
     nodes = NodeRegistry(db, registration_token=config.registration_token,
                          require_approval=config.require_approval,
-                         on_changed=placements.node_changed)
+                         on_changed=placements.node_changed,
+                         heartbeat_batch=HeartbeatBatch(db, reactor, config.heartbeat_batch)
+                         if config.heartbeat_batch > 0 else None)
     fence = OwnershipFence(db)
     advertised = await advertised_address(config, db, port)
     identity = dataclasses.replace(  # wss://host:port when --listen is ssl:

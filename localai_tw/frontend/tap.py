@@ -42,6 +42,7 @@ from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
 
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource
 from localai_tw.web.listener import ACCESS_LOG_CHOICES
+from localai_tw.cluster.nodes import MAX_HEARTBEAT_BATCH
 
 log = Logger()
 
@@ -59,6 +60,16 @@ def _whole(raw: str, option: str) -> int:
     if number < 0:
         raise usage.UsageError(f"{option}: {number} is less than 0")
     return number
+
+
+def _heartbeat_batch(raw: str, option: str) -> float:
+    """``--heartbeat-batch``: a duration of at most ``MAX_HEARTBEAT_BATCH`` (a beat is written
+    that much later at most; a longer wait would eat into the stale threshold)."""
+    seconds = config.parse_duration(raw, option)
+    if seconds > MAX_HEARTBEAT_BATCH:
+        raise usage.UsageError(f"{option}: at most {MAX_HEARTBEAT_BATCH:g}s (a heartbeat waits "
+                               f"that long for its statement at most), not {raw!r}")
+    return seconds
 
 
 def _model_name(raw: str, option: str) -> str:
@@ -173,6 +184,11 @@ SETTINGS = (
                  "retries. Workers behind one NAT or proxy share an address: raise it for a "
                  "larger fleet there. 0: no limit.",
                  default="1200", parse=config.parse_whole_number),
+    config.value("heartbeat-batch", "LOCALAI_HEARTBEAT_BATCH",
+                 "How long a worker's heartbeat waits for others to share its database "
+                 "statement (200ms, 0.2, or a duration): one statement checks and writes a "
+                 "whole batch. 0: each heartbeat its own statements; at most 2s.",
+                 default="200ms", parse=_heartbeat_batch),
     config.flag("require-approval", "LOCALAI_REQUIRE_APPROVAL",
                 "New workers wait for an administrator's approval before they serve."),
     config.flag("local-worker", "LOCALAI_LOCAL_WORKER",

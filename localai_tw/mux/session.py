@@ -102,6 +102,10 @@ class SessionConfig:
     max_streams: int = 1000              # concurrent streams, both directions (libp2p's default)
     keepalive_interval: float | None = 30.0   # None or 0 disables keepalive pings
     keepalive_timeout: float = 10.0      # no ping reply within this -> KeepaliveTimeout
+    # True: ping only after keepalive_interval without a byte from the peer (its own pings, its
+    # answers, its data count); a silent carrier is still seen interval + timeout after its last
+    # byte.  False: ping every interval whatever arrived (Go's yamux).
+    keepalive_when_quiet: bool = False
     initial_window: int = INITIAL_WINDOW  # fixed by yamux (no handshake); kept for the contract
     max_window: int = INITIAL_WINDOW     # receive window we advertise per stream (>= 256 KiB)
     accept_streams: bool = True          # False: every inbound SYN is answered with RST
@@ -205,6 +209,7 @@ class Session(Protocol):
         self._reading_paused = False  # we paused the carrier's reading: the peer is not reading
         self._pings: dict[int, tuple[defer.Deferred, float]] = {}
         self._keepalive_opaque: int | None = None
+        self._heard_at = 0.0        # reactor time of the last read from the carrier
         self._lingering: dict[int, object] = {}
         self._reading = 0           # > 0 while a read's frames are handled
         self._grants: dict[Stream, None] = {}  # streams whose window grant waits for its end
@@ -335,6 +340,7 @@ class Session(Protocol):
         if self.state is not SessionState.OPEN:
             return
         self.bytesReceived += len(data)
+        self._heard_at = self._reactor.seconds()
         try:
             frames = self._decoder.decode(data)
         except FrameError as e:
@@ -752,8 +758,17 @@ class Session(Protocol):
         later on the same wheel."""
         if self.state is not SessionState.OPEN:
             return
-        wheel.later(wheel.ticks(self.config.keepalive_interval, up=False),
-                    self._keepaliveTick, wheel)
+        interval = self.config.keepalive_interval
+        if self.config.keepalive_when_quiet:
+            # Heard from the peer less than an interval ago: that proves it alive as well as an
+            # answer would.  Look again an interval after that read (rounded down to ticks, so
+            # never later): a carrier silent since then still gets its ping then, and is
+            # declared dead interval + timeout after its last byte, as without this rule.
+            quiet = self._reactor.seconds() - self._heard_at
+            if quiet < interval - wheel.tick / 2:
+                wheel.later(wheel.ticks(interval - quiet, up=False), self._keepaliveTick, wheel)
+                return
+        wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
         if self._keepalive_opaque is not None:
             return  # the previous keepalive ping is still running its own timeout
         opaque = self._keepalive_opaque = self._nextOpaque()

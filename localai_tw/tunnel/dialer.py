@@ -128,7 +128,7 @@ def worker_session_config() -> SessionConfig:
     carrier is dropped and redialled within 10 s instead of 40, and receive windows that grow
     toward the link's bandwidth-delay product (staging over a long link), at most 64 MiB in
     all above the 256 KiB base per stream."""
-    return SessionConfig(**tunnel_keepalive(), **tunnel_windows())
+    return SessionConfig(**tunnel_keepalive(worker=True), **tunnel_windows())
 
 
 #: ``credentials() -> (node_id, tunnel_credential)`` or None before the first registration.

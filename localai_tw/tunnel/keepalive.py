@@ -13,8 +13,20 @@ large staging upload on a slow link fills the socket buffers), and its answer wa
 the other side; 7 s leaves room for that on a link of a few Mbit/s.  A ping every 3 s each way costs a few dozen bytes per
 worker per second.
 
+A ping leaves only when the tunnel was quiet for an interval (``keepalive_when_quiet``,
+:data:`PING_ONLY_WHEN_QUIET`): any byte from the peer (its own ping, an answer, stream data)
+proves it alive as well as a pong, so an idle tunnel whose two ends both ping carries about one
+ping and its answer per interval instead of two of each (a replica holding 4000 idle workers
+wrote and read 5300 frames a second for them: docs/benchmarks.md, "An idle fleet").  The bound
+is the same: the end that heard last pings an interval after that, and declares the tunnel dead
+``timeout`` later.  What this gives up: a peer that keeps writing while it reads nothing is no
+longer caught by our pings (none leave while it writes); its streams stall on their windows, and
+a working peer's own keepalive ends the session when our answers stop reaching it.
+
 The receive-window auto-tuning of a tunnel's streams (``tunnel_windows``) lives here too: it is
-the other setting both ends of a worker tunnel share, and its round trips come from these pings.
+the other setting both ends of a worker tunnel share; its round trips come from these pings and
+from the tuner's own probe pings (one per measuring period, so a busy tunnel that sends no
+keepalive still measures).
 
 This module must never be used for peer links (replica to replica); they keep their own config.
 """
@@ -27,12 +39,22 @@ TUNNEL_KEEPALIVE_INTERVAL = 3.0
 TUNNEL_KEEPALIVE_TIMEOUT = 7.0
 #: The longest a silent tunnel is still taken for alive.
 DEAD_TUNNEL_DETECTION = TUNNEL_KEEPALIVE_INTERVAL + TUNNEL_KEEPALIVE_TIMEOUT
+#: Ping only after an interval without a byte from the peer (see the module docstring).
+PING_ONLY_WHEN_QUIET = True
+#: How much sooner the worker's end pings when quiet: the two ends heard each other at about the
+#: same moment (a ping and its answer), and with equal intervals both would ping on the same
+#: tick.  A little sooner, the worker's ping reaches the frontend before the frontend's own would
+#: leave, and the frontend (which holds every worker's tunnel) only answers.
+WORKER_PINGS_SOONER = 0.2
 
 
-def tunnel_keepalive() -> dict[str, float]:
-    """The keepalive fields of a worker tunnel's ``SessionConfig``."""
-    return {"keepalive_interval": TUNNEL_KEEPALIVE_INTERVAL,
-            "keepalive_timeout": TUNNEL_KEEPALIVE_TIMEOUT}
+def tunnel_keepalive(worker: bool = False) -> dict[str, float | bool]:
+    """The keepalive fields of a worker tunnel's ``SessionConfig``; ``worker``: the worker's
+    end, which pings :data:`WORKER_PINGS_SOONER` sooner when its tunnel is quiet."""
+    sooner = WORKER_PINGS_SOONER if worker and PING_ONLY_WHEN_QUIET else 0.0
+    return {"keepalive_interval": TUNNEL_KEEPALIVE_INTERVAL - sooner,
+            "keepalive_timeout": TUNNEL_KEEPALIVE_TIMEOUT,
+            "keepalive_when_quiet": PING_ONLY_WHEN_QUIET}
 
 
 #: The largest receive window one tunnel stream grows to (``mux/autowindow.py``): twice the

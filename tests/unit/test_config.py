@@ -191,6 +191,9 @@ def test_frontend_defaults():
     assert options["listen"] == "tcp:8080:interface=127.0.0.1"  # loopback: no key, no network
     assert options["database-url"] is None
     assert options["reconnect-grace"] == 90.0
+    assert options["heartbeat-batch"] == 0.2
+    assert parse(frontend_tap.Options, ["--heartbeat-batch", "0"])["heartbeat-batch"] == 0.0
+    assert parse(frontend_tap.Options, ["--heartbeat-batch", "2s"])["heartbeat-batch"] == 2.0
     assert options["api-key"] == []
     assert options["single-host"] is False and options["require-approval"] is False
     assert options["instance-id"] is None  # makeService reads or makes <data-dir>/instance-id
@@ -241,6 +244,9 @@ def test_frontend_loopback_advertise_address_needs_single_host():
     (["--instance-id", "x" * 37], {}, "--instance-id"),
     (["--advertise-address", "nohost"], {}, "--advertise-address"),
     (["--registration-token", " "], {}, "--registration-token"),
+    # A heartbeat waits for its batch's statement at most 2 s (the stale threshold is 90 s).
+    (["--heartbeat-batch", "5m"], {}, "--heartbeat-batch"),
+    (["--heartbeat-batch", "-1"], {}, "--heartbeat-batch"),
 ])
 def test_frontend_errors_name_the_option(args, env, named):
     with pytest.raises(usage.UsageError) as info:
