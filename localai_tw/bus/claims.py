@@ -646,16 +646,24 @@ class ClaimConsumer(service.Service):
         """A statement failed: an outage (the pool's ``DatabaseUnavailable``/``PoolClosed``) is
         warned about once until a statement succeeds again; any other error every time."""
         if not isinstance(e, (DatabaseUnavailable, PoolClosed)):
-            log.warn("claims: {what} failed: {err}", what=what, err=e)
+            log.warn("claims ({kinds}): {what} failed: {err}", kinds=self._label, what=what,
+                     err=e)
         elif not self._database_away:
             self._database_away = True
-            log.warn("claims: {what} failed: {err}; no claims until the database answers "
-                     "(not logged again meanwhile)", what=what, err=e)
+            log.warn("claims ({kinds}): {what} failed: {err}; no claims until the database "
+                     "answers (not logged again meanwhile)", kinds=self._label, what=what,
+                     err=e)
+
+    @property
+    def _label(self) -> str:
+        """The consumer a line is about (a replica runs one per work kind group)."""
+        return ", ".join(self.kinds)
 
     def _database_answered(self) -> None:
         if self._database_away:
             self._database_away = False
-            log.info("claims: the database answers again; claiming")
+            log.info("claims ({kinds}): the database answers again; claiming",
+                     kinds=self._label)
 
     async def _not_live(self) -> None:
         if self._inflight:
