@@ -89,12 +89,14 @@ def test_control_verbs_through_the_owner_and_through_a_relay(two_by_two, verb):
 def test_twenty_mib_upload_through_the_owner_and_through_a_relay(two_by_two, tmp_path):
     cluster = two_by_two
     f0, f1 = cluster.frontends
-    payload = tmp_path / "weights.bin"
-    payload.write_bytes(os.urandom(20 * 1024 * 1024))
-    digest = hashlib.sha256(payload.read_bytes()).hexdigest()
     before = _owners(cluster)
     for w in cluster.workers:
         for fe in (f0, f1):
+            # bytes of their own each time: the same bytes under a second key would be linked
+            # from the worker's content store and never cross the route (issue 26 §4)
+            payload = tmp_path / f"{w.name}-{fe.name}.bin"
+            payload.write_bytes(os.urandom(20 * 1024 * 1024))
+            digest = hashlib.sha256(payload.read_bytes()).hexdigest()
             local = before[w.name][0] == fe.instance_id
             key = f"models/e2e/{fe.name}-{'owner' if local else 'relay'}.bin"
             answer = cluster.upload(fe, w.node_id, key, payload)
