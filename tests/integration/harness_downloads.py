@@ -1,9 +1,11 @@
-"""A file server for model downloads (``download_files``, a URL ``parameters.model``) and
-the model config that asks for one (``test_model_downloads.py``, ``test_gallery.py``,
-``test_dashboard.py``)."""
+"""A file server for model downloads (``download_files``, a URL ``parameters.model``), the
+``files`` fixture that serves one on 127.0.0.1, and the model config that asks for one
+(``test_model_downloads.py``, ``test_gallery.py``, ``test_backend_gallery.py``,
+``test_webui.py``, ``test_dashboard.py``)."""
 
 from __future__ import annotations
 
+import pytest
 from twisted.internet import defer, reactor
 from twisted.web import resource, server
 
@@ -55,3 +57,17 @@ def download_model(url: str, digest: str | None, name: str = "dl",
     return (f"name: {name}\nbackend: echo\nparameters:\n  model: {filename}\n"
             f"options: ['echo.dim:4']\n"
             f"download_files:\n  - {{filename: {filename}, uri: '{url}'{sha}}}\n")
+
+
+@pytest.fixture
+def files():
+    """A :class:`FileServer` on 127.0.0.1 (its ``base`` URL set), stopped after the test; a
+    held answer is released first."""
+    site = server.Site(FileServer())
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
+    served = site.resource
+    served.base = f"http://127.0.0.1:{port.getHost().port}"
+    yield served
+    if not served.release.called:
+        served.release.callback(None)
+    port.stopListening()

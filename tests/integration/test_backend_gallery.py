@@ -21,15 +21,13 @@ import os
 import sys
 import tarfile
 
-import pytest
 import pytest_twisted
 import yaml
-from twisted.internet import reactor, threads
-from twisted.web import server
+from twisted.internet import threads
 
 from localai_tw.backends.builtin import PACKAGE_ROOT
 
-from .harness_downloads import FileServer
+from .harness_downloads import files  # noqa: F401 (fixture)
 from .harness_gallery import call
 from .inference_harness import ADMIN
 from .support import eventually
@@ -231,18 +229,6 @@ async def test_a_gallery_backend_installs_on_every_worker_and_a_model_using_it_a
     # The admin key is required (an inference key is not enough, no key is a 401).
     code, _ = await call(cluster, a, "GET", "/backends/available", headers={})
     assert code == 401
-
-
-@pytest.fixture
-def files():
-    site = server.Site(FileServer())
-    port = reactor.listenTCP(0, site, interface="127.0.0.1")
-    served = site.resource
-    served.base = f"http://127.0.0.1:{port.getHost().port}"
-    yield served
-    if not served.release.called:
-        served.release.callback(None)
-    port.stopListening()
 
 
 @pytest_twisted.ensureDeferred

@@ -10,35 +10,20 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import pytest_twisted
 import treq
 import yaml
-from twisted.internet import reactor
-from twisted.web import server
 
 from localai_tw.localai.catalog import load_model_file
 
 from .inference_harness import sha256_hex
 from .support import eventually
-from .harness_downloads import FileServer
+from .harness_downloads import files  # noqa: F401 (fixture)
 from .harness_gallery import AUTH, SMALL, _done, call, entry, job, model_files, stored_copies
 
 WEIGHTS = bytes(range(256)) * 4096  # 1 MiB
 #: About 9000 bytes once JSON-encoded (non-ASCII is escaped on the bus): spilled.
 LONG_DESCRIPTION = ("Ein Modell für Grüße, naïve café — 模型 🚀\n" * 200)[:8600]
-
-
-@pytest.fixture
-def files():
-    site = server.Site(FileServer())
-    port = reactor.listenTCP(0, site, interface="127.0.0.1")
-    served = site.resource
-    served.base = f"http://127.0.0.1:{port.getHost().port}"
-    yield served
-    if not served.release.called:
-        served.release.callback(None)
-    port.stopListening()
 
 
 async def start(cluster, tmp_path, entries: list[dict], *replicas: str):

@@ -16,28 +16,15 @@ import os
 import pytest
 import pytest_twisted
 import treq
-from twisted.internet import defer, reactor
+from twisted.internet import defer
 from twisted.logger import globalLogPublisher
-from twisted.web import server
 
 from localai_tw.backends import backend_pb2
 from localai_tw.frontend.inference.interfaces import ModelDownloadFailed, ModelFileMismatch
 
-from .harness_downloads import WEIGHTS, FileServer, download_model
+from .harness_downloads import WEIGHTS, download_model, files  # noqa: F401 (fixture)
 from .inference_harness import ADMIN, sha256_hex
 from .support import eventually, within
-
-
-@pytest.fixture
-def files():
-    site = server.Site(FileServer())
-    port = reactor.listenTCP(0, site, interface="127.0.0.1")
-    served = site.resource
-    served.base = f"http://127.0.0.1:{port.getHost().port}"
-    yield served
-    if not served.release.called:
-        served.release.callback(None)
-    port.stopListening()
 
 
 def leftovers(models_dir: str) -> list[str]:

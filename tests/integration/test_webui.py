@@ -13,11 +13,9 @@ import pytest
 import pytest_twisted
 import treq
 import yaml
-from twisted.internet import reactor
-from twisted.web import server
 
 from .harness_dashboard import browser, by_css, click, text_of  # noqa: F401 (fixture)
-from .harness_downloads import FileServer
+from .harness_downloads import files  # noqa: F401 (fixture)
 from .harness_echo import WEIGHTS, echo_model
 from .harness_gallery import SMALL, entry, model_files
 from .inference_harness import ADMIN, sha256_hex
@@ -144,18 +142,6 @@ async def test_stop_ends_the_answer_and_keeps_what_arrived(cluster, browser):
     use = frontend.replica.inference.use
     await eventually(lambda: not any(use.in_flight_counts().values()), timeout=20,
                      what="no request in flight any more")
-
-
-@pytest.fixture
-def files():
-    site = server.Site(FileServer())
-    port = reactor.listenTCP(0, site, interface="127.0.0.1")
-    served = site.resource
-    served.base = f"http://127.0.0.1:{port.getHost().port}"
-    yield served
-    if not served.release.called:
-        served.release.callback(None)
-    port.stopListening()
 
 
 @pytest.mark.browser
