@@ -232,9 +232,11 @@ class ModelDownloads:
                 return
             if self._active.get(target) is not None:
                 continue  # another request started it while this one looked
-            if item.sha256 is not None and self.store is not None and \
-                    await self._linked(model, item, target):
-                return
+            if item.sha256 is not None and self.store is not None:
+                if await self._linked(model, item, target):
+                    return
+                if self._active.get(target) is not None:
+                    continue  # another request started it while this one asked the store
             await self._start(model, item, target)
             return
         raise ModelDownloadFailed(f"model {model.name}: {item.filename} was downloaded for "
