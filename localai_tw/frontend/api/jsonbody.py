@@ -29,7 +29,6 @@ import json
 import json.scanner
 from typing import Any
 
-from twisted.internet import defer
 
 from localai_tw.frontend.api import offload
 from localai_tw.web.errors import APIError, bad_request, too_large
@@ -76,27 +75,24 @@ def _too_complex(containers: int) -> APIError:
 
 
 async def prepare_json_body(request, reactor=None) -> None:
-    """Decode a big JSON body off the reactor, for :func:`read_json_object` to answer from.
-    Does nothing for a small body or one that is not ``application/json`` (read_json_object
-    decides about those)."""
+    """Decode the JSON body once, for :func:`read_json_object` to answer from: a small one
+    here, a big one off the reactor.  Does nothing for an empty body or one that is not
+    ``application/json`` (read_json_object decides about those)."""
     if not _is_json(request):
         return
     try:
         raw = _raw_body(request)
+        if not raw.strip():
+            return
         containers, values = _values_bound(raw)
         if containers > MAX_JSON_CONTAINERS:
             raise _too_complex(containers)
-    except APIError as e:
-        setattr(request, _DECODED, e)
-        return
-    if values <= INLINE_JSON_VALUES:
-        return
-    if reactor is None:
-        from twisted.internet import reactor
-    try:
-        decoded = await offload.run(reactor, _decode, raw, slowly=True)
-    except defer.CancelledError:
-        raise
+        if values <= INLINE_JSON_VALUES:
+            decoded = _decode(raw)
+        else:
+            if reactor is None:
+                from twisted.internet import reactor
+            decoded = await offload.run(reactor, _decode, raw, slowly=True)
     except APIError as e:
         decoded = e
     setattr(request, _DECODED, decoded)
