@@ -35,17 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the checkout: localai_tw, tests
 
-import psycopg2  # noqa: E402
 import treq  # noqa: E402
 from twisted.internet import defer, task  # noqa: E402
 from twisted.web.client import HTTPConnectionPool  # noqa: E402
@@ -53,7 +49,8 @@ from twisted.web.client import HTTPConnectionPool  # noqa: E402
 from localai_tw.backends import backend_pb2  # noqa: E402
 from localai_tw.frontend.inference.prefix_index import PrefixSettings  # noqa: E402
 from tests.integration.harness_gguf import GGUF, place, smollm2_path  # noqa: E402
-from tests.integration.inference_harness import ADMIN, Cluster  # noqa: E402
+from scratch_cluster import scratch_cluster  # noqa: E402 (benchmarks/, beside this)
+from tests.integration.inference_harness import ADMIN  # noqa: E402
 from tests.integration.support import eventually  # noqa: E402
 
 MODEL = "smollm2"
@@ -86,14 +83,6 @@ def chatml(system: str, history: list[tuple[str, str]], question: str) -> str:
     parts.append(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
     return "".join(parts)
 
-
-def admin(dsn: str, sql: str) -> None:
-    connection = psycopg2.connect(dsn)
-    connection.autocommit = True
-    try:
-        connection.cursor().execute(sql)
-    finally:
-        connection.close()
 
 
 def loadavg() -> str:
@@ -211,11 +200,7 @@ async def main(reactor, args) -> None:
 
     gguf = smollm2_path()
     tokenizer = llama_cpp.Llama(model_path=gguf, vocab_only=True, verbose=False)
-    name = f"bench_prefix_{uuid.uuid4().hex[:8]}"
-    admin(args.dsn, f"CREATE DATABASE {name}")
-    base = args.dsn.rsplit("/", 1)[0]
-    workdir = tempfile.mkdtemp(prefix="bench-prefix-")
-    cluster = Cluster(f"{base}/{name}", workdir)
+    cluster, dispose = scratch_cluster(args.dsn, "prefix")
     load_before = loadavg()
     try:
         place(gguf, cluster.models_dir)
@@ -273,9 +258,7 @@ async def main(reactor, args) -> None:
                            "load_before": load_before, "load_after": load_after,
                            "forced_away": forced}, f, indent=1)
     finally:
-        await cluster.close()
-        admin(args.dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        shutil.rmtree(workdir, ignore_errors=True)
+        await dispose()
 
 
 def render(rr: dict, pc: dict, args, load_before: str, load_after: str, forced) -> str:

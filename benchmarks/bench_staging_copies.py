@@ -26,27 +26,16 @@ import importlib.util
 import os
 import shutil
 import sys
-import tempfile
 import time
-import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import psycopg2  # noqa: E402
 from twisted.internet import task  # noqa: E402
 from twisted.logger import globalLogPublisher  # noqa: E402
 
 from localai_tw.backends import backend_pb2  # noqa: E402
-from tests.integration.inference_harness import Cluster  # noqa: E402
+from scratch_cluster import scratch_cluster  # noqa: E402 (benchmarks/, beside this)
 
-
-def admin(dsn: str, sql: str) -> None:
-    connection = psycopg2.connect(dsn)
-    connection.autocommit = True
-    try:
-        connection.cursor().execute(sql)
-    finally:
-        connection.close()
 
 
 def the_file() -> tuple[str, bytes | None]:
@@ -81,11 +70,7 @@ def disk_use(directory: str) -> tuple[int, int]:
 
 async def main(reactor, dsn: str) -> None:
     configs = int(os.environ.get("BENCH_CONFIGS", "5"))
-    name = f"bench_copies_{uuid.uuid4().hex[:8]}"
-    admin(dsn, f"CREATE DATABASE {name}")
-    base = dsn.rsplit("/", 1)[0]
-    workdir = tempfile.mkdtemp(prefix="bench-copies-")
-    cluster = Cluster(f"{base}/{name}", workdir)
+    cluster, dispose = scratch_cluster(dsn, "copies")
     events = []
     try:
         source, data = the_file()
@@ -124,9 +109,7 @@ async def main(reactor, dsn: str) -> None:
         print(f"| {uploaded / 1e6:.1f} MB | {linked} | {apparent / 1e6:.1f} MB | "
               f"{real / 1e6:.1f} MB |")
     finally:
-        await cluster.close()
-        admin(dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        shutil.rmtree(workdir, ignore_errors=True)
+        await dispose()
 
 
 if __name__ == "__main__":

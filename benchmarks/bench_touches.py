@@ -20,29 +20,17 @@ writes per request.  A script, not a test.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 import time
-import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the checkout: localai_tw, tests
 
-import psycopg2  # noqa: E402
 from twisted.internet import defer, task  # noqa: E402
 
 from localai_tw.backends import backend_pb2  # noqa: E402
-from tests.integration.inference_harness import Cluster  # noqa: E402
+from scratch_cluster import scratch_cluster  # noqa: E402 (benchmarks/, beside this)
 
-
-def admin(dsn: str, sql: str) -> None:
-    connection = psycopg2.connect(dsn)
-    connection.autocommit = True
-    try:
-        connection.cursor().execute(sql)
-    finally:
-        connection.close()
 
 
 async def measure(reactor, frontend, requests: int, parallel: int, batched: bool):
@@ -83,11 +71,7 @@ async def measure(reactor, frontend, requests: int, parallel: int, batched: bool
 async def main(reactor, dsn: str) -> None:
     requests = int(os.environ.get("BENCH_REQUESTS", "400"))
     parallel = int(os.environ.get("BENCH_PARALLEL", "8"))
-    name = f"bench_touches_{uuid.uuid4().hex[:8]}"
-    admin(dsn, f"CREATE DATABASE {name}")
-    base = dsn.rsplit("/", 1)[0]
-    workdir = tempfile.mkdtemp(prefix="bench-touches-")
-    cluster = Cluster(f"{base}/{name}", workdir)
+    cluster, dispose = scratch_cluster(dsn, "touches")
     try:
         cluster.write_model("m.yaml", "name: m\nbackend: echo\noptions: ['echo.dim:4']\n")
         frontend = await cluster.frontend("bench")
@@ -105,9 +89,7 @@ async def main(reactor, dsn: str) -> None:
         for label, n, seconds, rate, writes, per in rows:
             print(f"| {label} | {n} | {seconds:.1f} | {rate:.0f} | {writes} | {per:.3f} |")
     finally:
-        await cluster.close()
-        admin(dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        shutil.rmtree(workdir, ignore_errors=True)
+        await dispose()
 
 
 if __name__ == "__main__":
