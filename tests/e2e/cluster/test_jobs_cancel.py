@@ -109,7 +109,9 @@ def test_a_job_running_behind_one_replica_is_cancelled_through_the_other(make_cl
     # Stopped on the worker, once: the kind's own evidence and the agent's log line.
     assert marker.read_text() == f"cancelled {job_id}\n"
     assert len(cluster.grep(agent, f"cancelling job {job_id} on request")) == 1
-    assert cluster.sql("SELECT count(*) FROM work_claims WHERE id = %s", (job_id,))[0][0] == 0
+    # The claim completes after the handler recorded the outcome, in its own (batched) commit.
+    wait_for(lambda: cluster.sql("SELECT count(*) FROM work_claims WHERE id = %s",
+                                 (job_id,))[0][0] == 0, 10, "the job's claim completed")
 
     # Recorded once: both replicas read the same finished job, which never changes again,
     # and a second cancel (at either replica) is refused as finished.
