@@ -138,6 +138,12 @@ class TunnelRegistry:
         """Ids of the nodes whose tunnel this replica holds, sorted."""
         return sorted(self._held)
 
+    def live_claims(self) -> list[tuple[str, int]]:
+        """``(node_id, claim epoch)`` of every held tunnel whose session is still open: the
+        tunnels this replica vouches for (``cluster/liveness.py`` stamps their heartbeat)."""
+        return [(held.node_id, held.claim_epoch) for held in self._held.values()
+                if held.session.isOpen]
+
     def holds(self, node_id: str) -> bool:
         return node_id in self._held
 
