@@ -19,7 +19,7 @@ Every ``interval`` (10 s) :class:`TunnelLiveness` writes, for every open tunnel 
   database clock within the same 90 s of its last sign of life as with HTTP heartbeats.
 
 The worker learns from its tunnel's upgrade answer that its replica stamps (the
-``X-LocalAI-Liveness: tunnel`` header, ``tunnel/connect.py``) and then sends its HTTP heartbeat
+``X-LocalAI-Liveness: tunnel`` header, ``tunnel/keepalive.py``) and then sends its HTTP heartbeat
 only when its capacity changed, or every ``worker/service.py``'s slow refresh; without a tunnel,
 or to a replica that does not stamp, it beats every 10 s as before.
 
@@ -44,11 +44,11 @@ log = Logger()
 #: Seconds between two stamps of the tunnels this replica holds (``--tunnel-liveness``); a
 #: worker's HTTP heartbeat came as often.
 DEFAULT_TUNNEL_LIVENESS = 10.0
+#: The longest ``--tunnel-liveness`` accepted: a held tunnel's heartbeat is at most this plus
+#: the lag (41 s) old before the next stamp, far inside the 90 s stale threshold.
+MAX_TUNNEL_LIVENESS = 30.0
 #: Tunnels stamped per statement.
 STAMP_BATCH = 1000
-#: The response header of a tunnel upgrade telling the worker this replica stamps its liveness.
-LIVENESS_HEADER = "X-LocalAI-Liveness"
-LIVENESS_BY_TUNNEL = "tunnel"
 
 # Bind: lag seconds, node ids, epochs (arrays of equal length), replica liveness, owner.
 _STAMP_SQL = (

@@ -131,6 +131,9 @@ class TunnelRegistry:
         self._gates = _NodeGates()
         self._closed = False
         self._attach_listeners: list = []
+        #: This replica stamps the heartbeat of the tunnels it holds (``cluster/liveness.py``;
+        #: set by the wiring): the upgrade tells each worker (``tunnel/connect.py``).
+        self.stamps_liveness = False
 
     # -- queries ------------------------------------------------------------------------------
 
