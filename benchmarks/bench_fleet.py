@@ -25,7 +25,9 @@ What it measures (issue 15 §4), in one run:
 at idle (py-spy) and its garbage collections of 5 ms or more (benchmarks/README.md).
 
 The simulated worker is this process: ``localai_tw``'s own WebSocket and yamux client, one
-session per worker, the registration and heartbeat bodies a real worker sends; a dial refused
+session per worker, the registration and heartbeat bodies a real worker sends, as often as a
+real worker sends them (every 10 s; every 60 s while its replica announced in the tunnel's
+upgrade answer that it stamps the worker's liveness, ``cluster/liveness.py``); a dial refused
 with 503 or failed is retried with equal-jitter backoff (1 s doubling to 15 s), a 429 after its
 ``Retry-After``.  The frontend is a real ``twistd localai-frontend`` process on a fresh
 database that is dropped at the end.
@@ -174,7 +176,7 @@ class Fleet:
                          "credential": None} for i in range(count)]
         self.counts = {"registered": 0, "register_429": 0, "register_failed": 0,
                        "dial_503": 0, "dial_failed": 0, "heartbeat_ok": 0,
-                       "heartbeat_failed": 0}
+                       "heartbeat_failed": 0, "heartbeat_skipped": 0}
         self.running = True
         self.last_error = ""
 
@@ -260,8 +262,24 @@ class Fleet:
         await self.register(worker)
         await self.dial(worker)
 
+    def liveness_by_tunnel(self, worker) -> bool:
+        """The worker's tunnel is up and its replica said it stamps the worker's liveness
+        (``X-LocalAI-Liveness: tunnel``): a real worker then beats over HTTP only on a capacity
+        change (none here) or its slow refresh (``worker/service.py``)."""
+        try:
+            from localai_tw.tunnel.keepalive import LIVENESS_BY_TUNNEL, LIVENESS_HEADER
+        except ImportError:  # a tree from before liveness by tunnel: always beat
+            return False
+        session = worker["session"]
+        if session is None or not session.isOpen:
+            return False
+        headers = getattr(session.transport, "answer_headers", None) or {}
+        return headers.get(LIVENESS_HEADER.lower()) == LIVENESS_BY_TUNNEL
+
     async def heartbeats(self) -> None:
-        """Every worker heartbeats every 10 s, spread evenly over the period."""
+        """Every worker's heartbeat turn comes every 10 s, spread evenly over the period; it
+        beats as a real worker does: always, unless its tunnel carries liveness, then every
+        ``CAPACITY_REFRESH_SECONDS`` (its capacity never changes here)."""
         from twisted.internet import defer
 
         try:
@@ -277,7 +295,17 @@ class Fleet:
                 if worker["id"] is not None:
                     from twisted.internet import defer
 
-                    defer.ensureDeferred(self._beat(worker))
+                    liveness = self.liveness_by_tunnel(worker)
+                    if liveness and "beat_at" not in worker:
+                        # The steady state: the fleet's refreshes spread evenly over the
+                        # period, not every worker's first one inside the idle phase.
+                        worker["beat_at"] = self.reactor.seconds() - \
+                            random.random() * CAPACITY_REFRESH_SECONDS
+                    if (liveness and self.reactor.seconds() - worker["beat_at"]
+                            < CAPACITY_REFRESH_SECONDS):
+                        self.counts["heartbeat_skipped"] += 1
+                    else:
+                        defer.ensureDeferred(self._beat(worker))
                 await self.sleep(10.0 / self.count)
 
     async def _beat(self, worker) -> None:
@@ -290,6 +318,7 @@ class Fleet:
             code = None
         if code == 200:
             self.counts["heartbeat_ok"] += 1
+            worker["beat_at"] = self.reactor.seconds()
         else:
             self.counts["heartbeat_failed"] += 1
 
@@ -339,6 +368,10 @@ def xact_commits(bench) -> int:
     return int(bench.sql("SELECT xact_commit FROM pg_stat_database WHERE datname = %s",
                          (bench.db_name,))[0][0])
 
+
+#: A simulated worker whose tunnel carries liveness beats this often (``worker/service.py``'s
+#: ``CAPACITY_REFRESH_SECONDS``, spelled here so the script also runs against older trees).
+CAPACITY_REFRESH_SECONDS = 60.0
 
 #: The capacity a simulated worker reports in each heartbeat (a real worker sends its own).
 HEARTBEAT_CAPACITY = {"total_vram": 0, "available_vram": 0, "total_ram": 16 << 30,
@@ -402,6 +435,10 @@ async def run(reactor, bench, args) -> dict:
         "heartbeats_ok_per_second": round(
             (fleet.counts["heartbeat_ok"] - beats0["heartbeat_ok"]) / (t1 - t0), 1),
         "heartbeats_failed": fleet.counts["heartbeat_failed"] - beats0["heartbeat_failed"],
+        "heartbeat_turns_skipped_per_second": round(
+            (fleet.counts["heartbeat_skipped"] - beats0["heartbeat_skipped"]) / (t1 - t0), 1),
+        "tunnels_carrying_liveness": sum(1 for w in fleet.workers
+                                         if fleet.liveness_by_tunnel(w)),
         "healthz_p50_ms": round(1000 * bi.percentile(samples, 50), 1) if samples else None,
         "healthz_max_ms": round(1000 * samples[-1], 1) if samples else None,
         "healthz_not_200": kinds(health_samples),
@@ -655,6 +692,8 @@ def render(report: dict) -> str:
         ("database transactions/s at idle", idle["transactions_per_second"]),
         ("heartbeats answered 200 per second at idle; failed",
          f"{idle['heartbeats_ok_per_second']}; {idle['heartbeats_failed']}"),
+        ("tunnels carrying liveness; heartbeat turns skipped per second",
+         f"{idle['tunnels_carrying_liveness']}; {idle['heartbeat_turns_skipped_per_second']}"),
         ("frontend's --heartbeat-batch", report.get("heartbeat_batch") or "its default"),
         ("tunnel keepalive", "every interval, both ends (--keepalive-every-interval)"
          if report.get("keepalive_every_interval") else "when quiet (the product's)"),
