@@ -23,6 +23,9 @@ The worker learns from its tunnel's upgrade answer that its replica stamps (the
 only when its capacity changed, or every ``worker/service.py``'s slow refresh; without a tunnel,
 or to a replica that does not stamp, it beats every 10 s as before.
 
+A pass that starts late (the replica's reactor stalled: a session whose worker died meanwhile
+may still be open, its keepalive expiry due but not run yet) stamps nothing; the next one does.
+
 This module must never write a node whose claim it does not hold at that epoch, never read a
 clock to decide a heartbeat, and never let a failed pass stop the loop.
 """
@@ -49,6 +52,10 @@ DEFAULT_TUNNEL_LIVENESS = 10.0
 MAX_TUNNEL_LIVENESS = 30.0
 #: Tunnels stamped per statement.
 STAMP_BATCH = 1000
+#: A pass that starts more than this much later than an interval after the previous one stamps
+#: nothing: the reactor stalled, and a session whose peer died meanwhile may still be open,
+#: its keepalive expiry due but not yet run.  The next pass (the expiries have run) stamps.
+LATE_PASS_SLACK = 1.0
 
 # Bind: lag seconds, node ids, epochs (arrays of equal length), replica liveness, owner.
 _STAMP_SQL = (
@@ -112,9 +119,12 @@ class TunnelLiveness(PeriodicPass):
         self._reactor = reactor
         self.lag = float(lag)
         self.interval = float(interval)
-        #: Passes finished, and the nodes the last one wrote (tests and metrics read them).
+        #: Passes finished, and the nodes the last one wrote (tests and metrics read them);
+        #: passes skipped because they started late (:data:`LATE_PASS_SLACK`).
         self.passes = 0
         self.last_written = 0
+        self.late_passes = 0
+        self._last_start: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -124,6 +134,17 @@ class TunnelLiveness(PeriodicPass):
         return self.enabled
 
     async def run_once(self) -> set[str]:
+        # The reactor clock only tells whether this pass runs late; no heartbeat is judged by it.
+        start, previous = self._reactor.seconds(), self._last_start
+        self._last_start = start
+        if previous is not None and start - previous > self.interval + LATE_PASS_SLACK:
+            self.late_passes += 1
+            self.last_written = 0
+            self.passes += 1
+            log.info("tunnel liveness: this pass started {late:.1f}s late (the reactor was "
+                     "busy); nothing stamped until the keepalive has run",
+                     late=start - previous - self.interval)
+            return set()
         claims = list(self._live_claims())
         written = (await stamp_liveness(self._db, self._owner_id, claims, self.lag)
                    if claims else set())
