@@ -390,6 +390,7 @@ async def run(reactor, bench, args) -> dict:
     report: dict = {"workers": args.workers, "cheap_registration": args.cheap_registration,
                     "heartbeat_batch": args.heartbeat_batch,
                     "keepalive_every_interval": args.keepalive_every_interval,
+                    "keepalive": args.keepalive,
                     "gc_threshold": args.gc_threshold}
 
     fleet = Fleet(reactor, fe["port"], args.workers)
@@ -547,6 +548,15 @@ import localai_tw.tunnel.keepalive as _keepalive
 _keepalive.PING_ONLY_WHEN_QUIET = False
 """
 
+#: ``--keepalive INTERVAL,TIMEOUT``: another keepalive for worker tunnels (an experiment; the
+#: replica's liveness lag follows the detection bound, as it is read at import).
+KEEPALIVE_TIMES = """
+import localai_tw.tunnel.keepalive as _keepalive
+_keepalive.TUNNEL_KEEPALIVE_INTERVAL = {interval}
+_keepalive.TUNNEL_KEEPALIVE_TIMEOUT = {timeout}
+_keepalive.DEAD_TUNNEL_DETECTION = {interval} + {timeout}
+"""
+
 CHEAP_REGISTRATION = """
 import localai_tw.cluster.nodes as _nodes
 _nodes._TOKEN_SCRYPT = {"n": 2 ** 4, "r": 8, "p": 1}
@@ -695,8 +705,11 @@ def render(report: dict) -> str:
         ("tunnels carrying liveness; heartbeat turns skipped per second",
          f"{idle['tunnels_carrying_liveness']}; {idle['heartbeat_turns_skipped_per_second']}"),
         ("frontend's --heartbeat-batch", report.get("heartbeat_batch") or "its default"),
-        ("tunnel keepalive", "every interval, both ends (--keepalive-every-interval)"
-         if report.get("keepalive_every_interval") else "when quiet (the product's)"),
+        ("tunnel keepalive", ("every interval, both ends (--keepalive-every-interval)"
+                              if report.get("keepalive_every_interval")
+                              else "when quiet (the product's)")
+         + (f", interval,timeout {report['keepalive']} s (--keepalive)"
+            if report.get("keepalive") else "")),
         ("/healthz p50 / max (ms)", f"{idle['healthz_p50_ms']} / {idle['healthz_max_ms']}"),
         ("GET /api/nodes, every page (s; bytes)",
          f"{report['api_nodes']['seconds']}; {report['api_nodes']['bytes']}"),
@@ -775,6 +788,10 @@ def main() -> None:
     parser.add_argument("--keepalive-every-interval", action="store_true",
                         help="both ends of every tunnel ping every interval whatever they read "
                              "(the rule before keepalive_when_quiet): the same-run baseline")
+    parser.add_argument("--keepalive", metavar="INTERVAL,TIMEOUT",
+                        help="an experiment: the worker tunnel's keepalive interval and timeout "
+                             "in seconds on both ends (the product's: 3,7; their sum is the "
+                             "detection bound)")
     parser.add_argument("--no-restart", action="store_true",
                         help="stop after the idle phase (no stop, restart and reconnect storm)")
     parser.add_argument("--json", help="also write the report as JSON here")
@@ -807,6 +824,11 @@ def main() -> None:
     if args.keepalive_every_interval:
         bi._TWISTD = KEEPALIVE_EVERY_INTERVAL + bi._TWISTD
         exec(KEEPALIVE_EVERY_INTERVAL, {})  # the simulated fleet's end too
+    if args.keepalive:
+        interval, timeout = (float(v) for v in args.keepalive.split(","))
+        prelude = KEEPALIVE_TIMES.format(interval=interval, timeout=timeout)
+        bi._TWISTD = prelude + bi._TWISTD
+        exec(prelude, {})  # the simulated fleet's end too
     if args.gc_threshold:
         thresholds = tuple(int(t) for t in args.gc_threshold.split(","))
         bi._TWISTD = (  # the product's makeService sets tap.GC_THRESHOLDS: replaced too
