@@ -5,7 +5,7 @@ for a replica holding 4000 idle workers, half of its idle CPU (docs/benchmarks.m
 fleet").  The replica already knows which of its tunnels are alive: a tunnel whose peer stops
 answering the keepalive is ended within ``DEAD_TUNNEL_DETECTION`` (10 s,
 ``tunnel/keepalive.py``), so a session still open was heard from at most that long ago.
-Every ``interval`` (10 s) :class:`TunnelLiveness` writes, for every open tunnel it holds,
+Every ``interval`` (10 s) ``tunnel/liveness.py``'s loop writes, for every open tunnel it holds,
 ``last_heartbeat = now() - lag`` (``lag``: that bound plus a second), in one statement per
 :data:`STAMP_BATCH` tunnels:
 
@@ -23,26 +23,18 @@ The worker learns from its tunnel's upgrade answer that its replica stamps (the
 only when its capacity changed, or every ``worker/service.py``'s slow refresh; without a tunnel,
 or to a replica that does not stamp, it beats every 10 s as before.
 
-A pass that starts late (the replica's reactor stalled: a session whose worker died meanwhile
-may still be open, its keepalive expiry due but not run yet) stamps nothing; the next one does.
+This module holds the statement; the loop that runs it (and skips a pass that starts late) is
+``tunnel/liveness.py``, beside the sessions whose keepalive it relies on.
 
-This module must never write a node whose claim it does not hold at that epoch, never read a
-clock to decide a heartbeat, and never let a failed pass stop the loop.
+This module must never write a node whose claim it does not hold at that epoch, and never read
+a clock (the database's ``now()`` is the only one).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
-from twisted.logger import Logger
-
-from localai_tw.periodic import PeriodicPass
-from localai_tw.db.pool import DatabaseUnavailable, PoolClosed
-
 from .clock import CONNECTION_IS_HELD_SQL, INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS, \
     interval_seconds
 
-log = Logger()
 
 #: Seconds between two stamps of the tunnels this replica holds (``--tunnel-liveness``); a
 #: worker's HTTP heartbeat came as often.
@@ -52,10 +44,6 @@ DEFAULT_TUNNEL_LIVENESS = 10.0
 MAX_TUNNEL_LIVENESS = 30.0
 #: Tunnels stamped per statement.
 STAMP_BATCH = 1000
-#: A pass that starts more than this much later than an interval after the previous one stamps
-#: nothing: the reactor stalled, and a session whose peer died meanwhile may still be open,
-#: its keepalive expiry due but not yet run.  The next pass (the expiries have run) stamps.
-LATE_PASS_SLACK = 1.0
 
 # Bind: lag seconds, node ids, epochs (arrays of equal length), replica liveness, owner.
 _STAMP_SQL = (
@@ -88,66 +76,3 @@ async def stamp_liveness(db, owner_id: str, claims: list[tuple[str, int]], lag: 
              [int(epoch) for _, epoch in batch], interval_seconds(liveness), owner_id))
         written.update(row[0] for row in rows)
     return written
-
-
-class TunnelLiveness(PeriodicPass):
-    """Stamps the heartbeat of every open tunnel this replica holds, every ``interval``.
-
-    :param db: a started ``Database``.
-    :param owner_id: this replica's instance id.
-    :param live_claims: ``live_claims()`` -> ``(node_id, claim epoch)`` of the open tunnels
-        held here (``TunnelRegistry.live_claims``).
-    :param lag: seconds a held, open tunnel may have been silent (the keepalive bound plus a
-        margin): what the stamp subtracts from ``now()``.
-    :param interval: seconds between stamps; 0 turns stamping off.
-    """
-
-    name = "tunnel-liveness"
-    pass_name = "tunnel liveness stamp"
-    outage_errors = (DatabaseUnavailable, PoolClosed)
-
-    def __init__(self, db, owner_id: str, live_claims: Callable[[], Iterable[tuple[str, int]]],
-                 lag: float, reactor=None, interval: float = DEFAULT_TUNNEL_LIVENESS):
-        if reactor is None:
-            from twisted.internet import reactor as _reactor
-            reactor = _reactor
-        if interval < 0 or lag < 0:
-            raise ValueError("the tunnel liveness interval and lag must be >= 0")
-        self._db = db
-        self._owner_id = owner_id
-        self._live_claims = live_claims
-        self._reactor = reactor
-        self.lag = float(lag)
-        self.interval = float(interval)
-        #: Passes finished, and the nodes the last one wrote (tests and metrics read them);
-        #: passes skipped because they started late (:data:`LATE_PASS_SLACK`).
-        self.passes = 0
-        self.last_written = 0
-        self.late_passes = 0
-        self._last_start: float | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.interval > 0
-
-    def pass_enabled(self) -> bool:
-        return self.enabled
-
-    async def run_once(self) -> set[str]:
-        # The reactor clock only tells whether this pass runs late; no heartbeat is judged by it.
-        start, previous = self._reactor.seconds(), self._last_start
-        self._last_start = start
-        if previous is not None and start - previous > self.interval + LATE_PASS_SLACK:
-            self.late_passes += 1
-            self.last_written = 0
-            self.passes += 1
-            log.info("tunnel liveness: this pass started {late:.1f}s late (the reactor was "
-                     "busy); nothing stamped until the keepalive has run",
-                     late=start - previous - self.interval)
-            return set()
-        claims = list(self._live_claims())
-        written = (await stamp_liveness(self._db, self._owner_id, claims, self.lag)
-                   if claims else set())
-        self.last_written = len(written)
-        self.passes += 1
-        return written

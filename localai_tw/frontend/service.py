@@ -90,7 +90,7 @@ from localai_tw.deferreds import OneShotObserver
 from localai_tw.servicetree import InOrderMultiService
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
-from localai_tw.cluster.liveness import DEFAULT_TUNNEL_LIVENESS, TunnelLiveness
+from localai_tw.cluster.liveness import DEFAULT_TUNNEL_LIVENESS
 from localai_tw.cluster.membership import (
     AdvertiseAddressError,
     InstanceIdentity,
@@ -113,6 +113,7 @@ from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient, upload_f
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
 from localai_tw.tunnel.peertls import published_address
 from localai_tw.tunnel.keepalive import DEAD_TUNNEL_DETECTION
+from localai_tw.tunnel.liveness import TunnelLiveness
 from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
@@ -341,7 +342,7 @@ class Replica:
     reconciler: Any = None
     #: The Responses API's store and background runs, with their claim consumer.
     responses: ReplicaResponses | None = None
-    #: Stamps the heartbeat of the tunnels held here (``cluster/liveness.py``).
+    #: Stamps the heartbeat of the tunnels held here (``tunnel/liveness.py``).
     liveness: TunnelLiveness | None = None
 
     def services(self) -> list[Service]:

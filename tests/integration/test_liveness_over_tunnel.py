@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest_twisted
 from twisted.internet import reactor, task
 
-from localai_tw.cluster.liveness import TunnelLiveness
+from localai_tw.tunnel.liveness import TunnelLiveness
 from localai_tw.tunnel.dialer import TunnelDialer
 
 from .support import eventually

@@ -12,7 +12,8 @@ from twisted.internet import task
 
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
-from localai_tw.cluster.liveness import TunnelLiveness, stamp_liveness
+from localai_tw.cluster.liveness import stamp_liveness
+from localai_tw.tunnel.liveness import TunnelLiveness
 from localai_tw.cluster.nodes import NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 

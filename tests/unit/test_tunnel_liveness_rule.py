@@ -1,11 +1,11 @@
-"""The stamping loop of ``cluster/liveness.py`` on a ``task.Clock`` with a recording database;
+"""The stamping loop of ``tunnel/liveness.py`` on a ``task.Clock`` with a recording database;
 the statement itself runs against PostgreSQL in ``tests/integration/test_tunnel_liveness.py``."""
 
 from __future__ import annotations
 
 from twisted.internet import defer, task
 
-from localai_tw.cluster.liveness import TunnelLiveness
+from localai_tw.tunnel.liveness import TunnelLiveness
 
 
 class RecordingDb:
