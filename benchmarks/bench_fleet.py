@@ -25,7 +25,9 @@ What it measures (issue 15 §4), in one run:
 at idle (py-spy) and its garbage collections of 5 ms or more (benchmarks/README.md).
 
 The simulated worker is this process: ``localai_tw``'s own WebSocket and yamux client, one
-session per worker, the registration and heartbeat bodies a real worker sends; a dial refused
+session per worker, the registration and heartbeat bodies a real worker sends, as often as a
+real worker sends them (every 10 s; every 60 s while its replica announced in the tunnel's
+upgrade answer that it stamps the worker's liveness, ``cluster/liveness.py``); a dial refused
 with 503 or failed is retried with equal-jitter backoff (1 s doubling to 15 s), a 429 after its
 ``Retry-After``.  The frontend is a real ``twistd localai-frontend`` process on a fresh
 database that is dropped at the end.
@@ -174,7 +176,7 @@ class Fleet:
                          "credential": None} for i in range(count)]
         self.counts = {"registered": 0, "register_429": 0, "register_failed": 0,
                        "dial_503": 0, "dial_failed": 0, "heartbeat_ok": 0,
-                       "heartbeat_failed": 0}
+                       "heartbeat_failed": 0, "heartbeat_skipped": 0}
         self.running = True
         self.last_error = ""
 
@@ -260,8 +262,24 @@ class Fleet:
         await self.register(worker)
         await self.dial(worker)
 
+    def liveness_by_tunnel(self, worker) -> bool:
+        """The worker's tunnel is up and its replica said it stamps the worker's liveness
+        (``X-LocalAI-Liveness: tunnel``): a real worker then beats over HTTP only on a capacity
+        change (none here) or its slow refresh (``worker/service.py``)."""
+        try:
+            from localai_tw.tunnel.keepalive import LIVENESS_BY_TUNNEL, LIVENESS_HEADER
+        except ImportError:  # a tree from before liveness by tunnel: always beat
+            return False
+        session = worker["session"]
+        if session is None or not session.isOpen:
+            return False
+        headers = getattr(session.transport, "answer_headers", None) or {}
+        return headers.get(LIVENESS_HEADER.lower()) == LIVENESS_BY_TUNNEL
+
     async def heartbeats(self) -> None:
-        """Every worker heartbeats every 10 s, spread evenly over the period."""
+        """Every worker's heartbeat turn comes every 10 s, spread evenly over the period; it
+        beats as a real worker does: always, unless its tunnel carries liveness, then every
+        ``CAPACITY_REFRESH_SECONDS`` (its capacity never changes here)."""
         from twisted.internet import defer
 
         try:
@@ -277,7 +295,17 @@ class Fleet:
                 if worker["id"] is not None:
                     from twisted.internet import defer
 
-                    defer.ensureDeferred(self._beat(worker))
+                    liveness = self.liveness_by_tunnel(worker)
+                    if liveness and "beat_at" not in worker:
+                        # The steady state: the fleet's refreshes spread evenly over the
+                        # period, not every worker's first one inside the idle phase.
+                        worker["beat_at"] = self.reactor.seconds() - \
+                            random.random() * CAPACITY_REFRESH_SECONDS
+                    if (liveness and self.reactor.seconds() - worker["beat_at"]
+                            < CAPACITY_REFRESH_SECONDS):
+                        self.counts["heartbeat_skipped"] += 1
+                    else:
+                        defer.ensureDeferred(self._beat(worker))
                 await self.sleep(10.0 / self.count)
 
     async def _beat(self, worker) -> None:
@@ -290,6 +318,7 @@ class Fleet:
             code = None
         if code == 200:
             self.counts["heartbeat_ok"] += 1
+            worker["beat_at"] = self.reactor.seconds()
         else:
             self.counts["heartbeat_failed"] += 1
 
@@ -340,6 +369,10 @@ def xact_commits(bench) -> int:
                          (bench.db_name,))[0][0])
 
 
+#: A simulated worker whose tunnel carries liveness beats this often (``worker/service.py``'s
+#: ``CAPACITY_REFRESH_SECONDS``, spelled here so the script also runs against older trees).
+CAPACITY_REFRESH_SECONDS = 60.0
+
 #: The capacity a simulated worker reports in each heartbeat (a real worker sends its own).
 HEARTBEAT_CAPACITY = {"total_vram": 0, "available_vram": 0, "total_ram": 16 << 30,
                       "available_ram": 8 << 30, "total_disk": 100 << 30,
@@ -357,6 +390,7 @@ async def run(reactor, bench, args) -> dict:
     report: dict = {"workers": args.workers, "cheap_registration": args.cheap_registration,
                     "heartbeat_batch": args.heartbeat_batch,
                     "keepalive_every_interval": args.keepalive_every_interval,
+                    "keepalive": args.keepalive,
                     "gc_threshold": args.gc_threshold}
 
     fleet = Fleet(reactor, fe["port"], args.workers)
@@ -402,6 +436,10 @@ async def run(reactor, bench, args) -> dict:
         "heartbeats_ok_per_second": round(
             (fleet.counts["heartbeat_ok"] - beats0["heartbeat_ok"]) / (t1 - t0), 1),
         "heartbeats_failed": fleet.counts["heartbeat_failed"] - beats0["heartbeat_failed"],
+        "heartbeat_turns_skipped_per_second": round(
+            (fleet.counts["heartbeat_skipped"] - beats0["heartbeat_skipped"]) / (t1 - t0), 1),
+        "tunnels_carrying_liveness": sum(1 for w in fleet.workers
+                                         if fleet.liveness_by_tunnel(w)),
         "healthz_p50_ms": round(1000 * bi.percentile(samples, 50), 1) if samples else None,
         "healthz_max_ms": round(1000 * samples[-1], 1) if samples else None,
         "healthz_not_200": kinds(health_samples),
@@ -508,6 +546,15 @@ def snapshot_diff(directory: str, tunnels: int, top: int = 25) -> dict:
 KEEPALIVE_EVERY_INTERVAL = """
 import localai_tw.tunnel.keepalive as _keepalive
 _keepalive.PING_ONLY_WHEN_QUIET = False
+"""
+
+#: ``--keepalive INTERVAL,TIMEOUT``: another keepalive for worker tunnels (an experiment; the
+#: replica's liveness lag follows the detection bound, as it is read at import).
+KEEPALIVE_TIMES = """
+import localai_tw.tunnel.keepalive as _keepalive
+_keepalive.TUNNEL_KEEPALIVE_INTERVAL = {interval}
+_keepalive.TUNNEL_KEEPALIVE_TIMEOUT = {timeout}
+_keepalive.DEAD_TUNNEL_DETECTION = {interval} + {timeout}
 """
 
 CHEAP_REGISTRATION = """
@@ -655,9 +702,14 @@ def render(report: dict) -> str:
         ("database transactions/s at idle", idle["transactions_per_second"]),
         ("heartbeats answered 200 per second at idle; failed",
          f"{idle['heartbeats_ok_per_second']}; {idle['heartbeats_failed']}"),
+        ("tunnels carrying liveness; heartbeat turns skipped per second",
+         f"{idle['tunnels_carrying_liveness']}; {idle['heartbeat_turns_skipped_per_second']}"),
         ("frontend's --heartbeat-batch", report.get("heartbeat_batch") or "its default"),
-        ("tunnel keepalive", "every interval, both ends (--keepalive-every-interval)"
-         if report.get("keepalive_every_interval") else "when quiet (the product's)"),
+        ("tunnel keepalive", ("every interval, both ends (--keepalive-every-interval)"
+                              if report.get("keepalive_every_interval")
+                              else "when quiet (the product's)")
+         + (f", interval,timeout {report['keepalive']} s (--keepalive)"
+            if report.get("keepalive") else "")),
         ("/healthz p50 / max (ms)", f"{idle['healthz_p50_ms']} / {idle['healthz_max_ms']}"),
         ("GET /api/nodes, every page (s; bytes)",
          f"{report['api_nodes']['seconds']}; {report['api_nodes']['bytes']}"),
@@ -736,6 +788,10 @@ def main() -> None:
     parser.add_argument("--keepalive-every-interval", action="store_true",
                         help="both ends of every tunnel ping every interval whatever they read "
                              "(the rule before keepalive_when_quiet): the same-run baseline")
+    parser.add_argument("--keepalive", metavar="INTERVAL,TIMEOUT",
+                        help="an experiment: the worker tunnel's keepalive interval and timeout "
+                             "in seconds on both ends (the product's: 3,7; their sum is the "
+                             "detection bound)")
     parser.add_argument("--no-restart", action="store_true",
                         help="stop after the idle phase (no stop, restart and reconnect storm)")
     parser.add_argument("--json", help="also write the report as JSON here")
@@ -768,6 +824,11 @@ def main() -> None:
     if args.keepalive_every_interval:
         bi._TWISTD = KEEPALIVE_EVERY_INTERVAL + bi._TWISTD
         exec(KEEPALIVE_EVERY_INTERVAL, {})  # the simulated fleet's end too
+    if args.keepalive:
+        interval, timeout = (float(v) for v in args.keepalive.split(","))
+        prelude = KEEPALIVE_TIMES.format(interval=interval, timeout=timeout)
+        bi._TWISTD = prelude + bi._TWISTD
+        exec(prelude, {})  # the simulated fleet's end too
     if args.gc_threshold:
         thresholds = tuple(int(t) for t in args.gc_threshold.split(","))
         bi._TWISTD = (  # the product's makeService sets tap.GC_THRESHOLDS: replaced too

@@ -90,6 +90,7 @@ from localai_tw.deferreds import OneShotObserver
 from localai_tw.servicetree import InOrderMultiService
 from localai_tw.cluster.departure import DepartureNotifier
 from localai_tw.cluster.health import HealthMonitor
+from localai_tw.cluster.liveness import DEFAULT_TUNNEL_LIVENESS
 from localai_tw.cluster.membership import (
     AdvertiseAddressError,
     InstanceIdentity,
@@ -111,6 +112,8 @@ from localai_tw.web.ratelimit import SourceRateLimit
 from localai_tw.tunnel.endpoint import ControlClient, WorkerHTTPClient, upload_file
 from localai_tw.tunnel.peer import AcceptedPeerLinks, PeerPool
 from localai_tw.tunnel.peertls import published_address
+from localai_tw.tunnel.keepalive import DEAD_TUNNEL_DETECTION
+from localai_tw.tunnel.liveness import TunnelLiveness
 from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
 
@@ -222,6 +225,8 @@ class ReplicaConfig:
     #: Seconds a heartbeat waits to share one statement with others (``--heartbeat-batch``);
     #: 0: each heartbeat its own statements.
     heartbeat_batch: float = DEFAULT_HEARTBEAT_BATCH
+    #: Seconds between stamps of the held tunnels' heartbeats (``--tunnel-liveness``); 0: off.
+    tunnel_liveness: float = DEFAULT_TUNNEL_LIVENESS
     #: Model galleries (``--galleries``, ``frontend/gallery/installs.py``).
     galleries: tuple = ()
     #: Backend galleries (``--backend-galleries``, ``frontend/gallery/backend_installs.py``)
@@ -268,6 +273,7 @@ class ReplicaConfig:
             + tuple(_option(options, "load-to-memory", ())),
             registration_limit=int(_option(options, "registration-limit", 1200)),
             heartbeat_batch=float(_option(options, "heartbeat-batch", DEFAULT_HEARTBEAT_BATCH)),
+            tunnel_liveness=float(_option(options, "tunnel-liveness", DEFAULT_TUNNEL_LIVENESS)),
             galleries=parse_galleries(options.get("galleries") or ()),
             backend_galleries=parse_galleries(options.get("backend-galleries") or (),
                                               "--backend-galleries"),
@@ -336,6 +342,8 @@ class Replica:
     reconciler: Any = None
     #: The Responses API's store and background runs, with their claim consumer.
     responses: ReplicaResponses | None = None
+    #: Stamps the heartbeat of the tunnels held here (``tunnel/liveness.py``).
+    liveness: TunnelLiveness | None = None
 
     def services(self) -> list[Service]:
         """The replica's children in start order (they stop in the reverse order): the jobs
@@ -346,6 +354,7 @@ class Replica:
                                      self._downloads(), self.channel_sweep),
                 PeerService(self.peer_links, self.peer_pool),
                 TunnelRegistryService(self.tunnels, self.instance_id),
+                *([self.liveness] if self.liveness is not None else []),
                 *[s for s in (self.use, self.watchdog, self.preloader, self.scaler)
                   if s is not None],
                 self.bus, self.placements,
@@ -452,6 +461,12 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         config.identity_seed, advertised_addr=published_address(advertised, listen_description))
 
     tunnels = TunnelRegistry(fence, config.instance_id, reactor)
+    # An open tunnel was heard from within the keepalive bound: its heartbeat is stamped that
+    # much (and a second) before now, by this replica only while it holds the claim.
+    liveness = TunnelLiveness(db, config.instance_id, tunnels.live_claims,
+                              DEAD_TUNNEL_DETECTION + 1.0, reactor,
+                              interval=config.tunnel_liveness)
+    tunnels.stamps_liveness = liveness.enabled
     peer_links = AcceptedPeerLinks(db, tunnels, config.registration_token, reactor)
     peer_pool = PeerPool(db, identity, config.registration_token, reactor,
                          ca_file=config.peer_ca_file)
@@ -556,7 +571,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         jobs=jobs,
         metrics=metrics, use=use, lifecycle=lifecycle, watchdog=watchdog, preloader=preloader,
         scaler=scaler, gallery=gallery, channel_sweep=channel_sweep, reconciler=reconciler,
-        responses=responses,
+        responses=responses, liveness=liveness,
         registration_limit=SourceRateLimit(config.registration_limit / 60.0,
                                            config.registration_limit, reactor)
         if config.registration_limit > 0 else None)

@@ -42,6 +42,7 @@ from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
 
 from localai_tw.frontend.api.probes import LivenessResource, ReadinessResource
 from localai_tw.web.listener import ACCESS_LOG_CHOICES
+from localai_tw.cluster.liveness import MAX_TUNNEL_LIVENESS
 from localai_tw.cluster.nodes import MAX_HEARTBEAT_BATCH
 
 log = Logger()
@@ -69,6 +70,16 @@ def _heartbeat_batch(raw: str, option: str) -> float:
     if seconds > MAX_HEARTBEAT_BATCH:
         raise usage.UsageError(f"{option}: at most {MAX_HEARTBEAT_BATCH:g}s (a heartbeat waits "
                                f"that long for its statement at most), not {raw!r}")
+    return seconds
+
+
+def _tunnel_liveness(raw: str, option: str) -> float:
+    """``--tunnel-liveness``: a duration of at most ``MAX_TUNNEL_LIVENESS`` (a held tunnel's
+    heartbeat must stay far inside the 90 s stale threshold)."""
+    seconds = config.parse_duration(raw, option)
+    if seconds > MAX_TUNNEL_LIVENESS:
+        raise usage.UsageError(f"{option}: at most {MAX_TUNNEL_LIVENESS:g}s (a held tunnel's "
+                               f"heartbeat is that old at most before the next), not {raw!r}")
     return seconds
 
 
@@ -189,6 +200,12 @@ SETTINGS = (
                  "statement (200ms, 0.2, or a duration): one statement checks and writes a "
                  "whole batch. 0: each heartbeat its own statements; at most 2s.",
                  default="200ms", parse=_heartbeat_batch),
+    config.value("tunnel-liveness", "LOCALAI_TUNNEL_LIVENESS",
+                 "How often this replica writes the heartbeat of every worker whose tunnel it "
+                 "holds (10s, or a duration): fenced by the tunnel's claim, on the database "
+                 "clock. Those workers then heartbeat over HTTP only when their capacity "
+                 "changes or every 60s. 0: off, workers heartbeat every 10s; at most 30s.",
+                 default="10s", parse=_tunnel_liveness),
     config.flag("require-approval", "LOCALAI_REQUIRE_APPROVAL",
                 "New workers wait for an administrator's approval before they serve."),
     config.flag("local-worker", "LOCALAI_LOCAL_WORKER",

@@ -12,6 +12,10 @@ credential>``.  :class:`ConnectAuthorizer` decides before any upgrade, in the or
    because the database is down);
 5. ``pending`` -> 403 (awaiting approval; draining and unhealthy nodes keep their tunnels).
 
+The upgrade's answer carries ``X-LocalAI-Liveness: tunnel`` when this replica stamps the
+heartbeat of the tunnels it holds (``cluster/liveness.py``, ``--tunnel-liveness``): the worker
+then sends its HTTP heartbeat only on a capacity change or its slow refresh.
+
 Then the WebSocket is upgraded and a yamux **server** session runs over it.  The frontend only
 opens streams: a stream the worker opens is a protocol error that ends the session (an accepted
 but unread stream would pin a window of memory, and an RST per SYN is an answer a non-reading
@@ -40,7 +44,13 @@ from localai_tw.logs import RateLimitedLog
 from localai_tw.logsafe import untrusted
 from localai_tw.mux.autowindow import WindowPool
 from localai_tw.mux.session import Session, SessionConfig
-from localai_tw.tunnel.keepalive import FRONTEND_WINDOW_BUDGET, tunnel_keepalive, tunnel_windows
+from localai_tw.tunnel.keepalive import (
+    FRONTEND_WINDOW_BUDGET,
+    LIVENESS_BY_TUNNEL,
+    LIVENESS_HEADER,
+    tunnel_keepalive,
+    tunnel_windows,
+)
 from localai_tw.tunnel.websocket import (
     ConnectRefused,
     IConnectAuthorizer,
@@ -238,4 +248,11 @@ def connect_resource(nodes, registry, reactor=None, *,
     def protocol_factory(request, node):
         return acceptor.build_session(request, node)
 
-    return TunnelWebSocketResource(protocol_factory, authorizer)
+    def answer_headers() -> dict[str, str]:
+        # The replica stamps the liveness of the tunnels it holds (cluster/liveness.py): the
+        # worker may then heartbeat over HTTP only when its capacity changes.
+        if registry is not None and registry.stamps_liveness:
+            return {LIVENESS_HEADER: LIVENESS_BY_TUNNEL}
+        return {}
+
+    return TunnelWebSocketResource(protocol_factory, authorizer, answer_headers=answer_headers)

@@ -47,7 +47,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from localai_tw.mux.session import Session, SessionConfig
-from localai_tw.tunnel.keepalive import tunnel_keepalive, tunnel_windows
+from localai_tw.tunnel.keepalive import (
+    LIVENESS_BY_TUNNEL,
+    LIVENESS_HEADER,
+    tunnel_keepalive,
+    tunnel_windows,
+)
 from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 
 log = Logger()
@@ -214,6 +219,16 @@ class TunnelDialer(Service):
     def isConnected(self) -> bool:
         return self.state is DialState.CONNECTED and self.session is not None and \
             self.session.isOpen
+
+    @property
+    def livenessByTunnel(self) -> bool:
+        """A tunnel is held and its replica said, in the upgrade's answer, that it stamps this
+        node's heartbeat while the tunnel is up (``cluster/liveness.py``): the HTTP heartbeat
+        may then carry only capacity changes (``worker/service.py``)."""
+        if not self.isConnected:
+            return False
+        headers = getattr(self.session.transport, "answer_headers", None) or {}
+        return headers.get(LIVENESS_HEADER.lower()) == LIVENESS_BY_TUNNEL
 
     def readiness(self) -> str | None:
         """None when a tunnel session is held, else why not (for ``/readyz``)."""

@@ -48,6 +48,13 @@ PING_ONLY_WHEN_QUIET = True
 WORKER_PINGS_SOONER = 0.2
 
 
+#: The header of a tunnel upgrade's answer by which a replica tells the worker that it stamps
+#: the worker's heartbeat while it holds the tunnel (``cluster/liveness.py``); the worker then
+#: sends its HTTP heartbeat only on a capacity change or its slow refresh (``worker/service.py``).
+LIVENESS_HEADER = "X-LocalAI-Liveness"
+LIVENESS_BY_TUNNEL = "tunnel"
+
+
 def tunnel_keepalive(worker: bool = False) -> dict[str, float | bool]:
     """The keepalive fields of a worker tunnel's ``SessionConfig``; ``worker``: the worker's
     end, which pings :data:`WORKER_PINGS_SOONER` sooner when its tunnel is quiet."""

@@ -131,12 +131,21 @@ class TunnelRegistry:
         self._gates = _NodeGates()
         self._closed = False
         self._attach_listeners: list = []
+        #: This replica stamps the heartbeat of the tunnels it holds (``cluster/liveness.py``;
+        #: set by the wiring): the upgrade tells each worker (``tunnel/connect.py``).
+        self.stamps_liveness = False
 
     # -- queries ------------------------------------------------------------------------------
 
     def held_nodes(self) -> list[str]:
         """Ids of the nodes whose tunnel this replica holds, sorted."""
         return sorted(self._held)
+
+    def live_claims(self) -> list[tuple[str, int]]:
+        """``(node_id, claim epoch)`` of every held tunnel whose session is still open: the
+        tunnels this replica vouches for (``cluster/liveness.py`` stamps their heartbeat)."""
+        return [(held.node_id, held.claim_epoch) for held in self._held.values()
+                if held.session.isOpen]
 
     def holds(self, node_id: str) -> bool:
         return node_id in self._held

@@ -87,6 +87,12 @@ DEFAULT_COALESCE_BYTES = 256 * 1024
 PONG_HIGH_WATER = 16 * 1024
 PONG_CAP = 64 * 1024
 
+#: Upgrade answer headers a dialler keeps for its carrier (``WebSocketCarrier.answer_headers``):
+#: only these names, at most this many, each value cut to this length.
+ANSWER_HEADER_PREFIX = "x-localai-"
+MAX_ANSWER_HEADERS = 8
+MAX_ANSWER_HEADER_CHARS = 64
+
 #: Seconds allowed for the opening handshake (the Go worker's dialer uses 10 s).
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 
@@ -201,6 +207,11 @@ class WebSocketCarrier:
     ``pauseProducing`` stops reading from TCP; messages Autobahn had already parsed from the last
     read are held (at most one TCP read plus one message) and delivered on ``resumeProducing``.
     """
+
+    #: On the dialling side: the ``X-LocalAI-*`` headers of the server's upgrade answer
+    #: (:data:`ANSWER_HEADER_PREFIX`), names in lower case; what the server offers this
+    #: connection (``tunnel/connect.py``).  Never mutated: a connection gets its own dict.
+    answer_headers: dict[str, str] = {}
 
     def __init__(self, websocket, max_message_bytes: int, reactor=None,
                  coalesce_bytes: int = DEFAULT_COALESCE_BYTES):
@@ -511,6 +522,11 @@ class _CarrierMixin(FastBinaryFrames):
             ab.drop(self)
             return None
         self.carrier = carrier
+        # The dialler's copy of the server's answer headers, before the inner protocol is
+        # connected (it may read them in connectionMade).
+        headers = getattr(self, "_answer_headers", None)
+        if headers:
+            carrier.answer_headers, self._answer_headers = headers, None
         carrier.protocol = inner
         # Bulk bytes wait in the yamux streams, where control frames can overtake them, rather
         # than in the kernel's send queue (``web/sockets.py``).
@@ -541,6 +557,12 @@ class _CarrierMixin(FastBinaryFrames):
 
 
 class _CarrierServerProtocol(_CarrierMixin, WebSocketServerProtocol):
+    def onConnect(self, request):
+        """Accept with no subprotocol, adding the resource's answer headers (if any)."""
+        answer_headers = getattr(self.factory, "answer_headers", None)
+        headers = answer_headers() if answer_headers is not None else None
+        return (None, dict(headers)) if headers else None
+
     def onOpen(self) -> None:
         ab.forget_handshake(self)  # the parsed request would live as long as the tunnel
         self._openCarrier()
@@ -566,6 +588,17 @@ class _CarrierClientProtocol(_CarrierMixin, WebSocketClientProtocol):
         # write, which Nagle would hold for the peer's delayed ACK (``web/sockets.py``).
         set_no_delay(self.transport)
         return super().connectionMade()
+
+    _answer_headers: dict[str, str] | None = None
+
+    def onConnect(self, response) -> None:
+        """Keep the server's ``X-LocalAI-*`` answer headers (a few, bounded) for the carrier."""
+        kept = {}
+        for name, value in (response.headers or {}).items():
+            name = str(name).lower()
+            if name.startswith(ANSWER_HEADER_PREFIX) and len(kept) < MAX_ANSWER_HEADERS:
+                kept[name] = str(value)[:MAX_ANSWER_HEADER_CHARS]
+        self._answer_headers = kept
 
     def failHandshake(self, reason):
         status = ab.refusal_status(self)
@@ -624,12 +657,15 @@ class TunnelWebSocketResource(Resource):
         authorizer,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        answer_headers: Callable[[], dict[str, str]] = dict,
     ):
         super().__init__()
         self._protocol_factory = protocol_factory
         self._authorize = _as_authorizer(authorizer)
         self._ws_factory = WebSocketServerFactory()
         self._ws_factory.protocol = _CarrierServerProtocol
+        #: ``answer_headers()``: headers added to each upgrade's answer (read per upgrade).
+        self._ws_factory.answer_headers = answer_headers
         _bounded(self._ws_factory, max_message_bytes, handshake_timeout)
 
     def render_GET(self, request):

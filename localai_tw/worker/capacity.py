@@ -113,3 +113,29 @@ def host_facts() -> dict:
     except (OSError, AttributeError) as e:
         log.warn("reading the load average failed: {err}", err=e)
     return facts
+
+
+#: An ``available_*`` figure counts as changed (worth a heartbeat of its own when the tunnel
+#: carries liveness, ``worker/service.py``) when it moved by this share of its total ...
+CAPACITY_CHANGE_SHARE = 0.02
+#: ... and by at least this many bytes: free memory drifts by megabytes every second.
+CAPACITY_CHANGE_MIN_BYTES = 64 * 1024 * 1024
+
+
+def capacity_changed(sent: dict[str, int] | None, now: dict[str, int]) -> bool:
+    """Whether ``now`` differs from the capacity last ``sent`` enough to tell the frontend at
+    once: a field appeared or went, a total changed, or an available figure moved by
+    :data:`CAPACITY_CHANGE_SHARE` of its total (at least :data:`CAPACITY_CHANGE_MIN_BYTES`).
+    Smaller drifts wait for the slow refresh."""
+    if sent is None or set(sent) != set(now):
+        return True
+    for name, value in now.items():
+        before = sent[name]
+        if not name.startswith("available_"):
+            if value != before:
+                return True
+            continue
+        total = now.get("total_" + name[len("available_"):], 0)
+        if abs(value - before) >= max(CAPACITY_CHANGE_MIN_BYTES, total * CAPACITY_CHANGE_SHARE):
+            return True
+    return False

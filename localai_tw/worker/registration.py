@@ -404,6 +404,10 @@ class RegistrationClient:
             headers[b"Authorization"] = [b"Bearer " + self._token.encode("utf-8")]
         return headers
 
+    def current_capacity(self) -> dict[str, int]:
+        """The capacity to report now (the provider's, read afresh)."""
+        return self._capacity()
+
     def _capacity(self) -> dict[str, int]:
         try:
             capacity = self._capacity_provider() or {}
@@ -462,12 +466,13 @@ class RegistrationClient:
         return self._exchange(url, self.registration_body(), "registration").addCallback(
             answered).addErrback(self._timeout_as_unavailable, "registration")
 
-    def heartbeat(self, node_id: str, tunnel_token: str = "") -> defer.Deferred:
+    def heartbeat(self, node_id: str, tunnel_token: str = "",
+                  capacity: Mapping[str, int] | None = None) -> defer.Deferred:
         """Heartbeat ``node_id``, proving it with ``tunnel_token`` (the node's credential from
         its registration; the shared token alone does not make a worker that node).  Fires
         with the node status the frontend reports (may be ``""``); fails with
         :class:`NodeUnknown` on 404 (unknown node or a stale credential: register again), else
-        a :class:`RegistrationError`."""
+        a :class:`RegistrationError`.  ``capacity``: what to report (None: read it now)."""
         url = self.base_url + HEARTBEAT_PATH.format(node_id=quote(node_id, safe=""))
 
         def answered(result):
@@ -479,7 +484,8 @@ class RegistrationClient:
                                           self.token_hint)
             return parse_heartbeat(body, status)
 
-        body = {"tunnel_token": tunnel_token, "capacity": self._capacity()}
+        body = {"tunnel_token": tunnel_token,
+                "capacity": dict(capacity) if capacity is not None else self._capacity()}
         return self._exchange(url, body, "heartbeat").addCallback(
             answered).addErrback(self._timeout_as_unavailable, "heartbeat")
 

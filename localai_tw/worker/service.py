@@ -4,7 +4,8 @@ plane, composed from the ``twistd localai-worker`` options.
 At start the worker registers with ``--register-to`` (retrying 2 s, 4 s, ... up to 30 s between
 attempts for as long as it takes: a frontend that is down is never a start failure), heartbeats
 every 10 s whatever the tunnel is doing (a 404 means the frontend forgot the node: register
-again), and holds one outbound tunnel (``tunnel/dialer.py``) whose streams are served by
+again) unless the tunnel's replica stamps the node's liveness, when the heartbeat carries only
+capacity changes and a 60 s refresh, and holds one outbound tunnel (``tunnel/dialer.py``) whose streams are served by
 ``worker/streams.py``: ``http`` streams reach the control plane site (``node.status``,
 ``/healthz``, ``/readyz`` reporting the tunnel), ``grpc`` streams reach loopback backends in the
 backend port range.
@@ -16,6 +17,9 @@ What this service must never do:
 - advertise an address: the registration body carries no address at all;
 - fail to start because the frontend is down, or stop heartbeating while the tunnel is away
   (withholding heartbeats would turn "reconnecting" into "stale" on the one path with no grace);
+  only while the tunnel is up *and* its replica said it stamps this node's liveness
+  (``X-LocalAI-Liveness: tunnel``) does the heartbeat wait for a capacity change or the
+  60 s refresh;
 - log the registration token, the node key or the tunnel credential: logs name the node and
   its id only.
 """
@@ -43,7 +47,7 @@ from localai_tw.deferreds import OneShotObserver
 from localai_tw.metrics import WorkerMetrics
 from localai_tw.tunnel.dialer import TunnelDialer
 from localai_tw.worker.audioconvert import AudioConverter
-from localai_tw.worker.capacity import HostCapacity
+from localai_tw.worker.capacity import HostCapacity, capacity_changed
 from localai_tw.worker.control import (
     ControlAuth,
     ControlVerbs,
@@ -66,6 +70,11 @@ log = Logger()
 
 #: Seconds between heartbeats (ref §6.2).
 HEARTBEAT_INTERVAL_SECONDS = 10.0
+#: While the tunnel's replica stamps this node's liveness (``cluster/liveness.py``), the HTTP
+#: heartbeat carries only capacity: sent when it changed (``capacity_changed``) and at least
+#: this often.  Inside the 90 s stale threshold, so a replica that stops stamping without
+#: ending the tunnel still sees this node beat.
+CAPACITY_REFRESH_SECONDS = 60.0
 #: Registration retry: first wait, doubled per failure, up to the cap (ref §7).
 REGISTER_RETRY_FIRST_SECONDS = 2.0
 REGISTER_RETRY_CAP_SECONDS = 30.0
@@ -82,8 +91,10 @@ class NodeRegistrar(Service):
     """Keeps this worker registered and heartbeating.
 
     Registration starts with the service and is retried until it succeeds; heartbeats run every
-    ``heartbeat_interval`` from the first successful registration on, independent of the
-    tunnel.  :meth:`register_once` is the single-flight re-registration used by the dial loop
+    ``heartbeat_interval`` from the first successful registration on, whatever the tunnel does
+    -- except while ``tunnel_liveness()`` is true (the tunnel is up and its replica stamps this
+    node's heartbeat): then a tick sends a heartbeat only when the capacity changed, the last
+    one failed, or ``capacity_refresh`` seconds passed since the last one answered.  :meth:`register_once` is the single-flight re-registration used by the dial loop
     on a 401/403 (one attempt; concurrent callers share it).  ``on_registered(registration)``
     is called after every successful registration.
     """
@@ -97,6 +108,8 @@ class NodeRegistrar(Service):
         *,
         on_registered: Callable[[Registration], None] | None = None,
         heartbeat_interval: float = HEARTBEAT_INTERVAL_SECONDS,
+        tunnel_liveness: Callable[[], bool] = lambda: False,
+        capacity_refresh: float = CAPACITY_REFRESH_SECONDS,
         retry_first: float = REGISTER_RETRY_FIRST_SECONDS,
         retry_cap: float = REGISTER_RETRY_CAP_SECONDS,
     ):
@@ -104,6 +117,14 @@ class NodeRegistrar(Service):
         self.client = client
         self._on_registered = on_registered
         self.heartbeat_interval = heartbeat_interval
+        self._tunnel_liveness = tunnel_liveness
+        self.capacity_refresh = capacity_refresh
+        #: The capacity the last answered heartbeat carried and when (reactor seconds); None:
+        #: the next tick beats whatever the tunnel does.
+        self._sent_capacity: dict[str, int] | None = None
+        self._sent_at = 0.0
+        #: Ticks that sent nothing because the tunnel carried liveness (metrics, tests).
+        self.heartbeats_skipped = 0
         self._retry_first = retry_first
         self._retry_cap = retry_cap
         self.registration: Registration | None = None
@@ -239,15 +260,23 @@ class NodeRegistrar(Service):
         registration = self.registration
         if registration is None or self._beating is not None:
             return None
-        beating = self.client.heartbeat(registration.node_id, registration.tunnel_token)
+        capacity = self.client.current_capacity()
+        if (self._sent_capacity is not None and self._tunnel_liveness()
+                and self._reactor.seconds() - self._sent_at < self.capacity_refresh
+                and not capacity_changed(self._sent_capacity, capacity)):
+            self.heartbeats_skipped += 1
+            return None
+        beating = self.client.heartbeat(registration.node_id, registration.tunnel_token,
+                                        capacity)
         self._beating = beating
         beating.addCallbacks(self._beatAnswered, self._beatFailed,
-                             errbackArgs=(registration,))
+                             callbackArgs=(capacity,), errbackArgs=(registration,))
         beating.addErrback(lambda f: log.failure("heartbeat handling failed", f))
         return None
 
-    def _beatAnswered(self, status: str) -> None:
+    def _beatAnswered(self, status: str, capacity: dict[str, int]) -> None:
         self._beating = None
+        self._sent_capacity, self._sent_at = capacity, self._reactor.seconds()
         self.heartbeat_failures = 0
         if self._last_heartbeat_problem is not None:
             log.info("heartbeat of node {name} works again", name=self.node_name)
@@ -258,6 +287,7 @@ class NodeRegistrar(Service):
 
     def _beatFailed(self, failure: Failure, registration: Registration) -> None:
         self._beating = None
+        self._sent_capacity = None  # not delivered: the next tick beats again
         if failure.check(defer.CancelledError) or not self.running:
             return
         self.heartbeat_failures += 1
@@ -326,8 +356,10 @@ class WorkerService(MultiService):
             capacity_provider, node_key=self.node_key,
             token_hint=token_option(getattr(options, "sources", {}),
                                     options.get("registration-token-file")))
+        registrar_options = {"tunnel_liveness": lambda: self.dialer.livenessByTunnel,
+                             **dict(registrar_options or {})}
         self.registrar = NodeRegistrar(reactor, self.client, on_registered=self._registered,
-                                       **dict(registrar_options or {}))
+                                       **registrar_options)
         self.registrar.setServiceParent(self)
 
         self.verbs = verbs if verbs is not None else ControlVerbs()

@@ -194,6 +194,8 @@ def test_frontend_defaults():
     assert options["heartbeat-batch"] == 0.2
     assert parse(frontend_tap.Options, ["--heartbeat-batch", "0"])["heartbeat-batch"] == 0.0
     assert parse(frontend_tap.Options, ["--heartbeat-batch", "2s"])["heartbeat-batch"] == 2.0
+    assert options["tunnel-liveness"] == 10.0
+    assert parse(frontend_tap.Options, ["--tunnel-liveness", "0"])["tunnel-liveness"] == 0.0
     assert options["api-key"] == []
     assert options["single-host"] is False and options["require-approval"] is False
     assert options["instance-id"] is None  # makeService reads or makes <data-dir>/instance-id
@@ -247,6 +249,8 @@ def test_frontend_loopback_advertise_address_needs_single_host():
     # A heartbeat waits for its batch's statement at most 2 s (the stale threshold is 90 s).
     (["--heartbeat-batch", "5m"], {}, "--heartbeat-batch"),
     (["--heartbeat-batch", "-1"], {}, "--heartbeat-batch"),
+    # A stamped heartbeat must stay far inside the 90 s stale threshold.
+    (["--tunnel-liveness", "1m"], {}, "--tunnel-liveness"),
 ])
 def test_frontend_errors_name_the_option(args, env, named):
     with pytest.raises(usage.UsageError) as info:

@@ -190,3 +190,20 @@ def test_close_closes_sessions_releases_and_refuses_new_attaches():
     late = FakeSession()
     assert result_of(registry.attach("n2", late)) is not None and not late.isOpen
     assert registry.held_nodes() == []
+
+
+def test_live_claims_list_open_sessions_with_their_current_epoch():
+    """What the replica vouches for (cluster/liveness.py): an ended session whose detach has
+    not run yet is not listed, and a re-claimed tunnel is listed with its new epoch."""
+    fence = HandFence()
+    registry = TunnelRegistry(fence, "replica-a", task.Clock())
+    sessions = {node: FakeSession() for node in ("n1", "n2")}
+    for node, session in sessions.items():
+        registry.attach(node, session)
+        fence.land_next_claim()
+    assert sorted(registry.live_claims()) == [("n1", 100), ("n2", 101)]
+    sessions["n2"].isOpen = False  # ended; its detach is still to come
+    reclaiming = registry.reclaim()
+    fence.land_next_claim()
+    assert result_of(reclaiming) == ["n1"]
+    assert registry.live_claims() == [("n1", 102)]

@@ -40,7 +40,12 @@ class FakeRegistrationClient:
         self.registers.append(d)
         return d
 
-    def heartbeat(self, node_id, tunnel_token=""):
+    capacity = {"total_ram": 8 << 30, "available_ram": 4 << 30}
+
+    def current_capacity(self):
+        return dict(self.capacity)
+
+    def heartbeat(self, node_id, tunnel_token="", capacity=None):
         d = defer.Deferred()
         self.heartbeats.append((node_id, d))
         return d
@@ -111,6 +116,53 @@ def test_heartbeats_every_10s_and_keep_going_through_failures(reactor, client):
     assert len(client.heartbeats) == 4
     assert registrar.heartbeat_failures == 0 and registrar.last_heartbeat_status == "healthy"
     registrar.stopService()
+
+
+def test_while_the_tunnel_carries_liveness_heartbeats_carry_only_capacity(reactor, client):
+    """The tunnel's replica stamps the node's liveness: a tick beats only when the capacity
+    changed, the last beat failed, or 60 s passed; without it, every 10 s again."""
+    tunnel = {"liveness": True}
+    registrar = NodeRegistrar(reactor, client, tunnel_liveness=lambda: tunnel["liveness"])
+    registrar.startService()
+    client.registers[-1].callback(Registration("node-1", "healthy", "cred"))
+    reactor.advance(10)  # the first beat goes whatever the tunnel does
+    assert len(client.heartbeats) == 1
+    client.heartbeats[-1][1].callback("healthy")
+    for _ in range(5):  # 5 ticks, nothing changed, the refresh not due
+        reactor.advance(10)
+    assert len(client.heartbeats) == 1 and registrar.heartbeats_skipped == 5
+    reactor.advance(10)  # 60 s since the last answered beat: the slow refresh
+    assert len(client.heartbeats) == 2
+    client.heartbeats[-1][1].callback("healthy")
+
+    client.capacity = {**client.capacity, "available_ram": 1 << 30}  # a model was loaded
+    reactor.advance(10)
+    assert len(client.heartbeats) == 3
+    client.heartbeats[-1][1].errback(unavailable())
+    reactor.advance(10)  # the change was not delivered: beat again
+    assert len(client.heartbeats) == 4
+    client.heartbeats[-1][1].callback("healthy")
+    reactor.advance(10)
+    assert len(client.heartbeats) == 4
+
+    tunnel["liveness"] = False  # the tunnel went away (or its replica does not stamp)
+    for expected in (5, 6, 7):
+        reactor.advance(10)
+        assert len(client.heartbeats) == expected
+        client.heartbeats[-1][1].callback("healthy")
+    registrar.stopService()
+
+
+def test_small_drifts_of_free_memory_are_not_a_capacity_change():
+    from localai_tw.worker.capacity import capacity_changed
+
+    sent = {"total_ram": 64 << 30, "available_ram": 32 << 30, "total_disk": 1 << 40,
+            "available_disk": 1 << 39}
+    assert not capacity_changed(sent, {**sent, "available_ram": (32 << 30) - (100 << 20)})
+    assert capacity_changed(sent, {**sent, "available_ram": 30 << 30})  # > 2 % of 64 GiB
+    assert capacity_changed(sent, {**sent, "total_ram": 32 << 30})
+    assert capacity_changed(sent, {k: v for k, v in sent.items() if k != "total_disk"})
+    assert capacity_changed(None, sent)
 
 
 def test_a_slow_heartbeat_is_not_stacked(reactor, client):

@@ -113,9 +113,10 @@ def two_by_two(module_dsn):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def start_two_by_two(cluster: harness.Cluster, *, probe: bool = True) -> None:
-    f0 = cluster.start_frontend(probe=probe)
-    f1 = cluster.start_frontend(probe=probe)
+def start_two_by_two(cluster: harness.Cluster, *, probe: bool = True,
+                     frontend_args: tuple[str, ...] = ()) -> None:
+    f0 = cluster.start_frontend(probe=probe, extra_args=frontend_args)
+    f1 = cluster.start_frontend(probe=probe, extra_args=frontend_args)
     w0 = cluster.start_worker(prefer=0)
     w1 = cluster.start_worker(prefer=1)
     for w, fe in ((w0, f0), (w1, f1)):

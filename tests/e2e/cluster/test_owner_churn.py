@@ -142,7 +142,10 @@ def test_killer_check_tiny_grace_demotes_and_notifies_once_never_on_stale(make_c
     the departure notifier fires exactly once for it, its model row is kept, and a stale
     heartbeat of another node marks that node offline without any departure."""
     cluster = make_cluster(grace="1s")
-    start_two_by_two(cluster)
+    # The replicas do not stamp liveness from the tunnel here: worker 1 keeps its tunnel, and a
+    # replica that stamps would vouch for it whatever its HTTP heartbeats do (operators.md,
+    # "Liveness from the tunnel"); this test needs a stale heartbeat with the tunnel held.
+    start_two_by_two(cluster, frontend_args=("--tunnel-liveness", "0"))
     f0, f1 = cluster.frontends
     w0, w1 = cluster.workers
     _insert_model_row(cluster, f0, w0.node_id)
