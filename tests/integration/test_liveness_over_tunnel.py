@@ -15,21 +15,10 @@ from twisted.internet import reactor, task
 from localai_tw.tunnel.liveness import TunnelLiveness
 from localai_tw.tunnel.dialer import TunnelDialer
 
+from .harness_claims import heartbeat_age as _age, make_heartbeat_old as _make_old
 from .support import eventually
 
 LAG = 11.0
-
-
-async def _age(db, node_id) -> float:
-    [(age,)] = await db.runQuery(
-        "SELECT extract(epoch FROM now() - last_heartbeat) FROM backend_nodes WHERE id = %s",
-        (node_id,))
-    return float(age)
-
-
-async def _make_old(db, node_id, seconds: float) -> None:
-    await db.runOperation("UPDATE backend_nodes SET last_heartbeat = now() - make_interval("
-                          "secs => %s) WHERE id = %s", (seconds, node_id))
 
 
 def _dialer(frontend, node_id, credential) -> TunnelDialer:

@@ -17,23 +17,11 @@ from localai_tw.tunnel.liveness import TunnelLiveness
 from localai_tw.cluster.nodes import NodeRegistry
 from localai_tw.cluster.ownership import OwnershipFence
 
-from .harness_claims import make_live, make_stale
+from .harness_claims import heartbeat_age as _age, make_heartbeat_old as _make_old, \
+    make_live, make_stale
 
 TOKEN = "liveness-test-token"
 LAG = 11.0
-
-
-async def _age(db, node_id) -> float:
-    """Seconds since the node's last heartbeat, on the database's clock."""
-    [(age,)] = await db.runQuery(
-        "SELECT extract(epoch FROM now() - last_heartbeat) FROM backend_nodes WHERE id = %s",
-        (node_id,))
-    return float(age)
-
-
-async def _make_old(db, node_id, seconds: float) -> None:
-    await db.runOperation("UPDATE backend_nodes SET last_heartbeat = now() - make_interval("
-                          "secs => %s) WHERE id = %s", (seconds, node_id))
 
 
 async def _status(db, node_id) -> str:
