@@ -42,6 +42,8 @@ HEADER_SIZE = _LENGTH.size
 
 TAG_HTTP = "http"
 TAG_GRPC = "grpc"
+#: one backend call in frames of ``backends/callframes.py`` (the worker makes the gRPC call)
+TAG_CALL = "call"
 
 ACCEPTED = "ok"
 

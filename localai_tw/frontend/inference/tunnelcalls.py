@@ -1,0 +1,361 @@
+"""Backend calls as one framed request on a ``call`` tunnel stream: no gRPC, no HTTP/2 here.
+
+:class:`TunnelBackendClient` has the interface of ``BridgedBackendClient``
+(``backend_client.py``): ``call``, ``stream`` (``on_item`` per item; a Deferred it returns is
+awaited before the next item is read), ``in_flight``, ``used``, ``closed``, ``close``,
+``node_id``, ``port``.  Each call opens a tunnel stream through the ``WorkerDialer`` (locally, or
+through the owner replica's relay, exactly as ``grpc`` streams go), writes one request frame
+(``backends/callframes.py``: method, timeout, the serialized request) and reads message frames,
+then one status frame.  The worker makes the gRPC call with the client it holds for that backend
+and attaches the backend's own token itself (``worker/backendcalls.py``).  Why: the frontend's
+grpcio channel cost 350-770 us of CPU per unary call (issue 25 §2).
+
+The four conditions stay what they were on the bridged path:
+
+=================================================  =============================================
+what happened                                      raised
+=================================================  =============================================
+the dial failed (a routing fact, absence within    the dialer's condition as raised (a refusal of
+the grace, an unreachable peer; the worker         the stream: ``unavailable`` when no backend is
+refused the stream)                                on the port, as the ``grpc`` path's connect)
+the caller's deadline passed, or the backend       ``CallerDeadlineExceeded``
+answered ``DEADLINE_EXCEEDED``
+the caller cancelled                               ``defer.CancelledError`` (the stream is reset:
+                                                   the worker cancels the gRPC call)
+the stream ended before the status frame           ``TransportFailure``
+a frame that breaks the protocol                   ``CallProtocolError`` (a ``TunnelProtocolError``)
+any other status than OK                           ``BackendAnswer(node, code name, details)``
+=================================================  =============================================
+
+Backpressure: while the Deferred of ``on_item`` is pending the stream is paused (its window is
+not granted again), so the worker stops reading items and gRPC's own flow control holds the
+backend.  Frames already received stay in the decoder, bounded by the stream's window.
+
+An older worker refuses the tag (``unknown-tag``): that node is remembered (``old_nodes``) and
+this call and later ones go through the bridged gRPC client (``fallback``).  That refusal was
+never an answer about a backend, so nothing is reaped for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from twisted.internet import defer
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+
+from localai_tw import errors
+from localai_tw.backends import callframes
+from localai_tw.tunnel import preamble
+
+#: Per-call timeout when the caller gives no deadline (as the bridged client).
+DEFAULT_CALL_TIMEOUT = 300.0
+#: The longest details text kept in a ``BackendAnswer`` (as the bridged client).
+MAX_DETAILS_CHARS = 2048
+
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def _awaitable(outcome) -> defer.Deferred | None:
+    if isinstance(outcome, defer.Deferred):
+        return outcome
+    if hasattr(outcome, "__await__"):
+        return defer.ensureDeferred(outcome)
+    return None
+
+
+class _CallProtocol(Protocol):
+    """One call on one stream: writes the request, decodes the answer."""
+
+    def __init__(self, call: "_Call"):
+        self._call = call
+        self._decoder = callframes.FrameDecoder({callframes.MESSAGE, callframes.STATUS})
+        self._waiting = False  # a Deferred of on_item is pending: the stream is paused
+        self._message = None
+
+    def connectionMade(self) -> None:
+        self.transport.write(self._call.request_frame)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._call.settled:
+            return
+        try:
+            self._decoder.feed(data)
+        except callframes.CallProtocolError as e:
+            self._call.fail(Failure(e), abort=True)
+            return
+        self._drain()
+
+    def _drain(self) -> None:
+        call = self._call
+        while not self._waiting and not call.settled:
+            frame = self._decoder.next_frame()
+            if frame is None:
+                return
+            kind, payload = frame
+            try:
+                if kind == callframes.MESSAGE:
+                    self._onMessage(payload)
+                else:
+                    self._onStatus(callframes.parse_status(payload))
+            except callframes.CallProtocolError as e:
+                call.fail(Failure(e), abort=True)
+
+    def _onMessage(self, payload: bytes) -> None:
+        call = self._call
+        try:
+            message = call.method.response_type.FromString(payload)
+        except DecodeError as e:
+            raise callframes.CallProtocolError(
+                f"{call.what}: a {call.method.response_type.__name__} that does not decode "
+                f"({e})") from None
+        if call.on_item is None:
+            if self._message is not None:
+                raise callframes.CallProtocolError(f"{call.what}: a second message in a unary "
+                                                   "answer")
+            self._message = message
+            return
+        try:
+            waiting = _awaitable(call.on_item(message))
+        except Exception:
+            call.fail(Failure(), abort=True)
+            return
+        if waiting is not None and not waiting.called:
+            self._waiting = True
+            self.transport.pauseProducing()
+            waiting.addCallbacks(self._consumed, lambda f: call.fail(f, abort=True))
+        elif waiting is not None:
+            waiting.addErrback(lambda f: call.fail(f, abort=True))
+
+    def _consumed(self, _) -> None:
+        self._waiting = False
+        if self._call.settled:
+            return
+        self._drain()
+        if not self._waiting and not self._call.settled:
+            self.transport.resumeProducing()
+
+    def _onStatus(self, status: callframes.CallStatus) -> None:
+        call = self._call
+        if status.ok:
+            if call.on_item is None and self._message is None:
+                raise callframes.CallProtocolError(f"{call.what}: status OK without a message")
+            call.succeed(self._message)
+        else:
+            name = _CODE_NAMES.get(status.code, str(status.code))
+            if name == "DEADLINE_EXCEEDED":
+                call.fail(Failure(errors.CallerDeadlineExceeded(call.what)))
+            else:
+                call.fail(Failure(errors.BackendAnswer(call.node_id, name,
+                                                       status.details[:MAX_DETAILS_CHARS])))
+        self.transport.loseConnection()
+
+    def connectionLost(self, reason=None) -> None:
+        if self._call.settled:
+            return
+        cut = self._decoder.eof()
+        why = cut or (reason.getErrorMessage() if reason is not None else "closed")
+        self._call.fail(Failure(errors.TransportFailure(
+            f"{self._call.what}: the stream ended before the call's status ({why})")))
+
+
+class _Call:
+    """The state of one call: its result Deferred, its stream, its deadline timer."""
+
+    def __init__(self, client: "TunnelBackendClient", method: callframes.Method, request,
+                 on_item, deadline: float):
+        self.client = client
+        self.node_id = client.node_id
+        self.method = method
+        self.on_item = on_item
+        self.deadline = deadline
+        self.what = f"{method.name} on worker {client.node_id} port {client.port}"
+        reactor = client._reactor
+        remaining = deadline - reactor.seconds()
+        self.request_frame = callframes.encode_request(
+            method.name, max(1, int(remaining * 1000)), request.SerializeToString())
+        self.protocol = _CallProtocol(self)
+        self.settled = False
+        self.result: defer.Deferred = defer.Deferred(self._cancelled)
+        self._opening: defer.Deferred | None = None
+        self._timer = reactor.callLater(max(remaining, 0), self._expired)
+
+    def start(self) -> defer.Deferred:
+        client = self.client
+        started = client._reactor.seconds()
+        opening = self._opening = client._dialer.open(
+            client.node_id, preamble.TAG_CALL, client.target, self.protocol, self.deadline)
+
+        def opened(_):
+            self._opening = None
+            client.dials_ok += 1
+            client.last_dial_seconds = max(0.0, client._reactor.seconds() - started)
+
+        def failed(failure):
+            self._opening = None
+            if not self.settled:
+                self.fail(failure)
+
+        opening.addCallbacks(opened, failed)
+        return self.result
+
+    def succeed(self, value) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        self._stopTimer()
+        self.result.callback(value)
+
+    def fail(self, failure: Failure, abort: bool = False) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        self._stopTimer()
+        if abort:
+            self._abortStream()
+        self.result.errback(failure)
+
+    def _abortStream(self) -> None:
+        opening, self._opening = self._opening, None
+        if opening is not None:
+            opening.cancel()
+        transport = self.protocol.transport
+        if transport is not None:
+            transport.abortConnection()  # a reset: the worker cancels the gRPC call
+
+    def _expired(self) -> None:
+        self._timer = None
+        self.fail(Failure(errors.CallerDeadlineExceeded(self.what)), abort=True)
+
+    def _cancelled(self, _) -> None:
+        # The caller cancelled: the Deferred fails with CancelledError by itself.
+        if not self.settled:
+            self.settled = True
+            self._stopTimer()
+            self._abortStream()
+
+    def _stopTimer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+
+def _consumer_failure(failure: Failure, what: str) -> Failure:
+    """The bridged client's rule for a failure that is not a status: a condition or a cancel
+    passes, anything else (a consumer that raised) is a transport failure of the call."""
+    if failure.check(errors.ClusterError, defer.CancelledError):
+        return failure
+    return Failure(errors.TransportFailure(f"{what}: {failure.getErrorMessage()}"))
+
+
+class TunnelBackendClient:
+    """Calls to one backend (node, port) on ``call`` streams; see the module docstring.
+
+    :param dialer: the replica's ``WorkerDialer``.
+    :param fallback: returns the bridged gRPC client of (node, port), for an older worker.
+    :param old_nodes: the shared set of nodes known to refuse ``call`` streams.
+    """
+
+    def __init__(self, dialer, node_id: str, port: int, reactor,
+                 default_timeout: float = DEFAULT_CALL_TIMEOUT, *,
+                 fallback: Callable[[], Any] | None = None, old_nodes: set[str] | None = None):
+        self._dialer = dialer
+        self.node_id = node_id
+        self.port = int(port)
+        self.target = f"127.0.0.1:{self.port}"
+        preamble.encode_request(preamble.TAG_CALL, self.target)  # validates
+        self._reactor = reactor
+        self._default_timeout = default_timeout
+        self._fallback = fallback
+        self._old_nodes = old_nodes if old_nodes is not None else set()
+        #: calls (unary and streams) of this client not finished yet
+        self.in_flight = 0
+        #: set by every call, cleared by the placement sweep (``channels.py``)
+        self.used = True
+        self.closed = False
+        #: tunnel streams opened, and how long the last one took (a request's ``tunnel`` hop)
+        self.dials_ok = 0
+        self.last_dial_seconds: float | None = None
+        self._calls: set[_Call] = set()
+
+    @property
+    def route(self):
+        """What a request's trace reads its tunnel hop from (``metrics.Hops.calling``)."""
+        return self
+
+    def _absolute(self, deadline: float | None) -> float:
+        return self._reactor.seconds() + self._default_timeout if deadline is None else deadline
+
+    def call(self, method: str, request, deadline: float | None = None) -> defer.Deferred:
+        """A unary RPC; fires with the response message or fails with one condition."""
+        return self._run(method, request, None, deadline)
+
+    def stream(self, method: str, request, on_item: Callable[[Any], Any],
+               deadline: float | None = None) -> defer.Deferred:
+        """A server-streaming RPC: ``on_item(message)`` per item, in order, on the reactor;
+        a Deferred it returns is awaited before the next item is read.  Fires with None after
+        the last item."""
+        return self._run(method, request, on_item, deadline)
+
+    def _run(self, method_name: str, request, on_item, deadline) -> defer.Deferred:
+        what = f"{method_name} on worker {self.node_id} port {self.port}"
+        if self.closed:
+            return defer.fail(errors.TransportFailure(f"{what}: the client is closed"))
+        method = callframes.METHODS.get(method_name)
+        if method is None or method.server_streaming != (on_item is not None):
+            return defer.fail(ValueError(f"{method_name!r} is not a "
+                                         f"{'streaming' if on_item else 'unary'} method of "
+                                         "backend.Backend"))
+        absolute = self._absolute(deadline)
+        self.in_flight += 1
+        self.used = True
+        if self.node_id in self._old_nodes and self._fallback is not None:
+            done = self._viaFallback(method_name, request, on_item, absolute)
+        else:
+            done = self._viaTunnel(method, request, on_item, absolute, what)
+        return done.addBoth(self._ended)
+
+    def _viaTunnel(self, method, request, on_item, absolute, what) -> defer.Deferred:
+        call = _Call(self, method, request, on_item, absolute)
+        self._calls.add(call)
+        result = call.start()
+        result.addBoth(self._forget_call, call)
+        outer: defer.Deferred = defer.Deferred(lambda _: result.cancel())
+
+        def failed(failure: Failure):
+            if (failure.check(errors.StreamRefused) and failure.value.code == preamble.UNKNOWN_TAG
+                    and self._fallback is not None and not self.closed):
+                # An older worker: it learned nothing about any backend; ask the bridge.
+                self._old_nodes.add(self.node_id)
+                return self._viaFallback(method.name, request, on_item, absolute)
+            if failure.check(defer.CancelledError) and self._reactor.seconds() >= absolute:
+                return Failure(errors.CallerDeadlineExceeded(what))
+            return _consumer_failure(failure, what)
+
+        result.addErrback(failed).chainDeferred(outer)
+        return outer
+
+    def _viaFallback(self, method, request, on_item, absolute) -> defer.Deferred:
+        client = self._fallback()
+        if on_item is None:
+            return client.call(method, request, absolute)
+        return client.stream(method, request, on_item, absolute)
+
+    def _forget_call(self, result, call: _Call):
+        self._calls.discard(call)
+        return result
+
+    def _ended(self, result):
+        self.in_flight -= 1
+        return result
+
+    def close(self) -> None:
+        """No more calls; calls in flight fail ``TransportFailure`` and their streams reset."""
+        if self.closed:
+            return
+        self.closed = True
+        for call in list(self._calls):
+            call.fail(Failure(errors.TransportFailure(
+                f"{call.what}: the client was closed during the call")), abort=True)
