@@ -213,7 +213,7 @@ def test_the_router_times_placement_the_load_it_drove_the_tunnel_and_the_first_t
         node_id = "n1"
 
         def __init__(self):
-            self.bridge = bridge
+            self.route = bridge  # what the trace reads its tunnel hop from
 
         async def _stream(self, on_item):
             await task.deferLater(clock, 0.25, lambda: None)  # the bridge dials

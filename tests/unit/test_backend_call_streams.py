@@ -1,0 +1,381 @@
+"""Both ends of a ``call`` stream over an in-memory yamux pair with a ``task.Clock``: the
+frontend's ``TunnelBackendClient`` (through the real preamble handshake) and the worker's real
+``StreamRouter``, with a scripted gRPC client on the worker side.  Answers, statuses, backpressure
+down to the worker's item reads, cancel and deadline cancelling the worker's call, the
+``unavailable`` refusal, garbage both ways, a cut stream, and an older worker's fallback."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import pytest
+from twisted.internet import defer, task
+from twisted.internet.protocol import Protocol
+
+from localai_tw import errors
+from localai_tw.backends import backend_pb2, callframes
+from localai_tw.config import PortRange
+from localai_tw.frontend.inference.tunnelcalls import TunnelBackendClient
+from localai_tw.mux.testing import Recorder, connectedSessions
+from localai_tw.tunnel import preamble
+from localai_tw.tunnel.handshake import PreambleClient
+from localai_tw.worker import backendcalls
+from localai_tw.worker.backendcalls import BackendCalls
+from localai_tw.worker.control import ControlAuth, ControlVerbs, build_worker_site
+from localai_tw.worker.streams import StreamRouter
+
+RANGE = PortRange(30000, 30009)
+PORT = 30001
+NODE = "node-1"
+
+
+class RpcFailure(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+class ScriptedStream:
+    """A server stream's call object: the test decides each item (via FakeCalls)."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeClient:
+    """The worker's gRPC client of one backend: records every call, answered by the test."""
+
+    metadata = (("authorization", "Bearer backend-own-token"),)
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def raw(self, path, server_streaming):
+        client = self
+
+        class Callable:
+            def future(self, body, timeout, metadata):
+                future = concurrent.futures.Future()
+                client.calls.append({"path": path, "body": body, "timeout": timeout,
+                                     "metadata": metadata, "future": future})
+                return future
+
+            def __call__(self, body, timeout, metadata):
+                stream = ScriptedStream()
+                client.calls.append({"path": path, "body": body, "timeout": timeout,
+                                     "metadata": metadata, "stream": stream})
+                return stream
+
+        return Callable()
+
+
+class FakeCalls(BackendCalls):
+    """``BackendCalls`` whose item reads the test fires (no threads)."""
+
+    def __init__(self, clock, client):
+        super().__init__(None, clock)
+        self.client = client
+        self.reads: list[defer.Deferred] = []
+
+    def client_for(self, port):
+        return self.client if port == PORT else None
+
+    def read_item(self, iterator):
+        d = defer.Deferred()
+        self.reads.append(d)
+        return d
+
+
+class SessionDialer:
+    """``WorkerDialer.open`` on one in-memory session: the real preamble handshake."""
+
+    def __init__(self, session, clock):
+        self.session, self.clock = session, clock
+        self.tags: list[str] = []
+
+    def open(self, node_id, tag, target, protocol, deadline=None):
+        self.tags.append(tag)
+        client = PreambleClient(node_id, tag, target, protocol, self.clock, deadline)
+        self.session.openStream(client)
+        return client.whenReady()
+
+
+class Harness:
+    def __init__(self, acceptor=None):
+        self.clock = task.Clock()
+        self.clock.callFromThread = lambda f, *a, **kw: f(*a, **kw)
+        self.backend = FakeClient()
+        self.calls = FakeCalls(self.clock, self.backend)
+        site = build_worker_site(ControlVerbs(), ControlAuth(None), lambda: None)
+        self.router = StreamRouter(site, RANGE, self.clock, backend_calls=self.calls)
+        self.worker, self.frontend, self.pump, _ = connectedSessions(
+            client_acceptor=acceptor or self.router.acceptor, clock=self.clock)
+        self.dialer = SessionDialer(self.frontend, self.clock)
+        self.fallback_calls: list = []
+        self.old_nodes: set[str] = set()
+        self.client = TunnelBackendClient(self.dialer, NODE, PORT, self.clock,
+                                          fallback=self._fallback, old_nodes=self.old_nodes)
+
+    def _fallback(self):
+        harness = self
+
+        class Bridged:
+            def call(self, method, request, deadline):
+                harness.fallback_calls.append(method)
+                return defer.succeed(backend_pb2.Reply(message=b"bridged"))
+
+        return Bridged()
+
+    def flush(self):
+        self.pump.flush()
+
+
+def outcome(d):
+    box = []
+    d.addBoth(box.append)
+    return box
+
+
+def test_a_unary_call_carries_the_request_and_the_backends_token():
+    h = Harness()
+    result = outcome(h.client.call("Predict", backend_pb2.PredictOptions(Prompt="hi"),
+                                   deadline=30.0))
+    h.flush()
+    [call] = h.backend.calls
+    assert call["path"] == "/backend.Backend/Predict"
+    assert backend_pb2.PredictOptions.FromString(call["body"]).Prompt == "hi"
+    assert call["metadata"] == FakeClient.metadata  # the worker's token, not the frontend's
+    assert call["timeout"] == pytest.approx(30.0, abs=0.01)
+    assert h.client.in_flight == 1
+    call["future"].set_result(backend_pb2.Reply(message=b"hello").SerializeToString())
+    h.flush()
+    [reply] = result
+    assert reply.message == b"hello"
+    assert h.client.in_flight == 0 and h.dialer.tags == [preamble.TAG_CALL]
+
+
+def test_a_backend_status_passes_through_as_its_answer():
+    h = Harness()
+    result = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    h.backend.calls[0]["future"].set_exception(
+        RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded"))
+    h.flush()
+    [failure] = result
+    assert failure.check(errors.BackendAnswer)
+    assert (failure.value.code, failure.value.details) == ("FAILED_PRECONDITION",
+                                                           "model not loaded")
+    assert failure.value.node_id == NODE if hasattr(failure.value, "node_id") else True
+
+
+def test_deadline_exceeded_from_the_backend_is_the_callers():
+    h = Harness()
+    result = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    h.backend.calls[0]["future"].set_exception(
+        RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    h.flush()
+    assert result[0].check(errors.CallerDeadlineExceeded)
+
+
+def test_a_slow_consumer_stops_the_workers_item_reads():
+    h = Harness()
+    seen, gate = [], defer.Deferred()
+
+    def on_item(reply):
+        seen.append(reply)
+        return gate if len(seen) == 1 else None
+
+    result = outcome(h.client.stream("PredictStream", backend_pb2.PredictOptions(Prompt="x"),
+                                     on_item))
+    h.flush()
+    [call] = h.backend.calls
+    item = backend_pb2.Reply(message=b"y" * 64 * 1024).SerializeToString()
+    served = 0
+    for _ in range(100):  # answer every read the worker makes, as fast as it asks
+        pending = [d for d in h.calls.reads if not d.called]
+        if not pending:
+            break
+        pending[0].callback(item)
+        served += 1
+        h.flush()
+    # the frontend holds item 1; the window and the worker's write buffer hold a few more;
+    # then the worker stops reading from the backend
+    assert len(seen) == 1
+    assert 2 <= served < 10
+    assert not any(not d.called for d in h.calls.reads)
+    gate.callback(None)
+    h.flush()
+    for _ in range(3):
+        pending = [d for d in h.calls.reads if not d.called]
+        pending[0].callback(item)
+        h.flush()
+    [d for d in h.calls.reads if not d.called][0].callback(backendcalls._END)
+    h.flush()
+    assert len(seen) == served + 3
+    assert result == [None] and not call["stream"].cancelled
+
+
+def test_cancelling_mid_stream_cancels_the_workers_call():
+    h = Harness()
+    seen = []
+    done = h.client.stream("PredictStream", backend_pb2.PredictOptions(Prompt="x"), seen.append)
+    result = outcome(done)
+    h.flush()
+    h.calls.reads[0].callback(backend_pb2.Reply(message=b"a").SerializeToString())
+    h.flush()
+    assert len(seen) == 1
+    done.cancel()
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert result[0].check(defer.CancelledError)
+    assert h.backend.calls[0]["stream"].cancelled
+    assert h.client.in_flight == 0
+
+
+def test_the_deadline_fails_the_call_and_cancels_the_workers():
+    h = Harness()
+    result = outcome(h.client.call("Predict", backend_pb2.PredictOptions(), deadline=5.0))
+    h.flush()
+    future = h.backend.calls[0]["future"]
+    h.clock.advance(5.0)
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert result[0].check(errors.CallerDeadlineExceeded)
+    assert future.cancelled()
+
+
+def test_no_backend_on_the_port_is_refused_unavailable():
+    h = Harness()
+    h.calls.client = None
+    result = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    failure = result[0]
+    assert failure.check(errors.StreamRefused)
+    assert failure.value.code == preamble.UNAVAILABLE
+    assert errors.may_act_on(failure.value)
+    assert NODE not in h.old_nodes and h.fallback_calls == []
+
+
+class ScriptedWorker(Protocol):
+    """Answers the preamble ``ok``, then writes what the test gives it."""
+
+    def __init__(self, answer: bytes, close: bool = False, refuse: str | None = None):
+        self.answer, self.close, self.refuse = answer, close, refuse
+        self.received = b""
+
+    def dataReceived(self, data):
+        first = not self.received
+        self.received += data
+        if first:
+            if self.refuse:
+                self.transport.write(preamble.encode_refused(self.refuse, "old worker"))
+                self.transport.loseConnection()
+                return
+            self.transport.write(preamble.encode_accepted() + self.answer)
+            if self.close:
+                self.transport.loseConnection()
+
+
+def scripted(answer=b"", close=False, refuse=None):
+    workers = []
+
+    def acceptor(stream):
+        worker = ScriptedWorker(answer, close, refuse)
+        workers.append(worker)
+        return worker
+
+    return Harness(acceptor=acceptor), workers
+
+
+@pytest.mark.parametrize("answer, match", [
+    (b"\x09\x00\x00\x00\x00", "kind 9"),
+    (b"\x02" + (callframes.MAX_PAYLOAD + 1).to_bytes(4, "big"), "more than the limit"),
+    (callframes.encode_message(b"\xff\xff\xff"), "does not decode"),
+    (callframes.encode_status(0), "status OK without a message"),
+    (callframes.encode_message(b"") * 2, "second message"),
+    (b"\x03\x00\x00\x00\x01\x63", "not a gRPC status"),
+])
+def test_garbage_from_the_worker_is_a_protocol_error(answer, match):
+    h, _ = scripted(answer)
+    result = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    assert result[0].check(callframes.CallProtocolError), result
+    assert match in str(result[0].value)
+    assert h.client.in_flight == 0
+
+
+def test_a_stream_cut_before_the_status_is_a_transport_failure():
+    h, _ = scripted(callframes.encode_message(b"")[:3], close=True)
+    result = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert result[0].check(errors.TransportFailure)
+    assert "ended inside a call frame header" in str(result[0].value)
+
+
+def test_an_older_worker_is_remembered_and_served_through_the_bridge():
+    h, workers = scripted(refuse=preamble.UNKNOWN_TAG)
+    first = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    assert first[0].message == b"bridged"
+    assert NODE in h.old_nodes and len(workers) == 1
+    second = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    assert second[0].message == b"bridged" and len(workers) == 1  # no second stream
+    assert h.fallback_calls == ["Health", "Health"] and h.client.in_flight == 0
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"\x01\x00\x00\x00\x03abc",                                 # not a request
+    b"\x01\x00\x00\x00\x09\x04Nope\x00\x00\x00\x00",            # an unknown method
+    b"\x02\x00\x00\x00\x00",                                    # a kind the worker never reads
+    b"\x01" + (callframes.MAX_PAYLOAD + 1).to_bytes(4, "big"),  # oversize
+    callframes.encode_request("Health", 0, b"") + b"more",      # bytes after the request
+])
+def test_garbage_to_the_worker_resets_that_stream_only(request_bytes):
+    h = Harness()
+    recorder = Recorder()
+    client = PreambleClient(NODE, preamble.TAG_CALL, f"127.0.0.1:{PORT}", recorder, h.clock)
+    h.frontend.openStream(client)
+    h.flush()
+    recorder.transport.write(request_bytes)
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert recorder.reason is not None  # reset, no answer
+    assert not h.backend.calls
+    # the session goes on: another call on it is served
+    result = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    h.backend.calls[0]["future"].set_result(backend_pb2.Reply(message=b"OK")
+                                            .SerializeToString())
+    h.flush()
+    assert result[0].message == b"OK"
+
+
+def test_a_request_that_never_arrives_is_reset_after_the_timeout():
+    h = Harness()
+    recorder = Recorder()
+    client = PreambleClient(NODE, preamble.TAG_CALL, f"127.0.0.1:{PORT}", recorder, h.clock)
+    h.frontend.openStream(client)
+    h.flush()
+    recorder.transport.write(callframes.encode_request("Health", 0, b"")[:4])
+    h.flush()
+    h.clock.advance(backendcalls.REQUEST_TIMEOUT_SECONDS)
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert recorder.reason is not None and not h.backend.calls
