@@ -1,4 +1,9 @@
-"""gRPC calls from the frontend to a backend on a worker, through that backend's bridge.
+"""gRPC calls from the frontend to a backend on a worker, through that backend's bridge, and
+:class:`BackendClients`, which picks each (node, port)'s client.
+
+By default (``--backend-calls tunnel``) a call is one framed request on a ``call`` tunnel
+stream (``tunnelcalls.py``: no grpcio, no HTTP/2 in the frontend); the bridged client here
+serves ``--backend-calls grpc`` and workers too old for ``call`` streams.
 
 :class:`BridgedBackendClient` holds one grpcio channel to ``unix:<bridge socket>`` (see
 ``grpcbridge.py``) and makes ``backend.Backend`` calls without ever blocking the reactor:
