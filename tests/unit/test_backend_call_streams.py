@@ -102,9 +102,10 @@ class SessionDialer:
         self.session, self.clock = session, clock
         self.tags: list[str] = []
 
-    def open(self, node_id, tag, target, protocol, deadline=None):
+    def open(self, node_id, tag, target, protocol, deadline=None, early=b""):
         self.tags.append(tag)
-        client = PreambleClient(node_id, tag, target, protocol, self.clock, deadline)
+        client = PreambleClient(node_id, tag, target, protocol, self.clock, deadline,
+                                early=early)
         self.session.openStream(client)
         return client.whenReady()
 
@@ -279,6 +280,7 @@ class ScriptedWorker(Protocol):
         first = not self.received
         self.received += data
         if first:
+            self.first = data
             if self.refuse:
                 self.transport.write(preamble.encode_refused(self.refuse, "old worker"))
                 self.transport.loseConnection()
@@ -379,3 +381,18 @@ def test_a_request_that_never_arrives_is_reset_after_the_timeout():
     h.clock.advance(0)
     h.flush()
     assert recorder.reason is not None and not h.backend.calls
+
+
+def test_the_request_rides_behind_the_stream_request_frame():
+    # No round trip waits for ``ok``: the worker's first read holds the call request too.
+    h, workers = scripted(callframes.encode_message(backend_pb2.Reply().SerializeToString())
+                          + callframes.encode_status(0))
+    result = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    payload, rest = preamble.split_frame(workers[0].first)
+    assert preamble.parse_request(payload).tag == preamble.TAG_CALL
+    decoder = callframes.FrameDecoder({callframes.REQUEST})
+    decoder.feed(rest)
+    kind, body = decoder.next_frame()
+    assert callframes.parse_request(body).method.name == "Health"
+    assert result[0] == backend_pb2.Reply()

@@ -75,9 +75,6 @@ class _CallProtocol(Protocol):
         self._waiting = False  # a Deferred of on_item is pending: the stream is paused
         self._message = None
 
-    def connectionMade(self) -> None:
-        self.transport.write(self._call.request_frame)
-
     def dataReceived(self, data: bytes) -> None:
         if self._call.settled:
             return
@@ -185,8 +182,11 @@ class _Call:
     def start(self) -> defer.Deferred:
         client = self.client
         started = client._reactor.seconds()
+        # The request rides behind the stream's request frame: no round trip waits for ``ok``
+        # (a refused stream drops it unread).
         opening = self._opening = client._dialer.open(
-            client.node_id, preamble.TAG_CALL, client.target, self.protocol, self.deadline)
+            client.node_id, preamble.TAG_CALL, client.target, self.protocol, self.deadline,
+            early=self.request_frame)
 
         def opened(_):
             self._opening = None
