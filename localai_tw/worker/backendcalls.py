@@ -38,8 +38,10 @@ log = Logger()
 
 #: Seconds the frontend has to deliver the whole request frame once the stream is accepted.
 REQUEST_TIMEOUT_SECONDS = 120.0
-#: Threads reading server-stream items (each open stream holds one only while it waits).
-STREAM_THREADS = 32
+#: Threads reading server-stream items (each open stream holds one while it waits for its
+#: backend's next item, i.e. for most of a generation; not while the tunnel has no room).  The
+#: streams of every replica share them: a stream beyond this many waits for a thread.
+STREAM_THREADS = 128
 
 _END = object()
 
