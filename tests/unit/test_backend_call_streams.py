@@ -396,3 +396,13 @@ def test_the_request_rides_behind_the_stream_request_frame():
     kind, body = decoder.next_frame()
     assert callframes.parse_request(body).method.name == "Health"
     assert result[0] == backend_pb2.Reply()
+
+
+def test_a_request_over_the_message_cap_fails_without_a_stream():
+    h = Harness()
+    huge = backend_pb2.PredictOptions(Prompt="x" * (callframes.MAX_MESSAGE_BYTES + 1))
+    result = outcome(h.client.call("Predict", huge))
+    h.flush()
+    assert result[0].check(errors.BackendAnswer)
+    assert result[0].value.code == "RESOURCE_EXHAUSTED" and "message cap" in str(result[0].value)
+    assert h.dialer.tags == [] and h.client.in_flight == 0

@@ -318,7 +318,11 @@ class TunnelBackendClient:
         return done.addBoth(self._ended)
 
     def _viaTunnel(self, method, request, on_item, absolute, what) -> defer.Deferred:
-        call = _Call(self, method, request, on_item, absolute)
+        try:
+            call = _Call(self, method, request, on_item, absolute)
+        except ValueError as e:
+            # Over the 50 MiB message cap: what grpcio answers such a request, as before.
+            return defer.fail(errors.BackendAnswer(self.node_id, "RESOURCE_EXHAUSTED", str(e)))
         self._calls.add(call)
         result = call.start()
         result.addBoth(self._forget_call, call)
