@@ -15,7 +15,13 @@ Every frame is ``kind`` (1 byte) + ``length`` (4 bytes, big-endian) + ``length``
   0: none stated), then the serialized protobuf request;
 - ``MESSAGE`` (worker -> frontend): one serialized protobuf response;
 - ``STATUS`` (worker -> frontend): the gRPC status code (1 byte, 0-16) and its details (UTF-8,
-  at most :data:`MAX_DETAILS_BYTES`), as the backend answered them.
+  at most :data:`MAX_DETAILS_BYTES`), as the backend answered them;
+- ``REFUSED`` (worker -> frontend, instead of any answer): the backend on the port went away
+  while the stream was idle, nothing ran; the details (UTF-8, at most
+  :data:`MAX_DETAILS_BYTES`) say why, and the worker closes the stream.
+
+Keep-alive: the stream carries one call after another, each a request frame answered by message
+frames and one status frame; the next request is written only after the status.
 
 The protobuf bytes are never parsed on the worker: it passes them to the backend as they came.
 
@@ -37,7 +43,8 @@ from localai_tw.backends.grpcoptions import MAX_MESSAGE_BYTES
 REQUEST = 1
 MESSAGE = 2
 STATUS = 3
-KIND_NAMES = {REQUEST: "request", MESSAGE: "message", STATUS: "status"}
+REFUSED = 4
+KIND_NAMES = {REQUEST: "request", MESSAGE: "message", STATUS: "status", REFUSED: "refused"}
 
 _HEADER = struct.Struct(">BI")
 HEADER_SIZE = _HEADER.size
@@ -145,6 +152,11 @@ def encode_status(code: int, details: str = "") -> bytes:
     return _frame(STATUS, bytes((code,)) + text)
 
 
+def encode_refused(details: str) -> bytes:
+    text = (details or "").encode("utf-8", "replace")[:MAX_DETAILS_BYTES]
+    return _frame(REFUSED, text.decode("utf-8", "ignore").encode("utf-8"))
+
+
 # -- decoding ---------------------------------------------------------------------------------
 
 
@@ -181,6 +193,13 @@ def parse_status(payload: bytes) -> CallStatus:
         raise CallProtocolError(f"call status details of {len(details)} bytes exceed "
                                 f"{MAX_DETAILS_BYTES}")
     return CallStatus(code, details.decode("utf-8", "replace"))
+
+
+def parse_refused(payload: bytes) -> str:
+    if len(payload) > MAX_DETAILS_BYTES:
+        raise CallProtocolError(f"call refusal of {len(payload)} bytes exceeds "
+                                f"{MAX_DETAILS_BYTES}")
+    return payload.decode("utf-8", "replace")
 
 
 class FrameDecoder:

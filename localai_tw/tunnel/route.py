@@ -96,18 +96,21 @@ class WorkerDialer:
         self._lane = lane
 
     def open(self, node_id: str, tag: str, target: str, protocol,
-             deadline: float | None = None, *, early: bytes = b"") -> defer.Deferred:
+             deadline: float | None = None, *, early: bytes = b"",
+             lasting: bool = False) -> defer.Deferred:
         """Open a ``tag`` stream to ``node_id`` and connect ``protocol`` to it after ``ok``.
 
         Fires with ``protocol`` (connected, owning the stream), or fails with one condition of
         the table above.  ``deadline`` is absolute on the reactor clock.  Cancelling aborts
         whatever is in flight (``CallerDeadlineExceeded`` if the deadline passed by then).
         ``early``: bytes of the carried protocol sent right behind the request frame
-        (``handshake.PreambleClient``).
+        (``handshake.PreambleClient``).  ``lasting``: the stream outlives this caller's
+        deadline (a pooled ``call`` stream): a relayed one states no budget (0) in its relay
+        frame; ``deadline`` still bounds the opening.
         """
         preamble.encode_request(tag, target)  # a bad tag or target is the caller's bug: raise now
         opening = defer.ensureDeferred(self._open(node_id, tag, target, protocol, deadline,
-                                                  early))
+                                                  early, lasting))
         timer = None
         if deadline is not None:
             remaining = deadline - self.reactor.seconds()
@@ -133,7 +136,7 @@ class WorkerDialer:
                 f"opening a {tag} stream to worker {node_id}"))
         return failure
 
-    async def _open(self, node_id, tag, target, protocol, deadline, early=b""):
+    async def _open(self, node_id, tag, target, protocol, deadline, early=b"", lasting=False):
         if self._deadline_passed(deadline):
             raise errors.CallerDeadlineExceeded(f"opening a {tag} stream to worker {node_id}")
         if self._registry.holds(node_id):
@@ -160,7 +163,7 @@ class WorkerDialer:
             raise errors.WorkerUnroutable(
                 node_id, f"held by replica {ownership.owner_id}, and no relay path is configured")
         return await self._relayed(node_id, ownership.owner_id, tag, target, protocol, deadline,
-                                   early)
+                                   early, lasting)
 
     async def _local(self, node_id, tag, target, protocol, deadline, early=b""):
         client = PreambleClient(node_id, tag, target, protocol, self.reactor, deadline,
@@ -171,9 +174,12 @@ class WorkerDialer:
             raise errors.WorkerUnroutable(node_id, str(e), e) from e
         return await client.whenReady()
 
-    async def _relayed(self, node_id, owner_id, tag, target, protocol, deadline, early=b""):
+    async def _relayed(self, node_id, owner_id, tag, target, protocol, deadline, early=b"",
+                       lasting=False):
         remaining = None if deadline is None else deadline - self.reactor.seconds()
         budget = preamble.budget_ms(remaining)  # CallerDeadlineExceeded when already spent
+        if lasting:
+            budget = 0  # "stated none": the stream carries later calls with their own deadlines
         client = PreambleClient(node_id, tag, target, protocol, self.reactor, deadline,
                                 relay=(owner_id, self._lane, budget), backstop=self._backstop,
                                 early=early)

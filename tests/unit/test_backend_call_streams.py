@@ -102,7 +102,7 @@ class SessionDialer:
         self.session, self.clock = session, clock
         self.tags: list[str] = []
 
-    def open(self, node_id, tag, target, protocol, deadline=None, early=b""):
+    def open(self, node_id, tag, target, protocol, deadline=None, early=b"", lasting=False):
         self.tags.append(tag)
         client = PreambleClient(node_id, tag, target, protocol, self.clock, deadline,
                                 early=early)

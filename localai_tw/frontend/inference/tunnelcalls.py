@@ -50,6 +50,11 @@ from localai_tw import errors
 from localai_tw.backends import callframes
 from localai_tw.tunnel import preamble
 
+#: Idle ``call`` streams kept per (node, port) (more are closed as their calls end).
+MAX_IDLE_STREAMS = 32
+#: Seconds an idle ``call`` stream is kept; the worker never closes one on its own, so this
+#: side always closes first.
+IDLE_TIMEOUT = 30.0
 #: Per-call timeout when the caller gives no deadline (as the bridged client).
 DEFAULT_CALL_TIMEOUT = 300.0
 #: The longest details text kept in a ``BackendAnswer`` (as the bridged client).
@@ -66,42 +71,81 @@ def _awaitable(outcome) -> defer.Deferred | None:
     return None
 
 
-class _CallProtocol(Protocol):
-    """One call on one stream: writes the request, decodes the answer."""
+class _CallStream(Protocol):
+    """One ``call`` stream, carrying one call at a time: writes nothing itself (a call writes
+    its request), decodes each answer, and goes back to its client's pool after a status."""
 
-    def __init__(self, call: "_Call"):
-        self._call = call
-        self._decoder = callframes.FrameDecoder({callframes.MESSAGE, callframes.STATUS})
+    def __init__(self, client: "TunnelBackendClient"):
+        self._client = client
+        self._decoder = callframes.FrameDecoder(
+            {callframes.MESSAGE, callframes.STATUS, callframes.REFUSED})
+        self.call: "_Call | None" = None
         self._waiting = False  # a Deferred of on_item is pending: the stream is paused
+        self._paused = False
         self._message = None
+        #: reset, closed, or misbehaved: never carries another call
+        self.broken = False
+        self.idle_timer = None
+        #: calls this stream carried
+        self.calls = 0
+
+    def attach(self, call: "_Call") -> None:
+        self.call = call
+        self._message = None
+        self._waiting = False
+        self.calls += 1
+
+    def usable(self) -> bool:
+        transport = self.transport
+        return (not self.broken and transport is not None
+                and not getattr(transport, "disconnecting", False))
+
+    def abort(self) -> None:
+        """A reset: the worker cancels the call in progress; the stream is never reused."""
+        self.broken = True
+        self._client._unpool(self)
+        if self.transport is not None:
+            self.transport.abortConnection()
+
+    def close(self) -> None:
+        """FIN: the worker's side closes too (an idle stream, or one the pool cannot keep)."""
+        self.broken = True
+        self._client._unpool(self)
+        if self.transport is not None:
+            self.transport.loseConnection()
 
     def dataReceived(self, data: bytes) -> None:
-        if self._call.settled:
+        if self.broken:
+            return
+        call = self.call
+        if call is None or call.settled:
+            self.abort()  # the worker spoke while no call waited: not this protocol
             return
         try:
             self._decoder.feed(data)
         except callframes.CallProtocolError as e:
-            self._call.fail(Failure(e), abort=True)
+            call.fail(Failure(e), abort=True)
             return
         self._drain()
 
     def _drain(self) -> None:
-        call = self._call
-        while not self._waiting and not call.settled:
+        call = self.call
+        while call is not None and self.call is call and not self._waiting and not call.settled:
             frame = self._decoder.next_frame()
             if frame is None:
                 return
             kind, payload = frame
             try:
                 if kind == callframes.MESSAGE:
-                    self._onMessage(payload)
+                    self._onMessage(call, payload)
+                elif kind == callframes.STATUS:
+                    self._onStatus(call, callframes.parse_status(payload))
                 else:
-                    self._onStatus(callframes.parse_status(payload))
+                    self._onRefused(call, callframes.parse_refused(payload))
             except callframes.CallProtocolError as e:
                 call.fail(Failure(e), abort=True)
 
-    def _onMessage(self, payload: bytes) -> None:
-        call = self._call
+    def _onMessage(self, call: "_Call", payload: bytes) -> None:
         try:
             message = call.method.response_type.FromString(payload)
         except DecodeError as e:
@@ -121,41 +165,71 @@ class _CallProtocol(Protocol):
             return
         if waiting is not None and not waiting.called:
             self._waiting = True
+            self._paused = True
             self.transport.pauseProducing()
-            waiting.addCallbacks(self._consumed, lambda f: call.fail(f, abort=True))
+            waiting.addCallbacks(self._consumed, lambda f: call.fail(f, abort=True),
+                                 callbackArgs=(call,))
         elif waiting is not None:
             waiting.addErrback(lambda f: call.fail(f, abort=True))
 
-    def _consumed(self, _) -> None:
-        self._waiting = False
-        if self._call.settled:
+    def _consumed(self, _, call: "_Call") -> None:
+        if self.call is not call or call.settled:
             return
+        self._waiting = False
         self._drain()
-        if not self._waiting and not self._call.settled:
+        if not self._waiting and not call.settled:
+            self._resume()
+
+    def _resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
             self.transport.resumeProducing()
 
-    def _onStatus(self, status: callframes.CallStatus) -> None:
-        call = self._call
-        if status.ok:
-            if call.on_item is None and self._message is None:
-                raise callframes.CallProtocolError(f"{call.what}: status OK without a message")
-            call.succeed(self._message)
+    def _onStatus(self, call: "_Call", status: callframes.CallStatus) -> None:
+        if status.ok and call.on_item is None and self._message is None:
+            raise callframes.CallProtocolError(f"{call.what}: status OK without a message")
+        message = self._message
+        # The call is over on this stream: back to the pool before the caller hears of it, so
+        # a call the caller makes at once reuses it.  Bytes after a status are not this
+        # protocol: such a stream is dropped (the call itself was answered).
+        self.call, self._message, self._waiting = None, None, False
+        if self._decoder.buffered_bytes:
+            self.abort()
         else:
-            name = _CODE_NAMES.get(status.code, str(status.code))
-            if name == "DEADLINE_EXCEEDED":
-                call.fail(Failure(errors.CallerDeadlineExceeded(call.what)))
-            else:
-                call.fail(Failure(errors.BackendAnswer(call.node_id, name,
-                                                       status.details[:MAX_DETAILS_CHARS])))
-        self.transport.loseConnection()
+            self._resume()
+            self._client._release(self)
+        if status.ok:
+            call.succeed(message)
+            return
+        name = _CODE_NAMES.get(status.code, str(status.code))
+        if name == "DEADLINE_EXCEEDED":
+            call.fail(Failure(errors.CallerDeadlineExceeded(call.what)))
+        else:
+            call.fail(Failure(errors.BackendAnswer(call.node_id, name,
+                                                   status.details[:MAX_DETAILS_CHARS])))
+
+    def _onRefused(self, call: "_Call", details: str) -> None:
+        # The backend went away while this stream was idle; nothing ran.  The refusal a fresh
+        # stream would have had, so the router reaps and retries as for that one.
+        self.call = None
+        self.close()
+        call.fail(Failure(errors.StreamRefused(call.node_id, preamble.UNAVAILABLE, details)))
+
+    def idleExpired(self) -> None:
+        self.idle_timer = None
+        if self.call is None:
+            self.close()
 
     def connectionLost(self, reason=None) -> None:
-        if self._call.settled:
+        self.broken = True
+        self._client._unpool(self)
+        call, self.call = self.call, None
+        if call is None or call.settled:
             return
         cut = self._decoder.eof()
         why = cut or (reason.getErrorMessage() if reason is not None else "closed")
-        self._call.fail(Failure(errors.TransportFailure(
-            f"{self._call.what}: the stream ended before the call's status ({why})")))
+        call.fail(Failure(errors.TransportFailure(
+            f"{call.what}: the stream ended before the call's status ({why})")))
 
 
 class _Call:
@@ -173,7 +247,7 @@ class _Call:
         remaining = deadline - reactor.seconds()
         self.request_frame = callframes.encode_request(
             method.name, max(1, int(remaining * 1000)), request.SerializeToString())
-        self.protocol = _CallProtocol(self)
+        self.stream: _CallStream | None = None
         self.settled = False
         self.result: defer.Deferred = defer.Deferred(self._cancelled)
         self._opening: defer.Deferred | None = None
@@ -181,12 +255,24 @@ class _Call:
 
     def start(self) -> defer.Deferred:
         client = self.client
+        idle = client._take_idle()
+        if idle is not None:
+            # Keep-alive: only the request frame; the stream's preamble went with its first.
+            self.stream = idle
+            idle.attach(self)
+            client.streams_reused += 1
+            idle.transport.write(self.request_frame)
+            return self.result
         started = client._reactor.seconds()
+        stream = self.stream = _CallStream(client)
+        stream.attach(self)
         # The request rides behind the stream's request frame: no round trip waits for ``ok``
-        # (a refused stream drops it unread).
+        # (a refused stream drops it unread).  ``lasting``: the stream outlives this call, so
+        # a relay states no budget for it (this call's deadline is enforced here and by the
+        # worker's gRPC timeout).
         opening = self._opening = client._dialer.open(
-            client.node_id, preamble.TAG_CALL, client.target, self.protocol, self.deadline,
-            early=self.request_frame)
+            client.node_id, preamble.TAG_CALL, client.target, stream, self.deadline,
+            early=self.request_frame, lasting=True)
 
         def opened(_):
             self._opening = None
@@ -195,6 +281,7 @@ class _Call:
 
         def failed(failure):
             self._opening = None
+            stream.broken = True
             if not self.settled:
                 self.fail(failure)
 
@@ -221,9 +308,10 @@ class _Call:
         opening, self._opening = self._opening, None
         if opening is not None:
             opening.cancel()
-        transport = self.protocol.transport
-        if transport is not None:
-            transport.abortConnection()  # a reset: the worker cancels the gRPC call
+        stream = self.stream
+        if stream is not None and stream.call is self:
+            stream.call = None
+            stream.abort()  # a reset: the worker cancels the gRPC call; never reused
 
     def _expired(self) -> None:
         self._timer = None
@@ -260,7 +348,8 @@ class TunnelBackendClient:
 
     def __init__(self, dialer, node_id: str, port: int, reactor,
                  default_timeout: float = DEFAULT_CALL_TIMEOUT, *,
-                 fallback: Callable[[], Any] | None = None, old_nodes: set[str] | None = None):
+                 fallback: Callable[[], Any] | None = None, old_nodes: set[str] | None = None,
+                 max_idle: int = MAX_IDLE_STREAMS, idle_timeout: float = IDLE_TIMEOUT):
         self._dialer = dialer
         self.node_id = node_id
         self.port = int(port)
@@ -278,7 +367,50 @@ class TunnelBackendClient:
         #: tunnel streams opened, and how long the last one took (a request's ``tunnel`` hop)
         self.dials_ok = 0
         self.last_dial_seconds: float | None = None
+        #: calls that took an idle stream instead of opening one
+        self.streams_reused = 0
         self._calls: set[_Call] = set()
+        self._max_idle = max_idle
+        self._idle_timeout = idle_timeout
+        self._idle: list[_CallStream] = []  # LIFO: the most recently used on top
+
+    @property
+    def idle_streams(self) -> int:
+        return len(self._idle)
+
+    def _take_idle(self) -> _CallStream | None:
+        while self._idle:
+            stream = self._idle.pop()
+            timer, stream.idle_timer = stream.idle_timer, None
+            if timer is not None and timer.active():
+                timer.cancel()
+            if stream.usable():
+                return stream
+        return None
+
+    def _release(self, stream: _CallStream) -> None:
+        """A stream whose call ended with a clean status: pooled, or closed when the pool is
+        full or the client closed."""
+        if not stream.usable():
+            return
+        if self.closed or len(self._idle) >= self._max_idle:
+            stream.close()
+            return
+        stream.idle_timer = self._reactor.callLater(self._idle_timeout, stream.idleExpired)
+        self._idle.append(stream)
+
+    def _unpool(self, stream: _CallStream) -> None:
+        timer, stream.idle_timer = stream.idle_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if stream in self._idle:
+            self._idle.remove(stream)
+
+    def close_idle(self) -> None:
+        """Close every idle stream (a route event: the tunnel went, the backend was dropped)."""
+        for stream in list(self._idle):
+            stream.close()
+        self._idle.clear()
 
     @property
     def route(self):
@@ -356,10 +488,12 @@ class TunnelBackendClient:
         return result
 
     def close(self) -> None:
-        """No more calls; calls in flight fail ``TransportFailure`` and their streams reset."""
+        """No more calls; calls in flight fail ``TransportFailure`` and their streams reset;
+        idle streams close."""
         if self.closed:
             return
         self.closed = True
         for call in list(self._calls):
             call.fail(Failure(errors.TransportFailure(
                 f"{call.what}: the client was closed during the call")), abort=True)
+        self.close_idle()
