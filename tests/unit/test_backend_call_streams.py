@@ -2,7 +2,10 @@
 frontend's ``TunnelBackendClient`` (through the real preamble handshake) and the worker's real
 ``StreamRouter``, with a scripted gRPC client on the worker side.  Answers, statuses, backpressure
 down to the worker's item reads, cancel and deadline cancelling the worker's call, the
-``unavailable`` refusal, garbage both ways, a cut stream, and an older worker's fallback."""
+``unavailable`` refusal, garbage both ways, a cut stream, and an older worker's fallback.
+Keep-alive: calls reuse one stream, a cancelled call's stream is not reused, idle streams close
+after the idle timeout, route events empty the pool, the worker reads a request after a status
+and refuses one when its backend went away meanwhile."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from twisted.internet.protocol import Protocol
 from localai_tw import errors
 from localai_tw.backends import backend_pb2, callframes
 from localai_tw.config import PortRange
+from localai_tw.frontend.inference import tunnelcalls
 from localai_tw.frontend.inference.tunnelcalls import TunnelBackendClient
 from localai_tw.mux.testing import Recorder, connectedSessions
 from localai_tw.tunnel import preamble
@@ -118,8 +122,15 @@ class Harness:
         self.calls = FakeCalls(self.clock, self.backend)
         site = build_worker_site(ControlVerbs(), ControlAuth(None), lambda: None)
         self.router = StreamRouter(site, RANGE, self.clock, backend_calls=self.calls)
+        #: streams the worker accepted
+        self.accepted = 0
+
+        def counting(stream):
+            self.accepted += 1
+            return self.router.acceptor(stream)
+
         self.worker, self.frontend, self.pump, _ = connectedSessions(
-            client_acceptor=acceptor or self.router.acceptor, clock=self.clock)
+            client_acceptor=acceptor or counting, clock=self.clock)
         self.dialer = SessionDialer(self.frontend, self.clock)
         self.fallback_calls: list = []
         self.old_nodes: set[str] = set()
@@ -406,3 +417,260 @@ def test_a_request_over_the_message_cap_fails_without_a_stream():
     assert result[0].check(errors.BackendAnswer)
     assert result[0].value.code == "RESOURCE_EXHAUSTED" and "message cap" in str(result[0].value)
     assert h.dialer.tags == [] and h.client.in_flight == 0
+
+
+# -- keep-alive ---------------------------------------------------------------------------------
+
+
+def answer_unary(h, index, message=b"OK"):
+    h.backend.calls[index]["future"].set_result(
+        backend_pb2.Reply(message=message).SerializeToString())
+    h.flush()
+
+
+def test_sequential_calls_reuse_one_stream():
+    h = Harness()
+    first = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 0, b"one")
+    assert first[0].message == b"one" and h.client.idle_streams == 1
+    # a failed status is a clean end too: the stream goes back to the pool
+    second = outcome(h.client.call("Predict", backend_pb2.PredictOptions(Prompt="p"),
+                                   deadline=20.0))
+    h.flush()
+    h.backend.calls[1]["future"].set_exception(
+        RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "model not loaded"))
+    h.flush()
+    assert second[0].check(errors.BackendAnswer)
+    items = []
+    third = outcome(h.client.stream("PredictStream", backend_pb2.PredictOptions(Prompt="s"),
+                                    items.append))
+    h.flush()
+    h.calls.reads[0].callback(backend_pb2.Reply(message=b"a").SerializeToString())
+    h.flush()
+    h.calls.reads[1].callback(backendcalls._END)
+    h.flush()
+    assert third == [None] and [i.message for i in items] == [b"a"]
+    fourth = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 3, b"four")
+    assert fourth[0].message == b"four"
+    # one stream opened on the worker, one handshake: later calls wrote only their request
+    assert h.accepted == 1 and h.dialer.tags == [preamble.TAG_CALL]
+    assert h.client.streams_reused == 3 and h.client.dials_ok == 1
+    assert h.backend.calls[1]["timeout"] == pytest.approx(20.0, abs=0.01)  # its own deadline
+    assert h.client.in_flight == 0 and h.client.idle_streams == 1
+
+
+def test_a_cancelled_calls_stream_is_not_reused_and_the_next_call_works():
+    h = Harness()
+    done = h.client.call("Predict", backend_pb2.PredictOptions())
+    result = outcome(done)
+    h.flush()
+    future = h.backend.calls[0]["future"]
+    done.cancel()
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert result[0].check(defer.CancelledError) and future.cancelled()
+    assert h.client.idle_streams == 0
+    after = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 1)
+    assert after[0].message == b"OK"
+    assert h.accepted == 2 and h.client.streams_reused == 0
+
+
+def test_an_expired_calls_stream_is_not_reused():
+    h = Harness()
+    result = outcome(h.client.call("Predict", backend_pb2.PredictOptions(), deadline=5.0))
+    h.flush()
+    h.clock.advance(5.0)
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert result[0].check(errors.CallerDeadlineExceeded)
+    assert h.client.idle_streams == 0
+    after = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 1)
+    assert after[0].message == b"OK" and h.accepted == 2
+
+
+def test_an_idle_stream_is_closed_after_the_idle_timeout_and_never_by_the_worker():
+    h = Harness()
+    outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 0)
+    assert h.worker.streamCount == 1
+    # the worker's request timeout does not apply to the idle wait
+    assert backendcalls.REQUEST_TIMEOUT_SECONDS > tunnelcalls.IDLE_TIMEOUT
+    h.clock.advance(tunnelcalls.IDLE_TIMEOUT - 1)
+    h.flush()
+    assert h.client.idle_streams == 1
+    h.clock.advance(1)
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert h.client.idle_streams == 0 and h.worker.streamCount == 0  # closed both ways
+    after = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 1)
+    assert after[0].message == b"OK" and h.accepted == 2
+
+
+def test_the_worker_keeps_an_idle_stream_past_its_request_timeout():
+    h = Harness()
+    h.client._idle_timeout = backendcalls.REQUEST_TIMEOUT_SECONDS * 3
+    outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 0)
+    h.clock.advance(backendcalls.REQUEST_TIMEOUT_SECONDS * 2)
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert h.client.idle_streams == 1 and h.worker.streamCount == 1
+    again = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 1, b"again")
+    assert again[0].message == b"again" and h.accepted == 1
+
+
+def test_at_most_max_idle_streams_are_kept():
+    h = Harness()
+    h.client._max_idle = 2
+    results = [outcome(h.client.call("Health", backend_pb2.HealthMessage())) for _ in range(3)]
+    h.flush()
+    for index in range(3):
+        answer_unary(h, index)
+    h.clock.advance(0)
+    h.flush()
+    assert all(r[0].message == b"OK" for r in results)
+    assert h.accepted == 3 and h.client.idle_streams == 2
+
+
+def test_closing_the_client_empties_the_pool():
+    # BackendClients.drop(node, port) and forget(node) close the clients they drop.
+    h = Harness()
+    outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 0)
+    assert h.client.idle_streams == 1
+    h.client.close()
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert h.client.idle_streams == 0 and h.worker.streamCount == 0
+
+
+def test_backend_clients_drop_and_forget_close_the_pooled_streams():
+    from localai_tw.frontend.inference.backend_client import BackendClients
+
+    class Bridges:
+        def drop(self, node_id, port):
+            return defer.succeed(None)
+
+        forget = close = lambda self, *a: defer.succeed(None)
+
+    h = Harness()
+    clients = BackendClients(Bridges(), h.clock, dialer=h.dialer)
+    for event in (lambda: clients.drop(NODE, PORT), lambda: clients.forget(NODE)):
+        client = clients.client(NODE, PORT)
+        outcome(client.call("Health", backend_pb2.HealthMessage()))
+        h.flush()
+        answer_unary(h, len(h.backend.calls) - 1)
+        assert client.idle_streams == 1
+        event()
+        h.flush()
+        assert client.idle_streams == 0 and client.closed
+    clients.stream_threads.stop()
+
+
+def test_the_tunnel_going_empties_the_pool():
+    h = Harness()
+    outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 0)
+    assert h.client.idle_streams == 1
+    h.frontend.transport.loseConnection()
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert h.client.idle_streams == 0
+
+
+def test_the_worker_reads_a_second_request_after_a_status():
+    h = Harness()
+    recorder = Recorder()
+    client = PreambleClient(NODE, preamble.TAG_CALL, f"127.0.0.1:{PORT}", recorder, h.clock,
+                            early=callframes.encode_request("Health", 0, b""))
+    h.frontend.openStream(client)
+    h.flush()
+    answer_unary(h, 0, b"first")
+    recorder.transport.write(callframes.encode_request("Status", 0, b""))
+    h.flush()
+    assert [c["path"] for c in h.backend.calls] == ["/backend.Backend/Health",
+                                                    "/backend.Backend/Status"]
+    h.backend.calls[1]["future"].set_result(
+        backend_pb2.StatusResponse().SerializeToString())
+    h.flush()
+    decoder = callframes.FrameDecoder({callframes.MESSAGE, callframes.STATUS})
+    decoder.feed(b"".join(recorder.chunks))
+    kinds = []
+    while (frame := decoder.next_frame()) is not None:
+        kinds.append(frame[0])
+    assert kinds == [callframes.MESSAGE, callframes.STATUS] * 2
+    assert recorder.reason is None  # still open: the worker waits for the next request
+
+
+def test_a_request_while_a_call_runs_resets_the_stream():
+    h = Harness()
+    recorder = Recorder()
+    client = PreambleClient(NODE, preamble.TAG_CALL, f"127.0.0.1:{PORT}", recorder, h.clock,
+                            early=callframes.encode_request("Predict", 0, b""))
+    h.frontend.openStream(client)
+    h.flush()
+    future = h.backend.calls[0]["future"]
+    recorder.transport.write(callframes.encode_request("Health", 0, b""))
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert recorder.reason is not None and future.cancelled() and len(h.backend.calls) == 1
+
+
+def test_a_pooled_stream_whose_backend_went_away_is_the_workers_refusal():
+    h = Harness()
+    outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 0)
+    h.calls.client = None  # the backend on the port stopped while the stream was idle
+    result = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    failure = result[0]
+    assert failure.check(errors.StreamRefused), failure
+    assert failure.value.code == preamble.UNAVAILABLE and "no backend process" in str(
+        failure.value)
+    assert len(h.backend.calls) == 1 and h.client.idle_streams == 0
+    # a backend started on that port again: served on a new stream
+    h.calls.client = h.backend
+    again = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 1)
+    assert again[0].message == b"OK" and h.accepted == 2
+
+
+def test_a_pooled_stream_asks_a_relay_for_no_budget():
+    h = Harness()
+    seen = []
+    original = h.dialer.open
+
+    def open_(*args, lasting=False, **kw):
+        seen.append(lasting)
+        return original(*args, lasting=lasting, **kw)
+
+    h.dialer.open = open_
+    outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    assert seen == [True]
