@@ -2,7 +2,8 @@
 backend: answers and statuses pass through, a stream is held by a slow consumer and stopped by a
 cancel, the deadline is the caller's, no backend on the port is the worker's ``unavailable``,
 the relay carries ``call`` streams, and a worker that refuses the tag is served through the
-bridge without anything reaped."""
+bridge without anything reaped.  Keep-alive: later calls reuse the stream (locally and through
+the relay), and a pooled stream whose backend stopped answers the worker's refusal."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ async def test_unary_answers_and_backend_statuses_pass_through(cluster):
     assert isinstance(client, TunnelBackendClient)
     reply = await client.call("Health", backend_pb2.HealthMessage())
     assert reply.message == b"OK"
-    assert client.dials_ok == 1 and client.in_flight == 0
+    assert client.dials_ok == 1 and client.in_flight == 0 and client.idle_streams == 1
     # no model loaded: the backend's own status, as it answered it
     with pytest.raises(errors.BackendAnswer) as caught:
         await client.call("Predict", backend_pb2.PredictOptions(Prompt="x"))
@@ -50,6 +51,8 @@ async def test_unary_answers_and_backend_statuses_pass_through(cluster):
     await loaded(client)
     answer = await client.call("Predict", backend_pb2.PredictOptions(Prompt="hello"))
     assert b"hello" in answer.message
+    # keep-alive: one stream carried all four calls
+    assert client.dials_ok == 1 and client.streams_reused == 3 and client.idle_streams == 1
     # nothing was bridged
     assert frontend.replica.backend_clients.bridges.get(worker.node_id, port) is None
 
@@ -158,6 +161,34 @@ async def test_calls_go_through_the_owner_replica(cluster):
     client = other.replica.backend_clients.client(worker.node_id, port)
     assert (await client.call("Health", backend_pb2.HealthMessage(),
                               reactor.seconds() + 20)).message == b"OK"
+    # the relayed stream is pooled and carries the next calls, past the first call's deadline
+    await task.deferLater(reactor, 1.2, lambda: None)
+    for _ in range(3):
+        assert (await client.call("Health", backend_pb2.HealthMessage(),
+                                  reactor.seconds() + 1)).message == b"OK"
+    await loaded(client)
+    items = []
+    await client.stream("PredictStream", backend_pb2.PredictOptions(Prompt="a b c"),
+                        items.append, reactor.seconds() + 20)
+    assert b"".join(i.message for i in items).split() == [b"a", b"b", b"c"]
+    assert client.dials_ok == 1 and client.streams_reused == 5 and client.idle_streams == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_pooled_stream_whose_backend_stopped_is_the_workers_refusal(cluster):
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    port = await started_backend(frontend, worker.node_id)
+    client = frontend.replica.backend_clients.client(worker.node_id, port)
+    assert (await client.call("Health", backend_pb2.HealthMessage())).message == b"OK"
+    assert client.idle_streams == 1
+    stopped = await frontend.replica.control.call(worker.node_id, "backend.stop",
+                                                  {"model": "m"}, timeout=30)
+    assert stopped["success"]
+    with pytest.raises(errors.StreamRefused) as caught:
+        await client.call("Health", backend_pb2.HealthMessage(), reactor.seconds() + 10)
+    assert caught.value.code == preamble.UNAVAILABLE  # as a fresh stream's refusal: nothing ran
+    assert client.streams_reused == 1 and client.idle_streams == 0
 
 
 @pytest_twisted.ensureDeferred

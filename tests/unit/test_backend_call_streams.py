@@ -661,7 +661,44 @@ def test_a_pooled_stream_whose_backend_went_away_is_the_workers_refusal():
     assert again[0].message == b"OK" and h.accepted == 2
 
 
-def test_a_pooled_stream_asks_a_relay_for_no_budget():
+def relay_frame_of(lasting):
+    """The relay frame a ``WorkerDialer`` writes for a relayed stream (peer pool faked)."""
+    from localai_tw.cluster.ownership import Ownership
+    from localai_tw.tunnel.route import WorkerDialer
+
+    clock = task.Clock()
+    opened = []
+
+    class Registry:
+        def holds(self, node_id):
+            return False
+
+    class Fence:
+        async def owner(self, node_id):
+            return Ownership("replica-b", 1)
+
+    class Pool:
+        def open_stream(self, owner_id, client):
+            opened.append(client)
+            return defer.succeed(None)
+
+    dialer = WorkerDialer(Registry(), Fence(), Pool(), "replica-a", reactor=clock)
+    recorder = Recorder()
+    dialer.open(NODE, preamble.TAG_CALL, f"127.0.0.1:{PORT}", recorder, deadline=5.0,
+                lasting=lasting)
+    [client] = opened
+    payload, _ = preamble.split_frame(client._relay_frame)
+    return preamble.parse_relay_request(payload)
+
+
+def test_a_pooled_relayed_stream_states_no_budget_and_a_single_use_one_its_deadline():
+    # The stream outlives its first call: a budget of that call's deadline would be wrong for
+    # the next ones (each call's deadline is enforced by the frontend and the worker).
+    assert relay_frame_of(lasting=True).budget_ms == 0
+    assert relay_frame_of(lasting=False).budget_ms == 5000
+
+
+def test_the_client_opens_its_streams_as_lasting():
     h = Harness()
     seen = []
     original = h.dialer.open
