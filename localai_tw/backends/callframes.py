@@ -1,10 +1,11 @@
 """The frames of a ``call`` tunnel stream: one backend call without gRPC or HTTP/2 on the wire.
 
 A frontend opens a ``call`` stream (``tunnel/preamble.py``) to ``127.0.0.1:<backend port>``;
-right behind the stream's request frame (not waiting for the worker's ``ok``) it writes ONE
-request frame, and the worker, which holds a gRPC channel
-to that backend already, makes the call and writes back message frames (one for a unary call,
-one per item of ``PredictStream``) and then exactly one status frame.  Why: a grpcio channel in
+right behind the stream's request frame (not waiting for the worker's ``ok``) it writes a
+request frame, and the worker, which holds a gRPC channel to that backend already, makes the
+call and writes back message frames (one for a unary call, one per item of ``PredictStream``)
+and then exactly one status frame.  Later calls on the same stream (keep-alive) write their
+request frame alone.  Why: a grpcio channel in
 the frontend cost 350-770 us of CPU per unary call before any byte left (issue 25 §2), and its
 HTTP/2 had to be spliced onto a tunnel stream anyway.
 

@@ -3,10 +3,10 @@
 :class:`TunnelBackendClient` has the interface of ``BridgedBackendClient``
 (``backend_client.py``): ``call``, ``stream`` (``on_item`` per item; a Deferred it returns is
 awaited before the next item is read), ``in_flight``, ``used``, ``closed``, ``close``,
-``node_id``, ``port``.  Each call opens a tunnel stream through the ``WorkerDialer`` (locally, or
-through the owner replica's relay, exactly as ``grpc`` streams go), writes one request frame
-(``backends/callframes.py``: method, timeout, the serialized request) and reads message frames,
-then one status frame.  The worker makes the gRPC call with the client it holds for that backend
+``node_id``, ``port``.  Each call takes an idle ``call`` stream of this (node, port) or opens
+one through the ``WorkerDialer`` (locally, or through the owner replica's relay, exactly as
+``grpc`` streams go), writes one request frame (``backends/callframes.py``: method, timeout, the
+serialized request) and reads message frames, then one status frame.  The worker makes the gRPC call with the client it holds for that backend
 and attaches the backend's own token itself (``worker/backendcalls.py``).  Why: the frontend's
 grpcio channel cost 350-770 us of CPU per unary call (issue 25 §2).
 
@@ -30,6 +30,19 @@ any other status than OK                           ``BackendAnswer(node, code na
 Backpressure: while the Deferred of ``on_item`` is pending the stream is paused (its window is
 not granted again), so the worker stops reading items and gRPC's own flow control holds the
 backend.  Frames already received stay in the decoder, bounded by the stream's window.
+
+Keep-alive (issue 25 §2: a stream open/close per call cost throughput at c=16 and doubled a
+relayed call's cost on the owner): after a status frame, OK or not, the stream goes back to a
+pool of at most ``MAX_IDLE_STREAMS`` idle streams (LIFO), and an idle one is closed after
+``IDLE_TIMEOUT`` -- by this side only: the worker never closes an idle stream on its own.  Only
+the first call on a stream carries the stream's request frame.  A call that was cancelled, ran
+past its deadline, was cut or saw a protocol error resets its stream: never reused.  ``close``
+(what ``BackendClients.drop``/``forget``/``close`` call) closes the idle streams; a tunnel that
+goes ends them (``connectionLost`` takes them out of the pool).  A ``refused`` frame (the
+backend went away while the stream was idle; nothing ran) is the ``unavailable``
+``StreamRefused`` a new stream would have had.  Streams are opened ``lasting``: relayed, the
+relay frame states no budget, since the stream outlives its first call; each call's deadline is
+this module's timer (and the worker's gRPC timeout).
 
 An older worker refuses the tag (``unknown-tag``): that node is remembered (``old_nodes``) and
 this call and later ones go through the bridged gRPC client (``fallback``).  That refusal was
