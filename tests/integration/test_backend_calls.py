@@ -159,10 +159,12 @@ async def test_calls_go_through_the_owner_replica(cluster):
     port = await started_backend(owner, worker.node_id)
     assert not other.replica.tunnels.holds(worker.node_id)
     client = other.replica.backend_clients.client(worker.node_id, port)
+    first_deadline = reactor.seconds() + 2
     assert (await client.call("Health", backend_pb2.HealthMessage(),
-                              reactor.seconds() + 20)).message == b"OK"
+                              first_deadline)).message == b"OK"
     # the relayed stream is pooled and carries the next calls, past the first call's deadline
-    await task.deferLater(reactor, 1.2, lambda: None)
+    # (nothing on the relay holds an established stream to it)
+    await task.deferLater(reactor, first_deadline - reactor.seconds() + 0.2, lambda: None)
     for _ in range(3):
         assert (await client.call("Health", backend_pb2.HealthMessage(),
                                   reactor.seconds() + 1)).message == b"OK"
