@@ -711,3 +711,29 @@ def test_the_client_opens_its_streams_as_lasting():
     outcome(h.client.call("Health", backend_pb2.HealthMessage()))
     h.flush()
     assert seen == [True]
+
+
+def test_a_stream_paused_by_a_slow_consumer_is_resumed_before_its_reuse():
+    # Two items and the status in one read: the status is decoded while the stream is paused
+    # for the second item, so nothing in the item path resumes it; the pool must.
+    item = callframes.encode_message(backend_pb2.Reply(message=b"i").SerializeToString())
+    h, workers = scripted(item + item + callframes.encode_status(0))
+    gates = []
+
+    def on_item(reply):
+        gates.append(defer.Deferred())
+        return gates[-1]
+
+    result = outcome(h.client.stream("PredictStream", backend_pb2.PredictOptions(), on_item))
+    h.flush()
+    gates[0].callback(None)
+    h.flush()
+    gates[1].callback(None)
+    h.flush()
+    assert result == [None] and h.client.idle_streams == 1
+    again = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    workers[0].transport.write(callframes.encode_message(
+        backend_pb2.Reply(message=b"again").SerializeToString()) + callframes.encode_status(0))
+    h.flush()
+    assert again[0].message == b"again" and len(workers) == 1
