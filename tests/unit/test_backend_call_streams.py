@@ -737,3 +737,21 @@ def test_a_stream_paused_by_a_slow_consumer_is_resumed_before_its_reuse():
         backend_pb2.Reply(message=b"again").SerializeToString()) + callframes.encode_status(0))
     h.flush()
     assert again[0].message == b"again" and len(workers) == 1
+
+
+def test_idle_streams_are_bounded_per_node_over_its_clients():
+    # Every idle stream holds a stream of the worker's tunnel (limit shared by all replicas).
+    h = Harness()
+    shared: dict[str, int] = {}
+    first, second = (TunnelBackendClient(h.dialer, NODE, PORT, h.clock, idle_by_node=shared,
+                                         max_idle_per_node=1) for _ in range(2))
+    for index, client in enumerate((first, second)):
+        outcome(client.call("Health", backend_pb2.HealthMessage()))
+        h.flush()
+        answer_unary(h, index)
+    h.clock.advance(0)
+    h.flush()
+    assert (first.idle_streams, second.idle_streams, shared) == (1, 0, {NODE: 1})
+    assert h.worker.streamCount == 1  # the second stream was closed, both ways
+    first.close()
+    assert shared == {}

@@ -367,6 +367,8 @@ class BackendClients:
         self.mode = mode if dialer is not None else "grpc"
         #: nodes whose worker refused a ``call`` stream (``unknown-tag``): bridged from now on
         self.old_nodes: set[str] = set()
+        #: idle ``call`` streams per node, over its clients (``tunnelcalls.py`` bounds it)
+        self.idle_by_node: dict[str, int] = {}
         self._clients: dict[tuple[str, int], Any] = {}
         self._bridged: dict[tuple[str, int], BridgedBackendClient] = {}
 
@@ -382,7 +384,8 @@ class BackendClients:
         if self.mode == "tunnel":
             client = TunnelBackendClient(
                 self._dialer, node_id, int(port), self._reactor, self._default_timeout,
-                fallback=lambda: self.bridged(node_id, port), old_nodes=self.old_nodes)
+                fallback=lambda: self.bridged(node_id, port), old_nodes=self.old_nodes,
+                idle_by_node=self.idle_by_node)
         else:
             client = self.bridged(node_id, port)
         self._clients[key] = client

@@ -33,9 +33,10 @@ backend.  Frames already received stay in the decoder, bounded by the stream's w
 
 Keep-alive (issue 25 §2: a stream open/close per call cost throughput at c=16 and doubled a
 relayed call's cost on the owner): after a status frame, OK or not, the stream goes back to a
-pool of at most ``MAX_IDLE_STREAMS`` idle streams (LIFO), and an idle one is closed after
-``IDLE_TIMEOUT`` -- by this side only: the worker never closes an idle stream on its own.  Only
-the first call on a stream carries the stream's request frame.  A call that was cancelled, ran
+pool of at most ``MAX_IDLE_STREAMS`` idle streams (LIFO; ``MAX_IDLE_STREAMS_PER_NODE`` over
+all of a node's ports, since they share the worker tunnel's stream limit), and an idle one is
+closed after ``IDLE_TIMEOUT`` -- by this side only: the worker never closes an idle stream on
+its own.  Only the first call on a stream carries the stream's request frame.  A call that was cancelled, ran
 past its deadline, was cut or saw a protocol error resets its stream: never reused.  ``close``
 (what ``BackendClients.drop``/``forget``/``close`` call) closes the idle streams; a tunnel that
 goes ends them (``connectionLost`` takes them out of the pool).  A ``refused`` frame (the
@@ -65,6 +66,10 @@ from localai_tw.tunnel import preamble
 
 #: Idle ``call`` streams kept per (node, port) (more are closed as their calls end).
 MAX_IDLE_STREAMS = 32
+#: Idle ``call`` streams kept per node over all its ports: every stream, idle or not, counts
+#: toward the worker tunnel's stream limit (``SessionConfig.max_streams``, 1000), which every
+#: replica's streams share.
+MAX_IDLE_STREAMS_PER_NODE = 64
 #: Seconds an idle ``call`` stream is kept; the worker never closes one on its own, so this
 #: side always closes first.
 IDLE_TIMEOUT = 30.0
@@ -357,12 +362,16 @@ class TunnelBackendClient:
     :param dialer: the replica's ``WorkerDialer``.
     :param fallback: returns the bridged gRPC client of (node, port), for an older worker.
     :param old_nodes: the shared set of nodes known to refuse ``call`` streams.
+    :param idle_by_node: the shared count of idle streams per node (``BackendClients``), held
+        under ``max_idle_per_node``.
     """
 
     def __init__(self, dialer, node_id: str, port: int, reactor,
                  default_timeout: float = DEFAULT_CALL_TIMEOUT, *,
                  fallback: Callable[[], Any] | None = None, old_nodes: set[str] | None = None,
-                 max_idle: int = MAX_IDLE_STREAMS, idle_timeout: float = IDLE_TIMEOUT):
+                 max_idle: int = MAX_IDLE_STREAMS, idle_timeout: float = IDLE_TIMEOUT,
+                 idle_by_node: dict[str, int] | None = None,
+                 max_idle_per_node: int = MAX_IDLE_STREAMS_PER_NODE):
         self._dialer = dialer
         self.node_id = node_id
         self.port = int(port)
@@ -386,6 +395,8 @@ class TunnelBackendClient:
         self._max_idle = max_idle
         self._idle_timeout = idle_timeout
         self._idle: list[_CallStream] = []  # LIFO: the most recently used on top
+        self._idle_by_node = idle_by_node if idle_by_node is not None else {}
+        self._max_idle_per_node = max_idle_per_node
 
     @property
     def idle_streams(self) -> int:
@@ -393,10 +404,8 @@ class TunnelBackendClient:
 
     def _take_idle(self) -> _CallStream | None:
         while self._idle:
-            stream = self._idle.pop()
-            timer, stream.idle_timer = stream.idle_timer, None
-            if timer is not None and timer.active():
-                timer.cancel()
+            stream = self._idle[-1]
+            self._unpool(stream)
             if stream.usable():
                 return stream
         return None
@@ -406,11 +415,13 @@ class TunnelBackendClient:
         full or the client closed."""
         if not stream.usable():
             return
-        if self.closed or len(self._idle) >= self._max_idle:
+        if (self.closed or len(self._idle) >= self._max_idle
+                or self._idle_by_node.get(self.node_id, 0) >= self._max_idle_per_node):
             stream.close()
             return
         stream.idle_timer = self._reactor.callLater(self._idle_timeout, stream.idleExpired)
         self._idle.append(stream)
+        self._idle_by_node[self.node_id] = self._idle_by_node.get(self.node_id, 0) + 1
 
     def _unpool(self, stream: _CallStream) -> None:
         timer, stream.idle_timer = stream.idle_timer, None
@@ -418,12 +429,16 @@ class TunnelBackendClient:
             timer.cancel()
         if stream in self._idle:
             self._idle.remove(stream)
+            left = self._idle_by_node.get(self.node_id, 0) - 1
+            if left > 0:
+                self._idle_by_node[self.node_id] = left
+            else:
+                self._idle_by_node.pop(self.node_id, None)
 
     def close_idle(self) -> None:
         """Close every idle stream (a route event: the tunnel went, the backend was dropped)."""
         for stream in list(self._idle):
-            stream.close()
-        self._idle.clear()
+            stream.close()  # out of the pool (and the node's count) as it closes
 
     @property
     def route(self):
