@@ -238,7 +238,7 @@ class ReplicaConfig:
     prefix_cache: bool = True
     prefix_cache_ttl: float = 300.0
     #: How backend calls travel (``--backend-calls``): ``tunnel`` (one framed request on a
-    #: ``call`` stream) or ``grpc`` (grpcio through a bridge)
+    #: kept-alive ``call`` stream) or ``grpc`` (grpcio through a bridge)
     backend_calls: str = "tunnel"
 
     @classmethod

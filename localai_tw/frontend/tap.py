@@ -234,7 +234,7 @@ SETTINGS = (
                  default="5m", parse=config.parse_duration),
     config.value("backend-calls", "LOCALAI_BACKEND_CALLS",
                  "How this replica calls backends on workers: 'tunnel', one framed request on "
-                 "a tunnel stream, the worker making the gRPC call (a worker too old for it is "
+                 "a kept-alive tunnel stream, the worker making the gRPC call (a worker too old for it is "
                  "called the other way); 'grpc', grpcio through a local bridge onto a tunnel "
                  "stream, as before (docs/operators.md).",
                  default="tunnel", parse=config.choice_parser("tunnel", "grpc")),
