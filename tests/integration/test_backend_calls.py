@@ -212,3 +212,24 @@ async def test_an_older_worker_is_served_through_the_bridge(cluster, monkeypatch
     assert (await client.call("Health", backend_pb2.HealthMessage())).message == b"OK"
     assert client.dials_ok == dials  # not asked again: straight to the bridge
     assert client.in_flight == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrent_calls_each_take_a_stream_and_the_next_round_reuses_them(cluster):
+    frontend = await cluster.frontend("replica-a")
+    worker = await cluster.worker("w1", frontend)
+    port = await started_backend(frontend, worker.node_id)
+    client = frontend.replica.backend_clients.client(worker.node_id, port)
+
+    async def round_of(n):
+        replies = await defer.gatherResults(
+            [client.call("Health", backend_pb2.HealthMessage(), reactor.seconds() + 20)
+             for _ in range(n)], consumeErrors=True)
+        assert all(r.message == b"OK" for r in replies)
+
+    await round_of(16)
+    opened = client.dials_ok
+    assert opened == 16 and client.idle_streams == 16  # one stream per call in flight
+    await round_of(16)
+    assert client.dials_ok == opened and client.streams_reused == 16
+    assert client.idle_streams == 16 and client.in_flight == 0
