@@ -6,6 +6,8 @@ Usage:  python benchmarks/bench_inference.py [--dsn DSN] [--requests-c1 2000]
                                              [--profile DIR] [--keep]
                                              [--concurrency 1,16] [--paths grpc,...]
                                              [--access-log all|errors|off]
+                                             [--backend-calls tunnel|grpc]
+                                             [--baseline-json PATH]
 
 The DSN (``--dsn``, else ``LOCALAI_TEST_DSN``, else ``postgresql://postgres@127.0.0.1:5432/
 postgres``) names a maintenance database on a server where this script may CREATE DATABASE: it
@@ -35,8 +37,10 @@ grpc-owner the same grpcio client -> the owner replica's gRPC bridge (its privat
 grpc-relay the same, through the *other* replica's bridge: its stream is relayed to the
            owner over a peer link, then the tunnel.  grpc-relay minus grpc-owner = the relay.
 http-owner ``POST /v1/completions`` at the owner: HTTP + JSON + the router (placement reads
-           in PostgreSQL) + the frontend's own gRPC client (``BridgedBackendClient``) +
-           the bridge and the tunnel.  The full path an OpenAI client sees.
+           in PostgreSQL) + the frontend's call (``--backend-calls tunnel``: one framed
+           request on a ``call`` stream, the worker making the gRPC call; ``grpc``: the
+           frontend's own gRPC client, ``BridgedBackendClient``, and the bridge) + the tunnel.
+           The full path an OpenAI client sees.
 http-relay the same at the other replica.
 ========== ============================================================================
 
@@ -63,6 +67,17 @@ columns say where a path's time goes even on a busy machine.  ``--profile DIR`` 
 frontends and the worker under cProfile, timed by the CPU time of the reactor thread
 (``time.thread_time``: what the main thread spends, not its waits), in ``DIR/<name>.prof``,
 written at their clean shutdown; profiling slows everything, do not quote those figures.
+
+How the replicas call the backend is ``--backend-calls`` (the frontends' option, default
+``tunnel``: one framed request on a ``call`` stream, the worker making the gRPC call; ``grpc``:
+the frontend's grpcio channel through its bridge, as before issue 25 §2).  One replica cannot
+run both, and a ``tunnel`` replica makes no bridge, so the two are measured as two runs in one
+sitting: first ``--backend-calls grpc --json grpc.json`` (which has the ``grpc-owner``
+reference), then ``--backend-calls tunnel --baseline-json grpc.json --paths
+grpc,http-owner,http-relay``.  The second run reports the issue's ratio (HTTP at the owner over
+gRPC through the owner's tunnel, c=16) against the first run's ``grpc-owner``, scaled by how the
+direct ``grpc`` baseline (measured in both runs) moved between them, so a machine that got
+busier in between does not flatter or blame either path.
 
 This is a script, not a test: it asserts nothing, but prints whether the targets of
 ``docs/benchmarks.md`` ("Inference") are met.  Every process it started is reaped (SIGTERM,
@@ -478,7 +493,9 @@ class Bench:
 
     def _frontend_options(self) -> list[str]:
         access_log = getattr(self.args, "access_log", None)  # bench_streaming has no such option
-        return ["--access-log", access_log] if access_log else []
+        options = ["--access-log", access_log] if access_log else []
+        backend_calls = getattr(self.args, "backend_calls", None)
+        return options + (["--backend-calls", backend_calls] if backend_calls else [])
 
     def start_frontend(self, name: str, models_dir: str) -> dict:
         port = free_port()
@@ -669,12 +686,15 @@ def setup(bench: Bench, model_options: tuple[str, ...] = ()) -> dict:
         bench.backend_pid = backends[-1].pid
         bench.backend_token = backend_token(bench.backend_pid)
     targets = {
-        "grpc": ("grpc", address),
-        "grpc-owner": ("grpc", "unix:" + bridge_socket(owner_fe, node_id, backend_port)),
-        "grpc-relay": ("grpc", "unix:" + bridge_socket(relay_fe, node_id, backend_port)),
-        "http-owner": ("http", f"127.0.0.1:{owner_fe['port']}"),
-        "http-relay": ("http", f"127.0.0.1:{relay_fe['port']}"),
+        "grpc": lambda: ("grpc", address),
+        "grpc-owner": lambda: ("grpc", "unix:" + bridge_socket(owner_fe, node_id,
+                                                                backend_port)),
+        "grpc-relay": lambda: ("grpc", "unix:" + bridge_socket(relay_fe, node_id,
+                                                                backend_port)),
+        "http-owner": lambda: ("http", f"127.0.0.1:{owner_fe['port']}"),
+        "http-relay": lambda: ("http", f"127.0.0.1:{relay_fe['port']}"),
     }
+    targets = {path: make() for path, make in targets.items() if path in args.paths}
     for path in args.paths:
         kind, target = targets[path]
         bench.start_load(path, kind, target, identity)
@@ -728,6 +748,7 @@ def measure(bench: Bench, info: dict, path: str, concurrency: int, total: int) -
 def run(bench: Bench) -> dict:
     args = bench.args
     report = {"machine": machine(), "argv": sys.argv[1:], "loadavg_before": _loadavg(),
+              "backend_calls": args.backend_calls,
               "rounds": args.rounds, "warmup": args.warmup, "results": {}}
     info = setup(bench)
     report["cluster"] = {k: v for k, v in info.items() if k != "watched"}
@@ -785,7 +806,8 @@ def render(report: dict, rows: dict) -> str:
              f"Tunnel owner: {c['owner']}; relaying replica: {c['relay']}; backend "
              f"{c['backend_address']}.  Request: prompt of {len(PROMPT.split())} words, "
              f"max_tokens {MAX_TOKENS}.  {report['rounds']} interleaved rounds per "
-             f"concurrency, pooled; {report['warmup']} unrecorded requests before each round.",
+             f"concurrency, pooled; {report['warmup']} unrecorded requests before each round.  "
+             f"Replicas' --backend-calls: {report.get('backend_calls', 'tunnel')}.",
              "",
              "| path | c | requests | req/s | p50 ms | p99 ms | p50 added | added over |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -835,13 +857,25 @@ def render(report: dict, rows: dict) -> str:
                 added = row["p50_ms"] - ref["p50_ms"]
                 lines.append(f"- c={conc}: {goal}: {added:+.3f} ms -> "
                              f"{'met' if added < 1.0 else 'MISSED'}")
-    lines += _http_targets(rows)
+    lines += _http_targets(rows, report.get("baseline"))
     return "\n".join(lines)
 
 
-def _http_targets(rows: dict) -> list[str]:
-    """The HTTP path's targets (issue 15 section 2), where the run has the rows."""
+def _http_targets(rows: dict, baseline: dict | None = None) -> list[str]:
+    """The HTTP path's targets (issue 15 section 2, issue 25 section 2), where the run has the
+    rows; ``baseline`` is an earlier run's summary (``--baseline-json``) for ``grpc-owner``."""
     lines = []
+    if baseline and "grpc-owner@16" not in rows:
+        reference = baseline.get("grpc-owner@16")
+        then, now = baseline.get("grpc@16"), rows.get("grpc@16")
+        http16 = rows.get("http-owner@16")
+        if reference and http16 and then and now and reference["rps"] and then["rps"]:
+            drift = now["rps"] / then["rps"]
+            ratio = http16["rps"] / (reference["rps"] * drift)
+            lines.append(f"- HTTP at owner, c=16: {http16['rps']:.0f} req/s = {ratio:.2f}x gRPC "
+                         f"via owner bridge of the baseline run ({reference['rps']:.0f} req/s, "
+                         f"scaled by {drift:.2f}: the direct gRPC baseline's drift) (target >= "
+                         f"0.7x) -> {'met' if ratio >= 0.7 else 'MISSED'}")
     http1, grpc1 = rows.get("http-owner@1"), rows.get("grpc-owner@1")
     if http1:
         cpu = http1["cpu_us"].get("owner", float("nan"))
@@ -915,6 +949,12 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     parser.add_argument("--access-log", choices=("all", "errors", "off"),
                         help="the frontends' --access-log (default: theirs, all)")
+    parser.add_argument("--backend-calls", choices=("tunnel", "grpc"), default="tunnel",
+                        help="the frontends' --backend-calls (grpc-owner and grpc-relay need "
+                             "grpc: a tunnel replica makes no bridge)")
+    parser.add_argument("--baseline-json", metavar="PATH",
+                        help="a --backend-calls grpc run's --json: its grpc-owner row is the "
+                             "reference of this run's HTTP ratio")
     parser.add_argument("--role", choices=("load",), help=argparse.SUPPRESS)
     parser.add_argument("--kind", choices=("grpc", "http"), help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
@@ -929,6 +969,10 @@ def main() -> None:
     unknown = set(args.paths) - set(PATHS)
     if unknown:
         parser.error(f"unknown paths {sorted(unknown)}")
+    bridged = {"grpc-owner", "grpc-relay"} & set(args.paths)
+    if args.backend_calls == "tunnel" and bridged:
+        parser.error(f"paths {sorted(bridged)} need --backend-calls grpc (a replica calling "
+                     "backends on call streams makes no bridge to measure)")
 
     # SIGTERM (and SIGHUP) unwind like Ctrl-C, so the finally below always reaps.
     def interrupted(signum, frame):
@@ -953,6 +997,9 @@ def main() -> None:
         for problem in problems:
             print(f"# cleanup: {problem}", file=sys.stderr)
     rows = summarise(report)
+    if args.baseline_json:
+        with open(args.baseline_json) as f:
+            report["baseline"] = json.load(f).get("summary")
     print(render(report, rows))
     if args.json:
         report["summary"] = rows

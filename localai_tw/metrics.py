@@ -143,8 +143,8 @@ class Hops:
 
     def calling(self, bridge=None) -> "Hops":
         """``with hops.calling(bridge):`` around the backend call: its time is ``backend``,
-        less the time ``bridge`` (a ``GrpcBridge``) took to open a tunnel stream when the call
-        had to open one (``tunnel``: through the relay when another replica holds the
+        less the time ``bridge`` (a ``GrpcBridge``, or a ``TunnelBackendClient``, which opens a
+        stream for every call) took to open a tunnel stream when the call had to open one (``tunnel``: through the relay when another replica holds the
         worker's tunnel)."""
         self._bridge = bridge
         self._dials = getattr(bridge, "dials_ok", None)
@@ -163,6 +163,8 @@ class Hops:
             opened = min(elapsed, max(0.0, dialled))
             self.tunnel = (self.tunnel or 0.0) + opened
             elapsed -= opened
+            if self.first_token is not None:  # within ``backend``: the stream opened first
+                self.first_token = max(0.0, self.first_token - opened)
         self.backend = (self.backend or 0.0) + elapsed
 
     def as_dict(self) -> dict[str, float]:

@@ -277,6 +277,14 @@ class BackendSupervisor(Service):
                 return record.grpc_token
         return None
 
+    def client_for_port(self, port: int) -> BackendClient | None:
+        """The gRPC client of the live backend on ``port`` (None when no live process has
+        that port, or it has no address yet): a ``call`` stream's backend."""
+        for record in self._live.values():
+            if record.port == port and not record.ended:
+                return record._client
+        return None
+
     def client(self, name: str) -> BackendClient:
         record = self.find(name, include_ended=False)
         if record._client is None:

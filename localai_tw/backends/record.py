@@ -137,11 +137,27 @@ class BackendClient:
         self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = backend_pb2_grpc.BackendStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+        self._raw: dict[tuple[str, bool], Any] = {}
 
     def call(self, method: str, request, timeout: float | None) -> defer.Deferred:
         future = getattr(self._stub, method).future(request, timeout=timeout,
                                                     metadata=self._metadata)
         return deferred_from_future(self._reactor, future)
+
+    def raw(self, path: str, server_streaming: bool):
+        """The multi-callable for ``path`` that takes and returns serialized bytes as they are
+        (a ``call`` tunnel stream's body, ``worker/backendcalls.py``); made once per method."""
+        key = (path, server_streaming)
+        callable_ = self._raw.get(key)
+        if callable_ is None:
+            make = self._channel.unary_stream if server_streaming else self._channel.unary_unary
+            callable_ = self._raw[key] = make(path)
+        return callable_
+
+    @property
+    def metadata(self):
+        """The call metadata carrying this backend's own token."""
+        return self._metadata
 
     def close(self) -> None:
         self._channel.close()

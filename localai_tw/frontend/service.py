@@ -242,6 +242,9 @@ class ReplicaConfig:
     #: ``frontend/inference/prefix_index.py``).
     prefix_cache: bool = True
     prefix_cache_ttl: float = 300.0
+    #: How backend calls travel (``--backend-calls``): ``tunnel`` (one framed request on a
+    #: kept-alive ``call`` stream) or ``grpc`` (grpcio through a bridge)
+    backend_calls: str = "tunnel"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], version: str, health_interval: float,
@@ -281,7 +284,8 @@ class ReplicaConfig:
             else None,
             allow_private_downloads=bool(options.get("allow-private-downloads")),
             prefix_cache=bool(_option(options, "distributed-prefix-cache", True)),
-            prefix_cache_ttl=float(_option(options, "distributed-prefix-cache-ttl", 300.0)))
+            prefix_cache_ttl=float(_option(options, "distributed-prefix-cache-ttl", 300.0)),
+            backend_calls=str(_option(options, "backend-calls", "tunnel")))
 
 
 # -- the replica -------------------------------------------------------------------------------
@@ -476,11 +480,14 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     worker_http = WorkerHTTPClient(dialer, reactor)
     # Control calls carry each node's own control token, never the registration token.
     control = ControlClient(worker_http, reactor=reactor, token_for=nodes.control_token)
-    # gRPC calls carry each backend process's own token, asked of its worker over the
+    # Backend calls go as one framed request on a ``call`` stream (the worker attaches the
+    # backend's token); bridged gRPC calls (``--backend-calls grpc``, or a worker too old for
+    # ``call`` streams) carry each backend process's own token, asked of its worker over the
     # control channel; the registration token only for a worker too old to tell it.
     backend_clients = BackendClients(
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
-        config.registration_token or None, control=control)
+        config.registration_token or None, control=control, dialer=dialer,
+        mode=config.backend_calls)
     catalog = ModelCatalog(config.models_dir)
     use = ModelUse(db, reactor, metrics=metrics)
     # Chat and completion calls go where their prompt's head is warm; what each replica

@@ -249,6 +249,12 @@ SETTINGS = (
     config.value("distributed-prefix-cache-ttl", "LOCALAI_DISTRIBUTED_PREFIX_CACHE_TTL",
                  "How long a prompt prefix is remembered after it was last served.",
                  default="5m", parse=config.parse_duration),
+    config.value("backend-calls", "LOCALAI_BACKEND_CALLS",
+                 "How this replica calls backends on workers: 'tunnel', one framed request on "
+                 "a kept-alive tunnel stream, the worker making the gRPC call (a worker too old for it is "
+                 "called the other way); 'grpc', grpcio through a local bridge onto a tunnel "
+                 "stream, as before (docs/operators.md).",
+                 default="tunnel", parse=config.choice_parser("tunnel", "grpc")),
     config.repeatable("preload-models", "LOCALAI_PRELOAD_MODELS",
                       "Model name to load at start on a node the scheduler picks, once "
                       "workers are connected (as with preload: true in its YAML); the "

@@ -2,7 +2,8 @@
 
 Every stream a frontend opens to a worker starts with one *request frame* naming what the stream
 is for (``"<tag> <target>"``) and the worker always answers with one *reply frame* (``ok`` or
-``err <code> <text>``) before the carried protocol (HTTP, gRPC) starts.  A stream relayed through
+``err <code> <text>``) before the carried protocol (HTTP, gRPC, or the framed backend call of a
+``call`` stream, ``backends/callframes.py``) starts.  A stream relayed through
 the owning replica is preceded by a *relay request* (``"<node> <lane> <budget-ms>"``) answered by
 ``relay-ok`` or ``err relay-<code> <text>``.  All four share one framing: a 2-byte big-endian
 length and a payload of at most 1024 bytes.
@@ -42,6 +43,8 @@ HEADER_SIZE = _LENGTH.size
 
 TAG_HTTP = "http"
 TAG_GRPC = "grpc"
+#: one backend call in frames of ``backends/callframes.py`` (the worker makes the gRPC call)
+TAG_CALL = "call"
 
 ACCEPTED = "ok"
 
@@ -218,7 +221,7 @@ def _parse_refusal(payload: str, codes, what: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class StreamRequest:
-    """What a stream is for: ``tag`` (``http``, ``grpc``, ...) and its ``target``."""
+    """What a stream is for: ``tag`` (``http``, ``grpc``, ``call``, ...) and its ``target``."""
 
     tag: str
     target: str

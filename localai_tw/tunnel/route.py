@@ -96,15 +96,21 @@ class WorkerDialer:
         self._lane = lane
 
     def open(self, node_id: str, tag: str, target: str, protocol,
-             deadline: float | None = None) -> defer.Deferred:
+             deadline: float | None = None, *, early: bytes = b"",
+             lasting: bool = False) -> defer.Deferred:
         """Open a ``tag`` stream to ``node_id`` and connect ``protocol`` to it after ``ok``.
 
         Fires with ``protocol`` (connected, owning the stream), or fails with one condition of
         the table above.  ``deadline`` is absolute on the reactor clock.  Cancelling aborts
         whatever is in flight (``CallerDeadlineExceeded`` if the deadline passed by then).
+        ``early``: bytes of the carried protocol sent right behind the request frame
+        (``handshake.PreambleClient``).  ``lasting``: the stream outlives this caller's
+        deadline (a pooled ``call`` stream): a relayed one states no budget (0) in its relay
+        frame; ``deadline`` still bounds the opening.
         """
         preamble.encode_request(tag, target)  # a bad tag or target is the caller's bug: raise now
-        opening = defer.ensureDeferred(self._open(node_id, tag, target, protocol, deadline))
+        opening = defer.ensureDeferred(self._open(node_id, tag, target, protocol, deadline,
+                                                  early, lasting))
         timer = None
         if deadline is not None:
             remaining = deadline - self.reactor.seconds()
@@ -130,12 +136,12 @@ class WorkerDialer:
                 f"opening a {tag} stream to worker {node_id}"))
         return failure
 
-    async def _open(self, node_id, tag, target, protocol, deadline):
+    async def _open(self, node_id, tag, target, protocol, deadline, early=b"", lasting=False):
         if self._deadline_passed(deadline):
             raise errors.CallerDeadlineExceeded(f"opening a {tag} stream to worker {node_id}")
         if self._registry.holds(node_id):
             try:
-                return await self._local(node_id, tag, target, protocol, deadline)
+                return await self._local(node_id, tag, target, protocol, deadline, early)
             except NotHeldHere:
                 pass  # detached this very moment: ask the database who holds it now
         try:
@@ -156,22 +162,27 @@ class WorkerDialer:
         if self._pool is None:
             raise errors.WorkerUnroutable(
                 node_id, f"held by replica {ownership.owner_id}, and no relay path is configured")
-        return await self._relayed(node_id, ownership.owner_id, tag, target, protocol, deadline)
+        return await self._relayed(node_id, ownership.owner_id, tag, target, protocol, deadline,
+                                   early, lasting)
 
-    async def _local(self, node_id, tag, target, protocol, deadline):
+    async def _local(self, node_id, tag, target, protocol, deadline, early=b""):
         client = PreambleClient(node_id, tag, target, protocol, self.reactor, deadline,
-                                backstop=self._backstop)
+                                backstop=self._backstop, early=early)
         try:
             self._registry.open_stream(node_id, client)
         except TunnelUnavailable as e:
             raise errors.WorkerUnroutable(node_id, str(e), e) from e
         return await client.whenReady()
 
-    async def _relayed(self, node_id, owner_id, tag, target, protocol, deadline):
+    async def _relayed(self, node_id, owner_id, tag, target, protocol, deadline, early=b"",
+                       lasting=False):
         remaining = None if deadline is None else deadline - self.reactor.seconds()
         budget = preamble.budget_ms(remaining)  # CallerDeadlineExceeded when already spent
+        if lasting:
+            budget = 0  # "stated none": the stream carries later calls with their own deadlines
         client = PreambleClient(node_id, tag, target, protocol, self.reactor, deadline,
-                                relay=(owner_id, self._lane, budget), backstop=self._backstop)
+                                relay=(owner_id, self._lane, budget), backstop=self._backstop,
+                                early=early)
         try:
             await self._pool.open_stream(owner_id, client)
         except PeerNotLive as e:

@@ -64,6 +64,7 @@ from localai_tw.worker.registration import (
 )
 from localai_tw.worker.scratch import ScratchArea
 from localai_tw.worker.staging import FileStaging, StagingRoots
+from localai_tw.worker.backendcalls import BackendCalls
 from localai_tw.worker.streams import StreamRouter
 
 log = Logger()
@@ -496,6 +497,8 @@ def makeWorkerService(options: Mapping[str, Any], reactor=None) -> MultiService:
     worker = WorkerService(options, reactor, verbs=verbs,
                            running_backends=supervisor.running_backends)
     supervisor.setServiceParent(worker)
+    # ``call`` streams: backend calls the worker makes with the supervisor's own clients
+    worker.router.backend_calls = BackendCalls(supervisor, reactor or worker.reactor)
     if backends.directory is not None and worker.staging is not None:
         # backends installed from a frontend's backend gallery (worker/backend_install.py)
         from localai_tw.worker.backend_install import register_backend_install_verbs

@@ -10,6 +10,11 @@ with one reply frame before the carried protocol starts:
   frontend can never make the worker connect anywhere but loopback), refuse a port outside the
   backend port range with ``bad-request``, connect to ``127.0.0.1:<port>``, answer ``ok`` and
   splice the stream with the connection; bytes that followed the frame go to the backend first.
+- ``call``: one backend call in frames (``backends/callframes.py``): the port is checked as for
+  ``grpc``; with no live backend on it the stream is refused ``unavailable`` (what the loopback
+  connect of ``grpc`` answers then), else ``ok`` and the stream goes to
+  :class:`~localai_tw.worker.backendcalls.CallStreamProtocol`, which makes the call with the
+  worker's own client of that backend.
 - any other tag: ``unknown-tag``.
 
 A frame that does not arrive within :data:`HEADER_TIMEOUT_SECONDS` is answered ``not-served``
@@ -49,6 +54,7 @@ from localai_tw.logs import RateLimitedLog
 from localai_tw.splice import HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
 from localai_tw.web.sockets import set_no_delay
+from localai_tw.worker.backendcalls import BackendCalls, CallStreamProtocol
 from localai_tw.worker.httpserve import serve_http_on_transport
 
 log = Logger()
@@ -252,6 +258,8 @@ class WorkerStreamProtocol(HandoffProtocol):
                 self._serveControl(leftover)
             elif request.tag == preamble.TAG_GRPC:
                 self._connectBackend(request.target, leftover)
+            elif request.tag == preamble.TAG_CALL:
+                self._serveCall(request.target, leftover)
             else:
                 self._refuse(preamble.UNKNOWN_TAG,
                              f"this worker does not serve tag {request.tag[:64]!r}")
@@ -327,6 +335,25 @@ class WorkerStreamProtocol(HandoffProtocol):
                                 callbackArgs=(port,), errbackArgs=(port,))
         connecting.addErrback(self._internalError, "answering the backend connect")
 
+    # -- call -----------------------------------------------------------------------------------
+
+    def _serveCall(self, target: str, leftover: bytes) -> None:
+        try:
+            port = backend_port(target, self.router.backend_ports)
+        except BadTarget as e:
+            self._refuse(preamble.BAD_REQUEST, str(e))
+            return
+        calls = self.router.backend_calls
+        client = calls.client_for(port) if calls is not None else None
+        if client is None:
+            # What the grpc path's loopback connect answers when nothing listens there.
+            self._refuse(preamble.UNAVAILABLE, f"connecting to {BACKEND_HOST}:{port} failed: "
+                                               "no backend process listens on that port")
+            return
+        self.phase = StreamPhase.CARRYING
+        self.transport.write(preamble.encode_accepted())
+        self.handOff(CallStreamProtocol(calls, client, port), leftover)
+
     def _hold(self, data: bytes) -> None:
         if not data:
             return
@@ -401,6 +428,7 @@ class StreamRouter:
         reactor=None,
         *,
         connect_backend: BackendConnector | None = None,
+        backend_calls: BackendCalls | None = None,
         header_timeout: float = HEADER_TIMEOUT_SECONDS,
         connect_timeout: float = BACKEND_CONNECT_TIMEOUT_SECONDS,
     ):
@@ -412,6 +440,9 @@ class StreamRouter:
         self.header_timeout = header_timeout
         self.connect_timeout = connect_timeout
         self.connect_backend = connect_backend or self._connectLoopback
+        #: the backends ``call`` streams reach (set once the supervisor exists; None on an
+        #: agent worker, whose ``call`` streams are all refused ``unavailable``)
+        self.backend_calls = backend_calls
         #: A frontend opening stream after stream that is refused gets a few lines and a count.
         self.refusals = RateLimitedLog(
             "refused {count} tunnel streams with {source} in the last {seconds:g} s "

@@ -39,8 +39,9 @@ def _health(address: str, token: str):
 async def test_every_backend_process_has_its_own_token_and_refuses_the_cluster_one(cluster):
     for name in ("one", "two"):
         cluster.write_model(f"{name}.yaml", ECHO.format(name=name))
-    a = await cluster.frontend("replica-a")
-    b = await cluster.frontend("replica-b")
+    # the tokens a replica learns are the bridged gRPC path's (``call`` streams carry none)
+    a = await cluster.frontend("replica-a", **{"backend-calls": "grpc"})
+    b = await cluster.frontend("replica-b", **{"backend-calls": "grpc"})
     worker = await cluster.worker("w1", a)
     for name in ("one", "two"):
         reply = await a.replica.inference.predict(name, backend_pb2.PredictOptions(Prompt="x"))

@@ -1,4 +1,5 @@
-"""The gRPC bridge with a real worker: Health through it; a route failure (tunnel gone) is
+"""The gRPC bridge (``--backend-calls grpc``, and the fallback for older workers) with a real
+worker: Health through it; a route failure (tunnel gone) is
 recorded and raised as its condition; a stopped backend behind a live tunnel is the worker's
 answer (StreamRefused ``unavailable``); a backend status is a BackendAnswer; streams keep order
 and backpressure and are cancellable; bridges leave no socket behind."""
@@ -31,7 +32,7 @@ async def test_health_through_the_bridge_and_a_backend_status_is_its_answer(clus
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
     port = await started_backend(frontend, worker.node_id)
-    client = frontend.replica.backend_clients.client(worker.node_id, port)
+    client = frontend.replica.backend_clients.bridged(worker.node_id, port)
     bridge = client.bridge
     mode = stat.S_IMODE(os.stat(os.path.dirname(bridge.socket_path)).st_mode)
     assert mode == 0o700
@@ -50,7 +51,7 @@ async def test_a_stopped_backend_behind_a_live_tunnel_is_the_workers_answer(clus
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
     port = await started_backend(frontend, worker.node_id)
-    client = frontend.replica.backend_clients.client(worker.node_id, port)
+    client = frontend.replica.backend_clients.bridged(worker.node_id, port)
     assert (await client.call("Health", backend_pb2.HealthMessage())).message == b"OK"
     stopped = await frontend.replica.control.call(worker.node_id, "backend.stop", {"model": "m"},
                                           timeout=30)
@@ -68,7 +69,7 @@ async def test_with_the_tunnel_gone_the_call_fails_with_the_route_condition(clus
     frontend = await cluster.frontend("replica-a", **{"reconnect-grace": 1.0})
     worker = await cluster.worker("w1", frontend)
     port = await started_backend(frontend, worker.node_id)
-    client = frontend.replica.backend_clients.client(worker.node_id, port)
+    client = frontend.replica.backend_clients.bridged(worker.node_id, port)
     assert (await client.call("Health", backend_pb2.HealthMessage())).message == b"OK"
     # Drop the HTTP/2 connection so the next call needs a new stream, then take the worker
     # away: its tunnel goes and nothing redials it.
@@ -76,7 +77,7 @@ async def test_with_the_tunnel_gone_the_call_fails_with_the_route_condition(clus
     await worker.stopService()
     await eventually(lambda: not frontend.replica.tunnels.holds(worker.node_id), timeout=20)
 
-    client = frontend.replica.backend_clients.client(worker.node_id, port)
+    client = frontend.replica.backend_clients.bridged(worker.node_id, port)
     with pytest.raises(errors.AbsentWithinGrace):
         await client.call("Health", backend_pb2.HealthMessage(),
                           deadline=reactor.seconds() + 10)
@@ -104,7 +105,7 @@ async def test_streams_keep_order_wait_for_the_consumer_and_cancel(cluster):
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
     port = await started_backend(frontend, worker.node_id)
-    client = frontend.replica.backend_clients.client(worker.node_id, port)
+    client = frontend.replica.backend_clients.bridged(worker.node_id, port)
     loaded = await client.call("LoadModel", backend_pb2.ModelOptions(Model="m"))
     assert loaded.success
 
@@ -137,8 +138,8 @@ async def test_forget_and_close_remove_the_sockets(cluster):
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
     port = await started_backend(frontend, worker.node_id)
-    bridge = frontend.replica.backend_clients.client(worker.node_id, port).bridge
-    other = frontend.replica.backend_clients.client("some-other-node", 40000).bridge
+    bridge = frontend.replica.backend_clients.bridged(worker.node_id, port).bridge
+    other = frontend.replica.backend_clients.bridged("some-other-node", 40000).bridge
     assert os.path.exists(bridge.socket_path) and os.path.exists(other.socket_path)
     await frontend.replica.backend_clients.forget(worker.node_id)
     assert not os.path.exists(bridge.socket_path) and bridge.closed
@@ -155,7 +156,7 @@ async def test_a_call_cut_by_closing_the_client_is_a_transport_failure(cluster):
     frontend = await cluster.frontend("replica-a")
     worker = await cluster.worker("w1", frontend)
     port = await started_backend(frontend, worker.node_id)
-    client = frontend.replica.backend_clients.client(worker.node_id, port)
+    client = frontend.replica.backend_clients.bridged(worker.node_id, port)
     assert (await client.call("LoadModel", backend_pb2.ModelOptions(Model="m"))).success
     first = defer.Deferred()
     streaming = client.stream(

@@ -66,7 +66,8 @@ def back(worker) -> None:
 @pytest_twisted.ensureDeferred
 async def test_a_dead_workers_channel_never_redials_and_closes_with_its_placement(cluster):
     cluster.write_model("m.yaml", "name: m\nbackend: echo\n")
-    frontend = await cluster.frontend("replica-a")
+    # the bridged gRPC path's channel (``call`` streams hold no channel to redial)
+    frontend = await cluster.frontend("replica-a", **{"backend-calls": "grpc"})
     worker = await cluster.worker("w1", frontend)
     node, port = await loaded(cluster, frontend, "m")
     clients = frontend.replica.backend_clients

@@ -1,4 +1,9 @@
-"""gRPC calls from the frontend to a backend on a worker, through that backend's bridge.
+"""gRPC calls from the frontend to a backend on a worker, through that backend's bridge, and
+:class:`BackendClients`, which picks each (node, port)'s client.
+
+By default (``--backend-calls tunnel``) a call is one framed request on a ``call`` tunnel
+stream (``tunnelcalls.py``: no grpcio, no HTTP/2 in the frontend); the bridged client here
+serves ``--backend-calls grpc`` and workers too old for ``call`` streams.
 
 :class:`BridgedBackendClient` holds one grpcio channel to ``unix:<bridge socket>`` (see
 ``grpcbridge.py``) and makes ``backend.Backend`` calls without ever blocking the reactor:
@@ -68,6 +73,7 @@ from localai_tw import errors
 from localai_tw.backends import backend_pb2_grpc
 from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.grpcoptions import CLIENT_OPTIONS
+from localai_tw.frontend.inference.tunnelcalls import TunnelBackendClient
 
 log = Logger()
 
@@ -173,6 +179,11 @@ class BridgedBackendClient:
         self._tokens = tokens
         self._metadata = _bearer(auth_token)
         self.closed = False
+
+    @property
+    def route(self):
+        """What a request's trace reads its tunnel hop from (``metrics.Hops.calling``)."""
+        return self.bridge
 
     @property
     def _stub(self) -> backend_pb2_grpc.BackendStub:
@@ -327,11 +338,23 @@ class BridgedBackendClient:
                 channel.close()
 
 
+#: How the frontend reaches backends (``--backend-calls``): ``tunnel``, one framed request on a
+#: ``call`` stream (``tunnelcalls.py``; an older worker through the bridge), or ``grpc``, every
+#: call through the bridge.
+BACKEND_CALL_MODES = ("tunnel", "grpc")
+
+
 class BackendClients:
-    """One :class:`BridgedBackendClient` per (node, port), over :class:`GrpcBridges`."""
+    """One client per (node, port): a :class:`~localai_tw.frontend.inference.tunnelcalls.
+    TunnelBackendClient` (``mode`` ``tunnel``, the default), else a
+    :class:`BridgedBackendClient` over :class:`GrpcBridges` -- also the fallback of a tunnel
+    client for a worker that refuses ``call`` streams (remembered per node: ``old_nodes``)."""
 
     def __init__(self, bridges, reactor, auth_token: str | None = None,
-                 default_timeout: float = DEFAULT_CALL_TIMEOUT, *, control=None):
+                 default_timeout: float = DEFAULT_CALL_TIMEOUT, *, control=None,
+                 dialer=None, mode: str = "tunnel"):
+        if mode not in BACKEND_CALL_MODES:
+            raise ValueError(f"backend call mode must be one of {BACKEND_CALL_MODES}: {mode!r}")
         self.bridges = bridges
         self._reactor = reactor
         self._token = auth_token
@@ -339,11 +362,39 @@ class BackendClients:
         #: with a ``ControlClient``: each backend's own token, asked of its worker
         self.tokens = BackendTokens(control, auth_token) if control is not None else None
         self.stream_threads = StreamThreads(reactor)
-        self._clients: dict[tuple[str, int], BridgedBackendClient] = {}
+        #: ``tunnel`` needs the ``WorkerDialer``; without one every call is bridged
+        self._dialer = dialer
+        self.mode = mode if dialer is not None else "grpc"
+        #: nodes whose worker refused a ``call`` stream (``unknown-tag``): bridged from now on
+        self.old_nodes: set[str] = set()
+        #: idle ``call`` streams per node, over its clients (``tunnelcalls.py`` bounds it)
+        self.idle_by_node: dict[str, int] = {}
+        self._clients: dict[tuple[str, int], Any] = {}
+        self._bridged: dict[tuple[str, int], BridgedBackendClient] = {}
 
-    def client(self, node_id: str, port: int) -> BridgedBackendClient:
+    def client(self, node_id: str, port: int):
         key = (node_id, int(port))
         existing = self._clients.get(key)
+        if existing is not None and not existing.closed:
+            bridge = getattr(existing, "bridge", None)
+            if bridge is None or not bridge.closed:
+                return existing
+        if existing is not None:
+            existing.close()
+        if self.mode == "tunnel":
+            client = TunnelBackendClient(
+                self._dialer, node_id, int(port), self._reactor, self._default_timeout,
+                fallback=lambda: self.bridged(node_id, port), old_nodes=self.old_nodes,
+                idle_by_node=self.idle_by_node)
+        else:
+            client = self.bridged(node_id, port)
+        self._clients[key] = client
+        return client
+
+    def bridged(self, node_id: str, port: int) -> BridgedBackendClient:
+        """The gRPC client of (node, port) through its bridge (made on first use)."""
+        key = (node_id, int(port))
+        existing = self._bridged.get(key)
         if existing is not None and not existing.closed and not existing.bridge.closed:
             return existing
         if existing is not None:
@@ -351,10 +402,10 @@ class BackendClients:
         bridge = self.bridges.bridge(node_id, port)
         client = BridgedBackendClient(bridge, self._reactor, self.stream_threads, self._token,
                                       self._default_timeout, tokens=self.tokens)
-        self._clients[key] = client
+        self._bridged[key] = client
         return client
 
-    def open_clients(self) -> dict[tuple[str, int], BridgedBackendClient]:
+    def open_clients(self) -> dict[tuple[str, int], Any]:
         """The clients open now, by (node, port) (a copy)."""
         return {key: c for key, c in self._clients.items() if not c.closed}
 
@@ -366,22 +417,26 @@ class BackendClients:
     def drop(self, node_id: str, port: int) -> defer.Deferred:
         # (the token stays known: a backend started on that port later has another one,
         # which the first call refused UNAUTHENTICATED learns)
-        client = self._clients.pop((node_id, int(port)), None)
-        if client is not None:
-            client.close()
+        for clients in (self._clients, self._bridged):
+            client = clients.pop((node_id, int(port)), None)
+            if client is not None:
+                client.close()
         return self.bridges.drop(node_id, port)
 
     def forget(self, node_id: str) -> defer.Deferred:
         if self.tokens is not None:
             self.tokens.forget(node_id)
-        for key in [k for k in self._clients if k[0] == node_id]:
-            self._clients.pop(key).close()
+        self.old_nodes.discard(node_id)  # it may come back upgraded
+        for clients in (self._clients, self._bridged):
+            for key in [k for k in clients if k[0] == node_id]:
+                clients.pop(key).close()
         return self.bridges.forget(node_id)
 
     def close(self) -> defer.Deferred:
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
+        for clients in (self._clients, self._bridged):
+            for client in clients.values():
+                client.close()
+            clients.clear()
         self.stream_threads.stop()
         return self.bridges.close()
 

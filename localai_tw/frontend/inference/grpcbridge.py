@@ -1,5 +1,8 @@
 """Private local bridges that let grpcio reach a backend through a worker's tunnel.
 
+Used for ``--backend-calls grpc`` and for workers too old for ``call`` streams (the default path
+is ``tunnelcalls.py``, which needs no bridge).
+
 grpcio cannot take a custom dialer: a channel connects to an address it resolves itself.  So
 each (node, backend port) gets a :class:`GrpcBridge`: a Unix socket in a 0700 directory of this
 replica, and every connection grpcio makes to it is joined (:class:`~localai_tw.splice.Splice`)

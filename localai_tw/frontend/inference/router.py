@@ -376,7 +376,7 @@ class InferenceRouter:
                        if self.use is not None else None)
             hops = current_hops()
             try:
-                with hops.calling(getattr(client, "bridge", None)):
+                with hops.calling(getattr(client, "route", None)):
                     value = await self._crash_told(placement, call(client, request, deadline))
             except errors.BackendCrashed as e:
                 # The worker says the process died under the call: its row goes (the model
