@@ -9,7 +9,9 @@ The server runs in this process on its reactor (the main thread): a ``BoundedSit
 policies of the real route table (``apply_policies``: the API-key guard decided when the
 headers end, the ``/v1`` body caps, the early answer shapes), ``/v1`` and its unprefixed
 aliases mounted as ``Wiring`` mounts them (``OpenAIResource`` with a real ``ReplicaMetrics``
-and an API key), and the access log as ``--access-log`` says.  **The backend is a stub**: a
+and an API key), and the access log as ``--access-log`` says, through the
+log observer a plugin's ``twistd`` uses (a text file observer behind the ``--log-level``
+filter, ``localai_tw/logs.py``).  **The backend is a stub**: a
 router that answers ``predict`` / ``predict_stream`` at once with a fixed ``Reply`` (the
 placement, the database and the backend client are not in the figure; they belong to
 ``bench_inference.py``).  So the figure is what the frontend spends between the socket and
@@ -223,9 +225,12 @@ def main() -> None:
     from twisted.logger import globalLogBeginner, textFileLogObserver
     import localai_tw
 
-    # As twistd does: a text observer on a file (the access log's lines go there).
+    # As a twistd plugin does (localai_tw/logs.py): a text observer on a file behind the
+    # --log-level filter; the access log's lines go there.
+    from localai_tw.logs import DEFAULT_LEVEL, level_filter
     log_file = open(args.log_file, "a", encoding="utf-8")
-    globalLogBeginner.beginLoggingTo([textFileLogObserver(log_file)],
+    globalLogBeginner.beginLoggingTo([level_filter(textFileLogObserver(log_file),
+                                                   DEFAULT_LEVEL)],
                                      redirectStandardIO=False)
     site = build_site(args.access_log)
     port = reactor.listenTCP(0, site, interface="127.0.0.1").getHost().port
