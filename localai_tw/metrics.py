@@ -432,6 +432,8 @@ class ReplicaMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
+        #: ``labels()`` children of the per-request metrics (:meth:`_child`).
+        self._children: dict = {}
         self._path_of: Callable[[str], str] = lambda node: "owner"
         #: Called with every finished request as ``(record, status, nodes, path, ended)``
         #: (``ended``: ``time.monotonic()``), after the metrics: the trace ring
@@ -519,18 +521,31 @@ class ReplicaMetrics:
 
     # -- recording ---------------------------------------------------------------------------
 
+    def _child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, kept per (metric, labels): ``labels()`` costs a lock
+        and several checks per call, and every request records four or five.  The labels are
+        bounded (endpoints, configured model names, statuses), so is this cache, as
+        ``prometheus_client``'s own children are."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def _record(self, record: RequestRecord, status: str, nodes: list[str]) -> None:
         now = time.monotonic()
         endpoint, model = record.endpoint, record.model
         path = self._path_of(nodes[-1]) if nodes else "none"
-        self.requests.labels(endpoint, model, status, path).inc()
-        self.latency.labels(endpoint, model).observe(now - record.started)
+        child = self._child
+        child(self.requests, endpoint, model, status, path).inc()
+        child(self.latency, endpoint, model).observe(now - record.started)
         if record.first_reply is not None:
-            self.first_token.labels(endpoint, model).observe(record.first_reply - record.started)
+            child(self.first_token, endpoint, model).observe(
+                record.first_reply - record.started)
         if record.prompt_tokens:
-            self.tokens.labels(model, "in").inc(record.prompt_tokens)
+            child(self.tokens, model, "in").inc(record.prompt_tokens)
         if record.completion_tokens:
-            self.tokens.labels(model, "out").inc(record.completion_tokens)
+            child(self.tokens, model, "out").inc(record.completion_tokens)
         if isinstance(record.cause, errors.ClusterError):  # not a refused request (OpenAIError)
             self.errors.labels(endpoint, condition_label(record.cause)).inc()
         for listener in self.listeners:

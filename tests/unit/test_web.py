@@ -185,3 +185,16 @@ def test_cancelling_a_bounded_read_stops_reading():
     reading.addErrback(lambda f: f.trap(defer.CancelledError))
     reading.cancel()
     assert response.transport.stopped
+
+
+def test_a_key_checked_once_per_request_is_not_taken_by_another_guard_or_key():
+    """The guard remembers the caller it found on the request (the listener's header guard,
+    then the resource): that memory serves the same guard and key only."""
+    first, other = APIKeyGuard([SECRET]), APIKeyGuard(["another-key"])
+    request = request_with(b"Bearer s3cret")
+    assert first.caller(request) == first.caller(request)
+    with pytest.raises(Exception):
+        other.check_any(request)  # another guard compares the key itself
+    request.requestHeaders.setRawHeaders(b"authorization", [b"Bearer wrong"])
+    with pytest.raises(Exception):
+        first.check_any(request)  # another key on the same request is compared again

@@ -187,10 +187,18 @@ class APIKeyGuard:
 
         :raises APIError: 401 (as :meth:`check_any`)."""
         presented = self._presented(request)
+        known = getattr(request, "_localai_caller", None)
+        if known is not None and known[0] is self and known[1] == presented:
+            return known[2]  # the listener's header guard checked this very key already
         inference, admin = self._scopes(presented)
         if not (inference or admin):
             raise unauthorized("the API key is not valid")
-        return Caller(auth.digest(presented).hex(), admin or not self.scoped)
+        caller = Caller(auth.digest(presented).hex(), admin or not self.scoped)
+        try:  # checked once per request: the header guard, then the resource again
+            request._localai_caller = (self, presented, caller)
+        except AttributeError:  # a request object without a __dict__ (tests' doubles)
+            pass
+        return caller
 
     def _presented(self, request) -> str:
         if not self.configured:
