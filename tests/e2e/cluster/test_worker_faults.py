@@ -1,6 +1,7 @@
 """Issue 26 §1 and §2 with real ``twistd`` processes: what a worker fault leaves behind.
 
-- A killed worker's backend channel is not redialled by the replica with no call at all (it
+- A killed worker's backend channel (the bridged gRPC path, ``--backend-calls grpc``) is not
+  redialled by the replica with no call at all (it
   was: one tunnel dial and one ``dial failed`` line a second, forever), and once the worker
   restarted (its registration deleted the rows naming the old ports) the replica closes that
   channel.
@@ -51,7 +52,10 @@ def test_a_killed_workers_channel_is_not_redialled_and_closes_with_its_placement
     cluster = make_cluster()
     models_dir = cluster.workdir / "models"
     write_model(models_dir)
-    fe = cluster.start_frontend(extra_args=("--models-dir", str(models_dir)))
+    # The bridged gRPC path (grpcio's channel is what redialled); ``call`` streams open only
+    # for a call and are pooled per client (tests/unit/test_backend_call_streams.py).
+    fe = cluster.start_frontend(extra_args=("--models-dir", str(models_dir),
+                                            "--backend-calls", "grpc"))
     worker = cluster.start_worker(0, name="crashy")
     node_id = cluster.wait_registered(worker)
     cluster.wait_owned(worker, by=fe)
