@@ -4,6 +4,8 @@ grpcio's synchronous stubs offer ``.future()``: the call runs on grpcio's own th
 future completes there.  :func:`deferred_from_future` hands the outcome back to the reactor
 thread with ``callFromThread``; cancelling the Deferred cancels the RPC.  Nothing here waits on a
 thread, and nothing here classifies errors: callers decide what a status means.
+:func:`next_stream_item` is the one blocking read of a server stream's next item, for the
+threads that read streams (the frontend's bridged client, the worker's ``call`` streams).
 """
 
 from __future__ import annotations
@@ -30,3 +32,15 @@ def deferred_from_future(reactor, future) -> defer.Deferred:
 
     future.add_done_callback(lambda done: reactor.callFromThread(deliver, done))
     return result
+
+
+#: What :func:`next_stream_item` answers after a stream's last item.
+STREAM_END = object()
+
+
+def next_stream_item(iterator):
+    """The stream's next item, or :data:`STREAM_END`; blocks, so only on a reading thread."""
+    try:
+        return next(iterator)
+    except StopIteration:
+        return STREAM_END

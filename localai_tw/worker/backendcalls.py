@@ -42,7 +42,7 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from localai_tw.backends import callframes
-from localai_tw.backends.grpcfuture import deferred_from_future
+from localai_tw.backends.grpcfuture import STREAM_END, deferred_from_future, next_stream_item
 
 log = Logger()
 
@@ -53,16 +53,6 @@ REQUEST_TIMEOUT_SECONDS = 120.0
 #: backend's next item, i.e. for most of a generation; not while the tunnel has no room).  The
 #: streams of every replica share them: a stream beyond this many waits for a thread.
 STREAM_THREADS = 128
-
-_END = object()
-
-
-def _next_item(iterator):
-    try:
-        return next(iterator)
-    except StopIteration:
-        return _END
-
 
 class BackendCalls:
     """What a ``call`` stream needs of the worker: the client of the backend on a port (from
@@ -84,7 +74,7 @@ class BackendCalls:
             self._pool = ThreadPool(1, self._size, name="localai-backend-calls")
             self._pool.start()
             self.reactor.addSystemEventTrigger("during", "shutdown", self.stop)
-        return threads.deferToThreadPool(self.reactor, self._pool, _next_item, iterator)
+        return threads.deferToThreadPool(self.reactor, self._pool, next_stream_item, iterator)
 
     def stop(self) -> None:
         pool, self._pool = self._pool, None
@@ -229,7 +219,7 @@ class CallStreamProtocol(Protocol):
             if not self._current(call):
                 return
             self._pending = None
-            if item is _END:
+            if item is STREAM_END:
                 self._answered(callframes.encode_status(0))
                 return
             self.transport.write(callframes.encode_message(item))

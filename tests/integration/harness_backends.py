@@ -1,6 +1,7 @@
 """Backends as real processes: the check that an optional extra is installed (skipped locally,
 failed in CI) and one gRPC call to a running backend (the transformers, bert-numpy and
-model-folder tests, and the cluster e2e suite's model files)."""
+model-folder tests, and the cluster e2e suite's model files), and an echo backend started on a
+worker through a replica's control channel (the call-stream and bridge route tests)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def call_backend(record, method, request):
         return getattr(backend_pb2_grpc.BackendStub(channel), method)(request, timeout=60)
     finally:
         channel.close()
+
+
+async def started_echo_backend(frontend, node_id, model="m", options=None) -> int:
+    """Start an ``echo`` backend on ``node_id`` through ``frontend``'s control channel; its
+    port."""
+    reply = await frontend.replica.control.call(node_id, "backend.start",
+                                                {"backend": "echo", "model": model,
+                                                 "options": options or {}}, timeout=60)
+    assert reply["success"], reply
+    return int(reply["address"].rsplit(":", 1)[1])

@@ -17,15 +17,8 @@ from localai_tw.frontend.inference.tunnelcalls import TunnelBackendClient
 from localai_tw.tunnel import preamble
 from localai_tw.worker import streams
 
+from .harness_backends import started_echo_backend as started_backend
 from .support import eventually
-
-
-async def started_backend(frontend, node_id, model="m", options=None):
-    reply = await frontend.replica.control.call(node_id, "backend.start",
-                                                {"backend": "echo", "model": model,
-                                                 "options": options or {}}, timeout=60)
-    assert reply["success"], reply
-    return int(reply["address"].rsplit(":", 1)[1])
 
 
 async def loaded(client, **options):

@@ -16,15 +16,8 @@ from twisted.internet import defer, reactor, task
 from localai_tw import errors
 from localai_tw.backends import backend_pb2
 
+from .harness_backends import started_echo_backend as started_backend
 from .support import eventually
-
-
-async def started_backend(frontend, node_id, model="m", options=None):
-    reply = await frontend.replica.control.call(node_id, "backend.start",
-                                        {"backend": "echo", "model": model,
-                                         "options": options or {}}, timeout=60)
-    assert reply["success"], reply
-    return int(reply["address"].rsplit(":", 1)[1])
 
 
 @pytest_twisted.ensureDeferred

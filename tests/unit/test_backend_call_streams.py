@@ -18,6 +18,7 @@ from twisted.internet.protocol import Protocol
 
 from localai_tw import errors
 from localai_tw.backends import backend_pb2, callframes
+from localai_tw.backends.grpcfuture import STREAM_END
 from localai_tw.config import PortRange
 from localai_tw.frontend.inference import tunnelcalls
 from localai_tw.frontend.inference.tunnelcalls import TunnelBackendClient
@@ -231,7 +232,7 @@ def test_a_slow_consumer_stops_the_workers_item_reads():
         pending = [d for d in h.calls.reads if not d.called]
         pending[0].callback(item)
         h.flush()
-    [d for d in h.calls.reads if not d.called][0].callback(backendcalls._END)
+    [d for d in h.calls.reads if not d.called][0].callback(STREAM_END)
     h.flush()
     assert len(seen) == served + 3
     assert result == [None] and not call["stream"].cancelled
@@ -448,7 +449,7 @@ def test_sequential_calls_reuse_one_stream():
     h.flush()
     h.calls.reads[0].callback(backend_pb2.Reply(message=b"a").SerializeToString())
     h.flush()
-    h.calls.reads[1].callback(backendcalls._END)
+    h.calls.reads[1].callback(STREAM_END)
     h.flush()
     assert third == [None] and [i.message for i in items] == [b"a"]
     fourth = outcome(h.client.call("Health", backend_pb2.HealthMessage()))

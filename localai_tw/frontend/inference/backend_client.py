@@ -71,7 +71,7 @@ from twisted.python.threadpool import ThreadPool
 
 from localai_tw import errors
 from localai_tw.backends import backend_pb2_grpc
-from localai_tw.backends.grpcfuture import deferred_from_future
+from localai_tw.backends.grpcfuture import STREAM_END, deferred_from_future, next_stream_item
 from localai_tw.backends.grpcoptions import CLIENT_OPTIONS
 from localai_tw.frontend.inference.tunnelcalls import TunnelBackendClient
 
@@ -140,16 +140,6 @@ class StreamThreads:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.stop()
-
-
-_END = object()
-
-
-def _next_item(iterator):
-    try:
-        return next(iterator)
-    except StopIteration:
-        return _END
 
 
 class BridgedBackendClient:
@@ -291,10 +281,10 @@ class BridgedBackendClient:
             call = state["call"] = getattr(self._stub, method)(request, timeout=timeout,
                                                                metadata=metadata)
             while True:
-                item = await self._threads.run(_next_item, call)
+                item = await self._threads.run(next_stream_item, call)
                 if result.called:
                     return
-                if item is _END:
+                if item is STREAM_END:
                     return
                 outcome = on_item(item)
                 if isinstance(outcome, defer.Deferred) or hasattr(outcome, "__await__"):
