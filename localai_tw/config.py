@@ -738,3 +738,13 @@ def parse_path(raw: str, option: str) -> str:
     if not text:
         raise _fail(option, "must not be blank")
     return os.path.abspath(os.path.expanduser(text))
+
+
+def parse_directory(raw: str, option: str) -> str:
+    """An existing directory, made absolute (``~`` expanded)."""
+    if not raw.strip():
+        raise _fail(option, "must not be blank")
+    path = os.path.abspath(os.path.expanduser(raw.strip()))
+    if not os.path.isdir(path):
+        raise _fail(option, f"{path} is not a directory")
+    return path

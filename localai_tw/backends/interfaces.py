@@ -97,6 +97,21 @@ def refresh_plugin_paths(package) -> None:
             package.__path__.append(path)
 
 
+def add_plugin_directories(paths: Iterable[str], package=None) -> list[str]:
+    """``--plugin-dir``: append each directory of drop-in modules to ``package``'s ``__path__``
+    (default ``localai_tw.plugins``, where backend factories and job kinds are discovered)
+    unless it is there already, so an operator needs no ``PYTHONPATH``; returns those added.
+    Called before anything is discovered."""
+    if package is None:
+        import localai_tw.plugins as package
+    added = []
+    for path in paths:
+        if path not in package.__path__:
+            package.__path__.append(path)
+            added.append(path)
+    return added
+
+
 def iter_factory_plugins(packages: Iterable | None = None):
     """Yield ``(factory, module name)`` for every factory plugin in ``packages`` (default:
     ``localai_tw.plugins`` then ``twisted.plugins``).

@@ -37,6 +37,7 @@ from twisted.web.resource import Resource
 
 from localai_tw import config
 from localai_tw.backends.directory import check_external_backends, parse_external_backend
+from localai_tw.backends.interfaces import add_plugin_directories
 from localai_tw.db.service import DatabaseService, DatabaseServiceStopped
 from localai_tw.tunnel.peertls import parse_ca_file as peer_ca_file
 
@@ -249,6 +250,10 @@ SETTINGS = (
     config.value("distributed-prefix-cache-ttl", "LOCALAI_DISTRIBUTED_PREFIX_CACHE_TTL",
                  "How long a prompt prefix is remembered after it was last served.",
                  default="5m", parse=config.parse_duration),
+    config.repeatable("plugin-dir", "LOCALAI_PLUGIN_DIRS",
+                      "A directory of drop-in plugin modules (backend factories, job kinds), "
+                      "scanned like localai_tw/plugins (docs/backends.md).",
+                      parse=config.parse_directory),
     config.value("backend-calls", "LOCALAI_BACKEND_CALLS",
                  "How this replica calls backends on workers: 'tunnel', one framed request on "
                  "a kept-alive tunnel stream, the worker making the gRPC call (a worker too old for it is "
@@ -452,6 +457,7 @@ def makeService(options: Options) -> MultiService:
     from localai_tw import logs
 
     gc.set_threshold(*GC_THRESHOLDS)
+    add_plugin_directories(options["plugin-dir"])  # before any plugin discovery
 
     logs.quiet_grpc_core()  # before the inference core imports grpc
     from localai_tw.frontend.localworker import LocalWorkerService

@@ -19,6 +19,7 @@ from twisted.python import usage
 
 from localai_tw import config
 from localai_tw.backends.directory import check_external_backends, parse_external_backend
+from localai_tw.backends.interfaces import add_plugin_directories
 
 log = Logger()
 
@@ -43,6 +44,10 @@ SETTINGS = (
     config.value("registration-token-file", "LOCALAI_REGISTRATION_TOKEN_FILE",
                  "File holding the registration token (one trailing newline is ignored).",
                  parse=config.parse_secret_file),
+    config.repeatable("plugin-dir", "LOCALAI_PLUGIN_DIRS",
+                      "A directory of drop-in plugin modules (backend factories, job kinds), "
+                      "scanned like localai_tw/plugins (docs/backends.md).",
+                      parse=config.parse_directory),
     config.flag("allow-remote-code", "LOCALAI_ALLOW_REMOTE_CODE",
                 "Let backends run a model's own Python code (transformers' trust_remote_code). "
                 "Off by default: a config asking for it fails to load on this worker."),
@@ -160,6 +165,7 @@ def makeService(options: Options) -> MultiService:
     from localai_tw.worker.service import makeWorkerService
 
     warn_if_unencrypted(options["register-to"])
+    add_plugin_directories(options["plugin-dir"])  # before any plugin discovery
     worker = logs.LevelledMultiService.from_options(options)
     config.ConfigurationReport(PROGRAM, options, ignored=["nats-url"]).setServiceParent(worker)
     makeWorkerService(options).setServiceParent(worker)

@@ -239,26 +239,31 @@ class Cluster:
         self.upstreams: list[tuple[str, int]] = []
         self._db = None
         self._closed = False
-        #: A directory put first on every process's PYTHONPATH (drop-in plugins), or None.
-        self.plugin_path: Path | None = None
+        #: The drop-in plugin directory every frontend and worker is given (``--plugin-dir``,
+        #: as an operator adds one), or None: :meth:`install_plugin` makes it.
+        self.plugin_dir: Path | None = None
         OPEN_CLUSTERS.append(self)
 
     # -- starting ----------------------------------------------------------------------------
 
-    def _environment(self) -> dict:
-        env = user_environment(PYTHONUNBUFFERED="1")
-        if self.plugin_path is not None:
-            # The operator's way to add a drop-in plugin (localai_tw/plugins/__init__.py):
-            # that directory alone, never the checkout.
-            env["PYTHONPATH"] = str(self.plugin_path)
-        return env
+    def install_plugin(self, module: str, source: str) -> None:
+        """Write a drop-in plugin module that the processes started from now on load, given
+        with ``--plugin-dir`` as an operator does (the user's environment: no PYTHONPATH)."""
+        self.plugin_dir = self.workdir / "plugins"
+        self.plugin_dir.mkdir(exist_ok=True)
+        (self.plugin_dir / f"{module}.py").write_text(source)
 
     def _spawn(self, name: str, code: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
         log_path = self.workdir / f"{name}.log"
+        if self.plugin_dir is not None:
+            for command in ("localai-frontend", "localai-worker"):
+                if command in args:
+                    at = args.index(command) + 1
+                    args = [*args[:at], "--plugin-dir", str(self.plugin_dir), *args[at:]]
         with open(log_path, "w") as log_file:
             popen = subprocess.Popen([sys.executable, "-c", code] + args, cwd=self.workdir,
-                                     env=self._environment(), stdout=log_file,
-                                     stderr=subprocess.STDOUT)
+                                     env=user_environment(PYTHONUNBUFFERED="1"),
+                                     stdout=log_file, stderr=subprocess.STDOUT)
         return popen, log_path
 
     def start_frontend(self, *, grace: str | None = None, require_approval: bool = False,

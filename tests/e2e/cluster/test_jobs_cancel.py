@@ -56,13 +56,6 @@ PLUGIN = textwrap.dedent('''
 ''')
 
 
-def _install_plugin(cluster) -> None:
-    plugins = cluster.workdir / "dropins" / "localai_tw" / "plugins"
-    plugins.mkdir(parents=True)
-    (plugins / "e2e_block_jobs.py").write_text(PLUGIN)
-    cluster.plugin_path = cluster.workdir / "dropins"
-
-
 def _job(cluster, fe, job_id):
     answer = cluster.admin(fe, "GET", f"/api/jobs/{job_id}")
     assert answer.status == 200, (answer.status, answer.body)
@@ -71,7 +64,7 @@ def _job(cluster, fe, job_id):
 
 def test_a_job_running_behind_one_replica_is_cancelled_through_the_other(make_cluster):
     cluster = make_cluster()
-    _install_plugin(cluster)
+    cluster.install_plugin("e2e_block_jobs", PLUGIN)
     f0 = cluster.start_frontend()
     f1 = cluster.start_frontend()
     agent = cluster.start_agent(prefer=0)

@@ -47,13 +47,6 @@ PLUGIN = textwrap.dedent('''
 ''')
 
 
-def _install_plugin(cluster) -> None:
-    plugins = cluster.workdir / "dropins" / "localai_tw" / "plugins"
-    plugins.mkdir(parents=True)
-    (plugins / "e2e_jobs.py").write_text(PLUGIN)
-    cluster.plugin_path = cluster.workdir / "dropins"
-
-
 def _job(cluster, fe, job_id):
     answer = cluster.admin(fe, "GET", f"/api/jobs/{job_id}")
     assert answer.status == 200, (answer.status, answer.body)
@@ -62,7 +55,7 @@ def _job(cluster, fe, job_id):
 
 def test_the_replica_driving_a_job_is_killed_the_job_is_reaped_and_runs_again(make_cluster):
     cluster = make_cluster()
-    _install_plugin(cluster)
+    cluster.install_plugin("e2e_jobs", PLUGIN)
     f0 = cluster.start_frontend()
     f1 = cluster.start_frontend()
     agent = cluster.start_agent(prefer=1)
