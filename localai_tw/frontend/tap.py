@@ -64,24 +64,23 @@ def _whole(raw: str, option: str) -> int:
     return number
 
 
-def _heartbeat_batch(raw: str, option: str) -> float:
-    """``--heartbeat-batch``: a duration of at most ``MAX_HEARTBEAT_BATCH`` (a beat is written
-    that much later at most; a longer wait would eat into the stale threshold)."""
-    seconds = config.parse_duration(raw, option)
-    if seconds > MAX_HEARTBEAT_BATCH:
-        raise usage.UsageError(f"{option}: at most {MAX_HEARTBEAT_BATCH:g}s (a heartbeat waits "
-                               f"that long for its statement at most), not {raw!r}")
-    return seconds
+def _duration_at_most(maximum: float, why: str):
+    """A duration parser refusing more than ``maximum`` seconds, saying ``why``."""
+    def parse(raw: str, option: str) -> float:
+        seconds = config.parse_duration(raw, option)
+        if seconds > maximum:
+            raise usage.UsageError(f"{option}: at most {maximum:g}s ({why}), not {raw!r}")
+        return seconds
+    return parse
 
 
-def _tunnel_liveness(raw: str, option: str) -> float:
-    """``--tunnel-liveness``: a duration of at most ``MAX_TUNNEL_LIVENESS`` (a held tunnel's
-    heartbeat must stay far inside the 90 s stale threshold)."""
-    seconds = config.parse_duration(raw, option)
-    if seconds > MAX_TUNNEL_LIVENESS:
-        raise usage.UsageError(f"{option}: at most {MAX_TUNNEL_LIVENESS:g}s (a held tunnel's "
-                               f"heartbeat is that old at most before the next), not {raw!r}")
-    return seconds
+#: ``--heartbeat-batch``: a beat is written that much later at most; a longer wait would eat
+#: into the stale threshold.
+_heartbeat_batch = _duration_at_most(
+    MAX_HEARTBEAT_BATCH, "a heartbeat waits that long for its statement at most")
+#: ``--tunnel-liveness``: a held tunnel's heartbeat must stay far inside the 90 s threshold.
+_tunnel_liveness = _duration_at_most(
+    MAX_TUNNEL_LIVENESS, "a held tunnel's heartbeat is that old at most before the next")
 
 
 def _model_name(raw: str, option: str) -> str:

@@ -122,10 +122,8 @@ class BackendGalleryResource(AdminResource):
         body = read_json_object(request)
         refuse_sources(body)
         reject_unknown_fields(body, ("id", "force"))
-        wanted = body.get("id")
-        if not isinstance(wanted, str) or not wanted or len(wanted) > 512:
-            raise bad_request("'id' must name a backend gallery entry (gallery@name or name; "
-                              "GET /backends/available lists them)", field="id")
+        wanted = _entry_name(body, "id", "gallery@name or name; GET /backends/available "
+                                         "lists them")
         force = force_field(body)
         try:
             job_id = await self._gallery.apply_backend(wanted, force=force)
@@ -187,10 +185,7 @@ class NodeBackends:
         body = read_json_object(request)
         refuse_sources(body)
         reject_unknown_fields(body, ("backend", "force"))
-        wanted = body.get("backend")
-        if not isinstance(wanted, str) or not wanted or len(wanted) > 512:
-            raise bad_request("'backend' must name a backend gallery entry (GET "
-                              "/backends/available lists them)", field="backend")
+        wanted = _entry_name(body, "backend", "GET /backends/available lists them")
         force = force_field(body)
         self._installs()
         try:
@@ -217,3 +212,11 @@ class NodeBackends:
                 raise APIError(404, text, "not_found")
             raise APIError(409, text, "backend_not_deleted")
         return 200, {"id": node.id, "message": "backend deleted", **result}
+
+
+def _entry_name(body: dict, field: str, hint: str) -> str:
+    """The backend gallery entry a request's ``field`` names (a bounded, non-empty string)."""
+    wanted = body.get(field)
+    if not isinstance(wanted, str) or not wanted or len(wanted) > 512:
+        raise bad_request(f"'{field}' must name a backend gallery entry ({hint})", field=field)
+    return wanted

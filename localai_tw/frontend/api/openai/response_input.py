@@ -369,21 +369,11 @@ def read_request(body: Fields) -> ResponseRequest:
     for label in ("user", "safety_identifier", "prompt_cache_key"):
         body.string(label)
     metadata = _metadata(body)
-    chat: dict[str, Any] = {"model": model}
-    if tools is not None:
-        chat["tools"] = tools
-    if tool_choice is not None:
-        chat["tool_choice"] = tool_choice
-    if parallel is not None:
-        chat["parallel_tool_calls"] = parallel
-    if response_format is not None:
-        chat["response_format"] = response_format
-    if temperature is not None:
-        chat["temperature"] = temperature
-    if top_p is not None:
-        chat["top_p"] = top_p
-    if max_output is not None:
-        chat["max_tokens"] = max_output
+    given = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel,
+             "response_format": response_format, "temperature": temperature, "top_p": top_p,
+             "max_tokens": max_output}
+    chat: dict[str, Any] = {"model": model,
+                            **{key: value for key, value in given.items() if value is not None}}
     echo = {
         "instructions": instructions, "max_output_tokens": max_output,
         "parallel_tool_calls": True if parallel is None else parallel,
