@@ -4,7 +4,7 @@ the same yamux over WebSocket in Go (hashicorp/yamux on gorilla/websocket) side 
 Usage:  python benchmarks/bench_transport.py [--mib 256] [--mem-mib 64] [--rounds 2000]
                                              [--transports tcp,yamux,ws] [--json PATH]
                                              [--profile DIR] [--bulk-budget KiB]
-                                             [--auto-window KiB]
+                                             [--auto-window KiB] [--go-ws-buffer BYTES]
 
 One run measures, on 127.0.0.1, for each transport:
 
