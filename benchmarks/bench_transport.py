@@ -588,6 +588,12 @@ def build_go(cache_dir: str = GO_BIN_DIR) -> tuple[str | None, str | None]:
         partial = f"{target}.{os.getpid()}"
         shutil.copy2(out, partial)
         os.replace(partial, target)  # atomic: a concurrent run never sees half a binary
+    for stale in os.listdir(cache_dir):  # one binary per source version, not one per edit
+        if stale.startswith("gotransport-") and stale != os.path.basename(target):
+            try:
+                os.remove(os.path.join(cache_dir, stale))
+            except OSError:
+                pass
     return target, None
 
 
