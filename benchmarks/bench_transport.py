@@ -841,7 +841,7 @@ def render_against_go(report) -> list[str]:
     versions = report.get("go") or {}
     lines = ["", f"Against Go (issue 25 §3): Go {versions.get('go', '?')}, hashicorp/yamux "
              f"{versions.get('yamux', '?')}, gorilla/websocket {versions.get('gorilla', '?')} "
-             f"(buffers {report.get('go_ws_buffer') or 4096} bytes). Ratio Python/Go: "
+             f"(buffers {report.get('go_ws_buffer') or 4096} bytes; LocalAI's tunnel: 65536). Ratio Python/Go: "
              "MB/s Python / MB/s Go, and for the RTT p50 Go's / Python's, so in every row "
              "above 1 means Python is faster, 1 is parity, the goal is >= 0.6.", "",
              "| metric | Python yamux/WS | Go yamux/WS | Python/Go |"
@@ -908,9 +908,9 @@ def main() -> None:
                         help="comma-separated, from: " + ",".join(TRANSPORTS)
                         + " (go-ws: Go on both sides; go-ws-server: Go listener, Python "
                         "dialler; go-ws-client: Python listener, Go dialler)")
-    parser.add_argument("--go-ws-buffer", type=int, default=0,
+    parser.add_argument("--go-ws-buffer", type=int, default=65536,
                         help="gorilla/websocket read and write buffer of the Go side, bytes "
-                        "(0: gorilla's default, 4096)")
+                        "(default 65536, what LocalAI's tunnel sets; 0: gorilla's own 4096)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved runs; each figure is the best of them")
     parser.add_argument("--tests", default=ALL_TESTS,
