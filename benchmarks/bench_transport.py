@@ -1,9 +1,10 @@
-"""Benchmark of the transport core: raw Twisted TCP, yamux over TCP, yamux over WebSocket.
+"""Benchmark of the transport core: raw Twisted TCP, yamux over TCP, yamux over WebSocket, and
+the same yamux over WebSocket in Go (hashicorp/yamux on gorilla/websocket) side by side.
 
 Usage:  python benchmarks/bench_transport.py [--mib 256] [--mem-mib 64] [--rounds 2000]
                                              [--transports tcp,yamux,ws] [--json PATH]
                                              [--profile DIR] [--bulk-budget KiB]
-                                             [--auto-window KiB]
+                                             [--auto-window KiB] [--go-ws-buffer BYTES]
 
 One run measures, on 127.0.0.1, for each transport:
 
@@ -31,6 +32,17 @@ each peak RSS belongs to one transport and one size.  The server exits when its 
 registered on their transport: they write 64 KiB at a time and stop when paused, so the
 windows and the TCP buffers do the flow control; the script counts the pauses to show it.
 
+Go side by side (issue 25 §3): ``--transports tcp,ws,go-ws`` adds Go's yamux over WebSocket
+(``benchmarks/gotransport/main.go``: hashicorp/yamux on gorilla/websocket, one binary message per
+carrier write, the same command protocol, bearer token and 256 KiB window; yamux's and gorilla's
+defaults otherwise) in the same interleaved repetitions, and prints a table of Python yamux/WS
+against Go with the ratio Python/Go.  The mixed pairs ``go-ws-server`` (Go listener, Python
+dialler) and ``go-ws-client`` (Python listener, Go dialler) tell which side limits a direction.
+The Go program is built offline in GOPATH mode from Debian's packages (as ``tests/interop``
+builds its Go peer) and cached under ``benchmarks/gotransport/bin/``; without Go or those
+packages the script says how to install them (``bash .ci/install-interop-deps``) and runs the
+other transports.
+
 This is a script, not a test: it asserts nothing, but prints whether the targets of
 ``docs/benchmarks.md`` are met.  ``--profile DIR`` runs both sides under cProfile and writes
 ``DIR/<transport>-<mib>-<role>.prof`` (profiling slows everything; do not quote those figures).
@@ -50,8 +62,24 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-TRANSPORTS = ("tcp", "yamux", "ws")
-LABELS = {"tcp": "raw TCP", "yamux": "yamux/TCP", "ws": "yamux/WS"}
+TRANSPORTS = ("tcp", "yamux", "ws", "go-ws", "go-ws-server", "go-ws-client")
+LABELS = {"tcp": "raw TCP", "yamux": "yamux/TCP", "ws": "yamux/WS", "go-ws": "Go yamux/WS",
+          "go-ws-server": "Go listener + Py dialler", "go-ws-client": "Py listener + Go dialler"}
+#: which program plays (listener, dialler) for each transport; a Python side of a Go transport
+#: runs the "ws" code, so the mixed pairs also prove the two speak the same wire
+SIDES = {"tcp": ("py", "py"), "yamux": ("py", "py"), "ws": ("py", "py"),
+         "go-ws": ("go", "go"), "go-ws-server": ("go", "py"), "go-ws-client": ("py", "go")}
+PY_TRANSPORTS = ("tcp", "yamux", "ws")
+HERE = os.path.dirname(os.path.abspath(__file__))
+GO_DIR = os.path.join(HERE, "gotransport")
+GO_SRC = os.path.join(GO_DIR, "main.go")
+GO_BIN_DIR = os.path.join(GO_DIR, "bin")
+GOPATH = os.environ.get("LOCALAI_INTEROP_GOPATH", "/usr/share/gocode")
+GO_LIBRARIES = {"yamux": ("github.com/hashicorp/yamux", "golang-github-hashicorp-yamux-dev"),
+                "gorilla": ("github.com/gorilla/websocket",
+                            "golang-github-gorilla-websocket-dev")}
+GO_INSTALL_HINT = ("install them with `bash .ci/install-interop-deps` (as root: golang-go, "
+                   "golang-github-hashicorp-yamux-dev, golang-github-gorilla-websocket-dev)")
 CHUNK = 64 * 1024
 STREAMS = (1, 8)
 ALL_TESTS = "up-1,up-8,down-1,down-8,rtt"
@@ -157,6 +185,8 @@ def _protocols():
                     sender.start()
                     self._sender = sender
                     return
+            if self.stats is not None:
+                self.stats["bytes_received"] += len(data)
             if self._op == OP_UPLOAD:
                 self._left -= len(data)
                 if self._left == 0:
@@ -272,7 +302,7 @@ def run_server(args) -> None:
     from twisted.internet.protocol import Factory, Protocol
 
     _, ServerSide, _ = _protocols()
-    stats = {"server_pauses": 0}
+    stats = {"server_pauses": 0, "bytes_received": 0}
     ServerSide.stats = stats
 
     if args.transport == "tcp":
@@ -458,31 +488,130 @@ def _child_argv(args, role: str, transport: str, mib: int, extra=()) -> list[str
     return argv
 
 
+def _go_argv(args, role: str, mib: int, extra=()) -> list[str]:
+    return [args.go_binary, "-role", role, "-token", TOKEN, "-path", WS_PATH.decode(),
+            "-window", str(args.window), "-ws-buffer", str(args.go_ws_buffer), *extra]
+
+
+def _server_argv(args, transport: str, mib: int) -> list[str]:
+    if SIDES[transport][0] == "go":
+        return _go_argv(args, "server", mib)
+    return _child_argv(args, "server", transport if transport in PY_TRANSPORTS else "ws", mib)
+
+
+def _client_argv(args, transport: str, mib: int, port: int, pid: int) -> list[str]:
+    if SIDES[transport][1] == "go":
+        return _go_argv(args, "client", mib, (
+            "-port", str(port), "-server-pid", str(pid), "-mib", str(mib),
+            "-rounds", str(args.rounds), "-warmup", str(args.warmup), "-tests", args.tests))
+    return _child_argv(args, "client", transport if transport in PY_TRANSPORTS else "ws", mib,
+                       ("--port", str(port), "--server-pid", str(pid)))
+
+
 def run_pair(args, transport: str, mib: int) -> dict:
-    """One server and one client process for ``transport`` moving ``mib`` MiB per test."""
-    server = subprocess.Popen(_child_argv(args, "server", transport, mib),
+    """One listening and one dialling process for ``transport`` moving ``mib`` MiB per test;
+    both are reaped (killed if need be) before this returns, and their pids recorded."""
+    server = subprocess.Popen(_server_argv(args, transport, mib),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    client = None
     try:
         hello = json.loads(server.stdout.readline() or "null")
         if not hello:
             raise RuntimeError(f"the {transport} server did not start")
-        client = subprocess.run(
-            _child_argv(args, "client", transport, mib,
-                        ("--port", str(hello["port"]), "--server-pid", str(hello["pid"]))),
-            stdout=subprocess.PIPE, text=True, timeout=TEST_TIMEOUT * 6)
+        client = subprocess.Popen(_client_argv(args, transport, mib, hello["port"], hello["pid"]),
+                                  stdout=subprocess.PIPE, text=True)
+        out, _ = client.communicate(timeout=TEST_TIMEOUT * 6)
         if client.returncode != 0:
             raise RuntimeError(f"the {transport} client failed (exit {client.returncode})")
-        result = json.loads(client.stdout.strip().splitlines()[-1])
+        result = json.loads(out.strip().splitlines()[-1])
         server.stdin.close()
         tail = server.stdout.read()
         server.wait(timeout=30)
         server_stats = json.loads(tail.strip().splitlines()[-1])
     finally:
-        if server.poll() is None:
-            server.kill()
-        server.wait()
-    result["server"] = {"rss_ready_kib": hello["rss_ready_kib"], **server_stats}
+        for process in (client, server):
+            if process is not None:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+    result["client_pid"] = client.pid
+    result["server"] = {"rss_ready_kib": hello["rss_ready_kib"], "pid": server.pid,
+                        **server_stats}
     return result
+
+
+def build_go(cache_dir: str = GO_BIN_DIR) -> tuple[str | None, str | None]:
+    """Build ``gotransport/main.go`` offline in GOPATH mode against Debian's Go sources, as
+    tests/interop builds its Go peer; cached by a hash of the Go version and every source.
+    Returns (binary, None) or (None, why not), never raises for a missing toolchain."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    if shutil.which("go") is None:
+        return None, "`go` is not on PATH"
+    sources = []
+    for package, _deb in GO_LIBRARIES.values():
+        folder = os.path.join(GOPATH, "src", package)
+        found = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else ())
+                       if f.endswith(".go"))
+        if not found:
+            return None, f"the Go sources of {package} are missing ({folder})"
+        sources += [os.path.join(folder, f) for f in found]
+    env = dict(os.environ, GO111MODULE="off", GOPATH=GOPATH, GOFLAGS="", GOPROXY="off",
+               GOTOOLCHAIN="local", GOCACHE=os.path.join(cache_dir, ".gocache"),
+               CGO_ENABLED="0")
+    try:
+        version = subprocess.run(["go", "version"], env=env, capture_output=True, text=True,
+                                 timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"`go version` failed: {e}"
+    if version.returncode != 0:
+        return None, f"`go version` failed: {version.stderr.strip()}"
+    digest = hashlib.sha256(version.stdout.encode())
+    for path in [GO_SRC, *sources]:
+        with open(path, "rb") as f:
+            digest.update(path.encode() + b"\0" + f.read())
+    target = os.path.join(cache_dir, f"gotransport-{digest.hexdigest()[:16]}")
+    if os.access(target, os.X_OK):
+        return target, None
+    os.makedirs(cache_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gotransport-build-") as tmp:
+        out = os.path.join(tmp, "gotransport")
+        try:
+            build = subprocess.run(["go", "build", "-o", out, GO_SRC], cwd=GO_DIR, env=env,
+                                   capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"`go build` failed: {e}"
+        if build.returncode != 0:
+            return None, f"`go build` failed:\n{(build.stdout + build.stderr)[-2000:]}"
+        partial = f"{target}.{os.getpid()}"
+        shutil.copy2(out, partial)
+        os.replace(partial, target)  # atomic: a concurrent run never sees half a binary
+    for stale in os.listdir(cache_dir):  # one binary per source version, not one per edit
+        if stale.startswith("gotransport-") and stale != os.path.basename(target):
+            try:
+                os.remove(os.path.join(cache_dir, stale))
+            except OSError:
+                pass
+    return target, None
+
+
+def go_versions() -> dict:
+    versions = {"go": "?"}
+    try:
+        versions["go"] = subprocess.run(["go", "version"], capture_output=True, text=True,
+                                        timeout=60).stdout.split()[2]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    for name, (_package, deb) in GO_LIBRARIES.items():
+        try:
+            versions[name] = subprocess.run(
+                ["dpkg-query", "-W", "-f=${Version}", deb], capture_output=True, text=True,
+                timeout=30).stdout.strip() or "?"
+        except (OSError, subprocess.SubprocessError):
+            versions[name] = "?"
+    return versions
 
 
 def machine() -> dict:
@@ -510,12 +639,25 @@ def coordinate(args) -> dict:
     if transports[0] != "tcp" and "tcp" in transports:
         transports.remove("tcp")
         transports.insert(0, "tcp")
+    go_wanted = [t for t in transports if SIDES[t] != ("py", "py")]
+    go = None
+    if go_wanted:
+        args.go_binary, why = build_go()
+        if args.go_binary is None:
+            print(f"# skipping {', '.join(go_wanted)}: the Go side cannot be built: {why}\n"
+                  f"# {GO_INSTALL_HINT}", file=sys.stderr, flush=True)
+            transports = [t for t in transports if t not in go_wanted]
+            if not transports:
+                raise SystemExit("bench_transport.py: no transport left to run")
+        else:
+            go = go_versions()
     sizes = sorted({args.mem_mib, args.mib}) if args.mem_mib else [args.mib]
     from localai_tw.mux.session import SessionConfig
 
     args.frame = args.frame or SessionConfig().max_frame_size
     report = {"machine": machine(), "argv": sys.argv[1:], "mib": args.mib, "sizes": sizes,
               "window_kib": args.window, "frame": args.frame, "repeat": args.repeat,
+              "go": go, "go_ws_buffer": args.go_ws_buffer,
               "loadavg_before": _loadavg(), "runs": {}}
     # Repetitions are interleaved, so a burst of load from elsewhere hits every transport
     # alike rather than all the repetitions of one.
@@ -658,13 +800,15 @@ def render(report) -> str:
             lines.append(cells)
 
     pauses = []
-    for t in present:
+    for t in [t for t in present if t in PY_TRANSPORTS]:
         tests = _tests(report, t, mib)
         server = report["runs"][f"{t}-{mib}"][-1]["server"]
         pauses.append(f"{LABELS[t]}: dialler sender paused {tests['up-1']['sender_pauses']} + "
                       f"{tests['up-8']['sender_pauses']} times, listener senders "
                       f"{server['server_pauses']} times")
-    lines += ["", "Flow control exercised: " + "; ".join(pauses) + "."]
+    if pauses:
+        lines += ["", "Flow control exercised: " + "; ".join(pauses) + "."]
+    lines += render_against_go(report)
 
     if base and "ws" in present:
         ws = _tests(report, "ws", mib)
@@ -686,6 +830,66 @@ def render(report) -> str:
     return "\n".join(lines)
 
 
+def render_against_go(report) -> list[str]:
+    """The side-by-side table of issue 25 §3: Python yamux/WS against Go yamux/WS (and the
+    mixed pairs, when run), ratio Python/Go; empty unless both ws and go-ws ran."""
+    mib = report["mib"]
+    py, go = _tests(report, "ws", mib), _tests(report, "go-ws", mib)
+    if not (py and go):
+        return []
+    mixed = [t for t in ("go-ws-server", "go-ws-client") if _tests(report, t, mib)]
+    versions = report.get("go") or {}
+    lines = ["", f"Against Go (issue 25 §3): Go {versions.get('go', '?')}, hashicorp/yamux "
+             f"{versions.get('yamux', '?')}, gorilla/websocket {versions.get('gorilla', '?')} "
+             f"(buffers {report.get('go_ws_buffer') or 4096} bytes; LocalAI's tunnel: 65536). Ratio Python/Go: "
+             "MB/s Python / MB/s Go, and for the RTT p50 Go's / Python's, so in every row "
+             "above 1 means Python is faster, 1 is parity, the goal is >= 0.6.", "",
+             "| metric | Python yamux/WS | Go yamux/WS | Python/Go |"
+             + "".join(f" {LABELS[t]} |" for t in mixed),
+             "|---|---:|---:|---:|" + "---:|" * len(mixed)]
+    worst = None
+    for direction, name in (("up", "up (worker -> frontend)"),
+                            ("down", "down (frontend -> worker)")):
+        for streams in STREAMS:
+            test = f"{direction}-{streams}"
+            ratio = py[test]["mb_per_s"] / go[test]["mb_per_s"]
+            worst = ratio if worst is None else min(worst, ratio)
+            lines.append(f"| {name}, {streams} stream{'s' if streams > 1 else ''}, MB/s | "
+                         f"{py[test]['mb_per_s']:.0f} | {go[test]['mb_per_s']:.0f} | "
+                         f"{ratio:.2f}x |" + "".join(
+                             f" {_tests(report, t, mib)[test]['mb_per_s']:.0f} |"
+                             for t in mixed))
+    ratio = go["rtt"]["rtt_p50_us"] / py["rtt"]["rtt_p50_us"]
+    worst = min(worst, ratio)
+    lines.append(f"| 1-byte RTT p50, us (ratio Go/Python) | {py['rtt']['rtt_p50_us']:.0f} | "
+                 f"{go['rtt']['rtt_p50_us']:.0f} | {ratio:.2f}x |" + "".join(
+                     f" {_tests(report, t, mib)['rtt']['rtt_p50_us']:.0f} |" for t in mixed))
+    lines += ["", "CPU ns per byte moved (us per round trip for rtt), dialler / listener:", "",
+              "| test | Python yamux/WS | Go yamux/WS | Python/Go dialler | Python/Go listener |"
+              + "".join(f" {LABELS[t]} |" for t in mixed),
+              "|---|---:|---:|---:|---:|" + "---:|" * len(mixed)]
+
+    def cost(r, test):
+        n = r["rounds_total"] / 1e6 if test == "rtt" else r["bytes"] / 1e9
+        return r["cpu_client"] * r["seconds"] / n, r["cpu_server"] * r["seconds"] / n
+
+    for test in [f"{d}-{s}" for d in ("up", "down") for s in STREAMS] + ["rtt"]:
+        fmt = "{:.0f}" if test == "rtt" else "{:.2f}"
+        (pd, pl), (gd, gl) = cost(py[test], test), cost(go[test], test)
+        def ratio(a, b):  # CPU times come in clock ticks: a short run may show none
+            return f"{a / b:.1f}x" if b else "-"
+
+        cells = (f"| {test} | {fmt.format(pd)} / {fmt.format(pl)} | {fmt.format(gd)} / "
+                 f"{fmt.format(gl)} | {ratio(pd, gd)} | {ratio(pl, gl)} |")
+        for t in mixed:
+            md, ml = cost(_tests(report, t, mib)[test], test)
+            cells += f" {fmt.format(md)} / {fmt.format(ml)} |"
+        lines.append(cells)
+    lines += ["", f"- Python yamux/WS >= 0.6x Go on every row: worst {worst:.2f}x "
+              f"-> {'met' if worst >= 0.6 else 'MISSED'}"]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="MiB moved per bulk test")
@@ -700,7 +904,13 @@ def main() -> None:
                         help="yamux bulk bytes in flight per session, KiB (0: no limit)")
     parser.add_argument("--auto-window", type=int, default=0,
                         help="yamux receive-window auto-tuning ceiling per stream, KiB (0: off)")
-    parser.add_argument("--transports", default="tcp,yamux,ws")
+    parser.add_argument("--transports", default="tcp,yamux,ws",
+                        help="comma-separated, from: " + ",".join(TRANSPORTS)
+                        + " (go-ws: Go on both sides; go-ws-server: Go listener, Python "
+                        "dialler; go-ws-client: Python listener, Go dialler)")
+    parser.add_argument("--go-ws-buffer", type=int, default=65536,
+                        help="gorilla/websocket read and write buffer of the Go side, bytes "
+                        "(default 65536, what LocalAI's tunnel sets; 0: gorilla's own 4096)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="interleaved runs; each figure is the best of them")
     parser.add_argument("--tests", default=ALL_TESTS,
@@ -714,6 +924,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.warmup >= args.rounds:
         parser.error("--warmup must be below --rounds")
+    unknown = [t for t in args.transports.split(",") if t and t not in TRANSPORTS]
+    if unknown or not args.transports.strip(","):
+        parser.error(f"--transports: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {','.join(TRANSPORTS)}")
 
     if args.role == "server":
         run_server(args)
