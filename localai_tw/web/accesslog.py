@@ -25,12 +25,18 @@ import re
 from typing import Any
 
 from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.logger import Logger
+
+log = Logger()
 
 #: Seconds a line may wait for the others of its batch.
 FLUSH_DELAY = 0.05
 #: Characters held at most before the batch is written at once (a few hundred lines; request
 #: targets are bounded by twisted.web's 16 KiB head).
 MAX_BUFFERED_CHARS = 64 * 1024
+
+#: Seconds between two reports of failed writes (a full disk fails every batch).
+FAILURE_REPORT_INTERVAL = 60.0
 
 #: Bytes that make a field need the slow, escaping path: anything outside printable ASCII,
 #: the double quote (the field delimiter) and the backslash (the escape character).
@@ -81,6 +87,9 @@ class AccessLog:
         self._held_chars = 0
         self._call = None
         self._stopped = False
+        #: Lines a failed write dropped (a full disk, a closed file), since the last report.
+        self.dropped = 0
+        self._reported: float | None = None
 
     def add(self, text: str) -> None:
         """One line; written within :data:`FLUSH_DELAY` (at once once stopped)."""
@@ -100,9 +109,20 @@ class AccessLog:
         if not self._held:
             return
         framed = "".join(self._held)
+        count = len(self._held)
         self._held.clear()
         self._held_chars = 0
-        self.sink.write(framed)
+        try:
+            self.sink.write(framed)
+        except Exception:
+            # Not retried: held lines stay bounded.  Told at most once a minute, through the
+            # log's other path (which may well fail the same way; it is the one left).
+            self.dropped += count
+            now = self._clock.seconds()
+            if self._reported is None or now - self._reported >= FAILURE_REPORT_INTERVAL:
+                log.failure("writing access lines to the log file failed; {dropped} line(s) "
+                            "dropped", dropped=self.dropped)
+                self._reported, self.dropped = now, 0
 
     def start(self) -> None:
         """Hold lines for a batch again (the listener started again)."""

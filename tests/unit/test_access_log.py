@@ -141,3 +141,29 @@ def test_access_log_off_writes_nothing():
     clock.advance(1)
     site.stopFactory()
     assert sink.writes == []
+
+
+def test_a_failing_log_file_drops_its_batch_and_says_so_once_a_minute():
+    from twisted.logger import globalLogPublisher
+
+    class Full(Sink):
+        def write(self, framed):
+            raise OSError(28, "No space left on device")
+
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        clock = task.Clock()
+        access = AccessLog(clock, Full(), delay=0.05)
+        for second in range(3):
+            access.add("a")
+            access.add("b")
+            clock.advance(0.05)
+        clock.advance(60)
+        access.add("c")
+        clock.advance(0.05)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    told = [e for e in events if "access lines" in e.get("log_format", "")]
+    assert [e["dropped"] for e in told] == [2, 5]  # the first batch, then the four since + c
+    assert access._held == [] and clock.getDelayedCalls() == []
