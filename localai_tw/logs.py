@@ -15,6 +15,11 @@ default keeps every file).
 source repeats (refused requests, refused dials) are logged one by one only up to a small burst
 per window, then counted and told in one summary line when the window closes.
 
+:class:`TextLines` hands the plugin's own text log file to a writer of many similar lines (the
+access log, ``web/accesslog.py``), which frames them as the text observer would and writes them
+in batches, without a log event each; it exists only where the observer would show them (text
+at ``info`` or below).
+
 This module must never change what a library logs, only which of it is shown; and it never
 overrides ``GRPC_VERBOSITY``/``GRPC_TRACE`` an operator set.
 """
