@@ -10,11 +10,12 @@ The server runs in this process on its reactor (the main thread): a ``BoundedSit
 policies of the real route table (``apply_policies``: the API-key guard decided when the
 headers end, the ``/v1`` body caps, the early answer shapes), ``/v1`` and its unprefixed
 aliases mounted as ``Wiring`` mounts them (``OpenAIResource`` with a real ``ReplicaMetrics``
-and an API key), and the access log as ``--access-log`` says, to the file a plugin's ``twistd`` logs to: the
-log observer it uses (a text file observer behind the ``--log-level`` filter,
-``localai_tw/logs.py``) and, as the frontend does under twistd, the access lines written to
-that file directly in batches (``web/accesslog.py``; ``--access-writer event`` sends each line
-as a log event instead, as before it; a tree without the batched writer always does).  **The backend is a stub**: a
+and an API key), and the access log as ``--access-log`` says, to the file a plugin's
+``twistd`` logs to: the log observer it uses (a text file observer behind the
+``--log-level`` filter, ``localai_tw/logs.py``) and, as the frontend does under twistd, the
+access lines written to that file directly in batches (``web/accesslog.py``;
+``--access-writer event`` sends each line as a log event instead, as before it; a tree
+without the batched writer always does).  **The backend is a stub**: a
 router that answers ``predict`` / ``predict_stream`` at once with a fixed ``Reply`` (the
 placement, the database and the backend client are not in the figure; they belong to
 ``bench_inference.py``).  So the figure is what the frontend spends between the socket and
