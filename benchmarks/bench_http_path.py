@@ -3,15 +3,19 @@ and caps, the OpenAI layer and the metrics, with the backend answered in-process
 
 Usage:  python benchmarks/bench_http_path.py [--requests 3000] [--concurrency 1,16]
                                              [--rounds 2] [--access-log all|errors|off]
+                                             [--access-writer batched|event]
                                              [--profile PATH] [--json PATH]
 
 The server runs in this process on its reactor (the main thread): a ``BoundedSite`` with the
 policies of the real route table (``apply_policies``: the API-key guard decided when the
 headers end, the ``/v1`` body caps, the early answer shapes), ``/v1`` and its unprefixed
 aliases mounted as ``Wiring`` mounts them (``OpenAIResource`` with a real ``ReplicaMetrics``
-and an API key), and the access log as ``--access-log`` says, through the
-log observer a plugin's ``twistd`` uses (a text file observer behind the ``--log-level``
-filter, ``localai_tw/logs.py``).  **The backend is a stub**: a
+and an API key), and the access log as ``--access-log`` says, to the file a plugin's
+``twistd`` logs to: the log observer it uses (a text file observer behind the
+``--log-level`` filter, ``localai_tw/logs.py``) and, as the frontend does under twistd, the
+access lines written to that file directly in batches (``web/accesslog.py``;
+``--access-writer event`` sends each line as a log event instead, as before it; a tree
+without the batched writer always does).  **The backend is a stub**: a
 router that answers ``predict`` / ``predict_stream`` at once with a fixed ``Reply`` (the
 placement, the database and the backend client are not in the figure; they belong to
 ``bench_inference.py``).  So the figure is what the frontend spends between the socket and
@@ -215,6 +219,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--access-log", default="all", choices=("all", "errors", "off"))
+    parser.add_argument("--access-writer", default="batched", choices=("batched", "event"),
+                        help="access lines written to the log file in batches (as the "
+                        "frontend under twistd) or each as a log event")
     parser.add_argument("--log-file", default="/tmp/bench_http_path.log",
                         help="where the server's log (and access log) lines go")
     parser.add_argument("--profile", metavar="PATH", help="write a reactor-thread CPU profile")
@@ -233,6 +240,11 @@ def main() -> None:
                                                    DEFAULT_LEVEL)],
                                      redirectStandardIO=False)
     site = build_site(args.access_log)
+    if args.access_writer == "batched" and hasattr(site, "write_access_lines_to"):
+        from localai_tw.logs import TextLines
+        site.write_access_lines_to(TextLines(log_file))
+    batched = hasattr(site, "write_access_lines_to")
+    print(f"access lines: {args.access_writer if batched else 'event'}")
     port = reactor.listenTCP(0, site, interface="127.0.0.1").getHost().port
     profiler = cProfile.Profile(time.thread_time) if args.profile else None
     results: dict = {}

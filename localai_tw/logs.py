@@ -15,6 +15,11 @@ default keeps every file).
 source repeats (refused requests, refused dials) are logged one by one only up to a small burst
 per window, then counted and told in one summary line when the window closes.
 
+:class:`TextLines` hands the plugin's own text log file to a writer of many similar lines (the
+access log, ``web/accesslog.py``), which frames them as the text observer would and writes them
+in batches, without a log event each; it exists only where the observer would show them (text
+at ``info`` or below).
+
 This module must never change what a library logs, only which of it is shown; and it never
 overrides ``GRPC_VERBOSITY``/``GRPC_TRACE`` an operator set.
 """
@@ -37,6 +42,7 @@ from twisted.logger import (
     Logger,
     PredicateResult,
     formatEvent,
+    formatTime,
     jsonFileLogObserver,
     textFileLogObserver,
 )
@@ -137,10 +143,16 @@ def twistd_observer(server_options, log_format: str = "text",
     """Where twistd would log (stdout with ``-n``, else ``--logfile``, default ``twistd.log``;
     ``--syslog`` is left to twistd), written as ``log_format``, a file rotated at ``max_bytes``
     keeping ``max_files`` rotated files.  ``SIGUSR1`` rotates the file, as under twistd."""
+    return _twistd_observer_and_out(server_options, log_format, max_bytes, max_files)[0]
+
+
+def _twistd_observer_and_out(server_options, log_format: str, max_bytes: int,
+                             max_files: int) -> tuple[Any, Any]:
+    """:func:`twistd_observer`, and the text stream it writes (None: syslog, JSON)."""
     name = server_options.get("logfile")
     nodaemon = server_options.get("nodaemon")
     if server_options.get("syslog") or (name == "-" and not nodaemon):
-        return twistd_default_observer(server_options)  # syslog, or twistd's own refusal
+        return twistd_default_observer(server_options), None  # syslog, or twistd's refusal
     if name == "-" or (nodaemon and not name):
         out = sys.stdout
     else:
@@ -148,13 +160,13 @@ def twistd_observer(server_options, log_format: str = "text",
                                            maxRotatedFiles=max_files)
         _rotate_on_sigusr1(out)
     if log_format != "json":
-        return textFileLogObserver(out)
+        return textFileLogObserver(out), out
     lines = jsonFileLogObserver(out, recordSeparator="")  # JSON Lines, not RFC 7464 records
 
     def json_line(event: dict) -> None:
         lines(dict(event, text=formatEvent(event)))  # the line a person would read, too
 
-    return json_line
+    return json_line, None
 
 
 def _rotate_on_sigusr1(out) -> None:
@@ -185,6 +197,10 @@ class LevelledMultiService(MultiService):
         self.max_bytes = max_bytes
         self.max_files = max_files
         self._server_options = server_options
+        #: The plugin's own text log file, for lines written without a log event
+        #: (:class:`TextLines`: the access log), when twistd logs there in text at a level that
+        #: shows ``info``; else None (JSON, syslog, a ``--logger``, outside twistd).
+        self.text_lines: TextLines | None = None
 
     @classmethod
     def from_options(cls, options) -> "LevelledMultiService":
@@ -199,10 +215,52 @@ class LevelledMultiService(MultiService):
         if (options is not None and isinstance(parent, Componentized)
                 and options.get("logger") is None
                 and parent.getComponent(ILogObserver, None) is None):
-            observer = twistd_observer(options, self.log_format, self.max_bytes,
-                                       self.max_files)
+            observer, out = _twistd_observer_and_out(options, self.log_format, self.max_bytes,
+                                                     self.max_files)
             parent.setComponent(ILogObserver, level_filter(observer, self.log_level))
+            if out is not None and LEVELS[self.log_level] <= LogLevel.info:
+                self.text_lines = TextLines(out)
         super().setServiceParent(parent)
+
+
+def text_lines_of(service) -> "TextLines | None":
+    """The :attr:`LevelledMultiService.text_lines` of the root above ``service``, or None."""
+    while service is not None:
+        lines = getattr(service, "text_lines", None)
+        if isinstance(lines, TextLines):
+            return lines
+        service = getattr(service, "parent", None)
+    return None
+
+
+class TextLines:
+    """Info lines written straight to the text log file, framed as the plugin's text observer
+    frames an event (``<time> [<namespace>#info] <text>``), without a log event: for a line
+    per request (the access log), where a ``twisted.logger`` event, its generic formatting and
+    a flush per line cost more than the line.  The caller batches (:meth:`frame` each line,
+    :meth:`write` them together); the time prefix is made once per second.
+
+    Only for text the caller made safe for one line; it never filters by level (the caller
+    asks for it only when ``info`` is shown: :attr:`LevelledMultiService.text_lines`).
+    """
+
+    def __init__(self, out, namespace: str = "twisted.python.log"):
+        self._out = out
+        self._tag = f" [{namespace}#info] "
+        self._second: int | None = None
+        self._prefix = ""
+
+    def frame(self, text: str, now: float) -> str:
+        """``text`` as the observer would write it at ``now`` (seconds since the epoch)."""
+        second = int(now)
+        if second != self._second:
+            self._second, self._prefix = second, formatTime(second) + self._tag
+        return self._prefix + text + "\n"
+
+    def write(self, framed: str) -> None:
+        """Write (and flush) framed lines."""
+        self._out.write(framed)
+        self._out.flush()
 
 
 class RateLimitedLog:

@@ -85,7 +85,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 
-from localai_tw import __version__
+from localai_tw import __version__, logs
 from localai_tw.deferreds import OneShotObserver
 from localai_tw.servicetree import InOrderMultiService
 from localai_tw.cluster.departure import DepartureNotifier
@@ -836,6 +836,12 @@ class FrontendService(InOrderMultiService):
         (``DatabaseStartupError``, ``FrontendStartupError``, a listen error) or
         ``FrontendStopped``."""
         return self.replica_service.whenReady().addCallback(lambda _: self)
+
+    def startService(self) -> None:
+        # Under twistd with text logs at info, the access lines go to the log file in batches
+        # (web/accesslog.py); else each as a log event.
+        self.site.write_access_lines_to(logs.text_lines_of(self))
+        super().startService()
 
     def stopService(self) -> defer.Deferred:
         self.gate.close()  # a request on a kept-alive connection finds the replica stopping

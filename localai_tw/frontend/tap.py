@@ -270,8 +270,9 @@ SETTINGS = (
     config.value("access-log", "LOCALAI_ACCESS_LOG",
                  "Which HTTP requests get an access log line: all (every API request; none "
                  "for health probes and successful heartbeats, 4xx lines limited per client), "
-                 "errors (only requests answered with a 4xx or 5xx status), or off.  Each "
-                 "line costs the replica about 60 us of CPU on its reactor thread.",
+                 "errors (only requests answered with a 4xx or 5xx status), or off.  With "
+                 "text logs at info, the lines of up to 50 ms are written together; each "
+                 "costs the replica about 5-10 us of CPU on its reactor thread.",
                  default="all", parse=config.choice_parser(*ACCESS_LOG_CHOICES)),
     *config.log_settings(),
 )

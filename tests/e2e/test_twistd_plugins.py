@@ -10,6 +10,7 @@ terminated, waited for and, if need be, killed in a finalizer.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -174,9 +175,14 @@ def test_frontend_with_configured_database_serves_and_stops(twistd, pg_dsn):
     assert get(f"http://127.0.0.1:{port}/healthz") == (200, b"ok")
     status, body = get(f"http://127.0.0.1:{port}/readyz")
     assert (status, json.loads(body)) == (200, {"ready": True})
+    assert get(f"http://127.0.0.1:{port}/v1/models?x=%0a")[0] == 401
     stop(proc)
     log = proc.log_path.read_text()
     assert "Server Shut Down" in log
+    # The access line, written by the replica to the text log in a batch (web/accesslog.py),
+    # framed as the log's other lines, and there when the process has stopped.
+    assert re.search(r'^\S+ \[twisted\.python\.log#info\] "127\.0\.0\.1" - - \[[^]]+\] '
+                     r'"GET /v1/models\?x=%0a HTTP/1\.1" 401 \d+ "-" "[^"]*"$', log, re.M), log
     assert "sk-e2e-secret" not in log
     assert "--nats-url is accepted for compatibility and ignored" in log
     assert (f"localai-frontend listening on 127.0.0.1:{port}: the OpenAI API needs an API key "

@@ -153,3 +153,35 @@ def test_twisteds_factory_lines_are_shown_only_at_debug():
         assert len(seen) == expected + 1
     assert Factory.noisy is True  # Twisted's default, which ours override
     assert not BoundedSite.noisy and not WorkerSite.noisy and not _BridgeFactory.noisy
+
+
+def test_access_lines_go_to_the_text_file_only_where_its_observer_shows_info(tmp_path):
+    """The direct writer (``TextLines``) exists for text logs at info or below; JSON logs and
+    ``--log-level warn`` keep the one path that formats and filters them."""
+    from twisted.application.service import Application
+
+    made = {}
+    for name, level, log_format in (("info", "info", "text"), ("debug", "debug", "text"),
+                                    ("warn", "warn", "text"), ("json", "info", "json")):
+        root = logs.LevelledMultiService(level, options(logfile=str(tmp_path / f"{name}.log")),
+                                         log_format=log_format)
+        root.setServiceParent(Application(name))
+        made[name] = root.text_lines
+    assert isinstance(made["info"], logs.TextLines) and isinstance(made["debug"], logs.TextLines)
+    assert made["warn"] is None and made["json"] is None
+    from twisted.application.service import MultiService
+
+    made_roots = {}
+    for name, root in (("info", made["info"]), ("outside twistd", None)):
+        parent = logs.LevelledMultiService()  # no server options: outside twistd
+        parent.text_lines = root
+        child, grandchild = MultiService(), MultiService()
+        child.setServiceParent(parent)
+        grandchild.setServiceParent(child)
+        made_roots[name] = logs.text_lines_of(grandchild)
+    assert made_roots == {"info": made["info"], "outside twistd": None}
+    lines = made["info"]
+    lines.write(lines.frame('"127.0.0.1" - - [x] "GET / HTTP/1.1" 200 2 "-" "-"', 1e9))
+    text = (tmp_path / "info.log").read_text()
+    assert text.endswith(' [twisted.python.log#info] "127.0.0.1" - - [x] "GET / HTTP/1.1" 200 2 '
+                         '"-" "-"\n')
