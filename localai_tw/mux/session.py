@@ -113,7 +113,8 @@ class SessionConfig:
     # huge frame, large enough that the 12-byte header costs 0.02 %, and header + payload is
     # exactly 64 KiB, Twisted's TCP write-buffer threshold (``bufferSize``): a frame one byte
     # larger pauses the session after every frame, so yamux over TCP would move one frame per
-    # reactor turn instead of two.  Go accepts any size up to the window.
+    # reactor turn instead of two.  Go accepts any size up to the window.  A frame may be up to
+    # 1/8 larger when that avoids a runt frame after it (``Stream._flush``).
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     # After loseConnection our FIN went out; if the peer never answers with FIN the id is
     # reset after this long, so a silent peer cannot pin stream slots (newer Go does the same).
