@@ -184,6 +184,11 @@ class Session(Protocol):
     RST.  Without an acceptor inbound streams wait (at most ``accept_backlog``) for ``accept()``.
     """
 
+    #: ``dataReceived`` takes any bytes-like object it may keep, such as a read-only memoryview
+    #: of a received buffer (the decoder copies each payload out of it once): the WebSocket
+    #: carrier hands over an unmasked frame's payload without copying it first.
+    readsViews = True
+
     def __init__(self, client: bool, config: SessionConfig | None = None,
                  acceptor: Callable[[Stream], object] | None = None, reactor=None):
         self.client = client
