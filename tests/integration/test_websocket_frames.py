@@ -219,7 +219,8 @@ class TypeCollector(ViewCollector):
 
 
 @pytest_twisted.inlineCallbacks
-@pytest.mark.parametrize("inner,expected", [(ViewCollector, {memoryview}), (TypeCollector, {bytes})])
+@pytest.mark.parametrize("inner,expected",
+                         [(ViewCollector, {memoryview}), (TypeCollector, {bytes})])
 def test_the_dialler_gets_unmasked_payload_without_a_copy_only_if_it_reads_views(
         server, inner, expected):
     """The server's frames are not masked: a protocol that reads views (a yamux session) is
