@@ -113,7 +113,8 @@ class SessionConfig:
     # huge frame, large enough that the 12-byte header costs 0.02 %, and header + payload is
     # exactly 64 KiB, Twisted's TCP write-buffer threshold (``bufferSize``): a frame one byte
     # larger pauses the session after every frame, so yamux over TCP would move one frame per
-    # reactor turn instead of two.  Go accepts any size up to the window.
+    # reactor turn instead of two.  Go accepts any size up to the window.  A frame may be up to
+    # 1/8 larger when that avoids a runt frame after it (``Stream._flush``).
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     # After loseConnection our FIN went out; if the peer never answers with FIN the id is
     # reset after this long, so a silent peer cannot pin stream slots (newer Go does the same).
@@ -182,6 +183,11 @@ class Session(Protocol):
     protocol is connected and the stream acknowledged; ``None`` or an exception refuses it with
     RST.  Without an acceptor inbound streams wait (at most ``accept_backlog``) for ``accept()``.
     """
+
+    #: ``dataReceived`` takes any bytes-like object it may keep, such as a read-only memoryview
+    #: of a received buffer (the decoder copies each payload out of it once): the WebSocket
+    #: carrier hands over an unmasked frame's payload without copying it first.
+    readsViews = True
 
     def __init__(self, client: bool, config: SessionConfig | None = None,
                  acceptor: Callable[[Stream], object] | None = None, reactor=None):
@@ -410,8 +416,8 @@ class Session(Protocol):
         """Serve streams fairly, stopping as soon as the transport pauses us again.
 
         First the bytes streams buffered while we were paused go out in rounds of one frame
-        per stream (at most ``max_frame_size`` each), control streams (those that have sent
-        less than ``bulk_after``) first in every round, so a stream with a few bytes to send (a
+        per stream (at most ``max_frame_size`` each, or 1/8 more to save a runt), control
+        streams (those that have sent less than ``bulk_after``) first in every round, so a stream with a few bytes to send (a
         control call, a reply) leaves before the bulk streams' frames, never behind a whole
         window of theirs.  Then the streams' producers are resumed in rotation;
         the stream served last goes to the back, so the next resume starts with the next one.

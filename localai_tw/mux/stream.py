@@ -125,6 +125,10 @@ _LOCAL_OPEN = _accepting(StreamEvent.FIN_SENT)        # we may still write and s
 _REMOTE_OPEN = _accepting(StreamEvent.FIN_RECEIVED)   # the peer may still send data and FIN
 _FINISHED = (StreamState.CLOSED, StreamState.RESET)
 
+#: A Data frame may exceed ``max_frame_size`` by up to 1/RUNT_SLACK of it when that sends what
+#: is left in one frame instead of a full frame and a runt (``Stream._flush``).
+RUNT_SLACK = 8
+
 
 @implementer(IAddress)
 @dataclass(frozen=True)
@@ -330,13 +334,22 @@ class Stream:
         resume); then FIN if it was asked for and everything went.  Returns whether this stream
         still holds bytes it could send now (window left, session writable).
 
+        A frame carries at most ``max_frame_size`` bytes, or all that can be sent now when that
+        is at most 1/``RUNT_SLACK`` more: a 64 KiB write (a file body's chunk) or a window's worth
+        then goes as one frame instead of a full frame and a runt of a few bytes, which would
+        cost the sender and the receiver (and its protocol's ``dataReceived``) as much as the
+        full one.
+
         FIN always goes on its own window update, never on the last Data frame: Go df201c7
         handles the FIN flag before it buffers the payload of the same frame, so its reader can
         see end-of-stream first and lose those bytes (the Go interop suite checks this)."""
         session = self.session
         max_frame = session.config.max_frame_size
+        runt_bound = max_frame + max_frame // RUNT_SLACK
         while self._out and self._send_window > 0 and frames and session._writableFor(self):
-            take = min(self._send_window, max_frame, self._out_size)
+            take = min(self._send_window, self._out_size)
+            if take > runt_bound:
+                take = max_frame
             parts = self._popOut(take)
             self._send_window -= take
             urgent = session._urgentFor(self)

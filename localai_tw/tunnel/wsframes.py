@@ -214,7 +214,16 @@ class FastBinaryFrames:
         if n > 0:
             key = self._rx_key
             if key is None:
-                payload = view[start:stop].tobytes()
+                # An unmasked frame (the server's, so the dialler's receive path): a protocol
+                # that reads views (a yamux session) gets a slice of the read itself when that
+                # is immutable bytes, not a copy of it (the slice stays valid after ``view`` is
+                # released); anything else gets bytes.
+                carrier = self.carrier
+                if (type(view.obj) is bytes and carrier is not None
+                        and getattr(carrier.protocol, "readsViews", False)):
+                    payload = view[start:stop]
+                else:
+                    payload = view[start:stop].tobytes()
             else:
                 shift = self._rx_done & 3
                 if shift:

@@ -200,6 +200,46 @@ def test_an_echo_of_every_size_round_trips_through_both_fast_paths(server):
     yield client.ended
 
 
+class ViewCollector(Collector):
+    """A protocol that declares it reads views (as a yamux session does)."""
+
+    readsViews = True
+
+    def __init__(self, expect: int = 0):
+        super().__init__(expect)
+        self.types: set[type] = set()
+
+    def dataReceived(self, data):
+        self.types.add(type(data))
+        super().dataReceived(data)
+
+
+class TypeCollector(ViewCollector):
+    readsViews = False
+
+
+@pytest_twisted.inlineCallbacks
+@pytest.mark.parametrize("inner,expected",
+                         [(ViewCollector, {memoryview}), (TypeCollector, {bytes})])
+def test_the_dialler_gets_unmasked_payload_without_a_copy_only_if_it_reads_views(
+        server, inner, expected):
+    """The server's frames are not masked: a protocol that reads views (a yamux session) is
+    handed slices of the reads themselves; any other protocol still gets bytes."""
+    server.inner_factory = Echo
+    size = 600_000  # several messages, each over several reads
+    client = yield connectWebSocket(reactor, server.url, lambda: inner(expect=size),
+                                    headers=bearer())
+    data = os.urandom(size)
+    for start in range(0, size, 50_000):
+        client.transport.write(data[start:start + 50_000])
+        yield turn()
+    echoed = yield client.got_all
+    assert echoed == data
+    assert client.types == expected
+    client.transport.loseConnection()
+    yield client.ended
+
+
 # -- the fast receive path against a hand-written client ---------------------------------------
 
 

@@ -59,8 +59,34 @@ def test_writes_are_cut_at_the_window_and_at_64k_frames():
     stream.write(b"a" * (WINDOW + 100))
     frames = transport.frames()
     frame = 64 * KIB - HEADER_SIZE
-    assert [f.length for f in frames] == [frame] * 4 + [WINDOW - 4 * frame]
+    # The window's last 48 bytes ride on the fourth frame rather than going as a runt.
+    assert [f.length for f in frames] == [frame] * 3 + [WINDOW - 3 * frame]
     assert stream._out_size == 100
+
+
+def test_a_64k_write_is_one_frame_not_a_full_frame_and_a_runt():
+    """A file body's 64 KiB chunk (or an HTTP chunk with its framing) is 12+ bytes more than
+    the default frame: it goes as one frame, not a full one and a 12-byte one that would cost
+    both ends and the reader's ``dataReceived`` as much again."""
+    session, transport = raw()
+    received = Recorder()
+    stream = session.openStream(received)
+    transport.frames()
+    for size in (64 * KIB, 64 * KIB + 9):
+        stream.write(b"b" * size)
+        assert [f.length for f in transport.frames()] == [size]
+
+
+def test_the_runt_slack_is_bounded():
+    """Only up to 1/8 of a frame more: anything longer is cut at ``max_frame_size``."""
+    session, transport = raw()
+    stream = session.openStream(Recorder())
+    transport.frames()
+    frame = SessionConfig().max_frame_size
+    stream.write(b"c" * (frame + frame // 8 + 1))
+    assert [f.length for f in transport.frames()] == [frame, frame // 8 + 1]
+    stream.write(b"d" * (frame + frame // 8))
+    assert [f.length for f in transport.frames()] == [frame + frame // 8]
 
 
 def test_a_default_data_frame_fits_twisteds_write_buffer_threshold():
