@@ -81,6 +81,11 @@ class Cluster:
                                    timeout=20, what=f"{name} registered")
         await eventually(lambda: via.replica.tunnels.holds(node_id), timeout=20,
                          what=f"{name} tunnel held")
+        # The attach's reconcile pass stops any process no placement names; a test that starts
+        # a backend by a bare control call must not race it (seen under load: "m#0 was stopped
+        # while starting").
+        await eventually(lambda: node_id in via.replica.reconciler.last, timeout=20,
+                         what=f"{name}'s attach reconciled")
         worker.node_id = node_id
         worker.data_dir = data_dir
         return worker
