@@ -183,6 +183,11 @@ class Session(Protocol):
     RST.  Without an acceptor inbound streams wait (at most ``accept_backlog``) for ``accept()``.
     """
 
+    #: ``dataReceived`` takes any bytes-like object, not only ``bytes`` (the WebSocket
+    #: carrier's unmasked payload as it is), and keeps no reference to it once it returns: the
+    #: decoder copies what it holds and each frame's payload.
+    readsBuffers = True
+
     def __init__(self, client: bool, config: SessionConfig | None = None,
                  acceptor: Callable[[Stream], object] | None = None, reactor=None):
         self.client = client
@@ -332,7 +337,7 @@ class Session(Protocol):
             wheel = wheel_for(self._reactor, common_tick(interval, self.config.keepalive_timeout))
             wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
 
-    def dataReceived(self, data: bytes) -> None:
+    def dataReceived(self, data) -> None:
         """Decode the read and handle its frames in order.  The hot path, a Data frame with no
         flags for a live stream (or a bare window update), goes straight to the stream with no
         ``Frame`` object; every other frame goes through ``_handleFrame``.  The streams' window

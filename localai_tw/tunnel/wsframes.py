@@ -209,19 +209,23 @@ class FastBinaryFrames:
 
     def _fastPayload(self, view: memoryview, start: int, stop: int) -> None:
         """Unmask ``view[start:stop]``, the next bytes of the current frame's payload, and hand
-        them to the carrier (dropped once it is gone); count the frame once it is whole."""
+        them to the carrier (dropped once it is gone); count the frame once it is whole.
+
+        The carrier gets a buffer no one changes afterwards: the read's own bytes (a slice
+        of the immutable ``bytes`` Twisted read) or, masked, a fresh ``bytearray`` unmasked in
+        place.  It turns that into ``bytes`` only for an inner protocol that reads nothing
+        else (``WebSocketCarrier._messageReceived``)."""
         n = stop - start
         if n > 0:
             key = self._rx_key
             if key is None:
-                payload = view[start:stop].tobytes()
+                payload = view[start:stop]  # the carrier copies it only for a bytes reader
             else:
                 shift = self._rx_done & 3
                 if shift:
                     key = key[shift:] + key[:shift]
-                piece = bytearray(view[start:stop])
-                mask_in_place(piece, 0, key)
-                payload = bytes(piece)
+                payload = bytearray(view[start:stop])  # the one copy: unmasked in place
+                mask_in_place(payload, 0, key)
             self._rx_left -= n
             self._rx_done += n
         if not self._rx_left:  # counted before the last bytes are handed over

@@ -333,3 +333,54 @@ def test_a_frame_autobahn_refuses_still_ends_the_connection(server, bad):
     assert isinstance(end, error.ConnectionLost)
     assert bytes(server.inners[0].received) == b"good"
     yield client.ended
+
+
+class TypeCollector(Collector):
+    """Records the type of every ``dataReceived`` argument; ``readsBuffers`` as its class says."""
+
+    def __init__(self, expect: int = 0):
+        super().__init__(expect)
+        self.types: set[type] = set()
+
+    def dataReceived(self, data):
+        self.types.add(type(data))
+        super().dataReceived(data)
+
+
+class BufferCollector(TypeCollector):
+    readsBuffers = True
+
+
+class TypeEcho(TypeCollector):
+    def dataReceived(self, data):
+        super().dataReceived(data)
+        self.transport.write(bytes(data))
+
+
+class BufferEcho(TypeEcho):
+    readsBuffers = True
+
+
+@pytest.mark.parametrize("reads_buffers", [False, True], ids=["bytes-reader", "buffer-reader"])
+@pytest_twisted.inlineCallbacks
+def test_an_inner_protocol_gets_bytes_unless_it_reads_buffers(server, reads_buffers):
+    """The fast paths hand the carrier the unmasked payload as a buffer (the server side: masked
+    frames; the client side: unmasked ones); an inner protocol that does not declare
+    ``readsBuffers`` still gets ``bytes`` from both, and one that does gets the same bytes."""
+    kind = BufferCollector if reads_buffers else TypeCollector
+    server.inner_factory = BufferEcho if reads_buffers else TypeEcho
+    rng = random.Random(9)
+    sent = b"".join(bytes(rng.getrandbits(8) for _ in range(n)) for n in (1, 300, 70_000))
+    client = yield connectWebSocket(reactor, server.url, lambda: kind(expect=len(sent)),
+                                    headers=bearer())
+    for start, stop in ((0, 1), (1, 301), (301, len(sent))):
+        client.transport.write(sent[start:stop])
+        yield turn()
+    echoed = yield client.got_all
+    assert echoed == sent
+    assert bytes(server.inners[0].received) == sent
+    if not reads_buffers:
+        assert server.inners[0].types == {bytes}
+        assert client.types == {bytes}
+    client.transport.loseConnection()
+    yield client.ended
