@@ -63,7 +63,7 @@ from twisted.web.server import NOT_DONE_YET
 from zope.interface import Interface, implementer
 
 from localai_tw.tunnel import autobahn_compat as ab
-from localai_tw.web.sockets import set_no_delay, set_not_sent_lowat
+from localai_tw.web.sockets import set_no_delay, set_not_sent_lowat, set_read_size
 from localai_tw.tunnel.wsframes import FastBinaryFrames
 from localai_tw.web import auth
 
@@ -542,6 +542,9 @@ class _CarrierMixin(FastBinaryFrames):
         # Bulk bytes wait in the yamux streams, where control frames can overtake them, rather
         # than in the kernel's send queue (``web/sockets.py``).
         set_not_sent_lowat(self.transport)
+        # Bulk comes in reads of up to 128 KiB instead of Twisted's 64 KiB: half the per-read
+        # passes through the frame parsers (``web/sockets.py``).
+        set_read_size(self.transport)
         self.transport.registerProducer(_WritePressureRelay(carrier), True)
         inner.makeConnection(carrier)
         return inner
