@@ -184,10 +184,10 @@ class Session(Protocol):
     RST.  Without an acceptor inbound streams wait (at most ``accept_backlog``) for ``accept()``.
     """
 
-    #: ``dataReceived`` takes any bytes-like object it may keep, such as a read-only memoryview
-    #: of a received buffer (the decoder copies each payload out of it once): the WebSocket
-    #: carrier hands over an unmasked frame's payload without copying it first.
-    readsViews = True
+    #: ``dataReceived`` takes any bytes-like object, not only ``bytes``, and may keep it: the
+    #: WebSocket carrier hands over a read-only slice of the immutable bytes it read (an unmasked
+    #: frame's payload) or a fresh ``bytearray`` unmasked in place, never a buffer reused later.
+    readsBuffers = True
 
     def __init__(self, client: bool, config: SessionConfig | None = None,
                  acceptor: Callable[[Stream], object] | None = None, reactor=None):
@@ -338,7 +338,7 @@ class Session(Protocol):
             wheel = wheel_for(self._reactor, common_tick(interval, self.config.keepalive_timeout))
             wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
 
-    def dataReceived(self, data: bytes) -> None:
+    def dataReceived(self, data) -> None:
         """Decode the read and handle its frames in order.  The hot path, a Data frame with no
         flags for a live stream (or a bare window update), goes straight to the stream with no
         ``Frame`` object; every other frame goes through ``_handleFrame``.  The streams' window

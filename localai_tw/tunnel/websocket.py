@@ -63,7 +63,7 @@ from twisted.web.server import NOT_DONE_YET
 from zope.interface import Interface, implementer
 
 from localai_tw.tunnel import autobahn_compat as ab
-from localai_tw.web.sockets import set_no_delay, set_not_sent_lowat
+from localai_tw.web.sockets import set_no_delay, set_not_sent_lowat, set_read_size
 from localai_tw.tunnel.wsframes import FastBinaryFrames
 from localai_tw.web import auth
 
@@ -435,7 +435,17 @@ class WebSocketCarrier:
         self.abortConnection()
 
     # events from the WebSocket protocol
-    def _messageReceived(self, payload: bytes) -> None:
+    #: The inner protocol's ``dataReceived`` takes any bytes-like object (it declares
+    #: ``readsBuffers``, as the yamux session does): the fast path's payload goes to it without
+    #: the copy into ``bytes``.  Set when the carrier opens.
+    _reads_buffers = False
+
+    def _messageReceived(self, payload) -> None:
+        """``payload``: ``bytes``, or a buffer of the fast receive path that nothing changes
+        afterwards (a ``bytearray``, a slice of a read); made ``bytes`` here for an inner
+        protocol that does not declare ``readsBuffers``.  Holding one holds at most its read."""
+        if not self._reads_buffers and type(payload) is not bytes:
+            payload = bytes(payload)
         if self._inbound_paused or self._inbound_held or self._delivering:
             self._inbound_held.append(payload)
             return
@@ -528,9 +538,13 @@ class _CarrierMixin(FastBinaryFrames):
         if headers:
             carrier.answer_headers, self._answer_headers = headers, None
         carrier.protocol = inner
+        carrier._reads_buffers = getattr(inner, "readsBuffers", False) is True
         # Bulk bytes wait in the yamux streams, where control frames can overtake them, rather
         # than in the kernel's send queue (``web/sockets.py``).
         set_not_sent_lowat(self.transport)
+        # Bulk comes in reads of up to 128 KiB instead of Twisted's 64 KiB: half the per-read
+        # passes through the frame parsers (``web/sockets.py``).
+        set_read_size(self.transport)
         self.transport.registerProducer(_WritePressureRelay(carrier), True)
         inner.makeConnection(carrier)
         return inner

@@ -209,18 +209,22 @@ class FastBinaryFrames:
 
     def _fastPayload(self, view: memoryview, start: int, stop: int) -> None:
         """Unmask ``view[start:stop]``, the next bytes of the current frame's payload, and hand
-        them to the carrier (dropped once it is gone); count the frame once it is whole."""
+        them to the carrier (dropped once it is gone); count the frame once it is whole.
+
+        The carrier gets a buffer no one changes afterwards: the read's own bytes (a slice
+        of the immutable ``bytes`` Twisted read) or, masked, a fresh ``bytearray`` unmasked in
+        place.  It turns that into ``bytes`` only for an inner protocol that reads nothing
+        else (``WebSocketCarrier._messageReceived``)."""
         n = stop - start
         if n > 0:
             key = self._rx_key
             if key is None:
-                # An unmasked frame (the server's, so the dialler's receive path): a protocol
-                # that reads views (a yamux session) gets a slice of the read itself when that
-                # is immutable bytes, not a copy of it (the slice stays valid after ``view`` is
-                # released); anything else gets bytes.
-                carrier = self.carrier
-                if (type(view.obj) is bytes and carrier is not None
-                        and getattr(carrier.protocol, "readsViews", False)):
+                # An unmasked frame (the server's, so the dialler's receive path): a slice of
+                # the read itself when that is immutable bytes (the slice stays valid after
+                # ``view`` is released and may be held); a copy when the view is over the held
+                # start of a frame (``_rx``, a bytearray changed by later reads).  The carrier
+                # makes it ``bytes`` only for an inner protocol that reads nothing else.
+                if type(view.obj) is bytes:
                     payload = view[start:stop]
                 else:
                     payload = view[start:stop].tobytes()
@@ -228,9 +232,8 @@ class FastBinaryFrames:
                 shift = self._rx_done & 3
                 if shift:
                     key = key[shift:] + key[:shift]
-                piece = bytearray(view[start:stop])
-                mask_in_place(piece, 0, key)
-                payload = bytes(piece)
+                payload = bytearray(view[start:stop])  # the one copy: unmasked in place
+                mask_in_place(payload, 0, key)
             self._rx_left -= n
             self._rx_done += n
         if not self._rx_left:  # counted before the last bytes are handed over

@@ -145,3 +145,51 @@ async def test_the_workers_connection_to_a_backend_port_has_nodelay():
             protocol.transport.loseConnection()
     finally:
         await backend.stopListening()
+
+
+def test_a_tunnel_read_takes_more_than_twisteds_64_kib():
+    """``set_read_size`` (what the WebSocket carrier sets on its socket when it opens): one
+    ``doRead`` takes up to ``TUNNEL_READ_SIZE`` of what is queued, not Twisted's 64 KiB, and
+    still reports the peer's close as Twisted does."""
+    import select
+
+    from twisted.internet import main
+
+    from localai_tw.web.sockets import TUNNEL_READ_SIZE, set_read_size
+
+    class Reads(Protocol):
+        def __init__(self):
+            self.sizes = []
+
+        def dataReceived(self, data):
+            self.sizes.append(len(data))
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * TUNNEL_READ_SIZE)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    peer = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    listener.close()
+    accepted.setblocking(False)
+    reads = Reads()
+    transport = tcp.Connection(accepted, reads, reactor)
+    try:
+        assert set_read_size(transport)
+        queued = TUNNEL_READ_SIZE + 1000
+        peer.sendall(b"x" * queued)
+        got = 0
+        while got < TUNNEL_READ_SIZE:  # everything sent is queued (loopback), read by read
+            select.select([accepted], [], [], 10)
+            assert transport.doRead() is None
+            got = sum(reads.sizes)
+        assert reads.sizes[0] > 65536
+        assert max(reads.sizes) <= TUNNEL_READ_SIZE
+        peer.close()
+        while (ending := transport.doRead()) is None:
+            select.select([accepted], [], [], 10)
+        assert ending is main.CONNECTION_DONE
+        assert sum(reads.sizes) == queued
+    finally:
+        peer.close()
+        accepted.close()

@@ -203,7 +203,7 @@ def test_an_echo_of_every_size_round_trips_through_both_fast_paths(server):
 class ViewCollector(Collector):
     """A protocol that declares it reads views (as a yamux session does)."""
 
-    readsViews = True
+    readsBuffers = True
 
     def __init__(self, expect: int = 0):
         super().__init__(expect)
@@ -214,13 +214,13 @@ class ViewCollector(Collector):
         super().dataReceived(data)
 
 
-class TypeCollector(ViewCollector):
-    readsViews = False
+class BytesOnlyCollector(ViewCollector):
+    readsBuffers = False
 
 
 @pytest_twisted.inlineCallbacks
 @pytest.mark.parametrize("inner,expected",
-                         [(ViewCollector, {memoryview}), (TypeCollector, {bytes})])
+                         [(ViewCollector, {memoryview}), (BytesOnlyCollector, {bytes})])
 def test_the_dialler_gets_unmasked_payload_without_a_copy_only_if_it_reads_views(
         server, inner, expected):
     """The server's frames are not masked: a protocol that reads views (a yamux session) is
@@ -236,6 +236,37 @@ def test_the_dialler_gets_unmasked_payload_without_a_copy_only_if_it_reads_views
     echoed = yield client.got_all
     assert echoed == data
     assert client.types == expected
+    client.transport.loseConnection()
+    yield client.ended
+
+
+class PausedViewCollector(ViewCollector):
+    """Reads buffers and holds its carrier paused from the start: every payload waits in the
+    carrier while later reads arrive."""
+
+    def connectionMade(self):
+        self.transport.pauseProducing()
+
+
+@pytest_twisted.inlineCallbacks
+def test_held_payloads_survive_frame_headers_cut_across_reads(server):
+    """A payload the paused carrier holds must not be a view of the buffer that keeps the start
+    of a frame cut in its header (``_rx``): later reads change that buffer (a held view of it
+    made them fail with BufferError and would have exposed bytes changed under it)."""
+    client = yield connectWebSocket(reactor, server.url, PausedViewCollector, headers=bearer())
+    rng = random.Random(5)
+    payloads = [bytes(rng.getrandbits(8) for _ in range(n)) for n in (3, 200, 70_000, 1, 126)]
+    wire = b"".join(frame(p, mask=False) + p for p in payloads)
+    ws = client.transport._ws
+    # inside the header of every frame: f1 [0,5), f2 head [5,9), f3 head [209,219), f4 head
+    # [70219,70221), f5 head [70222,70226)
+    cuts = [1, 7, 212, 70_220, 70_224]
+    assert len(wire) == 70_352
+    for a, b in zip([0] + cuts, cuts + [len(wire)]):
+        ws.dataReceived(wire[a:b])
+    client.transport.resumeProducing()
+    yield turn()
+    assert bytes(client.received) == b"".join(payloads)
     client.transport.loseConnection()
     yield client.ended
 
@@ -372,4 +403,55 @@ def test_a_frame_autobahn_refuses_still_ends_the_connection(server, bad):
     end = yield server.inners[0].ended
     assert isinstance(end, error.ConnectionLost)
     assert bytes(server.inners[0].received) == b"good"
+    yield client.ended
+
+
+class TypeCollector(Collector):
+    """Records the type of every ``dataReceived`` argument; ``readsBuffers`` as its class says."""
+
+    def __init__(self, expect: int = 0):
+        super().__init__(expect)
+        self.types: set[type] = set()
+
+    def dataReceived(self, data):
+        self.types.add(type(data))
+        super().dataReceived(data)
+
+
+class BufferCollector(TypeCollector):
+    readsBuffers = True
+
+
+class TypeEcho(TypeCollector):
+    def dataReceived(self, data):
+        super().dataReceived(data)
+        self.transport.write(bytes(data))
+
+
+class BufferEcho(TypeEcho):
+    readsBuffers = True
+
+
+@pytest.mark.parametrize("reads_buffers", [False, True], ids=["bytes-reader", "buffer-reader"])
+@pytest_twisted.inlineCallbacks
+def test_an_inner_protocol_gets_bytes_unless_it_reads_buffers(server, reads_buffers):
+    """The fast paths hand the carrier the unmasked payload as a buffer (the server side: masked
+    frames; the client side: unmasked ones); an inner protocol that does not declare
+    ``readsBuffers`` still gets ``bytes`` from both, and one that does gets the same bytes."""
+    kind = BufferCollector if reads_buffers else TypeCollector
+    server.inner_factory = BufferEcho if reads_buffers else TypeEcho
+    rng = random.Random(9)
+    sent = b"".join(bytes(rng.getrandbits(8) for _ in range(n)) for n in (1, 300, 70_000))
+    client = yield connectWebSocket(reactor, server.url, lambda: kind(expect=len(sent)),
+                                    headers=bearer())
+    for start, stop in ((0, 1), (1, 301), (301, len(sent))):
+        client.transport.write(sent[start:stop])
+        yield turn()
+    echoed = yield client.got_all
+    assert echoed == sent
+    assert bytes(server.inners[0].received) == sent
+    if not reads_buffers:
+        assert server.inners[0].types == {bytes}
+        assert client.types == {bytes}
+    client.transport.loseConnection()
     yield client.ended
