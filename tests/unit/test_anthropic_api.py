@@ -367,6 +367,7 @@ def test_count_tokens_tokenizes_the_prompt_the_messages_path_renders(site, route
     assert counted.status == 200, counted.raw_body
     (verb, name, options), = router.calls
     assert verb == "tokenize" and name == "chatty"  # no generation
+    assert options.TokenizeAsEvaluated  # the prompt as a generation evaluates it (BOS too)
     assert counted.json() == {"input_tokens": len(options.Prompt.split())}  # the backend's
     # the same options a message of the same request sends: template, tools shown
     answered = _post(site, {**body, "max_tokens": 8})

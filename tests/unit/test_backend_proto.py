@@ -262,6 +262,7 @@ def _dump(message_name: str) -> dict:
 #: never sets them and LocalAI ignores them.
 OWN_FIELDS = {
     "Reply": {"stopping_word": (1001, STRING, False)},
+    "PredictOptions": {"TokenizeAsEvaluated": (1001, BOOL, False)},
 }
 
 

@@ -48,7 +48,8 @@ parser.  ``Logprobs`` > 0 returns, in ``Reply.logprobs``, JSON in OpenAI's chat 
 ``Embedding`` needs a model loaded with ``Embeddings`` (else ``UNIMPLEMENTED`` saying so): the
 model's pooling, or the mean of the token vectors for a model without one; ``prompt_tokens``
 counts the tokens evaluated.  ``TokenizeString`` (no BOS, special tokens parsed; with
-``UseTokenizerTemplate`` and ``Messages``, the tokens ``Predict`` would evaluate) and
+``TokenizeAsEvaluated``, or ``UseTokenizerTemplate`` and ``Messages``, the tokens ``Predict``
+would evaluate) and
 ``Detokenize`` (ids checked against the vocabulary first) use llama.cpp's tokenizer.
 
 llama-cpp-python and numpy are imported inside this process only; the worker-side factory asks
@@ -801,13 +802,15 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
 
     def TokenizeString(self, request, context):
         """``Prompt``'s tokens (no BOS: ``/v1/tokenize``'s answer, as LocalAI's); a request
-        with ``UseTokenizerTemplate`` and ``Messages`` (a chat turn's own options, as
-        Anthropic's ``count_tokens`` sends them) is answered with the tokens a generation of
-        the same options would evaluate: the GGUF's template rendered with the same
-        messages and tools, its special tokens and BOS as ``Predict`` adds them."""
+        with ``TokenizeAsEvaluated`` (Anthropic's ``count_tokens``), or with
+        ``UseTokenizerTemplate`` and ``Messages`` (a chat turn's own options), is answered
+        with the tokens a generation of the same options would evaluate: the GGUF's template
+        rendered with the same messages and tools, special tokens and BOS as ``Predict``
+        adds them."""
         llm = self._require_model(context)
         with self._lock:
-            if request.UseTokenizerTemplate and request.Messages:
+            if request.TokenizeAsEvaluated or \
+                    (request.UseTokenizerTemplate and request.Messages):
                 ids = self._prompt_tokens(request, context)
             else:
                 ids = llm.tokenize(request.Prompt.encode("utf-8"), add_bos=False,

@@ -19,6 +19,7 @@ from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.resource import Resource
 
+from localai_tw.backends import backend_pb2
 from localai_tw.frontend.api.jsonbody import prepare_json_body
 from localai_tw.frontend.api.kit import APIKeyGuard, printable
 from localai_tw.frontend.api.anthropic.errors import (
@@ -126,7 +127,10 @@ class MessagesResource(Resource):
         await prepare_json_body(request, context.reactor)
         asked = to_openai(read_body(request).data, counting=True)
         turn = await prepare_turn(context, Fields(asked.openai), exchange)
-        served = await exchange.call(context.router.tokenize(turn.name, turn.options,
+        options = backend_pb2.PredictOptions()
+        options.CopyFrom(turn.options)
+        options.TokenizeAsEvaluated = True  # the prompt as Predict evaluates it (BOS too)
+        served = await exchange.call(context.router.tokenize(turn.name, options,
                                                              context.deadline()))
         exchange.served_by(served.served_by)
         answer = served.value
