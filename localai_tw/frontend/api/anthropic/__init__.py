@@ -1,5 +1,5 @@
-"""Anthropic's Messages API (``POST /v1/messages`` and ``/messages``) of every frontend
-replica, for the ``anthropic`` SDKs and the tools built on them (for users:
+"""Anthropic's Messages API (``POST /v1/messages`` and ``/messages``, and their
+``/count_tokens``) of every frontend replica, for the ``anthropic`` SDKs and the tools built on them (for users:
 ``docs/anthropic-api.md``).  One module a concern: ``errors`` (Anthropic's error shape, the
 key check reading ``x-api-key`` or ``Authorization``), ``messages`` (requests translated into
 the shared chat turn's OpenAI shape, answers translated back), ``resource`` (the HTTP side
