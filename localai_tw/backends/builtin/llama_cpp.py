@@ -40,10 +40,11 @@ greedy), ``TopK``, ``TopP``, ``MinP``, ``TypicalP``, ``Penalty`` (repeat), ``Rep
 window), ``FrequencyPenalty``, ``PresencePenalty``, ``Mirostat*``, ``Seed``, ``IgnoreEOS``;
 ``Tokens`` caps the answer (0: the rest of the context); ``StopPrompts`` end it (the stop text is
 not returned; a stream holds back text that may be the start of one; the reply that ends the
-answer names the stop string in ``Reply.stopping_word``, localai-tw's field 1001).  ``Grammar`` (GBNF)
-constrains sampling; a grammar llama.cpp cannot parse is ``INVALID_ARGUMENT`` quoting the
-parser.  ``Logprobs`` > 0 returns, in ``Reply.logprobs``, JSON in OpenAI's chat logprobs shape
-(see :func:`logprob_entry`), with ``TopLogprobs`` alternatives per token.
+answer names the stop string in ``Reply.stopping_word``, localai-tw's field 1001).
+``Grammar`` (GBNF) constrains sampling; a grammar llama.cpp cannot parse is
+``INVALID_ARGUMENT`` quoting the parser.  ``Logprobs`` > 0 returns, in ``Reply.logprobs``,
+JSON in OpenAI's chat logprobs shape (see :func:`logprob_entry`), with ``TopLogprobs``
+alternatives per token.
 
 ``Embedding`` needs a model loaded with ``Embeddings`` (else ``UNIMPLEMENTED`` saying so): the
 model's pooling, or the mean of the token vectors for a model without one; ``prompt_tokens``

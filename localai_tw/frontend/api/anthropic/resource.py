@@ -1,7 +1,7 @@
 """``POST /v1/messages`` (and ``/messages``): Anthropic's Messages API over the shared chat
 turn, and ``POST /v1/messages/count_tokens`` (the same turn prepared, then tokenized by the
-model's backend instead of run).  :class:`MessagesResource` checks the key (``x-api-key`` or ``Authorization``), reads
-the body, has :func:`~.messages.to_openai` translate it, runs the turn
+model's backend instead of run).  :class:`MessagesResource` checks the key (``x-api-key`` or
+``Authorization``), reads the body, has :func:`~.messages.to_openai` translate it, runs the turn
 (``frontend/api/openai/turn.py``: ``prepare_turn``, then ``complete_turn`` or
 ``stream_turn``) and answers Anthropic's message, its SSE events (:class:`MessageEvents`), or
 its error shape.
