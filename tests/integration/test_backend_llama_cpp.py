@@ -115,6 +115,10 @@ async def test_generation_is_greedy_when_asked_and_a_stream_counts_what_predict_
     prompt_ids = await deferToThread(_call, record, "TokenizeString",
                                      backend_pb2.PredictOptions(Prompt="the cat sat"))
     assert prompt_ids.length == 3
+    # asked for the tokens a generation evaluates (count_tokens): the BOS too
+    evaluated = await deferToThread(_call, record, "TokenizeString", backend_pb2.PredictOptions(
+        Prompt="the cat sat", TokenizeAsEvaluated=True))
+    assert evaluated.length == 4 and evaluated.tokens[0] == 1
     for tokens in (1, 3, 8):
         request = _predict(Prompt="the cat sat", Tokens=tokens, ModelIdentity="tiny")
         whole = await deferToThread(_call, record, "Predict", request)
@@ -144,9 +148,12 @@ async def test_a_stop_sequence_ends_the_answer_before_it_in_predict_and_stream(
     stopped = await deferToThread(_call, record, "Predict", request)
     assert stopped.message.decode() == expected
     assert stopped.tokens < free.tokens
+    assert stopped.stopping_word == stop and free.stopping_word == ""  # which one, said
     replies = await deferToThread(_stream, record, request)
     assert b"".join(r.message for r in replies).decode() == expected
     assert replies[-1].tokens == stopped.tokens
+    assert replies[-1].stopping_word == stop
+    assert not any(r.stopping_word for r in replies[:-1])
 
 
 def _cancel_after(record, request, replies: int) -> list:
@@ -251,6 +258,10 @@ async def test_chat_messages_go_through_the_ggufs_own_template(supervisor, gguf_
         _call, record, "TokenizeString",
         backend_pb2.PredictOptions(Prompt="<s>user : hello assistant : "))
     assert rendered.tokens[0] == 1 and chat.prompt_tokens == rendered.length
+    # the same options tokenized: the tokens the generation evaluated (count_tokens)
+    counted = await deferToThread(_call, record, "TokenizeString", backend_pb2.PredictOptions(
+        UseTokenizerTemplate=True, Messages=messages, TokenizeAsEvaluated=True))
+    assert list(counted.tokens) == list(rendered.tokens)
     again = await deferToThread(_call, record, "Predict", _predict(
         UseTokenizerTemplate=True, Messages=messages, Tokens=4))
     assert again.message == chat.message and chat.tokens == 4

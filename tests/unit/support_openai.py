@@ -109,6 +109,7 @@ class FakeRouter:
         self.reply_deltas: list = []  # Reply.chat_deltas of every predict reply
         self.stream_deltas: list = []  # Reply.chat_deltas of each stream piece (lists)
         self.stream_logprobs: list[bytes] = []  # Reply.logprobs of each stream piece
+        self.stopping_word = ""  # Reply.stopping_word of a predict reply, a stream's last
 
     def models(self):
         return [self.configs[n] for n in sorted(self.configs)]
@@ -143,7 +144,8 @@ class FakeRouter:
                                   tokens=self.tokens if self.tokens is not None else words,
                                   prompt_tokens=len(options.Prompt.split()) or 1,
                                   logprobs=self.reply_logprobs,
-                                  chat_deltas=self.reply_deltas)
+                                  chat_deltas=self.reply_deltas,
+                                  stopping_word=self.stopping_word)
         served = Served(reply, self.node)
         if self.hold:
             return self._held("predict", served)
@@ -167,9 +169,12 @@ class FakeRouter:
             logprobs = self.stream_logprobs[index] if index < len(self.stream_logprobs) \
                 else b""
             deltas = self.stream_deltas[index] if index < len(self.stream_deltas) else []
+            last = index == len(self.stream_pieces) - 1
             waiting = on_reply(backend_pb2.Reply(message=piece, tokens=index + 1,
                                                  prompt_tokens=3, logprobs=logprobs,
-                                                 chat_deltas=deltas))
+                                                 chat_deltas=deltas,
+                                                 stopping_word=self.stopping_word if last
+                                                 else ""))
             self.auto_stream_waits.append(isinstance(waiting, defer.Deferred))
             if isinstance(waiting, defer.Deferred):
                 await waiting
@@ -206,7 +211,10 @@ class FakeRouter:
             self.node))
 
     def tokenize(self, name, options, deadline=None):
+        """As many tokens as ``Prompt`` has words; ``fail_with`` fails it."""
         self._record("tokenize", name, options)
+        if self.fail_with is not None:
+            return defer.fail(self.fail_with)
         words = options.Prompt.split()
         return defer.succeed(Served(backend_pb2.TokenizationResponse(
             length=len(words), tokens=list(range(len(words)))), self.node))

@@ -217,7 +217,7 @@ def test_errors_are_anthropics_shape(site, router):
     wrong = call(site, "GET", "/v1/messages")
     assert_anthropic_error(wrong, 405, "invalid_request_error")
     assert wrong.header("allow") == "POST"
-    assert_anthropic_error(_post(site, _body(), path="/v1/messages/count_tokens"), 404,
+    assert_anthropic_error(_post(site, _body(), path="/v1/messages/batches"), 404,
                            "not_found_error")
     router.fail_with = BackendAnswer("node-a", "UNAVAILABLE", "restarting")
     busy = _post(site, _body())
@@ -314,3 +314,126 @@ async def test_a_body_of_too_many_containers_is_refused_in_anthropics_shape(rout
     response = await call_settled(site, "POST", "/v1/messages", raw=raw, headers=HEADERS)
     assert_anthropic_error(response, 413, "request_too_large")
     assert not router.calls
+
+
+# -- stop sequences ----------------------------------------------------------------------------
+
+
+def test_an_answer_ended_on_a_stop_sequence_says_which(site, router):
+    router.answer, router.stopping_word = "one, two,", "three"
+    response = _post(site, _body(stop_sequences=["three", "four"]))
+    assert response.status == 200, response.raw_body
+    answer = response.json()
+    assert answer["stop_reason"] == "stop_sequence" and answer["stop_sequence"] == "three"
+    assert answer["content"] == [{"type": "text", "text": "one, two,"}]
+
+
+def test_a_stop_word_of_the_models_config_is_the_model_ending_its_turn(site, router):
+    router.answer, router.stopping_word = "done", "<|im_end|>"  # not the client's
+    answer = _post(site, _body(stop_sequences=["three"])).json()
+    assert answer["stop_reason"] == "end_turn" and answer["stop_sequence"] is None
+
+
+def test_a_stop_sequence_in_the_text_is_not_guessed_to_be_the_stop(site, router):
+    router.answer = "it ends with three"  # the backend names no stop string
+    answer = _post(site, _body(stop_sequences=["three"])).json()
+    assert answer["stop_reason"] == "end_turn" and answer["stop_sequence"] is None
+
+
+def test_a_streamed_answer_ended_on_a_stop_sequence_says_which(site, router):
+    router.stream_pieces, router.stopping_word = [b"one, ", b"two,"], "three"
+    events = named_events(_post(site, _body(stream=True,
+                                            stop_sequences=["three"])).raw_body)
+    name, delta = events[-2]
+    assert name == "message_delta"
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "three"}
+
+
+# -- count_tokens ------------------------------------------------------------------------------
+
+
+def _count(site, body, path="/v1/messages/count_tokens", headers=None):
+    return call(site, "POST", path, body, {**HEADERS, **(headers or {})})
+
+
+def _count_body(**more):
+    return {"model": "chatty", "messages": [{"role": "user", "content": "hi there"}], **more}
+
+
+def test_count_tokens_tokenizes_the_prompt_the_messages_path_renders(site, router):
+    router.answer = "ok"
+    body = _count_body(system="Be brief.", tools=TOOLS)
+    counted = _count(site, body)
+    assert counted.status == 200, counted.raw_body
+    (verb, name, options), = router.calls
+    assert verb == "tokenize" and name == "chatty"  # no generation
+    assert options.TokenizeAsEvaluated  # the prompt as a generation evaluates it (BOS too)
+    assert counted.json() == {"input_tokens": len(options.Prompt.split())}  # the backend's
+    # the same options a message of the same request sends: template, tools shown
+    answered = _post(site, {**body, "max_tokens": 8})
+    assert options.Prompt == router.calls[-1][2].Prompt
+    assert "get_weather" in options.Prompt and "Be brief." in options.Prompt
+    assert answered.json()["usage"]["input_tokens"] == counted.json()["input_tokens"]
+
+
+def test_count_tokens_sends_the_tokenizer_templates_messages(router):
+    router.configs["gguf"] = model_config("gguf", backend="llama-cpp",
+                                          template={"use_tokenizer_template": True})
+    counted = _count(make_messages_site(router), _count_body(model="gguf", system="Be brief."))
+    assert counted.status == 200, counted.raw_body
+    options = router.calls[-1][2]
+    assert options.UseTokenizerTemplate and not options.Prompt
+    assert [(m.role, m.content) for m in options.Messages] == [
+        ("system", "Be brief."), ("user", "hi there")]
+
+
+def test_count_tokens_on_the_unprefixed_path(site, router):
+    assert _count(site, _count_body(), path="/messages/count_tokens").json() == \
+        {"input_tokens": 4}
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"max_tokens": 8}, "max_tokens"),
+    ({"stream": True}, "stream"),
+    ({"temperature": 0.5}, "temperature"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "The answer is"}]}, "prefill"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"mcp_servers": []}, "mcp_servers"),
+    ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type"),
+    ({"model": ""}, "model"),
+])
+def test_count_tokens_refuses_what_the_messages_path_refuses(site, router, body, words):
+    message = assert_anthropic_error(_count(site, {**_count_body(), **body}), 400,
+                                     "invalid_request_error")
+    assert words in message
+    assert not router.calls
+
+
+def test_count_tokens_errors_are_anthropics_shape(site, router):
+    assert_anthropic_error(_count(site, _count_body(model="nonesuch")), 404, "not_found_error")
+    wrong = call(site, "GET", "/v1/messages/count_tokens")
+    assert_anthropic_error(wrong, 405, "invalid_request_error")
+    router.fail_with = BackendAnswer("node-a", "UNAVAILABLE", "restarting")
+    assert_anthropic_error(_count(site, _count_body()), 503, "overloaded_error")
+    router.fail_with = BackendAnswer("node-a", "UNIMPLEMENTED", "Method not found!")
+    cannot = assert_anthropic_error(_count(site, _count_body()), 501, "api_error")
+    assert "does not implement" in cannot
+
+
+def test_count_tokens_needs_the_key_before_the_body(keyed, router):
+    client = Client(keyed)
+    head = ["POST /v1/messages/count_tokens HTTP/1.1", "Host: test", "Content-Length: 100000"]
+    client.channel.dataReceived(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+    assert_anthropic_error(client.response(), 401, "authentication_error")
+    assert _count(keyed, _count_body(), headers={"x-api-key": "sk-infer"}).status == 200
+    assert not [c for c in router.calls if c[0] != "tokenize"]
+
+
+def test_a_count_tokens_body_over_the_cap_is_refused_before_it_is_read(site):
+    client = Client(site)
+    head = ("POST /v1/messages/count_tokens HTTP/1.1\r\nHost: test\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {64 * 1024 * 1024}\r\n\r\n")
+    client.channel.dataReceived(head.encode("latin-1"))
+    assert_anthropic_error(client.response(), 413, "request_too_large")

@@ -39,14 +39,18 @@ refused with ``FAILED_PRECONDITION`` saying what to configure.  Sampling: ``Temp
 greedy), ``TopK``, ``TopP``, ``MinP``, ``TypicalP``, ``Penalty`` (repeat), ``Repeat`` (its
 window), ``FrequencyPenalty``, ``PresencePenalty``, ``Mirostat*``, ``Seed``, ``IgnoreEOS``;
 ``Tokens`` caps the answer (0: the rest of the context); ``StopPrompts`` end it (the stop text is
-not returned; a stream holds back text that may be the start of one).  ``Grammar`` (GBNF)
-constrains sampling; a grammar llama.cpp cannot parse is ``INVALID_ARGUMENT`` quoting the
-parser.  ``Logprobs`` > 0 returns, in ``Reply.logprobs``, JSON in OpenAI's chat logprobs shape
-(see :func:`logprob_entry`), with ``TopLogprobs`` alternatives per token.
+not returned; a stream holds back text that may be the start of one; the reply that ends the
+answer names the stop string in ``Reply.stopping_word``, localai-tw's field 1001).
+``Grammar`` (GBNF) constrains sampling; a grammar llama.cpp cannot parse is
+``INVALID_ARGUMENT`` quoting the parser.  ``Logprobs`` > 0 returns, in ``Reply.logprobs``,
+JSON in OpenAI's chat logprobs shape (see :func:`logprob_entry`), with ``TopLogprobs``
+alternatives per token.
 
 ``Embedding`` needs a model loaded with ``Embeddings`` (else ``UNIMPLEMENTED`` saying so): the
 model's pooling, or the mean of the token vectors for a model without one; ``prompt_tokens``
-counts the tokens evaluated.  ``TokenizeString`` (no BOS, special tokens parsed) and
+counts the tokens evaluated.  ``TokenizeString`` (no BOS, special tokens parsed; with
+``TokenizeAsEvaluated``, or ``UseTokenizerTemplate`` and ``Messages``, the tokens ``Predict``
+would evaluate) and
 ``Detokenize`` (ids checked against the vocabulary first) use llama.cpp's tokenizer.
 
 llama-cpp-python and numpy are imported inside this process only; the worker-side factory asks
@@ -633,7 +637,8 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
 
     def _run(self, request, context):
         """The token loop shared by ``Predict`` and ``PredictStream``: yields
-        ``(delta_text, generated_tokens, prompt_tokens, logprob_entries, final)``."""
+        ``(delta_text, generated_tokens, prompt_tokens, logprob_entries, final, stopped)``:
+        ``stopped`` is the stop string the answer ended on (on the final one; else "")."""
         import llama_cpp
         import numpy as np
 
@@ -674,6 +679,7 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
 
         decoder = utf8_decoder()
         cut = None
+        stopped = ""
         text = ""
         sent = 0
         count = 0
@@ -706,20 +712,23 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
                 text += decoded
                 cut = stop_cut(text, stops, checked_from) if stops else None
                 if cut is not None:
+                    # the earliest stop found; of two starting there, the one that matched
+                    # first (the shorter one is complete while the longer is not yet)
+                    stopped = min((s for s in stops if text.startswith(s, cut)), key=len)
                     text = text[:cut]
                     break
                 if count >= limit:
                     break
                 ready = len(text) - held_back(text, stops)
                 if ready > sent or entries:
-                    yield text[sent:ready], count, n_prompt, entries, False
+                    yield text[sent:ready], count, n_prompt, entries, False, ""
                     sent = max(sent, ready)
                     entries = []
         finally:
             generator.close()
         if cut is None:
             text += decoder.decode(b"", final=True)
-        yield text[sent:], count, n_prompt, entries, True
+        yield text[sent:], count, n_prompt, entries, True, stopped
 
     @staticmethod
     def _logprobs_bytes(entries) -> bytes:
@@ -735,13 +744,14 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
         try:
             with self._lock:
                 self._require_model(context)
-                parts, count, n_prompt, entries = [], 0, 0, []
-                for delta, count, n_prompt, more, _ in self._run(request, context):
+                parts, count, n_prompt, entries, stopped = [], 0, 0, [], ""
+                for delta, count, n_prompt, more, _, stopped in self._run(request, context):
                     parts.append(delta)
                     entries.extend(more)
             return backend_pb2.Reply(message="".join(parts).encode("utf-8"), tokens=count,
                                      prompt_tokens=n_prompt,
-                                     logprobs=self._logprobs_bytes(entries))
+                                     logprobs=self._logprobs_bytes(entries),
+                                     stopping_word=stopped)
         finally:
             self._busy_exit()
 
@@ -753,13 +763,16 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
             with self._lock:
                 self._require_model(context)
                 last_count = 0
-                for delta, count, n_prompt, entries, final in self._run(request, context):
-                    if final and not delta and not entries and count == last_count:
+                for delta, count, n_prompt, entries, final, stopped in \
+                        self._run(request, context):
+                    if final and not delta and not entries and not stopped and \
+                            count == last_count:
                         break  # nothing new to say: the last reply already carries the count
                     last_count = count
                     yield backend_pb2.Reply(message=delta.encode("utf-8"), tokens=count,
                                             prompt_tokens=n_prompt,
-                                            logprobs=self._logprobs_bytes(entries))
+                                            logprobs=self._logprobs_bytes(entries),
+                                            stopping_word=stopped)
         finally:
             self._busy_exit()
 
@@ -789,9 +802,20 @@ class LlamaCppServicer(backend_pb2_grpc.BackendServicer):
                                            layout=backend_pb2.EMBEDDING_LAYOUT_FINAL)
 
     def TokenizeString(self, request, context):
+        """``Prompt``'s tokens (no BOS: ``/v1/tokenize``'s answer, as LocalAI's); a request
+        with ``TokenizeAsEvaluated`` (Anthropic's ``count_tokens``), or with
+        ``UseTokenizerTemplate`` and ``Messages`` (a chat turn's own options), is answered
+        with the tokens a generation of the same options would evaluate: the GGUF's template
+        rendered with the same messages and tools, special tokens and BOS as ``Predict``
+        adds them."""
         llm = self._require_model(context)
         with self._lock:
-            ids = llm.tokenize(request.Prompt.encode("utf-8"), add_bos=False, special=True)
+            if request.TokenizeAsEvaluated or \
+                    (request.UseTokenizerTemplate and request.Messages):
+                ids = self._prompt_tokens(request, context)
+            else:
+                ids = llm.tokenize(request.Prompt.encode("utf-8"), add_bos=False,
+                                   special=True)
         return backend_pb2.TokenizationResponse(length=len(ids), tokens=list(ids))
 
     def Detokenize(self, request, context):

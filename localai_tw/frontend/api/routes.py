@@ -115,7 +115,8 @@ ROUTES: tuple[Mount, ...] = (
     Mount(b"/system", lambda w: SystemResource(w.parts, w.api_keys), guard=ADMIN_KEY),
     *_openai_rows(),
     # Anthropic's Messages API: under /v1 (OpenAIResource hands its mounted children their
-    # paths) and at the root, as LocalAI serves it.
+    # paths) and at the root, as LocalAI serves it.  The same leaf serves .../count_tokens,
+    # under the same key guard and body cap (both are decided by path prefix).
     Mount(b"/v1/messages", lambda w: w.anthropic, guard=ANTHROPIC_KEY,
           body_cap=OPENAI_MAX_BODY_BYTES),
     Mount(b"/messages", lambda w: w.anthropic, guard=ANTHROPIC_KEY, cap_of=b"/v1/messages"),

@@ -33,6 +33,11 @@ FIELDS = frozenset({
     "top_p", "top_k", "tools", "tool_choice", "metadata", "thinking", "service_tier",
     "cache_control", "speed",
 })
+#: The fields of a ``POST /v1/messages/count_tokens`` request (Anthropic's list: what shapes
+#: the prompt; nothing of sampling or of the answer's length).
+COUNT_FIELDS = frozenset({
+    "model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
+})
 #: Fields of Anthropic's API this server cannot honour, and why (a 400 naming them).
 REFUSED = {
     "container": "this server runs no code-execution containers",
@@ -56,6 +61,7 @@ class MessagesRequest:
     model: str
     stream: bool
     openai: dict = field(default_factory=dict)
+    stop_sequences: tuple[str, ...] = ()
 
 
 def _keys(obj: dict, allowed: frozenset | set, where: str) -> None:
@@ -103,18 +109,20 @@ def _integer(body: dict, name: str, low: int, high: int, *, required: bool = Fal
     return value
 
 
-def to_openai(body: dict) -> MessagesRequest:
-    """The OpenAI chat-completions request of an Anthropic Messages request.
+def to_openai(body: dict, *, counting: bool = False) -> MessagesRequest:
+    """The OpenAI chat-completions request of an Anthropic Messages request, or (with
+    ``counting``) of a ``count_tokens`` request: the same translation of the fields that
+    shape the prompt, no ``max_tokens`` (1 is put in, which renders nothing), no sampling.
 
     :raises AnthropicError: 400 ``invalid_request_error`` naming the field at fault."""
     for name, why in REFUSED.items():
         if body.get(name) is not None:
             raise invalid(f"{name}: not supported by this server: {why}")
-    _keys(body, FIELDS, "")
+    _keys(body, COUNT_FIELDS if counting else FIELDS, "")
     model = _string(body, "model", "")
     if not model:
         raise invalid("model: must not be empty")
-    max_tokens = _integer(body, "max_tokens", 1, INT32_MAX, required=True)
+    max_tokens = 1 if counting else _integer(body, "max_tokens", 1, INT32_MAX, required=True)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid("stream: must be true or false")
@@ -155,7 +163,8 @@ def to_openai(body: dict) -> MessagesRequest:
     choice = body.get("tool_choice")
     if choice is not None:
         _tool_choice(choice, openai)
-    return MessagesRequest(model=model, stream=bool(stream), openai=openai)
+    return MessagesRequest(model=model, stream=bool(stream), openai=openai,
+                           stop_sequences=tuple(openai.get("stop", ())))
 
 
 def _system(system: Any) -> list[dict]:
@@ -452,7 +461,19 @@ def usage_body(input_tokens: int, output_tokens: int) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
-def message_body(model: str, result) -> dict:
+def stop_reason(reason: str, stopping_word: str,
+                stop_sequences: tuple[str, ...]) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for the turn's finish ``reason`` and
+    the stop string the backend says the answer ended on: ``stop_sequence`` when that string
+    is one of the client's ``stop_sequences`` (a stop word of the model's config is the model
+    ending its turn), a tool call first.  Only the backend's word counts: the text is never
+    searched for a stop sequence (a backend that does not say reports ``end_turn``)."""
+    if reason != "tool_calls" and stopping_word and stopping_word in stop_sequences:
+        return "stop_sequence", stopping_word
+    return STOP_REASONS.get(reason, "end_turn"), None
+
+
+def message_body(model: str, result, stop_sequences: tuple[str, ...] = ()) -> dict:
     """The non-streamed answer of a turn's ``result`` (content, calls, finish reason, usage)."""
     content: list[dict] = []
     if result.content or not result.calls:
@@ -460,8 +481,7 @@ def message_body(model: str, result) -> dict:
     for call in result.calls:
         content.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
                         "input": _input(call.arguments)})
+    reason, sequence = stop_reason(result.finish_reason, result.stopping_word, stop_sequences)
     return {"id": message_id(), "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": STOP_REASONS.get(result.finish_reason,
-                                                                 "end_turn"),
-            "stop_sequence": None,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage_body(result.usage.prompt_tokens, result.usage.completion_tokens)}

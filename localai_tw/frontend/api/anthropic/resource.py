@@ -1,6 +1,7 @@
 """``POST /v1/messages`` (and ``/messages``): Anthropic's Messages API over the shared chat
-turn.  :class:`MessagesResource` checks the key (``x-api-key`` or ``Authorization``), reads
-the body, has :func:`~.messages.to_openai` translate it, runs the turn
+turn, and ``POST /v1/messages/count_tokens`` (the same turn prepared, then tokenized by the
+model's backend instead of run).  :class:`MessagesResource` checks the key (``x-api-key`` or
+``Authorization``), reads the body, has :func:`~.messages.to_openai` translate it, runs the turn
 (``frontend/api/openai/turn.py``: ``prepare_turn``, then ``complete_turn`` or
 ``stream_turn``) and answers Anthropic's message, its SSE events (:class:`MessageEvents`), or
 its error shape.
@@ -18,6 +19,7 @@ from twisted.python.failure import Failure
 from twisted.web import server
 from twisted.web.resource import Resource
 
+from localai_tw.backends import backend_pb2
 from localai_tw.frontend.api.jsonbody import prepare_json_body
 from localai_tw.frontend.api.kit import APIKeyGuard, printable
 from localai_tw.frontend.api.anthropic.errors import (
@@ -27,9 +29,9 @@ from localai_tw.frontend.api.anthropic.errors import (
     from_openai,
 )
 from localai_tw.frontend.api.anthropic.messages import (
-    STOP_REASONS,
     message_body,
     message_id,
+    stop_reason,
     to_openai,
     tool_use_id,
     usage_body,
@@ -82,14 +84,18 @@ class MessagesResource(Resource):
         exchange: Exchange = self._openai.exchange(request, SEGMENTS)
         try:
             self.guard(request)
-            if [s for s in request.postpath if s]:
+            rest = [s for s in request.postpath if s]
+            if rest not in ([], [b"count_tokens"]):
                 raise AnthropicError(404, f"unknown endpoint {printable(path_text(request))} "
-                                     "(this server serves POST /v1/messages)",
-                                     "not_found_error")
+                                     "(this server serves POST /v1/messages and POST "
+                                     "/v1/messages/count_tokens)", "not_found_error")
             if request.method.upper() != b"POST":
                 raise AnthropicError(405, "use POST on this endpoint", "invalid_request_error",
                                      headers={"Allow": "POST"})
-            await self._answer(request, exchange)
+            if rest:
+                await self._count(request, exchange)
+            else:
+                await self._answer(request, exchange)
         except AlreadyAnswered:
             return
         except defer.CancelledError:
@@ -105,11 +111,30 @@ class MessagesResource(Resource):
         asked = to_openai(read_body(request).data)
         turn = await prepare_turn(context, Fields(asked.openai), exchange)
         if asked.stream:
-            await stream_turn(context, exchange, turn, MessageEvents(turn.name),
+            await stream_turn(context, exchange, turn,
+                              MessageEvents(turn.name, asked.stop_sequences),
                               framing=SSEStream, include_usage=True)
             return
         result = await complete_turn(context, exchange, turn)
-        exchange.send_json(200, message_body(turn.name, result))
+        exchange.send_json(200, message_body(turn.name, result, asked.stop_sequences))
+
+    async def _count(self, request, exchange: Exchange) -> None:
+        """``count_tokens``: the turn prepared exactly as :meth:`_answer` prepares it (the
+        same template path, tools shown the same way), then the model's backend asked to
+        tokenize those very options (``TokenizeString``) through the router, as a generation
+        would be routed.  Nothing is generated; the count is the worker's answer."""
+        context = self._openai.context
+        await prepare_json_body(request, context.reactor)
+        asked = to_openai(read_body(request).data, counting=True)
+        turn = await prepare_turn(context, Fields(asked.openai), exchange)
+        options = backend_pb2.PredictOptions()
+        options.CopyFrom(turn.options)
+        options.TokenizeAsEvaluated = True  # the prompt as Predict evaluates it (BOS too)
+        served = await exchange.call(context.router.tokenize(turn.name, options,
+                                                             context.deadline()))
+        exchange.served_by(served.served_by)
+        answer = served.value
+        exchange.send_json(200, {"input_tokens": len(answer.tokens) or int(answer.length)})
 
     def _answer_error(self, exchange: Exchange, answer: AnthropicError,
                       cause: BaseException | None) -> None:
@@ -139,11 +164,14 @@ class MessageEvents(TurnEvents):
     reason, usage) and ``message_stop``.  A failure after the start is an ``error`` event.
     """
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, stop_sequences: tuple[str, ...] = ()):
         self.model = model
+        self.stop_sequences = stop_sequences
         self.index = -1  # the index of the last block opened
         self.open_text = False
+        self.stopping_word = ""
         self.stop_reason = "end_turn"
+        self.stop_sequence: str | None = None
 
     def _block_start(self, block: dict) -> SSEEvent:
         self.index += 1
@@ -190,8 +218,12 @@ class MessageEvents(TurnEvents):
             out.append(self._block_stop())
         return out
 
+    def stopped_on(self, word: str) -> None:
+        self.stopping_word = word
+
     def end(self, reason: str, logprobs: list | None = None) -> list:
-        self.stop_reason = STOP_REASONS.get(reason, "end_turn")
+        self.stop_reason, self.stop_sequence = stop_reason(reason, self.stopping_word,
+                                                           self.stop_sequences)
         out = self._close_text()
         if self.index < 0:  # nothing was said: one empty text block, as non-streamed
             out += [self._block_start({"type": "text", "text": ""}), self._block_stop()]
@@ -201,7 +233,8 @@ class MessageEvents(TurnEvents):
         usage = usage or {}
         return [SSEEvent("message_delta", {
                     "type": "message_delta",
-                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
+                    "delta": {"stop_reason": self.stop_reason,
+                              "stop_sequence": self.stop_sequence},
                     "usage": usage_body(int(usage.get("prompt_tokens") or 0),
                                         int(usage.get("completion_tokens") or 0))}),
                 SSEEvent("message_stop", {"type": "message_stop"})]

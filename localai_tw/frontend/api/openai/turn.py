@@ -87,13 +87,16 @@ class Turn:
 class Answer:
     """One non-streamed answer: ``content`` (None when the answer is only calls), the tool
     calls, the finish reason (``stop``, ``length`` or ``tool_calls``), the log-probability
-    entries (OpenAI's ``logprobs.content`` shape, when asked) and the token usage."""
+    entries (OpenAI's ``logprobs.content`` shape, when asked), the token usage, and the stop
+    string the backend says the answer ended on (``Reply.stopping_word``; "" when it ended
+    otherwise or the backend does not say)."""
 
     content: str | None
     calls: tuple[ToolCall, ...]
     finish_reason: str
     usage: Usage
     logprobs: list | None = None
+    stopping_word: str = ""
 
 
 async def prepare_turn(context: Context, body: Fields, exchange: Exchange) -> Turn:
@@ -134,7 +137,8 @@ async def complete_turn(context: Context, exchange: Exchange, turn: Turn,
     answer = await read_answer(turn, reply, finish_reason(reply, turn.sampling.max_tokens))
     usage = reply_usage(reply)
     logprobs = logprobs_content(reply.logprobs) if turn.plan.logprobs else None
-    return Answer(answer.content, answer.calls, answer.finish_reason, usage, logprobs)
+    return Answer(answer.content, answer.calls, answer.finish_reason, usage, logprobs,
+                  reply.stopping_word)
 
 
 async def read_answer(turn: Turn, reply: backend_pb2.Reply, reason: str) -> Answer:
@@ -188,6 +192,10 @@ class TurnEvents:
         sent with a text event."""
         raise NotImplementedError
 
+    def stopped_on(self, word: str) -> None:
+        """Told, before :meth:`end`, the stop string the backend says the answer ended on
+        (``Reply.stopping_word``); not called when it names none."""
+
     def done(self, usage: dict | None) -> list:
         """The last events, after :meth:`end` (``usage``: OpenAI's usage body; None only
         when the caller of :func:`stream_turn` said not to include it)."""
@@ -210,6 +218,7 @@ class _TurnChunks(Chunks):
     pending_logprobs: list = field(default_factory=list)
     deltas: list = field(default_factory=list)  # Reply.chat_deltas (calls a backend parsed)
     text: str = ""  # the whole answer, for the check at the end
+    stopping_word: str = ""  # the backend's Reply.stopping_word, when one names it
 
     def __post_init__(self):
         tools = self.turn.plan.tools
@@ -228,6 +237,8 @@ class _TurnChunks(Chunks):
     def pieces(self, text: str, reply: backend_pb2.Reply) -> list:
         if self.turn.plan.logprobs:
             self.pending_logprobs.extend(logprobs_content(reply.logprobs))
+        if reply.stopping_word:
+            self.stopping_word = reply.stopping_word
         if self.tool_stream is not None and reply.chat_deltas:
             self.deltas.extend(reply.chat_deltas)
         self.text += text
@@ -262,6 +273,8 @@ class _TurnChunks(Chunks):
         else:
             await check_output(plan, name, self.text, reason)
         logprobs = self._logprobs() if self.pending_logprobs else None
+        if self.stopping_word:
+            self.events.stopped_on(self.stopping_word)
         out.extend(self.events.end(reason, logprobs))
         return out
 
