@@ -225,6 +225,11 @@ class Fleet:
     async def dial(self, worker) -> None:
         from localai_tw.mux.session import Session
         from localai_tw.tunnel.dialer import worker_session_config
+        try:  # a tree whose workers say they ping (run against an older tree: they do not)
+            from localai_tw.tunnel.keepalive import WORKER_PINGS, WORKER_PINGS_HEADER
+            says = {WORKER_PINGS_HEADER: WORKER_PINGS}
+        except ImportError:
+            says = {}
         from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 
         delay = 1.0
@@ -236,7 +241,8 @@ class Fleet:
                     # The real worker's keepalive (tunnel/keepalive.py), on a clock of its own.
                     lambda: Session(client=True, config=worker_session_config(),
                                     reactor=OwnClock(self.reactor)),
-                    headers={"Authorization": f"Bearer {worker['credential']}"})
+                    # What the real worker's dial sends (tunnel/dialer.py).
+                    headers={"Authorization": f"Bearer {worker['credential']}", **says})
             except HandshakeFailed as e:
                 self.counts["dial_503" if e.status == 503 else "dial_failed"] += 1
                 self.last_error = repr(e)

@@ -106,6 +106,11 @@ class SessionConfig:
     # answers, its data count); a silent carrier is still seen interval + timeout after its last
     # byte.  False: ping every interval whatever arrived (Go's yamux).
     keepalive_when_quiet: bool = False
+    # True: send no keepalive ping at all.  The peer has said (tunnel/keepalive.py) that it
+    # pings every keepalive_interval whatever it reads, so a live peer is never silent for
+    # long; the session ends when nothing was read for keepalive_interval + keepalive_timeout,
+    # the bound a ping of ours would have given.  Our answers to its pings keep its own bound.
+    keepalive_peer_pings: bool = False
     initial_window: int = INITIAL_WINDOW  # fixed by yamux (no handshake); kept for the contract
     max_window: int = INITIAL_WINDOW     # receive window we advertise per stream (>= 256 KiB)
     accept_streams: bool = True          # False: every inbound SYN is answered with RST
@@ -336,7 +341,12 @@ class Session(Protocol):
         if interval:
             # One timer for every session of the reactor (mux/wheel.py), not two per session.
             wheel = wheel_for(self._reactor, common_tick(interval, self.config.keepalive_timeout))
-            wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
+            if self.config.keepalive_peer_pings:
+                self._heard_at = self._reactor.seconds()  # silence counts from the opening
+                silence = interval + self.config.keepalive_timeout
+                wheel.later(wheel.ticks(silence, up=True), self._silenceCheck, wheel)
+            else:
+                wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
 
     def dataReceived(self, data) -> None:
         """Decode the read and handle its frames in order.  The hot path, a Data frame with no
@@ -782,6 +792,21 @@ class Session(Protocol):
         wheel.later(wheel.ticks(self.config.keepalive_timeout, up=True),
                     self._keepaliveCheck, opaque, at_least=True)
         self._sendFrame(Frame.ping(opaque))
+
+    def _silenceCheck(self, wheel) -> None:
+        """``keepalive_peer_pings``: no ping of ours; the session ends once nothing was read
+        for interval + timeout (to within half a tick), else looks again when that would be.
+        One wheel call per session per interval + timeout on an idle tunnel, no frame."""
+        if self.state is not SessionState.OPEN:
+            return
+        silence = self.config.keepalive_interval + self.config.keepalive_timeout
+        quiet = self._reactor.seconds() - self._heard_at
+        if quiet < silence - wheel.tick / 2:
+            wheel.later(wheel.ticks(silence - quiet, up=True), self._silenceCheck, wheel)
+            return
+        log.warn("yamux keepalive: nothing from the peer, which pings, for {t}s", t=silence)
+        self._end(KeepaliveTimeout(silence))
+        self._closeTransport(abort=True)
 
     def _keepaliveCheck(self, opaque: int) -> None:
         if self.state is SessionState.OPEN and self._keepalive_opaque == opaque:

@@ -48,6 +48,8 @@ from localai_tw.tunnel.keepalive import (
     FRONTEND_WINDOW_BUDGET,
     LIVENESS_BY_TUNNEL,
     LIVENESS_HEADER,
+    WORKER_PINGS,
+    WORKER_PINGS_HEADER,
     tunnel_keepalive,
     tunnel_windows,
 )
@@ -68,7 +70,7 @@ MAX_NODE_ID_BYTES = 64
 FRONTEND_WINDOW_POOL = WindowPool(FRONTEND_WINDOW_BUDGET)
 
 
-def tunnel_session_config() -> SessionConfig:
+def tunnel_session_config(peer_pings: bool = False) -> SessionConfig:
     """The yamux configuration of the frontend's end of a worker tunnel: a server that accepts no
     streams, and ends the session at the first stream the worker opens (workers never open
     streams by contract; one RST and one log line per SYN would let a worker flood us with
@@ -77,8 +79,11 @@ def tunnel_session_config() -> SessionConfig:
     one budget shared by every worker tunnel of this process (``FRONTEND_WINDOW_POOL``): each
     end advertises its own, so the worker's choice does not have to match (see
     docs/routing.md).  The keepalive is the tunnel's (``keepalive.py``): a silent carrier is
-    declared dead within 10 s, so requests stop being routed to it."""
-    return SessionConfig(accept_streams=False, forbid_inbound_streams=True, **tunnel_keepalive(),
+    declared dead within 10 s, so requests stop being routed to it.  ``peer_pings``: the worker
+    said it pings every interval (``WORKER_PINGS_HEADER``): we send it no ping and end the
+    session after 10 s without a byte from it."""
+    return SessionConfig(accept_streams=False, forbid_inbound_streams=True,
+                         **tunnel_keepalive(peer_pings=peer_pings),
                          **tunnel_windows(FRONTEND_WINDOW_POOL))
 
 
@@ -208,8 +213,10 @@ class WorkerTunnelAcceptor:
         # The hook keeps what it logs, not the Node (its row, labels and dates would live as
         # long as the tunnel).
         node_id, name = node.id, node.name
+        peer_pings = request.getHeader(WORKER_PINGS_HEADER) == WORKER_PINGS
         return OpenNotifyingSession(
-            client=False, config=self._config_factory(), acceptor=None, reactor=self._reactor,
+            client=False, config=self._config_factory(peer_pings=peer_pings), acceptor=None,
+            reactor=self._reactor,
             on_open=lambda session: self._opened(session, node_id, peer, name))
 
     def _opened(self, session: Session, node_id: str, peer, name: str = "") -> None:

@@ -50,6 +50,8 @@ from localai_tw.mux.session import Session, SessionConfig
 from localai_tw.tunnel.keepalive import (
     LIVENESS_BY_TUNNEL,
     LIVENESS_HEADER,
+    WORKER_PINGS,
+    WORKER_PINGS_HEADER,
     tunnel_keepalive,
     tunnel_windows,
 )
@@ -337,7 +339,8 @@ class TunnelDialer(Service):
 
         try:
             dialing = self._connect(self._reactor, url, build_session,
-                                    {"Authorization": f"Bearer {credential}"})
+                                    {"Authorization": f"Bearer {credential}",
+                                     WORKER_PINGS_HEADER: WORKER_PINGS})
         except Exception as e:
             dialing = defer.fail(e)
         self._dialing = dialing

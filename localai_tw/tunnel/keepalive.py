@@ -23,6 +23,25 @@ is the same: the end that heard last pings an interval after that, and declares 
 longer caught by our pings (none leave while it writes); its streams stall on their windows, and
 a working peer's own keepalive ends the session when our answers stop reaching it.
 
+The frontend pings no worker that says it pings (``X-LocalAI-Keepalive: worker-pings`` on the
+upgrade request, :data:`WORKER_PINGS_HEADER`).  Even with the worker's lead the frontend still
+pinged first whenever the worker's timer ran more than the lead late (a loaded worker, a tick of
+0.1 s against a lead of 0.2 s), and then answered nothing less.  Such a worker pings every
+:data:`TUNNEL_KEEPALIVE_INTERVAL` minus the lead **whatever it reads** (not only when quiet: a
+frontend trickling a request body to it must still hear from it), and the frontend's end
+(``keepalive_peer_pings``) sends no keepalive ping: it ends the session when it has read no byte
+for :data:`DEAD_TUNNEL_DETECTION`.  The bounds, from the last byte each end read:
+
+- frontend: exactly :data:`DEAD_TUNNEL_DETECTION` (10 s, to half a wheel tick), as before.  A
+  live worker writes at least a ping every 2.8 s; when its previous ping is still unanswered
+  (an answer queued behind stream data) it skips one, so at worst 8.4 s pass between its pings
+  (one answered just inside 7 s), still inside 10 s.  What the worker's timer may lag before a
+  live tunnel is dropped: 7.2 s when idle, as the 7 s timeout of a frontend ping allowed.
+- worker: a ping 2.8 s after the previous one, answered within 7 s: silence is seen within
+  9.8 s of the last byte (8.5 s after a ping answered late), as before.
+- an old worker (no header): the frontend keeps pinging when quiet, as above.  A new worker on
+  an old frontend: the frontend hears its ping every 2.8 s and so rarely pings.
+
 The receive-window auto-tuning of a tunnel's streams (``tunnel_windows``) lives here too: it is
 the other setting both ends of a worker tunnel share; its round trips come from these pings and
 from the tuner's own probe pings (one per measuring period, so a busy tunnel that sends no
@@ -55,13 +74,26 @@ LIVENESS_HEADER = "X-LocalAI-Liveness"
 LIVENESS_BY_TUNNEL = "tunnel"
 
 
-def tunnel_keepalive(worker: bool = False) -> dict[str, float | bool]:
-    """The keepalive fields of a worker tunnel's ``SessionConfig``; ``worker``: the worker's
-    end, which pings :data:`WORKER_PINGS_SOONER` sooner when its tunnel is quiet."""
-    sooner = WORKER_PINGS_SOONER if worker and PING_ONLY_WHEN_QUIET else 0.0
-    return {"keepalive_interval": TUNNEL_KEEPALIVE_INTERVAL - sooner,
+#: The header of a tunnel upgrade request by which a worker says that it pings every interval
+#: whatever it reads; the frontend then sends it no keepalive ping (see the module docstring).
+WORKER_PINGS_HEADER = "X-LocalAI-Keepalive"
+WORKER_PINGS = "worker-pings"
+
+
+def tunnel_keepalive(worker: bool = False, peer_pings: bool = False) -> dict[str, float | bool]:
+    """The keepalive fields of a worker tunnel's ``SessionConfig``.  ``worker``: the worker's
+    end, which pings :data:`WORKER_PINGS_SOONER` sooner, every interval whatever it reads (it
+    sends :data:`WORKER_PINGS_HEADER`).  ``peer_pings``: the frontend's end of a tunnel whose
+    worker sent that header: no ping, the session ends after :data:`DEAD_TUNNEL_DETECTION`
+    without a byte from the worker."""
+    if worker:
+        return {"keepalive_interval": TUNNEL_KEEPALIVE_INTERVAL - WORKER_PINGS_SOONER,
+                "keepalive_timeout": TUNNEL_KEEPALIVE_TIMEOUT,
+                "keepalive_when_quiet": False}
+    return {"keepalive_interval": TUNNEL_KEEPALIVE_INTERVAL,
             "keepalive_timeout": TUNNEL_KEEPALIVE_TIMEOUT,
-            "keepalive_when_quiet": PING_ONLY_WHEN_QUIET}
+            "keepalive_when_quiet": PING_ONLY_WHEN_QUIET,
+            "keepalive_peer_pings": peer_pings}
 
 
 #: The largest receive window one tunnel stream grows to (``mux/autowindow.py``): twice the

@@ -39,8 +39,9 @@ def _tunnel(**changes):
                              server_config=replace(tunnel_session_config(), **changes))
 
 
-def test_the_tunnel_pings_only_when_quiet():
-    assert worker_session_config().keepalive_when_quiet
+def test_the_frontend_pings_only_when_quiet():
+    """The frontend's end of a worker that does not say it pings; the worker's own end pings
+    every interval whatever it reads (test_keepalive_worker_pings.py)."""
     assert tunnel_session_config().keepalive_when_quiet
 
 

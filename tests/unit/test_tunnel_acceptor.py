@@ -15,6 +15,9 @@ class Request:
     def getClientAddress(self):
         return IPv4Address("TCP", "10.0.0.7", 40000)
 
+    def getHeader(self, name):
+        return None  # a worker that sends no X-LocalAI-Keepalive
+
 
 def node():
     now = datetime.now(timezone.utc)

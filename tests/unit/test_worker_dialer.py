@@ -142,7 +142,9 @@ def test_it_dials_at_once_with_the_credential_and_the_node_id(clock):
     dialer.startService()
     [dial] = connect.dials
     assert dial["url"] == "ws://frontend.example:8080/api/cluster/connect?id=node-1"
-    assert dial["headers"] == {"Authorization": "Bearer cred-1"}
+    # The worker says it pings every interval, so the frontend sends it no keepalive ping.
+    assert dial["headers"] == {"Authorization": "Bearer cred-1",
+                               "X-LocalAI-Keepalive": "worker-pings"}
     assert dialer.state is DialState.DIALING and not dialer.isConnected
     session = connect.accept()
     assert dialer.isConnected and dialer.readiness() is None

@@ -253,7 +253,8 @@ def test_the_worker_listens_on_nothing_and_dials_after_registering(reactor, clie
     assert worker.readiness() == "not registered with the frontend yet"
     client.registers[-1].callback(Registration("node-1", "healthy", "cred-1"))
     assert dial.dials == [("ws://frontend.example:8080/api/cluster/connect?id=node-1",
-                           {"Authorization": "Bearer cred-1"})]
+                           {"Authorization": "Bearer cred-1",
+                            "X-LocalAI-Keepalive": "worker-pings"})]
     assert "tunnel not connected" in worker.readiness()
     assert reactor.tcpServers == [] and reactor.unixServers == []
     for root in ("models", "data", "staging"):
