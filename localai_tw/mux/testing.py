@@ -114,3 +114,24 @@ class StreamingProducer:
     def stopProducing(self):
         self.stopped = True
         self.calls.append("stop")
+
+
+def countPings(session) -> list[int]:
+    """A one-item list counting the pings ``session`` sends from now on (each takes a fresh
+    opaque value)."""
+    sent = [0]
+    real = session._nextOpaque
+
+    def counted():
+        sent[0] += 1
+        return real()
+
+    session._nextOpaque = counted
+    return sent
+
+
+def runClock(clock, pump, seconds: float, step: float = 0.05) -> None:
+    """Advance ``clock`` by ``seconds`` in ``step``s, delivering what ``pump`` holds after each."""
+    for _ in range(round(seconds / step)):
+        clock.advance(step)
+        pump.flush()

@@ -200,10 +200,8 @@ def test_an_echo_of_every_size_round_trips_through_both_fast_paths(server):
     yield client.ended
 
 
-class ViewCollector(Collector):
-    """A protocol that declares it reads views (as a yamux session does)."""
-
-    readsBuffers = True
+class TypeCollector(Collector):
+    """Records the type of every ``dataReceived`` argument; reads ``bytes`` only."""
 
     def __init__(self, expect: int = 0):
         super().__init__(expect)
@@ -214,13 +212,15 @@ class ViewCollector(Collector):
         super().dataReceived(data)
 
 
-class BytesOnlyCollector(ViewCollector):
-    readsBuffers = False
+class BufferCollector(TypeCollector):
+    """Declares ``readsBuffers``, as a yamux session does."""
+
+    readsBuffers = True
 
 
 @pytest_twisted.inlineCallbacks
 @pytest.mark.parametrize("inner,expected",
-                         [(ViewCollector, {memoryview}), (BytesOnlyCollector, {bytes})])
+                         [(BufferCollector, {memoryview}), (TypeCollector, {bytes})])
 def test_the_dialler_gets_unmasked_payload_without_a_copy_only_if_it_reads_views(
         server, inner, expected):
     """The server's frames are not masked: a protocol that reads views (a yamux session) is
@@ -240,7 +240,7 @@ def test_the_dialler_gets_unmasked_payload_without_a_copy_only_if_it_reads_views
     yield client.ended
 
 
-class PausedViewCollector(ViewCollector):
+class PausedBufferCollector(BufferCollector):
     """Reads buffers and holds its carrier paused from the start: every payload waits in the
     carrier while later reads arrive."""
 
@@ -253,7 +253,7 @@ def test_held_payloads_survive_frame_headers_cut_across_reads(server):
     """A payload the paused carrier holds must not be a view of the buffer that keeps the start
     of a frame cut in its header (``_rx``): later reads change that buffer (a held view of it
     made them fail with BufferError and would have exposed bytes changed under it)."""
-    client = yield connectWebSocket(reactor, server.url, PausedViewCollector, headers=bearer())
+    client = yield connectWebSocket(reactor, server.url, PausedBufferCollector, headers=bearer())
     rng = random.Random(5)
     payloads = [bytes(rng.getrandbits(8) for _ in range(n)) for n in (3, 200, 70_000, 1, 126)]
     wire = b"".join(frame(p, mask=False) + p for p in payloads)
@@ -404,22 +404,6 @@ def test_a_frame_autobahn_refuses_still_ends_the_connection(server, bad):
     assert isinstance(end, error.ConnectionLost)
     assert bytes(server.inners[0].received) == b"good"
     yield client.ended
-
-
-class TypeCollector(Collector):
-    """Records the type of every ``dataReceived`` argument; ``readsBuffers`` as its class says."""
-
-    def __init__(self, expect: int = 0):
-        super().__init__(expect)
-        self.types: set[type] = set()
-
-    def dataReceived(self, data):
-        self.types.add(type(data))
-        super().dataReceived(data)
-
-
-class BufferCollector(TypeCollector):
-    readsBuffers = True
 
 
 class TypeEcho(TypeCollector):

@@ -5,7 +5,7 @@ silent carrier is still declared dead interval + timeout after the last byte, on
 from dataclasses import replace
 
 from localai_tw.mux import KeepaliveTimeout
-from localai_tw.mux.testing import Recorder, connectedSessions
+from localai_tw.mux.testing import Recorder, connectedSessions, countPings, runClock
 from localai_tw.tunnel.connect import tunnel_session_config
 from localai_tw.tunnel.dialer import worker_session_config
 from localai_tw.tunnel.keepalive import (
@@ -15,23 +15,6 @@ from localai_tw.tunnel.keepalive import (
 )
 
 
-def _count_pings(session) -> list[int]:
-    """Counts the keepalive pings ``session`` sends (each takes a fresh opaque value)."""
-    sent = [0]
-    real = session._nextOpaque
-
-    def counted():
-        sent[0] += 1
-        return real()
-
-    session._nextOpaque = counted
-    return sent
-
-
-def _run(clock, pump, seconds: float, step: float = 0.05) -> None:
-    for _ in range(round(seconds / step)):
-        clock.advance(step)
-        pump.flush()
 
 
 def _tunnel(**changes):
@@ -49,8 +32,8 @@ def test_an_idle_tunnel_carries_one_ping_per_interval_instead_of_two():
     counts = {}
     for quiet in (False, True):
         worker, frontend, pump, clock = _tunnel(keepalive_when_quiet=quiet)
-        sent = _count_pings(worker), _count_pings(frontend)
-        _run(clock, pump, 60.0)
+        sent = countPings(worker), countPings(frontend)
+        runClock(clock, pump, 60.0)
         assert worker.isOpen and frontend.isOpen
         counts[quiet] = sent[0][0] + sent[1][0]
     intervals = 60.0 / TUNNEL_KEEPALIVE_INTERVAL
@@ -60,7 +43,7 @@ def test_an_idle_tunnel_carries_one_ping_per_interval_instead_of_two():
 
 def test_a_silent_carrier_is_declared_dead_within_the_bound_after_its_last_byte():
     worker, frontend, pump, clock = _tunnel()
-    _run(clock, pump, 20.0)
+    runClock(clock, pump, 20.0)
     # Stop right after a flush in which both ends read (a ping and its answer).
     while not (frontend._heard_at == worker._heard_at == clock.seconds()):
         clock.advance(0.01)
@@ -81,8 +64,8 @@ def test_a_peer_that_never_pings_still_gets_a_ping_every_interval():
     worker, frontend, pump, clock = connectedSessions(
         client_config=replace(worker_session_config(), keepalive_interval=None),
         server_config=tunnel_session_config())
-    sent = _count_pings(frontend)
-    _run(clock, pump, 30.0)
+    sent = countPings(frontend)
+    runClock(clock, pump, 30.0)
     assert frontend.isOpen and worker.isOpen
     assert sent[0] >= 30.0 / TUNNEL_KEEPALIVE_INTERVAL - 1
 
@@ -94,7 +77,7 @@ def test_stream_data_from_the_peer_stands_for_a_ping():
         client_config=replace(worker_session_config(), keepalive_interval=None),
         server_config=replace(tunnel_session_config(), forbid_inbound_streams=False,
                               accept_streams=True))
-    sent = _count_pings(worker), _count_pings(frontend)
+    sent = countPings(worker), countPings(frontend)
     stream = frontend.openStream()
     for _ in range(200):  # the frontend sends a chunk every 0.1 s for 20 s
         stream.write(b"x" * 100)

@@ -6,7 +6,7 @@ that does not say so keeps today's keepalive."""
 from types import SimpleNamespace
 
 from localai_tw.mux import KeepaliveTimeout
-from localai_tw.mux.testing import Recorder, connectedSessions
+from localai_tw.mux.testing import Recorder, connectedSessions, countPings, runClock
 from localai_tw.tunnel.connect import WorkerTunnelAcceptor, tunnel_session_config
 from localai_tw.tunnel.dialer import worker_session_config
 from localai_tw.tunnel.keepalive import (
@@ -19,22 +19,6 @@ from localai_tw.tunnel.keepalive import (
 from dataclasses import replace
 
 
-def _count_pings(session) -> list[int]:
-    sent = [0]
-    real = session._nextOpaque
-
-    def counted():
-        sent[0] += 1
-        return real()
-
-    session._nextOpaque = counted
-    return sent
-
-
-def _run(clock, pump, seconds: float, step: float = 0.05) -> None:
-    for _ in range(round(seconds / step)):
-        clock.advance(step)
-        pump.flush()
 
 
 def _tunnel(**frontend_changes):
@@ -45,8 +29,8 @@ def _tunnel(**frontend_changes):
 
 def test_the_frontend_sends_no_ping_to_a_worker_that_pings():
     worker, frontend, pump, clock = _tunnel()
-    sent = _count_pings(worker), _count_pings(frontend)
-    _run(clock, pump, 60.0)
+    sent = countPings(worker), countPings(frontend)
+    runClock(clock, pump, 60.0)
     assert worker.isOpen and frontend.isOpen
     assert sent[1][0] == 0
     assert sent[0][0] >= 60.0 / (3.0 - WORKER_PINGS_SOONER) - 2
@@ -58,8 +42,8 @@ def test_no_ping_even_when_the_workers_pings_come_late():
     worker, frontend, pump, clock = connectedSessions(
         client_config=replace(worker_session_config(), keepalive_interval=3.1),
         server_config=tunnel_session_config(peer_pings=True))
-    sent = _count_pings(frontend)
-    _run(clock, pump, 60.0)
+    sent = countPings(frontend)
+    runClock(clock, pump, 60.0)
     assert worker.isOpen and frontend.isOpen
     assert sent[0] == 0
 
@@ -84,7 +68,7 @@ def test_a_worker_that_only_hears_a_trickle_still_pings_and_the_tunnel_stays():
 
 def test_a_silent_carrier_is_declared_dead_within_the_bound_on_both_ends():
     worker, frontend, pump, clock = _tunnel()
-    _run(clock, pump, 20.0)
+    runClock(clock, pump, 20.0)
     while not (frontend._heard_at == worker._heard_at == clock.seconds()):
         clock.advance(0.01)
         pump.flush()
@@ -105,7 +89,7 @@ def test_a_silent_carrier_is_declared_dead_within_the_bound_on_both_ends():
 
 def test_the_worker_sees_a_dead_frontend_within_the_bound():
     worker, frontend, pump, clock = _tunnel()
-    _run(clock, pump, 20.0)
+    runClock(clock, pump, 20.0)
     while worker._heard_at != clock.seconds():
         clock.advance(0.01)
         pump.flush()
@@ -125,8 +109,8 @@ def test_an_old_worker_still_gets_pings_and_a_silent_one_is_dropped():
     worker, frontend, pump, clock = connectedSessions(
         client_config=replace(worker_session_config(), keepalive_interval=None),
         server_config=tunnel_session_config())
-    sent = _count_pings(frontend)
-    _run(clock, pump, 30.0)
+    sent = countPings(frontend)
+    runClock(clock, pump, 30.0)
     assert frontend.isOpen and sent[0] >= 9
     silent_since = clock.seconds()
     clock.pump([0.05] * round((DEAD_TUNNEL_DETECTION + 0.2) / 0.05))
