@@ -427,10 +427,11 @@ class Session(Protocol):
 
         First the bytes streams buffered while we were paused go out in rounds of one frame
         per stream (at most ``max_frame_size`` each, or 1/8 more to save a runt), control
-        streams (those that have sent less than ``bulk_after``) first in every round, so a stream with a few bytes to send (a
-        control call, a reply) leaves before the bulk streams' frames, never behind a whole
-        window of theirs.  Then the streams' producers are resumed in rotation;
-        the stream served last goes to the back, so the next resume starts with the next one.
+        streams (those that have sent less than ``bulk_after``) first in every round, so a
+        stream with a few bytes to send (a control call, a reply) leaves before the bulk
+        streams' frames, never behind a whole window of theirs.  Then the streams' producers
+        are resumed in rotation; the stream served last goes to the back, so the next resume
+        starts with the next one.
         """
         if not self._paused:
             return
