@@ -135,3 +135,11 @@ def runClock(clock, pump, seconds: float, step: float = 0.05) -> None:
     for _ in range(round(seconds / step)):
         clock.advance(step)
         pump.flush()
+
+
+def runUntilBothJustRead(clock, pump, one, other, step: float = 0.01) -> float:
+    """Advance until a flush in which both sessions read (a ping and its answer); the time."""
+    while not (one._heard_at == other._heard_at == clock.seconds()):
+        clock.advance(step)
+        pump.flush()
+    return clock.seconds()

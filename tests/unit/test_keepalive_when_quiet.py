@@ -5,7 +5,13 @@ silent carrier is still declared dead interval + timeout after the last byte, on
 from dataclasses import replace
 
 from localai_tw.mux import KeepaliveTimeout
-from localai_tw.mux.testing import Recorder, connectedSessions, countPings, runClock
+from localai_tw.mux.testing import (
+    Recorder,
+    connectedSessions,
+    countPings,
+    runClock,
+    runUntilBothJustRead,
+)
 from localai_tw.tunnel.connect import tunnel_session_config
 from localai_tw.tunnel.dialer import worker_session_config
 from localai_tw.tunnel.keepalive import (
@@ -45,10 +51,7 @@ def test_a_silent_carrier_is_declared_dead_within_the_bound_after_its_last_byte(
     worker, frontend, pump, clock = _tunnel()
     runClock(clock, pump, 20.0)
     # Stop right after a flush in which both ends read (a ping and its answer).
-    while not (frontend._heard_at == worker._heard_at == clock.seconds()):
-        clock.advance(0.01)
-        pump.flush()
-    silent_since = clock.seconds()
+    silent_since = runUntilBothJustRead(clock, pump, frontend, worker)
     # No byte moves either way from now on (the pump is never flushed again).
     clock.pump([0.05] * round(TUNNEL_KEEPALIVE_TIMEOUT / 0.05))
     assert frontend.isOpen and worker.isOpen  # a ping always gets its whole timeout

@@ -6,7 +6,13 @@ that does not say so keeps today's keepalive."""
 from types import SimpleNamespace
 
 from localai_tw.mux import KeepaliveTimeout
-from localai_tw.mux.testing import Recorder, connectedSessions, countPings, runClock
+from localai_tw.mux.testing import (
+    Recorder,
+    connectedSessions,
+    countPings,
+    runClock,
+    runUntilBothJustRead,
+)
 from localai_tw.tunnel.connect import WorkerTunnelAcceptor, tunnel_session_config
 from localai_tw.tunnel.dialer import worker_session_config
 from localai_tw.tunnel.keepalive import (
@@ -69,10 +75,7 @@ def test_a_worker_that_only_hears_a_trickle_still_pings_and_the_tunnel_stays():
 def test_a_silent_carrier_is_declared_dead_within_the_bound_on_both_ends():
     worker, frontend, pump, clock = _tunnel()
     runClock(clock, pump, 20.0)
-    while not (frontend._heard_at == worker._heard_at == clock.seconds()):
-        clock.advance(0.01)
-        pump.flush()
-    silent_since = clock.seconds()
+    silent_since = runUntilBothJustRead(clock, pump, frontend, worker)
     ended = {}
     # No byte moves either way from now on (the pump is never flushed again).
     while (frontend.isOpen or worker.isOpen) and clock.seconds() - silent_since < 15:
