@@ -63,7 +63,12 @@ from twisted.web.server import NOT_DONE_YET
 from zope.interface import Interface, implementer
 
 from localai_tw.tunnel import autobahn_compat as ab
-from localai_tw.web.sockets import set_no_delay, set_not_sent_lowat, set_read_size
+from localai_tw.web.sockets import (
+    set_no_delay,
+    set_not_sent_lowat,
+    set_read_size,
+    set_write_through,
+)
 from localai_tw.tunnel.wsframes import FastBinaryFrames
 from localai_tw.web import auth
 
@@ -545,6 +550,9 @@ class _CarrierMixin(FastBinaryFrames):
         # Bulk comes in reads of up to 128 KiB instead of Twisted's 64 KiB: half the per-read
         # passes through the frame parsers (``web/sockets.py``).
         set_read_size(self.transport)
+        # A small write (a control frame, a window update, a token) goes to the kernel in the
+        # same reactor turn when nothing waits before it (``web/sockets.py``).
+        set_write_through(self.transport)
         self.transport.registerProducer(_WritePressureRelay(carrier), True)
         inner.makeConnection(carrier)
         return inner

@@ -3,7 +3,8 @@ back from the kernel on real sockets: the frontend listener's accepted HTTP conn
 ends of a worker's tunnel, both ends of a peer link (plain and TLS), and the worker's
 connection to a backend port.  The tunnel's and the peer links' sockets also have
 ``TCP_NOTSENT_LOWAT`` (bulk bytes wait in the yamux streams, where control frames overtake them,
-not in the kernel's send queue; issue 15 §3).
+not in the kernel's send queue; issue 15 §3), and write through (``set_write_through``: a write
+goes to the kernel in the same reactor turn while its unsent bytes are below that mark).
 
 Without it a streamed token that follows another one waits for the peer's delayed ACK (36-40 ms
 on loopback).  These tests assert the socket option, not a time: the latency itself is
@@ -35,19 +36,31 @@ def not_sent_lowat(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
 
 
-def tcp_socket_under(transport) -> socket.socket:
-    """The socket of the TCP transport under ``transport`` (TLS and other wrappers skipped)."""
+def tcp_transport_under(transport) -> tcp.Connection:
+    """The TCP transport under ``transport`` (TLS and other wrappers skipped)."""
     for _ in range(5):
         if isinstance(transport, tcp.Connection):
-            return transport.getHandle()
+            return transport
         transport = transport.transport
     raise AssertionError(f"no TCP transport under {transport!r}")
+
+
+def tcp_socket_under(transport) -> socket.socket:
+    """The socket of the TCP transport under ``transport`` (TLS and other wrappers skipped)."""
+    return tcp_transport_under(transport).getHandle()
 
 
 def socket_of_session(session) -> socket.socket:
     """The TCP socket carrying a yamux session over the WebSocket carrier."""
     carrier = session.transport
     return tcp_socket_under(carrier._ws.transport)
+
+
+def write_through_gate(session) -> int | None:
+    """The not-sent gate of the write-through set on the TCP transport carrying ``session``
+    (None: Twisted's own buffered write)."""
+    transport = tcp_transport_under(session.transport._ws.transport)
+    return getattr(transport.write, "not_sent_below", None)
 
 
 def accepted_connection(listening_port: int, client_port: int) -> socket.socket:
@@ -93,16 +106,22 @@ async def test_a_worker_tunnel_has_nodelay_at_both_ends(cluster):
     assert nodelay(accepted), "the tunnel accepted by the frontend's listener"
     assert not_sent_lowat(dialled) == TUNNEL_NOT_SENT_LOWAT, "the worker's tunnel dial"
     assert not_sent_lowat(accepted) == TUNNEL_NOT_SENT_LOWAT, "the accepted tunnel"
+    assert write_through_gate(worker.dialer.session) == TUNNEL_NOT_SENT_LOWAT
+    assert write_through_gate(
+        frontend.replica.tunnels.session_for(worker.node_id)) == TUNNEL_NOT_SENT_LOWAT
 
 
 async def _peer_link(caller, callee):
-    """Open a peer link from ``caller`` to ``callee``; (dialled socket, accepted socket)."""
+    """Open a peer link from ``caller`` to ``callee``; (dialled socket, accepted socket).  Both
+    ends write through, at the low-water mark."""
     callee_id = callee.replica.instance_id
     await within(caller.replica.peer_pool.open_stream(callee_id, Protocol()))
     dialled = caller.replica.peer_pool._sessions[callee_id]
     accepted = await eventually(
         lambda: callee.replica.peer_links.sessions().get(caller.replica.instance_id),
         what="the callee to hold the peer link")
+    assert write_through_gate(dialled) == TUNNEL_NOT_SENT_LOWAT, "the dialled peer link"
+    assert write_through_gate(accepted) == TUNNEL_NOT_SENT_LOWAT, "the accepted peer link"
     return socket_of_session(dialled), socket_of_session(accepted)
 
 
