@@ -89,6 +89,11 @@ GOAWAY_NAMES = {
 #: The default largest Data payload we send: a frame (header included) of exactly 64 KiB.
 DEFAULT_MAX_FRAME_SIZE = 64 * 1024 - HEADER_SIZE
 
+#: The first 8 bytes of a ping SYN (version, type, flags, stream 0) and of its answer; the
+#: opaque value follows.
+_PING_SYN_HEAD = HEADER.pack(VERSION, TYPE_PING, FLAG_SYN, 0, 0)[:8]
+_PING_ACK_HEAD = HEADER.pack(VERSION, TYPE_PING, FLAG_ACK, 0, 0)[:8]
+
 # Go allocates ids strictly below 2**32 - 2, then reports "streams exhausted".
 _LAST_STREAM_ID = MAX_UINT32 - 2
 
@@ -357,6 +362,13 @@ class Session(Protocol):
             return
         self.bytesReceived += len(data)
         self._heard_at = self._reactor.seconds()
+        if (len(data) == HEADER_SIZE and data[:8] == _PING_SYN_HEAD
+                and not self._decoder.buffered):
+            # A read that is one keepalive ping and nothing else (what an idle tunnel reads
+            # every few seconds): answered without the decoder, a Frame or encode.
+            if self._mayAnswer():
+                self._sendEncoded(_PING_ACK_HEAD + bytes(data[8:]))
+            return
         try:
             frames = self._decoder.decode(data)
         except FrameError as e:
@@ -615,14 +627,18 @@ class Session(Protocol):
         it may overtake the Data frames still held by a carrier that offers ``writeUrgent``
         (see ``_urgentFor``); the caller says False for any frame that must stay behind what
         was written before it."""
+        self._sendEncoded(encode(frame), urgent)
+
+    def _sendEncoded(self, raw: bytes, urgent: bool = True) -> None:
+        """``_sendFrame`` of a frame already encoded."""
         transport = self.transport
         if self.state is not SessionState.OPEN or transport is None:
             return
-        self.bytesSent += HEADER_SIZE + len(frame.payload)
+        self.bytesSent += len(raw)
         if urgent and getattr(transport, "writesUrgent", False):
-            transport.writeUrgent(encode(frame))
+            transport.writeUrgent(raw)
         else:
-            transport.write(encode(frame))
+            transport.write(raw)
 
     def _urgentFor(self, stream: Stream) -> bool:
         """May a frame of ``stream`` overtake the Data frames the carrier still holds?  Yes while
@@ -634,20 +650,25 @@ class Session(Protocol):
         return stream._sent < self.config.bulk_after
 
     def _sendReply(self, frame: Frame) -> None:
-        """Write an answer the peer asked for (ping reply, RST of a refused SYN), counting it
-        while the carrier has paused us: a peer that asks without reading the answers is held
-        off (we stop reading it) and, past ``reply_cap``, dropped."""
+        """Write an answer the peer asked for (ping reply, RST of a refused SYN)."""
+        if self._mayAnswer():
+            self._sendFrame(frame)
+
+    def _mayAnswer(self) -> bool:
+        """Count an answer while the carrier has paused us: a peer that asks without reading
+        the answers is held off (we stop reading it) and, past ``reply_cap``, dropped (False:
+        send nothing)."""
         if self._paused and self.state is SessionState.OPEN:
             self._owed += HEADER_SIZE
             if self._owed > self.config.reply_cap:
                 self._peerNotReading()
-                return
+                return False
             if self._owed > self.config.reply_high_water and not self._reading_paused:
                 pause = getattr(self.transport, "pauseProducing", None)
                 if pause is not None:
                     self._reading_paused = True
                     pause()
-        self._sendFrame(frame)
+        return True
 
     def _peerNotReading(self) -> None:
         log.warn("yamux peer is not reading: more than {cap} bytes of answers to its pings and "
