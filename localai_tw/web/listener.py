@@ -327,6 +327,13 @@ class BoundedChannel(HTTPChannel):
 
     _deadline = None
     _between_requests = False
+    #: depth of ``dataReceived`` calls in progress; while > 0, a deadline started is only
+    #: written down (``_wanted``) and armed when the read ends, if still wanted: a request that
+    #: arrives whole in one read starts and stops its three deadlines without a timer
+    _reading = 0
+    #: the deadlines started during this read, not armed yet: {"deadline": (what, seconds),
+    #: "first_byte": seconds}
+    _wanted = None
     #: True when the listener accepted this connection beyond its cap, for a probe (or not
     #: known yet): one request, which must be a probe (:func:`is_probe_request_line`) without
     #: a body.
@@ -380,10 +387,28 @@ class BoundedChannel(HTTPChannel):
         return super().checkPersistence(request, version)
 
     def dataReceived(self, data):
-        if self._between_requests:  # the first byte of the next request
-            self._between_requests = False
-            self._start_deadline("head")
-        super().dataReceived(data)
+        self._reading += 1
+        try:
+            if self._between_requests:  # the first byte of the next request
+                self._between_requests = False
+                self._start_deadline("head")
+            super().dataReceived(data)
+        finally:
+            self._reading -= 1
+            if not self._reading and self._wanted:
+                self._arm_wanted()
+
+    def _arm_wanted(self) -> None:
+        """Arm the deadlines this read started and did not stop (counted from the read's end:
+        a read takes microseconds, a deadline seconds)."""
+        wanted, self._wanted = self._wanted, None
+        if "deadline" in wanted:
+            what, seconds = wanted["deadline"]
+            self._deadline = self.callLater(seconds, self._deadline_passed, what, seconds)
+        if "first_byte" in wanted:
+            seconds = wanted["first_byte"]
+            self._first_byte = self.callLater(seconds, self._deadline_passed, "body's first "
+                                              "byte", seconds)
 
     def allHeadersReceived(self):
         self.awaiting_head = False
@@ -413,10 +438,23 @@ class BoundedChannel(HTTPChannel):
         for the whole body deadline."""
         seconds = getattr(getattr(self, "site", None), "body_first_byte_deadline", None)
         if seconds is not None and (self.transport is not None):
+            if self._reading:
+                self._want("first_byte", seconds)
+                return
             self._first_byte = self.callLater(seconds, self._deadline_passed, "body's first "
                                               "byte", seconds)
 
+    def _want(self, key: str, value) -> None:
+        if self._wanted is None:
+            self._wanted = {}
+        self._wanted[key] = value
+
+    def _unwant(self, key: str) -> None:
+        if self._wanted:
+            self._wanted.pop(key, None)
+
     def _cancel_first_byte_deadline(self) -> None:
+        self._unwant("first_byte")
         timer, self._first_byte = self._first_byte, None
         if timer is not None and timer.active():
             timer.cancel()
@@ -441,9 +479,13 @@ class BoundedChannel(HTTPChannel):
                               PROBE_RESERVE_HEADERS_DEADLINE_SECONDS)
             seconds = reserve if seconds is None else min(seconds, reserve)
         if seconds is not None:
+            if self._reading:
+                self._want("deadline", (what, seconds))
+                return
             self._deadline = self.callLater(seconds, self._deadline_passed, what, seconds)
 
     def _cancel_deadline(self) -> None:
+        self._unwant("deadline")
         deadline, self._deadline = self._deadline, None
         if deadline is not None and deadline.active():
             deadline.cancel()

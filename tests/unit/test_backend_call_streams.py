@@ -520,6 +520,33 @@ def test_an_idle_stream_is_closed_after_the_idle_timeout_and_never_by_the_worker
     assert after[0].message == b"OK" and h.accepted == 2
 
 
+def test_an_idle_stream_used_again_gets_a_full_idle_timeout_from_its_last_call():
+    # One sweep timer serves the whole pool: it must measure idleness from each stream's last
+    # call, not from when the timer was set.
+    h = Harness()
+    outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 0)
+    h.clock.advance(tunnelcalls.IDLE_TIMEOUT - 1)
+    h.flush()
+    again = outcome(h.client.call("Health", backend_pb2.HealthMessage()))
+    h.flush()
+    answer_unary(h, 1, b"again")
+    assert again[0].message == b"again" and h.accepted == 1
+    h.clock.advance(tunnelcalls.IDLE_TIMEOUT - 1)  # past the first call's timeout
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert h.client.idle_streams == 1 and h.worker.streamCount == 1
+    h.clock.advance(1)  # a full timeout after the last call
+    h.flush()
+    h.clock.advance(0)
+    h.flush()
+    assert h.client.idle_streams == 0 and h.worker.streamCount == 0
+    assert h.clock.getDelayedCalls() == [] or all(
+        not c.func.__name__.startswith("_sweep") for c in h.clock.getDelayedCalls())
+
+
 def test_the_worker_keeps_an_idle_stream_past_its_request_timeout():
     h = Harness()
     h.client._idle_timeout = backendcalls.REQUEST_TIMEOUT_SECONDS * 3

@@ -178,6 +178,45 @@ def test_deadlines_stop_while_answering_and_start_again_with_the_next_request():
     assert transport.value().split(b"done\r\n0\r\n\r\n", 1)[1].startswith(b"HTTP/1.1 408 ")
 
 
+def deadline_timers(clock: task.Clock) -> list:
+    return [call for call in clock.getDelayedCalls()
+            if getattr(call.func, "__name__", "") == "_deadline_passed"]
+
+
+def test_a_request_arriving_in_one_read_arms_no_deadline_and_a_split_one_keeps_them():
+    """A deadline started and stopped within one read is never armed (no timer per request
+    on the warm path); one still running when the read ends is armed and answers 408."""
+    clock = task.Clock()
+    resource = Pending()
+    site = BoundedSite(resource, reactor=clock, headers_deadline=30, body_deadline=120)
+    site.body_first_byte_deadline = 10
+    channel = site.buildProtocol(None)
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    clock.advance(1)  # the connection's head deadline runs from its opening
+    channel.dataReceived(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    resource.requests[0].finish()
+    # The next request, whole in one read: its head, body and first-byte deadlines start and
+    # stop without a timer.
+    armed = []
+    inner = getattr(channel, "wrappedProtocol", channel)
+    call_later = inner.callLater
+    inner.callLater = lambda seconds, f, *a, **kw: armed.append(f.__name__) or call_later(
+        seconds, f, *a, **kw)
+    channel.dataReceived(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    assert len(resource.requests) == 2 and "_deadline_passed" not in armed
+    assert deadline_timers(clock) == []
+    resource.requests[1].finish()
+    # The next request's head arrives, its body not: the body's deadlines are armed.
+    channel.dataReceived(b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+    assert sorted(call.args[0] for call in deadline_timers(clock)) == ["body", "body's first byte"]
+    clock.advance(9)
+    assert not transport.disconnecting
+    clock.advance(1)  # not one byte of the body in 10 s: 408
+    assert transport.disconnecting and b"HTTP/1.1 408 " in transport.value()
+    assert deadline_timers(clock) == []
+
+
 class Keeps(Resource):
     """Keeps each request it is given (to look at its body)."""
 

@@ -103,7 +103,8 @@ class _CallStream(Protocol):
         self._message = None
         #: reset, closed, or misbehaved: never carries another call
         self.broken = False
-        self.idle_timer = None
+        #: when the stream went back to the pool (the client's idle sweep reads it)
+        self.idle_since = 0.0
         #: calls this stream carried
         self.calls = 0
 
@@ -232,11 +233,6 @@ class _CallStream(Protocol):
         self.call = None
         self.close()
         call.fail(Failure(errors.StreamRefused(call.node_id, preamble.UNAVAILABLE, details)))
-
-    def idleExpired(self) -> None:
-        self.idle_timer = None
-        if self.call is None:
-            self.close()
 
     def connectionLost(self, reason=None) -> None:
         self.broken = True
@@ -397,6 +393,9 @@ class TunnelBackendClient:
         self._idle: list[_CallStream] = []  # LIFO: the most recently used on top
         self._idle_by_node = idle_by_node if idle_by_node is not None else {}
         self._max_idle_per_node = max_idle_per_node
+        #: one timer for the whole pool, not one per pooled stream: a warm call neither
+        #: schedules nor cancels a timer (issue 25 §2, second pass)
+        self._sweep = None
 
     @property
     def idle_streams(self) -> int:
@@ -419,14 +418,30 @@ class TunnelBackendClient:
                 or self._idle_by_node.get(self.node_id, 0) >= self._max_idle_per_node):
             stream.close()
             return
-        stream.idle_timer = self._reactor.callLater(self._idle_timeout, stream.idleExpired)
+        stream.idle_since = self._reactor.seconds()
         self._idle.append(stream)
         self._idle_by_node[self.node_id] = self._idle_by_node.get(self.node_id, 0) + 1
+        if self._sweep is None:
+            self._sweep = self._reactor.callLater(self._idle_timeout, self._sweepIdle)
+
+    def _sweepIdle(self) -> None:
+        """Close the streams idle for the idle timeout; run again when the oldest left is
+        due.  The pool is LIFO, so the oldest idle streams are at the bottom."""
+        self._sweep = None
+        now = self._reactor.seconds()
+        for stream in [s for s in self._idle if now - s.idle_since >= self._idle_timeout]:
+            stream.close()  # out of the pool as it closes
+        if self._idle and not self.closed:
+            oldest = min(s.idle_since for s in self._idle)
+            self._sweep = self._reactor.callLater(
+                max(oldest + self._idle_timeout - now, 0), self._sweepIdle)
+
+    def _stopSweep(self) -> None:
+        sweep, self._sweep = self._sweep, None
+        if sweep is not None and sweep.active():
+            sweep.cancel()
 
     def _unpool(self, stream: _CallStream) -> None:
-        timer, stream.idle_timer = stream.idle_timer, None
-        if timer is not None and timer.active():
-            timer.cancel()
         if stream in self._idle:
             self._idle.remove(stream)
             left = self._idle_by_node.get(self.node_id, 0) - 1
@@ -525,3 +540,4 @@ class TunnelBackendClient:
             call.fail(Failure(errors.TransportFailure(
                 f"{call.what}: the client was closed during the call")), abort=True)
         self.close_idle()
+        self._stopSweep()
