@@ -826,6 +826,20 @@ class Session(Protocol):
         if quiet < silence - wheel.tick / 2:
             wheel.later(wheel.ticks(silence - quiet, up=True), self._silenceCheck, wheel)
             return
+        # Not yet: timers run before the reactor reads, so after a stall of our own (a long
+        # collection, a thread holding the GIL) the peer's pings may be waiting unread in the
+        # socket.  Look again once the reactor has read what is there.
+        self._reactor.callLater(0, self._silenceConfirm, wheel)
+
+    def _silenceConfirm(self, wheel) -> None:
+        """The second look of ``_silenceCheck``, after one pass of the reactor's reads."""
+        if self.state is not SessionState.OPEN:
+            return
+        silence = self.config.keepalive_interval + self.config.keepalive_timeout
+        quiet = self._reactor.seconds() - self._heard_at
+        if quiet < silence - wheel.tick / 2:
+            wheel.later(wheel.ticks(silence - quiet, up=True), self._silenceCheck, wheel)
+            return
         log.warn("yamux keepalive: nothing from the peer, which pings, for {t}s", t=silence)
         self._end(KeepaliveTimeout(silence))
         self._closeTransport(abort=True)
