@@ -70,13 +70,17 @@ class HealthzPoller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self):
+    async def __aenter__(self):
         self._thread.start()
         return self
 
-    def __exit__(self, *exc):
+    async def __aexit__(self, *exc):
+        # Joined from a thread of the pool, not the reactor's: a poll in flight when the stop
+        # comes waits for this replica to answer it, which a reactor blocked in ``join`` never
+        # did (each such join stalled the replica for the poll's 60 s socket timeout and its
+        # tunnel was declared silent).
         self._stop.set()
-        self._thread.join(60)
+        await threads.deferToThread(self._thread.join, 60)
 
     def _run(self):
         while not self._stop.is_set():
@@ -246,7 +250,7 @@ async def run_attacks(base: str, port: int) -> list[str]:
     report = []
     for name, model, body, (status, words) in ATTACKS:
         body = json.dumps(body).encode()
-        with HealthzPoller(port) as poller:
+        async with HealthzPoller(port) as poller:
             started = time.perf_counter()
             got, answer = await threads.deferToThread(post, base, "/v1/chat/completions", body)
             took = time.perf_counter() - started
