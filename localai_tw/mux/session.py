@@ -815,7 +815,7 @@ class Session(Protocol):
                     self._keepaliveCheck, opaque, at_least=True)
         self._sendFrame(Frame.ping(opaque))
 
-    def _silenceCheck(self, wheel) -> None:
+    def _silenceCheck(self, wheel, second_look: bool = False) -> None:
         """``keepalive_peer_pings``: no ping of ours; the session ends once nothing was read
         for interval + timeout (to within half a tick), else looks again when that would be.
         One wheel call per session per interval + timeout on an idle tunnel, no frame."""
@@ -826,19 +826,11 @@ class Session(Protocol):
         if quiet < silence - wheel.tick / 2:
             wheel.later(wheel.ticks(silence - quiet, up=True), self._silenceCheck, wheel)
             return
-        # Not yet: timers run before the reactor reads, so after a stall of our own (a long
-        # collection, a thread holding the GIL) the peer's pings may be waiting unread in the
-        # socket.  Look again once the reactor has read what is there.
-        self._reactor.callLater(0, self._silenceConfirm, wheel)
-
-    def _silenceConfirm(self, wheel) -> None:
-        """The second look of ``_silenceCheck``, after one pass of the reactor's reads."""
-        if self.state is not SessionState.OPEN:
-            return
-        silence = self.config.keepalive_interval + self.config.keepalive_timeout
-        quiet = self._reactor.seconds() - self._heard_at
-        if quiet < silence - wheel.tick / 2:
-            wheel.later(wheel.ticks(silence - quiet, up=True), self._silenceCheck, wheel)
+        if not second_look:
+            # Timers run before the reactor reads, so after a stall of our own (a long
+            # collection, a thread holding the GIL) the peer's pings may be waiting unread in
+            # the socket: look again once the reactor has read what is there.
+            self._reactor.callLater(0, self._silenceCheck, wheel, True)
             return
         log.warn("yamux keepalive: nothing from the peer, which pings, for {t}s", t=silence)
         self._end(KeepaliveTimeout(silence))

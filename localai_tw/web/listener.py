@@ -331,8 +331,8 @@ class BoundedChannel(HTTPChannel):
     #: written down (``_wanted``) and armed when the read ends, if still wanted: a request that
     #: arrives whole in one read starts and stops its three deadlines without a timer
     _reading = 0
-    #: the deadlines started during this read, not armed yet: {"deadline": (what, seconds),
-    #: "first_byte": seconds}
+    #: the deadlines started during this read, not armed yet: {"deadline" or "first_byte":
+    #: (what, seconds)}
     _wanted = None
     #: True when the listener accepted this connection beyond its cap, for a probe (or not
     #: known yet): one request, which must be a probe (:func:`is_probe_request_line`) without
@@ -402,13 +402,18 @@ class BoundedChannel(HTTPChannel):
         """Arm the deadlines this read started and did not stop (counted from the read's end:
         a read takes microseconds, a deadline seconds)."""
         wanted, self._wanted = self._wanted, None
-        if "deadline" in wanted:
-            what, seconds = wanted["deadline"]
-            self._deadline = self.callLater(seconds, self._deadline_passed, what, seconds)
-        if "first_byte" in wanted:
-            seconds = wanted["first_byte"]
-            self._first_byte = self.callLater(seconds, self._deadline_passed, "body's first "
-                                              "byte", seconds)
+        for key, (what, seconds) in wanted.items():
+            self._arm(key, what, seconds)
+
+    def _arm(self, key: str, what: str, seconds: float) -> None:
+        """Set ``self._<key>`` (``_deadline`` or ``_first_byte``) to a timer of ``seconds``;
+        during a read, only write it down (``_wanted``) for the read's end."""
+        if self._reading:
+            if self._wanted is None:
+                self._wanted = {}
+            self._wanted[key] = (what, seconds)
+            return
+        setattr(self, "_" + key, self.callLater(seconds, self._deadline_passed, what, seconds))
 
     def allHeadersReceived(self):
         self.awaiting_head = False
@@ -438,16 +443,7 @@ class BoundedChannel(HTTPChannel):
         for the whole body deadline."""
         seconds = getattr(getattr(self, "site", None), "body_first_byte_deadline", None)
         if seconds is not None and (self.transport is not None):
-            if self._reading:
-                self._want("first_byte", seconds)
-                return
-            self._first_byte = self.callLater(seconds, self._deadline_passed, "body's first "
-                                              "byte", seconds)
-
-    def _want(self, key: str, value) -> None:
-        if self._wanted is None:
-            self._wanted = {}
-        self._wanted[key] = value
+            self._arm("first_byte", "body's first byte", seconds)
 
     def _unwant(self, key: str) -> None:
         if self._wanted:
@@ -479,10 +475,7 @@ class BoundedChannel(HTTPChannel):
                               PROBE_RESERVE_HEADERS_DEADLINE_SECONDS)
             seconds = reserve if seconds is None else min(seconds, reserve)
         if seconds is not None:
-            if self._reading:
-                self._want("deadline", (what, seconds))
-                return
-            self._deadline = self.callLater(seconds, self._deadline_passed, what, seconds)
+            self._arm("deadline", what, seconds)
 
     def _cancel_deadline(self) -> None:
         self._unwant("deadline")

@@ -152,10 +152,10 @@ def set_write_through(transport, not_sent_below: int = TUNNEL_NOT_SENT_LOWAT,
         sock = transport.getHandle()
         if sock.family not in _TCP_FAMILIES:
             return False
-        fd = sock.fileno()
-        fcntl.ioctl(fd, SIOCOUTQNSD, _INT_BUFFER)
+        not_sent_bytes(sock)  # the gate's ioctl works here
     except OSError:
         return False
+    fd = sock.fileno()
     send = sock.send
     ioctl = fcntl.ioctl
     buffered_write = transport.write

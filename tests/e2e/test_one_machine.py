@@ -270,10 +270,9 @@ def test_a_tiny_transformers_chat_model_works_with_no_model_hub(transformers_ext
     home = tmp_path / "home"
     cluster = start_cluster(database_url=pg_dsn, home=home)
     cluster.wait_ready()
-    env = dict(os.environ, HOME=str(home), HF_HUB_OFFLINE="1",
-               PATH=os.pathsep.join([str(Path(sys.executable).parent),
-                                     os.environ.get("PATH", "")]))
-    env.pop("XDG_DATA_HOME", None)
+    env = user_environment(HOME=str(home), HF_HUB_OFFLINE="1",
+                           PATH=os.pathsep.join([str(Path(sys.executable).parent),
+                                                 os.environ.get("PATH", "")]))
     made = subprocess.run(["bash", "-c", TINY_CHAT_COMMAND], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
