@@ -53,6 +53,8 @@ class SilenceableProxy(protocol.Factory):
         self.target_port = target_port
         self.frozen_at: float | None = None
         self.halves: list[_Half] = []
+        #: connections accepted while new ones are held: forwarded once released
+        self.held: list | None = None
 
     def buildProtocol(self, addr):
         inbound = _Half(self)
@@ -65,15 +67,30 @@ class SilenceableProxy(protocol.Factory):
                 inbound.pending = b""
             inbound.transport.resumeProducing()
 
-        def made():
-            _Half.connectionMade(inbound)
-            inbound.transport.pauseProducing()
+        def forward():
             TCP4ClientEndpoint(reactor, "127.0.0.1", self.target_port).connect(
                 protocol.Factory.forProtocol(lambda: _Half(self))).addCallbacks(
                 connected, lambda _: inbound.transport.loseConnection())
 
+        def made():
+            _Half.connectionMade(inbound)
+            inbound.transport.pauseProducing()
+            if self.held is not None:
+                self.held.append(forward)
+            else:
+                forward()
+
         inbound.connectionMade = made
         return inbound
+
+    def hold_new(self) -> None:
+        """Accept new connections but forward none until :meth:`release_new`."""
+        self.held = []
+
+    def release_new(self) -> None:
+        held, self.held = self.held or [], None
+        for forward in held:
+            forward()
 
     def freeze(self) -> None:
         for half in self.halves:
@@ -106,6 +123,11 @@ async def test_a_silent_tunnel_is_declared_dead_within_10_seconds(cluster):
                                    and worker.registrar.registration.node_id, timeout=20)
         await eventually(lambda: frontend.replica.tunnels.holds(node_id), timeout=20, what="tunnel held")
 
+        # The worker's own keepalive sees the silence too, 0.2 s before the frontend does
+        # (tunnel/keepalive.py); its redial, forwarded at once, raced the frontend's
+        # detection and replaced the silent session before the frontend could drop it.  The
+        # proxy holds new connections until the frontend has spoken.
+        proxy.hold_new()
         proxy.freeze()
         await eventually(lambda: not frontend.replica.tunnels.holds(node_id), timeout=30,
                          what="silent tunnel dropped")
@@ -113,6 +135,8 @@ async def test_a_silent_tunnel_is_declared_dead_within_10_seconds(cluster):
         # the bound, plus what a real reactor adds (timer lateness, the 50 ms poll)
         assert took <= DEAD_TUNNEL_DETECTION + 0.5, f"silent tunnel seen after {took:.1f}s"
         # the worker saw it too and dialled again (through the proxy, which forwards anew)
+        await eventually(lambda: proxy.held, timeout=30, what="worker redialling")
+        proxy.release_new()
         await eventually(lambda: frontend.replica.tunnels.holds(node_id), timeout=30,
                          what="worker redialled")
     finally:
