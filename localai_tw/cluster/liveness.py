@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from .clock import CONNECTION_IS_HELD_SQL, INSTANCE_IS_LIVE_SQL, INSTANCE_LIVENESS, \
     interval_seconds
+from .rowlocks import locked_first
 
 
 #: Seconds between two stamps of the tunnels this replica holds (``--tunnel-liveness``); a
@@ -45,16 +46,20 @@ MAX_TUNNEL_LIVENESS = 30.0
 #: Tunnels stamped per statement.
 STAMP_BATCH = 1000
 
-# Bind: lag seconds, node ids, epochs (arrays of equal length), replica liveness, owner.
+# Bind: node ids, epochs (arrays of equal length), lag seconds, replica liveness, owner.
+_STAMP_ROWS_LOCKED, _STAMP_ROWS_ARE_LOCKED = locked_first("SELECT node_id FROM t")
 _STAMP_SQL = (
-    "UPDATE backend_nodes AS b"
+    "WITH t AS (SELECT * FROM unnest(%s::text[], %s::bigint[]) AS t(node_id, epoch)),"
+    f" {_STAMP_ROWS_LOCKED}"
+    " UPDATE backend_nodes AS b"
     " SET last_heartbeat = GREATEST(b.last_heartbeat, now() - make_interval(secs => %s))"
-    " FROM unnest(%s::text[], %s::bigint[]) AS t(node_id, epoch)"
+    " FROM t"
     " JOIN node_connections ON node_connections.node_id = t.node_id"
     "  AND node_connections.epoch = t.epoch"
     " JOIN instances ON instances.id = node_connections.owner_instance_id"
     f"  AND {INSTANCE_IS_LIVE_SQL}"
-    " WHERE b.id = t.node_id AND node_connections.owner_instance_id = %s"
+    f" WHERE {_STAMP_ROWS_ARE_LOCKED} AND b.id = t.node_id"
+    " AND node_connections.owner_instance_id = %s"
     f"  AND {CONNECTION_IS_HELD_SQL}"
     " RETURNING b.id"
 )
@@ -72,7 +77,7 @@ async def stamp_liveness(db, owner_id: str, claims: list[tuple[str, int]], lag: 
         batch = claims[start:start + STAMP_BATCH]
         rows = await db.runQuery(
             _STAMP_SQL,
-            (interval_seconds(lag), [node for node, _ in batch],
-             [int(epoch) for _, epoch in batch], interval_seconds(liveness), owner_id))
+            ([node for node, _ in batch], [int(epoch) for _, epoch in batch],
+             interval_seconds(lag), interval_seconds(liveness), owner_id))
         written.update(row[0] for row in rows)
     return written

@@ -46,6 +46,7 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from .membership import hash_secret, secret_matches_hash
+from .rowlocks import locked_first
 from localai_tw.nodekey import control_token, node_key_hash, valid_node_key
 
 log = Logger()
@@ -390,12 +391,13 @@ _HEARTBEAT_SQL = (
 _CAPACITY_FROM_BATCH = ", ".join(
     f"{col} = CASE WHEN b.status IN ('pending', 'offline') THEN b.{col}"
     f" ELSE COALESCE(u.{col}, b.{col}) END" for col in NodeCapacity.FIELDS)
+_BATCH_ROWS_LOCKED, _BATCH_ROWS_ARE_LOCKED = locked_first("SELECT id FROM u")
 _HEARTBEAT_BATCH_SQL = (
-    f"UPDATE backend_nodes AS b SET last_heartbeat = now(), {_CAPACITY_FROM_BATCH}"
-    " FROM unnest(%s::text[], %s::text[], "
+    "WITH u AS (SELECT * FROM unnest(%s::text[], %s::text[], "
     + ", ".join("%s::bigint[]" for _ in NodeCapacity.FIELDS)
-    + f") AS u(id, credential_hash, {', '.join(NodeCapacity.FIELDS)})"
-    " WHERE b.id = u.id AND b.tunnel_token_hash <> ''"
+    + f") AS u(id, credential_hash, {', '.join(NodeCapacity.FIELDS)})), {_BATCH_ROWS_LOCKED}"
+    f" UPDATE backend_nodes AS b SET last_heartbeat = now(), {_CAPACITY_FROM_BATCH}"
+    f" FROM u WHERE {_BATCH_ROWS_ARE_LOCKED} AND b.id = u.id AND b.tunnel_token_hash <> ''"
     " AND lower(btrim(b.tunnel_token_hash)) = u.credential_hash"
     " RETURNING b.id, u.credential_hash, b.status"
 )
