@@ -5,6 +5,7 @@ write takes it, and bytes are never reordered, lost or doubled."""
 
 from __future__ import annotations
 
+import fcntl
 import socket
 import sys
 
@@ -137,6 +138,30 @@ def test_a_kernel_queue_at_the_gate_sends_the_write_through_twisteds_buffer():
         assert got == chunk * (sent // len(chunk)) + b"late"
     finally:
         pair.close()
+
+
+def test_small_writes_ask_the_kernel_only_when_they_could_reach_the_gate(pair, monkeypatch):
+    """An idle tunnel's pings and answers (14 bytes every few seconds) cost no ioctl: the
+    kernel is asked again only once the bytes written since its last answer could reach the
+    gate.  The decisions are the ones asking every time would give (the gate test above)."""
+    asked = []
+    real_ioctl = fcntl.ioctl
+
+    def counting_ioctl(fd, request, *rest):
+        asked.append(request)
+        return real_ioctl(fd, request, *rest)
+
+    monkeypatch.setattr(fcntl, "ioctl", counting_ioctl)
+    assert set_write_through(pair.transport, not_sent_below=1024)
+    asked.clear()
+    for _ in range(20):  # 280 bytes: the first write asks, the bound covers the rest
+        pair.transport.write(b"p" * 14)
+    assert len(asked) == 1, asked
+    for _ in range(60):  # the bound passes 1024 once: asked again, the kernel sent them all
+        pair.transport.write(b"q" * 14)
+    assert len(asked) == 2, asked
+    assert pair.buffered() == 0 and not pair.watched_for_writing()
+    assert pair.read_exactly(80 * 14) == b"p" * 280 + b"q" * 840
 
 
 def test_what_the_kernel_does_not_take_is_buffered_and_later_writes_queue_behind_it():
