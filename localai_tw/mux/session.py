@@ -116,6 +116,12 @@ class SessionConfig:
     # long; the session ends when nothing was read for keepalive_interval + keepalive_timeout,
     # the bound a ping of ours would have given.  Our answers to its pings keep its own bound.
     keepalive_peer_pings: bool = False
+    # True: ping every keepalive_interval whatever arrived and whether or not the previous
+    # ping was answered, and end the session when nothing was read for keepalive_interval +
+    # keepalive_timeout, not when one ping goes unanswered.  Any byte counts as an answer, so
+    # an answer queued behind stream data on a slow link is not taken for a dead peer, and the
+    # interval can be longer for the same bound (tunnel/keepalive.py).
+    keepalive_on_silence: bool = False
     initial_window: int = INITIAL_WINDOW  # fixed by yamux (no handshake); kept for the contract
     max_window: int = INITIAL_WINDOW     # receive window we advertise per stream (>= 256 KiB)
     accept_streams: bool = True          # False: every inbound SYN is answered with RST
@@ -346,11 +352,11 @@ class Session(Protocol):
         if interval:
             # One timer for every session of the reactor (mux/wheel.py), not two per session.
             wheel = wheel_for(self._reactor, common_tick(interval, self.config.keepalive_timeout))
-            if self.config.keepalive_peer_pings:
+            if self.config.keepalive_peer_pings or self.config.keepalive_on_silence:
                 self._heard_at = self._reactor.seconds()  # silence counts from the opening
                 silence = interval + self.config.keepalive_timeout
                 wheel.later(wheel.ticks(silence, up=True), self._silenceCheck, wheel)
-            else:
+            if not self.config.keepalive_peer_pings:
                 wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
 
     def dataReceived(self, data) -> None:
@@ -807,6 +813,13 @@ class Session(Protocol):
                 wheel.later(wheel.ticks(interval - quiet, up=False), self._keepaliveTick, wheel)
                 return
         wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
+        if self.config.keepalive_on_silence:
+            # No expiry of its own: the silence check ends the session.  A ping whose answer
+            # is late is not waited for, so the peer hears from us every interval.
+            opaque = self._keepalive_opaque = self._nextOpaque()
+            self._flow.keepalive_sent = self._reactor.seconds()
+            self._sendFrame(Frame.ping(opaque))
+            return
         if self._keepalive_opaque is not None:
             return  # the previous keepalive ping is still running its own timeout
         opaque = self._keepalive_opaque = self._nextOpaque()
@@ -816,9 +829,9 @@ class Session(Protocol):
         self._sendFrame(Frame.ping(opaque))
 
     def _silenceCheck(self, wheel, second_look: bool = False) -> None:
-        """``keepalive_peer_pings``: no ping of ours; the session ends once nothing was read
-        for interval + timeout (to within half a tick), else looks again when that would be.
-        One wheel call per session per interval + timeout on an idle tunnel, no frame."""
+        """``keepalive_peer_pings`` and ``keepalive_on_silence``: the session ends once nothing
+        was read for interval + timeout (to within half a tick), else looks again when that
+        would be.  One wheel call per session per interval + timeout on an idle tunnel."""
         if self.state is not SessionState.OPEN:
             return
         silence = self.config.keepalive_interval + self.config.keepalive_timeout
@@ -832,7 +845,7 @@ class Session(Protocol):
             # the socket: look again once the reactor has read what is there.
             self._reactor.callLater(0, self._silenceCheck, wheel, True)
             return
-        log.warn("yamux keepalive: nothing from the peer, which pings, for {t}s", t=silence)
+        log.warn("yamux keepalive: nothing read from the peer for {t}s", t=silence)
         self._end(KeepaliveTimeout(silence))
         self._closeTransport(abort=True)
 

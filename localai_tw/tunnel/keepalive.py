@@ -24,23 +24,28 @@ longer caught by our pings (none leave while it writes); its streams stall on th
 a working peer's own keepalive ends the session when our answers stop reaching it.
 
 The frontend pings no worker that says it pings (``X-LocalAI-Keepalive: worker-pings`` on the
-upgrade request, :data:`WORKER_PINGS_HEADER`).  Even with the worker's lead the frontend still
-pinged first whenever the worker's timer ran more than the lead late (a loaded worker, a tick of
-0.1 s against a lead of 0.2 s), and then answered nothing less.  Such a worker pings every
-:data:`TUNNEL_KEEPALIVE_INTERVAL` minus the lead **whatever it reads** (not only when quiet: a
-frontend trickling a request body to it must still hear from it), and the frontend's end
-(``keepalive_peer_pings``) sends no keepalive ping: it ends the session when it has read no byte
-for :data:`DEAD_TUNNEL_DETECTION`.  The bounds, from the last byte each end read:
+upgrade request, :data:`WORKER_PINGS_HEADER`).  With both ends pinging when quiet the frontend
+still pinged first whenever the worker's timer ran late, and then answered nothing less.  Such a
+worker pings every :data:`WORKER_PING_INTERVAL` (5 s) **whatever it reads** (a frontend
+trickling a request body to it must still hear from it) and whether or not its previous ping
+was answered, and the frontend's end (``keepalive_peer_pings``) sends no keepalive ping: it ends
+the session when it has read no byte for :data:`DEAD_TUNNEL_DETECTION`.  The worker's end ends
+the session the same way (``keepalive_on_silence``): after :data:`DEAD_TUNNEL_DETECTION`
+without a byte, not when one ping goes unanswered, so any byte counts as an answer.  That is
+what lets its interval be 5 s instead of 2.8 s for the same bound: the 7 s a ping was given to
+be answered (room for an answer queued behind stream data on a slow link) is not needed when
+the stream data itself proves the frontend alive.  An idle tunnel carries one ping and its answer
+per 5 s instead of per 2.8 s (a replica holding 4000 idle workers: 800 instead of 1430 of each a
+second; docs/benchmarks.md, "An idle fleet").  The bounds, from the last byte each end read:
 
 - frontend: exactly :data:`DEAD_TUNNEL_DETECTION` (10 s, to half a wheel tick), as before.  A
-  live worker writes at least a ping every 2.8 s; when its previous ping is still unanswered
-  (an answer queued behind stream data) it skips one, so at worst 8.4 s pass between its pings
-  (one answered just inside 7 s), still inside 10 s.  What the worker's timer may lag before a
-  live tunnel is dropped: 7.2 s when idle, as the 7 s timeout of a frontend ping allowed.
-- worker: a ping 2.8 s after the previous one, answered within 7 s: silence is seen within
-  9.8 s of the last byte (8.5 s after a ping answered late), as before.
-- an old worker (no header): the frontend keeps pinging when quiet, as above.  A new worker on
-  an old frontend: the frontend hears its ping every 2.8 s and so rarely pings.
+  live worker writes a ping every 5 s, so one ping may be up to 5 s late (the worker's timer
+  lagging, its reactor busy) before a live tunnel is dropped.
+- worker: :data:`DEAD_TUNNEL_DETECTION` likewise: a live frontend answers every ping, so it
+  hears a byte at least every 5 s on an idle tunnel.
+- an old worker (no header): the frontend keeps pinging when quiet, 3 s + 7 s.  A new worker on
+  an old frontend: the frontend pings when 3 s pass without the worker's 5 s ping, and the
+  worker answers; both bounds hold.
 
 The receive-window auto-tuning of a tunnel's streams (``tunnel_windows``) lives here too: it is
 the other setting both ends of a worker tunnel share; its round trips come from these pings and
@@ -60,11 +65,9 @@ TUNNEL_KEEPALIVE_TIMEOUT = 7.0
 DEAD_TUNNEL_DETECTION = TUNNEL_KEEPALIVE_INTERVAL + TUNNEL_KEEPALIVE_TIMEOUT
 #: Ping only after an interval without a byte from the peer (see the module docstring).
 PING_ONLY_WHEN_QUIET = True
-#: How much sooner the worker's end pings when quiet: the two ends heard each other at about the
-#: same moment (a ping and its answer), and with equal intervals both would ping on the same
-#: tick.  A little sooner, the worker's ping reaches the frontend before the frontend's own would
-#: leave, and the frontend (which holds every worker's tunnel) only answers.
-WORKER_PINGS_SOONER = 0.2
+#: Seconds between the pings of a worker's end (it pings whatever it reads and ends the session
+#: after DEAD_TUNNEL_DETECTION without a byte: see the module docstring).
+WORKER_PING_INTERVAL = 5.0
 
 
 #: The header of a tunnel upgrade's answer by which a replica tells the worker that it stamps
@@ -82,14 +85,16 @@ WORKER_PINGS = "worker-pings"
 
 def tunnel_keepalive(worker: bool = False, peer_pings: bool = False) -> dict[str, float | bool]:
     """The keepalive fields of a worker tunnel's ``SessionConfig``.  ``worker``: the worker's
-    end, which pings :data:`WORKER_PINGS_SOONER` sooner, every interval whatever it reads (it
-    sends :data:`WORKER_PINGS_HEADER`).  ``peer_pings``: the frontend's end of a tunnel whose
-    worker sent that header: no ping, the session ends after :data:`DEAD_TUNNEL_DETECTION`
-    without a byte from the worker."""
+    end, which pings every :data:`WORKER_PING_INTERVAL` whatever it reads (it sends
+    :data:`WORKER_PINGS_HEADER`) and ends the session after :data:`DEAD_TUNNEL_DETECTION`
+    without a byte.  ``peer_pings``: the frontend's end of a tunnel whose worker sent that
+    header: no ping, the session ends after :data:`DEAD_TUNNEL_DETECTION` without a byte from
+    the worker."""
     if worker:
-        return {"keepalive_interval": TUNNEL_KEEPALIVE_INTERVAL - WORKER_PINGS_SOONER,
-                "keepalive_timeout": TUNNEL_KEEPALIVE_TIMEOUT,
-                "keepalive_when_quiet": False}
+        return {"keepalive_interval": WORKER_PING_INTERVAL,
+                "keepalive_timeout": DEAD_TUNNEL_DETECTION - WORKER_PING_INTERVAL,
+                "keepalive_when_quiet": False,
+                "keepalive_on_silence": True}
     return {"keepalive_interval": TUNNEL_KEEPALIVE_INTERVAL,
             "keepalive_timeout": TUNNEL_KEEPALIVE_TIMEOUT,
             "keepalive_when_quiet": PING_ONLY_WHEN_QUIET,

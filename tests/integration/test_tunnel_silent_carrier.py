@@ -123,10 +123,11 @@ async def test_a_silent_tunnel_is_declared_dead_within_10_seconds(cluster):
                                    and worker.registrar.registration.node_id, timeout=20)
         await eventually(lambda: frontend.replica.tunnels.holds(node_id), timeout=20, what="tunnel held")
 
-        # The worker's own keepalive sees the silence too, 0.2 s before the frontend does
-        # (tunnel/keepalive.py); its redial, forwarded at once, raced the frontend's
-        # detection and replaced the silent session before the frontend could drop it.  The
-        # proxy holds new connections until the frontend has spoken.
+        # The worker's own keepalive sees the silence too, at about the same moment (each end
+        # 10 s after the last byte it read, tunnel/keepalive.py); its redial, forwarded at
+        # once, raced the frontend's detection and could replace the silent session before
+        # the frontend dropped it.  The proxy holds new connections until the frontend has
+        # spoken.
         proxy.hold_new()
         proxy.freeze()
         await eventually(lambda: not frontend.replica.tunnels.holds(node_id), timeout=30,

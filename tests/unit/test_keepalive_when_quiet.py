@@ -24,7 +24,11 @@ from localai_tw.tunnel.keepalive import (
 
 
 def _tunnel(**changes):
-    return connectedSessions(client_config=replace(worker_session_config(), **changes),
+    """Both ends with the frontend's keepalive for a worker that does not say it pings (3 s +
+    7 s, when quiet), the worker's 0.2 s sooner: the rule under test, on both ends, as an older
+    worker had it."""
+    worker = replace(tunnel_session_config(), keepalive_interval=TUNNEL_KEEPALIVE_INTERVAL - 0.2)
+    return connectedSessions(client_config=replace(worker, **changes),
                              server_config=replace(tunnel_session_config(), **changes))
 
 

@@ -1,7 +1,8 @@
 """A worker that says it pings (``X-LocalAI-Keepalive: worker-pings``, ``tunnel/keepalive.py``)
 gets no keepalive ping from the frontend, which ends the tunnel after 10 s without a byte from
-it; the worker pings every interval whatever it reads.  Both bounds hold, on a Clock; a worker
-that does not say so keeps today's keepalive."""
+it; the worker pings every 5 s whatever it reads and ends the tunnel after 10 s without a byte
+from the frontend (any byte, not only a ping's answer).  Both bounds hold, on a Clock; a worker
+that does not say so keeps the frontend's older keepalive."""
 
 from types import SimpleNamespace
 
@@ -17,10 +18,9 @@ from localai_tw.tunnel.connect import WorkerTunnelAcceptor, tunnel_session_confi
 from localai_tw.tunnel.dialer import worker_session_config
 from localai_tw.tunnel.keepalive import (
     DEAD_TUNNEL_DETECTION,
-    TUNNEL_KEEPALIVE_TIMEOUT,
+    WORKER_PING_INTERVAL,
     WORKER_PINGS,
     WORKER_PINGS_HEADER,
-    WORKER_PINGS_SOONER,
 )
 from dataclasses import replace
 
@@ -39,14 +39,15 @@ def test_the_frontend_sends_no_ping_to_a_worker_that_pings():
     runClock(clock, pump, 60.0)
     assert worker.isOpen and frontend.isOpen
     assert sent[1][0] == 0
-    assert sent[0][0] >= 60.0 / (3.0 - WORKER_PINGS_SOONER) - 2
+    assert 60.0 / WORKER_PING_INTERVAL - 1 <= sent[0][0] <= 60.0 / WORKER_PING_INTERVAL + 1
 
 
 def test_no_ping_even_when_the_workers_pings_come_late():
-    """A loaded worker's timer runs late, past its lead (here: no lead at all, pings every
-    3 s + 0.1 s): a frontend that pinged when quiet would ping first; this one never does."""
+    """A loaded worker's timer runs late (here: every 5.1 s): a frontend that pinged when
+    quiet would ping first; this one never does."""
     worker, frontend, pump, clock = connectedSessions(
-        client_config=replace(worker_session_config(), keepalive_interval=3.1),
+        client_config=replace(worker_session_config(),
+                              keepalive_interval=WORKER_PING_INTERVAL + 0.1),
         server_config=tunnel_session_config(peer_pings=True))
     sent = countPings(frontend)
     runClock(clock, pump, 60.0)
@@ -138,7 +139,39 @@ def test_the_upgrade_header_decides_the_frontends_keepalive():
     assert not other.config.keepalive_peer_pings
 
 
-def test_the_worker_pings_whatever_it_reads():
+def test_the_worker_pings_whatever_it_reads_and_ends_on_silence():
     config = worker_session_config()
     assert not config.keepalive_when_quiet and not config.keepalive_peer_pings
-    assert config.keepalive_timeout == TUNNEL_KEEPALIVE_TIMEOUT
+    assert config.keepalive_on_silence
+    assert config.keepalive_interval + config.keepalive_timeout == DEAD_TUNNEL_DETECTION
+
+
+def test_a_worker_whose_pings_go_unanswered_lives_on_the_frontends_data_and_still_pings():
+    """The frontend answers no ping (its answers queued behind stream data on a slow link, as
+    far as the worker can tell) but sends a byte every second: any byte proves it alive, so
+    the worker keeps the tunnel, and keeps pinging every interval, answered or not (the
+    frontend must hear from it).  Once the bytes stop, the worker ends the tunnel 10 s after
+    the last one."""
+    received = Recorder()
+    worker, frontend, pump, clock = connectedSessions(
+        client_acceptor=lambda stream: received,
+        client_config=worker_session_config(),
+        server_config=replace(tunnel_session_config(peer_pings=True),
+                              forbid_inbound_streams=False, accept_streams=True))
+    frontend._mayAnswer = lambda: False  # no answer to any ping
+    pings = countPings(worker)
+    stream = frontend.openStream()
+    for _ in range(30):
+        stream.write(b"x")
+        clock.advance(1.0)
+        pump.flush()
+    assert worker.isOpen and frontend.isOpen
+    assert len(received.chunks) >= 29
+    assert 30 / WORKER_PING_INTERVAL - 1 <= pings[0] <= 30 / WORKER_PING_INTERVAL + 1
+    last_byte = worker._heard_at
+    while worker.isOpen and clock.seconds() - last_byte < 15:
+        clock.advance(0.05)
+        pump.flush()
+    assert isinstance(worker.ending, KeepaliveTimeout), worker.ending
+    assert DEAD_TUNNEL_DETECTION - 0.05 - 1e-6 <= clock.seconds() - last_byte \
+        <= DEAD_TUNNEL_DETECTION + 0.1
