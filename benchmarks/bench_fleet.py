@@ -68,9 +68,36 @@ def proc_rss(pid: int) -> int:
 
 
 def proc_cpu_seconds(pid: int) -> float:
+    user, system = proc_cpu_split(pid)
+    return user + system
+
+
+def proc_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``pid``: the system share is the kernel's work for the
+    process (on loopback that includes much of the receiving end's TCP work for its sends)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def tunnel_bytes(port: int) -> tuple[float, float] | None:
+    """``localai_tunnel_bytes`` (in, out) from the replica's /metrics, or None where the tree
+    has no such counter."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    response = conn.getresponse()
+    body = response.read().decode("utf-8", "replace")
+    conn.close()
+    found = {}
+    for line in body.splitlines():
+        if line.startswith("localai_tunnel_bytes_total{") or line.startswith(
+                "localai_tunnel_bytes{"):
+            direction = line.split('direction="', 1)[1].split('"', 1)[0]
+            found[direction] = float(line.rsplit(" ", 1)[1])
+    if "in" not in found or "out" not in found:
+        return None
+    return found["in"], found["out"]
 
 
 def proc_fds(pid: int) -> int:
@@ -177,6 +204,8 @@ class Fleet:
         self.counts = {"registered": 0, "register_429": 0, "register_failed": 0,
                        "dial_503": 0, "dial_failed": 0, "heartbeat_ok": 0,
                        "heartbeat_failed": 0, "heartbeat_skipped": 0}
+        #: the failed heartbeats by what came back: an HTTP status or an exception's type
+        self.heartbeat_failures: dict[str, int] = {}
         self.running = True
         self.last_error = ""
 
@@ -320,13 +349,14 @@ class Fleet:
             code, _, _ = await self._post(f"/api/node/{worker['id']}/heartbeat",
                                           {"tunnel_token": worker["credential"],
                                            "capacity": HEARTBEAT_CAPACITY})
-        except Exception:
-            code = None
+        except Exception as e:
+            code = type(e).__name__
         if code == 200:
             self.counts["heartbeat_ok"] += 1
             worker["beat_at"] = self.reactor.seconds()
         else:
             self.counts["heartbeat_failed"] += 1
+            self.heartbeat_failures[str(code)] = self.heartbeat_failures.get(str(code), 0) + 1
 
     def sleep(self, seconds: float):
         from twisted.internet import task
@@ -422,11 +452,14 @@ async def run(reactor, bench, args) -> dict:
     health = Poller(fe["port"], "/healthz")
     health.start()
     beats0 = dict(fleet.counts)
-    cpu0, tx0, t0 = proc_cpu_seconds(pid), xact_commits(bench), time.monotonic()
+    wire0 = await threads.deferToThread(tunnel_bytes, fe["port"])
+    split0, tx0, t0 = proc_cpu_split(pid), xact_commits(bench), time.monotonic()
     wall0 = time.time()
     spy = start_py_spy(args, pid, "idle") if args.stall_profile else None
     await fleet.sleep(args.idle)
-    cpu1, tx1, t1 = proc_cpu_seconds(pid), xact_commits(bench), time.monotonic()
+    split1, tx1, t1 = proc_cpu_split(pid), xact_commits(bench), time.monotonic()
+    wire1 = await threads.deferToThread(tunnel_bytes, fe["port"])
+    cpu0, cpu1 = sum(split0), sum(split1)
     if spy is not None:
         report["stalls"] = await threads.deferToThread(stall_report, args, spy, wall0,
                                                        time.time(), fe["name"])
@@ -438,10 +471,17 @@ async def run(reactor, bench, args) -> dict:
                                     / max(1, args.workers - warm) / 1024, 1),
         "fds": proc_fds(pid),
         "cpu_percent_of_a_core": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+        "cpu_user_system_percent": [round(100 * (split1[i] - split0[i]) / (t1 - t0), 1)
+                                    for i in (0, 1)],
+        # yamux bytes a second through the tunnels (in: from workers); an idle tunnel's only
+        # traffic is a 12-byte ping and its 12-byte answer
+        "tunnel_bytes_per_second": None if wire0 is None or wire1 is None else [
+            round((wire1[i] - wire0[i]) / (t1 - t0), 1) for i in (0, 1)],
         "transactions_per_second": round((tx1 - tx0) / (t1 - t0), 1),
         "heartbeats_ok_per_second": round(
             (fleet.counts["heartbeat_ok"] - beats0["heartbeat_ok"]) / (t1 - t0), 1),
         "heartbeats_failed": fleet.counts["heartbeat_failed"] - beats0["heartbeat_failed"],
+        "heartbeat_failures_by_kind": dict(fleet.heartbeat_failures),
         "heartbeat_turns_skipped_per_second": round(
             (fleet.counts["heartbeat_skipped"] - beats0["heartbeat_skipped"]) / (t1 - t0), 1),
         "tunnels_carrying_liveness": sum(1 for w in fleet.workers
@@ -561,6 +601,7 @@ import localai_tw.tunnel.keepalive as _keepalive
 _keepalive.TUNNEL_KEEPALIVE_INTERVAL = {interval}
 _keepalive.TUNNEL_KEEPALIVE_TIMEOUT = {timeout}
 _keepalive.DEAD_TUNNEL_DETECTION = {interval} + {timeout}
+_keepalive.WORKER_PING_INTERVAL = {interval}
 """
 
 CHEAP_REGISTRATION = """
@@ -705,9 +746,15 @@ def render(report: dict) -> str:
          f"{idle['rss_mib']}; {idle['rss_per_tunnel_kib']}"),
         ("frontend fds", idle["fds"]),
         ("frontend CPU at idle (% of a core)", idle["cpu_percent_of_a_core"]),
+        ("of which user / system (% of a core)",
+         " / ".join(str(x) for x in idle["cpu_user_system_percent"])),
+        ("tunnel bytes/s at idle in / out (yamux; a ping and its answer: 12 bytes each)",
+         " / ".join(str(x) for x in idle["tunnel_bytes_per_second"])
+         if idle["tunnel_bytes_per_second"] else "not counted by this tree"),
         ("database transactions/s at idle", idle["transactions_per_second"]),
-        ("heartbeats answered 200 per second at idle; failed",
-         f"{idle['heartbeats_ok_per_second']}; {idle['heartbeats_failed']}"),
+        ("heartbeats answered 200 per second at idle; failed (whole run, by kind)",
+         f"{idle['heartbeats_ok_per_second']}; {idle['heartbeats_failed']}"
+         f" ({idle['heartbeat_failures_by_kind'] or 'none'})"),
         ("tunnels carrying liveness; heartbeat turns skipped per second",
          f"{idle['tunnels_carrying_liveness']}; {idle['heartbeat_turns_skipped_per_second']}"),
         ("frontend's --heartbeat-batch", report.get("heartbeat_batch") or "its default"),
@@ -796,8 +843,9 @@ def main() -> None:
                              "(the rule before keepalive_when_quiet): the same-run baseline")
     parser.add_argument("--keepalive", metavar="INTERVAL,TIMEOUT",
                         help="an experiment: the worker tunnel's keepalive interval and timeout "
-                             "in seconds on both ends (the product's: 3,7; their sum is the "
-                             "detection bound)")
+                             "in seconds on both ends (the product's: the worker pings every 5 s "
+                             "and the bound is 10 s; the frontend pings an older worker 3,7; "
+                             "their sum is the detection bound)")
     parser.add_argument("--no-restart", action="store_true",
                         help="stop after the idle phase (no stop, restart and reconnect storm)")
     parser.add_argument("--json", help="also write the report as JSON here")
