@@ -33,6 +33,15 @@ def _tunnel(**frontend_changes):
         server_config=replace(tunnel_session_config(peer_pings=True), **frontend_changes))
 
 
+def _tunnel_the_frontend_streams_on(received: Recorder):
+    """A tunnel on which the frontend may open streams to the worker (``received`` gets them)."""
+    return connectedSessions(
+        client_acceptor=lambda stream: received,
+        client_config=worker_session_config(),
+        server_config=replace(tunnel_session_config(peer_pings=True),
+                              forbid_inbound_streams=False, accept_streams=True))
+
+
 def test_the_frontend_sends_no_ping_to_a_worker_that_pings():
     worker, frontend, pump, clock = _tunnel()
     sent = countPings(worker), countPings(frontend)
@@ -59,11 +68,7 @@ def test_a_worker_that_only_hears_a_trickle_still_pings_and_the_tunnel_stays():
     """The frontend sends a few bytes every 0.5 s and the worker answers nothing (no window
     update is due): the worker must ping anyway, or the frontend would take it for dead."""
     received = Recorder()
-    worker, frontend, pump, clock = connectedSessions(
-        client_acceptor=lambda stream: received,
-        client_config=worker_session_config(),
-        server_config=replace(tunnel_session_config(peer_pings=True),
-                              forbid_inbound_streams=False, accept_streams=True))
+    worker, frontend, pump, clock = _tunnel_the_frontend_streams_on(received)
     stream = frontend.openStream()
     for _ in range(60):  # 30 s
         stream.write(b"x")
@@ -153,11 +158,7 @@ def test_a_worker_whose_pings_go_unanswered_lives_on_the_frontends_data_and_stil
     frontend must hear from it).  Once the bytes stop, the worker ends the tunnel 10 s after
     the last one."""
     received = Recorder()
-    worker, frontend, pump, clock = connectedSessions(
-        client_acceptor=lambda stream: received,
-        client_config=worker_session_config(),
-        server_config=replace(tunnel_session_config(peer_pings=True),
-                              forbid_inbound_streams=False, accept_streams=True))
+    worker, frontend, pump, clock = _tunnel_the_frontend_streams_on(received)
     frontend._mayAnswer = lambda: False  # no answer to any ping
     pings = countPings(worker)
     stream = frontend.openStream()
