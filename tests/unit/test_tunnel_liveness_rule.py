@@ -16,7 +16,7 @@ class RecordingDb:
 
     def runQuery(self, sql, params):
         self.calls.append(params)
-        return defer.succeed([(node,) for node in params[1]])
+        return defer.succeed([(node,) for node in params[0]])
 
 
 def test_every_interval_one_statement_for_the_open_tunnels_and_a_late_pass_stamps_nothing():
@@ -25,9 +25,9 @@ def test_every_interval_one_statement_for_the_open_tunnels_and_a_late_pass_stamp
     stamper = TunnelLiveness(db, "replica-a", lambda: claims, 11.0, clock, interval=10)
     stamper.startService()
     clock.advance(10)
-    assert [(ids, epochs, owner) for _, ids, epochs, _, owner in db.calls] == \
+    assert [(ids, epochs, owner) for ids, epochs, _, _, owner in db.calls] == \
         [(["n1", "n2"], [7, 9], "replica-a")]
-    assert db.calls[0][0] == 11.0 and stamper.last_written == 2
+    assert db.calls[0][2] == 11.0 and stamper.last_written == 2
     clock.advance(10)
     assert len(db.calls) == 2
     # The reactor stalled for 25 s: keepalive expiries of dead tunnels are due but not run
