@@ -48,6 +48,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_inference as bi  # noqa: E402  (database, processes, machine facts)
@@ -84,17 +85,15 @@ def proc_cpu_split(pid: int) -> tuple[float, float]:
 def tunnel_bytes(port: int) -> tuple[float, float] | None:
     """``localai_tunnel_bytes`` (in, out) from the replica's /metrics, or None where the tree
     has no such counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
-    response = conn.getresponse()
-    body = response.read().decode("utf-8", "replace")
+    body = conn.getresponse().read().decode("utf-8", "replace")
     conn.close()
-    found = {}
-    for line in body.splitlines():
-        if line.startswith("localai_tunnel_bytes_total{") or line.startswith(
-                "localai_tunnel_bytes{"):
-            direction = line.split('direction="', 1)[1].split('"', 1)[0]
-            found[direction] = float(line.rsplit(" ", 1)[1])
+    found = {sample.labels.get("direction"): sample.value
+             for family in text_string_to_metric_families(body)
+             for sample in family.samples if sample.name == "localai_tunnel_bytes_total"}
     if "in" not in found or "out" not in found:
         return None
     return found["in"], found["out"]
@@ -205,7 +204,7 @@ class Fleet:
                        "dial_503": 0, "dial_failed": 0, "heartbeat_ok": 0,
                        "heartbeat_failed": 0, "heartbeat_skipped": 0}
         #: the failed heartbeats by what came back: an HTTP status or an exception's type
-        self.heartbeat_failures: dict[str, int] = {}
+        self.heartbeat_failures: Counter = Counter()
         self.running = True
         self.last_error = ""
 
@@ -356,7 +355,7 @@ class Fleet:
             worker["beat_at"] = self.reactor.seconds()
         else:
             self.counts["heartbeat_failed"] += 1
-            self.heartbeat_failures[str(code)] = self.heartbeat_failures.get(str(code), 0) + 1
+            self.heartbeat_failures[str(code)] += 1
 
     def sleep(self, seconds: float):
         from twisted.internet import task

@@ -813,19 +813,16 @@ class Session(Protocol):
                 wheel.later(wheel.ticks(interval - quiet, up=False), self._keepaliveTick, wheel)
                 return
         wheel.later(wheel.ticks(interval, up=False), self._keepaliveTick, wheel)
-        if self.config.keepalive_on_silence:
-            # No expiry of its own: the silence check ends the session.  A ping whose answer
-            # is late is not waited for, so the peer hears from us every interval.
-            opaque = self._keepalive_opaque = self._nextOpaque()
-            self._flow.keepalive_sent = self._reactor.seconds()
-            self._sendFrame(Frame.ping(opaque))
-            return
-        if self._keepalive_opaque is not None:
+        # keepalive_on_silence: no expiry of its own (the silence check ends the session), and
+        # a ping whose answer is late is not waited for, so the peer hears from us every interval.
+        expires = not self.config.keepalive_on_silence
+        if expires and self._keepalive_opaque is not None:
             return  # the previous keepalive ping is still running its own timeout
         opaque = self._keepalive_opaque = self._nextOpaque()
         self._flow.keepalive_sent = self._reactor.seconds()
-        wheel.later(wheel.ticks(self.config.keepalive_timeout, up=True),
-                    self._keepaliveCheck, opaque, at_least=True)
+        if expires:
+            wheel.later(wheel.ticks(self.config.keepalive_timeout, up=True),
+                        self._keepaliveCheck, opaque, at_least=True)
         self._sendFrame(Frame.ping(opaque))
 
     def _silenceCheck(self, wheel, second_look: bool = False) -> None:

@@ -14,10 +14,10 @@ import hashlib
 import random
 
 import pytest_twisted
-from twisted.internet import defer
+from twisted.internet import defer, task
 
 from localai_tw.cluster.liveness import stamp_liveness
-from localai_tw.cluster.nodes import _HEARTBEAT_BATCH_SQL, NodeCapacity
+from localai_tw.cluster.nodes import HeartbeatBatch, NodeStatus
 
 from .harness_claims import make_live
 
@@ -26,21 +26,20 @@ ROUNDS = 12
 
 
 async def _nodes(db) -> list[tuple[str, int, str]]:
-    """(id, epoch, credential hash) of NODES healthy nodes, each held by replica-a."""
+    """(id, epoch, tunnel credential) of NODES healthy nodes, each held by replica-a."""
     await make_live(db, "replica-a")
     await db.runOperation(
         "INSERT INTO backend_nodes (id, name, status, approved, tunnel_token_hash)"
-        " SELECT 'node-' || lpad(i::text, 5, '0'), 'w' || i, 'healthy', true,"
+        " SELECT 'node-' || i, 'w' || i, 'healthy', true,"
         " encode(sha256(('secret-' || i)::bytea), 'hex') FROM generate_series(1, %s) AS i",
         (NODES,))
     await db.runOperation(
         "INSERT INTO node_connections (node_id, owner_instance_id, epoch, connected_at)"
         " SELECT id, 'replica-a', nextval('node_connection_epochs'), now() FROM backend_nodes")
     rows = await db.runQuery(
-        "SELECT b.id, c.epoch, b.tunnel_token_hash FROM backend_nodes b"
-        " JOIN node_connections c ON c.node_id = b.id")
+        "SELECT b.id, c.epoch FROM backend_nodes b JOIN node_connections c ON c.node_id = b.id")
     assert len(rows) == NODES
-    return [(node, int(epoch), digest) for node, epoch, digest in rows]
+    return [(node, int(epoch), "secret-" + node.split("-", 1)[1]) for node, epoch in rows]
 
 
 def _shuffled(items, seed):
@@ -54,12 +53,11 @@ async def test_a_heartbeat_batch_and_a_stamp_on_the_same_nodes_never_deadlock(db
     nodes = await _nodes(db)
 
     async def beats():
+        batch = HeartbeatBatch(db, task.Clock(), max_batch=NODES)  # one statement a round
         for round_ in range(ROUNDS):
-            batch = _shuffled(nodes, round_)
-            columns = [[1] * len(batch) for _ in NodeCapacity.FIELDS]
-            rows = await db.runQuery(_HEARTBEAT_BATCH_SQL, ([n for n, _, _ in batch],
-                                                            [d for _, _, d in batch], *columns))
-            assert len(rows) == NODES
+            answers = [batch.beat(n, secret) for n, _, secret in _shuffled(nodes, round_)]
+            statuses = await defer.gatherResults(answers, consumeErrors=True)
+            assert statuses == [NodeStatus.HEALTHY] * NODES
 
     async def stamps():
         for round_ in range(ROUNDS):
