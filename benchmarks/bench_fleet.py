@@ -27,7 +27,8 @@ at idle (py-spy) and its garbage collections of 5 ms or more (benchmarks/README.
 The simulated worker is this process: ``localai_tw``'s own WebSocket and yamux client, one
 session per worker, the registration and heartbeat bodies a real worker sends, as often as a
 real worker sends them (every 10 s; every 60 s while its replica announced in the tunnel's
-upgrade answer that it stamps the worker's liveness, ``cluster/liveness.py``); a dial refused
+upgrade answer that it stamps the worker's liveness, ``cluster/liveness.py``, counted from the
+last answered beat or stamp notice, ``tunnel/stampnotice.py``); a dial refused
 with 503 or failed is retried with equal-jitter backoff (1 s doubling to 15 s), a 429 after its
 ``Retry-After``.  The frontend is a real ``twistd localai-frontend`` process on a fresh
 database that is dropped at the end.
@@ -202,7 +203,7 @@ class Fleet:
                          "credential": None} for i in range(count)]
         self.counts = {"registered": 0, "register_429": 0, "register_failed": 0,
                        "dial_503": 0, "dial_failed": 0, "heartbeat_ok": 0,
-                       "heartbeat_failed": 0, "heartbeat_skipped": 0}
+                       "heartbeat_failed": 0, "heartbeat_skipped": 0, "stamp_notices": 0}
         #: the failed heartbeats by what came back: an HTTP status or an exception's type
         self.heartbeat_failures: Counter = Counter()
         self.running = True
@@ -258,6 +259,12 @@ class Fleet:
             says = {WORKER_PINGS_HEADER: WORKER_PINGS}
         except ImportError:
             says = {}
+        try:  # and that they take stamp notices (tunnel/stampnotice.py)
+            from localai_tw.tunnel.stampnotice import STAMP_NOTICES, STAMP_NOTICES_HEADER
+            says[STAMP_NOTICES_HEADER] = STAMP_NOTICES
+            acceptor = self.notice_acceptor(worker)
+        except ImportError:
+            acceptor = None
         from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 
         delay = 1.0
@@ -268,7 +275,7 @@ class Fleet:
                     f"ws://127.0.0.1:{self.port}/api/cluster/connect?id={worker['id']}",
                     # The real worker's keepalive (tunnel/keepalive.py), on a clock of its own.
                     lambda: Session(client=True, config=worker_session_config(),
-                                    reactor=OwnClock(self.reactor)),
+                                    acceptor=acceptor, reactor=OwnClock(self.reactor)),
                     # What the real worker's dial sends (tunnel/dialer.py).
                     headers={"Authorization": f"Bearer {worker['credential']}", **says})
             except HandshakeFailed as e:
@@ -283,6 +290,44 @@ class Fleet:
                 return
             await self.sleep(delay * (0.5 + random.random() / 2))
             delay = min(delay * 2, 15.0)
+
+    def notice_acceptor(self, worker):
+        """What a real worker's stream router does with the replica's ``stamped`` stream
+        (``worker/streams.py``): answer ``ok``, then count every notice as an answered
+        heartbeat; any other stream is refused ``unknown-tag`` (none comes at idle)."""
+        from twisted.internet.protocol import Protocol
+
+        from localai_tw.tunnel import preamble
+        from localai_tw.tunnel.stampnotice import NoticeReader
+
+        fleet = self
+
+        def noticed(status: str) -> None:
+            fleet.counts["stamp_notices"] += 1
+            worker["beat_at"] = fleet.reactor.seconds()
+
+        class StampedOnly(Protocol):
+            def __init__(self):
+                self.reader, self.notices = preamble.FrameReader(), None
+
+            def dataReceived(self, data):
+                if self.notices is not None:
+                    self.notices.dataReceived(data)
+                    return
+                payload, rest = self.reader.feed(data)
+                if payload is None:
+                    return
+                if preamble.parse_request(payload).tag != preamble.TAG_STAMPED:
+                    self.transport.write(preamble.encode_refused(preamble.UNKNOWN_TAG, "idle"))
+                    self.transport.loseConnection()
+                    return
+                self.transport.write(preamble.encode_accepted())
+                self.notices = NoticeReader(noticed)
+                self.notices.makeConnection(self.transport)
+                if rest:
+                    self.notices.dataReceived(rest)
+
+        return lambda stream: StampedOnly()
 
     def _lost(self, worker, session) -> None:
         if worker["session"] is session:
@@ -483,6 +528,8 @@ async def run(reactor, bench, args) -> dict:
         "heartbeat_failures_by_kind": dict(fleet.heartbeat_failures),
         "heartbeat_turns_skipped_per_second": round(
             (fleet.counts["heartbeat_skipped"] - beats0["heartbeat_skipped"]) / (t1 - t0), 1),
+        "stamp_notices_per_second": round(
+            (fleet.counts["stamp_notices"] - beats0["stamp_notices"]) / (t1 - t0), 1),
         "tunnels_carrying_liveness": sum(1 for w in fleet.workers
                                          if fleet.liveness_by_tunnel(w)),
         "healthz_p50_ms": round(1000 * bi.percentile(samples, 50), 1) if samples else None,
@@ -756,6 +803,8 @@ def render(report: dict) -> str:
          f" ({idle['heartbeat_failures_by_kind'] or 'none'})"),
         ("tunnels carrying liveness; heartbeat turns skipped per second",
          f"{idle['tunnels_carrying_liveness']}; {idle['heartbeat_turns_skipped_per_second']}"),
+        ("stamp notices received per second (tunnel/stampnotice.py)",
+         idle["stamp_notices_per_second"]),
         ("frontend's --heartbeat-batch", report.get("heartbeat_batch") or "its default"),
         ("tunnel keepalive", ("every interval, both ends (--keepalive-every-interval)"
                               if report.get("keepalive_every_interval")

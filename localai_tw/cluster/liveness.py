@@ -20,8 +20,9 @@ Every ``interval`` (10 s) ``tunnel/liveness.py``'s loop writes, for every open t
 
 The worker learns from its tunnel's upgrade answer that its replica stamps (the
 ``X-LocalAI-Liveness: tunnel`` header, ``tunnel/keepalive.py``) and then sends its HTTP heartbeat
-only when its capacity changed, or every ``worker/service.py``'s slow refresh; without a tunnel,
-or to a replica that does not stamp, it beats every 10 s as before.
+only when its capacity changed, or every ``worker/service.py``'s slow refresh, which the
+replica's stamp notices put off (``tunnel/stampnotice.py``: only written stamps are noticed);
+without a tunnel, or to a replica that does not stamp, it beats every 10 s as before.
 
 This module holds the statement; the loop that runs it (and skips a pass that starts late) is
 ``tunnel/liveness.py``, beside the sessions whose keepalive it relies on.
@@ -61,23 +62,23 @@ _STAMP_SQL = (
     f" WHERE {_STAMP_ROWS_ARE_LOCKED} AND b.id = t.node_id"
     " AND node_connections.owner_instance_id = %s"
     f"  AND {CONNECTION_IS_HELD_SQL}"
-    " RETURNING b.id"
+    " RETURNING b.id, b.status"
 )
 
 
 async def stamp_liveness(db, owner_id: str, claims: list[tuple[str, int]], lag: float,
-                         liveness: float = INSTANCE_LIVENESS) -> set[str]:
+                         liveness: float = INSTANCE_LIVENESS) -> dict[str, str]:
     """Write ``last_heartbeat = now() - lag`` for the ``(node_id, epoch)`` claims that
-    ``owner_id`` holds at that epoch while live; returns the node ids written (the others were
-    fenced out).  :data:`STAMP_BATCH` claims per statement."""
+    ``owner_id`` holds at that epoch while live; returns node id -> status of the nodes written
+    (the others were fenced out).  :data:`STAMP_BATCH` claims per statement."""
     if not owner_id:
         raise ValueError("owner_id must not be empty")
-    written: set[str] = set()
+    written: dict[str, str] = {}
     for start in range(0, len(claims), STAMP_BATCH):
         batch = claims[start:start + STAMP_BATCH]
         rows = await db.runQuery(
             _STAMP_SQL,
             ([node for node, _ in batch], [int(epoch) for _, epoch in batch],
              interval_seconds(lag), interval_seconds(liveness), owner_id))
-        written.update(row[0] for row in rows)
+        written.update((row[0], row[1]) for row in rows)
     return written

@@ -116,6 +116,7 @@ from localai_tw.tunnel.keepalive import DEAD_TUNNEL_DETECTION
 from localai_tw.tunnel.liveness import TunnelLiveness
 from localai_tw.tunnel.registry import TunnelRegistry
 from localai_tw.tunnel.route import WorkerDialer
+from localai_tw.tunnel.stampnotice import StampNotices
 
 from localai_tw.frontend.inference.backend_client import BackendClients
 from localai_tw.frontend.inference.interfaces import IInferenceRouter
@@ -467,9 +468,12 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
     tunnels = TunnelRegistry(fence, config.instance_id, reactor)
     # An open tunnel was heard from within the keepalive bound: its heartbeat is stamped that
     # much (and a second) before now, by this replica only while it holds the claim.
+    # Each pass's written stamps are noticed to the workers that take notices, over their
+    # tunnels: they then send no HTTP heartbeat at idle (tunnel/stampnotice.py).
+    notices = StampNotices(tunnels, reactor, config.tunnel_liveness)
     liveness = TunnelLiveness(db, config.instance_id, tunnels.live_claims,
                               DEAD_TUNNEL_DETECTION + 1.0, reactor,
-                              interval=config.tunnel_liveness)
+                              interval=config.tunnel_liveness, on_stamped=notices.stamped)
     tunnels.stamps_liveness = liveness.enabled
     peer_links = AcceptedPeerLinks(db, tunnels, config.registration_token, reactor)
     peer_pool = PeerPool(db, identity, config.registration_token, reactor,

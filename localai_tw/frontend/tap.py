@@ -203,8 +203,9 @@ SETTINGS = (
     config.value("tunnel-liveness", "LOCALAI_TUNNEL_LIVENESS",
                  "How often this replica writes the heartbeat of every worker whose tunnel it "
                  "holds (10s, or a duration): fenced by the tunnel's claim, on the database "
-                 "clock. Those workers then heartbeat over HTTP only when their capacity "
-                 "changes or every 60s. 0: off, workers heartbeat every 10s; at most 30s.",
+                 "clock, and tells them over the tunnel (stamp notices). Those workers then "
+                 "heartbeat over HTTP only when their capacity changes or 60s pass without a "
+                 "notice. 0: off, workers heartbeat every 10s; at most 30s.",
                  default="10s", parse=_tunnel_liveness),
     config.flag("require-approval", "LOCALAI_REQUIRE_APPROVAL",
                 "New workers wait for an administrator's approval before they serve."),

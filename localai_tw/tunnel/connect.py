@@ -14,7 +14,9 @@ credential>``.  :class:`ConnectAuthorizer` decides before any upgrade, in the or
 
 The upgrade's answer carries ``X-LocalAI-Liveness: tunnel`` when this replica stamps the
 heartbeat of the tunnels it holds (``cluster/liveness.py``, ``--tunnel-liveness``): the worker
-then sends its HTTP heartbeat only on a capacity change or its slow refresh.
+then sends its HTTP heartbeat only on a capacity change or its slow refresh.  A worker whose
+upgrade request says ``X-LocalAI-Stamp-Notices: stream`` also gets the replica's stamp notices
+(``tunnel/stampnotice.py``), which put that refresh off.
 
 Then the WebSocket is upgraded and a yamux **server** session runs over it.  The frontend only
 opens streams: a stream the worker opens is a protocol error that ends the session (an accepted
@@ -53,6 +55,7 @@ from localai_tw.tunnel.keepalive import (
     tunnel_keepalive,
     tunnel_windows,
 )
+from localai_tw.tunnel.stampnotice import STAMP_NOTICES, STAMP_NOTICES_HEADER
 from localai_tw.tunnel.websocket import (
     ConnectRefused,
     IConnectAuthorizer,
@@ -88,11 +91,15 @@ def tunnel_session_config(peer_pings: bool = False) -> SessionConfig:
 
 
 class OpenNotifyingSession(Session):
-    """A yamux session that calls ``on_open(session)`` once its carrier is connected."""
+    """A yamux session that calls ``on_open(session)`` once its carrier is connected.
+    ``takes_stamp_notices``: its worker said on the upgrade that it reads stamp notices
+    (``tunnel/stampnotice.py``)."""
 
-    def __init__(self, *args, on_open: Callable[["OpenNotifyingSession"], None], **kwargs):
+    def __init__(self, *args, on_open: Callable[["OpenNotifyingSession"], None],
+                 takes_stamp_notices: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._on_open = on_open
+        self.takes_stamp_notices = takes_stamp_notices
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -217,6 +224,7 @@ class WorkerTunnelAcceptor:
         return OpenNotifyingSession(
             client=False, config=self._config_factory(peer_pings=peer_pings), acceptor=None,
             reactor=self._reactor,
+            takes_stamp_notices=request.getHeader(STAMP_NOTICES_HEADER) == STAMP_NOTICES,
             on_open=lambda session: self._opened(session, node_id, peer, name))
 
     def _opened(self, session: Session, node_id: str, peer, name: str = "") -> None:

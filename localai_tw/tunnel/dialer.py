@@ -55,6 +55,7 @@ from localai_tw.tunnel.keepalive import (
     tunnel_keepalive,
     tunnel_windows,
 )
+from localai_tw.tunnel.stampnotice import STAMP_NOTICES, STAMP_NOTICES_HEADER
 from localai_tw.tunnel.websocket import HandshakeFailed, connectWebSocket
 
 log = Logger()
@@ -164,7 +165,8 @@ class TunnelDialer(Service):
     acceptor (``acceptor(stream) -> protocol``) for each session.  ``reauthorize()``: called on
     a 401/403 refusal, at most once per backoff wait (may return a Deferred; failures are
     logged).  ``connect``: the WebSocket dialler (``connectWebSocket``), replaceable for tests.
-    ``random_fraction()``: the jitter source, a float in [0, 1).
+    ``random_fraction()``: the jitter source, a float in [0, 1).  ``takes_stamp_notices``: the
+    acceptor serves ``stamped`` streams; the upgrade says so (``tunnel/stampnotice.py``).
     """
 
     name = "tunnel-dialer"
@@ -184,6 +186,7 @@ class TunnelDialer(Service):
         base_delay: float = BACKOFF_BASE_SECONDS,
         max_delay: float = BACKOFF_CAP_SECONDS,
         stable_after: float = STABLE_SESSION_SECONDS,
+        takes_stamp_notices: bool = False,
     ):
         websocket_url(register_to, "probe")  # a bad URL is a configuration error: fail now
         self._reactor = reactor
@@ -198,6 +201,8 @@ class TunnelDialer(Service):
         self._base_delay = base_delay
         self._max_delay = max_delay
         self._stable_after = stable_after
+        self._upgrade_headers = ({STAMP_NOTICES_HEADER: STAMP_NOTICES} if takes_stamp_notices
+                                 else {})
 
         self.state = DialState.STOPPED
         #: Consecutive attempts since the last stable session; the next wait is computed from it.
@@ -340,7 +345,8 @@ class TunnelDialer(Service):
         try:
             dialing = self._connect(self._reactor, url, build_session,
                                     {"Authorization": f"Bearer {credential}",
-                                     WORKER_PINGS_HEADER: WORKER_PINGS})
+                                     WORKER_PINGS_HEADER: WORKER_PINGS,
+                                     **self._upgrade_headers})
         except Exception as e:
             dialing = defer.fail(e)
         self._dialing = dialing

@@ -11,6 +11,9 @@ starts more than :data:`LATE_PASS_SLACK` later than an interval after the previo
 nothing; the next one, once the expiries ran, does.  (The reactor clock only says whether a
 pass is late; no heartbeat is judged by it.)
 
+Each pass hands what it wrote (node id -> status) to ``on_stamped``: the replica's stamp
+notices tell those workers over their tunnels (``tunnel/stampnotice.py``).
+
 This module must never stamp a session it did not just see open, and never let a failed pass
 stop the loop.
 """
@@ -42,6 +45,8 @@ class TunnelLiveness(PeriodicPass):
     :param lag: seconds a held, open tunnel may have been silent (the keepalive bound plus a
         margin): what the stamp subtracts from ``now()``.
     :param interval: seconds between stamps; 0 turns stamping off.
+    :param on_stamped: called with node id -> status of the nodes each pass wrote (the stamp
+        notices, ``tunnel/stampnotice.py``); a failure there is logged and stamps on.
     """
 
     name = "tunnel-liveness"
@@ -49,7 +54,8 @@ class TunnelLiveness(PeriodicPass):
     outage_errors = (DatabaseUnavailable, PoolClosed)
 
     def __init__(self, db, owner_id: str, live_claims: Callable[[], Iterable[tuple[str, int]]],
-                 lag: float, reactor=None, interval: float = DEFAULT_TUNNEL_LIVENESS):
+                 lag: float, reactor=None, interval: float = DEFAULT_TUNNEL_LIVENESS,
+                 on_stamped: Callable[[dict[str, str]], None] | None = None):
         if reactor is None:
             from twisted.internet import reactor as _reactor
             reactor = _reactor
@@ -61,6 +67,7 @@ class TunnelLiveness(PeriodicPass):
         self._reactor = reactor
         self.lag = float(lag)
         self.interval = float(interval)
+        self.on_stamped = on_stamped
         #: Passes finished, and the nodes the last one wrote (tests and metrics read them);
         #: passes skipped because they started late (:data:`LATE_PASS_SLACK`).
         self.passes = 0
@@ -75,7 +82,7 @@ class TunnelLiveness(PeriodicPass):
     def pass_enabled(self) -> bool:
         return self.enabled
 
-    async def run_once(self) -> set[str]:
+    async def run_once(self) -> dict[str, str]:
         # The reactor clock only tells whether this pass runs late; no heartbeat is judged by it.
         start, previous = self._reactor.seconds(), self._last_start
         self._last_start = start
@@ -86,10 +93,15 @@ class TunnelLiveness(PeriodicPass):
             log.info("tunnel liveness: this pass started {late:.1f}s late (the reactor was "
                      "busy); nothing stamped until the keepalive has run",
                      late=start - previous - self.interval)
-            return set()
+            return {}
         claims = list(self._live_claims())
         written = (await stamp_liveness(self._db, self._owner_id, claims, self.lag)
-                   if claims else set())
+                   if claims else {})
         self.last_written = len(written)
         self.passes += 1
+        if written and self.on_stamped is not None:
+            try:
+                self.on_stamped(written)
+            except Exception:
+                log.failure("tunnel liveness: sending the stamp notices failed")
         return written

@@ -45,6 +45,8 @@ TAG_HTTP = "http"
 TAG_GRPC = "grpc"
 #: one backend call in frames of ``backends/callframes.py`` (the worker makes the gRPC call)
 TAG_CALL = "call"
+#: the replica's stamp notices (``tunnel/stampnotice.py``): one frame per notice, worker reads
+TAG_STAMPED = "stamped"
 
 ACCEPTED = "ok"
 

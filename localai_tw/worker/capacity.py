@@ -126,7 +126,8 @@ def capacity_changed(sent: dict[str, int] | None, now: dict[str, int]) -> bool:
     """Whether ``now`` differs from the capacity last ``sent`` enough to tell the frontend at
     once: a field appeared or went, a total changed, or an available figure moved by
     :data:`CAPACITY_CHANGE_SHARE` of its total (at least :data:`CAPACITY_CHANGE_MIN_BYTES`).
-    Smaller drifts wait for the slow refresh."""
+    Smaller drifts ride the next heartbeat sent for another reason (the change is measured from
+    what was last sent, so the frontend's figure is never further off than this)."""
     if sent is None or set(sent) != set(now):
         return True
     for name, value in now.items():

@@ -5,8 +5,9 @@ At start the worker registers with ``--register-to`` (retrying 2 s, 4 s, ... up 
 attempts for as long as it takes: a frontend that is down is never a start failure), heartbeats
 every 10 s whatever the tunnel is doing (a 404 means the frontend forgot the node: register
 again) unless the tunnel's replica stamps the node's liveness, when the heartbeat carries only
-capacity changes and a 60 s refresh, and holds one outbound tunnel (``tunnel/dialer.py``) whose streams are served by
-``worker/streams.py``: ``http`` streams reach the control plane site (``node.status``,
+capacity changes and a 60 s refresh that the replica's stamp notices put off
+(``tunnel/stampnotice.py``), and holds one outbound tunnel (``tunnel/dialer.py``) whose streams
+are served by ``worker/streams.py``: ``http`` streams reach the control plane site (``node.status``,
 ``/healthz``, ``/readyz`` reporting the tunnel), ``grpc`` streams reach loopback backends in the
 backend port range.
 
@@ -19,7 +20,7 @@ What this service must never do:
   (withholding heartbeats would turn "reconnecting" into "stale" on the one path with no grace);
   only while the tunnel is up *and* its replica said it stamps this node's liveness
   (``X-LocalAI-Liveness: tunnel``) does the heartbeat wait for a capacity change or the
-  60 s refresh;
+  60 s refresh, and only a stamp notice from that replica puts the refresh off;
 - log the registration token, the node key or the tunnel credential: logs name the node and
   its id only.
 """
@@ -72,9 +73,10 @@ log = Logger()
 #: Seconds between heartbeats (ref §6.2).
 HEARTBEAT_INTERVAL_SECONDS = 10.0
 #: While the tunnel's replica stamps this node's liveness (``cluster/liveness.py``), the HTTP
-#: heartbeat carries only capacity: sent when it changed (``capacity_changed``) and at least
-#: this often.  Inside the 90 s stale threshold, so a replica that stops stamping without
-#: ending the tunnel still sees this node beat.
+#: heartbeat carries only capacity: sent when it changed (``capacity_changed``) and when this
+#: long passed without a heartbeat answered or a stamp notice (``tunnel/stampnotice.py``: the
+#: replica says it stamped).  Inside the 90 s stale threshold, so a replica that stops stamping
+#: without ending the tunnel still sees this node beat.
 CAPACITY_REFRESH_SECONDS = 60.0
 #: Registration retry: first wait, doubled per failure, up to the cap (ref §7).
 REGISTER_RETRY_FIRST_SECONDS = 2.0
@@ -95,7 +97,8 @@ class NodeRegistrar(Service):
     ``heartbeat_interval`` from the first successful registration on, whatever the tunnel does
     -- except while ``tunnel_liveness()`` is true (the tunnel is up and its replica stamps this
     node's heartbeat): then a tick sends a heartbeat only when the capacity changed, the last
-    one failed, or ``capacity_refresh`` seconds passed since the last one answered.  :meth:`register_once` is the single-flight re-registration used by the dial loop
+    one failed, or ``capacity_refresh`` seconds passed since the last one answered or the last
+    stamp notice (:meth:`note_stamped`).  :meth:`register_once` is the single-flight re-registration used by the dial loop
     on a 401/403 (one attempt; concurrent callers share it).  ``on_registered(registration)``
     is called after every successful registration.
     """
@@ -124,6 +127,10 @@ class NodeRegistrar(Service):
         #: the next tick beats whatever the tunnel does.
         self._sent_capacity: dict[str, int] | None = None
         self._sent_at = 0.0
+        #: When the tunnel's replica last said it stamped this node (reactor seconds).
+        self._stamped_at: float | None = None
+        #: Stamp notices received (metrics, tests).
+        self.stamp_notices = 0
         #: Ticks that sent nothing because the tunnel carried liveness (metrics, tests).
         self.heartbeats_skipped = 0
         self._retry_first = retry_first
@@ -262,8 +269,10 @@ class NodeRegistrar(Service):
         if registration is None or self._beating is not None:
             return None
         capacity = self.client.current_capacity()
+        heard_at = self._sent_at if self._stamped_at is None else max(self._sent_at,
+                                                                       self._stamped_at)
         if (self._sent_capacity is not None and self._tunnel_liveness()
-                and self._reactor.seconds() - self._sent_at < self.capacity_refresh
+                and self._reactor.seconds() - heard_at < self.capacity_refresh
                 and not capacity_changed(self._sent_capacity, capacity)):
             self.heartbeats_skipped += 1
             return None
@@ -282,6 +291,16 @@ class NodeRegistrar(Service):
         if self._last_heartbeat_problem is not None:
             log.info("heartbeat of node {name} works again", name=self.node_name)
             self._last_heartbeat_problem = None
+        self._noteStatus(status)
+
+    def note_stamped(self, status: str) -> None:
+        """The tunnel's replica stamped this node's heartbeat, and says its ``status``
+        (``tunnel/stampnotice.py``): counts as an answered heartbeat for the refresh."""
+        self._stamped_at = self._reactor.seconds()
+        self.stamp_notices += 1
+        self._noteStatus(status)
+
+    def _noteStatus(self, status: str) -> None:
         if status and status != self.last_heartbeat_status:
             log.info("node {name} status is now {status}", name=self.node_name, status=status)
         self.last_heartbeat_status = status or self.last_heartbeat_status
@@ -393,11 +412,12 @@ class WorkerService(MultiService):
                                       v1_children=v1_children, body_policies=body_policies)
         self.router = StreamRouter(self.site, self.backend_ports, reactor,
                                    **dict(stream_options or {}))
+        self.router.on_stamped = self.registrar.note_stamped
 
         self.dialer = TunnelDialer(
             reactor, register_to, self.registrar.credentials, lambda: self.router.acceptor,
             reauthorize=self.registrar.register_once, node_name=self.node_name,
-            **dict(dialer_options or {}))
+            takes_stamp_notices=True, **dict(dialer_options or {}))
         self.dialer.setServiceParent(self)
         #: This worker's metrics, served as the control verb ``node.metrics`` (docs/metrics.md).
         self.metrics = WorkerMetrics()

@@ -15,6 +15,8 @@ with one reply frame before the carried protocol starts:
   connect of ``grpc`` answers then), else ``ok`` and the stream goes to
   :class:`~localai_tw.worker.backendcalls.CallStreamProtocol`, which makes the call with the
   worker's own client of that backend.
+- ``stamped``: the replica's stamp notices (``tunnel/stampnotice.py``): answer ``ok`` and hand
+  every later frame to ``on_stamped``; refused ``unknown-tag`` when nothing takes them.
 - any other tag: ``unknown-tag``.
 
 A frame that does not arrive within :data:`HEADER_TIMEOUT_SECONDS` is answered ``not-served``
@@ -53,6 +55,7 @@ from localai_tw.config import PortRange
 from localai_tw.logs import RateLimitedLog
 from localai_tw.splice import HandoffProtocol, Splice
 from localai_tw.tunnel import preamble
+from localai_tw.tunnel.stampnotice import NoticeReader
 from localai_tw.web.sockets import set_no_delay
 from localai_tw.worker.backendcalls import BackendCalls, CallStreamProtocol
 from localai_tw.worker.httpserve import serve_http_on_transport
@@ -260,6 +263,8 @@ class WorkerStreamProtocol(HandoffProtocol):
                 self._connectBackend(request.target, leftover)
             elif request.tag == preamble.TAG_CALL:
                 self._serveCall(request.target, leftover)
+            elif request.tag == preamble.TAG_STAMPED and self.router.on_stamped is not None:
+                self._serveStampNotices(leftover)
             else:
                 self._refuse(preamble.UNKNOWN_TAG,
                              f"this worker does not serve tag {request.tag[:64]!r}")
@@ -314,6 +319,13 @@ class WorkerStreamProtocol(HandoffProtocol):
         self.phase = StreamPhase.CARRYING
         self.transport.write(preamble.encode_accepted())
         self.handOff(_SiteOnStream(self.router.control_site), leftover)
+
+    # -- stamped ------------------------------------------------------------------------------------
+
+    def _serveStampNotices(self, leftover: bytes) -> None:
+        self.phase = StreamPhase.CARRYING
+        self.transport.write(preamble.encode_accepted())
+        self.handOff(NoticeReader(self.router.on_stamped), leftover)
 
     # -- grpc ---------------------------------------------------------------------------------------
 
@@ -443,6 +455,9 @@ class StreamRouter:
         #: the backends ``call`` streams reach (set once the supervisor exists; None on an
         #: agent worker, whose ``call`` streams are all refused ``unavailable``)
         self.backend_calls = backend_calls
+        #: ``on_stamped(status)`` for each stamp notice of the replica (``tunnel/stampnotice.py``;
+        #: set by the worker's wiring); None: ``stamped`` streams are refused ``unknown-tag``
+        self.on_stamped: Callable[[str], None] | None = None
         #: A frontend opening stream after stream that is refused gets a few lines and a count.
         self.refusals = RateLimitedLog(
             "refused {count} tunnel streams with {source} in the last {seconds:g} s "

@@ -42,7 +42,7 @@ async def _held_node(db, name: str, replica: str = "replica-a"):
 @pytest_twisted.ensureDeferred
 async def test_the_owner_stamps_its_held_tunnels_lag_seconds_before_now(db):
     _, node, epoch = await _held_node(db, "w1")
-    assert await stamp_liveness(db, "replica-a", [(node, epoch)], LAG) == {node}
+    assert await stamp_liveness(db, "replica-a", [(node, epoch)], LAG) == {node: "healthy"}
     age = await _age(db, node)
     # Never later than the worker was last heard (now - lag), and fresh.
     assert LAG - 0.5 <= age < LAG + 5
@@ -64,17 +64,17 @@ async def test_a_fenced_out_replica_stamps_nothing(db):
     _, node, old_epoch = await _held_node(db, "w1")
     await make_live(db, "replica-b")
     new_epoch = await fence.claim(node, "replica-b")  # the worker moved to replica b
-    assert await stamp_liveness(db, "replica-a", [(node, old_epoch)], LAG) == set()
-    assert await stamp_liveness(db, "replica-a", [(node, new_epoch)], LAG) == set()
+    assert await stamp_liveness(db, "replica-a", [(node, old_epoch)], LAG) == {}
+    assert await stamp_liveness(db, "replica-a", [(node, new_epoch)], LAG) == {}
     assert await _age(db, node) >= 599
 
-    assert await stamp_liveness(db, "replica-b", [(node, new_epoch)], LAG) == {node}
+    assert await stamp_liveness(db, "replica-b", [(node, new_epoch)], LAG) == {node: "healthy"}
     await _make_old(db, node, 600)
     await make_stale(db, "replica-b")  # b stalled long enough to count as dead
-    assert await stamp_liveness(db, "replica-b", [(node, new_epoch)], LAG) == set()
+    assert await stamp_liveness(db, "replica-b", [(node, new_epoch)], LAG) == {}
     await make_live(db, "replica-b")
     await fence.release(node, "replica-b", new_epoch)  # the tunnel left
-    assert await stamp_liveness(db, "replica-b", [(node, new_epoch)], LAG) == set()
+    assert await stamp_liveness(db, "replica-b", [(node, new_epoch)], LAG) == {}
     assert await _age(db, node) >= 599
 
 
@@ -85,7 +85,7 @@ async def test_many_tunnels_are_stamped_in_batches(db, monkeypatch):
     monkeypatch.setattr(liveness, "STAMP_BATCH", 2)
     nodes = [await _held_node(db, f"w{i}") for i in range(5)]
     claims = [(node, epoch) for _, node, epoch in nodes]
-    assert await stamp_liveness(db, "replica-a", claims, LAG) == {n for n, _ in claims}
+    assert await stamp_liveness(db, "replica-a", claims, LAG) == {n: "healthy" for n, _ in claims}
 
 
 @pytest_twisted.ensureDeferred

@@ -153,6 +153,37 @@ def test_while_the_tunnel_carries_liveness_heartbeats_carry_only_capacity(reacto
     registrar.stopService()
 
 
+def test_stamp_notices_put_the_refresh_off_and_their_absence_brings_it_back(reactor, client):
+    """A notice from the tunnel's replica (it stamped this node) counts as an answered beat:
+    with one every 50 s no HTTP heartbeat leaves at idle; once they stop, the 60 s refresh
+    follows the last one; a notice never silences the 10 s beat without tunnel liveness."""
+    tunnel = {"liveness": True}
+    registrar = NodeRegistrar(reactor, client, tunnel_liveness=lambda: tunnel["liveness"])
+    registrar.startService()
+    client.registers[-1].callback(Registration("node-1", "healthy", "cred"))
+    reactor.advance(10)
+    client.heartbeats[-1][1].callback("healthy")  # t=10: the first beat, answered
+    for second in range(11, 611):  # ten minutes, a notice every 50 s
+        reactor.advance(1)
+        if second % 50 == 0:
+            registrar.note_stamped("healthy")
+    assert len(client.heartbeats) == 1 and registrar.stamp_notices == 12
+    # The notices stop (the replica's stamps fail): the last came at t=600, it is t=610.
+    reactor.advance(40)
+    assert len(client.heartbeats) == 1
+    reactor.advance(10)  # t=660: 60 s since the last notice
+    assert len(client.heartbeats) == 2
+    client.heartbeats[-1][1].callback("healthy")
+
+    registrar.note_stamped("draining")  # the status a notice carries is the node's
+    assert registrar.last_heartbeat_status == "draining"
+    tunnel["liveness"] = False
+    reactor.advance(10)
+    registrar.note_stamped("draining")
+    assert len(client.heartbeats) == 3
+    registrar.stopService()
+
+
 def test_small_drifts_of_free_memory_are_not_a_capacity_change():
     from localai_tw.worker.capacity import capacity_changed
 
@@ -254,7 +285,8 @@ def test_the_worker_listens_on_nothing_and_dials_after_registering(reactor, clie
     client.registers[-1].callback(Registration("node-1", "healthy", "cred-1"))
     assert dial.dials == [("ws://frontend.example:8080/api/cluster/connect?id=node-1",
                            {"Authorization": "Bearer cred-1",
-                            "X-LocalAI-Keepalive": "worker-pings"})]
+                            "X-LocalAI-Keepalive": "worker-pings",
+                            "X-LocalAI-Stamp-Notices": "stream"})]
     assert "tunnel not connected" in worker.readiness()
     assert reactor.tcpServers == [] and reactor.unixServers == []
     for root in ("models", "data", "staging"):
