@@ -583,7 +583,7 @@ DISCARD = _Discard()
 
 class _WorkerCollector:
     """A worker's tunnel, read from its ``TunnelDialer`` (``session``, ``isConnected``) and
-    its registrar (``heartbeat_failures``) when scraped.  A tunnel session is counted from the
+    its registrar (``heartbeat_failures``, ``stamp_notices``) when scraped.  A tunnel session is counted from the
     first scrape that sees it and kept once it ends (``ByteTally``-like), so the byte counter
     only misses sessions that came and went between two scrapes."""
 
@@ -623,10 +623,15 @@ class _WorkerCollector:
         failures = GaugeMetricFamily("localai_worker_heartbeat_failures",
                                      "Heartbeats that failed in a row (0 after a success).")
         failures.add_metric([], getattr(self._registrar, "heartbeat_failures", 0))
+        notices = CounterMetricFamily(
+            "localai_worker_stamp_notices", "Notices from the tunnel's replica that it stamped "
+            "this worker's heartbeat (each puts the HTTP heartbeat's refresh off).")
+        notices.add_metric([], getattr(self._registrar, "stamp_notices", 0))
         yield connected
         yield streams
         yield moved
         yield failures
+        yield notices
 
     def describe(self):
         return []
