@@ -846,9 +846,16 @@ class Session(Protocol):
         self._end(KeepaliveTimeout(silence))
         self._closeTransport(abort=True)
 
-    def _keepaliveCheck(self, opaque: int) -> None:
-        if self.state is SessionState.OPEN and self._keepalive_opaque == opaque:
-            self._keepaliveExpired()
+    def _keepaliveCheck(self, opaque: int, second_look: bool = False) -> None:
+        """A keepalive ping's expiry: the session ends if it is still unanswered -- after a
+        second look, as in :meth:`_silenceCheck`: after a stall of our own the answer may be
+        waiting unread in the socket, and timers run before the reactor reads."""
+        if self.state is not SessionState.OPEN or self._keepalive_opaque != opaque:
+            return
+        if not second_look:
+            self._reactor.callLater(0, self._keepaliveCheck, opaque, True)
+            return
+        self._keepaliveExpired()
 
     def _keepaliveExpired(self) -> None:
         log.warn("yamux keepalive: no ping reply within {t}s", t=self.config.keepalive_timeout)
