@@ -583,9 +583,9 @@ DISCARD = _Discard()
 
 class _WorkerCollector:
     """A worker's tunnel, read from its ``TunnelDialer`` (``session``, ``isConnected``) and
-    its registrar (``heartbeat_failures``, ``stamp_notices``) when scraped.  A tunnel session is counted from the
-    first scrape that sees it and kept once it ends (``ByteTally``-like), so the byte counter
-    only misses sessions that came and went between two scrapes."""
+    its registrar (``heartbeat_failures``, ``stamp_notices``) when scraped.  A tunnel session
+    is counted from the first scrape that sees it and kept once it ends (``ByteTally``-like),
+    so the byte counter only misses sessions that came and went between two scrapes."""
 
     def __init__(self, dialer, registrar):
         self._dialer = dialer

@@ -3,8 +3,8 @@
 A worker whose replica stamps its heartbeat (``cluster/liveness.py``) still sent an HTTP
 heartbeat every 60 s (``worker/service.py``'s ``CAPACITY_REFRESH_SECONDS``), only in case the
 replica stopped stamping without ending the tunnel (its database unreachable, its instance
-swept, a stamp statement stuck): 67 requests a second for a replica holding 4000 idle workers,
-a fifth of what such a replica still spent (docs/benchmarks.md, "An idle fleet").  The replica
+swept, a stamp statement stuck): about 50 requests a second for a replica holding 4000 idle
+workers, a fifth of what such a replica still spent (docs/benchmarks.md, "An idle fleet").  The replica
 knows which stamps were written; saying so over the tunnel costs one small data frame and no
 answer.
 
@@ -51,7 +51,8 @@ STAMP_NOTICES = "stream"
 
 #: The longest a worker whose heartbeat this replica keeps stamping goes without a notice (plus
 #: a late pass): well inside the worker's 60 s refresh, so a live replica's workers send no HTTP
-#: heartbeat at idle.  A replica holding 4000 workers writes about 80 notices a second.
+#: heartbeat at idle.  With passes every 10 s a notice leaves every 40 s: a replica holding
+#: 4000 workers writes about 100 a second.
 NOTICE_EVERY = 50.0
 
 #: The longest status word a notice carries (``cluster/nodes.py``'s statuses are short).

@@ -7,9 +7,9 @@ every 10 s whatever the tunnel is doing (a 404 means the frontend forgot the nod
 again) unless the tunnel's replica stamps the node's liveness, when the heartbeat carries only
 capacity changes and a 60 s refresh that the replica's stamp notices put off
 (``tunnel/stampnotice.py``), and holds one outbound tunnel (``tunnel/dialer.py``) whose streams
-are served by ``worker/streams.py``: ``http`` streams reach the control plane site (``node.status``,
-``/healthz``, ``/readyz`` reporting the tunnel), ``grpc`` streams reach loopback backends in the
-backend port range.
+are served by ``worker/streams.py``: ``http`` streams reach the control plane site
+(``node.status``, ``/healthz``, ``/readyz`` reporting the tunnel), ``grpc`` streams reach
+loopback backends in the backend port range.
 
 What this service must never do:
 
@@ -98,9 +98,9 @@ class NodeRegistrar(Service):
     -- except while ``tunnel_liveness()`` is true (the tunnel is up and its replica stamps this
     node's heartbeat): then a tick sends a heartbeat only when the capacity changed, the last
     one failed, or ``capacity_refresh`` seconds passed since the last one answered or the last
-    stamp notice (:meth:`note_stamped`).  :meth:`register_once` is the single-flight re-registration used by the dial loop
-    on a 401/403 (one attempt; concurrent callers share it).  ``on_registered(registration)``
-    is called after every successful registration.
+    stamp notice (:meth:`note_stamped`).  :meth:`register_once` is the single-flight
+    re-registration used by the dial loop on a 401/403 (one attempt; concurrent callers share
+    it).  ``on_registered(registration)`` is called after every successful registration.
     """
 
     name = "node-registrar"
