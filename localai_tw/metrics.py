@@ -313,6 +313,29 @@ class _TunnelCollector:
         return []  # unchecked names: collect() reads live state, not at registration
 
 
+class _BackendCallCollector:
+    """Gauges of this replica's backend calls, read from its ``BackendClients`` when scraped:
+    the ``call`` streams pooled idle (``tunnelcalls.py`` bounds them per node and per client)
+    and the calls in flight."""
+
+    def __init__(self, clients):
+        self._clients = clients
+
+    def collect(self):
+        idle = GaugeMetricFamily("localai_backend_call_streams_idle",
+                                 "Tunnel call streams pooled idle, ready for the next call.")
+        idle.add_metric([], sum(self._clients.idle_by_node.values()))
+        in_flight = GaugeMetricFamily("localai_backend_calls_in_flight",
+                                      "Backend calls (unary and streams) not finished yet.")
+        in_flight.add_metric([], sum(getattr(client, "in_flight", 0)
+                                     for client in self._clients.open_clients().values()))
+        yield idle
+        yield in_flight
+
+    def describe(self):
+        return []
+
+
 class _NodeCollector:
     """Node counts from the last health pass this replica ran (``HealthMonitor.last_report``):
     no query per scrape.  Only one replica runs each pass, so a replica exposes them only while
@@ -504,6 +527,11 @@ class ReplicaMetrics:
         and label request paths by whether ``tunnels`` holds the serving node."""
         self._path_of = lambda node: "owner" if tunnels.holds(node) else "relay"
         self.registry.register(_TunnelCollector(tunnels, peer_links))
+
+    def watch_backend_calls(self, clients) -> None:
+        """Expose the idle pooled ``call`` streams and the calls in flight of ``clients`` (the
+        replica's ``BackendClients``)."""
+        self.registry.register(_BackendCallCollector(clients))
 
     def watch_bus(self, bus=None, consumers: Iterable = ()) -> None:
         """Expose the counters of ``bus`` (a ``PgBus``) and of ``consumers``

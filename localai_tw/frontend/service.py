@@ -492,6 +492,7 @@ async def build_replica(config: ReplicaConfig, db: Database, port: int | None,
         GrpcBridges(dialer, config.run_dir, config.instance_id, reactor), reactor,
         config.registration_token or None, control=control, dialer=dialer,
         mode=config.backend_calls)
+    metrics.watch_backend_calls(backend_clients)
     catalog = ModelCatalog(config.models_dir)
     use = ModelUse(db, reactor, metrics=metrics)
     # Chat and completion calls go where their prompt's head is warm; what each replica

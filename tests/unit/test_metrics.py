@@ -118,3 +118,21 @@ def test_gathered_workers_are_labelled_by_node_and_failures_show():
                                                ("outcome", "ok")))] == 1
     assert all(("node", "n1") in labels or ("node", "n4") in labels
                for (name, labels) in found if name != "localai_worker_scrape_ok")
+
+
+def test_backend_calls_show_idle_pooled_streams_and_calls_in_flight():
+    """Read from the replica's BackendClients at scrape time: the idle ``call`` streams of
+    every node, and the calls of every open client not finished yet."""
+    from twisted.internet import task
+
+    from localai_tw.frontend.inference.backend_client import BackendClients
+
+    clients = BackendClients(None, task.Clock(), dialer=object())
+    replica = ReplicaMetrics()
+    replica.watch_backend_calls(clients)
+    idle, calls = ("localai_backend_call_streams_idle", ()), ("localai_backend_calls_in_flight", ())
+    assert samples(replica)[idle] == 0 and samples(replica)[calls] == 0
+    clients.idle_by_node.update({"n1": 2, "n2": 3})
+    clients.client("n1", 50051).in_flight = 4
+    clients.client("n2", 50052).in_flight = 1
+    assert samples(replica)[idle] == 5 and samples(replica)[calls] == 5
