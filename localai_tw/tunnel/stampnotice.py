@@ -33,6 +33,7 @@ worker, or buffer more than a frame; let a notice stream's failure touch the ses
 from __future__ import annotations
 
 import enum
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -159,12 +160,20 @@ class StampNotices:
     :param interval: seconds between stamp passes (``--tunnel-liveness``): a notice leaves at a
         pass when waiting for the next one would leave the worker more than
         :data:`NOTICE_EVERY` without one.
+    :param random_fraction: a float in [0, 1) that picks a session's phase: its second notice
+        comes 1 to 4 passes after its first (10 s passes), so tunnels that attached together (a
+        replica's restart) do not all take their notices at the same pass ever after.
     """
 
-    def __init__(self, registry, reactor, interval: float, every: float = NOTICE_EVERY):
+    def __init__(self, registry, reactor, interval: float, every: float = NOTICE_EVERY,
+                 random_fraction: Callable[[], float] = random.random):
         self._registry = registry
         self._reactor = reactor
         self._due_after = max(0.0, every - interval)
+        self._interval = interval
+        #: passes a session's first notice may be moved back by (its phase): 0 to 3 at 10 s
+        self._phases = int(self._due_after // interval) if interval > 0 else 0
+        self._random_fraction = random_fraction
         self._noticed: dict[str, _Noticed] = {}
         #: Notices written (or held for a reply), and notice streams opened (metrics, tests).
         self.sent = 0
@@ -188,8 +197,12 @@ class StampNotices:
             elif noticed.sent_at is not None and now - noticed.sent_at < self._due_after \
                     and status == noticed.status:
                 continue
+            first = noticed.sent_at is None
             if noticed.stream.send(status):
                 noticed.sent_at, noticed.status = now, status
+                if first:  # its phase: the next one comes 1 to 4 passes later (10 s passes)
+                    noticed.sent_at -= int(self._random_fraction() * self._phases) \
+                        * self._interval
                 self.sent += 1
         # Forget the tunnels that ended or were replaced: bounded by the tunnels held.
         for node_id in [node_id for node_id, noticed in self._noticed.items()

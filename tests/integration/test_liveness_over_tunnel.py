@@ -97,7 +97,8 @@ async def test_written_stamps_are_noticed_to_the_worker_over_its_tunnel(db, fron
     frontend = await frontends("replica-a")
     frontend.registry.stamps_liveness = True
     clock = task.Clock()
-    notices = StampNotices(frontend.registry, clock, 10.0)
+    # (the phase fixed: a session's second notice due 40 s after its first)
+    notices = StampNotices(frontend.registry, clock, 10.0, random_fraction=lambda: 0.0)
     stamper = TunnelLiveness(db, "replica-a", frontend.registry.live_claims, LAG, clock,
                              on_stamped=notices.stamped)
     first = await frontend.nodes.register("w1", presented_token=frontend.token)

@@ -64,7 +64,7 @@ def make(clock, **tunnels):
     held = Held()
     for node_id, tunnel in tunnels.items():
         held.sessions[node_id] = tunnel.replica
-    return held, StampNotices(held, clock, INTERVAL)
+    return held, StampNotices(held, clock, INTERVAL, random_fraction=lambda: 0.0)
 
 
 def flush(*tunnels):
@@ -89,6 +89,28 @@ def test_a_written_stamp_reaches_the_worker_and_the_next_waits_its_turn(clock):
     flush(tunnel)
     assert tunnel.notices == ["healthy", "healthy"]
     assert notices.streams_opened == 1 and tunnel.replica.streamCount == 1
+
+
+def test_tunnels_that_attached_together_take_their_notices_at_different_passes(clock):
+    """A replica's restart: every tunnel attaches at once and gets its first notice at the same
+    pass; their second comes 1 to 4 passes later by each one's phase, and each keeps its
+    phase (a notice every 40 s), so no pass carries them all."""
+    fractions = iter([0.0, 0.34, 0.67, 0.99] * 3)
+    tunnels = {f"n{i}": Tunnel(clock) for i in range(12)}
+    held = Held()
+    held.sessions.update({node: tunnel.replica for node, tunnel in tunnels.items()})
+    notices = StampNotices(held, clock, INTERVAL, random_fraction=lambda: next(fractions))
+    everyone = dict.fromkeys(tunnels, "healthy")
+    per_pass = []
+    for _ in range(9):  # the first pass and 80 s more
+        before = notices.sent
+        notices.stamped(everyone)
+        per_pass.append(notices.sent - before)
+        for step in range(10):  # the tunnels' keepalive answered meanwhile
+            clock.advance(INTERVAL / 10)
+            flush(*tunnels.values())
+    assert per_pass == [12, 3, 3, 3, 3, 3, 3, 3, 3]
+    assert all(len(tunnel.notices) == 3 for tunnel in tunnels.values())
 
 
 def test_a_status_change_is_noticed_at_once(clock):
