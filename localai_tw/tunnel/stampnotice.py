@@ -4,9 +4,9 @@ A worker whose replica stamps its heartbeat (``cluster/liveness.py``) still sent
 heartbeat every 60 s (``worker/service.py``'s ``CAPACITY_REFRESH_SECONDS``), only in case the
 replica stopped stamping without ending the tunnel (its database unreachable, its instance
 swept, a stamp statement stuck): about 50 requests a second for a replica holding 4000 idle
-workers, a fifth of what such a replica still spent (docs/benchmarks.md, "An idle fleet").  The replica
-knows which stamps were written; saying so over the tunnel costs one small data frame and no
-answer.
+workers, a fifth of what such a replica still spent (docs/benchmarks.md, "An idle fleet").  The
+replica knows which stamps were written; saying so over the tunnel costs one small data frame
+and no answer.
 
 The protocol, both ends (this module is both, like ``tunnel/keepalive.py``):
 
@@ -26,8 +26,8 @@ reached the worker about ``s``, so the worker beats about ``s + 60 s``, before t
 threshold passes at ``s + 79 s``.
 
 What this module must never do: notice a node whose stamp was not written by the pass that
-calls it; write on a stream the worker has not accepted; read more than one reply frame from the
-worker, or buffer more than a frame; let a notice stream's failure touch the session.
+calls it; write on a stream the worker has not accepted; read anything from the worker but its one
+reply (whatever follows ends the stream); let a notice stream's failure touch the session.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from twisted.python.failure import Failure
 
 from localai_tw import errors
 from localai_tw.tunnel import preamble
+from localai_tw.tunnel.handshake import PreambleClient
 
 log = Logger()
 
@@ -86,14 +87,19 @@ class NoticePhase(enum.Enum):
     CLOSED = "closed"                  # refused, failed or ended: never written again
 
 
-class NoticeStream(Protocol):
-    """The replica's end of one ``stamped`` stream: reads the worker's one reply frame, then only
-    writes.  A notice asked for before the reply is written when ``ok`` arrives (the latest)."""
+class NoticeStream(PreambleClient):
+    """The replica's end of one ``stamped`` stream.  The request and the worker's one reply go
+    as on every stream the replica opens (``tunnel/handshake.py``: nothing read past the reply,
+    refusals classified, a handshake backstop); after ``ok`` it only writes.  A notice asked
+    for before the reply is written when ``ok`` arrives (the latest)."""
 
-    def __init__(self):
+    def __init__(self, node_id: str = "-", reactor=None):
+        if reactor is None:
+            from twisted.internet import reactor
+        super().__init__(node_id, preamble.TAG_STAMPED, "-", _AfterReply(self), reactor)
         self.phase = NoticePhase.AWAITING_REPLY
-        self._reader = preamble.FrameReader()
         self._pending: str | None = None
+        self.whenReady().addCallbacks(self._accepted, self._refused)
 
     def send(self, status: str) -> bool:
         """Write (or, before the reply, hold) a notice; False when the stream is closed."""
@@ -105,43 +111,40 @@ class NoticeStream(Protocol):
             return True
         return False
 
-    def dataReceived(self, data: bytes) -> None:
+    def _accepted(self, _protocol) -> None:
         if self.phase is not NoticePhase.AWAITING_REPLY:
-            if self.phase is NoticePhase.OPEN:  # the worker writes nothing after its reply
-                self._close("the worker wrote on its stamp notice stream", abort=True)
-            return
-        try:
-            payload, leftover = self._reader.feed(data)
-            if payload is None:
-                return
-            reply = preamble.parse_reply(payload)
-        except errors.TunnelProtocolError as e:
-            self._close(f"bad reply on the stamp notice stream: {e}", abort=True)
-            return
-        if not reply.accepted:
-            self._close(f"the worker refused stamp notices ({reply.code}): {reply.text[:128]}")
-            return
-        if leftover:
-            self._close("the worker wrote after its reply on the stamp notice stream", abort=True)
-            return
+            return  # bytes after the reply closed it already
         self.phase = NoticePhase.OPEN
         pending, self._pending = self._pending, None
         if pending is not None:
             self.send(pending)
 
-    def _close(self, why: str, abort: bool = False) -> None:
+    def _refused(self, failure: Failure) -> None:
+        self._closed(f"no stream ({failure.getErrorMessage()})")
+
+    def _closed(self, why: str | None = None) -> None:
+        if self.phase is NoticePhase.CLOSED:
+            return
         self.phase = NoticePhase.CLOSED
         self._pending = None
-        log.info("stamp notices on {stream}: {why}; its worker heartbeats over HTTP instead",
-                 stream=getattr(self.transport, "id", "?"), why=why)
-        if abort and hasattr(self.transport, "abortConnection"):
-            self.transport.abortConnection()
-        else:
-            self.transport.loseConnection()
+        if why is not None:
+            log.info("stamp notices to node {node}: {why}; its worker heartbeats over HTTP "
+                     "instead", node=self.node_id, why=why)
+
+
+class _AfterReply(Protocol):
+    """A ``stamped`` stream after ``ok``: the worker writes nothing more on it."""
+
+    def __init__(self, stream: NoticeStream):
+        self._stream = stream
+
+    def dataReceived(self, data: bytes) -> None:
+        self._stream._closed("the worker wrote on its stamp notice stream")
+        abort = getattr(self.transport, "abortConnection", None)
+        (abort or self.transport.loseConnection)()
 
     def connectionLost(self, reason: Failure = None) -> None:
-        self.phase = NoticePhase.CLOSED
-        self._pending = None
+        self._stream._closed()
 
 
 @dataclass
@@ -210,10 +213,9 @@ class StampNotices:
             del self._noticed[node_id]
 
     def _open(self, node_id: str, session) -> _Noticed | None:
-        stream = NoticeStream()
+        stream = NoticeStream(node_id, self._reactor)
         try:
-            self._registry.open_stream(node_id, stream,
-                                       preamble.encode_request(preamble.TAG_STAMPED, "-"))
+            self._registry.open_stream(node_id, stream)
         except Exception as e:  # not held any more, or the session takes no new stream
             log.debug("stamp notices to node {node}: no stream ({err})", node=node_id, err=e)
             return None
