@@ -24,6 +24,7 @@ from twisted.python.failure import Failure
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
 from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.grpcoptions import CLIENT_OPTIONS
+from localai_tw.backends.grpcthread import close_channel, keep_completion_thread
 from localai_tw.deferreds import OneShotObserver
 from localai_tw.logsafe import untrusted
 
@@ -135,6 +136,7 @@ class BackendClient:
         self._reactor = reactor
         self.address = address
         self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        keep_completion_thread(self._channel)  # no thread started per call (grpcthread.py)
         self._stub = backend_pb2_grpc.BackendStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._raw: dict[tuple[str, bool], Any] = {}
@@ -160,7 +162,7 @@ class BackendClient:
         return self._metadata
 
     def close(self) -> None:
-        self._channel.close()
+        close_channel(self._channel)  # a kept channel ends its thread first (grpcthread.py)
 
 
 def describe_rpc_error(failure: Failure) -> str:

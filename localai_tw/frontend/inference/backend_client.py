@@ -73,6 +73,7 @@ from localai_tw import errors
 from localai_tw.backends import backend_pb2_grpc
 from localai_tw.backends.grpcfuture import STREAM_END, deferred_from_future, next_stream_item
 from localai_tw.backends.grpcoptions import CLIENT_OPTIONS
+from localai_tw.backends.grpcthread import close_channel, keep_completion_thread
 from localai_tw.frontend.inference.tunnelcalls import TunnelBackendClient
 
 log = Logger()
@@ -181,6 +182,7 @@ class BridgedBackendClient:
         or one whose channel was closed while the route was down)."""
         if self._stub_now is None:
             self._channel = grpc.insecure_channel(self.bridge.address, options=CHANNEL_OPTIONS)
+            keep_completion_thread(self._channel)  # no thread started per call
             self._stub_now = backend_pb2_grpc.BackendStub(self._channel)
         return self._stub_now
 
@@ -207,7 +209,7 @@ class BridgedBackendClient:
             log.debug("grpc channel to worker {node} port {port} closed: the route is down "
                       "and no call is in flight (the next call opens a new one)",
                       node=self.node_id, port=self.port)
-            channel.close()
+            close_channel(channel)
 
     def _metadata_now(self) -> defer.Deferred:
         if self._tokens is None:
@@ -325,7 +327,7 @@ class BridgedBackendClient:
                 self.bridge.on_dial_failed = None
             channel, self._channel, self._stub_now = self._channel, None, None
             if channel is not None:
-                channel.close()
+                close_channel(channel)
 
 
 #: How the frontend reaches backends (``--backend-calls``): ``tunnel``, one framed request on a
