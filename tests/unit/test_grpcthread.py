@@ -107,46 +107,42 @@ def test_sequential_calls_complete_on_the_one_kept_thread(server):
         grpcthread.close_channel(channel)
 
 
-def test_close_ends_the_thread_quietly(server, thread_errors):
-    address, _ = server
+def _keep_then_close(address: str, before_close=lambda channel: None):
+    """A kept channel, ``before_close(channel)`` on it, closed by ``close_channel``; the thread
+    must be gone after.  Answers what ``before_close`` answered."""
     channel = grpc.insecure_channel(address)
     assert grpcthread.keep_completion_thread(channel)
-    _threads_of_calls(channel, 2)
+    made = before_close(channel)
     thread = _kept_thread(channel)
     grpcthread.close_channel(channel)
     thread.join(10)
     assert not thread.is_alive()
+    return made
+
+
+def test_close_ends_the_thread_quietly(server, thread_errors):
+    address, _ = server
+    _keep_then_close(address, lambda channel: _threads_of_calls(channel, 2))
     assert thread_errors == []
 
 
-def test_closing_an_idle_kept_channel_again_and_again(server, thread_errors):
-    """The thread waits on the queue that grpcio's close frees: closed without being woken
-    first, this crashed the process within a few rounds."""
+def test_closing_idle_kept_channels_again_and_again(server, thread_errors):
+    """An idle thread waits on the queue that grpcio's close shuts down and frees: each close
+    ends it quietly (woken by the call whose deadline has passed)."""
     address, _ = server
     for i in range(200):
-        channel = grpc.insecure_channel(address)
-        assert grpcthread.keep_completion_thread(channel)
-        if i % 2:
-            _threads_of_calls(channel, 1)
-        thread = _kept_thread(channel)
-        grpcthread.close_channel(channel)
-        thread.join(10)
-        assert not thread.is_alive()
+        _keep_then_close(address, (lambda channel: _threads_of_calls(channel, 1)) if i % 2
+                         else (lambda channel: None))
     assert thread_errors == []
 
 
 def test_close_cancels_a_call_in_flight_and_ends_the_thread(server, thread_errors):
-    address, gate = server
-    channel = grpc.insecure_channel(address)
-    assert grpcthread.keep_completion_thread(channel)
-    future = channel.unary_unary(f"/{SERVICE}/Held").future(b"x", timeout=30)
-    thread = _kept_thread(channel)
-    grpcthread.close_channel(channel)
+    address, _ = server
+    future = _keep_then_close(address, lambda channel: channel.unary_unary(
+        f"/{SERVICE}/Held").future(b"x", timeout=30))
     with pytest.raises(grpc.RpcError) as caught:
         future.result(timeout=10)
     assert caught.value.code() == grpc.StatusCode.CANCELLED
-    thread.join(10)
-    assert not thread.is_alive()
     assert thread_errors == []
 
 
@@ -155,15 +151,10 @@ def test_closing_with_a_call_in_flight_again_and_again(server, thread_errors):
     went back to wait on it read a freed queue (a segmentation fault within a few rounds)."""
     address, _ = server
     for _ in range(300):
-        channel = grpc.insecure_channel(address)
-        assert grpcthread.keep_completion_thread(channel)
-        future = channel.unary_unary(f"/{SERVICE}/UntilCancelled").future(b"x", timeout=30)
-        thread = _kept_thread(channel)
-        grpcthread.close_channel(channel)
+        future = _keep_then_close(address, lambda channel: channel.unary_unary(
+            f"/{SERVICE}/UntilCancelled").future(b"x", timeout=30))
         with pytest.raises(grpc.RpcError):
             future.result(timeout=10)
-        thread.join(10)
-        assert not thread.is_alive()
     assert thread_errors == []
 
 
