@@ -4,10 +4,10 @@ burst of calls.
 grpcio's synchronous channel completes its future-mode calls (``.future()``, a server stream's
 iterator) on a thread it starts when a call begins on a channel with no call in flight, and
 which ends when the channel's last call ends.  A worker answering one request at a time is
-always in that case: every backend call started, and tore down, a thread.  Measured with an
-in-process echo server (sequential unary calls, client and server in one process), about 250-300
-us of CPU per call, a third of what the call costs in all (docs/benchmarks.md, "The worker's
-backend call without a thread per call").
+always in that case: every backend call started, and tore down, a thread.  Measured
+(``benchmarks/bench_grpc_calls.py``, sequential unary calls, the calling process only): 516 ->
+373 us of CPU per call (docs/benchmarks.md, "The worker's backend call without a thread per
+call").
 
 grpcio has no public switch for this.  :func:`keep_completion_thread` uses three private
 names of grpcio (:data:`INTERNALS`; tests/unit/test_grpcthread.py checks the pinned grpcio
@@ -21,7 +21,9 @@ Closing: grpcio destroys the channel's completion queue as soon as its calls hav
 no thread may still be waiting on that queue then (that is a crash, not an error).  A kept
 channel is therefore closed with :func:`close_channel`: it asks the thread to end once the
 calls in flight have ended, starts one call whose deadline has already passed (its completion
-is the event an idle thread is waiting for; it never reaches the server), and closes.  The
+is the event an idle thread is waiting for: it ends at once, failed locally or answered
+UNIMPLEMENTED by the server, since no backend serves :data:`WAKE_METHOD`; nothing runs there),
+and closes.  The
 thread takes no event after the one that ends the last call, which is the event grpcio's close
 waits for.
 
@@ -47,8 +49,8 @@ INTERNALS = (
 
 _KEPT = "_localai_completion_thread"
 _ENDING = "_localai_completion_thread_ending"
-#: The method of the call that wakes an idle kept thread at close; it fails locally
-#: (DEADLINE_EXCEEDED) before anything is sent.
+#: The method of the call that wakes an idle kept thread at close: served by no backend, so
+#: the call ends at once (DEADLINE_EXCEEDED locally, or the server's UNIMPLEMENTED).
 WAKE_METHOD = "/localai.tw.grpcthread/Wake"
 
 
