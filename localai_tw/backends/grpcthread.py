@@ -19,7 +19,7 @@ behaviour, slower but correct.
 
 Closing: grpcio destroys the channel's completion queue as soon as its calls have drained, so
 no thread may still be waiting on that queue then (that is a crash, not an error).  A kept
-channel is therefore closed with :func:`close_channel`: it asks the thread to end once the
+channel (:func:`open_channel` makes one) is therefore closed with :func:`close_channel`: it asks the thread to end once the
 calls in flight have ended, starts one call whose deadline has already passed (its completion
 is the event an idle thread is waiting for: it ends at once, failed locally or answered
 UNIMPLEMENTED by the server, since no backend serves :data:`WAKE_METHOD`; nothing runs there),
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 from twisted.logger import Logger
 
 log = Logger()
@@ -110,6 +111,14 @@ def keep_completion_thread(channel) -> bool:
     return True
 
 
+def open_channel(address: str, options) -> grpc.Channel:
+    """A ``grpc.insecure_channel`` to ``address`` with its completion thread kept (when this
+    grpcio allows it); close it with :func:`close_channel`."""
+    channel = grpc.insecure_channel(address, options=options)
+    keep_completion_thread(channel)
+    return channel
+
+
 def _complete(state, cygrpc) -> None:
     """The completion loop: hand each event to the call it belongs to and count the calls that
     ended; stop after the last call's event once :func:`close_channel` asked (or at a shutdown
@@ -163,9 +172,4 @@ def close_channel(channel) -> None:
 
 
 def _version() -> str:
-    try:
-        import grpc
-
-        return grpc.__version__
-    except Exception:  # pragma: no cover
-        return "?"
+    return getattr(grpc, "__version__", "?")

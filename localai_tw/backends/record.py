@@ -24,7 +24,7 @@ from twisted.python.failure import Failure
 from localai_tw.backends import backend_pb2, backend_pb2_grpc
 from localai_tw.backends.grpcfuture import deferred_from_future
 from localai_tw.backends.grpcoptions import CLIENT_OPTIONS
-from localai_tw.backends.grpcthread import close_channel, keep_completion_thread
+from localai_tw.backends.grpcthread import close_channel, open_channel
 from localai_tw.deferreds import OneShotObserver
 from localai_tw.logsafe import untrusted
 
@@ -135,8 +135,7 @@ class BackendClient:
     def __init__(self, reactor, address: str, auth_token: str | None = None):
         self._reactor = reactor
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
-        keep_completion_thread(self._channel)  # no thread started per call (grpcthread.py)
+        self._channel = open_channel(address, CLIENT_OPTIONS)  # no thread per call
         self._stub = backend_pb2_grpc.BackendStub(self._channel)
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
         self._raw: dict[tuple[str, bool], Any] = {}

@@ -73,7 +73,7 @@ from localai_tw import errors
 from localai_tw.backends import backend_pb2_grpc
 from localai_tw.backends.grpcfuture import STREAM_END, deferred_from_future, next_stream_item
 from localai_tw.backends.grpcoptions import CLIENT_OPTIONS
-from localai_tw.backends.grpcthread import close_channel, keep_completion_thread
+from localai_tw.backends.grpcthread import close_channel, open_channel
 from localai_tw.frontend.inference.tunnelcalls import TunnelBackendClient
 
 log = Logger()
@@ -181,8 +181,7 @@ class BridgedBackendClient:
         """The stub over the current channel, opened now when there is none (a fresh client,
         or one whose channel was closed while the route was down)."""
         if self._stub_now is None:
-            self._channel = grpc.insecure_channel(self.bridge.address, options=CHANNEL_OPTIONS)
-            keep_completion_thread(self._channel)  # no thread started per call
+            self._channel = open_channel(self.bridge.address, CHANNEL_OPTIONS)
             self._stub_now = backend_pb2_grpc.BackendStub(self._channel)
         return self._stub_now
 
